@@ -1,0 +1,292 @@
+"""Config schemas: one dataclass per config group, registered in Hydra's ConfigStore.
+
+The YAML presets in conf/ extend these schemas, so a typo in a key or a value outside an
+enum fails at compose time with the valid choices; range checks (a batch size of 0) run in
+``__post_init__`` when ``to_config`` turns the composed DictConfig into these objects,
+before any work is done.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot be run; the message names key and fix."""
+
+
+def _require(ok: bool, key: str, value: Any, must: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {must}")
+
+
+def _choices(enum: type[Enum]) -> str:
+    return "|".join(m.name for m in enum)
+
+
+class Storage(Enum):
+    folder = "folder"
+    memmap = "memmap"
+    ram = "ram"
+
+
+class Decoder(Enum):
+    pil = "pil"
+    simplejpeg = "simplejpeg"
+    jpeg4py = "jpeg4py"
+    torchvision = "torchvision"
+    nvjpeg = "nvjpeg"
+
+
+class Crop(Enum):
+    center = "center"  # resize the shorter side, then center crop
+    random = "random"  # random-resized-crop + horizontal flip (training augmentation)
+
+
+class OnCorrupt(Enum):
+    skip = "skip"
+    fail = "fail"
+
+
+class ModelName(Enum):
+    tiny = "tiny"
+    resnet18 = "resnet18"
+    resnet50 = "resnet50"
+    none = "none"
+
+
+class TaskName(Enum):
+    train = "train"
+    infer = "infer"
+
+
+class LoggerName(Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Device(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class DatasetConfig:
+    """``dataset.*``: where images come from and what size they are resized to."""
+
+    path: str | None = None  # an ImageFolder tree; unset = the generated default dataset
+    cache_dir: str = "${oc.env:RUNNER_CACHE,'~/.cache/runner'}"
+    num_images: int = 2000  # generated default dataset only
+    num_classes: int = 10  # generated default dataset only
+    source_size: list[int] = field(default_factory=lambda: [480, 640])  # (H, W), generated
+    quality: int = 90  # JPEG quality of the generated default dataset
+    image_size: list[int] = field(default_factory=lambda: [224, 224])  # (H, W) fed to the model
+    crop: Crop = Crop.center
+    on_corrupt: OnCorrupt = OnCorrupt.skip
+
+    def __post_init__(self) -> None:
+        for key in ("image_size", "source_size"):
+            size = list(getattr(self, key))
+            _require(
+                len(size) == 2 and all(int(s) >= 1 for s in size),
+                f"dataset.{key}",
+                size,
+                "give [height, width], both >= 1, e.g. dataset.image_size=[224,224]",
+            )
+        _require(self.num_images >= 1, "dataset.num_images", self.num_images, "must be >= 1")
+        _require(self.num_classes >= 1, "dataset.num_classes", self.num_classes, "must be >= 1")
+        _require(1 <= self.quality <= 100, "dataset.quality", self.quality, "must be in 1..100")
+
+
+@dataclass
+class LoaderConfig:
+    """``loader=``: storage, decoder and every DataLoader option."""
+
+    name: Storage = MISSING
+    decoder: Decoder = Decoder.pil
+    # Decode JPEGs at a reduced scale in the DCT domain when the target is much smaller
+    # than the source (pil: Image.draft, simplejpeg: min_height/min_width).
+    draft: bool = False
+    batch_size: int = 64
+    num_workers: int = 2
+    pin_memory: bool | None = None  # unset: on when the run's device is CUDA
+    prefetch_factor: int = 2  # batches each worker keeps ready (num_workers > 0 only)
+    persistent_workers: bool = True  # keep workers between epochs (num_workers > 0 only)
+    shuffle: bool = True
+    drop_last: bool = False
+    batched: bool = False  # one __getitems__ call per batch instead of one call per image
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "loader.batch_size", self.batch_size, "must be >= 1")
+        _require(
+            self.num_workers >= 0,
+            "loader.num_workers",
+            self.num_workers,
+            "must be >= 0 (0 loads in the main process)",
+        )
+        _require(
+            self.prefetch_factor >= 1, "loader.prefetch_factor", self.prefetch_factor, "must be >= 1"
+        )
+
+
+@dataclass
+class ModelConfig:
+    """``model=``: the network; it takes uint8 NCHW and normalizes on its own device."""
+
+    name: ModelName = MISSING
+    channels_last: bool = False
+
+
+@dataclass
+class TaskConfig:
+    """``task=``: train (SGD, cross-entropy) or infer (predictions written by threads)."""
+
+    name: TaskName = MISSING
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    topk: int = 5  # infer: how many classes each prediction keeps
+    write_predictions: bool = True  # infer: predictions.csv in the run folder
+    writer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
+        _require(self.topk >= 1, "task.topk", self.topk, "must be >= 1")
+        _require(self.writer_threads >= 1, "task.writer_threads", self.writer_threads, "must be >= 1")
+
+
+@dataclass
+class LoggerConfig:
+    """``logger=``: wandb (offline unless logger.mode=online) or none."""
+
+    name: LoggerName = MISSING
+    mode: WandbMode = WandbMode.offline
+    project: str = "runner"
+    entity: str | None = None
+    group: str | None = None  # unset: the sweep folder's name in a multirun
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    """``run.*``: how long the loop runs and how it reports."""
+
+    epochs: int = 1
+    steps: int | None = None  # when set, run exactly this many steps (cycling epochs)
+    warmup_steps: int = 5  # excluded from every figure
+    log_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "run.epochs", self.epochs, "must be >= 1")
+        _require(
+            self.steps is None or self.steps >= 1, "run.steps", self.steps, "must be >= 1 or null"
+        )
+        _require(self.warmup_steps >= 0, "run.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+
+
+@dataclass
+class Config:
+    loader: LoaderConfig = MISSING
+    model: ModelConfig = MISSING
+    task: TaskConfig = MISSING
+    logger: LoggerConfig = MISSING
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    device: Device = Device.auto
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Store the schema that conf/config.yaml extends.
+
+    Each group's node is typed by its field in ``Config`` (``loader: LoaderConfig``), so a
+    preset or an override with an unknown key or a value outside an enum fails at compose
+    time, before the job starts.
+    """
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Resolve and validate a composed config; raises ConfigError naming the bad key."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # an interpolation that does not resolve, a missing value
+        raise ConfigError(str(e)) from e
+    assert isinstance(obj, Config)
+    return obj
+
+
+def to_plain(value: Any) -> Any:
+    """Dataclasses, enums and containers to JSON-ready values (for metrics.json, wandb)."""
+    if isinstance(value, Enum):
+        return value.name
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: to_plain(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_plain(v) for v in value]
+    return value
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"loader": {"batch_size": 64}}`` -> ``{"loader.batch_size": 64}`` for dashboards."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def unknown_key_message(override: str) -> str | None:
+    """For ``loader.batchsize=3``: a message listing the valid keys, with a suggestion.
+
+    Hydra rejects unknown keys too, but without naming the valid ones; this check runs on
+    the command line before Hydra composes anything. Appends (``+key``), deletions
+    (``~key``), Hydra's own keys and group choices are left to Hydra.
+    """
+    key = override.split("=", 1)[0].strip()
+    if "=" not in override or key[:1] in "+~" or key.startswith("hydra"):
+        return None
+    node: Any = Config
+    path: list[str] = []
+    for part in key.split("."):
+        fields = getattr(node, "__dataclass_fields__", None)
+        if fields is None:
+            return None  # below a leaf or a free-form mapping: Hydra decides
+        if part not in fields:
+            where = ".".join(path) or "the top level"
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" Did you mean {'.'.join([*path, close[0]])}?" if close else ""
+            return (f"unknown config key {key!r}: valid keys under {where} are "
+                    f"{', '.join(fields)}.{hint}")
+        path.append(part)
+        node = _field_type(node, part)
+    return None
+
+
+def _field_type(node: Any, name: str) -> Any:
+    hints = typing.get_type_hints(node)
+    hint = hints[name]
+    return hint if hasattr(hint, "__dataclass_fields__") else None

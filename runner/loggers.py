@@ -1,0 +1,80 @@
+"""``logger=``: where figures go besides metrics.json: wandb (offline by default) or nowhere.
+
+A logger is anything with ``log(figures, step)``, ``summary(figures)`` and ``close(status)``.
+Only the run's own config and figures are sent: no environment, no git state, no code, so
+a wandb key (WANDB_API_KEY) can never end up in a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from runner.config import LoggerConfig, LoggerName
+
+log = logging.getLogger(__name__)
+
+
+class MetricLogger(Protocol):
+    def log(self, figures: dict[str, Any], step: int) -> None: ...
+    def summary(self, figures: dict[str, Any]) -> None: ...
+    def close(self, status: str) -> None: ...
+
+
+class NullLogger:
+    """``logger=none``: needs no wandb at all."""
+
+    def log(self, figures: dict[str, Any], step: int) -> None:
+        pass
+
+    def summary(self, figures: dict[str, Any]) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        pass
+
+
+class WandbLogger:
+    """One wandb run per job, its config flat (``loader.batch_size``) for dashboard grouping.
+
+    Args:
+        cfg: mode (offline unless asked), project, entity, group, tags.
+        run_dir: the run's folder; wandb writes its run folder under ``run_dir/wandb``.
+        config: flat config to log.
+        name: the run's display name.
+        group: the sweep this run belongs to, when ``cfg.group`` is unset.
+    """
+
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
+                 group: str | None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise RuntimeError("logger=wandb needs the wandb package; or use logger=none") from e
+        self._wandb = wandb
+        settings = wandb.Settings(disable_git=True, save_code=False, disable_code=True,
+                                  console="off", silent=True)
+        self.run = wandb.init(
+            project=cfg.project, entity=cfg.entity, group=cfg.group or group,
+            tags=list(cfg.tags), name=name, dir=str(run_dir), mode=cfg.mode.value,
+            config=config, settings=settings, reinit="create_new",
+        )
+
+    def log(self, figures: dict[str, Any], step: int) -> None:
+        self.run.log({k: v for k, v in figures.items() if v is not None}, step=step)
+
+    def summary(self, figures: dict[str, Any]) -> None:
+        for key, value in figures.items():
+            if isinstance(value, int | float | str | bool):
+                self.run.summary[key] = value
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status != "failed" else 1)
+
+
+def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
+                 group: str | None) -> MetricLogger:
+    if cfg.name is LoggerName.none:
+        return NullLogger()
+    return WandbLogger(cfg, run_dir, config, name, group)

@@ -1,0 +1,93 @@
+"""``task=infer`` output: top-k predictions written to predictions.csv by a thread pool.
+
+The loop only starts a non-blocking device-to-host copy of a few small tensors and hands
+them over; a writer thread waits for that copy (a CUDA event) and formats and writes the
+rows, so disk writes never stall the device. Each batch becomes one part file, and ``close``
+joins the parts in batch order into predictions.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+HEADER = "index,file,label,pred,prob,topk_classes,topk_probs\n"
+
+
+class PredictionWriter:
+    """Writes predictions off the loop's path.
+
+    Args:
+        run_dir: predictions.csv goes here.
+        name_of: dataset index -> file name, for the ``file`` column.
+        threads: writer threads.
+        max_pending: batches in flight before ``submit`` waits (bounds host memory).
+    """
+
+    def __init__(self, run_dir: Path, name_of: Callable[[int], str], threads: int = 2,
+                 max_pending: int = 16):
+        self.path = Path(run_dir) / "predictions.csv"
+        self.parts = Path(run_dir) / ".predictions.parts"
+        self.parts.mkdir(parents=True, exist_ok=True)
+        self.name_of = name_of
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="predictions")
+        self.slots = threading.Semaphore(max_pending)
+        self.futures: list[Future] = []
+        self.rows = 0
+        self.error: BaseException | None = None
+
+    def submit(self, index: torch.Tensor, label: torch.Tensor, probs: torch.Tensor,
+               classes: torch.Tensor) -> None:
+        """Queue one batch: (N,) index and label, (N, k) top-k probabilities and classes."""
+        self._raise_failed()
+        self.slots.acquire()
+        host = [t.to("cpu", non_blocking=True) for t in (index, label, probs.float(), classes)]
+        ready = None
+        if probs.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        part = self.parts / f"{len(self.futures):08d}.csv"
+        self.futures.append(self.pool.submit(self._write, part, host, ready))
+
+    def _write(self, part: Path, host: list[torch.Tensor], ready) -> int:
+        try:
+            if ready is not None:
+                ready.synchronize()  # the copy above was asynchronous
+            index, label, probs, classes = (t.tolist() for t in host)
+            with open(part, "w", newline="") as f:
+                rows = csv.writer(f)
+                for i, y, p, c in zip(index, label, probs, classes):
+                    rows.writerow([i, self.name_of(i), y, c[0], f"{p[0]:.6f}",
+                                   " ".join(map(str, c)), " ".join(f"{v:.6f}" for v in p)])
+            return len(index)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.slots.release()
+
+    def _raise_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"writing predictions failed: {self.error}") from self.error
+
+    def close(self) -> int:
+        """Wait for every write, join the parts into predictions.csv; returns the row count."""
+        self.pool.shutdown(wait=True)
+        self._raise_failed()
+        self.rows = sum(f.result() for f in self.futures)
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        with open(tmp, "w") as out:
+            out.write(HEADER)
+            for k in range(len(self.futures)):
+                with open(self.parts / f"{k:08d}.csv") as part:
+                    shutil.copyfileobj(part, out)
+        os.replace(tmp, self.path)
+        shutil.rmtree(self.parts, ignore_errors=True)
+        return self.rows

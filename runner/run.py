@@ -1,0 +1,211 @@
+"""One job, top to bottom: validate, set up data, model and task, loop, write metrics.json.
+
+Whatever happens, the job's outcome lands in ``metrics.json`` in its run folder:
+``status=ok`` with the figures, ``status=skipped`` with the reason when this machine cannot
+run the combination (no CUDA for device=cuda, a decoder library missing), or
+``status=failed`` with the error. A skip exits 0 so a sweep goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from runner.atomic import write_json
+from runner.config import Config, Device, ModelName, TaskName, flatten, to_config, to_plain
+from runner.loader import BatchStream, build_loader
+from runner.loggers import MetricLogger, NullLogger, build_logger
+from runner.loop import LoopResult, run_loop
+from runner.models import build_model
+from runner.predictions import PredictionWriter
+from runner.storage import build_storage, resolve_dataset
+from runner.storage.decode import DecoderUnavailable
+from runner.task import DataOnlyStep, InferStep, Step, TrainStep
+
+log = logging.getLogger("runner")
+
+
+class RunSkipped(Exception):
+    """This machine cannot run this combination; the message says what is missing."""
+
+
+SKIPS = (RunSkipped, DecoderUnavailable)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Hydra task function. Returns the metrics it wrote; re-raises a failure after writing."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, Any] = {
+        "status": "failed",
+        "reason": None,
+        "run_dir": str(run_dir),
+        "overrides": list(hydra_cfg.overrides.task),
+        "config": OmegaConf.to_container(cfg, resolve=False, enum_to_str=True),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+    }
+    job: Job | None = None
+    try:
+        config = to_config(cfg)  # every check runs here, before any work
+        metrics["config"] = to_plain(config)
+        job = Job(config, run_dir, hydra_cfg)
+        metrics.update(job.execute())
+        metrics["status"] = "ok"
+    except SKIPS as e:
+        metrics.update(status="skipped", reason=str(e))
+        log.warning("skipped: %s", e)
+    except BaseException as e:
+        reason = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        metrics.update(status="failed", reason=reason, traceback=traceback.format_exc())
+        raise
+    finally:
+        if job is not None:
+            job.close(metrics)
+        write_json(run_dir / "metrics.json", metrics)
+    return metrics
+
+
+class Job:
+    """The pieces of one run, built by small ``_setup_*`` helpers and driven by ``execute``."""
+
+    def __init__(self, config: Config, run_dir: Path, hydra_cfg: Any):
+        self.config = config
+        self.run_dir = run_dir
+        self.hydra_cfg = hydra_cfg
+        self.logger: MetricLogger = NullLogger()
+
+    def execute(self) -> dict[str, Any]:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        device = self._setup_device()
+        storage = self._setup_storage()
+        loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device))
+        total_steps, epochs, warmup = self._plan(len(loader))
+        stream = BatchStream(loader, epochs)
+        step = self._setup_task(storage, device)
+        self.logger = self._setup_logger()
+        log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s",
+                 self._describe(), storage.root, len(storage), len(storage.classes),
+                 total_steps, warmup, device)
+        result = run_loop(stream, step, device, total_steps, warmup, cfg.run.log_every,
+                          self.logger, cfg.run.progress)
+        return self._figures(result, step.close(), stream, device)
+
+    def close(self, metrics: dict[str, Any]) -> None:
+        """Hand the final figures to the logger; a logger error never hides the run's own."""
+        try:
+            self.logger.summary(metrics)
+            self.logger.close(metrics["status"])
+        except Exception as e:
+            log.error("closing the logger failed: %s", e)
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _setup_device(self) -> torch.device:
+        want = self.config.device
+        if want is Device.cuda and not torch.cuda.is_available():
+            raise RunSkipped("device=cuda but no CUDA device is available here")
+        if want is Device.auto:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(want.value)
+
+    def _setup_storage(self):
+        cfg = self.config
+        path = resolve_dataset(cfg.dataset, progress=cfg.run.progress)
+        return build_storage(cfg.loader, cfg.dataset, path)
+
+    def _pin_memory(self, device: torch.device) -> bool:
+        pin = self.config.loader.pin_memory
+        return device.type == "cuda" if pin is None else bool(pin and device.type == "cuda")
+
+    def _plan(self, batches_per_epoch: int) -> tuple[int, int, int]:
+        """(total steps, epochs to iterate, warm-up steps) for this loader."""
+        run = self.config.run
+        if batches_per_epoch == 0:
+            raise ValueError("the loader yields no batches: the dataset is smaller than "
+                             "loader.batch_size with loader.drop_last=true")
+        if run.steps is not None:
+            total, epochs = run.steps, math.ceil(run.steps / batches_per_epoch)
+        else:
+            total, epochs = run.epochs * batches_per_epoch, run.epochs
+        warmup = run.warmup_steps
+        if warmup >= total:
+            warmup = max(total - 1, 0)
+            log.warning("run.warmup_steps=%d leaves no step to time in a %d-step run; using %d",
+                        run.warmup_steps, total, warmup)
+        return total, epochs, warmup
+
+    def _setup_task(self, storage, device: torch.device) -> Step:
+        cfg = self.config
+        model = build_model(cfg.model, len(storage.classes), device)
+        if model is None:
+            return DataOnlyStep()
+        if cfg.task.name is TaskName.train:
+            return TrainStep(model, cfg.task)
+        writer = None
+        if cfg.task.write_predictions:
+            writer = PredictionWriter(self.run_dir, storage.name_of, cfg.task.writer_threads)
+        return InferStep(model, cfg.task, writer)
+
+    def _setup_logger(self) -> MetricLogger:
+        hc = self.hydra_cfg
+        multirun = hc.mode == RunMode.MULTIRUN
+        group = Path(hc.sweep.dir).name if multirun else None
+        name = hc.job.override_dirname or "defaults"
+        if multirun:
+            name = f"{hc.job.num}:{name}"
+        flat = flatten(to_plain(self.config))
+        return build_logger(self.config.logger, self.run_dir, flat, name, group)
+
+    def _describe(self) -> str:
+        cfg = self.config
+        parts = [f"loader={cfg.loader.name.name}"]
+        if cfg.loader.name.name == "folder":
+            parts.append(f"decoder={cfg.loader.decoder.name}")
+        parts += [f"workers={cfg.loader.num_workers}", f"batch={cfg.loader.batch_size}",
+                  f"model={cfg.model.name.name}", f"task={cfg.task.name.name}"]
+        return " ".join(parts)
+
+    # --- results ----------------------------------------------------------------------------
+
+    def _figures(self, result: LoopResult, task_figures: dict[str, Any], stream: BatchStream,
+                 device: torch.device) -> dict[str, Any]:
+        figures = result.timed.figures()
+        skipped = sorted(stream.skips.files)
+        out = {
+            **figures,
+            "steps": result.steps,
+            "images": result.images,
+            "warmup_steps": result.warmup_steps,
+            "timed_steps": result.timed.steps,
+            "timed_images": result.timed.images,
+            "timed_seconds": result.timed.seconds,
+            "skipped_files": skipped,
+            "skipped_count": len(skipped),
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor() or platform.machine(),
+            "pin_memory": self._pin_memory(device),
+            **{k: v for k, v in task_figures.items() if v is not None},
+        }
+        if figures["images_per_sec"] is not None:
+            log.info("%s: %.1f images/s, %.1f ms/step, data wait %.0f%% of step time (%d timed "
+                     "steps)", self._describe(), figures["images_per_sec"],
+                     figures["ms_per_step"], 100 * figures["data_wait_frac"], result.timed.steps)
+        if skipped:
+            log.warning("%d undecodable files skipped (listed in metrics.json)", len(skipped))
+        if self.config.model.name is not ModelName.none and "loss_first" in out:
+            log.info("loss %.3f -> %.3f", out["loss_first"], out["loss_last"])
+        return out

@@ -1,0 +1,338 @@
+"""JPEG decoding for ``loader.decoder``: pil, simplejpeg, jpeg4py, torchvision.
+
+Every decoder goes through the same steps so they return the same pixels:
+1. one pass over the JPEG markers reads the frame size, the channel count and the EXIF
+   orientation (``read_jpeg_header``);
+2. the crop box is chosen on the oriented full-size image (center or random-resized);
+3. the decoder decodes, at a reduced DCT scale when ``loader.draft`` allows it;
+4. the EXIF orientation is applied as tensor flips/transposes;
+5. the crop is resized to ``dataset.image_size`` (antialiased bilinear on uint8).
+
+Anything the chosen decoder cannot read (a PNG, a PNG named .JPEG, a CMYK JPEG, a decoder
+error) falls back to PIL, which decodes nearly everything to RGB. Images stay uint8 (CHW)
+throughout: float conversion happens on the device, inside the model.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torchvision.transforms.v2.functional as TF
+from PIL import Image, ImageOps
+
+from runner.config import Crop, Decoder
+
+
+class CorruptImageError(RuntimeError):
+    """No decoder, the fallback included, could read this file."""
+
+
+class DecoderUnavailable(RuntimeError):
+    """The chosen decoder cannot run on this machine (a missing library or device)."""
+
+
+@dataclass(frozen=True)
+class JpegHeader:
+    height: int
+    width: int
+    components: int  # 1 grayscale, 3 YCbCr/RGB, 4 CMYK/YCCK
+    orientation: int = 1  # EXIF orientation, 1..8
+
+    @property
+    def oriented_hw(self) -> tuple[int, int]:
+        """Size after the EXIF orientation is applied (5..8 swap height and width)."""
+        return (self.width, self.height) if self.orientation >= 5 else (self.height, self.width)
+
+
+# Start-of-frame markers carry the image size; C4 (DHT), C8 (JPG) and CC (DAC) do not.
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def is_jpeg(data: bytes | bytearray) -> bool:
+    return data[:3] == b"\xff\xd8\xff"
+
+
+def read_jpeg_header(data: bytes | bytearray) -> JpegHeader | None:
+    """Frame size, channel count and EXIF orientation, or None when this is not a readable JPEG.
+
+    Reads only the segments before the image data, so it costs microseconds.
+    """
+    if not is_jpeg(data):
+        return None
+    n, i, orientation = len(data), 2, 1
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        segment = data[i + 4 : i + 2 + length]
+        if marker == 0xE1 and segment[:6] == b"Exif\x00\x00":
+            orientation = _exif_orientation(bytes(segment[6:]))
+        elif marker in _SOF_MARKERS:
+            if len(segment) < 6:
+                return None
+            height = int.from_bytes(segment[1:3], "big")
+            width = int.from_bytes(segment[3:5], "big")
+            if height == 0 or width == 0:
+                return None
+            return JpegHeader(height, width, segment[5], orientation)
+        elif marker == 0xDA:  # start of scan before any frame header
+            return None
+        i += 2 + length
+    return None
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """The Orientation tag (0x0112) of IFD0 in a TIFF-structured EXIF block, else 1."""
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    order = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for k in range(count):
+        entry = ifd + 2 + 12 * k
+        if entry + 12 > len(tiff):
+            break
+        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
+            value = int.from_bytes(tiff[entry + 8 : entry + 10], order)
+            return value if 1 <= value <= 8 else 1
+    return 1
+
+
+# --- orientation ----------------------------------------------------------------------------
+
+def apply_orientation(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Turn a CHW image stored with EXIF ``orientation`` upright (PIL's exif_transpose)."""
+    if orientation == 2:
+        return img.flip(2)
+    if orientation == 3:
+        return img.flip(1, 2)
+    if orientation == 4:
+        return img.flip(1)
+    if orientation == 5:
+        return img.transpose(1, 2)
+    if orientation == 6:
+        return img.transpose(1, 2).flip(2)
+    if orientation == 7:
+        return img.transpose(1, 2).flip(1, 2)
+    if orientation == 8:
+        return img.transpose(1, 2).flip(1)
+    return img
+
+
+# --- geometry -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Box:
+    """A crop in pixel coordinates of the upright image: top, left, height, width."""
+
+    top: float
+    left: float
+    height: float
+    width: float
+
+    def scaled(self, sy: float, sx: float) -> Box:
+        return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx)
+
+
+def center_box(h: int, w: int, out_h: int, out_w: int) -> Box:
+    """The region that "resize the shorter side, then center crop to out_h x out_w" keeps."""
+    scale = max(out_h / h, out_w / w)
+    ch, cw = min(h, out_h / scale), min(w, out_w / scale)
+    return Box((h - ch) / 2, (w - cw) / 2, ch, cw)
+
+
+def random_box(
+    h: int,
+    w: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> Box:
+    """torchvision's RandomResizedCrop.get_params, drawn from torch's RNG (seeded per worker)."""
+    area = h * w
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+        cw = int(round(math.sqrt(target * aspect)))
+        ch = int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = torch.randint(0, h - ch + 1, size=(1,)).item()
+            left = torch.randint(0, w - cw + 1, size=(1,)).item()
+            return Box(top, left, ch, cw)
+    in_ratio = w / h  # fallback: the whole image, clipped to the ratio range
+    if in_ratio < min(ratio):
+        cw, ch = w, int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        ch, cw = h, int(round(h * max(ratio)))
+    else:
+        cw, ch = w, h
+    return Box((h - ch) // 2, (w - cw) // 2, ch, cw)
+
+
+def resize_crop(img: torch.Tensor, box: Box, size: tuple[int, int]) -> torch.Tensor:
+    """Crop ``box`` and resize it to ``size`` (antialiased bilinear), as a contiguous CHW."""
+    h, w = img.shape[-2:]
+    top, left = int(round(box.top)), int(round(box.left))
+    ch = max(1, min(int(round(box.height)), h - top))
+    cw = max(1, min(int(round(box.width)), w - left))
+    out = TF.resized_crop(img, top, left, ch, cw, list(size), antialias=True)
+    return out.contiguous()
+
+
+# --- decoders -------------------------------------------------------------------------------
+# Each takes the file's bytes and the minimum (height, width) the decode may shrink to in the
+# DCT domain (None: full size), and returns a CHW uint8 tensor in stored (not upright)
+# orientation. Only pil and simplejpeg can decode at a reduced scale.
+
+DecodeFn = Callable[[bytes, "tuple[int, int] | None"], torch.Tensor]
+
+
+# PIL hands out read-only arrays; they are only read (the resize writes a new tensor), so
+# torch's warning about non-writable arrays is noise here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _hwc(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def decode_pil(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    img = Image.open(io.BytesIO(data))
+    if min_hw is not None:
+        img.draft("RGB", (min_hw[1], min_hw[0]))  # picks a scale >= the requested size
+    return _hwc(np.asarray(img.convert("RGB")))
+
+
+def decode_simplejpeg(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    import simplejpeg
+
+    h, w = min_hw if min_hw is not None else (0, 0)
+    return _hwc(simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=h, min_width=w))
+
+
+def decode_jpeg4py(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    import jpeg4py
+
+    return _hwc(jpeg4py.JPEG(np.frombuffer(data, np.uint8)).decode())
+
+
+def decode_torchvision(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    raw = torch.frombuffer(data, dtype=torch.uint8)
+    return decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=False)
+
+
+DECODERS: dict[Decoder, DecodeFn] = {
+    Decoder.pil: decode_pil,
+    Decoder.simplejpeg: decode_simplejpeg,
+    Decoder.jpeg4py: decode_jpeg4py,
+    Decoder.torchvision: decode_torchvision,
+}
+SCALED_DECODERS = frozenset({Decoder.pil, Decoder.simplejpeg})
+
+
+def check_decoder(decoder: Decoder) -> None:
+    """Raise DecoderUnavailable, naming the fix, if ``decoder`` cannot run here."""
+    if decoder is Decoder.jpeg4py:
+        try:
+            import jpeg4py
+
+            probe = Image.new("RGB", (8, 8))
+            buf = io.BytesIO()
+            probe.save(buf, "JPEG")
+            jpeg4py.JPEG(np.frombuffer(buf.getvalue(), np.uint8)).decode()
+        except ImportError as e:
+            raise DecoderUnavailable(
+                "loader.decoder=jpeg4py needs the jpeg4py package: pip install -e '.[jpeg4py]'"
+            ) from e
+        except Exception as e:  # jpeg4py imports fine but cannot dlopen libturbojpeg
+            raise DecoderUnavailable(
+                "loader.decoder=jpeg4py needs libturbojpeg: apt-get install libturbojpeg0 "
+                f"({type(e).__name__}: {e}); or pick loader.decoder=simplejpeg"
+            ) from e
+    elif decoder is Decoder.nvjpeg:
+        if not torch.cuda.is_available():
+            raise DecoderUnavailable("loader.decoder=nvjpeg decodes on the GPU and needs CUDA")
+
+
+@dataclass(frozen=True)
+class ImageDecoder:
+    """Bytes in, an upright, cropped and resized CHW uint8 tensor out.
+
+    Args:
+        decoder: which JPEG decoder to try first.
+        size: output (height, width).
+        crop: center (deterministic) or random (random-resized-crop + horizontal flip).
+        draft: allow a reduced-scale DCT decode when the crop is at most half-size.
+    """
+
+    decoder: Decoder
+    size: tuple[int, int]
+    crop: Crop = Crop.center
+    draft: bool = False
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        header = read_jpeg_header(data)
+        # CMYK/YCCK JPEGs: the libjpeg-turbo wrappers disagree on the colour conversion, PIL
+        # does it right, so they go straight to the fallback.
+        if header is not None and header.components in (1, 3):
+            try:
+                img = self._decode_jpeg(data, header)
+            except Exception:  # any decoder error: let PIL try before calling it corrupt
+                img = None
+            if img is not None:
+                return img
+        return self._decode_fallback(data)
+
+    def _box(self, h: int, w: int) -> Box:
+        if self.crop is Crop.random:
+            return random_box(h, w)
+        return center_box(h, w, *self.size)
+
+    def _finish(self, img: torch.Tensor, box: Box) -> torch.Tensor:
+        out = resize_crop(img, box, self.size)
+        if self.crop is Crop.random and torch.rand(1).item() < 0.5:
+            out = out.flip(2).contiguous()
+        return out
+
+    def _decode_jpeg(self, data: bytes, header: JpegHeader) -> torch.Tensor:
+        oh, ow = header.oriented_hw
+        box = self._box(oh, ow)
+        min_hw = None
+        if self.draft and self.decoder in SCALED_DECODERS:
+            # The decode only needs to be as large as the crop will be after resizing.
+            shrink = max(self.size[0] / box.height, self.size[1] / box.width)
+            if shrink <= 0.5:
+                min_hw = (math.ceil(header.height * shrink), math.ceil(header.width * shrink))
+        img = DECODERS[self.decoder](data, min_hw)
+        if img.shape[0] != 3:
+            raise ValueError(f"decoder returned {img.shape[0]} channels")
+        img = apply_orientation(img, header.orientation)
+        dh, dw = img.shape[-2:]
+        return self._finish(img, box.scaled(dh / oh, dw / ow))
+
+    def _decode_fallback(self, data: bytes) -> torch.Tensor:
+        try:
+            with Image.open(io.BytesIO(data)) as pil:
+                pil = ImageOps.exif_transpose(pil).convert("RGB")
+                img = _hwc(np.asarray(pil))
+        except Exception as e:
+            raise CorruptImageError(f"{type(e).__name__}: {e}") from e
+        h, w = img.shape[-2:]
+        return self._finish(img, self._box(h, w))

@@ -1,0 +1,98 @@
+"""Shared fixtures: small image trees in tmp_path, and the runner as a subprocess."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from runner.synthetic import SyntheticSpec, make_image
+
+REPO = Path(__file__).resolve().parents[1]
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def photo(h: int = 96, w: int = 128, index: int = 0) -> np.ndarray:
+    """A photo-like HWC uint8 image (the default dataset's generator at a small size)."""
+    return make_image(SyntheticSpec(1, 1, h, w), index)
+
+
+def encode(rgb: np.ndarray, fmt: str = "JPEG", mode: str | None = None, orientation: int = 0,
+           quality: int = 90) -> bytes:
+    img = Image.fromarray(rgb)
+    if mode is not None:
+        img = img.convert(mode)
+    buf = io.BytesIO()
+    kwargs = {"quality": quality} if fmt == "JPEG" else {}
+    if orientation:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kwargs["exif"] = exif.tobytes()
+    img.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def make_tree(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root
+
+
+@pytest.fixture
+def image_tree(tmp_path: Path) -> Path:
+    """Three classes, nested folders, mixed-case extensions, a PNG, and files to ignore."""
+    files = {}
+    for c, name in enumerate(["cat", "Dog", "bird"]):
+        for k in range(4):
+            files[f"{name}/img{k}.jpg"] = encode(photo(index=10 * c + k))
+        files[f"{name}/sub/deep{c}.JPEG"] = encode(photo(index=100 + c))
+        files[f"{name}/shot{c}.PNG"] = encode(photo(index=200 + c), "PNG")
+        files[f"{name}/notes.txt"] = b"not an image, not an image extension"
+    return make_tree(tmp_path / "tree", files)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("RUNNER_CACHE", str(path))
+    return path
+
+
+def run_cli(*overrides: str, cwd: Path, env: dict[str, str] | None = None,
+            check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m runner`` in a subprocess, as a user runs it."""
+    full_env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "runner", *overrides], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"runner exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+# A default dataset small enough for tests: 60 images of 96x128, 3 classes.
+SMALL_DATASET = [
+    "dataset.num_images=60",
+    "dataset.num_classes=3",
+    "dataset.source_size=[96,128]",
+    "dataset.image_size=[48,48]",
+    "loader.batch_size=8",
+    "loader.num_workers=0",
+    "run.warmup_steps=1",
+    "run.progress=false",
+]

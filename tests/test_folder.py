@@ -1,0 +1,128 @@
+"""Folder storage and its DataLoader: ImageFolder's indices, corrupt files, bad paths."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision.datasets import ImageFolder
+
+from runner.config import Decoder, LoaderConfig, OnCorrupt, Storage
+from runner.loader import BatchStream, build_loader, dataloader_kwargs
+from runner.storage.decode import CorruptImageError, ImageDecoder
+from runner.storage.folder import DatasetError, FolderStorage
+from tests.conftest import encode, make_tree, photo
+
+DECODE = ImageDecoder(Decoder.simplejpeg, (32, 32))
+
+
+def loader_config(**kwargs) -> LoaderConfig:
+    base = dict(name=Storage.folder, batch_size=4, num_workers=0, shuffle=False)
+    return LoaderConfig(**{**base, **kwargs})
+
+
+def test_classes_and_targets_match_torchvision_imagefolder(image_tree: Path):
+    ours = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
+    theirs = ImageFolder(str(image_tree),
+                         is_valid_file=lambda p: p.lower().endswith((".jpg", ".jpeg", ".png")))
+    assert ours.classes == theirs.classes == ["Dog", "bird", "cat"]  # sorted, case-sensitive
+    assert [(p, y) for p, y in ours.samples] == [(p, y) for p, y in theirs.samples]
+    assert len(ours) == 18  # 4 jpg + 1 nested .JPEG + 1 .PNG per class; .txt ignored
+    sample = ours[5]
+    assert sample.label == theirs.targets[5] and sample.index == 5
+    assert sample.image.shape == (3, 32, 32) and sample.image.dtype == torch.uint8
+
+
+def test_missing_and_empty_paths_are_clear_errors(tmp_path: Path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        FolderStorage(tmp_path / "nowhere", DECODE, OnCorrupt.skip)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="has no class folders"):
+        FolderStorage(tmp_path / "empty", DECODE, OnCorrupt.skip)
+    make_tree(tmp_path / "noimages", {"a/readme.txt": b"x", "b/data.csv": b"1,2"})
+    with pytest.raises(DatasetError, match=r"has no \.jpg/\.jpeg/\.png files"):
+        FolderStorage(tmp_path / "noimages", DECODE, OnCorrupt.skip)
+
+
+@pytest.fixture
+def tree_with_corrupt(tmp_path: Path) -> Path:
+    good = encode(photo(48, 64))
+    return make_tree(tmp_path / "corrupt", {
+        "a/ok0.jpg": good, "a/ok1.jpg": good, "a/truncated.jpg": good[: len(good) // 3],
+        "b/empty.jpg": b"", "b/ok2.jpg": good, "b/text.jpeg": b"plain text, not pixels",
+        "b/ok3.png": encode(photo(48, 64), "PNG"),
+    })
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_files_are_skipped_counted_and_named(tree_with_corrupt: Path, workers: int):
+    storage = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.skip)
+    loader = build_loader(storage, loader_config(num_workers=workers, batch_size=3), 0, False)
+    stream = BatchStream(loader, epochs=2)
+    batches = list(stream)
+    images = sum(len(b) for b in batches)
+    assert images == 2 * 4  # the 4 readable files, each epoch
+    assert sorted(Path(p).name for p in stream.skips.files) == ["empty.jpg", "text.jpeg",
+                                                                 "truncated.jpg"]
+    assert all(b["image"].dtype == torch.uint8 for b in batches)
+
+
+def test_on_corrupt_fail_stops_with_the_path(tree_with_corrupt: Path):
+    storage = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.fail)
+    loader = build_loader(storage, loader_config(num_workers=2), 0, False)
+    with pytest.raises(CorruptImageError, match=r"truncated\.jpg"):
+        list(BatchStream(loader, epochs=1))
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_no_worker_outlives_the_stream(image_tree: Path, tree_with_corrupt: Path,
+                                       persistent: bool):
+    storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
+    cfg = loader_config(num_workers=2, persistent_workers=persistent)
+    stream = iter(BatchStream(build_loader(storage, cfg, 0, False), epochs=3))
+    next(stream)
+    assert len(multiprocessing.active_children()) == 2
+    stream.close()  # stopping early, as the loop does when run.steps is reached
+    assert multiprocessing.active_children() == []
+
+    failing = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.fail)
+    with pytest.raises(CorruptImageError):
+        list(BatchStream(build_loader(failing, cfg, 0, False), epochs=1))
+    assert multiprocessing.active_children() == []
+
+
+def test_batched_and_per_item_loading_give_the_same_batches(image_tree: Path):
+    storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
+    per_item = build_loader(storage, loader_config(shuffle=True), seed=3, pin_memory=False)
+    batched = build_loader(storage, loader_config(shuffle=True, batched=True), seed=3,
+                           pin_memory=False)
+    a, b = list(BatchStream(per_item, 1)), list(BatchStream(batched, 1))
+    assert len(a) == len(b) == 5  # 18 images, batch 4, last batch short
+    for x, y in zip(a, b):
+        assert torch.equal(x["index"], y["index"]) and torch.equal(x["image"], y["image"])
+    assert not torch.equal(a[0]["index"], torch.arange(4))  # shuffled
+
+
+def test_shuffle_is_seeded_and_reshuffles_each_epoch(image_tree: Path):
+    storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
+
+    def order(seed: int) -> list[list[int]]:
+        loader = build_loader(storage, loader_config(shuffle=True, batch_size=18), seed, False)
+        return [b["index"].tolist() for b in BatchStream(loader, epochs=2)]
+
+    first = order(5)
+    assert first == order(5)
+    assert first[0] != first[1] and sorted(first[0]) == sorted(first[1]) == list(range(18))
+    assert first != order(6)
+
+
+def test_dataloader_options_pass_through_and_respect_zero_workers():
+    cfg = loader_config(num_workers=2, prefetch_factor=4, persistent_workers=False,
+                        drop_last=True)
+    assert dataloader_kwargs(cfg, pin_memory=True) == dict(
+        batch_size=4, shuffle=False, drop_last=True, num_workers=2, pin_memory=True,
+        prefetch_factor=4, persistent_workers=False)
+    # torch rejects prefetch_factor / persistent_workers without workers: left out
+    assert "prefetch_factor" not in dataloader_kwargs(loader_config(num_workers=0), False)

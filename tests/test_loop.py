@@ -1,0 +1,98 @@
+"""The loop's accounting (warm-up excluded, data wait attributed) and the prediction writer."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from runner.loop import run_loop
+from runner.predictions import PredictionWriter
+from runner.task import DataOnlyStep
+
+
+def batches(n: int, size: int = 4, delay: float = 0.0):
+    for i in range(n):
+        if delay:
+            time.sleep(delay)
+        yield TensorDict({"image": torch.zeros(size, 3, 8, 8, dtype=torch.uint8),
+                          "label": torch.full((size,), i)}, batch_size=[size])
+
+
+class SlowStep(DataOnlyStep):
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def __call__(self, batch) -> None:
+        time.sleep(self.delay)
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.calls: list[tuple[int, dict]] = []
+
+    def log(self, figures, step):
+        self.calls.append((step, figures))
+
+    def summary(self, figures):
+        pass
+
+    def close(self, status):
+        pass
+
+
+def loop(source, step, total=10, warmup=3, log_every=2, logger=None):
+    return run_loop(source, step, torch.device("cpu"), total_steps=total, warmup_steps=warmup,
+                    log_every=log_every, logger=logger or RecordingLogger(), progress=False)
+
+
+def test_warmup_is_excluded_and_windows_add_up():
+    logger = RecordingLogger()
+    result = loop(batches(10), DataOnlyStep(), logger=logger)
+    assert (result.steps, result.images, result.warmup_steps) == (10, 40, 3)
+    assert (result.timed.steps, result.timed.images) == (7, 28)
+    timed_logs = [step for step, figures in logger.calls if "images_per_sec" in figures]
+    assert timed_logs == [5, 7, 9, 10]  # every 2nd timed step, and the end
+
+
+def test_waiting_for_data_is_attributed_to_data_wait():
+    slow_data = loop(batches(8, delay=0.02), DataOnlyStep(), total=8, warmup=2)
+    slow_model = loop(batches(8), SlowStep(0.02), total=8, warmup=2)
+    assert slow_data.timed.figures()["data_wait_frac"] > 0.8
+    assert slow_model.timed.figures()["data_wait_frac"] < 0.2
+    assert slow_model.timed.figures()["compute_frac"] > 0.8
+
+
+def test_a_short_stream_ends_the_loop():
+    result = loop(batches(4), DataOnlyStep(), total=10, warmup=1)
+    assert result.steps == 4 and result.timed.steps == 3
+
+
+def test_predictions_are_written_in_batch_order(tmp_path: Path):
+    writer = PredictionWriter(tmp_path, name_of=lambda i: f"file{i}.jpg", threads=3)
+    for start in (0, 3, 6):
+        index = torch.arange(start, start + 3)
+        probs = torch.tensor([[0.7, 0.2]] * 3)
+        writer.submit(index, index % 2, probs, torch.tensor([[1, 0]] * 3))
+    assert writer.close() == 9
+    with open(tmp_path / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["index"]) for r in rows] == list(range(9))
+    assert rows[4] == {"index": "4", "file": "file4.jpg", "label": "0", "pred": "1",
+                       "prob": "0.700000", "topk_classes": "1 0",
+                       "topk_probs": "0.700000 0.200000"}
+
+
+def test_a_failing_write_is_raised_not_lost(tmp_path: Path):
+    def bad_name(i: int) -> str:
+        raise OSError("disk full")
+
+    writer = PredictionWriter(tmp_path, name_of=bad_name)
+    writer.submit(torch.arange(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 1),
+                  torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="writing predictions failed: disk full"):
+        writer.close()

@@ -1,0 +1,125 @@
+"""End to end: ``python -m runner`` runs, writes metrics.json, logs to wandb offline."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
+
+REQUIRED = {"status", "reason", "images_per_sec", "ms_per_step", "data_wait_frac", "steps",
+            "images", "skipped_files", "config"}
+
+
+def test_train_run_writes_metrics_and_learns(tmp_path: Path, cache_dir: Path):
+    run_cli(*SMALL_DATASET, "logger=none", "run.epochs=4", "task.lr=0.1", "hydra.run.dir=run",
+            cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert REQUIRED <= set(m)
+    assert m["status"] == "ok" and m["reason"] is None
+    assert m["steps"] == 4 * 8 and m["images"] == 4 * 60  # 60 images, batch 8: 8 steps/epoch
+    assert m["timed_steps"] == m["steps"] - 1  # one warm-up step excluded
+    assert m["images_per_sec"] > 0 and m["ms_per_step"] > 0 and 0 <= m["data_wait_frac"] <= 1
+    assert m["skipped_files"] == []
+    assert m["config"]["loader"]["batch_size"] == 8 and m["config"]["task"]["name"] == "train"
+    assert m["loss_last"] < m["loss_first"]  # the default dataset is learnable
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    assert (cache_dir / "datasets").is_dir()  # the default dataset went to the cache
+
+
+def test_infer_run_writes_every_prediction(tmp_path: Path, image_tree: Path):
+    run_cli("task=infer", f"dataset.path={image_tree}", "dataset.image_size=[32,32]",
+            "loader.batch_size=4", "loader.num_workers=2", "logger=none", "run.progress=false",
+            "run.warmup_steps=1", "task.topk=2", "hydra.run.dir=run", cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "ok" and m["predictions"] == 18 == m["images"]
+    with open(tmp_path / "run" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(int(r["index"]) for r in rows) == list(range(18))
+    first = rows[0]
+    assert first["file"].endswith((".jpg", ".JPEG", ".PNG")) and first["label"] in "012"
+    probs = [float(p) for p in first["topk_probs"].split()]
+    assert len(probs) == 2 and probs[0] >= probs[1] and float(first["prob"]) == probs[0]
+    assert not (tmp_path / "run" / ".predictions.parts").exists()
+
+
+def test_data_only_run_and_corrupt_files_are_reported(tmp_path: Path):
+    good = encode(photo(48, 64))
+    tree = make_tree(tmp_path / "data", {
+        "a/1.jpg": good, "a/2.jpg": good, "a/broken.jpg": good[:100], "b/3.jpg": good,
+        "b/4.jpg": good, "b/empty.jpeg": b"",
+    })
+    proc = run_cli("model=none", f"dataset.path={tree}", "dataset.image_size=[32,32]",
+                   "loader.batch_size=2", "loader.decoder=simplejpeg", "logger=none",
+                   "run.progress=false", "run.warmup_steps=0", "hydra.run.dir=run", cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "ok" and m["images"] == 4
+    assert [Path(p).name for p in m["skipped_files"]] == ["broken.jpg", "empty.jpeg"]
+    assert m["skipped_count"] == 2
+    assert "skipped undecodable file" in proc.stdout + proc.stderr
+
+
+def test_missing_dataset_fails_with_the_path(tmp_path: Path):
+    proc = run_cli(f"dataset.path={tmp_path}/nope", "logger=none", "hydra.run.dir=run",
+                   cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "failed" and "nope" in m["reason"] and "does not exist" in m["reason"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+@pytest.mark.parametrize(("override", "why"), [("device=cuda", "no CUDA device"),
+                                               ("loader.decoder=nvjpeg", "needs CUDA")])
+def test_cuda_only_runs_are_skipped_with_a_reason(tmp_path: Path, image_tree: Path,
+                                                  override: str, why: str):
+    proc = run_cli(override, f"dataset.path={image_tree}", "logger=none", "hydra.run.dir=run",
+                   cwd=tmp_path)
+    assert proc.returncode == 0
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "skipped" and why in m["reason"]
+
+
+def wandb_records(run_file: str) -> list:
+    """Records of an offline .wandb file (a leveldb-style log of protobuf Records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = Path(run_file).read_bytes()
+    block, pos, pending, records = 32768, 7, b"", []  # 7: the ':W&B' header
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:
+            pos += block - pos % block  # block trailer padding
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = data if kind in (1, 2) else pending + data
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def test_wandb_offline_run_holds_the_config_and_no_secret(tmp_path: Path, image_tree: Path):
+    secret = "wandb-key-0123456789abcdef0123456789abcdef"
+    run_cli(f"dataset.path={image_tree}", "dataset.image_size=[32,32]", "loader.batch_size=6",
+            "run.warmup_steps=1", "run.log_every=1", "run.progress=false", "hydra.run.dir=run",
+            cwd=tmp_path, env={"WANDB_API_KEY": secret})
+    offline = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(offline) == 1
+    records = wandb_records(offline[0])
+    config = {u.key: u.value_json for r in records if r.WhichOneof("record_type") == "run"
+              for u in r.run.config.update}
+    assert config["loader.batch_size"] == "6" and config["model.name"] == '"tiny"'
+    logged = [r for r in records if r.WhichOneof("record_type") == "history"]
+    keys = {i.key or ".".join(i.nested_key) for r in logged for i in r.history.item}
+    assert {"images_per_sec", "ms_per_step", "data_wait_frac", "loss"} <= keys
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), f"secret written to {path}"
