@@ -14,10 +14,10 @@ from omegaconf import DictConfig
 from runner.config import ConfigError, register_configs, unknown_key_message
 from runner.run import run
 
-# conf/ sits at the top of a checkout (and of an editable install); a wheel ships it as
-# the package runner.conf.
-_CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
-CONFIG_PATH = str(_CHECKOUT_CONF) if _CHECKOUT_CONF.is_dir() else "pkg://runner.conf"
+# conf/ sits at the top of a checkout (and of an editable install); a wheel ships it inside
+# the package, as runner/conf (see package-dir in pyproject.toml).
+_HERE = Path(__file__).resolve().parent
+CONFIG_PATH = str(next(p for p in (_HERE.parent / "conf", _HERE / "conf") if p.is_dir()))
 
 register_configs()
 
