@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.config import ConfigError, register_configs, unknown_key_message
+from runner.config import ConfigError, config_dir, register_configs, unknown_key_message
 from runner.run import run
-
-# conf/ sits at the top of a checkout (and of an editable install); a wheel ships it inside
-# the package, as runner/conf (see package-dir in pyproject.toml).
-_HERE = Path(__file__).resolve().parent
-CONFIG_PATH = str(next(p for p in (_HERE.parent / "conf", _HERE / "conf") if p.is_dir()))
 
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)

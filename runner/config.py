@@ -12,6 +12,7 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -127,6 +128,9 @@ class LoaderConfig:
     prefetch_factor: int = 2  # batches each worker keeps ready (num_workers > 0 only)
     persistent_workers: bool = True  # keep workers between epochs (num_workers > 0 only)
     shuffle: bool = True
+    # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
+    # reads a memmap cache in longer contiguous stretches
+    shuffle_block: int = 1
     drop_last: bool = False
     batched: bool = False  # one __getitems__ call per batch instead of one call per image
 
@@ -140,6 +144,15 @@ class LoaderConfig:
         )
         _require(
             self.prefetch_factor >= 1, "loader.prefetch_factor", self.prefetch_factor, "must be >= 1"
+        )
+        _require(self.shuffle_block >= 1, "loader.shuffle_block", self.shuffle_block,
+                 "must be >= 1 (1 is a full permutation)")
+        _require(
+            self.name is Storage.folder or self.decoder is not Decoder.nvjpeg,
+            "loader.decoder",
+            "nvjpeg",
+            f"loader={self.name.name} decodes once on the CPU; nvjpeg decodes on the GPU "
+            "every epoch (loader=folder). Pick pil, simplejpeg, jpeg4py or torchvision",
         )
 
 
@@ -220,6 +233,24 @@ def register_configs() -> None:
     time, before the job starts.
     """
     ConfigStore.instance().store(name="schema", node=Config)
+
+
+def config_dir() -> Path:
+    """conf/ at the top of a checkout (and of an editable install), else the copy a wheel
+    ships inside the package as runner/conf (package-dir in pyproject.toml)."""
+    here = Path(__file__).resolve().parent
+    return next(p for p in (here.parent / "conf", here / "conf") if p.is_dir())
+
+
+def compose(overrides: list[str]) -> Config:
+    """The validated config for ``overrides``, composed exactly as ``python -m runner``
+    composes it (for commands and tests that run outside a Hydra job)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return to_config(hydra_compose("config", overrides=overrides))
 
 
 def to_config(cfg: DictConfig) -> Config:

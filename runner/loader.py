@@ -15,25 +15,31 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from runner.buffers import BufferPool
 from runner.config import LoaderConfig
+from runner.storage.decoded import DecodedStorage, shared_empty
 from runner.storage.folder import Sample, SkippedFile
 
 log = logging.getLogger(__name__)
 
 
 def _stack_images(images: list[torch.Tensor]) -> torch.Tensor:
-    """torch.stack into shared memory when in a worker, so the batch crosses to the main
+    """torch.stack, into shared memory when in a worker, so the batch crosses to the main
     process without another copy (what default_collate does)."""
     out = None
     if get_worker_info() is not None:
-        first = images[0]
-        storage = first._typed_storage()._new_shared(len(images) * first.numel(), device=first.device)
-        out = first.new(storage).resize_(len(images), *first.shape)
+        out = shared_empty((len(images), *images[0].shape), images[0].dtype)
     return torch.stack(images, 0, out=out)
 
 
-def collate(items: list[Sample | SkippedFile]) -> tuple[dict | None, list[SkippedFile]]:
-    """Samples -> ({image, label, index}, skipped files); None when every file was skipped."""
+def collate(items: list[Sample | SkippedFile] | dict) -> tuple[dict | None, list[SkippedFile]]:
+    """Samples -> ({image, label, index}, skipped files); None when every file was skipped.
+
+    A storage that gathers whole batches itself (``__getitems__`` returning a dict) passes
+    through untouched.
+    """
+    if isinstance(items, dict):
+        return items, []
     samples = [s for s in items if isinstance(s, Sample)]
     skipped = [s for s in items if isinstance(s, SkippedFile)]
     if not samples:
@@ -74,12 +80,102 @@ def dataloader_kwargs(cfg: LoaderConfig, pin_memory: bool) -> dict:
     return kwargs
 
 
-def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: bool) -> DataLoader:
-    """A DataLoader over ``storage``; ``loader.batched`` picks one call per batch or per image."""
+class BatchOrder:
+    """The index sets of each epoch's batches: a seeded permutation, reshuffled per epoch.
+
+    Every loading path (per item, batched, in process, with workers) draws its batches from
+    this one sampler, so the same seed gives the same batches on every path. Indices within
+    a batch are sorted: the batch is the same set of images, read in file order.
+
+    Args:
+        size: number of items.
+        batch_size: items per batch.
+        shuffle: permute each epoch (else file order).
+        drop_last: drop a last, short batch.
+        seed: seeds the permutations.
+        block: shuffle runs of this many consecutive items instead of single items (1: a
+            full permutation); larger blocks read a memmap in longer contiguous runs.
+    """
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
+                 block: int = 1):
+        self.size, self.batch_size = size, batch_size
+        self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.size // self.batch_size
+        return -(-self.size // self.batch_size)
+
+    def epoch_order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.size)
+        if self.block <= 1:
+            return torch.randperm(self.size, generator=self.generator)
+        starts = torch.randperm(-(-self.size // self.block), generator=self.generator)
+        order = (starts[:, None] * self.block + torch.arange(self.block)).flatten()
+        return order[order < self.size]
+
+    def batches(self) -> Iterator[torch.Tensor]:
+        order = self.epoch_order()
+        full = (self.size // self.batch_size) * self.batch_size
+        rows = order[:full].view(-1, self.batch_size)
+        if self.shuffle:  # one sort for the whole epoch, not one call per batch
+            rows = rows.sort(dim=1).values
+        yield from rows
+        if not self.drop_last and full < self.size:
+            rest = order[full:]
+            yield rest.sort().values if self.shuffle else rest
+
+    def __iter__(self) -> Iterator[list[int]]:  # as a DataLoader batch_sampler
+        for index in self.batches():
+            yield index.tolist()
+
+
+class InProcessBatches:
+    """Batches gathered in the main process, one indexed read each, into reused buffers.
+
+    No worker processes, no inter-process copies, no per-item calls: the fastest path for
+    pre-decoded storage when a batch is only a memory copy away.
+    """
+
+    def __init__(self, storage: DecodedStorage, order: BatchOrder, pin_memory: bool):
+        self.storage = storage
+        self.order = order
+        self.pool = BufferPool((order.batch_size, *storage.image_shape), storage.images.dtype,
+                               pin=pin_memory)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[tuple[dict, list]]:
+        for index in self.order.batches():
+            yield self.storage.gather(index, out=self.pool.take(len(index))), []
+
+
+def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: bool):
+    """An iterable of (batch dict, skipped files) over one epoch of ``storage``.
+
+    ``loader.batched`` with no workers on pre-decoded storage gathers in process;
+    otherwise a DataLoader calls ``__getitems__`` once per batch (batched) or
+    ``__getitem__`` once per image.
+    """
+    order = BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
+                       cfg.shuffle_block)
+    if cfg.batched and cfg.num_workers == 0 and isinstance(storage, DecodedStorage):
+        return InProcessBatches(storage, order, pin_memory)
+    kwargs = dataloader_kwargs(cfg, pin_memory)
+    for key in ("batch_size", "shuffle", "drop_last"):  # the batch order decides these
+        kwargs.pop(key)
+    if cfg.num_workers > 0:
+        # fork: workers map the storage's memory (pre-decoded images included) instead
+        # of receiving a pickled copy each
+        kwargs["multiprocessing_context"] = "fork"
     dataset = storage if cfg.batched else PerItem(storage)
-    generator = torch.Generator().manual_seed(seed)  # the shuffle order and worker seeds
-    return DataLoader(dataset, collate_fn=collate, generator=generator,
-                      **dataloader_kwargs(cfg, pin_memory))
+    generator = torch.Generator().manual_seed(seed)  # worker seeds (random crops)
+    return DataLoader(dataset, batch_sampler=order, collate_fn=collate, generator=generator,
+                      **kwargs)
 
 
 @dataclass

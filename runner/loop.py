@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +32,13 @@ def run_loop(
     log_every: int,
     logger: MetricLogger,
     progress: bool = True,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LoopResult:
     """Run ``step`` on up to ``total_steps`` batches and time the ones after warm-up.
 
     The device is synchronized only when warm-up ends, at every ``log_every``-th timed
-    step, and at the end.
+    step, and at the end. ``augment`` (random crops of pre-decoded batches) runs on the
+    device after the move and counts as compute.
     """
     clock = StepClock(device)
     timed = Window()
@@ -55,6 +57,8 @@ def run_loop(
             c0 = clock.now()
             batch = batch.to(device, non_blocking=True)
             c1 = clock.now()
+            if augment is not None:
+                batch["image"] = augment(batch["image"])
             step(batch)
             c2 = clock.now()
             clock.add("copy", c0, c1)

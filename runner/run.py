@@ -22,7 +22,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.atomic import write_json
-from runner.config import Config, Device, ModelName, TaskName, flatten, to_config, to_plain
+from runner.augment import BatchAugment
+from runner.config import (
+    Config,
+    Crop,
+    Device,
+    ModelName,
+    TaskName,
+    flatten,
+    to_config,
+    to_plain,
+)
 from runner.loader import BatchStream, build_loader
 from runner.loggers import MetricLogger, NullLogger, build_logger
 from runner.loop import LoopResult, run_loop
@@ -30,6 +40,7 @@ from runner.models import build_model
 from runner.predictions import PredictionWriter
 from runner.storage import build_storage, resolve_dataset
 from runner.storage.decode import DecoderUnavailable
+from runner.storage.decoded import DecodedStorage
 from runner.task import DataOnlyStep, InferStep, Step, TrainStep
 
 log = logging.getLogger("runner")
@@ -90,17 +101,17 @@ class Job:
         cfg = self.config
         torch.manual_seed(cfg.seed)
         device = self._setup_device()
-        storage = self._setup_storage()
+        storage = self._setup_storage(device)
         loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device))
         total_steps, epochs, warmup = self._plan(len(loader))
         stream = BatchStream(loader, epochs)
-        step = self._setup_task(storage, device)
+        step = self._setup_task(storage, device, total_steps)
         self.logger = self._setup_logger()
         log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s",
                  self._describe(), storage.root, len(storage), len(storage.classes),
                  total_steps, warmup, device)
         result = run_loop(stream, step, device, total_steps, warmup, cfg.run.log_every,
-                          self.logger, cfg.run.progress)
+                          self.logger, cfg.run.progress, self._augment(storage))
         return self._figures(result, step.close(), stream, device)
 
     def close(self, metrics: dict[str, Any]) -> None:
@@ -121,10 +132,11 @@ class Job:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(want.value)
 
-    def _setup_storage(self):
+    def _setup_storage(self, device: torch.device):
         cfg = self.config
         path = resolve_dataset(cfg.dataset, progress=cfg.run.progress)
-        return build_storage(cfg.loader, cfg.dataset, path)
+        return build_storage(cfg.loader, cfg.dataset, path, self._pin_memory(device),
+                             cfg.run.progress)
 
     def _pin_memory(self, device: torch.device) -> bool:
         pin = self.config.loader.pin_memory
@@ -147,17 +159,24 @@ class Job:
                         run.warmup_steps, total, warmup)
         return total, epochs, warmup
 
-    def _setup_task(self, storage, device: torch.device) -> Step:
+    def _setup_task(self, storage, device: torch.device, total_steps: int) -> Step:
         cfg = self.config
         model = build_model(cfg.model, len(storage.classes), device)
         if model is None:
             return DataOnlyStep()
         if cfg.task.name is TaskName.train:
-            return TrainStep(model, cfg.task)
+            return TrainStep(model, cfg.task, total_steps)
         writer = None
         if cfg.task.write_predictions:
             writer = PredictionWriter(self.run_dir, storage.name_of, cfg.task.writer_threads)
         return InferStep(model, cfg.task, writer)
+
+    def _augment(self, storage) -> BatchAugment | None:
+        """Random crops for pre-decoded storage happen on the device (folder does them
+        per image while decoding)."""
+        if self.config.dataset.crop is Crop.random and isinstance(storage, DecodedStorage):
+            return BatchAugment(tuple(self.config.dataset.image_size))
+        return None
 
     def _setup_logger(self) -> MetricLogger:
         hc = self.hydra_cfg

@@ -24,39 +24,49 @@ class Step(Protocol):
 
 
 class TrainStep:
-    """SGD with momentum on cross-entropy; the loss stays on the device until ``read``."""
+    """SGD with momentum on cross-entropy; losses stay on the device until read.
 
-    def __init__(self, model: nn.Module, cfg: TaskConfig):
+    Args:
+        model: the network (its first layer takes uint8).
+        cfg: learning rate, momentum, weight decay.
+        total_steps: the run's length; every step's loss is kept (one scalar each) so the
+            figures compare the first and last tenth of the run, not single noisy steps.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int):
         self.model = model.train()
         self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)
-        self._loss_sum: torch.Tensor | None = None
-        self._count = 0
-        self.first_loss: float | None = None
-        self.last_loss: float | None = None
+        device = next(model.parameters()).device
+        self.losses = torch.zeros(max(total_steps, 1), device=device)
+        self.steps = 0
+        self._read = 0  # losses before this index were already read
 
     def __call__(self, batch: TensorDict) -> None:
         loss = F.cross_entropy(self.model(batch["image"]), batch["label"])
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        loss = loss.detach()
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._count += 1
+        if self.steps < len(self.losses):
+            self.losses[self.steps] = loss.detach()  # stays on the device: no sync
+        self.steps += 1
 
     def read(self) -> dict[str, float]:
-        if not self._count:
+        """Mean loss since the last read (a sync point: call only at log points)."""
+        end = min(self.steps, len(self.losses))
+        if end <= self._read:
             return {}
-        loss = (self._loss_sum / self._count).item()
-        self._loss_sum, self._count = None, 0
-        if self.first_loss is None:
-            self.first_loss = loss
-        self.last_loss = loss
+        loss = self.losses[self._read : end].mean().item()
+        self._read = end
         return {"loss": loss}
 
     def close(self) -> dict[str, float]:
-        self.read()
-        return {"loss_first": self.first_loss, "loss_last": self.last_loss}
+        n = min(self.steps, len(self.losses))
+        if n == 0:
+            return {}
+        tenth = max(1, n // 10)
+        return {"loss_first": self.losses[:tenth].mean().item(),
+                "loss_last": self.losses[n - tenth : n].mean().item()}
 
 
 class InferStep:

@@ -108,13 +108,17 @@ def test_batched_and_per_item_loading_give_the_same_batches(image_tree: Path):
 def test_shuffle_is_seeded_and_reshuffles_each_epoch(image_tree: Path):
     storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
 
-    def order(seed: int) -> list[list[int]]:
-        loader = build_loader(storage, loader_config(shuffle=True, batch_size=18), seed, False)
-        return [b["index"].tolist() for b in BatchStream(loader, epochs=2)]
+    def order(seed: int) -> list[list[list[int]]]:
+        """The batches of each of two epochs."""
+        loader = build_loader(storage, loader_config(shuffle=True, batch_size=6), seed, False)
+        batches = [b["index"].tolist() for b in BatchStream(loader, epochs=2)]
+        return [batches[:3], batches[3:]]
 
     first = order(5)
     assert first == order(5)
-    assert first[0] != first[1] and sorted(first[0]) == sorted(first[1]) == list(range(18))
+    for epoch in first:
+        assert sorted(i for batch in epoch for i in batch) == list(range(18))
+    assert first[0] != first[1]  # reshuffled: different batches in the second epoch
     assert first != order(6)
 
 

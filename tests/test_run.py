@@ -17,7 +17,7 @@ REQUIRED = {"status", "reason", "images_per_sec", "ms_per_step", "data_wait_frac
 
 
 def test_train_run_writes_metrics_and_learns(tmp_path: Path, cache_dir: Path):
-    run_cli(*SMALL_DATASET, "logger=none", "run.epochs=4", "task.lr=0.1", "hydra.run.dir=run",
+    run_cli(*SMALL_DATASET, "logger=none", "run.epochs=4", "hydra.run.dir=run",
             cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert REQUIRED <= set(m)
@@ -123,3 +123,30 @@ def test_wandb_offline_run_holds_the_config_and_no_secret(tmp_path: Path, image_
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), f"secret written to {path}"
+
+
+def test_memmap_converts_once_then_reuses(tmp_path: Path, cache_dir: Path):
+    first = run_cli(*SMALL_DATASET, "loader=memmap", "logger=none", "hydra.run.dir=a",
+                    cwd=tmp_path)
+    assert "memmap cache ready" in first.stdout + first.stderr
+    second = run_cli(*SMALL_DATASET, "loader=memmap", "logger=none", "dataset.crop=random",
+                     "hydra.run.dir=b", cwd=tmp_path)
+    assert "memmap cache ready" not in second.stdout + second.stderr  # reused
+    for run in ("a", "b"):
+        m = read_metrics(tmp_path / run)
+        assert m["status"] == "ok" and m["images"] == 60 and m["config"]["loader"]["name"] == "memmap"
+    assert len(list((cache_dir / "memmap").glob("*/meta.json"))) == 1
+
+
+def test_ram_run_and_its_defaults(tmp_path: Path, cache_dir: Path):
+    run_cli(*SMALL_DATASET, "loader=ram", "model=none", "logger=none", "hydra.run.dir=run",
+            cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "ok" and m["images"] == 60
+    assert m["config"]["loader"]["batched"] is True and m["config"]["loader"]["num_workers"] == 0
+
+
+def test_nvjpeg_with_a_decode_once_loader_is_a_config_error(tmp_path: Path):
+    proc = run_cli("loader=memmap", "loader.decoder=nvjpeg", "hydra.run.dir=run", cwd=tmp_path,
+                   check=False)
+    assert proc.returncode == 2 and "decodes once on the CPU" in proc.stdout + proc.stderr

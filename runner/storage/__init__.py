@@ -1,12 +1,19 @@
-"""``loader=`` storages: where batches come from (folder now; memmap and ram decode once)."""
+"""``loader=`` storages: where batches come from.
+
+folder decodes every image on every epoch; memmap and ram decode once (memmap.py, ram.py)
+and then serve batches by indexed reads of one uint8 tensor (decoded.py).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from runner.config import DatasetConfig, LoaderConfig, Storage
+from runner.config import Crop, DatasetConfig, LoaderConfig, Storage
 from runner.storage.decode import ImageDecoder, check_decoder
+from runner.storage.decoded import DecodedStorage
 from runner.storage.folder import FolderStorage
+from runner.storage.memmap import CacheSpec, ensure_cache, open_images, open_labels
+from runner.storage.ram import load_ram
 from runner.synthetic import SyntheticSpec, ensure_dataset
 
 
@@ -18,10 +25,33 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 
 
-def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> FolderStorage:
+def cache_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> CacheSpec:
+    return CacheSpec(Path(path).expanduser().resolve(), tuple(dataset.image_size),
+                     loader.decoder.name, loader.draft)
+
+
+def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                  pin_memory: bool = False, progress: bool = True) -> FolderStorage | DecodedStorage:
+    """The storage ``loader.name`` asks for, over the ImageFolder tree at ``path``."""
     check_decoder(loader.decoder)
-    decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop, loader.draft)
-    builders = {Storage.folder: FolderStorage}
-    if loader.name not in builders:
-        raise NotImplementedError(f"loader={loader.name.name} is not available yet")
-    return builders[loader.name](path, decode, dataset.on_corrupt)
+    # Pre-decoded storage keeps the deterministic center crop; random crops for training
+    # are applied to whole batches on the device instead (runner/augment.py).
+    crop = dataset.crop if loader.name is Storage.folder else Crop.center
+    decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), crop, loader.draft)
+    folder = FolderStorage(path, decode, dataset.on_corrupt)
+    if loader.name is Storage.folder:
+        return folder
+    spec = cache_spec(loader, dataset, path)
+    if loader.name is Storage.ram:
+        return load_ram(folder, spec, Path(dataset.cache_dir), pin_memory, progress)
+    return open_memmap(folder, spec, Path(dataset.cache_dir), progress)
+
+
+def open_memmap(folder: FolderStorage, spec: CacheSpec, cache_root: Path,
+                progress: bool = True) -> DecodedStorage:
+    """The memmap cache of ``folder`` (converted first if there is no valid one)."""
+    cache, meta = ensure_cache(folder, spec, cache_root, progress)
+    names = [str(Path(p).relative_to(folder.root)) for p, _ in folder.samples]
+    return DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
+                          [s["index"] for s in meta["skipped"]], folder.classes, names,
+                          folder.root)

@@ -36,6 +36,7 @@ class SkippedFile:
 
     path: str
     error: str
+    index: int = -1  # position in the storage
 
 
 def find_classes(root: Path) -> list[str]:
@@ -129,7 +130,7 @@ class FolderStorage(torch.utils.data.Dataset):
                 raise CorruptImageError(
                     f"cannot decode {path}: {e} (dataset.on_corrupt=skip skips such files)"
                 ) from e
-            return SkippedFile(path, str(e))
+            return SkippedFile(path, str(e), index)
         return Sample(image, label, index)
 
     def __getitems__(self, indices: list[int]) -> list[Sample | SkippedFile]:

@@ -1,0 +1,275 @@
+"""``python -m runner.bench loaders``: every way of loading the same images, against the limit.
+
+Measured in one run, on one machine, on the same images at one size (default 224x224):
+  1. the limits: a contiguous memory copy of one batch's bytes, and a raw batched gather
+     from the memmap cache into a preallocated batch;
+  2. the per-item way the field starts from: a DataLoader over the memmap, one
+     ``__getitem__`` per image and the default collate, 2 workers;
+  3. the naive folder path: PIL decode, resize, float conversion on the CPU, per item,
+     2 workers;
+  4. the runner's own loaders (``model=none``, through the runner's loop): folder with each
+     decoder, memmap and ram, in process and with 2 workers;
+and, separately, per-batch overhead on a 300,000-element in-memory tensor dataset. Prints
+images/s, the ratios, whether each target holds, and writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from runner.config import Config, compose
+from runner.loader import (
+    BatchOrder,
+    BatchStream,
+    InProcessBatches,
+    build_loader,
+    shutdown_workers,
+)
+from runner.loggers import NullLogger
+from runner.loop import run_loop
+from runner.storage import build_storage, resolve_dataset
+from runner.storage.decode import DecoderUnavailable
+from runner.storage.decoded import DecodedStorage
+from runner.task import DataOnlyStep
+
+CPU = torch.device("cpu")
+
+
+def timed_rate(batches: Callable[[], Iterable], seconds: float, warmup: int = 2) -> float:
+    """Images/s over ``seconds`` of batches after ``warmup`` batches (epochs cycle)."""
+
+    def endless():
+        while True:
+            yield from batches()
+
+    it = endless()
+    for _ in range(warmup):
+        next(it)
+    images, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = next(it)
+        images += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+    return images / (time.perf_counter() - start)
+
+
+def runner_rate(config: Config, seconds: float) -> float:
+    """images/s of the runner's loader for ``config`` with model=none, via the runner's loop."""
+    cfg = config
+    path = resolve_dataset(cfg.dataset, progress=False)
+    storage = build_storage(cfg.loader, cfg.dataset, path, pin_memory=False, progress=True)
+    loader = build_loader(storage, cfg.loader, cfg.seed, pin_memory=False)
+    per_epoch = len(loader)
+
+    def loop(steps: int, warmup: int):
+        stream = BatchStream(loader, epochs=math.ceil(steps / per_epoch))
+        return run_loop(stream, DataOnlyStep(), CPU, steps, warmup, log_every=10**9,
+                        logger=NullLogger(), progress=False)
+
+    probe = loop(min(per_epoch, 8), warmup=2).timed.figures()["images_per_sec"]
+    steps = max(2 * per_epoch, int(probe * seconds / cfg.loader.batch_size))
+    return loop(steps, warmup=min(5, per_epoch)).timed.figures()["images_per_sec"]
+
+
+class PerItemMemmap(Dataset):
+    """The field's starting point: one (image, label) per call, collated by the DataLoader."""
+
+    def __init__(self, storage: DecodedStorage):
+        self.images, self.labels = storage.images, storage.labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.images[i], self.labels[i]
+
+
+class NaiveFolder(Dataset):
+    """PIL decode, resize and crop in PIL, float tensor on the CPU: the slow path."""
+
+    def __init__(self, samples: list[tuple[str, int]], size: tuple[int, int]):
+        import torchvision.transforms as T
+
+        self.samples = samples
+        self.transform = T.Compose([T.Resize(min(size)), T.CenterCrop(size), T.ToTensor()])
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        path, label = self.samples[i]
+        with Image.open(path) as img:
+            return self.transform(img.convert("RGB")), label
+
+
+def limits(storage: DecodedStorage, batch_size: int, seconds: float) -> dict[str, float]:
+    shape = (batch_size, *storage.image_shape)
+    src = storage.images[:batch_size].clone()
+    dst = torch.empty(shape, dtype=torch.uint8)
+    copy = timed_rate(lambda: [dst.copy_(src)], seconds)
+    out = torch.empty(shape, dtype=torch.uint8)
+    order = BatchOrder(len(storage), batch_size, shuffle=True, drop_last=True, seed=0)
+    gather = timed_rate(
+        lambda: (torch.index_select(storage.images, 0, i, out=out) for i in order.batches()),
+        seconds)
+    return {"memcpy_limit": copy, "raw_memmap_gather": gather}
+
+
+def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3) -> dict:
+    """One epoch over n tiny in-memory items: DataLoader per item, runner, numpy loop."""
+    images = torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (n,))
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    dataloader = DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True)
+    storage = DecodedStorage(images, labels, [], ["c"], [], None)
+    runner = InProcessBatches(storage, BatchOrder(n, batch_size, True, False, seed=0), False)
+    xs, ys = images.numpy(), labels.numpy()
+
+    def numpy_loop():
+        perm = np.random.permutation(n)
+        for k in range(0, n, batch_size):
+            idx = perm[k : k + batch_size]
+            xs.take(idx, axis=0), ys.take(idx)
+
+    def consume(batches: Iterable) -> None:
+        for _ in batches:  # each batch dropped before the next, as a training loop does
+            pass
+
+    return {
+        "dataloader_s": best(lambda: consume(dataloader)),
+        "runner_s": best(lambda: consume(BatchStream(runner, 1))),
+        "numpy_s": best(numpy_loop),
+        "items": n,
+        "batch_size": batch_size,
+    }
+
+
+def bench_loaders(args: argparse.Namespace) -> dict:
+    base = [*args.overrides, f"dataset.image_size=[{args.size},{args.size}]",
+            f"loader.batch_size={args.batch_size}", "model=none", "logger=none",
+            "run.progress=false"]
+    rates: dict[str, float] = {}
+    print(f"preparing the memmap cache ({args.size}x{args.size})...", flush=True)
+    memmap_cfg = compose([*base, "loader=memmap"])
+    path = resolve_dataset(memmap_cfg.dataset)
+    memmap = build_storage(memmap_cfg.loader, memmap_cfg.dataset, path, progress=True)
+    folder = build_storage(compose([*base, "loader=folder"]).loader, memmap_cfg.dataset, path)
+    print(f"{len(memmap)} images from {path}; batch {args.batch_size}; "
+          f"{args.seconds:g} s per measurement\n", flush=True)
+
+    def record(name: str, fn: Callable[[], float]) -> None:
+        try:
+            rates[name] = fn()
+            print(f"  {name:34s} {rates[name]:>10,.0f} images/s", flush=True)
+        except DecoderUnavailable as e:
+            print(f"  {name:34s} {'skipped':>10s}  ({e})", flush=True)
+
+    print("1. limits")
+    for name, rate in limits(memmap, args.batch_size, args.seconds).items():
+        record(name, lambda rate=rate: rate)
+    print("2. per-item DataLoader over the memmap (default collate, 2 workers)")
+    per_item = DataLoader(PerItemMemmap(memmap), batch_size=args.batch_size, shuffle=True,
+                          num_workers=2, persistent_workers=True)
+    record("per_item_dataloader", lambda: timed_rate(lambda: per_item, args.seconds))
+    shutdown_workers(per_item)  # idle workers would still hold memory and prefetched work
+    print("3. naive folder path (PIL, float on the CPU, per item, 2 workers)")
+    naive = DataLoader(NaiveFolder(folder.samples, (args.size, args.size)),
+                       batch_size=args.batch_size, shuffle=True, num_workers=2,
+                       persistent_workers=True)
+    record("naive_folder", lambda: timed_rate(lambda: naive, args.seconds))
+    shutdown_workers(naive)
+    print("4. the runner's loaders (model=none)")
+    for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision"):
+        draft = decoder in ("pil", "simplejpeg")
+        record(f"folder_{decoder}{'_draft' if draft else ''}", lambda d=decoder, dr=draft: runner_rate(
+            compose([*base, "loader=folder", f"loader.decoder={d}", f"loader.draft={dr}"]),
+            args.seconds))
+    for storage in ("memmap", "ram"):
+        record(f"{storage}", lambda s=storage: runner_rate(compose([*base, f"loader={s}"]),
+                                                          args.seconds))
+        record(f"{storage}_2_workers", lambda s=storage: runner_rate(
+            compose([*base, f"loader={s}", "loader.num_workers=2"]), args.seconds))
+    print("5. per-batch overhead: 300,000 in-memory items, batch 300, one epoch")
+    overhead = per_batch_overhead()
+    for key in ("dataloader_s", "runner_s", "numpy_s"):
+        print(f"  {key[:-2]:34s} {overhead[key]:>10.3f} s/epoch")
+    return {"rates": rates, "overhead": overhead}
+
+
+def report(result: dict) -> list[tuple[str, float, float, bool]]:
+    """(what, measured ratio, target, met) for each target of the loader benchmark."""
+    r, o = result["rates"], result["overhead"]
+    folder_best = max((v for k, v in r.items() if k.startswith("folder_")), default=0.0)
+    checks = []
+    for name in ("memmap", "ram"):
+        if name in r:
+            checks.append((f"{name} / per-item DataLoader", r[name] / r["per_item_dataloader"], 4.0))
+            checks.append((f"{name} / memcpy limit", r[name] / r["memcpy_limit"], 0.35))
+    checks.append(("runner batched / DataLoader, per-batch overhead",
+                   o["dataloader_s"] / o["runner_s"], 20.0))
+    checks.append(("folder (best decoder) / naive folder", folder_best / r["naive_folder"], 4.0))
+    return [(what, ratio, target, ratio >= target) for what, ratio, target in checks]
+
+
+def print_report(result: dict) -> None:
+    r = result["rates"]
+    print("\nratios")
+    for a, b in [("raw_memmap_gather", "memcpy_limit"), ("memmap_2_workers", "memmap"),
+                 ("ram_2_workers", "ram"), ("ram", "memmap"), ("memmap", "naive_folder")]:
+        if a in r and b in r:
+            print(f"  {a} / {b}: {r[a] / r[b]:.2f}")
+    o = result["overhead"]
+    print(f"  numpy loop / DataLoader (per-batch overhead): {o['dataloader_s'] / o['numpy_s']:.0f}x")
+    print("\ntargets")
+    for what, ratio, target, met in report(result):
+        shown = f"{ratio:.0%}" if target < 1 else f"{ratio:.1f}x"
+        wanted = f">= {target:.0%}" if target < 1 else f">= {target:g}x"
+        print(f"  {'PASS' if met else 'FAIL'}  {what}: {shown} (target {wanted})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("loaders", help="every loader against the memory-copy limit")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    p.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"runner.bench loaders on {platform.machine()} ({torch.get_num_threads()} threads, "
+          f"torch {torch.__version__})", flush=True)
+    result = bench_loaders(args)
+    print_report(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"loaders-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+    checks = [dict(zip(("what", "ratio", "target", "met"), c)) for c in report(result)]
+    out.write_text(json.dumps({**result, "targets": checks, "args": {
+        k: str(v) for k, v in vars(args).items()}}, indent=2))
+    print(f"\nwritten to {out}")
+    return 0 if all(c["met"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

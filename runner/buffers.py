@@ -1,0 +1,70 @@
+"""Reusable batch buffers: gather into memory that is already mapped (and pinned, on CUDA).
+
+A fresh 38 MB batch buffer (256 images of 224x224) costs more than filling it: glibc maps
+every allocation over 32 MB anew, so each batch pays page faults and kernel zeroing
+(measured here: 6,000 images/s for clone() against 105,000 for a copy into an existing
+buffer). The pool hands out views of a few long-lived buffers and reuses a buffer only when
+nothing refers to its storage any more, so a batch someone still holds is never
+overwritten; when every buffer is busy it allocates a fresh one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # counts the references to a storage: the buffer's own, plus every view handed out
+    _storage_use_count = torch._C._storage_Use_Count
+except AttributeError:  # pragma: no cover - private API; without it, never reuse
+    _storage_use_count = None
+
+
+class BufferPool:
+    """Up to ``capacity`` reusable buffers of one shape and dtype.
+
+    Args:
+        shape: the full-batch shape; ``take(n)`` returns the first ``n`` rows.
+        dtype: element type.
+        pin: allocate page-locked memory (for asynchronous copies to CUDA).
+        capacity: buffers kept; beyond it, batches get fresh, unpooled memory.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
+                 capacity: int = 4):
+        self.shape, self.dtype, self.pin, self.capacity = tuple(shape), dtype, pin, capacity
+        self._buffers: list[torch.Tensor] = []
+        self._idle_count: list[int] = []
+        self._events: list = []  # per buffer: a CUDA event that must finish before reuse
+        self.allocated = 0  # buffers made (pooled or not): a test can check reuse with it
+
+    def _new(self) -> torch.Tensor:
+        self.allocated += 1
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin)
+
+    def _is_idle(self, k: int) -> bool:
+        storage = self._buffers[k].untyped_storage()
+        if _storage_use_count(storage._cdata) != self._idle_count[k]:
+            return False
+        event = self._events[k]
+        return event is None or event.query()  # an async copy out of it may still run
+
+    def take(self, n: int | None = None) -> torch.Tensor:
+        """A buffer of ``n`` rows (default: all) that nobody else is using."""
+        n = self.shape[0] if n is None else n
+        if _storage_use_count is not None:
+            for k in range(len(self._buffers)):
+                if self._is_idle(k):
+                    self._events[k] = None
+                    return self._buffers[k][:n]
+            if len(self._buffers) < self.capacity:
+                buf = self._new()
+                self._buffers.append(buf)
+                self._events.append(None)
+                self._idle_count.append(_storage_use_count(buf.untyped_storage()._cdata))
+                return buf[:n]
+        return self._new()[:n]
+
+    def record(self, view: torch.Tensor, event) -> None:
+        """Do not reuse ``view``'s buffer until ``event`` (a CUDA event) has completed."""
+        for k, buf in enumerate(self._buffers):
+            if buf.data_ptr() == view.data_ptr():
+                self._events[k] = event

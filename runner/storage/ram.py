@@ -1,0 +1,96 @@
+"""``loader=ram``: every image decoded once into one contiguous uint8 tensor in memory.
+
+The tensor lives in shared memory, so DataLoader workers map it instead of copying it, and
+is read from the memmap cache when one is valid for this dataset, else decoded straight
+into memory with every core. With ``loader.pin_memory`` on CUDA it is page-locked.
+A dataset that does not fit is refused before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runner.storage.decoded import DecodedStorage, shared_empty
+from runner.storage.folder import DatasetError, FolderStorage
+from runner.storage.memmap import (
+    CHUNK,
+    IMAGES,
+    CacheSpec,
+    decode_into,
+    image_shape,
+    open_labels,
+    source_fingerprint,
+    valid_cache,
+)
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+def memory_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(nbytes: int, count: int, shape: tuple[int, ...], copies: int = 1) -> None:
+    available = memory_available()
+    if nbytes * copies > 0.9 * available:
+        raise DatasetError(
+            f"loader=ram needs {nbytes * copies / GiB:.1f} GiB for {count:,} images of "
+            f"{'x'.join(map(str, shape))} uint8, but only {available / GiB:.1f} GiB of memory "
+            "is available; use loader=memmap (reads a memory-mapped file instead), or a "
+            "smaller dataset.image_size"
+        )
+
+
+def load_ram(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
+             pin: bool = False, progress: bool = True) -> DecodedStorage:
+    """The dataset as a DecodedStorage whose images live in (shared, or pinned) RAM."""
+    count = len(folder_storage)
+    shape = image_shape(count, spec.image_size)
+    nbytes = count * 3 * spec.image_size[0] * spec.image_size[1]
+    check_fits(nbytes, count, shape[1:], copies=2 if pin else 1)
+    meta = valid_cache(spec.folder(cache_root), spec, source_fingerprint(folder_storage))
+    images = shared_empty(shape, torch.uint8)
+    if meta is not None:
+        _read_file(spec.folder(cache_root) / IMAGES, images, progress)
+        labels = open_labels(spec.folder(cache_root), meta)
+        skipped = [s["index"] for s in meta["skipped"]]
+    else:
+        log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
+        chunks = [(s, min(s + CHUNK, count)) for s in range(0, count, CHUNK)]
+        skipped = [s.index for s in decode_into(images, folder_storage, chunks, progress)]
+        labels = torch.tensor([label for _, label in folder_storage.samples], dtype=torch.int64)
+    if pin:
+        images = images.pin_memory()  # page-locked: copies to the GPU can be asynchronous
+    names = [str(Path(p).relative_to(folder_storage.root)) for p, _ in folder_storage.samples]
+    return DecodedStorage(images, labels, skipped, folder_storage.classes, names,
+                          folder_storage.root)
+
+
+def _read_file(path: Path, images: torch.Tensor, progress: bool) -> None:
+    """Read the cache file straight into the tensor's memory, in 64 MiB pieces."""
+    view = memoryview(images.numpy()).cast("B")
+    step = 64 * 1024 * 1024
+    with open(path, "rb", buffering=0) as f, tqdm(total=len(view), unit="B", unit_scale=True,
+                                                  desc="loading into RAM",
+                                                  disable=not progress) as bar:
+        for start in range(0, len(view), step):
+            got = f.readinto(view[start : start + step])
+            if got != min(step, len(view) - start):
+                raise DatasetError(f"{path} ended early while loading it into RAM")
+            bar.update(got)

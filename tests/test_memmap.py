@@ -1,0 +1,185 @@
+"""The memmap cache: same pixels as the folder loader, resumable, rebuilt when stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.config import Decoder, OnCorrupt
+from runner.prepare import main as prepare_main
+from runner.storage import memmap
+from runner.storage.decode import ImageDecoder
+from runner.storage.folder import FolderStorage
+from runner.storage.memmap import META, CacheError, CacheSpec, ensure_cache
+from tests.conftest import REPO, encode, make_tree, photo
+
+SIZE = (24, 32)
+
+
+def decode() -> ImageDecoder:
+    return ImageDecoder(Decoder.simplejpeg, SIZE)
+
+
+def spec_for(root: Path) -> CacheSpec:
+    return CacheSpec(root.resolve(), SIZE, "simplejpeg", False)
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
+             for c in range(3) for k in range(9)}
+    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
+    files["c2/x.png"] = encode(photo(48, 64, index=99), "PNG")
+    return make_tree(tmp_path / "src", files)
+
+
+def build(source: Path, cache: Path, **kwargs):
+    folder = FolderStorage(source, decode(), OnCorrupt.skip)
+    path, meta = ensure_cache(folder, spec_for(source), cache, progress=False, **kwargs)
+    return folder, path, meta
+
+
+def test_cache_holds_the_folder_loaders_pixels_and_labels(source: Path, tmp_path: Path):
+    folder, path, meta = build(source, tmp_path / "cache")
+    storage = memmap_storage(folder, tmp_path / "cache")
+    assert meta["count"] == len(folder) == 29
+    assert [Path(s["path"]).name for s in meta["skipped"]] == ["broken.jpg"]
+    assert len(storage) == 28  # the broken file is left out
+    for i in range(len(storage)):
+        slot = int(storage.slots[i])
+        expected = folder[slot]
+        got = storage[i]
+        assert torch.equal(got.image, expected.image) and got.label == expected.label
+    meta_json = json.loads((path / META).read_text())  # JSON, not pickle
+    assert meta_json["image_size"] == list(SIZE) and meta_json["settings"]["decoder"] == "simplejpeg"
+
+
+def memmap_storage(folder: FolderStorage, cache: Path):
+    from runner.storage import open_memmap
+
+    return open_memmap(folder, spec_for(folder.root), cache, progress=False)
+
+
+def test_a_valid_cache_is_reused_and_a_changed_source_rebuilt(source: Path, tmp_path: Path,
+                                                              monkeypatch):
+    cache = tmp_path / "cache"
+    build(source, cache)
+    real_convert = memmap._convert
+    calls = []
+    monkeypatch.setattr(memmap, "_convert", lambda *a: calls.append(1) or real_convert(*a))
+    build(source, cache)
+    assert calls == []  # reused
+
+    (source / "c0" / "new.jpg").write_bytes(encode(photo(48, 64, index=500)))
+    _, _, meta = build(source, cache)
+    assert calls == [1] and meta["count"] == 30  # a file added
+
+    (source / "c0" / "img00.jpg").write_bytes(encode(photo(48, 64, index=501)))
+    build(source, cache)
+    assert calls == [1, 1]  # a file modified
+
+    (source / "c2" / "img03.jpg").unlink()
+    _, _, meta = build(source, cache)
+    assert calls == [1, 1, 1] and meta["count"] == 29  # a file removed
+
+    other = CacheSpec(source.resolve(), (16, 16), "simplejpeg", False)
+    assert other.folder(cache) != spec_for(source).folder(cache)  # size: its own cache
+
+
+@pytest.mark.parametrize("damage", ["truncate", "meta"])
+def test_a_damaged_cache_is_a_clear_error_not_garbage(source: Path, tmp_path: Path, damage):
+    folder, path, _ = build(source, tmp_path / "cache")
+    if damage == "truncate":
+        with open(path / "images.memmap", "r+b") as f:
+            f.truncate(1000)
+    else:
+        (path / META).write_text("{not json")
+    with pytest.raises(CacheError, match="python -m runner.prepare memmap --rebuild"):
+        memmap_storage(folder, tmp_path / "cache")
+
+
+def test_prepare_rebuild_repairs_a_damaged_cache(source: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    overrides = [f"dataset.path={source}", f"dataset.image_size=[{SIZE[0]},{SIZE[1]}]",
+                 "loader.decoder=simplejpeg", "run.progress=false"]
+    assert prepare_main(["memmap", *overrides]) == 0
+    path = spec_for(source).folder(tmp_path / "cache")
+    with open(path / "images.memmap", "r+b") as f:
+        f.truncate(10)
+    assert prepare_main(["memmap", *overrides]) == 2  # refuses to use it
+    assert prepare_main(["memmap", "--rebuild", *overrides]) == 0
+    folder = FolderStorage(source, decode(), OnCorrupt.skip)
+    assert len(memmap_storage(folder, tmp_path / "cache")) == 28
+
+
+KILLED_CONVERSION = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from runner.config import Decoder, OnCorrupt
+    from runner.storage import memmap
+    from runner.storage.decode import ImageDecoder
+    from runner.storage.folder import FolderStorage
+
+    source, cache = Path(sys.argv[1]), Path(sys.argv[2])
+    memmap.CHUNK = 3
+    real = memmap._decode_chunk
+
+    def dying(chunk):
+        if chunk[0] >= 4 * memmap.CHUNK:
+            time.sleep(1.0)  # let the parent record the first chunks
+        if chunk[0] == 4 * memmap.CHUNK:
+            os.kill(os.getppid(), signal.SIGKILL)  # the converting process dies, hard
+            time.sleep(5)
+        return real(chunk)
+
+    memmap._decode_chunk = dying
+    folder = FolderStorage(source, ImageDecoder(Decoder.simplejpeg, (24, 32)), OnCorrupt.skip)
+    spec = memmap.CacheSpec(source.resolve(), (24, 32), "simplejpeg", False)
+    memmap.ensure_cache(folder, spec, cache, progress=False)
+""")
+
+
+def test_a_killed_conversion_resumes_to_identical_bytes(source: Path, tmp_path: Path,
+                                                        monkeypatch):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_CONVERSION, str(source), str(cache)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr  # SIGKILL
+    final = spec_for(source).folder(cache)
+    partial = final.with_name(final.name + ".partial")
+    assert not (final / META).exists()  # nothing published that looks valid
+    recorded = len((partial / "done.jsonl").read_text().splitlines())
+    assert recorded >= 1
+
+    monkeypatch.setattr(memmap, "CHUNK", 3)
+    real_decode_into = memmap.decode_into
+    redone = []
+
+    def counting(target, folder, chunks, *args, **kwargs):
+        redone.extend(chunks)
+        return real_decode_into(target, folder, chunks, *args, **kwargs)
+
+    monkeypatch.setattr(memmap, "decode_into", counting)
+    _, path, meta = build(source, cache)
+    total = -(-meta["count"] // 3)
+    assert len(redone) == total - recorded  # finished chunks were not decoded again
+
+    _, reference, _ = build(source, tmp_path / "uninterrupted")
+    for name in ("images.memmap", "labels.memmap"):
+        assert (path / name).read_bytes() == (reference / name).read_bytes()
+    assert not partial.exists()
+
+
+def test_on_corrupt_fail_stops_the_conversion_with_the_path(source: Path, tmp_path: Path):
+    folder = FolderStorage(source, decode(), OnCorrupt.fail)
+    with pytest.raises(Exception, match=r"broken\.jpg"):
+        ensure_cache(folder, spec_for(source), tmp_path / "cache", progress=False)
+    assert not (spec_for(source).folder(tmp_path / "cache") / META).exists()
