@@ -6,6 +6,10 @@ every allocation over 32 MB anew, so each batch pays page faults and kernel zero
 buffer). The pool hands out views of a few long-lived buffers and reuses a buffer only when
 nothing refers to its storage any more, so a batch someone still holds is never
 overwritten; when every buffer is busy it allocates a fresh one.
+
+Pinned buffers (for CUDA) come from PyTorch's caching host allocator instead: it already
+reuses freed pinned blocks, and it also knows when an asynchronous copy out of a block is
+still running, which a pool of our own could not see.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class BufferPool:
     Args:
         shape: the full-batch shape; ``take(n)`` returns the first ``n`` rows.
         dtype: element type.
-        pin: allocate page-locked memory (for asynchronous copies to CUDA).
+        pin: page-locked memory for asynchronous copies to CUDA, from PyTorch's caching
+            host allocator (reused once no copy out of it is pending).
         capacity: buffers kept; beyond it, batches get fresh, unpooled memory.
     """
 
@@ -33,7 +38,6 @@ class BufferPool:
         self.shape, self.dtype, self.pin, self.capacity = tuple(shape), dtype, pin, capacity
         self._buffers: list[torch.Tensor] = []
         self._idle_count: list[int] = []
-        self._events: list = []  # per buffer: a CUDA event that must finish before reuse
         self.allocated = 0  # buffers made (pooled or not): a test can check reuse with it
 
     def _new(self) -> torch.Tensor:
@@ -42,29 +46,18 @@ class BufferPool:
 
     def _is_idle(self, k: int) -> bool:
         storage = self._buffers[k].untyped_storage()
-        if _storage_use_count(storage._cdata) != self._idle_count[k]:
-            return False
-        event = self._events[k]
-        return event is None or event.query()  # an async copy out of it may still run
+        return _storage_use_count(storage._cdata) == self._idle_count[k]
 
     def take(self, n: int | None = None) -> torch.Tensor:
         """A buffer of ``n`` rows (default: all) that nobody else is using."""
         n = self.shape[0] if n is None else n
-        if _storage_use_count is not None:
+        if _storage_use_count is not None and not self.pin:
             for k in range(len(self._buffers)):
                 if self._is_idle(k):
-                    self._events[k] = None
                     return self._buffers[k][:n]
             if len(self._buffers) < self.capacity:
                 buf = self._new()
                 self._buffers.append(buf)
-                self._events.append(None)
                 self._idle_count.append(_storage_use_count(buf.untyped_storage()._cdata))
                 return buf[:n]
         return self._new()[:n]
-
-    def record(self, view: torch.Tensor, event) -> None:
-        """Do not reuse ``view``'s buffer until ``event`` (a CUDA event) has completed."""
-        for k, buf in enumerate(self._buffers):
-            if buf.data_ptr() == view.data_ptr():
-                self._events[k] = event

@@ -79,6 +79,18 @@ class WandbMode(Enum):
     disabled = "disabled"
 
 
+class PrefetchName(Enum):
+    none = "none"  # plain iteration; the copy runs on the compute stream
+    cpu = "cpu"  # a background thread keeps `depth` batches ready
+    gpu = "gpu"  # a CUDA side stream copies the next batches while the model runs
+
+
+class AmpName(Enum):
+    off = "off"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
 class Device(Enum):
     auto = "auto"
     cpu = "cpu"
@@ -195,6 +207,24 @@ class LoggerConfig:
 
 
 @dataclass
+class PrefetchConfig:
+    """``prefetch=``: how batches are staged ahead of the step."""
+
+    name: PrefetchName = MISSING
+    depth: int = 2  # batches kept ready ahead of the one in use
+
+    def __post_init__(self) -> None:
+        _require(self.depth >= 1, "prefetch.depth", self.depth, "must be >= 1")
+
+
+@dataclass
+class AmpConfig:
+    """``amp=``: autocast dtype on the run's device (GradScaler for fp16 training)."""
+
+    name: AmpName = MISSING
+
+
+@dataclass
 class RunConfig:
     """``run.*``: how long the loop runs and how it reports."""
 
@@ -216,6 +246,8 @@ class RunConfig:
 @dataclass
 class Config:
     loader: LoaderConfig = MISSING
+    prefetch: PrefetchConfig = MISSING
+    amp: AmpConfig = MISSING
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     logger: LoggerConfig = MISSING

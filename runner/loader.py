@@ -19,6 +19,7 @@ from runner.buffers import BufferPool
 from runner.config import LoaderConfig
 from runner.storage.decoded import DecodedStorage, shared_empty
 from runner.storage.folder import Sample, SkippedFile
+from runner.storage.nvjpeg import pack_encoded
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,12 @@ def collate(items: list[Sample | SkippedFile] | dict) -> tuple[dict | None, list
     skipped = [s for s in items if isinstance(s, SkippedFile)]
     if not samples:
         return None, skipped
+    if samples[0].image.dim() == 1:  # encoded bytes (loader.decoder=nvjpeg): decoded later
+        pixels = pack_encoded([s.image for s in samples])
+    else:
+        pixels = {"image": _stack_images([s.image for s in samples])}
     batch = {
-        "image": _stack_images([s.image for s in samples]),
+        **pixels,
         "label": torch.tensor([s.label for s in samples], dtype=torch.int64),
         "index": torch.tensor([s.index for s in samples], dtype=torch.int64),
     }
@@ -201,6 +206,8 @@ def shutdown_workers(loader: DataLoader, iterator=None) -> None:
     for it in (iterator, getattr(loader, "_iterator", None)):
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
+        elif hasattr(it, "close"):  # a wrapper's generator: its own finally shuts down
+            it.close()
     if hasattr(loader, "_iterator"):
         loader._iterator = None
 

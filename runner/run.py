@@ -21,11 +21,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner.amp import check_amp
 from runner.atomic import write_json
 from runner.augment import BatchAugment
 from runner.config import (
     Config,
     Crop,
+    Decoder,
     Device,
     ModelName,
     TaskName,
@@ -33,24 +35,20 @@ from runner.config import (
     to_config,
     to_plain,
 )
+from runner.errors import Unavailable
 from runner.loader import BatchStream, build_loader
 from runner.loggers import MetricLogger, NullLogger, build_logger
 from runner.loop import LoopResult, run_loop
 from runner.models import build_model
 from runner.predictions import PredictionWriter
+from runner.prefetch import CudaStreamPrefetcher, build_prefetcher
 from runner.storage import build_storage, resolve_dataset
-from runner.storage.decode import DecoderUnavailable
+from runner.storage.decode import ImageDecoder
 from runner.storage.decoded import DecodedStorage
+from runner.storage.nvjpeg import GpuDecodedBatches
 from runner.task import DataOnlyStep, InferStep, Step, TrainStep
 
 log = logging.getLogger("runner")
-
-
-class RunSkipped(Exception):
-    """This machine cannot run this combination; the message says what is missing."""
-
-
-SKIPS = (RunSkipped, DecoderUnavailable)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -74,7 +72,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         job = Job(config, run_dir, hydra_cfg)
         metrics.update(job.execute())
         metrics["status"] = "ok"
-    except SKIPS as e:
+    except Unavailable as e:
         metrics.update(status="skipped", reason=str(e))
         log.warning("skipped: %s", e)
     except BaseException as e:
@@ -103,16 +101,24 @@ class Job:
         device = self._setup_device()
         storage = self._setup_storage(device)
         loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device))
+        if cfg.loader.decoder is Decoder.nvjpeg:
+            fallback = ImageDecoder(Decoder.pil, tuple(cfg.dataset.image_size), cfg.dataset.crop)
+            loader = GpuDecodedBatches(loader, storage, device, fallback)
         total_steps, epochs, warmup = self._plan(len(loader))
         stream = BatchStream(loader, epochs)
+        batches = build_prefetcher(cfg.prefetch, stream, device)
         step = self._setup_task(storage, device, total_steps)
         self.logger = self._setup_logger()
         log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s",
                  self._describe(), storage.root, len(storage), len(storage.classes),
                  total_steps, warmup, device)
-        result = run_loop(stream, step, device, total_steps, warmup, cfg.run.log_every,
+        result = run_loop(batches, step, device, total_steps, warmup, cfg.run.log_every,
                           self.logger, cfg.run.progress, self._augment(storage))
-        return self._figures(result, step.close(), stream, device)
+        figures = self._figures(result, step.close(), stream, device)
+        if isinstance(batches, CudaStreamPrefetcher):
+            # the side-stream copy time, overlapped with compute (so not in copy_ms)
+            figures["prefetch_copy_ms"] = 1000 * batches.copy_seconds() / max(result.steps, 1)
+        return figures
 
     def close(self, metrics: dict[str, Any]) -> None:
         """Hand the final figures to the logger; a logger error never hides the run's own."""
@@ -127,10 +133,13 @@ class Job:
     def _setup_device(self) -> torch.device:
         want = self.config.device
         if want is Device.cuda and not torch.cuda.is_available():
-            raise RunSkipped("device=cuda but no CUDA device is available here")
+            raise Unavailable("device=cuda but no CUDA device is available here")
         if want is Device.auto:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(want.value)
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(want.value)
+        check_amp(self.config.amp, device)
+        return device
 
     def _setup_storage(self, device: torch.device):
         cfg = self.config
@@ -165,11 +174,11 @@ class Job:
         if model is None:
             return DataOnlyStep()
         if cfg.task.name is TaskName.train:
-            return TrainStep(model, cfg.task, total_steps)
+            return TrainStep(model, cfg.task, total_steps, cfg.amp)
         writer = None
         if cfg.task.write_predictions:
             writer = PredictionWriter(self.run_dir, storage.name_of, cfg.task.writer_threads)
-        return InferStep(model, cfg.task, writer)
+        return InferStep(model, cfg.task, writer, cfg.amp)
 
     def _augment(self, storage) -> BatchAugment | None:
         """Random crops for pre-decoded storage happen on the device (folder does them
@@ -194,6 +203,7 @@ class Job:
         if cfg.loader.name.name == "folder":
             parts.append(f"decoder={cfg.loader.decoder.name}")
         parts += [f"workers={cfg.loader.num_workers}", f"batch={cfg.loader.batch_size}",
+                  f"prefetch={cfg.prefetch.name.name}", f"amp={cfg.amp.name.name}",
                   f"model={cfg.model.name.name}", f"task={cfg.task.name.name}"]
         return " ".join(parts)
 

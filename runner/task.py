@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from runner.config import TaskConfig
+from runner.amp import autocast, grad_scaler
+from runner.config import AmpConfig, AmpName, TaskConfig
 from runner.predictions import PredictionWriter
 
 
@@ -33,20 +34,27 @@ class TrainStep:
             figures compare the first and last tenth of the run, not single noisy steps.
     """
 
-    def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int):
+    def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int,
+                 amp: AmpConfig | None = None):
         self.model = model.train()
         self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)
         device = next(model.parameters()).device
+        amp = amp or AmpConfig(AmpName.off)
+        self.autocast = lambda: autocast(amp, device)
+        self.scaler = grad_scaler(amp, device)
         self.losses = torch.zeros(max(total_steps, 1), device=device)
         self.steps = 0
         self._read = 0  # losses before this index were already read
 
     def __call__(self, batch: TensorDict) -> None:
-        loss = F.cross_entropy(self.model(batch["image"]), batch["label"])
+        with self.autocast():
+            logits = self.model(batch["image"])
+        loss = F.cross_entropy(logits.float(), batch["label"])
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         if self.steps < len(self.losses):
             self.losses[self.steps] = loss.detach()  # stays on the device: no sync
         self.steps += 1
@@ -72,13 +80,17 @@ class TrainStep:
 class InferStep:
     """Forward under inference_mode; softmax and top-k on the device, rows to the writer."""
 
-    def __init__(self, model: nn.Module, cfg: TaskConfig, writer: PredictionWriter | None):
+    def __init__(self, model: nn.Module, cfg: TaskConfig, writer: PredictionWriter | None,
+                 amp: AmpConfig | None = None):
         self.model = model.eval()
         self.topk = cfg.topk
         self.writer = writer
+        device = next(model.parameters()).device
+        amp = amp or AmpConfig(AmpName.off)
+        self.autocast = lambda: autocast(amp, device)
 
     def __call__(self, batch: TensorDict) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), self.autocast():
             logits = self.model(batch["image"])
             probs = torch.softmax(logits.float(), dim=1)
             top = probs.topk(min(self.topk, probs.shape[1]), dim=1)

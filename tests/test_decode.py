@@ -36,7 +36,7 @@ def decoder_or_skip(decoder: Decoder, size, **kwargs) -> ImageDecoder:
 def pil_reference(data: bytes, size: tuple[int, int]) -> torch.Tensor:
     """What PIL alone gives: exif_transpose, RGB, then the same crop and resize."""
     img = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
-    return ImageDecoder(Decoder.pil, size)._finish(
+    return ImageDecoder(Decoder.pil, size).finish(
         torch.from_numpy(np.array(img)).permute(2, 0, 1),
         center_box(img.height, img.width, *size),
     )

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.config import Crop, DatasetConfig, LoaderConfig, Storage
+from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, Storage
 from runner.storage.decode import ImageDecoder, check_decoder
 from runner.storage.decoded import DecodedStorage
 from runner.storage.folder import FolderStorage
 from runner.storage.memmap import CacheSpec, ensure_cache, open_images, open_labels
+from runner.storage.nvjpeg import ReadBytes
 from runner.storage.ram import load_ram
 from runner.synthetic import SyntheticSpec, ensure_dataset
 
@@ -38,6 +39,8 @@ def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     # are applied to whole batches on the device instead (runner/augment.py).
     crop = dataset.crop if loader.name is Storage.folder else Crop.center
     decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), crop, loader.draft)
+    if loader.decoder is Decoder.nvjpeg:  # workers read bytes; the GPU decodes (nvjpeg.py)
+        decode = ReadBytes()
     folder = FolderStorage(path, decode, dataset.on_corrupt)
     if loader.name is Storage.folder:
         return folder

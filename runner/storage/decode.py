@@ -27,13 +27,14 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageOps
 
 from runner.config import Crop, Decoder
+from runner.errors import Unavailable
 
 
 class CorruptImageError(RuntimeError):
     """No decoder, the fallback included, could read this file."""
 
 
-class DecoderUnavailable(RuntimeError):
+class DecoderUnavailable(Unavailable):
     """The chosen decoder cannot run on this machine (a missing library or device)."""
 
 
@@ -300,12 +301,14 @@ class ImageDecoder:
                 return img
         return self._decode_fallback(data)
 
-    def _box(self, h: int, w: int) -> Box:
+    def box_for(self, h: int, w: int) -> Box:
+        """The crop, on an upright image of this size: center, or random-resized."""
         if self.crop is Crop.random:
             return random_box(h, w)
         return center_box(h, w, *self.size)
 
-    def _finish(self, img: torch.Tensor, box: Box) -> torch.Tensor:
+    def finish(self, img: torch.Tensor, box: Box) -> torch.Tensor:
+        """Crop, resize and (random crops) maybe flip an upright CHW image, on its device."""
         out = resize_crop(img, box, self.size)
         if self.crop is Crop.random and torch.rand(1).item() < 0.5:
             out = out.flip(2).contiguous()
@@ -313,7 +316,7 @@ class ImageDecoder:
 
     def _decode_jpeg(self, data: bytes, header: JpegHeader) -> torch.Tensor:
         oh, ow = header.oriented_hw
-        box = self._box(oh, ow)
+        box = self.box_for(oh, ow)
         min_hw = None
         if self.draft and self.decoder in SCALED_DECODERS:
             # The decode only needs to be as large as the crop will be after resizing.
@@ -325,7 +328,7 @@ class ImageDecoder:
             raise ValueError(f"decoder returned {img.shape[0]} channels")
         img = apply_orientation(img, header.orientation)
         dh, dw = img.shape[-2:]
-        return self._finish(img, box.scaled(dh / oh, dw / ow))
+        return self.finish(img, box.scaled(dh / oh, dw / ow))
 
     def _decode_fallback(self, data: bytes) -> torch.Tensor:
         try:
@@ -335,4 +338,4 @@ class ImageDecoder:
         except Exception as e:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
         h, w = img.shape[-2:]
-        return self._finish(img, self._box(h, w))
+        return self.finish(img, self.box_for(h, w))

@@ -1,0 +1,178 @@
+"""``prefetch=``: how batches are staged ahead of the step that uses them.
+
+- ``none``: the loop takes each batch when it needs it and copies it on the compute stream.
+- ``cpu`` (``CpuPrefetcher``): a daemon thread keeps up to ``depth`` ready batches in a
+  bounded queue, so loading overlaps the step; modelled on FFCV's EpochIterator (a thread,
+  a bounded queue, a stop event). A producer error is raised in the loop with its own
+  traceback; leaving the loop early, or Ctrl-C, stops the thread at once.
+- ``gpu`` (``CudaStreamPrefetcher``): a CUDA side stream, created once, copies the next
+  ``depth`` batches from pinned memory with ``non_blocking=True`` while the model computes
+  on the current one. timm's PrefetchLoader made a new stream per epoch and never made the
+  copy stream wait for the compute stream, and its reserved memory grew every epoch (timm
+  issue #2781); here the stream lives as long as the prefetcher, each copy waits for the
+  compute work queued before it, and tensors that cross streams are ``record_stream``-ed.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+
+import torch
+from tensordict import TensorDict
+
+from runner.config import PrefetchConfig, PrefetchName
+from runner.errors import Unavailable
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _close(iterator) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()  # a generator's finally runs: loader workers shut down
+
+
+class CpuPrefetcher:
+    """Batches from ``source``, loaded ``depth`` ahead by a background thread.
+
+    Args:
+        source: an iterable of batches (it is iterated, and closed, by the thread).
+        depth: the most batches kept ready.
+    """
+
+    def __init__(self, source: Iterable, depth: int = 2):
+        self.source = source
+        self.depth = depth
+
+    def __iter__(self) -> Iterator:
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(ready, stop), daemon=True,
+                                  name="runner-prefetch")
+        thread.start()
+        try:
+            while True:
+                item = self._next(ready, thread)
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error  # the producer's exception, with its traceback
+                yield item
+        finally:
+            stop.set()
+            while True:  # unblock a producer waiting for room in the queue
+                try:
+                    ready.get_nowait()
+                except queue.Empty:
+                    break
+            thread.join(timeout=5.0)
+
+    @staticmethod
+    def _next(ready: queue.Queue, thread: threading.Thread):
+        while True:
+            try:
+                return ready.get(timeout=0.1)  # a timeout keeps Ctrl-C responsive
+            except queue.Empty:
+                if not thread.is_alive() and ready.empty():
+                    raise RuntimeError("the prefetch thread stopped without a result") from None
+
+    def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
+        iterator = iter(self.source)
+        try:
+            for batch in iterator:
+                if not self._put(ready, stop, batch):
+                    return
+            self._put(ready, stop, _END)
+        except BaseException as e:  # handed to the loop, raised there
+            self._put(ready, stop, _Failure(e))
+        finally:
+            _close(iterator)
+
+    @staticmethod
+    def _put(ready: queue.Queue, stop: threading.Event, item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+class CudaStreamPrefetcher:
+    """Device-resident batches, each copied on a side stream ``depth`` steps ahead.
+
+    Args:
+        source: batches in pinned host memory (pinned is what makes the copy asynchronous).
+        device: the CUDA device.
+        depth: copies in flight ahead of the batch in use.
+    """
+
+    def __init__(self, source: Iterable[TensorDict], device: torch.device, depth: int = 2):
+        self.source = source
+        self.device = device
+        self.depth = depth
+        self.stream = torch.cuda.Stream(device=device)  # once per prefetcher, not per epoch
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        compute = torch.cuda.current_stream(self.device)
+        source = iter(self.source)
+        in_flight: collections.deque = collections.deque()
+
+        def start_copy() -> None:
+            batch = next(source, None)
+            if batch is None:
+                return
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                # The allocator may hand this copy memory that compute work queued earlier
+                # still reads: wait for that work before writing.
+                self.stream.wait_stream(compute)
+                start.record(self.stream)
+                moved = batch.to(self.device, non_blocking=True)
+                done.record(self.stream)
+            self._copy_events.append((start, done))
+            in_flight.append((moved, done))
+
+        try:
+            for _ in range(self.depth):
+                start_copy()
+            while in_flight:
+                moved, done = in_flight.popleft()
+                compute.wait_event(done)  # this batch's copy, not the later ones
+                for tensor in moved.values(include_nested=True, leaves_only=True):
+                    # made on the side stream, used on the compute stream: the allocator
+                    # must not reuse it until the compute stream is done with it
+                    tensor.record_stream(compute)
+                start_copy()
+                yield moved
+        finally:
+            _close(source)
+
+    def copy_seconds(self) -> float:
+        """Total side-stream copy time so far (synchronizes; call after the timed loop)."""
+        torch.cuda.synchronize(self.device)
+        total = sum(s.elapsed_time(e) for s, e in self._copy_events) / 1000.0
+        self._copy_events.clear()
+        return total
+
+
+def build_prefetcher(cfg: PrefetchConfig, source: Iterable, device: torch.device) -> Iterable:
+    if cfg.name is PrefetchName.cpu:
+        return CpuPrefetcher(source, cfg.depth)
+    if cfg.name is PrefetchName.gpu:
+        if device.type != "cuda":
+            raise Unavailable(
+                "prefetch=gpu copies batches on a CUDA side stream and needs a CUDA device; "
+                f"this run's device is {device.type}. Use prefetch=cpu or prefetch=none")
+        return CudaStreamPrefetcher(source, device, cfg.depth)
+    return source

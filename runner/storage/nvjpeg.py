@@ -1,0 +1,129 @@
+"""``loader.decoder=nvjpeg``: workers only read file bytes; each batch is decoded on the GPU.
+
+The DataLoader's workers return raw bytes, packed per batch into one uint8 tensor and its
+offsets. ``GpuDecodedBatches`` wraps the loader and, batch by batch, decodes every JPEG in
+one ``torchvision.io.decode_jpeg(list, device="cuda")`` call, then applies the EXIF
+orientation and the crop and resize on the GPU, with the geometry the CPU decoders use.
+What nvjpeg cannot read (PNG, CMYK, a file it rejects) is decoded on the CPU by PIL and
+moved over; what nothing can read is skipped and counted, as everywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from runner.config import OnCorrupt
+from runner.storage.decode import (
+    CorruptImageError,
+    ImageDecoder,
+    JpegHeader,
+    apply_orientation,
+    read_jpeg_header,
+)
+from runner.storage.folder import FolderStorage, SkippedFile
+
+
+class ReadBytes:
+    """The "decoder" for nvjpeg workers: the file's bytes as a 1-D uint8 tensor."""
+
+    def __call__(self, data: bytearray) -> torch.Tensor:
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def pack_encoded(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Variable-length byte tensors -> one tensor plus offsets (one buffer to move)."""
+    lengths = torch.tensor([len(b) for b in images], dtype=torch.int64)
+    offsets = torch.zeros(len(images) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return {"jpeg": torch.cat(images), "jpeg_offsets": offsets}
+
+
+class GpuDecodedBatches:
+    """Wraps a loader of encoded batches; yields batches decoded on ``device``.
+
+    Args:
+        loader: yields ({jpeg, jpeg_offsets, label, index}, skipped) per batch.
+        storage: the folder storage (paths, for skipped files and errors).
+        device: the CUDA device that decodes.
+        decoder: supplies the output size and crop (and decodes the CPU fallbacks).
+    """
+
+    def __init__(self, loader, storage: FolderStorage, device: torch.device,
+                 decoder: ImageDecoder):
+        self.loader = loader
+        self.storage = storage
+        self.device = device
+        self.decoder = decoder
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
+        from runner.loader import shutdown_workers
+
+        iterator = iter(self.loader)
+        try:
+            for batch, skipped in iterator:
+                if batch is None:
+                    yield None, skipped
+                else:
+                    yield self.decode_batch(batch, skipped)
+        finally:
+            shutdown_workers(self.loader, iterator)
+
+    def decode_batch(self, batch: dict, skipped: list[SkippedFile]):
+        offsets = batch["jpeg_offsets"].tolist()
+        data = [batch["jpeg"][offsets[k] : offsets[k + 1]] for k in range(len(offsets) - 1)]
+        headers = [read_jpeg_header(memoryview(d.numpy())) for d in data]
+        on_gpu = [k for k, h in enumerate(headers) if h is not None and h.components in (1, 3)]
+        images: list[torch.Tensor | None] = [None] * len(data)
+        for k, img in zip(on_gpu, self._nvjpeg([data[k] for k in on_gpu])):
+            if img is not None:
+                images[k] = self._finish(img, headers[k])
+        for k in range(len(data)):
+            if images[k] is None:  # nvjpeg could not: PIL on the CPU, or skip
+                images[k] = self._cpu_fallback(data[k], int(batch["index"][k]), skipped)
+        keep = [k for k, img in enumerate(images) if img is not None]
+        if not keep:
+            return None, skipped
+        index = torch.tensor(keep)
+        return {
+            "image": torch.stack([images[k] for k in keep]),
+            "label": batch["label"][index].to(self.device, non_blocking=True),
+            "index": batch["index"][index].to(self.device, non_blocking=True),
+        }, skipped
+
+    def _nvjpeg(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        if not data:
+            return []
+        try:  # one call for the batch: nvjpeg's batched decode
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError:  # one bad file fails the call: find it, one by one
+            out = []
+            for d in data:
+                try:
+                    out.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=self.device))
+                except RuntimeError:
+                    out.append(None)
+            return out
+
+    def _finish(self, img: torch.Tensor, header: JpegHeader) -> torch.Tensor:
+        img = apply_orientation(img, header.orientation)
+        return self.decoder.finish(img, self.decoder.box_for(*img.shape[-2:]))
+
+    def _cpu_fallback(self, data: torch.Tensor, index: int,
+                      skipped: list[SkippedFile]) -> torch.Tensor | None:
+        path = self.storage.samples[index][0]
+        try:
+            return self.decoder(bytearray(data.numpy().tobytes())).to(self.device)
+        except CorruptImageError as e:
+            if self.storage.on_corrupt is OnCorrupt.fail:
+                raise CorruptImageError(
+                    f"cannot decode {path}: {e} (dataset.on_corrupt=skip skips such files)"
+                ) from e
+            skipped.append(SkippedFile(path, str(e), index))
+            return None

@@ -1,0 +1,238 @@
+"""Prefetching, uint8 transfers, AMP and GPU decoding: correct on CPU, CUDA parts on CUDA."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, Storage
+from runner.loader import BatchStream, build_loader, collate
+from runner.models import UInt8Input
+from runner.prefetch import CpuPrefetcher, CudaStreamPrefetcher
+from runner.storage.decode import ImageDecoder
+from runner.storage.folder import FolderStorage
+from runner.storage.nvjpeg import GpuDecodedBatches, ReadBytes
+from tests.conftest import (
+    REPO,
+    SMALL_DATASET,
+    encode,
+    make_tree,
+    photo,
+    read_metrics,
+    requires_cuda,
+    run_cli,
+)
+
+
+def folder_stream(tree: Path, workers: int, epochs: int = 2) -> BatchStream:
+    storage = FolderStorage(tree, ImageDecoder(Decoder.simplejpeg, (16, 16)), OnCorrupt.skip)
+    cfg = LoaderConfig(name=Storage.folder, batch_size=4, num_workers=workers)
+    return BatchStream(build_loader(storage, cfg, seed=1, pin_memory=False), epochs)
+
+
+def snapshot(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b["index"].clone(), b["image"].clone()) for b in batches]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cpu_prefetch_yields_exactly_the_plain_batches(image_tree: Path, workers: int):
+    plain = snapshot(folder_stream(image_tree, workers))
+    prefetched = snapshot(CpuPrefetcher(folder_stream(image_tree, workers), depth=2))
+    assert len(plain) == len(prefetched) == 10
+    for (i, x), (j, y) in zip(plain, prefetched):
+        assert torch.equal(i, j) and torch.equal(x, y)
+
+
+def failing_source():
+    yield 1
+    yield 2
+    raise ValueError("the producer broke")
+
+
+def test_a_producer_error_surfaces_with_its_traceback():
+    got = []
+    with pytest.raises(ValueError, match="the producer broke") as info:
+        for item in CpuPrefetcher(failing_source(), depth=2):
+            got.append(item)
+    assert got == [1, 2]
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "failing_source" in frames  # raised where it happened, not re-wrapped
+
+
+def test_breaking_out_early_stops_the_thread_and_the_workers(image_tree: Path):
+    prefetcher = CpuPrefetcher(folder_stream(image_tree, workers=2, epochs=50), depth=2)
+    iterator = iter(prefetcher)
+    next(iterator)
+    assert any(t.name == "runner-prefetch" for t in threading.enumerate())
+    start = time.perf_counter()
+    iterator.close()  # what the loop does when run.steps is reached, or on an exception
+    assert time.perf_counter() - start < 5
+    assert not any(t.name == "runner-prefetch" for t in threading.enumerate())
+    assert multiprocessing.active_children() == []
+
+
+def test_empty_source_and_an_empty_loader():
+    assert list(CpuPrefetcher([], depth=3)) == []
+
+
+def test_ctrl_c_ends_the_run_promptly_with_no_stray_process(tmp_path: Path, cache_dir: Path):
+    run_cli(*SMALL_DATASET, "model=none", "logger=none", "run.steps=1", "hydra.run.dir=warm",
+            cwd=tmp_path)  # make the dataset first, so the run below is in its loop quickly
+    marker = f"hydra.run.dir={tmp_path}/interrupted"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", *SMALL_DATASET, "prefetch=cpu", "loader.num_workers=2",
+         "model=tiny", "logger=none", "run.steps=100000", marker],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    for line in proc.stdout:
+        if "warm-up) on" in line or time.time() > deadline:
+            break
+    time.sleep(1.0)  # inside the loop, workers and prefetch thread running
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    proc.communicate(timeout=20)
+    assert time.time() - start < 15 and proc.returncode != 0
+    time.sleep(0.5)
+    stray = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if pid.isdigit() and marker.encode() in cmdline:
+            stray.append(pid)
+    assert stray == []
+    m = read_metrics(tmp_path / "interrupted")
+    assert m["status"] == "failed" and m["reason"] == "interrupted"
+
+
+def test_bf16_autocast_trains_the_tiny_model_on_cpu(tmp_path: Path, cache_dir: Path):
+    run_cli(*SMALL_DATASET, "amp=bf16", "logger=none", "run.epochs=4", "hydra.run.dir=run",
+            cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "ok" and m["config"]["amp"]["name"] == "bf16"
+    assert m["loss_last"] < m["loss_first"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+@pytest.mark.parametrize(("override", "why"), [
+    ("prefetch=gpu", "prefetch=gpu copies batches on a CUDA side stream and needs a CUDA device"),
+    ("amp=fp16", "amp=fp16 runs on CUDA only here"),
+])
+def test_cuda_only_switches_are_skips_with_reasons(tmp_path: Path, image_tree: Path, override,
+                                                  why):
+    proc = run_cli(override, f"dataset.path={image_tree}", "logger=none", "hydra.run.dir=run",
+                   cwd=tmp_path)
+    assert proc.returncode == 0
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "skipped" and why in m["reason"]
+
+
+def test_uint8_input_converts_on_the_device_inside_the_model():
+    layer = UInt8Input(channels_last=True)
+    x = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(y[0, :, 0, 0], (1 - torch.tensor([0.485, 0.456, 0.406]))
+                          / torch.tensor([0.229, 0.224, 0.225]), atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # no float32 copy under autocast
+
+
+def gpu_decoded(tree: Path, device: torch.device, on_corrupt=OnCorrupt.skip):
+    storage = FolderStorage(tree, ReadBytes(), on_corrupt)
+    cfg = LoaderConfig(name=Storage.folder, batch_size=8, num_workers=0, shuffle=False)
+    loader = build_loader(storage, cfg, seed=0, pin_memory=False)
+    wrapped = GpuDecodedBatches(loader, storage, device,
+                                ImageDecoder(Decoder.pil, (24, 24), Crop.center))
+    return storage, BatchStream(wrapped, epochs=1)
+
+
+def test_gpu_decode_path_matches_cpu_decoding(tmp_path: Path):
+    """The nvjpeg wrapper end to end, with torchvision's decoder on the CPU standing in for
+    the GPU: packing, EXIF orientation, PNG/CMYK fallback and skipping all match."""
+    rgb = photo(48, 64, index=3)
+    tree = make_tree(tmp_path / "t", {
+        "a/plain.jpg": encode(rgb), "a/rotated.jpg": encode(rgb, orientation=6),
+        "a/shot.png": encode(rgb, "PNG"), "b/cmyk.jpg": encode(rgb, mode="CMYK"),
+        "b/gray.jpg": encode(rgb, mode="L"), "b/broken.jpg": encode(rgb)[:100],
+    })
+    storage, stream = gpu_decoded(tree, torch.device("cpu"))
+    batches = list(stream)
+    assert [Path(p).name for p in stream.skips.files] == ["broken.jpg"]
+    reference = ImageDecoder(Decoder.pil, (24, 24))
+    got = torch.cat([b["image"] for b in batches])
+    index = torch.cat([b["index"] for b in batches]).tolist()
+    assert len(index) == 5
+    for k, i in enumerate(index):
+        expected = reference(bytearray(Path(storage.samples[i][0]).read_bytes()))
+        assert (got[k].int() - expected.int()).abs().float().mean() < 0.5, storage.samples[i][0]
+
+
+def test_encoded_batches_pack_into_one_buffer():
+    from runner.storage.folder import Sample
+
+    items = [Sample(torch.tensor([1, 2, 3], dtype=torch.uint8), 0, 0),
+             Sample(torch.tensor([4, 5], dtype=torch.uint8), 1, 1)]
+    batch, skipped = collate(items)
+    assert batch["jpeg"].tolist() == [1, 2, 3, 4, 5] and batch["jpeg_offsets"].tolist() == [0, 3, 5]
+    assert batch["label"].tolist() == [0, 1] and skipped == []
+
+
+# --- CUDA (skipped without a GPU, never left to fail) -----------------------------------
+
+def device_batches(n: int = 6):
+    for k in range(n):
+        images = torch.randint(0, 256, (4 + k % 3, 3, 32, 32), dtype=torch.uint8).pin_memory()
+        yield TensorDict({"image": images, "label": torch.arange(len(images)).pin_memory()},
+                         batch_size=[len(images)])
+
+
+@requires_cuda
+def test_gpu_prefetch_equals_plain_copies():
+    device = torch.device("cuda")
+    source = list(device_batches())
+    plain = [b.to(device) for b in source]
+    prefetched = list(CudaStreamPrefetcher(source, device, depth=2))
+    assert len(prefetched) == len(plain)  # the short batches included
+    for a, b in zip(prefetched, plain):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+    assert list(CudaStreamPrefetcher([], device)) == []
+
+
+@requires_cuda
+def test_gpu_prefetch_memory_is_flat_across_epochs():
+    device = torch.device("cuda")
+    source = list(device_batches(20))
+    prefetcher = CudaStreamPrefetcher(source, device, depth=2)
+    reserved = []
+    for _ in range(3):
+        for batch in prefetcher:
+            (batch["image"].float() * 2).sum()  # some compute on the compute stream
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved(device))
+    assert reserved[2] <= reserved[0]
+
+
+@requires_cuda
+def test_nvjpeg_pixels_are_close_to_cpu_decoding(tmp_path: Path):
+    tree = make_tree(tmp_path / "t", {f"a/{k}.jpg": encode(photo(96, 128, index=k))
+                                      for k in range(8)})
+    storage, stream = gpu_decoded(tree, torch.device("cuda"))
+    reference = ImageDecoder(Decoder.simplejpeg, (24, 24))
+    for batch in stream:
+        for img, i in zip(batch["image"].cpu(), batch["index"].tolist()):
+            expected = reference(bytearray(Path(storage.samples[i][0]).read_bytes()))
+            assert (img.int() - expected.int()).abs().float().mean() < 2.0
