@@ -30,11 +30,13 @@ class BufferPool:
         dtype: element type.
         pin: page-locked memory for asynchronous copies to CUDA, from PyTorch's caching
             host allocator (reused once no copy out of it is pending).
-        capacity: buffers kept; beyond it, batches get fresh, unpooled memory.
+        capacity: buffers kept; beyond it, batches get fresh, unpooled memory. With a
+            prefetch queue, up to five are in flight (seen here): the queue's two, the one
+            in use, the previous one until the loop lets go of it, and the one being filled.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
-                 capacity: int = 4):
+                 capacity: int = 8):
         self.shape, self.dtype, self.pin, self.capacity = tuple(shape), dtype, pin, capacity
         self._buffers: list[torch.Tensor] = []
         self._idle_count: list[int] = []

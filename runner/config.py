@@ -255,6 +255,10 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     device: Device = Device.auto
     seed: int = 0
+    # after the run, time each stage alone for a short burst and name the bottleneck
+    diagnose: bool = True
+    # record a short torch.profiler window (trace.json in the run folder)
+    profile: bool = False
 
 
 def register_configs() -> None:
@@ -331,6 +335,8 @@ def unknown_key_message(override: str) -> str | None:
     """
     key = override.split("=", 1)[0].strip()
     if "=" not in override or key[:1] in "+~" or key.startswith("hydra"):
+        return None
+    if (config_dir() / key).is_dir():  # a group choice (sweep=loaders): Hydra checks it
         return None
     node: Any = Config
     path: list[str] = []

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.config import LoggerConfig, LoggerName
+from runner.config import LoggerConfig, LoggerName, flatten
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class WandbLogger:
         self.run.log({k: v for k, v in figures.items() if v is not None}, step=step)
 
     def summary(self, figures: dict[str, Any]) -> None:
-        for key, value in figures.items():
+        for key, value in flatten({k: v for k, v in figures.items() if k != "config"}).items():
             if isinstance(value, int | float | str | bool):
                 self.run.summary[key] = value
 

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from runner.loggers import MetricLogger
 from runner.metrics import StepClock, Window
+from runner.profile import stage_range
 from runner.task import Step
 
 
@@ -33,33 +34,42 @@ def run_loop(
     logger: MetricLogger,
     progress: bool = True,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    profiler: torch.profiler.profile | None = None,
 ) -> LoopResult:
     """Run ``step`` on up to ``total_steps`` batches and time the ones after warm-up.
 
     The device is synchronized only when warm-up ends, at every ``log_every``-th timed
     step, and at the end. ``augment`` (random crops of pre-decoded batches) runs on the
-    device after the move and counts as compute.
+    device after the move and counts as compute. With a ``profiler``, each stage is a
+    named range and the profiler advances once per step.
     """
     clock = StepClock(device)
     timed = Window()
     steps = images = 0
+    stage = stage_range(profiler is not None)
     bar = tqdm(total=total_steps, unit="step", disable=not progress, dynamic_ncols=True)
     batch_iter = iter(batches)
+    if profiler is not None:
+        profiler.start()
     if warmup_steps == 0:
         clock.open_window()
     try:
         while steps < total_steps:
             t0 = time.perf_counter()
-            batch = next(batch_iter, None)
+            with stage("data_wait"):
+                batch = next(batch_iter, None)
             if batch is None:
                 break
             clock.add_host("data_wait", time.perf_counter() - t0)
             c0 = clock.now()
-            batch = batch.to(device, non_blocking=True)
+            with stage("copy"):
+                batch = batch.to(device, non_blocking=True)
             c1 = clock.now()
             if augment is not None:
-                batch["image"] = augment(batch["image"])
-            step(batch)
+                with stage("augment"):
+                    batch["image"] = augment(batch["image"])
+            with stage("compute"):
+                step(batch)
             c2 = clock.now()
             clock.add("copy", c0, c1)
             clock.add("compute", c1, c2)
@@ -68,6 +78,8 @@ def run_loop(
             steps += 1
             images += n
             bar.update()
+            if profiler is not None:
+                profiler.step()
             if steps == warmup_steps:  # warm-up ends: what came before is not timed
                 logger.log(step.read(), step=steps)
                 clock.open_window()
@@ -85,6 +97,8 @@ def run_loop(
                 logger.log(window.figures() | step.read(), step=steps)
     finally:
         bar.close()
+        if profiler is not None:
+            profiler.stop()
         if hasattr(batch_iter, "close"):
             batch_iter.close()  # stops loader workers now, also when stopping early
     return LoopResult(timed=timed, steps=steps, images=images, warmup_steps=warmup_steps)

@@ -35,6 +35,7 @@ from runner.config import (
     to_config,
     to_plain,
 )
+from runner.diagnose import data_ceilings, model_ceiling, verdict
 from runner.errors import Unavailable
 from runner.loader import BatchStream, build_loader
 from runner.loggers import MetricLogger, NullLogger, build_logger
@@ -42,6 +43,7 @@ from runner.loop import LoopResult, run_loop
 from runner.models import build_model
 from runner.predictions import PredictionWriter
 from runner.prefetch import CudaStreamPrefetcher, build_prefetcher
+from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
 from runner.storage import build_storage, resolve_dataset
 from runner.storage.decode import ImageDecoder
 from runner.storage.decoded import DecodedStorage
@@ -94,6 +96,7 @@ class Job:
         self.run_dir = run_dir
         self.hydra_cfg = hydra_cfg
         self.logger: MetricLogger = NullLogger()
+        self.model = None
 
     def execute(self) -> dict[str, Any]:
         cfg = self.config
@@ -112,12 +115,22 @@ class Job:
         log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s",
                  self._describe(), storage.root, len(storage), len(storage.classes),
                  total_steps, warmup, device)
+        profiler = build_profiler(self.run_dir, device) if cfg.profile else None
         result = run_loop(batches, step, device, total_steps, warmup, cfg.run.log_every,
-                          self.logger, cfg.run.progress, self._augment(storage))
+                          self.logger, cfg.run.progress, self._augment(storage), profiler)
         figures = self._figures(result, step.close(), stream, device)
         if isinstance(batches, CudaStreamPrefetcher):
             # the side-stream copy time, overlapped with compute (so not in copy_ms)
             figures["prefetch_copy_ms"] = 1000 * batches.copy_seconds() / max(result.steps, 1)
+        if profiler is not None:
+            figures["trace"] = self._trace_file()
+        if cfg.diagnose and figures["images_per_sec"] is not None:
+            try:
+                figures["bottleneck"] = self._diagnose(storage, device, figures).as_dict()
+                log.info("%s", figures["bottleneck"]["sentence"])
+            except Exception as e:  # the run itself is done: never lose it to the diagnosis
+                log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
+                figures["bottleneck"] = {"error": f"{type(e).__name__}: {e}"}
         return figures
 
     def close(self, metrics: dict[str, Any]) -> None:
@@ -170,15 +183,35 @@ class Job:
 
     def _setup_task(self, storage, device: torch.device, total_steps: int) -> Step:
         cfg = self.config
-        model = build_model(cfg.model, len(storage.classes), device)
-        if model is None:
+        self.model = build_model(cfg.model, len(storage.classes), device)
+        if self.model is None:
             return DataOnlyStep()
+        writer = None
+        if cfg.task.name is TaskName.infer and cfg.task.write_predictions:
+            writer = PredictionWriter(self.run_dir, storage.name_of, cfg.task.writer_threads)
+        return self._make_step(self.model, total_steps, writer)
+
+    def _make_step(self, model, total_steps: int, writer: PredictionWriter | None = None) -> Step:
+        cfg = self.config
         if cfg.task.name is TaskName.train:
             return TrainStep(model, cfg.task, total_steps, cfg.amp)
-        writer = None
-        if cfg.task.write_predictions:
-            writer = PredictionWriter(self.run_dir, storage.name_of, cfg.task.writer_threads)
         return InferStep(model, cfg.task, writer, cfg.amp)
+
+    def _diagnose(self, storage, device: torch.device, figures: dict[str, Any]):
+        """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
+        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device))
+        if self.model is not None:
+            ceilings["model"] = model_ceiling(lambda m: self._make_step(m, 64), self.model,
+                                              self.config, len(storage.classes), device)
+        return verdict(self.config, figures, ceilings)
+
+    def _trace_file(self) -> str | None:
+        trace = self.run_dir / "trace.json"
+        if trace.exists():
+            return str(trace)
+        log.warning("profile=true wrote no trace: the run had fewer than %d steps",
+                    WAIT + WARMUP + ACTIVE)
+        return None
 
     def _augment(self, storage) -> BatchAugment | None:
         """Random crops for pre-decoded storage happen on the device (folder does them

@@ -23,9 +23,10 @@ PRESETS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")
 register_configs()
 
 
-def compose_config(*overrides: str):
+def compose_config(*overrides: str, hydra: bool = False):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=list(overrides),
+                       return_hydra_config=hydra)
 
 
 def test_every_group_has_presets():
@@ -33,7 +34,7 @@ def test_every_group_has_presets():
     assert all(any(g == group for g, _ in PRESETS) for group in GROUPS)
 
 
-@pytest.mark.parametrize(("group", "preset"), PRESETS)
+@pytest.mark.parametrize(("group", "preset"), [p for p in PRESETS if p[0] != "sweep"])
 def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path):
     config = to_config(compose_config(f"{group}={preset}"))
     chosen = getattr(config, group)
@@ -51,6 +52,23 @@ def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path):
         except DecoderUnavailable as e:
             pytest.skip(str(e))
         assert len(storage) == 18
+
+
+@pytest.mark.parametrize("preset", [p for g, p in PRESETS if g == "sweep"])
+def test_sweep_presets_compose_into_valid_jobs(preset: str):
+    """Each named matrix composes, and every job it would launch is a valid config."""
+    import itertools
+
+    cfg = compose_config(f"sweep={preset}", hydra=True)
+    params = {k: str(v) for k, v in cfg.hydra.sweeper.params.items()}
+    assert params, f"sweep={preset} sweeps nothing"
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    choices = [[f"{k}={v}" for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()]
+               for k, v in params.items()]
+    for job in itertools.product(*choices):
+        to_config(compose_config(f"sweep={preset}", *job))
 
 
 def test_defaults_are_the_small_cpu_job():

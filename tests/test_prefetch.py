@@ -236,3 +236,24 @@ def test_nvjpeg_pixels_are_close_to_cpu_decoding(tmp_path: Path):
         for img, i in zip(batch["image"].cpu(), batch["index"].tolist()):
             expected = reference(bytearray(Path(storage.samples[i][0]).read_bytes()))
             assert (img.int() - expected.int()).abs().float().mean() < 2.0
+
+
+def test_the_prefetch_thread_keeps_torch_to_one_core_and_the_main_thread_its_own():
+    """A second OpenMP team next to the main thread's made a batched gather 8x slower on
+    2 cores; the producer thread runs its torch ops on one core instead."""
+    torch.set_num_threads(2)
+    seen = []
+
+    def source():
+        for k in range(3):
+            seen.append(torch.get_num_threads())
+            yield k
+
+    assert list(CpuPrefetcher(source(), depth=2)) == [0, 1, 2]
+    assert seen == [1, 1, 1]
+    assert torch.get_num_threads() == 2  # the main thread's compute keeps both cores
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [2]  # and threads started afterwards get the usual default

@@ -1,0 +1,184 @@
+"""``diagnose=true`` (default): after the run, which stage limits throughput, measured.
+
+Each stage of the pipeline is timed alone for a short burst, giving its ceiling in
+images/s: storage read (file bytes, or the batched gather of pre-decoded storage), decode
+(+ resize), collate, host-to-device copy, and the model alone on device-resident synthetic
+batches. Stages that run in loader workers are measured on one core and scaled by the
+parallelism the config gives them (``min(num_workers, cores)``). The verdict compares them
+with the pipeline's own figures: a loop that waited for data for at least a fifth of its
+step time is data-bound, and the slowest data stage is named with what to try; otherwise
+the model is.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from runner.config import Config, Storage
+from runner.loader import collate
+from runner.storage.decoded import DecodedStorage
+from runner.storage.folder import FolderStorage, Sample, read_file
+from runner.storage.nvjpeg import ReadBytes
+
+DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a run data-bound
+
+ADVICE = {
+    "read": "try loader=ram, a warm page cache, smaller files (re-encoded JPEGs) or faster "
+            "storage",
+    "decode": "try loader=memmap or loader=ram (decode once), loader.decoder=simplejpeg, "
+              "loader.draft=true or more loader.num_workers",
+    "collate": "try loader.batched=true (one call per batch) or loader=memmap",
+    "gather": "a batched gather is a memory copy already; only fewer bytes per image "
+              "(a smaller dataset.image_size) or a model that keeps up will change this",
+    "copy": "try loader.pin_memory=true and prefetch=gpu; batches already cross as uint8",
+    "model": "try amp=bf16 (or fp16 on CUDA), model.channels_last=true, a larger batch, or a "
+             "smaller model",
+}
+
+
+@dataclass
+class Verdict:
+    bound: str  # "data" or "model"
+    stage: str  # the limiting stage
+    sentence: str
+    ceilings: dict[str, float]  # images/s of each stage alone
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bound": self.bound, "stage": self.stage, "sentence": self.sentence,
+                "ceilings": self.ceilings}
+
+
+def burst(fn: Callable[[], int], seconds: float = 0.4, min_calls: int = 2,
+          sync: Callable[[], None] = lambda: None) -> float:
+    """Images/s of ``fn`` (which returns how many images it handled) after one warm-up call."""
+    fn()
+    sync()
+    images, calls, start = 0, 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - start < seconds:
+        images += fn()
+        calls += 1
+    sync()
+    return images / (time.perf_counter() - start)
+
+
+def _parallelism(cfg: Config) -> int:
+    workers = cfg.loader.num_workers
+    return max(1, min(workers, os.cpu_count() or 1)) if workers > 0 else 1
+
+
+def _decodable(storage: FolderStorage, paths: list[str], want: int = 16) -> list[bytearray]:
+    """Bytes of up to ``want`` files the storage's decoder can read (corrupt ones left out)."""
+    found = []
+    for path in paths:
+        data = read_file(path)
+        try:
+            storage.decode(data)
+        except Exception:
+            continue
+        found.append(data)
+        if len(found) == want:
+            break
+    return found
+
+
+def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool) -> dict[str, float]:
+    """images/s of each data stage alone for this run's storage and loader settings."""
+    ceilings: dict[str, float] = {}
+    bs = cfg.loader.batch_size
+    if isinstance(storage, FolderStorage):
+        scale = _parallelism(cfg)
+        paths = [p for p, _ in storage.samples[: max(bs, 32)]]
+        data = _decodable(storage, paths)
+        counter = iter(range(10**12))
+
+        def read_one() -> int:
+            read_file(paths[next(counter) % len(paths)])
+            return 1
+
+        def decode_one() -> int:
+            storage.decode(data[next(counter) % len(data)])
+            return 1
+
+        ceilings["read"] = scale * burst(read_one)
+        if data and not isinstance(storage.decode, ReadBytes):  # nvjpeg decodes on the GPU
+            ceilings["decode"] = scale * burst(decode_one)
+            samples = [Sample(storage.decode(data[0]), 0, i) for i in range(bs)]
+
+            def collate_batch() -> int:
+                collate(samples)
+                return bs
+
+            ceilings["collate"] = scale * burst(collate_batch)
+    elif isinstance(storage, DecodedStorage):
+        out = torch.empty((bs, *storage.image_shape), dtype=torch.uint8)
+        gen = torch.Generator().manual_seed(0)
+
+        def gather() -> int:
+            index = torch.randperm(len(storage), generator=gen)[:bs].sort().values
+            return len(storage.gather(index, out=out[: len(index)])["image"])
+
+        ceilings["gather"] = burst(gather)
+    if device.type == "cuda":
+        shape = (bs, 3, *cfg.dataset.image_size)
+        host = torch.randint(0, 256, shape, dtype=torch.uint8)
+        host = host.pin_memory() if pin else host
+
+        def copy_batch() -> int:
+            host.to(device, non_blocking=True)
+            return bs
+
+        ceilings["copy"] = burst(copy_batch, sync=lambda: torch.cuda.synchronize(device))
+    return ceilings
+
+
+def model_ceiling(make_step: Callable[[nn.Module], Any], model: nn.Module, cfg: Config,
+                  num_classes: int, device: torch.device) -> float:
+    """images/s of a throwaway copy of the model on a device-resident synthetic batch."""
+    bs = cfg.loader.batch_size
+    batch = TensorDict({
+        "image": torch.randint(0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8,
+                               device=device),
+        "label": torch.randint(0, num_classes, (bs,), device=device),
+        "index": torch.arange(bs, device=device),
+    }, batch_size=[bs])
+    step = make_step(copy.deepcopy(model))
+
+    def one_step() -> int:
+        step(batch)
+        return bs
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return burst(one_step, seconds=0.5, min_calls=1, sync=sync)
+
+
+def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float]) -> Verdict:
+    """Name the stage that limits this run, from its figures and the stage ceilings."""
+    pipeline = figures["images_per_sec"]
+    wait = figures.get("data_wait_frac") or 0.0
+    data = {k: v for k, v in ceilings.items() if k != "model"}
+    slowest = min(data, key=data.get) if data else None
+    model = ceilings.get("model")
+    parts = [f"pipeline {pipeline:,.0f} img/s" + (" (model=none)" if model is None else "")]
+    if model is not None:
+        parts.append(f"model alone {model:,.0f} img/s")
+    shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is Storage.folder \
+        and cfg.model.name.name != "none" and (os.cpu_count() or 1) <= 2 else ""
+    if model is None or (wait >= DATA_BOUND_WAIT and slowest is not None):
+        stage = slowest or "read"
+        rate = data.get(stage, float("nan"))
+        sentence = (f"data-bound: {'; '.join(parts)}; slowest stage {stage} ({rate:,.0f} img/s): "
+                    f"{ADVICE[stage]}{shared}")
+        return Verdict("data", stage, sentence, ceilings)
+    tail = f"; the data path could deliver {data[slowest]:,.0f} img/s ({slowest})" if slowest else ""
+    sentence = (f"model-bound: {'; '.join(parts)}{tail}; waited for data "
+                f"{wait:.0%} of step time: {ADVICE['model']}")
+    return Verdict("model", "model", sentence, ceilings)
