@@ -91,6 +91,24 @@ class AmpName(Enum):
     bf16 = "bf16"
 
 
+class CompileName(Enum):
+    eager = "eager"
+    torchscript = "torchscript"
+    inductor = "inductor"
+    tensorrt = "tensorrt"
+
+
+class CompileMode(Enum):  # torch.compile's modes (inductor)
+    default = "default"
+    reduce_overhead = "reduce-overhead"
+    max_autotune = "max-autotune"
+
+
+class TensorrtIR(Enum):
+    dynamo = "dynamo"
+    torchscript = "torchscript"
+
+
 class Device(Enum):
     auto = "auto"
     cpu = "cpu"
@@ -225,6 +243,24 @@ class AmpConfig:
 
 
 @dataclass
+class CompileConfig:
+    """``compile=``: how the model is compiled; compile time is reported apart."""
+
+    name: CompileName = MISSING
+    # every backend: run one batch through eager and compiled, fail the run if they differ
+    verify: bool = True
+    # task=infer: weights become constants (torchscript: torch.jit.freeze +
+    # optimize_for_inference; inductor: inductor's freezing)
+    freeze: bool = True
+    # inductor: torch.compile(mode=..., dynamic=...); dynamic unset lets torch decide
+    mode: CompileMode = CompileMode.default
+    dynamic: bool | None = None
+    # tensorrt: the IR torch_tensorrt.compile uses; engines are cached under
+    # dataset.cache_dir/tensorrt, keyed by weights, shapes, precision and versions
+    ir: TensorrtIR = TensorrtIR.dynamo
+
+
+@dataclass
 class RunConfig:
     """``run.*``: how long the loop runs and how it reports."""
 
@@ -248,6 +284,7 @@ class Config:
     loader: LoaderConfig = MISSING
     prefetch: PrefetchConfig = MISSING
     amp: AmpConfig = MISSING
+    compile: CompileConfig = MISSING
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     logger: LoggerConfig = MISSING
@@ -259,6 +296,19 @@ class Config:
     diagnose: bool = True
     # record a short torch.profiler window (trace.json in the run folder)
     profile: bool = False
+    # task=infer: several models over each batch in one pass, e.g. models=[resnet18,resnet50]
+    # (each with model.channels_last and the compile backend); empty: just model=
+    models: list[ModelName] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.models and not isinstance(self.task, str) and self.task.name is not TaskName.infer:
+            raise ConfigError(f"models={[m.name for m in self.models]} runs several models in one "
+                              "inference pass: it needs task=infer")
+        if len(set(self.models)) != len(self.models):
+            raise ConfigError(f"models={[m.name for m in self.models]} names a model twice")
+        if ModelName.none in self.models:
+            raise ConfigError("models=[...] cannot hold none: leave models unset and use "
+                              "model=none to measure the data path alone")
 
 
 def register_configs() -> None:

@@ -12,7 +12,6 @@ the model is.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable
@@ -21,7 +20,6 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from torch import nn
 
 from runner.config import Config, Storage
 from runner.loader import collate
@@ -140,9 +138,14 @@ def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool) -> dict
     return ceilings
 
 
-def model_ceiling(make_step: Callable[[nn.Module], Any], model: nn.Module, cfg: Config,
-                  num_classes: int, device: torch.device) -> float:
-    """images/s of a throwaway copy of the model on a device-resident synthetic batch."""
+def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
+                  device: torch.device) -> float:
+    """images/s of the task's step (the run's compiled model or models) on a device-resident
+    synthetic batch.
+
+    Runs after the run's figures are taken; in training it takes a few more optimizer steps
+    on synthetic data, which nothing reads afterwards (the runner saves no checkpoints).
+    """
     bs = cfg.loader.batch_size
     batch = TensorDict({
         "image": torch.randint(0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8,
@@ -150,8 +153,6 @@ def model_ceiling(make_step: Callable[[nn.Module], Any], model: nn.Module, cfg: 
         "label": torch.randint(0, num_classes, (bs,), device=device),
         "index": torch.arange(bs, device=device),
     }, batch_size=[bs])
-    step = make_step(copy.deepcopy(model))
-
     def one_step() -> int:
         step(batch)
         return bs

@@ -29,12 +29,13 @@ class PredictionWriter:
         name_of: dataset index -> file name, for the ``file`` column.
         threads: writer threads.
         max_pending: batches in flight before ``submit`` waits (bounds host memory).
+        file_name: the CSV's name in ``run_dir``.
     """
 
     def __init__(self, run_dir: Path, name_of: Callable[[int], str], threads: int = 2,
-                 max_pending: int = 16):
-        self.path = Path(run_dir) / "predictions.csv"
-        self.parts = Path(run_dir) / ".predictions.parts"
+                 max_pending: int = 16, file_name: str = "predictions.csv"):
+        self.path = Path(run_dir) / file_name
+        self.parts = Path(run_dir) / f".{Path(file_name).stem}.parts"
         self.parts.mkdir(parents=True, exist_ok=True)
         self.name_of = name_of
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="predictions")

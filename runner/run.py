@@ -24,11 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 from runner.amp import check_amp
 from runner.atomic import write_json
 from runner.augment import BatchAugment
+from runner.compile import compile_model, uses_autocast, verify
 from runner.config import (
+    AmpConfig,
+    AmpName,
     Config,
     Crop,
     Decoder,
     Device,
+    ModelConfig,
     ModelName,
     TaskName,
     flatten,
@@ -47,6 +51,7 @@ from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
 from runner.storage import build_storage, resolve_dataset
 from runner.storage.decode import ImageDecoder
 from runner.storage.decoded import DecodedStorage
+from runner.storage.folder import Sample
 from runner.storage.nvjpeg import GpuDecodedBatches
 from runner.task import DataOnlyStep, InferStep, Step, TrainStep
 
@@ -96,7 +101,10 @@ class Job:
         self.run_dir = run_dir
         self.hydra_cfg = hydra_cfg
         self.logger: MetricLogger = NullLogger()
-        self.model = None
+        self.models: dict = {}
+        self.device = torch.device("cpu")
+        self.compile_seconds = 0.0
+        self.compile_diff: dict[str, float] = {}
 
     def execute(self) -> dict[str, Any]:
         cfg = self.config
@@ -119,6 +127,9 @@ class Job:
         result = run_loop(batches, step, device, total_steps, warmup, cfg.run.log_every,
                           self.logger, cfg.run.progress, self._augment(storage), profiler)
         figures = self._figures(result, step.close(), stream, device)
+        figures["compile_seconds"] = self.compile_seconds
+        if self.compile_diff:
+            figures["compile_max_diff"] = self.compile_diff
         if isinstance(batches, CudaStreamPrefetcher):
             # the side-stream copy time, overlapped with compute (so not in copy_ms)
             figures["prefetch_copy_ms"] = 1000 * batches.copy_seconds() / max(result.steps, 1)
@@ -152,6 +163,7 @@ class Job:
         else:
             device = torch.device(want.value)
         check_amp(self.config.amp, device)
+        self.device = device
         return device
 
     def _setup_storage(self, device: torch.device):
@@ -182,27 +194,78 @@ class Job:
         return total, epochs, warmup
 
     def _setup_task(self, storage, device: torch.device, total_steps: int) -> Step:
+        """Build (and compile, and verify) the model or models, then the task's step."""
         cfg = self.config
-        self.model = build_model(cfg.model, len(storage.classes), device)
-        if self.model is None:
+        names = cfg.models or [cfg.model.name]
+        if names == [ModelName.none]:
             return DataOnlyStep()
-        writer = None
-        if cfg.task.name is TaskName.infer and cfg.task.write_predictions:
-            writer = PredictionWriter(self.run_dir, storage.name_of, cfg.task.writer_threads)
-        return self._make_step(self.model, total_steps, writer)
+        example, shapes = self._example_batch(storage, device)
+        models = {}
+        for name in names:
+            model = build_model(ModelConfig(name, cfg.model.channels_last),
+                                len(storage.classes), device)
+            model.train(cfg.task.name is TaskName.train)  # before tracing: BN mode is baked in
+            models[name.name] = self._compile(name.name, model, example, shapes)
+        self.models = models
+        if cfg.task.name is TaskName.train:
+            return self._make_step(models, total_steps)
+        writers = {}
+        for name in models:
+            if cfg.task.write_predictions:
+                file = "predictions.csv" if len(models) == 1 else f"predictions_{name}.csv"
+                writers[name] = PredictionWriter(self.run_dir, storage.name_of,
+                                                 cfg.task.writer_threads, file_name=file)
+        return InferStep(models, cfg.task, writers, self._step_amp(), device)
 
-    def _make_step(self, model, total_steps: int, writer: PredictionWriter | None = None) -> Step:
+    def _step_amp(self) -> AmpConfig:
+        """TensorRT engines carry their own precision; everything else runs under autocast."""
+        return self.config.amp if uses_autocast(self.config.compile) else AmpConfig(AmpName.off)
+
+    def _make_step(self, models: dict, total_steps: int) -> Step:
+        """The task's step over ``models`` (training takes the one model there is)."""
         cfg = self.config
         if cfg.task.name is TaskName.train:
-            return TrainStep(model, cfg.task, total_steps, cfg.amp)
-        return InferStep(model, cfg.task, writer, cfg.amp)
+            (model,) = models.values()
+            return TrainStep(model, cfg.task, total_steps, self._step_amp(), self.device)
+        return InferStep(models, cfg.task, {}, self._step_amp(), self.device)
+
+    def _example_batch(self, storage, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """One real batch (uint8, on the device) to trace, warm and verify compiled models
+        with, and every batch size the loop will feed them."""
+        bs = self.config.loader.batch_size
+        n = min(bs, len(storage))
+        if isinstance(storage, DecodedStorage):
+            images = storage.gather(torch.arange(n))["image"]
+        else:
+            decoded = [s.image for s in (storage[i] for i in range(min(len(storage), 2 * n)))
+                       if isinstance(s, Sample) and s.image.dim() == 3][:n]
+            size = tuple(self.config.dataset.image_size)
+            images = torch.stack(decoded) if decoded else torch.randint(
+                0, 256, (n, 3, *size), dtype=torch.uint8)  # nvjpeg: bytes only, no pixels
+        images = images.repeat(-(-bs // len(images)), 1, 1, 1)[:bs]  # a full batch
+        shapes = [bs]
+        last = len(storage) % bs
+        if last and not self.config.loader.drop_last:
+            shapes.append(last)
+        return images.to(device), shapes
+
+    def _compile(self, name: str, model, example: torch.Tensor, shapes: list[int]):
+        cfg = self.config
+        cache = Path(cfg.dataset.cache_dir).expanduser() / "tensorrt"
+        compiled, seconds = compile_model(model, cfg.compile, cfg.amp, cfg.task.name, example,
+                                          shapes, cache)
+        self.compile_seconds += seconds
+        if cfg.compile.verify and compiled is not model:
+            self.compile_diff[name] = verify(model, compiled, example, cfg.compile, cfg.amp,
+                                             cfg.task.name is TaskName.train)
+        return compiled
 
     def _diagnose(self, storage, device: torch.device, figures: dict[str, Any]):
         """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
         ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device))
-        if self.model is not None:
-            ceilings["model"] = model_ceiling(lambda m: self._make_step(m, 64), self.model,
-                                              self.config, len(storage.classes), device)
+        if self.models:  # every model of the pass, on device-resident synthetic batches
+            ceilings["model"] = model_ceiling(self._make_step(self.models, 64), self.config,
+                                              len(storage.classes), device)
         return verdict(self.config, figures, ceilings)
 
     def _trace_file(self) -> str | None:
@@ -237,7 +300,12 @@ class Job:
             parts.append(f"decoder={cfg.loader.decoder.name}")
         parts += [f"workers={cfg.loader.num_workers}", f"batch={cfg.loader.batch_size}",
                   f"prefetch={cfg.prefetch.name.name}", f"amp={cfg.amp.name.name}",
-                  f"model={cfg.model.name.name}", f"task={cfg.task.name.name}"]
+                  f"compile={cfg.compile.name.name}"]
+        if cfg.models:
+            parts.append(f"models=[{','.join(m.name for m in cfg.models)}]")
+        else:
+            parts.append(f"model={cfg.model.name.name}")
+        parts.append(f"task={cfg.task.name.name}")
         return " ".join(parts)
 
     # --- results ----------------------------------------------------------------------------

@@ -6,7 +6,8 @@ log points (where the loop has already synchronized) and returns the figures to 
 
 from __future__ import annotations
 
-from typing import Protocol
+import time
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +33,16 @@ class TrainStep:
         cfg: learning rate, momentum, weight decay.
         total_steps: the run's length; every step's loss is kept (one scalar each) so the
             figures compare the first and last tenth of the run, not single noisy steps.
+        amp: autocast dtype (a GradScaler for fp16).
+        device: the model's device.
     """
 
     def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int,
-                 amp: AmpConfig | None = None):
+                 amp: AmpConfig | None = None, device: torch.device | None = None):
         self.model = model.train()
         self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                          weight_decay=cfg.weight_decay)
-        device = next(model.parameters()).device
+        device = device or next(model.parameters()).device
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, device)
         self.scaler = grad_scaler(amp, device)
@@ -78,32 +81,74 @@ class TrainStep:
 
 
 class InferStep:
-    """Forward under inference_mode; softmax and top-k on the device, rows to the writer."""
+    """Forward under inference_mode for one or several models on the same device batch.
 
-    def __init__(self, model: nn.Module, cfg: TaskConfig, writer: PredictionWriter | None,
-                 amp: AmpConfig | None = None):
-        self.model = model.eval()
+    Softmax and top-k stay on the device; only the small top-k tensors go to the writers.
+    Each model's forward is timed on its own (CUDA events on a GPU, read at ``close``), so
+    a multi-model pass reports images/s per model as well as for the whole pass.
+
+    Args:
+        models: name -> model (already compiled), all on one device.
+        cfg: top-k.
+        writers: name -> PredictionWriter (or None: predictions not written).
+        amp: autocast dtype.
+        device: the models' device (a frozen TorchScript model cannot tell).
+    """
+
+    def __init__(self, models: dict[str, nn.Module], cfg: TaskConfig,
+                 writers: dict[str, PredictionWriter | None], amp: AmpConfig | None = None,
+                 device: torch.device | None = None):
+        self.models = {name: m.eval() for name, m in models.items()}
         self.topk = cfg.topk
-        self.writer = writer
-        device = next(model.parameters()).device
+        self.writers = writers
+        self.device = device or torch.device("cpu")
         amp = amp or AmpConfig(AmpName.off)
-        self.autocast = lambda: autocast(amp, device)
+        self.autocast = lambda: autocast(amp, self.device)
+        self.cuda = self.device.type == "cuda"
+        self._spans: dict[str, list] = {name: [] for name in models}
+        self._seconds = dict.fromkeys(models, 0.0)
+        self.images = 0
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def __call__(self, batch: TensorDict) -> None:
+        self.images += batch.batch_size[0]
         with torch.inference_mode(), self.autocast():
-            logits = self.model(batch["image"])
-            probs = torch.softmax(logits.float(), dim=1)
-            top = probs.topk(min(self.topk, probs.shape[1]), dim=1)
-            if self.writer is not None:
-                self.writer.submit(batch["index"], batch["label"], top.values, top.indices)
+            for name, model in self.models.items():
+                start = self._now()
+                logits = model(batch["image"])
+                probs = torch.softmax(logits.float(), dim=1)
+                top = probs.topk(min(self.topk, probs.shape[1]), dim=1)
+                self._spans[name].append((start, self._now()))
+                writer = self.writers.get(name)
+                if writer is not None:
+                    writer.submit(batch["index"], batch["label"], top.values, top.indices)
+        if not self.cuda:  # host times are final already: keep no list
+            for name, spans in self._spans.items():
+                self._seconds[name] += sum(end - start for start, end in spans)
+                spans.clear()
 
     def read(self) -> dict[str, float]:
         return {}
 
-    def close(self) -> dict[str, float]:
-        if self.writer is None:
-            return {}
-        return {"predictions": self.writer.close()}
+    def close(self) -> dict[str, Any]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            for name, spans in self._spans.items():
+                self._seconds[name] += sum(s.elapsed_time(e) for s, e in spans) / 1000.0
+        out: dict[str, Any] = {"models": {
+            name: {"images_per_sec": self.images / sec if sec > 0 else None,
+                   "ms_per_image": 1000.0 * sec / max(self.images, 1)}
+            for name, sec in self._seconds.items()}}
+        rows = {name: w.close() for name, w in self.writers.items() if w is not None}
+        if rows:
+            out["predictions"] = rows if len(rows) > 1 else next(iter(rows.values()))
+        return out
 
 
 class DataOnlyStep:

@@ -81,6 +81,27 @@ def run_cli(*overrides: str, cwd: Path, env: dict[str, str] | None = None,
     return proc
 
 
+def run_in_process(*overrides: str, run_dir: Path) -> dict:
+    """One job in this process (so a test can monkeypatch), as Hydra would run it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from runner.config import config_dir, register_configs
+    from runner.run import run
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+        cfg.hydra.job.override_dirname = "test"
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return run(cfg)
+
+
 def read_metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 

@@ -1,0 +1,158 @@
+"""compile=: every backend matches eager, a wrong one is caught, compile time is kept apart,
+and several models share one pass over the data."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from runner import compile as compiling
+from runner.config import (
+    AmpConfig,
+    AmpName,
+    CompileConfig,
+    CompileName,
+    ModelConfig,
+    ModelName,
+    TaskName,
+)
+from runner.models import build_model
+from tests.conftest import (
+    SMALL_DATASET,
+    read_metrics,
+    requires_cuda,
+    run_cli,
+    run_in_process,
+)
+
+CPU = torch.device("cpu")
+OFF = AmpConfig(AmpName.off)
+
+
+def model_and_batch(name: ModelName, train: bool, size: int = 32, device=CPU):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name), num_classes=5, device=device).train(train)
+    return model, torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, device=device)
+
+
+@pytest.mark.parametrize(("backend", "name", "task"), [
+    (CompileName.torchscript, ModelName.tiny, TaskName.train),
+    (CompileName.torchscript, ModelName.tiny, TaskName.infer),
+    (CompileName.torchscript, ModelName.resnet18, TaskName.infer),
+    (CompileName.inductor, ModelName.tiny, TaskName.infer),
+    (CompileName.inductor, ModelName.tiny, TaskName.train),
+    (CompileName.inductor, ModelName.resnet18, TaskName.infer),
+])
+def test_compiled_matches_eager(backend, name, task, tmp_path: Path):
+    train = task is TaskName.train
+    model, x = model_and_batch(name, train)
+    cfg = CompileConfig(backend)
+    compiled, seconds = compiling.compile_model(model, cfg, OFF, task, x, [8, 3], tmp_path)
+    assert compiled is not model and seconds > 0
+    diff = compiling.verify(model, compiled, x, cfg, OFF, train)
+    assert diff <= 1e-4  # float32: far inside the 1e-3 tolerance
+    if train:  # training through the compiled model moves the real weights
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        compiled(x).float().logsumexp(1).mean().backward()
+        optimizer.step()
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+class OffByALittle(nn.Module):
+    def __init__(self, model: nn.Module, error: float):
+        super().__init__()
+        self.model, self.error = model, error
+
+    def forward(self, x):
+        return self.model(x) + self.error
+
+
+def test_verify_catches_a_wrong_compiled_model():
+    model, x = model_and_batch(ModelName.tiny, train=False)
+    cfg = CompileConfig(CompileName.inductor)
+    assert compiling.verify(model, OffByALittle(model, 1e-5), x, cfg, OFF, False) < 1e-4
+    with pytest.raises(compiling.CompileMismatch, match=r"max \|difference\| 0\.5 .* tolerance 0\.001"):
+        compiling.verify(model, OffByALittle(model, 0.5), x, cfg, OFF, False)
+    bf16 = AmpConfig(AmpName.bf16)
+    with pytest.raises(compiling.CompileMismatch, match="for bfloat16"):
+        compiling.verify(model, OffByALittle(model, 0.5), x, cfg, bf16, False)
+
+
+def test_a_wrong_backend_fails_the_run_with_the_difference(tmp_path: Path, cache_dir: Path,
+                                                          monkeypatch):
+    monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript,
+                        lambda model, *args: OffByALittle(model, 3.0))
+    with pytest.raises(compiling.CompileMismatch):
+        run_in_process(*SMALL_DATASET, "compile=torchscript", "task=infer", "logger=none",
+                       run_dir=tmp_path / "run")
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "failed" and "max |difference| 3" in m["reason"]
+
+
+def test_compile_time_is_reported_and_kept_out_of_the_figures(tmp_path: Path, cache_dir: Path,
+                                                              monkeypatch):
+    import time
+
+    real = compiling.BACKENDS[CompileName.torchscript]
+
+    def slow(*args):
+        time.sleep(2.0)  # a compiler that takes two seconds
+        return real(*args)
+
+    monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript, slow)
+    m = run_in_process(*SMALL_DATASET, "compile=torchscript", "logger=none", "diagnose=false",
+                       "run.steps=6", run_dir=tmp_path / "run")
+    assert m["status"] == "ok" and m["compile_seconds"] >= 2.0
+    assert m["timed_seconds"] < 2.0  # the timed loop never saw the compile
+    assert m["compile_max_diff"]["tiny"] < 1e-3
+
+
+def test_tensorrt_without_cuda_is_a_skip_naming_what_is_missing(tmp_path: Path, cache_dir: Path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the behaviour without CUDA")
+    run_cli(*SMALL_DATASET, "compile=tensorrt", "task=infer", "logger=none", "hydra.run.dir=run",
+            cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "skipped" and "needs CUDA" in m["reason"]
+
+
+def test_several_models_share_one_pass(tmp_path: Path, cache_dir: Path):
+    run_cli(*SMALL_DATASET, "task=infer", "models=[tiny,resnet18]", "compile=torchscript",
+            "logger=none", "hydra.run.dir=run", cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "ok" and m["images"] == 60  # each image loaded once, not per model
+    assert set(m["models"]) == {"tiny", "resnet18"}
+    assert all(v["images_per_sec"] > 0 for v in m["models"].values())
+    assert m["predictions"] == {"tiny": 60, "resnet18": 60}
+    for name in ("tiny", "resnet18"):
+        with open(tmp_path / "run" / f"predictions_{name}.csv") as f:
+            assert sorted(int(r["index"]) for r in csv.DictReader(f)) == list(range(60))
+    assert set(m["compile_max_diff"]) == {"tiny", "resnet18"}
+
+
+def test_models_needs_infer_and_distinct_names(tmp_path: Path):
+    for bad, why in [(["task=train", "models=[tiny,resnet18]"], "needs task=infer"),
+                     (["task=infer", "models=[tiny,tiny]"], "names a model twice")]:
+        proc = run_cli(*bad, "hydra.run.dir=run", cwd=tmp_path, check=False)
+        assert proc.returncode == 2 and why in proc.stdout + proc.stderr
+
+
+@requires_cuda
+def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path, monkeypatch):
+    pytest.importorskip("torch_tensorrt")
+    model, x = model_and_batch(ModelName.resnet18, train=False, size=64,
+                               device=torch.device("cuda"))
+    cfg, fp16 = CompileConfig(CompileName.tensorrt), AmpConfig(AmpName.fp16)
+    compiled, _ = compiling.compile_model(model, cfg, fp16, TaskName.infer, x, [8, 3], tmp_path)
+    compiling.verify(model, compiled, x, cfg, fp16, False)
+    assert len(list(tmp_path.glob("*.ep"))) == 1
+    import torch_tensorrt
+
+    monkeypatch.setattr(torch_tensorrt, "compile", lambda *a, **k: pytest.fail("rebuilt"))
+    again, _ = compiling.compile_model(model, cfg, fp16, TaskName.infer, x, [8, 3], tmp_path)
+    compiling.verify(model, again, x, cfg, fp16, False)
