@@ -161,14 +161,21 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     return burst(one_step, seconds=0.5, min_calls=1, sync=sync)
 
 
-def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float]) -> Verdict:
-    """Name the stage that limits this run, from its figures and the stage ceilings."""
+def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],
+            world: int = 1) -> Verdict:
+    """Name the stage that limits this run, from its figures and the stage ceilings.
+
+    Under torch.distributed (``world`` ranks) the stages were timed in one process, so the
+    pipeline figure given here is per rank.
+    """
     pipeline = figures["images_per_sec"]
     wait = figures.get("data_wait_frac") or 0.0
     data = {k: v for k, v in ceilings.items() if k != "model"}
     slowest = min(data, key=data.get) if data else None
     model = ceilings.get("model")
     parts = [f"pipeline {pipeline:,.0f} img/s" + (" (model=none)" if model is None else "")]
+    if world > 1:
+        parts[0] += f" per rank ({world} ranks)"
     if model is not None:
         parts.append(f"model alone {model:,.0f} img/s")
     shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is Storage.folder \

@@ -54,6 +54,8 @@ def collate(items: list[Sample | SkippedFile] | dict) -> tuple[dict | None, list
         "label": torch.tensor([s.label for s in samples], dtype=torch.int64),
         "index": torch.tensor([s.index for s in samples], dtype=torch.int64),
     }
+    if not all(s.valid for s in samples):  # padding rows of a distributed shard
+        batch["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
     return batch, skipped
 
 
@@ -92,6 +94,12 @@ class BatchOrder:
     this one sampler, so the same seed gives the same batches on every path. Indices within
     a batch are sorted: the batch is the same set of images, read in file order.
 
+    Under torch.distributed every rank draws the same permutation and takes every
+    ``world``-th index from ``rank`` on: disjoint shards that cover the epoch once. The
+    permutation is first padded to a multiple of ``world`` with repeats marked as padding
+    (negative indices, ``-1 - i``), so every rank runs the same number of steps; storages
+    turn them into rows with ``valid=False``, which count in no figure, loss or prediction.
+
     Args:
         size: number of items.
         batch_size: items per batch.
@@ -100,18 +108,22 @@ class BatchOrder:
         seed: seeds the permutations.
         block: shuffle runs of this many consecutive items instead of single items (1: a
             full permutation); larger blocks read a memmap in longer contiguous runs.
+        rank: this process's rank (torch.distributed).
+        world: the number of ranks.
     """
 
     def __init__(self, size: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-                 block: int = 1):
+                 block: int = 1, rank: int = 0, world: int = 1):
         self.size, self.batch_size = size, batch_size
         self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
+        self.rank, self.world = rank, world
+        self.per_rank = -(-size // world)  # padded to the same length on every rank
         self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
         if self.drop_last:
-            return self.size // self.batch_size
-        return -(-self.size // self.batch_size)
+            return self.per_rank // self.batch_size
+        return -(-self.per_rank // self.batch_size)
 
     def epoch_order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -124,18 +136,36 @@ class BatchOrder:
 
     def batches(self) -> Iterator[torch.Tensor]:
         order = self.epoch_order()
-        full = (self.size // self.batch_size) * self.batch_size
+        if self.world > 1:
+            pads = self.per_rank * self.world - self.size
+            order = torch.cat([order, -1 - order[:pads]])[self.rank :: self.world]
+        full = (len(order) // self.batch_size) * self.batch_size
         rows = order[:full].view(-1, self.batch_size)
         if self.shuffle:  # one sort for the whole epoch, not one call per batch
-            rows = rows.sort(dim=1).values
+            rows = _sorted_rows(rows)
         yield from rows
-        if not self.drop_last and full < self.size:
+        if not self.drop_last and full < len(order):
             rest = order[full:]
-            yield rest.sort().values if self.shuffle else rest
+            yield _sorted_rows(rest[None])[0] if self.shuffle else rest
 
     def __iter__(self) -> Iterator[list[int]]:  # as a DataLoader batch_sampler
         for index in self.batches():
             yield index.tolist()
+
+
+def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Each row in file order; padding (negative, ``-1 - i``) sorts as the index it repeats."""
+    if (rows >= 0).all():
+        return rows.sort(dim=1).values
+    real = torch.where(rows < 0, -1 - rows, rows)
+    return rows.gather(1, real.argsort(dim=1))
+
+
+def count_images(batch: TensorDict) -> int:
+    """Images in a batch that count: padding rows (torch.distributed) do not."""
+    if "valid" in batch.keys():
+        return int(batch["valid"].sum())  # only a last batch of an epoch has padding
+    return batch.batch_size[0]
 
 
 class InProcessBatches:
@@ -159,7 +189,8 @@ class InProcessBatches:
             yield self.storage.gather(index, out=self.pool.take(len(index))), []
 
 
-def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: bool):
+def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: bool,
+                 rank: int = 0, world: int = 1):
     """An iterable of (batch dict, skipped files) over one epoch of ``storage``.
 
     ``loader.batched`` with no workers on pre-decoded storage gathers in process;
@@ -167,7 +198,7 @@ def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: boo
     ``__getitem__`` once per image.
     """
     order = BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
-                       cfg.shuffle_block)
+                       cfg.shuffle_block, rank, world)
     if cfg.batched and cfg.num_workers == 0 and isinstance(storage, DecodedStorage):
         return InProcessBatches(storage, order, pin_memory)
     kwargs = dataloader_kwargs(cfg, pin_memory)
@@ -178,7 +209,7 @@ def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: boo
         # of receiving a pickled copy each
         kwargs["multiprocessing_context"] = "fork"
     dataset = storage if cfg.batched else PerItem(storage)
-    generator = torch.Generator().manual_seed(seed)  # worker seeds (random crops)
+    generator = torch.Generator().manual_seed(seed + rank)  # worker seeds (random crops)
     return DataLoader(dataset, batch_sampler=order, collate_fn=collate, generator=generator,
                       **kwargs)
 

@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDict
 from tqdm import tqdm
 
+from runner.loader import count_images
 from runner.loggers import MetricLogger
 from runner.metrics import StepClock, Window
 from runner.profile import stage_range
@@ -61,6 +62,7 @@ def run_loop(
             if batch is None:
                 break
             clock.add_host("data_wait", time.perf_counter() - t0)
+            n = count_images(batch)  # before the move: counting padding needs no device sync
             c0 = clock.now()
             with stage("copy"):
                 batch = batch.to(device, non_blocking=True)
@@ -73,7 +75,6 @@ def run_loop(
             c2 = clock.now()
             clock.add("copy", c0, c1)
             clock.add("compute", c1, c2)
-            n = batch.batch_size[0]
             clock.step_done(n)
             steps += 1
             images += n

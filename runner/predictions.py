@@ -92,3 +92,27 @@ class PredictionWriter:
         os.replace(tmp, self.path)
         shutil.rmtree(self.parts, ignore_errors=True)
         return self.rows
+
+
+def rank_file(file_name: str, rank: int) -> str:
+    """``predictions.csv`` -> ``predictions.rank1.csv``: one file per rank."""
+    path = Path(file_name)
+    return f"{path.stem}.rank{rank}{path.suffix}"
+
+
+def merge_rank_files(run_dir: Path, world: int) -> None:
+    """Join every rank's prediction files into one, rank by rank, header once."""
+    for first in sorted(Path(run_dir).glob("*.rank0.csv")):
+        base = first.name.replace(".rank0.csv", ".csv")
+        parts = [first.with_name(base.replace(".csv", f".rank{r}.csv")) for r in range(world)]
+        tmp = first.with_name(f".{base}.tmp{os.getpid()}")
+        with open(tmp, "w") as out:
+            for k, part in enumerate(parts):
+                with open(part) as f:
+                    header = f.readline()
+                    if k == 0:
+                        out.write(header)
+                    shutil.copyfileobj(f, out)
+        os.replace(tmp, first.with_name(base))
+        for part in parts:
+            part.unlink()

@@ -28,6 +28,7 @@ from runner.compile import compile_model, uses_autocast, verify
 from runner.config import (
     AmpConfig,
     AmpName,
+    CompileName,
     Config,
     Crop,
     Decoder,
@@ -40,12 +41,21 @@ from runner.config import (
     to_plain,
 )
 from runner.diagnose import data_ceilings, model_ceiling, verdict
+from runner.distributed import (
+    Ranks,
+    barrier,
+    broadcast,
+    gather,
+    parameter_digest,
+    process_group,
+    ranks_from_env,
+)
 from runner.errors import Unavailable
 from runner.loader import BatchStream, build_loader
 from runner.loggers import MetricLogger, NullLogger, build_logger
 from runner.loop import LoopResult, run_loop
 from runner.models import build_model
-from runner.predictions import PredictionWriter
+from runner.predictions import PredictionWriter, merge_rank_files, rank_file
 from runner.prefetch import CudaStreamPrefetcher, build_prefetcher
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
 from runner.storage import build_storage, resolve_dataset
@@ -73,10 +83,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
     }
     job: Job | None = None
+    ranks = ranks_from_env()
+    if not ranks.main:
+        log.setLevel(logging.WARNING)  # one voice: rank 0 reports, the others only warn
     try:
         config = to_config(cfg)  # every check runs here, before any work
         metrics["config"] = to_plain(config)
-        job = Job(config, run_dir, hydra_cfg)
+        job = Job(config, run_dir, hydra_cfg, ranks)
         metrics.update(job.execute())
         metrics["status"] = "ok"
     except Unavailable as e:
@@ -89,17 +102,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         if job is not None:
             job.close(metrics)
-        write_json(run_dir / "metrics.json", metrics)
+        if ranks.main:  # under torch.distributed, rank 0 alone writes the run's outputs
+            write_json(run_dir / "metrics.json", metrics)
     return metrics
 
 
 class Job:
     """The pieces of one run, built by small ``_setup_*`` helpers and driven by ``execute``."""
 
-    def __init__(self, config: Config, run_dir: Path, hydra_cfg: Any):
+    def __init__(self, config: Config, run_dir: Path, hydra_cfg: Any, ranks: Ranks | None = None):
         self.config = config
         self.run_dir = run_dir
         self.hydra_cfg = hydra_cfg
+        self.ranks = ranks or Ranks()
         self.logger: MetricLogger = NullLogger()
         self.models: dict = {}
         self.device = torch.device("cpu")
@@ -107,11 +122,17 @@ class Job:
         self.compile_diff: dict[str, float] = {}
 
     def execute(self) -> dict[str, Any]:
-        cfg = self.config
-        torch.manual_seed(cfg.seed)
         device = self._setup_device()
+        with process_group(self.ranks, device.type):  # joined and left within this job
+            return self._execute(device)
+
+    def _execute(self, device: torch.device) -> dict[str, Any]:
+        cfg, ranks = self.config, self.ranks
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
         storage = self._setup_storage(device)
-        loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device))
+        loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device),
+                              ranks.rank, ranks.world)
         if cfg.loader.decoder is Decoder.nvjpeg:
             fallback = ImageDecoder(Decoder.pil, tuple(cfg.dataset.image_size), cfg.dataset.crop)
             loader = GpuDecodedBatches(loader, storage, device, fallback)
@@ -119,13 +140,16 @@ class Job:
         stream = BatchStream(loader, epochs)
         batches = build_prefetcher(cfg.prefetch, stream, device)
         step = self._setup_task(storage, device, total_steps)
-        self.logger = self._setup_logger()
-        log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s",
+        torch.manual_seed(cfg.seed + ranks.rank)  # random crops differ between ranks
+        self.logger = self._setup_logger() if ranks.main else NullLogger()
+        log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s%s",
                  self._describe(), storage.root, len(storage), len(storage.classes),
-                 total_steps, warmup, device)
-        profiler = build_profiler(self.run_dir, device) if cfg.profile else None
+                 total_steps, warmup, device,
+                 f" x {ranks.world} ranks" if ranks.enabled else "")
+        profiler = build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
         result = run_loop(batches, step, device, total_steps, warmup, cfg.run.log_every,
-                          self.logger, cfg.run.progress, self._augment(storage), profiler)
+                          self.logger, cfg.run.progress and ranks.main,
+                          self._augment(storage), profiler)
         figures = self._figures(result, step.close(), stream, device)
         figures["compile_seconds"] = self.compile_seconds
         if self.compile_diff:
@@ -135,13 +159,53 @@ class Job:
             figures["prefetch_copy_ms"] = 1000 * batches.copy_seconds() / max(result.steps, 1)
         if profiler is not None:
             figures["trace"] = self._trace_file()
-        if cfg.diagnose and figures["images_per_sec"] is not None:
+        if ranks.enabled:
+            figures = self._across_ranks(figures, result, stream)
+        if ranks.main:
+            self._report(figures)
+        if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
             try:
                 figures["bottleneck"] = self._diagnose(storage, device, figures).as_dict()
                 log.info("%s", figures["bottleneck"]["sentence"])
             except Exception as e:  # the run itself is done: never lose it to the diagnosis
                 log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
                 figures["bottleneck"] = {"error": f"{type(e).__name__}: {e}"}
+        return figures
+
+    def _across_ranks(self, figures: dict[str, Any], result: LoopResult,
+                      stream: BatchStream) -> dict[str, Any]:
+        """Every rank's figures on rank 0: images summed, time and data wait at their max;
+        the replicas' parameter digests compared; per-rank prediction files merged."""
+        mine = {
+            "rank": self.ranks.rank,
+            "images": result.images,
+            "timed_images": result.timed.images,
+            "timed_seconds": result.timed.seconds,
+            "images_per_sec": figures["images_per_sec"],
+            "ms_per_step": figures["ms_per_step"],
+            "data_wait_frac": figures["data_wait_frac"],
+            "skipped_files": sorted(stream.skips.files),
+            "parameters": (parameter_digest(next(iter(self.models.values())))
+                           if self.config.task.name is TaskName.train and self.models else None),
+        }
+        every = gather(self.ranks, mine)  # also: every rank's writers have closed by now
+        if not self.ranks.main:
+            return figures
+        seconds = max(r["timed_seconds"] for r in every)
+        images = sum(r["timed_images"] for r in every)
+        skipped = sorted({f for r in every for f in r.pop("skipped_files")})
+        digests = {r["parameters"] for r in every}
+        figures.update(
+            images_per_sec=images / seconds if seconds > 0 else None,
+            ms_per_step=max(r["ms_per_step"] or 0.0 for r in every),
+            data_wait_frac=max(r["data_wait_frac"] or 0.0 for r in every),
+            images=sum(r["images"] for r in every), timed_images=images, timed_seconds=seconds,
+            skipped_files=skipped, skipped_count=len(skipped),
+            distributed={"world": self.ranks.world, "backend": torch.distributed.get_backend(),
+                         "ranks": every,
+                         "replicas_in_sync": len(digests) == 1 if None not in digests else None},
+        )
+        merge_rank_files(self.run_dir, self.ranks.world)
         return figures
 
     def close(self, metrics: dict[str, Any]) -> None:
@@ -162,15 +226,25 @@ class Job:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             device = torch.device(want.value)
+        if device.type == "cuda":  # one device per local rank (torchrun, SLURM)
+            device = torch.device("cuda", self.ranks.local % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         check_amp(self.config.amp, device)
         self.device = device
         return device
 
     def _setup_storage(self, device: torch.device):
-        cfg = self.config
-        path = resolve_dataset(cfg.dataset, progress=cfg.run.progress)
-        return build_storage(cfg.loader, cfg.dataset, path, self._pin_memory(device),
-                             cfg.run.progress)
+        """The storage; under torch.distributed each node's local rank 0 makes the default
+        dataset and the memmap cache while the other ranks wait, then they open them."""
+        cfg, ranks = self.config, self.ranks
+        if not ranks.local_main:
+            barrier(ranks)
+        path = resolve_dataset(cfg.dataset, progress=cfg.run.progress and ranks.local_main)
+        storage = build_storage(cfg.loader, cfg.dataset, path, self._pin_memory(device),
+                                cfg.run.progress and ranks.local_main)
+        if ranks.local_main:
+            barrier(ranks)
+        return storage
 
     def _pin_memory(self, device: torch.device) -> bool:
         pin = self.config.loader.pin_memory
@@ -205,6 +279,7 @@ class Job:
             model = build_model(ModelConfig(name, cfg.model.channels_last),
                                 len(storage.classes), device)
             model.train(cfg.task.name is TaskName.train)  # before tracing: BN mode is baked in
+            model = self._replicate(model, device)
             models[name.name] = self._compile(name.name, model, example, shapes)
         self.models = models
         if cfg.task.name is TaskName.train:
@@ -213,9 +288,23 @@ class Job:
         for name in models:
             if cfg.task.write_predictions:
                 file = "predictions.csv" if len(models) == 1 else f"predictions_{name}.csv"
+                if self.ranks.enabled:  # one file per rank, merged by rank 0 at the end
+                    file = rank_file(file, self.ranks.rank)
                 writers[name] = PredictionWriter(self.run_dir, storage.name_of,
                                                  cfg.task.writer_threads, file_name=file)
         return InferStep(models, cfg.task, writers, self._step_amp(), device)
+
+    def _replicate(self, model, device: torch.device):
+        """Training under torch.distributed: a DistributedDataParallel replica per rank."""
+        if not (self.ranks.enabled and self.config.task.name is TaskName.train):
+            return model
+        if self.config.compile.name is CompileName.torchscript:
+            raise Unavailable("compile=torchscript cannot trace a DistributedDataParallel "
+                              "model: use compile=inductor or compile=eager under torchrun")
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index]
+                                       if device.type == "cuda" else None)
 
     def _step_amp(self) -> AmpConfig:
         """TensorRT engines carry their own precision; everything else runs under autocast."""
@@ -244,7 +333,7 @@ class Job:
                 0, 256, (n, 3, *size), dtype=torch.uint8)  # nvjpeg: bytes only, no pixels
         images = images.repeat(-(-bs // len(images)), 1, 1, 1)[:bs]  # a full batch
         shapes = [bs]
-        last = len(storage) % bs
+        last = -(-len(storage) // self.ranks.world) % bs  # this rank's shard's last batch
         if last and not self.config.loader.drop_last:
             shapes.append(last)
         return images.to(device), shapes
@@ -262,11 +351,14 @@ class Job:
 
     def _diagnose(self, storage, device: torch.device, figures: dict[str, Any]):
         """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
+        if self.ranks.enabled:  # the stages below run in one process: compare per rank
+            figures = {**figures, "images_per_sec": figures["images_per_sec"] / self.ranks.world}
         ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device))
         if self.models:  # every model of the pass, on device-resident synthetic batches
-            ceilings["model"] = model_ceiling(self._make_step(self.models, 64), self.config,
+            local = {name: local_module(m) for name, m in self.models.items()}  # no collectives
+            ceilings["model"] = model_ceiling(self._make_step(local, 64), self.config,
                                               len(storage.classes), device)
-        return verdict(self.config, figures, ceilings)
+        return verdict(self.config, figures, ceilings, self.ranks.world)
 
     def _trace_file(self) -> str | None:
         trace = self.run_dir / "trace.json"
@@ -310,6 +402,19 @@ class Job:
 
     # --- results ----------------------------------------------------------------------------
 
+    def _report(self, figures: dict[str, Any]) -> None:
+        if figures["images_per_sec"] is not None:
+            world = f" over {self.ranks.world} ranks" if self.ranks.enabled else ""
+            log.info("%s: %.1f images/s%s, %.1f ms/step, data wait %.0f%% of step time (%d "
+                     "timed steps)", self._describe(), figures["images_per_sec"], world,
+                     figures["ms_per_step"], 100 * figures["data_wait_frac"],
+                     figures["timed_steps"])
+        if figures["skipped_files"]:
+            log.warning("%d undecodable files skipped (listed in metrics.json)",
+                        len(figures["skipped_files"]))
+        if "loss_first" in figures:
+            log.info("loss %.3f -> %.3f", figures["loss_first"], figures["loss_last"])
+
     def _figures(self, result: LoopResult, task_figures: dict[str, Any], stream: BatchStream,
                  device: torch.device) -> dict[str, Any]:
         figures = result.timed.figures()
@@ -330,12 +435,12 @@ class Job:
             "pin_memory": self._pin_memory(device),
             **{k: v for k, v in task_figures.items() if v is not None},
         }
-        if figures["images_per_sec"] is not None:
-            log.info("%s: %.1f images/s, %.1f ms/step, data wait %.0f%% of step time (%d timed "
-                     "steps)", self._describe(), figures["images_per_sec"],
-                     figures["ms_per_step"], 100 * figures["data_wait_frac"], result.timed.steps)
-        if skipped:
-            log.warning("%d undecodable files skipped (listed in metrics.json)", len(skipped))
-        if self.config.model.name is not ModelName.none and "loss_first" in out:
-            log.info("loss %.3f -> %.3f", out["loss_first"], out["loss_last"])
         return out
+
+
+def local_module(model):
+    """The plain module inside torch.compile and DistributedDataParallel wrappers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -53,7 +53,12 @@ class TrainStep:
     def __call__(self, batch: TensorDict) -> None:
         with self.autocast():
             logits = self.model(batch["image"])
-        loss = F.cross_entropy(logits.float(), batch["label"])
+        if "valid" in batch.keys():  # padding rows of a distributed shard weigh nothing
+            valid = batch["valid"].float()
+            losses = F.cross_entropy(logits.float(), batch["label"], reduction="none")
+            loss = (losses * valid).sum() / valid.sum().clamp(min=1.0)
+        else:
+            loss = F.cross_entropy(logits.float(), batch["label"])
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
@@ -117,6 +122,8 @@ class InferStep:
         return time.perf_counter()
 
     def __call__(self, batch: TensorDict) -> None:
+        if "valid" in batch.keys():  # drop padding rows (distributed shards) before anything
+            batch = batch[batch["valid"]]
         self.images += batch.batch_size[0]
         with torch.inference_mode(), self.autocast():
             for name, model in self.models.items():

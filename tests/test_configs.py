@@ -17,7 +17,7 @@ from runner.storage.decode import DecoderUnavailable
 from tests.conftest import REPO, run_cli
 
 CONF = REPO / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: launchers
 PRESETS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 register_configs()

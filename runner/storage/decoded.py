@@ -13,6 +13,15 @@ from torch.utils.data import Dataset, get_worker_info
 from runner.storage.folder import Sample
 
 
+def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the indices to read, the valid mask or None when nothing is padding); padding is
+    ``-1 - i`` (runner.loader.BatchOrder)."""
+    valid = index >= 0
+    if valid.all():
+        return index, None
+    return torch.where(valid, index, -1 - index), valid
+
+
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor in shared memory, so it crosses to another process without a copy."""
     numel = 1
@@ -57,14 +66,20 @@ class DecodedStorage(Dataset):
         return self.names[int(self.slots[index])]
 
     def __getitem__(self, index: int) -> Sample:
+        valid = index >= 0
+        index = index if valid else -1 - index  # padding (runner.loader.BatchOrder)
         slot = int(self.slots[index])
-        return Sample(self.images[slot].clone(), int(self.labels[slot]), index)
+        return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid)
 
     def gather(self, index: torch.Tensor, out: torch.Tensor | None = None) -> dict:
         """One batch with one indexed read of the image tensor (into ``out`` if given)."""
+        index, valid = split_padding(index)
         slots = index if self.contiguous_slots else self.slots.index_select(0, index)
         image = torch.index_select(self.images, 0, slots, out=out)
-        return {"image": image, "label": self.labels.index_select(0, slots), "index": index}
+        batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
+        if valid is not None:
+            batch["valid"] = valid
+        return batch
 
     def __getitems__(self, indices: list[int]) -> dict:
         """The DataLoader's batched path; in a worker the batch is gathered into shared

@@ -28,6 +28,7 @@ class Sample:
     image: torch.Tensor
     label: int
     index: int
+    valid: bool = True  # False: padding that evens out distributed shards
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class FolderStorage(torch.utils.data.Dataset):
         return os.path.relpath(self.samples[index][0], self.root)
 
     def __getitem__(self, index: int) -> Sample | SkippedFile:
+        valid = index >= 0
+        index = index if valid else -1 - index  # padding (runner.loader.BatchOrder)
         path, label = self.samples[index]
         try:
             data = read_file(path)
@@ -131,7 +134,7 @@ class FolderStorage(torch.utils.data.Dataset):
                     f"cannot decode {path}: {e} (dataset.on_corrupt=skip skips such files)"
                 ) from e
             return SkippedFile(path, str(e), index)
-        return Sample(image, label, index)
+        return Sample(image, label, index, valid)
 
     def __getitems__(self, indices: list[int]) -> list[Sample | SkippedFile]:
         return [self[i] for i in indices]

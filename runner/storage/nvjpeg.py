@@ -89,11 +89,11 @@ class GpuDecodedBatches:
         if not keep:
             return None, skipped
         index = torch.tensor(keep)
-        return {
-            "image": torch.stack([images[k] for k in keep]),
-            "label": batch["label"][index].to(self.device, non_blocking=True),
-            "index": batch["index"][index].to(self.device, non_blocking=True),
-        }, skipped
+        out = {"image": torch.stack([images[k] for k in keep])}
+        for key in ("label", "index", "valid"):
+            if key in batch:
+                out[key] = batch[key][index].to(self.device, non_blocking=True)
+        return out, skipped
 
     def _nvjpeg(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
         from torchvision.io import ImageReadMode, decode_jpeg

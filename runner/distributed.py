@@ -1,0 +1,106 @@
+"""More than one device: torch.distributed under ``torchrun`` (or a SLURM job via submitit).
+
+``torchrun --nproc_per_node=N -m runner ...`` starts N copies of the runner; each finds its
+rank in the environment, joins a process group (gloo on CPU, nccl on CUDA), drives one
+device, loads its own shard of every epoch (``runner.loader.BatchOrder``) and trains one
+DistributedDataParallel replica. Rank 0 alone writes the run's outputs, with figures
+gathered from every rank. Each job of a sweep creates and destroys its own group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands: ``rank`` of ``world`` overall, ``local`` on its node."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def local_main(self) -> bool:
+        return self.local == 0
+
+
+def ranks_from_env() -> Ranks:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK), else a multi-task SLURM job
+    started by submitit (whose helper exports the same variables), else one process."""
+    env = os.environ
+    if "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        with contextlib.suppress(Exception):  # not inside a submitit job: one process
+            from submitit.helpers import TorchDistributedEnvironment
+
+            TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Ranks(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+    return Ranks()
+
+
+@contextlib.contextmanager
+def process_group(ranks: Ranks, device_type: str) -> Iterator[None]:
+    """Join the group for one job and leave it cleanly afterwards (also on errors)."""
+    if not ranks.enabled:
+        yield
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    # long enough for the local main rank to decode a large dataset while the others wait
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=2))
+    log.info("rank %d of %d joined a %s process group", ranks.rank, ranks.world, backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def barrier(ranks: Ranks) -> None:
+    if ranks.enabled:
+        dist.barrier()
+
+
+def gather(ranks: Ranks, value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (just ``[value]`` without a group)."""
+    if not ranks.enabled:
+        return [value]
+    out: list[Any] = [None] * ranks.world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def broadcast(ranks: Ranks, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not ranks.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter: equal on every rank when the replicas are in sync."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
