@@ -56,6 +56,11 @@ class OnCorrupt(Enum):
     fail = "fail"
 
 
+class PageCache(Enum):
+    warm = "warm"  # whatever the page cache holds (after one epoch: usually everything)
+    cold = "cold"  # the dataset's files evicted before the run and before each epoch
+
+
 class ModelName(Enum):
     tiny = "tiny"
     resnet18 = "resnet18"
@@ -128,6 +133,7 @@ class DatasetConfig:
     image_size: list[int] = field(default_factory=lambda: [224, 224])  # (H, W) fed to the model
     crop: Crop = Crop.center
     on_corrupt: OnCorrupt = OnCorrupt.skip
+    page_cache: PageCache = PageCache.warm
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):

@@ -23,6 +23,7 @@ from tensordict import TensorDict
 
 from runner.config import Config, Storage
 from runner.loader import collate
+from runner.pagecache import can_evict, evict
 from runner.storage.decoded import DecodedStorage
 from runner.storage.folder import FolderStorage, Sample, read_file
 from runner.storage.nvjpeg import ReadBytes
@@ -32,6 +33,9 @@ DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a 
 ADVICE = {
     "read": "try loader=ram, a warm page cache, smaller files (re-encoded JPEGs) or faster "
             "storage",
+    "storage": "the disk, not decode, is the limit: try loader=ram, a warm page cache "
+               "(dataset.page_cache=warm), smaller files (python -m runner.prepare reencode "
+               "--quality 75) or faster storage",
     "decode": "try loader=memmap or loader=ram (decode once), loader.decoder=simplejpeg, "
               "loader.draft=true or more loader.num_workers",
     "collate": "try loader.batched=true (one call per batch) or loader=memmap",
@@ -49,10 +53,11 @@ class Verdict:
     stage: str  # the limiting stage
     sentence: str
     ceilings: dict[str, float]  # images/s of each stage alone
+    storage: dict[str, float] | None = None  # a cold sequential read: MB/s, files/s
 
     def as_dict(self) -> dict[str, Any]:
         return {"bound": self.bound, "stage": self.stage, "sentence": self.sentence,
-                "ceilings": self.ceilings}
+                "ceilings": self.ceilings, "storage": self.storage}
 
 
 def burst(fn: Callable[[], int], seconds: float = 0.4, min_calls: int = 2,
@@ -88,9 +93,50 @@ def _decodable(storage: FolderStorage, paths: list[str], want: int = 16) -> list
     return found
 
 
-def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool) -> dict[str, float]:
-    """images/s of each data stage alone for this run's storage and loader settings."""
+def storage_read(files: list[str], image_bytes: int | None = None,
+                 budget: int = 64 * 1024 * 1024, max_files: int = 64) -> dict[str, float] | None:
+    """A short cold sequential read: evict a sample of the dataset's files, read them back.
+
+    Returns MB/s, files/s and images/s (files/s for an image folder; MB/s over the bytes per
+    image for one large cache file), and whether the read was really cold.
+    """
+    if not files:
+        return None
+    step = max(1, len(files) // max_files)
+    sample = files[::step][:max_files]
+    cold = can_evict() and evict(sample) == len(sample)
+    done, start = 0, time.perf_counter()
+    for path in sample:
+        with open(path, "rb", buffering=0) as f:
+            while done < budget and (chunk := f.read(4 * 1024 * 1024)):
+                done += len(chunk)
+        if done >= budget:
+            break
+    seconds = max(time.perf_counter() - start, 1e-9)
+    out = {"mb_per_s": done / seconds / 1e6, "cold": cold}
+    if image_bytes is None:  # one image per file
+        out["files_per_s"] = len(sample) / seconds
+        out["images_per_sec"] = out["files_per_s"]
+    else:  # one file of fixed-size images
+        out["images_per_sec"] = done / seconds / image_bytes
+    return out
+
+
+def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool,
+                  cold: bool = False) -> dict[str, float]:
+    """images/s of each data stage alone for this run's storage and loader settings.
+
+    With ``cold`` (the run read its files from the storage device) the cold sequential
+    read is a stage too (``storage``).
+    """
     ceilings: dict[str, float] = {}
+    if cold:
+        image_bytes = None
+        if isinstance(storage, DecodedStorage):
+            image_bytes = int(torch.tensor(storage.image_shape).prod())
+        read = storage_read(storage.files, image_bytes)
+        if read is not None:
+            ceilings["storage"] = read["images_per_sec"]
     bs = cfg.loader.batch_size
     if isinstance(storage, FolderStorage):
         scale = _parallelism(cfg)

@@ -8,7 +8,7 @@ could not read travel beside the batch and are counted by ``BatchStream``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -251,12 +251,16 @@ class BatchStream:
     Args:
         loader: yields (batch dict or None, skipped files) per batch.
         epochs: how many passes; the loop may stop earlier (``run.steps``).
+        on_epoch: called with the epoch number before each epoch starts (page-cache
+            eviction for ``dataset.page_cache=cold``).
     """
 
-    def __init__(self, loader: DataLoader, epochs: int):
+    def __init__(self, loader: DataLoader, epochs: int,
+                 on_epoch: Callable[[int], None] | None = None):
         self.loader = loader
         self.epochs = epochs
         self.epoch = 0
+        self.on_epoch = on_epoch
         self.skips = SkipLog()
 
     def __len__(self) -> int:
@@ -267,6 +271,8 @@ class BatchStream:
         try:
             for epoch in range(self.epochs):
                 self.epoch = epoch
+                if self.on_epoch is not None:
+                    self.on_epoch(epoch)
                 iterator = iter(self.loader)
                 for batch, skipped in iterator:
                     self.skips.add(skipped)

@@ -36,15 +36,17 @@ def run_loop(
     progress: bool = True,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     profiler: torch.profiler.profile | None = None,
+    clock: StepClock | None = None,
 ) -> LoopResult:
     """Run ``step`` on up to ``total_steps`` batches and time the ones after warm-up.
 
     The device is synchronized only when warm-up ends, at every ``log_every``-th timed
     step, and at the end. ``augment`` (random crops of pre-decoded batches) runs on the
     device after the move and counts as compute. With a ``profiler``, each stage is a
-    named range and the profiler advances once per step.
+    named range and the profiler advances once per step. A ``clock`` made by the caller
+    lets setup code pause it (``StepClock.paused``).
     """
-    clock = StepClock(device)
+    clock = clock or StepClock(device)
     timed = Window()
     steps = images = 0
     stage = stage_range(profiler is not None)
@@ -61,7 +63,7 @@ def run_loop(
                 batch = next(batch_iter, None)
             if batch is None:
                 break
-            clock.add_host("data_wait", time.perf_counter() - t0)
+            clock.add_host("data_wait", time.perf_counter() - t0 - clock.take_paused())
             n = count_images(batch)  # before the move: counting padding needs no device sync
             c0 = clock.now()
             with stage("copy"):

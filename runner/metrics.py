@@ -8,7 +8,10 @@ copy and compute are host time on CPU and CUDA events on a GPU (read back at log
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +68,27 @@ class StepClock:
         self._window = Window()
         self._events: list[tuple[str, Any, Any]] = []
         self._start = time.perf_counter()
+        self._owner = threading.get_ident()  # the loop's thread
+        self._paused = 0.0  # paused time not yet taken out of a data-wait measurement
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that is the measurement's, not the pipeline's (evicting the page cache):
+        on the loop's thread its time leaves the window and the data wait it falls in."""
+        if threading.get_ident() != self._owner:  # overlaps the loop: nothing to take out
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._start += spent
+            self._paused += spent
+
+    def take_paused(self) -> float:
+        spent, self._paused = self._paused, 0.0
+        return spent
 
     def now(self) -> Any:
         """A timestamp for copy/compute: an event on the current CUDA stream, or host time."""

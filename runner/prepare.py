@@ -1,9 +1,14 @@
-"""``python -m runner.prepare memmap [--rebuild] [overrides]``: build a memmap cache now.
+"""``python -m runner.prepare``: prepare data ahead of runs.
 
-Takes the runner's own overrides (``dataset.path=...``, ``dataset.image_size=[224,224]``,
+``memmap [--rebuild] [overrides]`` builds the decode-once cache now. It takes the runner's
+own overrides (``dataset.path=...``, ``dataset.image_size=[224,224]``,
 ``loader.decoder=simplejpeg``, ``loader.draft=true``), so the cache it builds is exactly the
 one ``python -m runner loader=memmap`` with the same overrides opens. Without it, the first
 ``loader=memmap`` run converts on its own.
+
+``reencode --quality Q [--max-size S] [--src DIR] [--dst DIR] [overrides]`` writes a copy
+of an image folder (by default the run's dataset, e.g. the generated default) at JPEG
+quality Q, and prints the bytes before and after and the ``dataset.path=`` to run it with.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 from pathlib import Path
 
 from runner.config import ConfigError, compose
+from runner.reencode import Reencoding, describe, reencode_folder
 from runner.storage import build_storage, cache_spec, resolve_dataset
 from runner.storage.decode import ImageDecoder, check_decoder
 from runner.storage.folder import DatasetError, FolderStorage
@@ -37,6 +43,16 @@ def prepare_memmap(overrides: list[str], rebuild: bool = False) -> Path:
     return cache
 
 
+def reencode(args: argparse.Namespace) -> Path:
+    src = args.src or resolve_dataset(compose(args.overrides).dataset)
+    suffix = f"-q{args.quality}" + (f"-s{args.max_size}" if args.max_size else "")
+    dst = args.dst or Path(src).with_name(Path(src).name + suffix)
+    manifest = reencode_folder(Path(src), Path(dst), Reencoding(args.quality, args.max_size))
+    print(describe(manifest))
+    print(f"run it with: dataset.path={dst}")
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,14 +60,24 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("memmap", help="decode a dataset once into a uint8 memmap cache")
     p.add_argument("--rebuild", action="store_true", help="convert again even if valid")
     p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    r = sub.add_parser("reencode", help="a copy of an image folder at a lower JPEG quality")
+    r.add_argument("--quality", type=int, default=75, help="JPEG quality, 1..100 (default 75)")
+    r.add_argument("--max-size", type=int, help="cap the shorter side at this many pixels")
+    r.add_argument("--src", type=Path, help="an ImageFolder tree (default: the run's dataset)")
+    r.add_argument("--dst", type=Path, help="where the copy goes (default: beside the source)")
+    r.add_argument("overrides", nargs="*", help="runner overrides that pick the dataset")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        cache = prepare_memmap(args.overrides, rebuild=args.rebuild)
-    except (ConfigError, DatasetError, CacheError) as e:
+        if args.command == "reencode":
+            if not 1 <= args.quality <= 100:
+                raise ConfigError(f"--quality={args.quality} is invalid: must be in 1..100")
+            reencode(args)
+        else:
+            print(prepare_memmap(args.overrides, rebuild=args.rebuild))
+    except (ConfigError, DatasetError, CacheError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(cache)
     return 0
 
 

@@ -35,12 +35,13 @@ from runner.config import (
     Device,
     ModelConfig,
     ModelName,
+    PageCache,
     TaskName,
     flatten,
     to_config,
     to_plain,
 )
-from runner.diagnose import data_ceilings, model_ceiling, verdict
+from runner.diagnose import data_ceilings, model_ceiling, storage_read, verdict
 from runner.distributed import (
     Ranks,
     barrier,
@@ -54,14 +55,16 @@ from runner.errors import Unavailable
 from runner.loader import BatchStream, build_loader
 from runner.loggers import MetricLogger, NullLogger, build_logger
 from runner.loop import LoopResult, run_loop
+from runner.metrics import StepClock
 from runner.models import build_model
+from runner.pagecache import ColdPageCache, evict
 from runner.predictions import PredictionWriter, merge_rank_files, rank_file
 from runner.prefetch import CudaStreamPrefetcher, build_prefetcher
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
-from runner.storage import build_storage, resolve_dataset
+from runner.storage import build_storage, cache_spec, resolve_dataset
 from runner.storage.decode import ImageDecoder
 from runner.storage.decoded import DecodedStorage
-from runner.storage.folder import Sample
+from runner.storage.folder import Sample, open_image_folder
 from runner.storage.nvjpeg import GpuDecodedBatches
 from runner.task import DataOnlyStep, InferStep, Step, TrainStep
 
@@ -119,6 +122,7 @@ class Job:
         self.models: dict = {}
         self.device = torch.device("cpu")
         self.compile_seconds = 0.0
+        self.page_cache: ColdPageCache | None = None
         self.compile_diff: dict[str, float] = {}
 
     def execute(self) -> dict[str, Any]:
@@ -137,7 +141,7 @@ class Job:
             fallback = ImageDecoder(Decoder.pil, tuple(cfg.dataset.image_size), cfg.dataset.crop)
             loader = GpuDecodedBatches(loader, storage, device, fallback)
         total_steps, epochs, warmup = self._plan(len(loader))
-        stream = BatchStream(loader, epochs)
+        stream = BatchStream(loader, epochs, self.page_cache)
         batches = build_prefetcher(cfg.prefetch, stream, device)
         step = self._setup_task(storage, device, total_steps)
         torch.manual_seed(cfg.seed + ranks.rank)  # random crops differ between ranks
@@ -147,11 +151,15 @@ class Job:
                  total_steps, warmup, device,
                  f" x {ranks.world} ranks" if ranks.enabled else "")
         profiler = build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
+        clock = StepClock(device)
+        if self.page_cache is not None:
+            self.page_cache.pause = clock.paused
         result = run_loop(batches, step, device, total_steps, warmup, cfg.run.log_every,
                           self.logger, cfg.run.progress and ranks.main,
-                          self._augment(storage), profiler)
+                          self._augment(storage), profiler, clock)
         figures = self._figures(result, step.close(), stream, device)
         figures["compile_seconds"] = self.compile_seconds
+        figures.update(self._page_cache_figures())
         if self.compile_diff:
             figures["compile_max_diff"] = self.compile_diff
         if isinstance(batches, CudaStreamPrefetcher):
@@ -240,11 +248,22 @@ class Job:
         if not ranks.local_main:
             barrier(ranks)
         path = resolve_dataset(cfg.dataset, progress=cfg.run.progress and ranks.local_main)
+        if cfg.dataset.page_cache is PageCache.cold:  # setup reads (a conversion, ram) too
+            evict(self._source_files(path))
         storage = build_storage(cfg.loader, cfg.dataset, path, self._pin_memory(device),
                                 cfg.run.progress and ranks.local_main)
         if ranks.local_main:
             barrier(ranks)
+        if cfg.dataset.page_cache is PageCache.cold:
+            self.page_cache = ColdPageCache(storage.files, getattr(storage, "reopen", None))
         return storage
+
+    def _source_files(self, path: Path) -> list[str]:
+        """The image files under ``path`` and, when there is one, their memmap cache."""
+        _, samples = open_image_folder(path)
+        cache = cache_spec(self.config.loader, self.config.dataset, path).folder(
+            Path(self.config.dataset.cache_dir))
+        return [p for p, _ in samples] + [str(f) for f in cache.glob("*.memmap")]
 
     def _pin_memory(self, device: torch.device) -> bool:
         pin = self.config.loader.pin_memory
@@ -353,12 +372,17 @@ class Job:
         """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
         if self.ranks.enabled:  # the stages below run in one process: compare per rank
             figures = {**figures, "images_per_sec": figures["images_per_sec"] / self.ranks.world}
-        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device))
+        cold = self.page_cache is not None and self.page_cache.state == "cold"
+        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device), cold)
         if self.models:  # every model of the pass, on device-resident synthetic batches
             local = {name: local_module(m) for name, m in self.models.items()}  # no collectives
             ceilings["model"] = model_ceiling(self._make_step(local, 64), self.config,
                                               len(storage.classes), device)
-        return verdict(self.config, figures, ceilings, self.ranks.world)
+        result = verdict(self.config, figures, ceilings, self.ranks.world)
+        image_bytes = (int(torch.tensor(storage.image_shape).prod())
+                       if isinstance(storage, DecodedStorage) else None)
+        result.storage = storage_read(storage.files, image_bytes)  # the disk's figures
+        return result
 
     def _trace_file(self) -> str | None:
         trace = self.run_dir / "trace.json"
@@ -401,6 +425,13 @@ class Job:
         return " ".join(parts)
 
     # --- results ----------------------------------------------------------------------------
+
+    def _page_cache_figures(self) -> dict[str, Any]:
+        pc = self.page_cache
+        if pc is None:
+            return {"page_cache": "warm"}
+        return {"page_cache": pc.state, "page_cache_note": pc.note,
+                "evictions": pc.evictions, "evict_seconds": pc.seconds}
 
     def _report(self, figures: dict[str, Any]) -> None:
         if figures["images_per_sec"] is not None:

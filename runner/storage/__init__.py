@@ -12,7 +12,7 @@ from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, Storage
 from runner.storage.decode import ImageDecoder, check_decoder
 from runner.storage.decoded import DecodedStorage
 from runner.storage.folder import FolderStorage
-from runner.storage.memmap import CacheSpec, ensure_cache, open_images, open_labels
+from runner.storage.memmap import IMAGES, CacheSpec, ensure_cache, open_images, open_labels
 from runner.storage.nvjpeg import ReadBytes
 from runner.storage.ram import load_ram
 from runner.synthetic import SyntheticSpec, ensure_dataset
@@ -57,4 +57,5 @@ def open_memmap(folder: FolderStorage, spec: CacheSpec, cache_root: Path,
     names = [str(Path(p).relative_to(folder.root)) for p, _ in folder.samples]
     return DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
                           [s["index"] for s in meta["skipped"]], folder.classes, names,
-                          folder.root)
+                          folder.root, files=[str(cache / IMAGES)],
+                          reopen=lambda: open_images(cache, meta))

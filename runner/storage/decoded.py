@@ -41,11 +41,17 @@ class DecodedStorage(Dataset):
         classes: class names, in ImageFolder order.
         names: the source file name of every slot (for predictions).
         root: the source folder.
+        files: the files the images are read from during the run (memmap: the cache file;
+            ram: none).
+        reopen: maps ``files`` again (drops this process's pages, for a cold page cache).
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, skipped: list[int],
-                 classes: list[str], names: list[str], root):
+                 classes: list[str], names: list[str], root, files: list[str] | None = None,
+                 reopen=None):
         self.images = images
+        self.files = files or []
+        self._reopen = reopen
         self.labels = labels
         mask = torch.ones(len(labels), dtype=torch.bool)
         mask[list(skipped)] = False
@@ -57,6 +63,12 @@ class DecodedStorage(Dataset):
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    def reopen(self) -> None:
+        """Map the image file anew: the old mapping's pages can then leave the page cache."""
+        if self._reopen is not None:
+            self.images = None  # drop the old mapping first
+            self.images = self._reopen()
 
     @property
     def image_shape(self) -> tuple[int, ...]:

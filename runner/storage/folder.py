@@ -116,6 +116,11 @@ class FolderStorage(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def files(self) -> list[str]:
+        """Every file an epoch reads."""
+        return [path for path, _ in self.samples]
+
     def name_of(self, index: int) -> str:
         return os.path.relpath(self.samples[index][0], self.root)
 
