@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from runner.config import Config, compose
+from runner.diagnose import burst
 from runner.loader import (
     BatchOrder,
     BatchStream,
@@ -45,21 +46,20 @@ from runner.task import DataOnlyStep
 CPU = torch.device("cpu")
 
 
-def timed_rate(batches: Callable[[], Iterable], seconds: float, warmup: int = 2) -> float:
-    """Images/s over ``seconds`` of batches after ``warmup`` batches (epochs cycle)."""
+def timed_rate(batches: Callable[[], Iterable], seconds: float) -> float:
+    """Images/s over ``seconds`` of batches, after one warm-up batch (epochs cycle)."""
 
     def endless():
         while True:
             yield from batches()
 
     it = endless()
-    for _ in range(warmup):
-        next(it)
-    images, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+
+    def one_batch() -> int:
         batch = next(it)
-        images += len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
-    return images / (time.perf_counter() - start)
+        return len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+
+    return burst(one_batch, seconds=seconds)
 
 
 def runner_rate(config: Config, seconds: float) -> float:

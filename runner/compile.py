@@ -23,6 +23,7 @@ from torch import nn
 from runner.amp import DTYPES, autocast
 from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, TaskName
 from runner.errors import Unavailable
+from runner.metrics import synchronize
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,6 @@ TOLERANCE = {None: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 class CompileMismatch(RuntimeError):
     """A compiled model computes something different from eager."""
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _torchscript(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
@@ -143,12 +139,12 @@ def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: Ta
         return model, 0.0
     train = task is TaskName.train
     device = example.device
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     compiled = backend(model, cfg, example, train, amp, cache)
     with _freezing(cfg, train):  # inductor compiles on the first calls, made here
         _warm(model, compiled, example, shapes, train, amp if uses_autocast(cfg) else None)
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     log.info("compile=%s took %.1f s (not counted in any figure)", cfg.name.name, seconds)
     return compiled, seconds

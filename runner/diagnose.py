@@ -12,6 +12,7 @@ the model is.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from tensordict import TensorDict
 
 from runner.config import Config, Storage
 from runner.loader import collate
+from runner.metrics import synchronize
 from runner.pagecache import can_evict, evict
 from runner.storage.decoded import DecodedStorage
 from runner.storage.folder import FolderStorage, Sample, read_file
@@ -122,21 +124,21 @@ def storage_read(files: list[str], image_bytes: int | None = None,
     return out
 
 
+def image_bytes(storage) -> int | None:
+    """Bytes per image of a pre-decoded storage (None: a folder, one image per file)."""
+    return math.prod(storage.image_shape) if isinstance(storage, DecodedStorage) else None
+
+
 def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool,
-                  cold: bool = False) -> dict[str, float]:
+                  cold_read: dict[str, float] | None = None) -> dict[str, float]:
     """images/s of each data stage alone for this run's storage and loader settings.
 
-    With ``cold`` (the run read its files from the storage device) the cold sequential
-    read is a stage too (``storage``).
+    ``cold_read`` (a ``storage_read`` of a run that read its files from the storage device)
+    makes the device a stage too (``storage``).
     """
     ceilings: dict[str, float] = {}
-    if cold:
-        image_bytes = None
-        if isinstance(storage, DecodedStorage):
-            image_bytes = int(torch.tensor(storage.image_shape).prod())
-        read = storage_read(storage.files, image_bytes)
-        if read is not None:
-            ceilings["storage"] = read["images_per_sec"]
+    if cold_read is not None:
+        ceilings["storage"] = cold_read["images_per_sec"]
     bs = cfg.loader.batch_size
     if isinstance(storage, FolderStorage):
         scale = _parallelism(cfg)
@@ -180,7 +182,7 @@ def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool,
             host.to(device, non_blocking=True)
             return bs
 
-        ceilings["copy"] = burst(copy_batch, sync=lambda: torch.cuda.synchronize(device))
+        ceilings["copy"] = burst(copy_batch, sync=lambda: synchronize(device))
     return ceilings
 
 
@@ -203,8 +205,7 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
         step(batch)
         return bs
 
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    return burst(one_step, seconds=0.5, min_calls=1, sync=sync)
+    return burst(one_step, seconds=0.5, min_calls=1, sync=lambda: synchronize(device))
 
 
 def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],

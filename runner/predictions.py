@@ -83,13 +83,8 @@ class PredictionWriter:
         self.pool.shutdown(wait=True)
         self._raise_failed()
         self.rows = sum(f.result() for f in self.futures)
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        with open(tmp, "w") as out:
-            out.write(HEADER)
-            for k in range(len(self.futures)):
-                with open(self.parts / f"{k:08d}.csv") as part:
-                    shutil.copyfileobj(part, out)
-        os.replace(tmp, self.path)
+        parts = [self.parts / f"{k:08d}.csv" for k in range(len(self.futures))]
+        join_csv(self.path, parts, header=HEADER)
         shutil.rmtree(self.parts, ignore_errors=True)
         return self.rows
 
@@ -105,14 +100,21 @@ def merge_rank_files(run_dir: Path, world: int) -> None:
     for first in sorted(Path(run_dir).glob("*.rank0.csv")):
         base = first.name.replace(".rank0.csv", ".csv")
         parts = [first.with_name(base.replace(".csv", f".rank{r}.csv")) for r in range(world)]
-        tmp = first.with_name(f".{base}.tmp{os.getpid()}")
-        with open(tmp, "w") as out:
-            for k, part in enumerate(parts):
-                with open(part) as f:
-                    header = f.readline()
-                    if k == 0:
-                        out.write(header)
-                    shutil.copyfileobj(f, out)
-        os.replace(tmp, first.with_name(base))
+        with open(first) as f:
+            header = f.readline()
+        join_csv(first.with_name(base), parts, header=header, skip_header=True)
         for part in parts:
             part.unlink()
+
+
+def join_csv(target: Path, parts: list[Path], header: str, skip_header: bool = False) -> None:
+    """``header`` and then every part, in order, written whole into ``target``."""
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as out:
+        out.write(header)
+        for part in parts:
+            with open(part) as f:
+                if skip_header:
+                    f.readline()
+                shutil.copyfileobj(f, out)
+    os.replace(tmp, target)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import logging
-import multiprocessing as mp
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from runner.atomic import write_atomic, write_json
+from runner.pool import parallel_imap
 from runner.storage.folder import open_image_folder
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,9 @@ def reencode_folder(src: Path, dst: Path, job: Reencoding, progress: bool = True
     workers = workers or min(os.cpu_count() or 1, max(1, len(jobs) // 16))
     results = []
     with tqdm(total=len(jobs), unit="img", desc="re-encoding", disable=not progress) as bar:
-        if workers == 1:
-            for j in jobs:
-                results.append(_one(j))
-                bar.update()
-        else:
-            with mp.get_context("fork").Pool(workers) as pool:
-                for r in pool.imap_unordered(_one, jobs, chunksize=8):
-                    results.append(r)
-                    bar.update()
+        for r in parallel_imap(_one, jobs, workers=workers, chunksize=8):
+            results.append(r)
+            bar.update()
     skipped = sorted((src_path, err) for src_path, _, _, err in results if err)
     kept = [r for r in results if not r[3]]
     manifest = {

@@ -41,7 +41,13 @@ from runner.config import (
     to_config,
     to_plain,
 )
-from runner.diagnose import data_ceilings, model_ceiling, storage_read, verdict
+from runner.diagnose import (
+    data_ceilings,
+    image_bytes,
+    model_ceiling,
+    storage_read,
+    verdict,
+)
 from runner.distributed import (
     Ranks,
     barrier,
@@ -372,16 +378,16 @@ class Job:
         """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
         if self.ranks.enabled:  # the stages below run in one process: compare per rank
             figures = {**figures, "images_per_sec": figures["images_per_sec"] / self.ranks.world}
+        read = storage_read(storage.files, image_bytes(storage))  # a short cold read: the disk
         cold = self.page_cache is not None and self.page_cache.state == "cold"
-        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device), cold)
+        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device),
+                                 read if cold else None)
         if self.models:  # every model of the pass, on device-resident synthetic batches
             local = {name: local_module(m) for name, m in self.models.items()}  # no collectives
             ceilings["model"] = model_ceiling(self._make_step(local, 64), self.config,
                                               len(storage.classes), device)
         result = verdict(self.config, figures, ceilings, self.ranks.world)
-        image_bytes = (int(torch.tensor(storage.image_shape).prod())
-                       if isinstance(storage, DecodedStorage) else None)
-        result.storage = storage_read(storage.files, image_bytes)  # the disk's figures
+        result.storage = read
         return result
 
     def _trace_file(self) -> str | None:

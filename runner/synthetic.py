@@ -17,7 +17,6 @@ from __future__ import annotations
 import colorsys
 import io
 import logging
-import multiprocessing as mp
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from runner.atomic import write_atomic, write_json
+from runner.pool import parallel_imap
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +159,8 @@ def ensure_dataset(spec: SyntheticSpec, cache_dir: str | Path, progress: bool = 
 
 
 def _generate(spec: SyntheticSpec, root: Path, todo: list[int], progress: bool) -> None:
-    bar = tqdm(total=len(todo), desc="default dataset", unit="img", disable=not progress)
     jobs = [(spec, root, i) for i in todo]
     workers = min(os.cpu_count() or 1, max(len(todo) // 64, 1))
-    if workers == 1:
-        for job in jobs:
-            _write_one(job)
+    with tqdm(total=len(todo), desc="default dataset", unit="img", disable=not progress) as bar:
+        for _ in parallel_imap(_write_one, jobs, workers=workers, chunksize=8):
             bar.update()
-    else:
-        # fork keeps start-up cheap; the workers only run numpy and PIL.
-        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-        with (ctx or mp).Pool(workers) as pool:
-            for _ in pool.imap_unordered(_write_one, jobs, chunksize=8):
-                bar.update()
-    bar.close()

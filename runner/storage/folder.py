@@ -134,12 +134,17 @@ class FolderStorage(torch.utils.data.Dataset):
                 raise CorruptImageError("empty file")
             image = self.decode(data)
         except (CorruptImageError, OSError) as e:
-            if self.on_corrupt is OnCorrupt.fail:
-                raise CorruptImageError(
-                    f"cannot decode {path}: {e} (dataset.on_corrupt=skip skips such files)"
-                ) from e
-            return SkippedFile(path, str(e), index)
+            return self.undecodable(path, e, index)
         return Sample(image, label, index, valid)
+
+    def undecodable(self, path: str, error: Exception, index: int) -> SkippedFile:
+        """A file nothing could decode: a SkippedFile to count, or (on_corrupt=fail) an error
+        with its path."""
+        if self.on_corrupt is OnCorrupt.fail:
+            raise CorruptImageError(
+                f"cannot decode {path}: {error} (dataset.on_corrupt=skip skips such files)"
+            ) from error
+        return SkippedFile(path, str(error), index)
 
     def __getitems__(self, indices: list[int]) -> list[Sample | SkippedFile]:
         return [self[i] for i in indices]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import shutil
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from tensordict import MemoryMappedTensor
 from tqdm import tqdm
 
 from runner.atomic import write_json
+from runner.pool import parallel_imap
 from runner.storage.folder import FolderStorage, SkippedFile
 
 log = logging.getLogger(__name__)
@@ -272,15 +272,13 @@ def decode_into(target: torch.Tensor, folder_storage: FolderStorage,
     skipped: list[SkippedFile] = []
     bar = tqdm(total=total or len(folder_storage), initial=already, unit="img",
                desc="decoding", disable=not progress)
-    workers = max(1, min(os.cpu_count() or 1, len(chunks)))
     _JOB = (target, folder_storage)
     try:
-        with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
-            for chunk, chunk_skipped in pool.imap_unordered(_decode_chunk, chunks):
-                skipped += chunk_skipped
-                if on_chunk is not None:
-                    on_chunk(chunk, chunk_skipped)
-                bar.update(chunk[1] - chunk[0])
+        for chunk, chunk_skipped in parallel_imap(_decode_chunk, chunks, initializer=_init_worker):
+            skipped += chunk_skipped
+            if on_chunk is not None:
+                on_chunk(chunk, chunk_skipped)
+            bar.update(chunk[1] - chunk[0])
     finally:
         _JOB = None
         bar.close()

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import torch
 
-from runner.config import OnCorrupt
 from runner.storage.decode import (
     CorruptImageError,
     ImageDecoder,
@@ -117,13 +116,8 @@ class GpuDecodedBatches:
 
     def _cpu_fallback(self, data: torch.Tensor, index: int,
                       skipped: list[SkippedFile]) -> torch.Tensor | None:
-        path = self.storage.samples[index][0]
         try:
             return self.decoder(bytearray(data.numpy().tobytes())).to(self.device)
         except CorruptImageError as e:
-            if self.storage.on_corrupt is OnCorrupt.fail:
-                raise CorruptImageError(
-                    f"cannot decode {path}: {e} (dataset.on_corrupt=skip skips such files)"
-                ) from e
-            skipped.append(SkippedFile(path, str(e), index))
+            skipped.append(self.storage.undecodable(self.storage.samples[index][0], e, index))
             return None
