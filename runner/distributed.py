@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import itertools
 import logging
 import os
 from collections.abc import Iterator
@@ -59,6 +60,28 @@ def ranks_from_env() -> Ranks:
     return Ranks()
 
 
+# long enough for the local main rank to decode a large dataset while the others wait
+TIMEOUT = datetime.timedelta(hours=2)
+
+_store: dist.Store | None = None  # the rendezvous store, one connection per process
+_jobs = itertools.count()  # jobs run in the same order on every rank: the same numbers
+
+
+def _job_store(ranks: Ranks) -> dist.Store:
+    """This job's view of the rendezvous store: its own key prefix.
+
+    Every job of a sweep joins a new group on the same store; under one prefix, a rank
+    would read a peer's address left over from the previous job and fail to connect.
+    """
+    global _store
+    if _store is None:
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun
+        _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               ranks.world, is_master=ranks.main and not agent_hosts,
+                               timeout=TIMEOUT)
+    return dist.PrefixStore(f"runner/job{next(_jobs)}", _store)
+
+
 @contextlib.contextmanager
 def process_group(ranks: Ranks, device_type: str) -> Iterator[None]:
     """Join the group for one job and leave it cleanly afterwards (also on errors)."""
@@ -66,11 +89,12 @@ def process_group(ranks: Ranks, device_type: str) -> Iterator[None]:
         yield
         return
     backend = "nccl" if device_type == "cuda" else "gloo"
-    # long enough for the local main rank to decode a large dataset while the others wait
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=2))
+    dist.init_process_group(backend=backend, store=_job_store(ranks), rank=ranks.rank,
+                            world_size=ranks.world, timeout=TIMEOUT)
     log.info("rank %d of %d joined a %s process group", ranks.rank, ranks.world, backend)
     try:
         yield
+        dist.barrier()  # leave together: no rank starts the next job's group alone
     finally:
         dist.destroy_process_group()
 

@@ -106,10 +106,11 @@ def test_two_ranks_train_in_sync_and_only_rank_0_writes(tmp_path: Path, cache_di
 
 def test_a_sweep_under_torchrun_joins_and_leaves_a_group_per_job(tmp_path: Path,
                                                                  cache_dir: Path):
+    # consecutive groups on one rendezvous store: each job must not see the last one's keys
     torchrun("-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
-             "run.steps=3", "loader=folder,memmap", "hydra.sweep.dir=sweep", cwd=tmp_path)
+             "run.steps=3", "loader=folder,memmap,ram", "hydra.sweep.dir=sweep", cwd=tmp_path)
     jobs = sorted(glob.glob(str(tmp_path / "sweep" / "*" / "metrics.json")))
-    assert len(jobs) == 2
+    assert len(jobs) == 3
     assert all(read_metrics(Path(j).parent)["status"] == "ok" for j in jobs)
 
 
