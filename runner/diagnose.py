@@ -209,11 +209,12 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
 
 
 def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],
-            world: int = 1) -> Verdict:
+            world: int = 1, cpu: bool = False) -> Verdict:
     """Name the stage that limits this run, from its figures and the stage ceilings.
 
     Under torch.distributed (``world`` ranks) the stages were timed in one process, so the
-    pipeline figure given here is per rank.
+    pipeline figure given here is per rank. ``cpu``: the model runs on the CPU, where it
+    shares the cores with the loader's workers.
     """
     pipeline = figures["images_per_sec"]
     wait = figures.get("data_wait_frac") or 0.0
@@ -234,6 +235,11 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],
                     f"{ADVICE[stage]}{shared}")
         return Verdict("data", stage, sentence, ceilings)
     tail = f"; the data path could deliver {data[slowest]:,.0f} img/s ({slowest})" if slowest else ""
+    advice = ADVICE["model"]
+    if cpu and model > 1.3 * pipeline and cfg.loader.num_workers > 0:
+        advice = (f"alone the model runs {model / pipeline:.1f}x faster, so the loader's "
+                  f"{cfg.loader.num_workers} workers take CPU from it: try loader=memmap or "
+                  f"loader=ram (nothing left to decode), or fewer workers; or {advice}")
     sentence = (f"model-bound: {'; '.join(parts)}{tail}; waited for data "
-                f"{wait:.0%} of step time: {ADVICE['model']}")
+                f"{wait:.0%} of step time: {advice}")
     return Verdict("model", "model", sentence, ceilings)

@@ -386,7 +386,7 @@ class Job:
             local = {name: local_module(m) for name, m in self.models.items()}  # no collectives
             ceilings["model"] = model_ceiling(self._make_step(local, 64), self.config,
                                               len(storage.classes), device)
-        result = verdict(self.config, figures, ceilings, self.ranks.world)
+        result = verdict(self.config, figures, ceilings, self.ranks.world, device.type == "cpu")
         result.storage = read
         return result
 

@@ -115,3 +115,17 @@ def test_each_sweep_job_is_one_wandb_run_in_the_sweeps_group(tmp_path: Path, cac
         seen.append(config["loader.name"])
         assert run.run_group == "sweep"
     assert sorted(seen) == ["folder", "memmap"]
+
+
+def test_a_cpu_model_slowed_by_its_loader_is_told_so():
+    from runner.config import Storage, compose
+    from runner.diagnose import verdict
+
+    cfg = compose(["loader=folder", "model=tiny"])
+    assert cfg.loader.name is Storage.folder and cfg.loader.num_workers == 2
+    figures = {"images_per_sec": 300.0, "data_wait_frac": 0.03}
+    ceilings = {"read": 50000.0, "decode": 1000.0, "collate": 90000.0, "model": 600.0}
+    v = verdict(cfg, figures, ceilings, cpu=True)
+    assert v.bound == "model" and "alone the model runs 2.0x faster" in v.sentence
+    assert "loader=memmap" in v.sentence
+    assert "alone the model" not in verdict(cfg, figures, ceilings, cpu=False).sentence
