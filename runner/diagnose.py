@@ -63,9 +63,11 @@ class Verdict:
 
 
 def burst(fn: Callable[[], int], seconds: float = 0.4, min_calls: int = 2,
-          sync: Callable[[], None] = lambda: None) -> float:
-    """Images/s of ``fn`` (which returns how many images it handled) after one warm-up call."""
-    fn()
+          sync: Callable[[], None] = lambda: None, warmup: int = 1) -> float:
+    """Images/s of ``fn`` (which returns how many images it handled) after ``warmup`` calls,
+    over at least ``seconds`` and ``min_calls`` calls."""
+    for _ in range(warmup):
+        fn()
     sync()
     images, calls, start = 0, 0, time.perf_counter()
     while calls < min_calls or time.perf_counter() - start < seconds:

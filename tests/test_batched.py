@@ -135,3 +135,27 @@ def test_batch_augment_crops_each_image_differently():
     assert any(not torch.equal(same_source[0], x) for x in same_source[1:])
     torch.manual_seed(0)
     assert torch.equal(out, BatchAugment((24, 24))(images))  # seeded: reproducible
+
+
+def test_the_loader_benchmark_runs_end_to_end(tmp_path: Path, cache_dir: Path):
+    """A smoke run on tiny data: every measurement happens and the JSON lands."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.bench", "loaders", "--batch-size", "16", "--size", "32",
+         "--seconds", "0.2", "--rounds", "1", "--out", str(tmp_path / "bench"),
+         "dataset.num_images=96", "dataset.num_classes=3", "dataset.source_size=[64,80]"],
+        capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode in (0, 1), proc.stderr  # 1: a target missed on toy data
+    for line in ("memcpy_limit", "per_item_dataloader", "naive_folder", "folder_simplejpeg_draft",
+                 "memmap_2_workers", "round 1:", "targets"):
+        assert line in proc.stdout
+    (result,) = (tmp_path / "bench").glob("loaders-*.json")
+    data = json.loads(result.read_text())
+    assert {t["what"].split(" /")[0] for t in data["targets"]} >= {"memmap", "ram"}
+    assert data["rates"]["memmap"] > 0 and len(data["folder_vs_naive_rounds"]) == 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
+import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from runner.config import Crop, Decoder
@@ -186,13 +186,24 @@ def random_box(
 
 
 def resize_crop(img: torch.Tensor, box: Box, size: tuple[int, int]) -> torch.Tensor:
-    """Crop ``box`` and resize it to ``size`` (antialiased bilinear), as a contiguous CHW."""
+    """Crop ``box`` and resize it to ``size`` (antialiased bilinear), as a contiguous CHW.
+
+    Calls the interpolation kernel directly: the same kernel torchvision's resized_crop
+    uses, without its wrapper (about 100 us per 224x224 image less on this CPU). Its uint8
+    fast path is CPU-only; elsewhere (nvjpeg's CUDA images) the resize runs in float.
+    """
     h, w = img.shape[-2:]
     top, left = int(round(box.top)), int(round(box.left))
     ch = max(1, min(int(round(box.height)), h - top))
     cw = max(1, min(int(round(box.width)), w - left))
-    out = TF.resized_crop(img, top, left, ch, cw, list(size), antialias=True)
-    return out.contiguous()
+    crop = img[None, :, top : top + ch, left : left + cw]
+    if img.device.type == "cpu":
+        out = F.interpolate(crop, size=list(size), mode="bilinear", antialias=True,
+                            align_corners=False)
+    else:
+        out = F.interpolate(crop.float(), size=list(size), mode="bilinear", antialias=True,
+                            align_corners=False).round_().clamp_(0, 255).to(img.dtype)
+    return out[0].contiguous()
 
 
 # --- decoders -------------------------------------------------------------------------------
