@@ -28,10 +28,6 @@ def _require(ok: bool, key: str, value: Any, must: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {must}")
 
 
-def _choices(enum: type[Enum]) -> str:
-    return "|".join(m.name for m in enum)
-
-
 class Storage(Enum):
     folder = "folder"
     memmap = "memmap"

@@ -54,8 +54,7 @@ def open_memmap(folder: FolderStorage, spec: CacheSpec, cache_root: Path,
                 progress: bool = True) -> DecodedStorage:
     """The memmap cache of ``folder`` (converted first if there is no valid one)."""
     cache, meta = ensure_cache(folder, spec, cache_root, progress)
-    names = [str(Path(p).relative_to(folder.root)) for p, _ in folder.samples]
     return DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
-                          [s["index"] for s in meta["skipped"]], folder.classes, names,
+                          [s["index"] for s in meta["skipped"]], folder.classes, folder.names(),
                           folder.root, files=[str(cache / IMAGES)],
                           reopen=lambda: open_images(cache, meta))

@@ -7,10 +7,12 @@ lives: a memory-mapped cache file, or RAM.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from runner.storage.folder import Sample
+from runner.storage.folder import Sample, unpad
 
 
 def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -24,10 +26,8 @@ def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor in shared memory, so it crosses to another process without a copy."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    storage = torch.UntypedStorage._new_shared(numel * torch.empty(0, dtype=dtype).element_size())
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(nbytes)
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
@@ -78,8 +78,7 @@ class DecodedStorage(Dataset):
         return self.names[int(self.slots[index])]
 
     def __getitem__(self, index: int) -> Sample:
-        valid = index >= 0
-        index = index if valid else -1 - index  # padding (runner.loader.BatchOrder)
+        index, valid = unpad(index)
         slot = int(self.slots[index])
         return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid)
 

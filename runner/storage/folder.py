@@ -31,6 +31,12 @@ class Sample:
     valid: bool = True  # False: padding that evens out distributed shards
 
 
+def unpad(index: int) -> tuple[int, bool]:
+    """(the index to read, whether it counts): padding rows of a distributed shard come as
+    ``-1 - i`` (runner.loader.BatchOrder)."""
+    return (index, True) if index >= 0 else (-1 - index, False)
+
+
 @dataclass(frozen=True)
 class SkippedFile:
     """A file no decoder could read; it travels to the loop to be counted and reported."""
@@ -124,9 +130,16 @@ class FolderStorage(torch.utils.data.Dataset):
     def name_of(self, index: int) -> str:
         return os.path.relpath(self.samples[index][0], self.root)
 
+    def names(self) -> list[str]:
+        """Every file's path relative to the root, in storage order."""
+        return [self.name_of(i) for i in range(len(self))]
+
+    def label_tensor(self) -> torch.Tensor:
+        """Every file's class index, in storage order."""
+        return torch.tensor([label for _, label in self.samples], dtype=torch.int64)
+
     def __getitem__(self, index: int) -> Sample | SkippedFile:
-        valid = index >= 0
-        index = index if valid else -1 - index  # padding (runner.loader.BatchOrder)
+        index, valid = unpad(index)
         path, label = self.samples[index]
         try:
             data = read_file(path)

@@ -83,6 +83,11 @@ def source_fingerprint(folder: FolderStorage) -> str:
     return digest.hexdigest()
 
 
+def chunk_ranges(count: int) -> list[tuple[int, int]]:
+    """[start, end) of each conversion task."""
+    return [(s, min(s + CHUNK, count)) for s in range(0, count, CHUNK)]
+
+
 def image_shape(count: int, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
     return (count, 3, *image_size)
 
@@ -187,11 +192,10 @@ def _convert(folder_storage: FolderStorage, spec: CacheSpec, fingerprint: str, p
         partial.mkdir(parents=True)
         with open(partial / IMAGES, "wb") as f:
             f.truncate(count * 3 * spec.image_size[0] * spec.image_size[1])  # zeros
-        labels = torch.tensor([label for _, label in folder_storage.samples], dtype=torch.int64)
-        (partial / LABELS).write_bytes(labels.numpy().tobytes())
+        (partial / LABELS).write_bytes(folder_storage.label_tensor().numpy().tobytes())
         write_json(partial / PLAN, plan)
         done = {}
-    chunks = [(s, min(s + CHUNK, count)) for s in range(0, count, CHUNK)]
+    chunks = chunk_ranges(count)
     todo = [c for c in chunks if c[0] not in done]
     if done:
         log.info("resuming the conversion in %s: %d of %d chunks already done", partial,

@@ -18,9 +18,9 @@ from tqdm import tqdm
 from runner.storage.decoded import DecodedStorage, shared_empty
 from runner.storage.folder import DatasetError, FolderStorage
 from runner.storage.memmap import (
-    CHUNK,
     IMAGES,
     CacheSpec,
+    chunk_ranges,
     decode_into,
     image_shape,
     open_labels,
@@ -71,13 +71,12 @@ def load_ram(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
         skipped = [s["index"] for s in meta["skipped"]]
     else:
         log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
-        chunks = [(s, min(s + CHUNK, count)) for s in range(0, count, CHUNK)]
+        chunks = chunk_ranges(count)
         skipped = [s.index for s in decode_into(images, folder_storage, chunks, progress)]
-        labels = torch.tensor([label for _, label in folder_storage.samples], dtype=torch.int64)
+        labels = folder_storage.label_tensor()
     if pin:
         images = images.pin_memory()  # page-locked: copies to the GPU can be asynchronous
-    names = [str(Path(p).relative_to(folder_storage.root)) for p, _ in folder_storage.samples]
-    return DecodedStorage(images, labels, skipped, folder_storage.classes, names,
+    return DecodedStorage(images, labels, skipped, folder_storage.classes, folder_storage.names(),
                           folder_storage.root)
 
 
