@@ -28,7 +28,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from runner.config import Config, compose
-from runner.diagnose import burst
 from runner.loader import (
     BatchOrder,
     BatchStream,
@@ -36,8 +35,9 @@ from runner.loader import (
     build_loader,
     shutdown_workers,
 )
-from runner.loggers import NullLogger
+from runner.logger import NullLogger
 from runner.loop import run_loop
+from runner.metrics import burst
 from runner.storage import build_storage, resolve_dataset
 from runner.storage.decode import DecoderUnavailable
 from runner.storage.decoded import DecodedStorage
@@ -72,7 +72,7 @@ def runner_rate(config: Config, seconds: float) -> float:
     """images/s of the runner's loader for ``config`` with model=none, via the runner's loop."""
     cfg = config
     path = resolve_dataset(cfg.dataset, progress=False)
-    storage = build_storage(cfg.loader, cfg.dataset, path, pin_memory=False, progress=True)
+    storage = build_storage(cfg.loader, cfg.dataset, path, progress=True)
     loader = build_loader(storage, cfg.loader, cfg.seed, pin_memory=False)
     per_epoch = len(loader)
 

@@ -9,6 +9,7 @@ before any work is done.
 from __future__ import annotations
 
 import difflib
+import sys
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -18,8 +19,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from runner.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value that composes but cannot be run; the message names key and fix."""
 
 
@@ -376,6 +379,15 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Exit with the valid keys when an override names a key the schema does not have."""
+    for arg in argv:
+        message = None if arg.startswith("-") else unknown_key_message(arg)
+        if message:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
 
 
 def unknown_key_message(override: str) -> str | None:

@@ -12,7 +12,6 @@ the model is.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -22,13 +21,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config, Storage
-from runner.loader import collate
-from runner.metrics import synchronize
+from runner.config import Config, ModelName, Storage
+from runner.metrics import burst, synchronize
 from runner.pagecache import can_evict, evict
-from runner.storage.decoded import DecodedStorage
-from runner.storage.folder import FolderStorage, Sample, read_file
-from runner.storage.nvjpeg import ReadBytes
+from runner.storage.base import Storage as StorageProtocol
 
 DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a run data-bound
 
@@ -62,39 +58,9 @@ class Verdict:
                 "ceilings": self.ceilings, "storage": self.storage}
 
 
-def burst(fn: Callable[[], int], seconds: float = 0.4, min_calls: int = 2,
-          sync: Callable[[], None] = lambda: None, warmup: int = 1) -> float:
-    """Images/s of ``fn`` (which returns how many images it handled) after ``warmup`` calls,
-    over at least ``seconds`` and ``min_calls`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    images, calls, start = 0, 0, time.perf_counter()
-    while calls < min_calls or time.perf_counter() - start < seconds:
-        images += fn()
-        calls += 1
-    sync()
-    return images / (time.perf_counter() - start)
-
-
 def _parallelism(cfg: Config) -> int:
     workers = cfg.loader.num_workers
     return max(1, min(workers, os.cpu_count() or 1)) if workers > 0 else 1
-
-
-def _decodable(storage: FolderStorage, paths: list[str], want: int = 16) -> list[bytearray]:
-    """Bytes of up to ``want`` files the storage's decoder can read (corrupt ones left out)."""
-    found = []
-    for path in paths:
-        data = read_file(path)
-        try:
-            storage.decode(data)
-        except Exception:
-            continue
-        found.append(data)
-        if len(found) == want:
-            break
-    return found
 
 
 def storage_read(files: list[str], image_bytes: int | None = None,
@@ -126,55 +92,21 @@ def storage_read(files: list[str], image_bytes: int | None = None,
     return out
 
 
-def image_bytes(storage) -> int | None:
-    """Bytes per image of a pre-decoded storage (None: a folder, one image per file)."""
-    return math.prod(storage.image_shape) if isinstance(storage, DecodedStorage) else None
-
-
-def data_ceilings(cfg: Config, storage, device: torch.device, pin: bool,
+def data_ceilings(cfg: Config, storage: StorageProtocol, device: torch.device, pin: bool,
                   cold_read: dict[str, float] | None = None) -> dict[str, float]:
     """images/s of each data stage alone for this run's storage and loader settings.
 
-    ``cold_read`` (a ``storage_read`` of a run that read its files from the storage device)
-    makes the device a stage too (``storage``).
+    The storage's own probes (read, decode, collate; or gather), each scaled by the
+    parallelism its loader gives it; ``cold_read`` (a ``storage_read`` of a run that read
+    its files from the storage device) makes the device a stage too (``storage``).
     """
     ceilings: dict[str, float] = {}
     if cold_read is not None:
         ceilings["storage"] = cold_read["images_per_sec"]
     bs = cfg.loader.batch_size
-    if isinstance(storage, FolderStorage):
-        scale = _parallelism(cfg)
-        paths = [p for p, _ in storage.samples[: max(bs, 32)]]
-        data = _decodable(storage, paths)
-        counter = iter(range(10**12))
-
-        def read_one() -> int:
-            read_file(paths[next(counter) % len(paths)])
-            return 1
-
-        def decode_one() -> int:
-            storage.decode(data[next(counter) % len(data)])
-            return 1
-
-        ceilings["read"] = scale * burst(read_one)
-        if data and not isinstance(storage.decode, ReadBytes):  # nvjpeg decodes on the GPU
-            ceilings["decode"] = scale * burst(decode_one)
-            samples = [Sample(storage.decode(data[0]), 0, i) for i in range(bs)]
-
-            def collate_batch() -> int:
-                collate(samples)
-                return bs
-
-            ceilings["collate"] = scale * burst(collate_batch)
-    elif isinstance(storage, DecodedStorage):
-        out = torch.empty((bs, *storage.image_shape), dtype=torch.uint8)
-        gen = torch.Generator().manual_seed(0)
-
-        def gather() -> int:
-            index = torch.randperm(len(storage), generator=gen)[:bs].sort().values
-            return len(storage.gather(index, out=out[: len(index)])["image"])
-
-        ceilings["gather"] = burst(gather)
+    scale = _parallelism(cfg) if storage.decodes_per_epoch else 1
+    for stage, probe in storage.probes(bs).items():
+        ceilings[stage] = scale * burst(probe)
     if device.type == "cuda":
         shape = (bs, 3, *cfg.dataset.image_size)
         host = torch.randint(0, 256, shape, dtype=torch.uint8)
@@ -229,7 +161,7 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],
     if model is not None:
         parts.append(f"model alone {model:,.0f} img/s")
     shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is Storage.folder \
-        and cfg.model.name.name != "none" and (os.cpu_count() or 1) <= 2 else ""
+        and cfg.model.name is not ModelName.none and (os.cpu_count() or 1) <= 2 else ""
     if model is None or (wait >= DATA_BOUND_WAIT and slowest is not None):
         stage = slowest or "read"
         rate = data.get(stage, float("nan"))

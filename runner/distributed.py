@@ -9,12 +9,15 @@ gathered from every rank. Each job of a sweep creates and destroys its own group
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -128,3 +131,24 @@ def parameter_digest(model: torch.nn.Module) -> str:
     for p in model.parameters():
         digest.update(p.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def local_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside torch.compile and DistributedDataParallel wrappers (to run
+    it in one process, with no collectives)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def scratch_dirs_for_other_ranks(argv: list[str]) -> list[str]:
+    """Under torchrun only rank 0 writes into outputs/: the other ranks' Hydra folders (its
+    config copies and log) go to a scratch folder instead."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        return argv
+    scratch = tempfile.mkdtemp(prefix=f"runner-rank{rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    return [*kept, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}"]

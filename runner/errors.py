@@ -1,7 +1,22 @@
-"""The one exception that means "skip", not "fail"."""
+"""The exceptions that decide how a run ends: skipped, a user's mistake, or interrupted."""
 
 
 class Unavailable(RuntimeError):
     """This machine cannot run this combination (no CUDA, a missing library, a dtype the
     device lacks). The run is recorded as ``status=skipped`` with this message as the
     reason, and exits 0 so a sweep goes on. The message names what is missing."""
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a bad value, a missing folder, a damaged cache, a full
+    disk). The run fails with this one line, which names the fix; the traceback goes to
+    runner.log only."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped from outside: Ctrl-C (SIGINT) or SIGTERM (kill, SLURM,
+    ``docker stop``). Raised in the main thread by the signal handler in runner/run.py."""
+
+    def __init__(self, signal_name: str = "SIGINT"):
+        super().__init__(signal_name)
+        self.signal_name = signal_name

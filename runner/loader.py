@@ -7,56 +7,38 @@ could not read travel beside the batch and are counted by ``BatchStream``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 from runner.buffers import BufferPool
 from runner.config import LoaderConfig
-from runner.storage.decoded import DecodedStorage, shared_empty
-from runner.storage.folder import Sample, SkippedFile
-from runner.storage.nvjpeg import pack_encoded
+from runner.storage.base import Sample, SkippedFile, Storage
+from runner.storage.folder import batch_fields
 
 log = logging.getLogger(__name__)
 
 
-def _stack_images(images: list[torch.Tensor]) -> torch.Tensor:
-    """torch.stack, into shared memory when in a worker, so the batch crosses to the main
-    process without another copy (what default_collate does)."""
-    out = None
-    if get_worker_info() is not None:
-        out = shared_empty((len(images), *images[0].shape), images[0].dtype)
-    return torch.stack(images, 0, out=out)
-
-
-def collate(items: list[Sample | SkippedFile] | dict) -> tuple[dict | None, list[SkippedFile]]:
+def collate(items: list[Sample | SkippedFile] | tuple[dict | None, list[SkippedFile]],
+            pack: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
+            ) -> tuple[dict | None, list[SkippedFile]]:
     """Samples -> ({image, label, index}, skipped files); None when every file was skipped.
 
-    A storage that gathers whole batches itself (``__getitems__`` returning a dict) passes
-    through untouched.
+    ``pack`` is the storage's: decoded images are stacked, encoded bytes (nvjpeg) packed.
+    A storage's batched read (``__getitems__``) is a whole batch already and passes through.
     """
-    if isinstance(items, dict):
-        return items, []
+    if isinstance(items, tuple):
+        return items
     samples = [s for s in items if isinstance(s, Sample)]
     skipped = [s for s in items if isinstance(s, SkippedFile)]
     if not samples:
         return None, skipped
-    if samples[0].image.dim() == 1:  # encoded bytes (loader.decoder=nvjpeg): decoded later
-        pixels = pack_encoded([s.image for s in samples])
-    else:
-        pixels = {"image": _stack_images([s.image for s in samples])}
-    batch = {
-        **pixels,
-        "label": torch.tensor([s.label for s in samples], dtype=torch.int64),
-        "index": torch.tensor([s.index for s in samples], dtype=torch.int64),
-    }
-    if not all(s.valid for s in samples):  # padding rows of a distributed shard
-        batch["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
-    return batch, skipped
+    return {**pack([s.image for s in samples]), **batch_fields(samples)}, skipped
 
 
 class PerItem(Dataset):
@@ -169,37 +151,46 @@ def count_images(batch: TensorDict) -> int:
 
 
 class InProcessBatches:
-    """Batches gathered in the main process, one indexed read each, into reused buffers.
+    """Batches read in the main process, one ``storage.gather`` each, into reused buffers.
 
     No worker processes, no inter-process copies, no per-item calls: the fastest path for
     pre-decoded storage when a batch is only a memory copy away.
+
+    Args:
+        storage: any storage; ``gather`` fills a buffer of its ``item_shape`` when it has
+            one (None: encoded bytes of varying length, no buffers).
+        order: the batches' indices.
+        pin_memory: gather into page-locked buffers (asynchronous copies to CUDA).
     """
 
-    def __init__(self, storage: DecodedStorage, order: BatchOrder, pin_memory: bool):
+    def __init__(self, storage: Storage, order: BatchOrder, pin_memory: bool):
         self.storage = storage
         self.order = order
-        self.pool = BufferPool((order.batch_size, *storage.image_shape), storage.images.dtype,
-                               pin=pin_memory)
+        self.pool = None
+        if storage.item_shape is not None:
+            self.pool = BufferPool((order.batch_size, *storage.item_shape), torch.uint8,
+                                   pin=pin_memory)
 
     def __len__(self) -> int:
         return len(self.order)
 
-    def __iter__(self) -> Iterator[tuple[dict, list]]:
+    def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
         for index in self.order.batches():
-            yield self.storage.gather(index, out=self.pool.take(len(index))), []
+            out = self.pool.take(len(index)) if self.pool is not None else None
+            yield self.storage.gather(index, out=out)
 
 
-def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: bool,
+def build_loader(storage: Storage, cfg: LoaderConfig, seed: int, pin_memory: bool,
                  rank: int = 0, world: int = 1):
     """An iterable of (batch dict, skipped files) over one epoch of ``storage``.
 
-    ``loader.batched`` with no workers on pre-decoded storage gathers in process;
-    otherwise a DataLoader calls ``__getitems__`` once per batch (batched) or
-    ``__getitem__`` once per image.
+    ``loader.batched`` with no workers reads whole batches in process (``storage.gather``
+    into reused buffers); otherwise a DataLoader calls ``__getitems__``
+    once per batch (batched) or ``__getitem__`` once per image.
     """
     order = BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
                        cfg.shuffle_block, rank, world)
-    if cfg.batched and cfg.num_workers == 0 and isinstance(storage, DecodedStorage):
+    if cfg.batched and cfg.num_workers == 0:
         return InProcessBatches(storage, order, pin_memory)
     kwargs = dataloader_kwargs(cfg, pin_memory)
     for key in ("batch_size", "shuffle", "drop_last"):  # the batch order decides these
@@ -210,8 +201,8 @@ def build_loader(storage: Dataset, cfg: LoaderConfig, seed: int, pin_memory: boo
         kwargs["multiprocessing_context"] = "fork"
     dataset = storage if cfg.batched else PerItem(storage)
     generator = torch.Generator().manual_seed(seed + rank)  # worker seeds (random crops)
-    return DataLoader(dataset, batch_sampler=order, collate_fn=collate, generator=generator,
-                      **kwargs)
+    return DataLoader(dataset, batch_sampler=order, generator=generator,
+                      collate_fn=functools.partial(collate, pack=storage.pack), **kwargs)
 
 
 @dataclass
@@ -253,15 +244,19 @@ class BatchStream:
         epochs: how many passes; the loop may stop earlier (``run.steps``).
         on_epoch: called with the epoch number before each epoch starts (page-cache
             eviction for ``dataset.page_cache=cold``).
+        known_skipped: files the storage already knew to be undecodable (a decode-once
+            cache's metadata lists them); reported with the ones found while loading.
     """
 
     def __init__(self, loader: DataLoader, epochs: int,
-                 on_epoch: Callable[[int], None] | None = None):
+                 on_epoch: Callable[[int], None] | None = None,
+                 known_skipped: list[SkippedFile] = ()):
         self.loader = loader
         self.epochs = epochs
         self.epoch = 0
         self.on_epoch = on_epoch
         self.skips = SkipLog()
+        self.skips.add(list(known_skipped))
 
     def __len__(self) -> int:
         return self.epochs * len(self.loader)

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from tqdm import tqdm
 
 from runner.loader import count_images
-from runner.loggers import MetricLogger
+from runner.logger import MetricLogger
 from runner.metrics import StepClock, Window
 from runner.profile import stage_range
 from runner.task import Step

@@ -1,4 +1,4 @@
-"""Measurement: per-stage step timing after warm-up, and the run's metrics.json.
+"""Measurement: the device clock, per-stage step timing after warm-up, timed bursts.
 
 Timing rules (after nanoGPT's bench.py and timm's benchmark.py): warm-up steps are excluded,
 the device is synchronized only at window boundaries (start, log points, end), and
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,43 @@ STAGES = ("data_wait", "copy", "compute")
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # note: a CPU-GPU sync point, only at window edges
+
+
+class DeviceClock:
+    """Timestamps of work on a device: CUDA events on a GPU (resolved only after a sync),
+    host time elsewhere (where work is done when the call returns)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> Any:
+        """A timestamp: an event recorded on the current CUDA stream, or host seconds."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two timestamps (for events: only after both have completed)."""
+        if self.cuda:
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
+
+def burst(fn: Callable[[], int], seconds: float = 0.4, min_calls: int = 2,
+          sync: Callable[[], None] = lambda: None, warmup: int = 1) -> float:
+    """Images/s of ``fn`` (which returns how many images it handled) after ``warmup`` calls,
+    over at least ``seconds`` and ``min_calls`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    images, calls, start = 0, 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - start < seconds:
+        images += fn()
+        calls += 1
+    sync()
+    return images / (time.perf_counter() - start)
 
 
 @dataclass
@@ -64,7 +101,8 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.clock = DeviceClock(device)
+        self.cuda = self.clock.cuda
         self._window = Window()
         self._events: list[tuple[str, Any, Any]] = []
         self._start = time.perf_counter()
@@ -91,12 +129,8 @@ class StepClock:
         return spent
 
     def now(self) -> Any:
-        """A timestamp for copy/compute: an event on the current CUDA stream, or host time."""
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        """A timestamp for copy/compute (``DeviceClock.now``)."""
+        return self.clock.now()
 
     def add_host(self, stage: str, seconds: float) -> None:
         self._window.stages[stage] += seconds
@@ -126,7 +160,7 @@ class StepClock:
         window = self._window
         window.seconds = time.perf_counter() - self._start
         for stage, start, end in self._events:
-            window.stages[stage] += start.elapsed_time(end) / 1000.0
+            window.stages[stage] += self.clock.seconds(start, end)
         self._window, self._events = Window(), []
         self._start = time.perf_counter()
         return window

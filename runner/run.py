@@ -1,9 +1,10 @@
-"""One job, top to bottom: validate, set up data, model and task, loop, write metrics.json.
+"""One job, top to bottom: set up data, model and task, loop, hand back the figures.
 
 Whatever happens, the job's outcome lands in ``metrics.json`` in its run folder:
 ``status=ok`` with the figures, ``status=skipped`` with the reason when this machine cannot
 run the combination (no CUDA for device=cuda, a decoder library missing), or
-``status=failed`` with the error. A skip exits 0 so a sweep goes on.
+``status=failed`` with the error. A skip exits 0 so a sweep goes on. The figures
+themselves are built by runner/results.py; the verdict by runner/diagnose.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner import results
 from runner.amp import check_amp
 from runner.atomic import write_json
 from runner.augment import BatchAugment
@@ -41,38 +43,31 @@ from runner.config import (
     to_config,
     to_plain,
 )
-from runner.diagnose import (
-    data_ceilings,
-    image_bytes,
-    model_ceiling,
-    storage_read,
-    verdict,
-)
+from runner.diagnose import Verdict, data_ceilings, model_ceiling, storage_read, verdict
 from runner.distributed import (
     Ranks,
     barrier,
     broadcast,
     gather,
+    local_module,
     parameter_digest,
     process_group,
     ranks_from_env,
 )
 from runner.errors import Unavailable
 from runner.loader import BatchStream, build_loader
-from runner.loggers import MetricLogger, NullLogger, build_logger
+from runner.logger import MetricLogger, NullLogger, build_logger
 from runner.loop import LoopResult, run_loop
 from runner.metrics import StepClock
-from runner.models import build_model
-from runner.pagecache import ColdPageCache, evict
+from runner.model import build_model
+from runner.nvjpeg import GpuDecodedBatches
+from runner.pagecache import ColdPageCache
 from runner.predictions import PredictionWriter, merge_rank_files, rank_file
-from runner.prefetch import CudaStreamPrefetcher, build_prefetcher
+from runner.prefetch import build_prefetcher
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
-from runner.storage import build_storage, cache_spec, resolve_dataset
-from runner.storage.decode import ImageDecoder
-from runner.storage.decoded import DecodedStorage
-from runner.storage.folder import Sample, open_image_folder
-from runner.storage.nvjpeg import GpuDecodedBatches
-from runner.task import DataOnlyStep, InferStep, Step, TrainStep
+from runner.storage import build_storage, resolve_dataset
+from runner.storage.base import Storage
+from runner.task import Step, make_step
 
 log = logging.getLogger("runner")
 
@@ -140,20 +135,14 @@ class Job:
         cfg, ranks = self.config, self.ranks
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
-        storage = self._setup_storage(device)
-        loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device),
-                              ranks.rank, ranks.world)
-        if cfg.loader.decoder is Decoder.nvjpeg:
-            fallback = ImageDecoder(Decoder.pil, tuple(cfg.dataset.image_size), cfg.dataset.crop)
-            loader = GpuDecodedBatches(loader, storage, device, fallback)
-        total_steps, epochs, warmup = self._plan(len(loader))
-        stream = BatchStream(loader, epochs, self.page_cache)
+        storage = self._setup_storage()
+        stream, total_steps, warmup = self._setup_data(storage, device)
         batches = build_prefetcher(cfg.prefetch, stream, device)
         step = self._setup_task(storage, device, total_steps)
         torch.manual_seed(cfg.seed + ranks.rank)  # random crops differ between ranks
         self.logger = self._setup_logger() if ranks.main else NullLogger()
         log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s%s",
-                 self._describe(), storage.root, len(storage), len(storage.classes),
+                 results.describe(cfg), storage.root, len(storage), len(storage.classes),
                  total_steps, warmup, device,
                  f" x {ranks.world} ranks" if ranks.enabled else "")
         profiler = build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
@@ -163,18 +152,7 @@ class Job:
         result = run_loop(batches, step, device, total_steps, warmup, cfg.run.log_every,
                           self.logger, cfg.run.progress and ranks.main,
                           self._augment(storage), profiler, clock)
-        figures = self._figures(result, step.close(), stream, device)
-        figures["compile_seconds"] = self.compile_seconds
-        figures.update(self._page_cache_figures())
-        if self.compile_diff:
-            figures["compile_max_diff"] = self.compile_diff
-        if isinstance(batches, CudaStreamPrefetcher):
-            # the side-stream copy time, overlapped with compute (so not in copy_ms)
-            figures["prefetch_copy_ms"] = 1000 * batches.copy_seconds() / max(result.steps, 1)
-        if profiler is not None:
-            figures["trace"] = self._trace_file()
-        if ranks.enabled:
-            figures = self._across_ranks(figures, result, stream)
+        figures = self._figures(result, step, stream, batches, profiler is not None)
         if ranks.main:
             self._report(figures)
         if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
@@ -184,42 +162,6 @@ class Job:
             except Exception as e:  # the run itself is done: never lose it to the diagnosis
                 log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
                 figures["bottleneck"] = {"error": f"{type(e).__name__}: {e}"}
-        return figures
-
-    def _across_ranks(self, figures: dict[str, Any], result: LoopResult,
-                      stream: BatchStream) -> dict[str, Any]:
-        """Every rank's figures on rank 0: images summed, time and data wait at their max;
-        the replicas' parameter digests compared; per-rank prediction files merged."""
-        mine = {
-            "rank": self.ranks.rank,
-            "images": result.images,
-            "timed_images": result.timed.images,
-            "timed_seconds": result.timed.seconds,
-            "images_per_sec": figures["images_per_sec"],
-            "ms_per_step": figures["ms_per_step"],
-            "data_wait_frac": figures["data_wait_frac"],
-            "skipped_files": sorted(stream.skips.files),
-            "parameters": (parameter_digest(next(iter(self.models.values())))
-                           if self.config.task.name is TaskName.train and self.models else None),
-        }
-        every = gather(self.ranks, mine)  # also: every rank's writers have closed by now
-        if not self.ranks.main:
-            return figures
-        seconds = max(r["timed_seconds"] for r in every)
-        images = sum(r["timed_images"] for r in every)
-        skipped = sorted({f for r in every for f in r.pop("skipped_files")})
-        digests = {r["parameters"] for r in every}
-        figures.update(
-            images_per_sec=images / seconds if seconds > 0 else None,
-            ms_per_step=max(r["ms_per_step"] or 0.0 for r in every),
-            data_wait_frac=max(r["data_wait_frac"] or 0.0 for r in every),
-            images=sum(r["images"] for r in every), timed_images=images, timed_seconds=seconds,
-            skipped_files=skipped, skipped_count=len(skipped),
-            distributed={"world": self.ranks.world, "backend": torch.distributed.get_backend(),
-                         "ranks": every,
-                         "replicas_in_sync": len(digests) == 1 if None not in digests else None},
-        )
-        merge_rank_files(self.run_dir, self.ranks.world)
         return figures
 
     def close(self, metrics: dict[str, Any]) -> None:
@@ -247,29 +189,32 @@ class Job:
         self.device = device
         return device
 
-    def _setup_storage(self, device: torch.device):
+    def _setup_storage(self) -> Storage:
         """The storage; under torch.distributed each node's local rank 0 makes the default
         dataset and the memmap cache while the other ranks wait, then they open them."""
         cfg, ranks = self.config, self.ranks
         if not ranks.local_main:
             barrier(ranks)
         path = resolve_dataset(cfg.dataset, progress=cfg.run.progress and ranks.local_main)
-        if cfg.dataset.page_cache is PageCache.cold:  # setup reads (a conversion, ram) too
-            evict(self._source_files(path))
-        storage = build_storage(cfg.loader, cfg.dataset, path, self._pin_memory(device),
+        storage = build_storage(cfg.loader, cfg.dataset, path,
                                 cfg.run.progress and ranks.local_main)
         if ranks.local_main:
             barrier(ranks)
         if cfg.dataset.page_cache is PageCache.cold:
-            self.page_cache = ColdPageCache(storage.files, getattr(storage, "reopen", None))
+            self.page_cache = ColdPageCache(storage.files, storage.reopen)
         return storage
 
-    def _source_files(self, path: Path) -> list[str]:
-        """The image files under ``path`` and, when there is one, their memmap cache."""
-        _, samples = open_image_folder(path)
-        cache = cache_spec(self.config.loader, self.config.dataset, path).folder(
-            Path(self.config.dataset.cache_dir))
-        return [p for p, _ in samples] + [str(f) for f in cache.glob("*.memmap")]
+    def _setup_data(self, storage: Storage, device: torch.device
+                    ) -> tuple[BatchStream, int, int]:
+        """The stream of batches over every epoch, the run's length and its warm-up."""
+        cfg = self.config
+        loader = build_loader(storage, cfg.loader, cfg.seed, self._pin_memory(device),
+                              self.ranks.rank, self.ranks.world)
+        if cfg.loader.decoder is Decoder.nvjpeg:  # a stage above the loader: decode on the GPU
+            loader = GpuDecodedBatches(loader, storage, device)
+        total_steps, epochs, warmup = self._plan(len(loader))
+        return BatchStream(loader, epochs, self.page_cache, storage.known_skipped), \
+            total_steps, warmup
 
     def _pin_memory(self, device: torch.device) -> bool:
         pin = self.config.loader.pin_memory
@@ -292,12 +237,12 @@ class Job:
                         run.warmup_steps, total, warmup)
         return total, epochs, warmup
 
-    def _setup_task(self, storage, device: torch.device, total_steps: int) -> Step:
+    def _setup_task(self, storage: Storage, device: torch.device, total_steps: int) -> Step:
         """Build (and compile, and verify) the model or models, then the task's step."""
         cfg = self.config
         names = cfg.models or [cfg.model.name]
         if names == [ModelName.none]:
-            return DataOnlyStep()
+            return make_step(cfg.task, {}, self._step_amp(), device, total_steps)
         example, shapes = self._example_batch(storage, device)
         models = {}
         for name in names:
@@ -305,19 +250,17 @@ class Job:
                                 len(storage.classes), device)
             model.train(cfg.task.name is TaskName.train)  # before tracing: BN mode is baked in
             model = self._replicate(model, device)
-            models[name.name] = self._compile(name.name, model, example, shapes)
+            models[name.value] = self._compile(name.value, model, example, shapes)
         self.models = models
-        if cfg.task.name is TaskName.train:
-            return self._make_step(models, total_steps)
         writers = {}
-        for name in models:
-            if cfg.task.write_predictions:
+        if cfg.task.name is TaskName.infer and cfg.task.write_predictions:
+            for name in models:
                 file = "predictions.csv" if len(models) == 1 else f"predictions_{name}.csv"
                 if self.ranks.enabled:  # one file per rank, merged by rank 0 at the end
                     file = rank_file(file, self.ranks.rank)
                 writers[name] = PredictionWriter(self.run_dir, storage.name_of,
                                                  cfg.task.writer_threads, file_name=file)
-        return InferStep(models, cfg.task, writers, self._step_amp(), device)
+        return make_step(cfg.task, models, self._step_amp(), device, total_steps, writers)
 
     def _replicate(self, model, device: torch.device):
         """Training under torch.distributed: a DistributedDataParallel replica per rank."""
@@ -335,33 +278,16 @@ class Job:
         """TensorRT engines carry their own precision; everything else runs under autocast."""
         return self.config.amp if uses_autocast(self.config.compile) else AmpConfig(AmpName.off)
 
-    def _make_step(self, models: dict, total_steps: int) -> Step:
-        """The task's step over ``models`` (training takes the one model there is)."""
-        cfg = self.config
-        if cfg.task.name is TaskName.train:
-            (model,) = models.values()
-            return TrainStep(model, cfg.task, total_steps, self._step_amp(), self.device)
-        return InferStep(models, cfg.task, {}, self._step_amp(), self.device)
-
-    def _example_batch(self, storage, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """One real batch (uint8, on the device) to trace, warm and verify compiled models
-        with, and every batch size the loop will feed them."""
+    def _example_batch(self, storage: Storage, device: torch.device
+                       ) -> tuple[torch.Tensor, list[int]]:
+        """One real full batch (uint8, on the device) to trace, warm and verify compiled
+        models with, and every batch size the loop will feed them."""
         bs = self.config.loader.batch_size
-        n = min(bs, len(storage))
-        if isinstance(storage, DecodedStorage):
-            images = storage.gather(torch.arange(n))["image"]
-        else:
-            decoded = [s.image for s in (storage[i] for i in range(min(len(storage), 2 * n)))
-                       if isinstance(s, Sample) and s.image.dim() == 3][:n]
-            size = tuple(self.config.dataset.image_size)
-            images = torch.stack(decoded) if decoded else torch.randint(
-                0, 256, (n, 3, *size), dtype=torch.uint8)  # nvjpeg: bytes only, no pixels
-        images = images.repeat(-(-bs // len(images)), 1, 1, 1)[:bs]  # a full batch
         shapes = [bs]
         last = -(-len(storage) // self.ranks.world) % bs  # this rank's shard's last batch
         if last and not self.config.loader.drop_last:
             shapes.append(last)
-        return images.to(device), shapes
+        return storage.example(bs).to(device), shapes
 
     def _compile(self, name: str, model, example: torch.Tensor, shapes: list[int]):
         cfg = self.config
@@ -374,34 +300,10 @@ class Job:
                                              cfg.task.name is TaskName.train)
         return compiled
 
-    def _diagnose(self, storage, device: torch.device, figures: dict[str, Any]):
-        """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
-        if self.ranks.enabled:  # the stages below run in one process: compare per rank
-            figures = {**figures, "images_per_sec": figures["images_per_sec"] / self.ranks.world}
-        read = storage_read(storage.files, image_bytes(storage))  # a short cold read: the disk
-        cold = self.page_cache is not None and self.page_cache.state == "cold"
-        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device),
-                                 read if cold else None)
-        if self.models:  # every model of the pass, on device-resident synthetic batches
-            local = {name: local_module(m) for name, m in self.models.items()}  # no collectives
-            ceilings["model"] = model_ceiling(self._make_step(local, 64), self.config,
-                                              len(storage.classes), device)
-        result = verdict(self.config, figures, ceilings, self.ranks.world, device.type == "cpu")
-        result.storage = read
-        return result
-
-    def _trace_file(self) -> str | None:
-        trace = self.run_dir / "trace.json"
-        if trace.exists():
-            return str(trace)
-        log.warning("profile=true wrote no trace: the run had fewer than %d steps",
-                    WAIT + WARMUP + ACTIVE)
-        return None
-
-    def _augment(self, storage) -> BatchAugment | None:
-        """Random crops for pre-decoded storage happen on the device (folder does them
-        per image while decoding)."""
-        if self.config.dataset.crop is Crop.random and isinstance(storage, DecodedStorage):
+    def _augment(self, storage: Storage) -> BatchAugment | None:
+        """Random crops of images decoded once happen on the device, per batch (a storage
+        that decodes every epoch crops while decoding)."""
+        if self.config.dataset.crop is Crop.random and not storage.decodes_per_epoch:
             return BatchAugment(tuple(self.config.dataset.image_size))
         return None
 
@@ -415,69 +317,62 @@ class Job:
         flat = flatten(to_plain(self.config))
         return build_logger(self.config.logger, self.run_dir, flat, name, group)
 
-    def _describe(self) -> str:
-        cfg = self.config
-        parts = [f"loader={cfg.loader.name.name}"]
-        if cfg.loader.name.name == "folder":
-            parts.append(f"decoder={cfg.loader.decoder.name}")
-        parts += [f"workers={cfg.loader.num_workers}", f"batch={cfg.loader.batch_size}",
-                  f"prefetch={cfg.prefetch.name.name}", f"amp={cfg.amp.name.name}",
-                  f"compile={cfg.compile.name.name}"]
-        if cfg.models:
-            parts.append(f"models=[{','.join(m.name for m in cfg.models)}]")
-        else:
-            parts.append(f"model={cfg.model.name.name}")
-        parts.append(f"task={cfg.task.name.name}")
-        return " ".join(parts)
-
     # --- results ----------------------------------------------------------------------------
 
-    def _page_cache_figures(self) -> dict[str, Any]:
-        pc = self.page_cache
-        if pc is None:
-            return {"page_cache": "warm"}
-        return {"page_cache": pc.state, "page_cache_note": pc.note,
-                "evictions": pc.evictions, "evict_seconds": pc.seconds}
+    def _figures(self, result: LoopResult, step: Step, stream: BatchStream, batches,
+                 profiled: bool) -> dict[str, Any]:
+        """Every figure of the run: the loop's, the task's, the prefetcher's, the setup's;
+        under torch.distributed, every rank's merged on rank 0."""
+        device = self.device
+        figures = results.loop_figures(result, list(stream.skips.files))
+        figures.update(
+            device=str(device),
+            device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                         else platform.processor() or platform.machine()),
+            pin_memory=self._pin_memory(device),
+            compile_seconds=self.compile_seconds,
+            **{k: v for k, v in step.close().items() if v is not None},
+            **batches.figures(result.steps),
+            **results.page_cache_figures(self.page_cache),
+        )
+        if self.compile_diff:
+            figures["compile_max_diff"] = self.compile_diff
+        if profiled:
+            figures["trace"] = results.trace_file(self.run_dir)
+            if figures["trace"] is None:
+                log.warning("profile=true wrote no trace: the run had fewer than %d steps",
+                            WAIT + WARMUP + ACTIVE)
+        if self.ranks.enabled:
+            training = self.config.task.name is TaskName.train and self.models
+            digest = parameter_digest(next(iter(self.models.values()))) if training else None
+            mine = results.rank_figures(self.ranks.rank, figures, result, digest)
+            every = gather(self.ranks, mine)  # also: every rank's writers have closed by now
+            if self.ranks.main:
+                figures = results.merge_ranks(figures, every, torch.distributed.get_backend())
+                merge_rank_files(self.run_dir, self.ranks.world)
+        return figures
 
     def _report(self, figures: dict[str, Any]) -> None:
-        if figures["images_per_sec"] is not None:
-            world = f" over {self.ranks.world} ranks" if self.ranks.enabled else ""
-            log.info("%s: %.1f images/s%s, %.1f ms/step, data wait %.0f%% of step time (%d "
-                     "timed steps)", self._describe(), figures["images_per_sec"], world,
-                     figures["ms_per_step"], 100 * figures["data_wait_frac"],
-                     figures["timed_steps"])
+        line = results.summary_line(self.config, figures, self.ranks.world)
+        if line is not None:
+            log.info("%s", line)
         if figures["skipped_files"]:
             log.warning("%d undecodable files skipped (listed in metrics.json)",
                         len(figures["skipped_files"]))
-        if "loss_first" in figures:
-            log.info("loss %.3f -> %.3f", figures["loss_first"], figures["loss_last"])
 
-    def _figures(self, result: LoopResult, task_figures: dict[str, Any], stream: BatchStream,
-                 device: torch.device) -> dict[str, Any]:
-        figures = result.timed.figures()
-        skipped = sorted(stream.skips.files)
-        out = {
-            **figures,
-            "steps": result.steps,
-            "images": result.images,
-            "warmup_steps": result.warmup_steps,
-            "timed_steps": result.timed.steps,
-            "timed_images": result.timed.images,
-            "timed_seconds": result.timed.seconds,
-            "skipped_files": skipped,
-            "skipped_count": len(skipped),
-            "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-            else platform.processor() or platform.machine(),
-            "pin_memory": self._pin_memory(device),
-            **{k: v for k, v in task_figures.items() if v is not None},
-        }
-        return out
-
-
-def local_module(model):
-    """The plain module inside torch.compile and DistributedDataParallel wrappers."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    def _diagnose(self, storage: Storage, device: torch.device,
+                  figures: dict[str, Any]) -> Verdict:
+        """Each stage alone for a short burst, then the verdict (runner/diagnose.py)."""
+        if self.ranks.enabled:  # the stages below run in one process: compare per rank
+            figures = {**figures, "images_per_sec": figures["images_per_sec"] / self.ranks.world}
+        read = storage_read(storage.files, storage.image_bytes)  # a short cold read: the disk
+        cold = self.page_cache is not None and self.page_cache.state == "cold"
+        ceilings = data_ceilings(self.config, storage, device, self._pin_memory(device),
+                                 read if cold else None)
+        if self.models:  # every model of the pass, on device-resident synthetic batches
+            local = {name: local_module(m) for name, m in self.models.items()}  # no collectives
+            step = make_step(self.config.task, local, self._step_amp(), device, 64)
+            ceilings["model"] = model_ceiling(step, self.config, len(storage.classes), device)
+        result = verdict(self.config, figures, ceilings, self.ranks.world, device.type == "cpu")
+        result.storage = read
+        return result

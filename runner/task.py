@@ -6,7 +6,6 @@ log points (where the loop has already synchronized) and returns the figures to 
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import torch
@@ -15,7 +14,8 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner.amp import autocast, grad_scaler
-from runner.config import AmpConfig, AmpName, TaskConfig
+from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
+from runner.metrics import DeviceClock
 from runner.predictions import PredictionWriter
 
 
@@ -109,17 +109,10 @@ class InferStep:
         self.device = device or torch.device("cpu")
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, self.device)
-        self.cuda = self.device.type == "cuda"
+        self.clock = DeviceClock(self.device)
         self._spans: dict[str, list] = {name: [] for name in models}
         self._seconds = dict.fromkeys(models, 0.0)
         self.images = 0
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
 
     def __call__(self, batch: TensorDict) -> None:
         if "valid" in batch.keys():  # drop padding rows (distributed shards) before anything
@@ -127,27 +120,30 @@ class InferStep:
         self.images += batch.batch_size[0]
         with torch.inference_mode(), self.autocast():
             for name, model in self.models.items():
-                start = self._now()
+                start = self.clock.now()
                 logits = model(batch["image"])
                 probs = torch.softmax(logits.float(), dim=1)
                 top = probs.topk(min(self.topk, probs.shape[1]), dim=1)
-                self._spans[name].append((start, self._now()))
+                self._spans[name].append((start, self.clock.now()))
                 writer = self.writers.get(name)
                 if writer is not None:
                     writer.submit(batch["index"], batch["label"], top.values, top.indices)
-        if not self.cuda:  # host times are final already: keep no list
-            for name, spans in self._spans.items():
-                self._seconds[name] += sum(end - start for start, end in spans)
-                spans.clear()
+        if not self.clock.cuda:  # host times are final already: keep no list
+            self._resolve()
 
     def read(self) -> dict[str, float]:
         return {}
 
+    def _resolve(self) -> None:
+        """Fold the recorded spans into per-model seconds (events: after a sync)."""
+        for name, spans in self._spans.items():
+            self._seconds[name] += sum(self.clock.seconds(s, e) for s, e in spans)
+            spans.clear()
+
     def close(self) -> dict[str, Any]:
-        if self.cuda:
+        if self.clock.cuda:
             torch.cuda.synchronize(self.device)
-            for name, spans in self._spans.items():
-                self._seconds[name] += sum(s.elapsed_time(e) for s, e in spans) / 1000.0
+        self._resolve()
         out: dict[str, Any] = {"models": {
             name: {"images_per_sec": self.images / sec if sec > 0 else None,
                    "ms_per_image": 1000.0 * sec / max(self.images, 1)}
@@ -169,3 +165,16 @@ class DataOnlyStep:
 
     def close(self) -> dict[str, float]:
         return {}
+
+
+def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
+              device: torch.device, total_steps: int,
+              writers: dict[str, PredictionWriter | None] | None = None) -> Step:
+    """The step for ``task=``: training takes the one model there is, inference every
+    model of the pass (writing predictions through ``writers``), no model the data only."""
+    if not models:
+        return DataOnlyStep()
+    if cfg.name is TaskName.train:
+        (model,) = models.values()
+        return TrainStep(model, cfg, total_steps, amp, device)
+    return InferStep(models, cfg, writers or {}, amp, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,37 @@ SMALL_DATASET = [
     "run.warmup_steps=1",
     "run.progress=false",
 ]
+
+
+def wandb_records(run_file: str) -> list:
+    """Records of an offline .wandb file (a leveldb-style log of protobuf Records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = Path(run_file).read_bytes()
+    block, pos, pending, records = 32768, 7, b"", []  # 7: the ':W&B' header
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:
+            pos += block - pos % block  # block trailer padding
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = data if kind in (1, 2) else pending + data
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def compose_config(*overrides: str, hydra: bool = False):
+    """The composed (not yet validated) DictConfig, as ``python -m runner`` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from runner.config import config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides),
+                       return_hydra_config=hydra)

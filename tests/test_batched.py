@@ -12,10 +12,10 @@ from runner.augment import BatchAugment
 from runner.buffers import BufferPool
 from runner.config import Decoder, LoaderConfig, OnCorrupt, Storage
 from runner.loader import BatchOrder, BatchStream, InProcessBatches, build_loader
-from runner.storage import open_memmap, ram
+from runner.storage import ram
 from runner.storage.decode import ImageDecoder
 from runner.storage.folder import DatasetError, FolderStorage
-from runner.storage.memmap import CacheSpec
+from runner.storage.memmap import CacheSpec, open_cache
 from tests.conftest import encode, make_tree, photo
 
 SIZE = (16, 16)
@@ -34,7 +34,7 @@ def spec(folder: FolderStorage) -> CacheSpec:
 
 @pytest.fixture
 def memmap_storage(folder: FolderStorage, tmp_path: Path):
-    return open_memmap(folder, spec(folder), tmp_path / "cache", progress=False)
+    return open_cache(folder, spec(folder), tmp_path / "cache", progress=False)
 
 
 def cfg(**kwargs) -> LoaderConfig:
@@ -137,6 +137,7 @@ def test_batch_augment_crops_each_image_differently():
     assert torch.equal(out, BatchAugment((24, 24))(images))  # seeded: reproducible
 
 
+@pytest.mark.slow
 def test_the_loader_benchmark_runs_end_to_end(tmp_path: Path, cache_dir: Path):
     """A smoke run on tiny data: every measurement happens and the JSON lands."""
     import json

@@ -20,7 +20,7 @@ from runner.config import (
     ModelName,
     TaskName,
 )
-from runner.models import build_model
+from runner.model import build_model
 from tests.conftest import (
     SMALL_DATASET,
     read_metrics,
@@ -39,13 +39,16 @@ def model_and_batch(name: ModelName, train: bool, size: int = 32, device=CPU):
     return model, torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, device=device)
 
 
+INDUCTOR = pytest.mark.slow  # inductor compiles C++ kernels: 10-30 s each here
+
+
 @pytest.mark.parametrize(("backend", "name", "task"), [
     (CompileName.torchscript, ModelName.tiny, TaskName.train),
     (CompileName.torchscript, ModelName.tiny, TaskName.infer),
     (CompileName.torchscript, ModelName.resnet18, TaskName.infer),
-    (CompileName.inductor, ModelName.tiny, TaskName.infer),
-    (CompileName.inductor, ModelName.tiny, TaskName.train),
-    (CompileName.inductor, ModelName.resnet18, TaskName.infer),
+    pytest.param(CompileName.inductor, ModelName.tiny, TaskName.infer, marks=INDUCTOR),
+    pytest.param(CompileName.inductor, ModelName.tiny, TaskName.train, marks=INDUCTOR),
+    pytest.param(CompileName.inductor, ModelName.resnet18, TaskName.infer, marks=INDUCTOR),
 ])
 def test_compiled_matches_eager(backend, name, task, tmp_path: Path):
     train = task is TaskName.train
@@ -83,6 +86,7 @@ def test_verify_catches_a_wrong_compiled_model():
         compiling.verify(model, OffByALittle(model, 0.5), x, cfg, bf16, False)
 
 
+@pytest.mark.slow
 def test_a_wrong_backend_fails_the_run_with_the_difference(tmp_path: Path, cache_dir: Path,
                                                           monkeypatch):
     monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript,
@@ -94,6 +98,7 @@ def test_a_wrong_backend_fails_the_run_with_the_difference(tmp_path: Path, cache
     assert m["status"] == "failed" and "max |difference| 3" in m["reason"]
 
 
+@pytest.mark.slow
 def test_compile_time_is_reported_and_kept_out_of_the_figures(tmp_path: Path, cache_dir: Path,
                                                               monkeypatch):
     import time
@@ -112,6 +117,7 @@ def test_compile_time_is_reported_and_kept_out_of_the_figures(tmp_path: Path, ca
     assert m["compile_max_diff"]["tiny"] < 1e-3
 
 
+@pytest.mark.slow
 def test_tensorrt_without_cuda_is_a_skip_naming_what_is_missing(tmp_path: Path, cache_dir: Path):
     if torch.cuda.is_available():
         pytest.skip("checks the behaviour without CUDA")
@@ -121,6 +127,7 @@ def test_tensorrt_without_cuda_is_a_skip_naming_what_is_missing(tmp_path: Path, 
     assert m["status"] == "skipped" and "needs CUDA" in m["reason"]
 
 
+@pytest.mark.slow
 def test_several_models_share_one_pass(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "task=infer", "models=[tiny,resnet18]", "compile=torchscript",
             "logger=none", "hydra.run.dir=run", cwd=tmp_path)
@@ -135,6 +142,7 @@ def test_several_models_share_one_pass(tmp_path: Path, cache_dir: Path):
     assert set(m["compile_max_diff"]) == {"tiny", "resnet18"}
 
 
+@pytest.mark.slow
 def test_models_needs_infer_and_distinct_names(tmp_path: Path):
     for bad, why in [(["task=train", "models=[tiny,resnet18]"], "needs task=infer"),
                      (["task=infer", "models=[tiny,tiny]"], "names a model twice")]:

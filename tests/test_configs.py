@@ -6,52 +6,123 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from runner.config import ConfigError, register_configs, to_config, unknown_key_message
-from runner.models import build_model
-from runner.storage import build_storage
-from runner.storage.decode import DecoderUnavailable
-from tests.conftest import REPO, run_cli
+from runner.errors import Unavailable
+from tests.conftest import REPO, compose_config, run_cli
 
 CONF = REPO / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: launchers
 PRESETS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 register_configs()
 
 
-def compose_config(*overrides: str, hydra: bool = False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides),
-                       return_hydra_config=hydra)
-
-
-def test_every_group_has_presets():
+def test_every_group_has_presets_and_a_builder():
     assert {"loader", "model", "task", "logger"} <= set(GROUPS)
     assert all(any(g == group for g, _ in PRESETS) for group in GROUPS)
+    assert set(GROUPS) - {"sweep"} == set(BUILDERS)  # a new group gets built below too
+
+
+def build_loader_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from runner.loader import BatchStream, build_loader
+    from runner.storage import build_storage
+
+    storage = build_storage(config.loader, config.dataset, image_tree, progress=False)
+    assert len(storage) == 18
+    loader = build_loader(storage, config.loader, config.seed, pin_memory=False)
+    batch = next(iter(BatchStream(loader, epochs=1)))
+    assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (3, 224, 224)
+
+
+def build_prefetch_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from runner.prefetch import build_prefetcher
+
+    source = [{"x": torch.arange(3)}, {"x": torch.arange(3) + 3}]
+    prefetcher = build_prefetcher(config.prefetch, source, DEVICE)
+    assert [b["x"].tolist() for b in prefetcher] == [[0, 1, 2], [3, 4, 5]]
+
+
+def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from runner.amp import DTYPES, autocast, check_amp
+
+    check_amp(config.amp, DEVICE)
+    with autocast(config.amp, DEVICE):
+        y = torch.ones(2, 2, device=DEVICE) @ torch.ones(2, 2, device=DEVICE)
+    assert y.dtype == (DTYPES[config.amp.name] or torch.float32)
+
+
+def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from runner.compile import compile_model
+    from runner.config import ModelConfig, ModelName, TaskName
+    from runner.model import build_model
+
+    model = build_model(ModelConfig(ModelName.tiny), 3, DEVICE).eval()
+    x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=DEVICE)
+    compiled, _ = compile_model(model, config.compile, config.amp, TaskName.infer, x, [2],
+                                tmp_path)
+    with torch.inference_mode():
+        assert compiled(x).shape == (2, 3)
+
+
+def build_model_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from runner.config import ModelName
+    from runner.model import build_model
+
+    model = build_model(config.model, num_classes=3, device=CPU)
+    if config.model.name is ModelName.none:
+        assert model is None
+    else:
+        assert model(torch.zeros(2, 3, 32, 32, dtype=torch.uint8)).shape == (2, 3)
+
+
+def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from tensordict import TensorDict
+
+    from runner.config import ModelConfig, ModelName
+    from runner.model import build_model
+    from runner.task import make_step
+
+    model = build_model(ModelConfig(ModelName.tiny), 3, CPU)
+    step = make_step(config.task, {"tiny": model}, config.amp, CPU, total_steps=2)
+    batch = TensorDict({"image": torch.zeros(4, 3, 32, 32, dtype=torch.uint8),
+                        "label": torch.zeros(4, dtype=torch.int64),
+                        "index": torch.arange(4)}, batch_size=[4])
+    step(batch)
+    step(batch)
+    assert isinstance(step.close(), dict)
+
+
+def build_logger_preset(config, tmp_path: Path, image_tree: Path) -> None:
+    from runner.logger import build_logger
+
+    logger = build_logger(config.logger, tmp_path, {"loader.name": "folder"}, "test", None)
+    logger.log({"images_per_sec": 1.0}, step=1)
+    logger.summary({"status": "ok"})
+    logger.close("ok")
+
+
+BUILDERS = {"loader": build_loader_preset, "prefetch": build_prefetch_preset,
+            "amp": build_amp_preset, "compile": build_compile_preset,
+            "model": build_model_preset, "task": build_task_preset,
+            "logger": build_logger_preset}
 
 
 @pytest.mark.parametrize(("group", "preset"), [p for p in PRESETS if p[0] != "sweep"])
-def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path):
+def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path, tmp_path: Path):
+    """Every preset builds its real object here, or (on a machine that cannot run it) is
+    refused with a reason naming what is missing, the way a run records a skip."""
     config = to_config(compose_config(f"{group}={preset}"))
-    chosen = getattr(config, group)
-    assert chosen.name.name == preset  # the preset selected what its file name says
-    if group == "model":
-        model = build_model(config.model, num_classes=3, device=torch.device("cpu"))
-        if preset == "none":
-            assert model is None
-        else:
-            out = model(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
-            assert out.shape == (2, 3)
-    if group == "loader":
-        try:
-            storage = build_storage(config.loader, config.dataset, image_tree)
-        except DecoderUnavailable as e:
-            pytest.skip(str(e))
-        assert len(storage) == 18
+    assert getattr(config, group).name.value == preset  # the preset selects what it is named
+    try:
+        BUILDERS[group](config, tmp_path, image_tree)
+    except Unavailable as e:
+        assert str(e), "a skip must say why"
+        pytest.skip(f"{group}={preset}: {e}")
 
 
 @pytest.mark.parametrize("preset", [p for g, p in PRESETS if g == "sweep"])
@@ -113,6 +184,7 @@ def test_unknown_key_suggests_the_valid_one():
     assert unknown_key_message("+extra=1") is None
 
 
+@pytest.mark.slow
 def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_dir: Path):
     proc = run_cli("loader.batchsize=3", cwd=tmp_path, check=False)
     assert proc.returncode == 2

@@ -72,6 +72,7 @@ UNEVEN = [o for o in SMALL_DATASET if not o.startswith("dataset.num_images")]
 UNEVEN.append("dataset.num_images=61")  # 61 images, 2 ranks, batch 8: a padded last batch
 
 
+@pytest.mark.slow
 def test_two_ranks_infer_every_image_exactly_once(tmp_path: Path, cache_dir: Path):
     torchrun(*UNEVEN, "task=infer", "logger=none", "diagnose=false", "hydra.run.dir=run",
              cwd=tmp_path)
@@ -85,6 +86,7 @@ def test_two_ranks_infer_every_image_exactly_once(tmp_path: Path, cache_dir: Pat
     assert not list((tmp_path / "run").glob("*.rank*.csv"))
 
 
+@pytest.mark.slow
 def test_two_ranks_train_in_sync_and_only_rank_0_writes(tmp_path: Path, cache_dir: Path):
     proc = torchrun(*UNEVEN, "loader=memmap", "run.epochs=2", "diagnose=false",
                     "hydra.run.dir=run", cwd=tmp_path)
@@ -104,6 +106,7 @@ def test_two_ranks_train_in_sync_and_only_rank_0_writes(tmp_path: Path, cache_di
     assert read_metrics(tmp_path / "again")["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_sweep_under_torchrun_joins_and_leaves_a_group_per_job(tmp_path: Path,
                                                                  cache_dir: Path):
     # consecutive groups on one rendezvous store: each job must not see the last one's keys

@@ -62,9 +62,9 @@ def test_cache_holds_the_folder_loaders_pixels_and_labels(source: Path, tmp_path
 
 
 def memmap_storage(folder: FolderStorage, cache: Path):
-    from runner.storage import open_memmap
+    from runner.storage.memmap import open_cache
 
-    return open_memmap(folder, spec_for(folder.root), cache, progress=False)
+    return open_cache(folder, spec_for(folder.root), cache, progress=False)
 
 
 def test_a_valid_cache_is_reused_and_a_changed_source_rebuilt(source: Path, tmp_path: Path,
@@ -146,6 +146,7 @@ KILLED_CONVERSION = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_killed_conversion_resumes_to_identical_bytes(source: Path, tmp_path: Path,
                                                         monkeypatch):
     cache = tmp_path / "cache"

@@ -15,10 +15,9 @@ from PIL import Image
 from runner import pagecache, reencode
 from runner.config import Decoder, OnCorrupt
 from runner.pagecache import ColdPageCache, resident_fraction
-from runner.storage import open_memmap
 from runner.storage.decode import ImageDecoder
 from runner.storage.folder import FolderStorage, open_image_folder
-from runner.storage.memmap import CacheSpec
+from runner.storage.memmap import CacheSpec, open_cache
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
 
 
@@ -62,7 +61,7 @@ def test_a_mapped_memmap_is_reopened_before_eviction(tmp_path: Path):
                                         for k in range(40)})
     folder = FolderStorage(tree, ImageDecoder(Decoder.simplejpeg, (48, 48)), OnCorrupt.skip)
     spec = CacheSpec(tree.resolve(), (48, 48), "simplejpeg", False)
-    storage = open_memmap(folder, spec, tmp_path / "cache", progress=False)
+    storage = open_cache(folder, spec, tmp_path / "cache", progress=False)
     storage.images.sum()  # every page mapped in by this process
     assert resident_fraction(storage.files) > 0.9
     pagecache.evict(storage.files)
@@ -85,6 +84,7 @@ def test_when_eviction_does_not_take_the_run_says_unknown(files, monkeypatch):
     assert other.state == "unknown" and "posix_fadvise" in other.note
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["folder", "memmap"])
 def test_a_cold_run_records_it_and_measures_the_disk(tmp_path: Path, cache_dir: Path, loader):
     run_cli(*SMALL_DATASET, f"loader={loader}", "model=none", "logger=none",
@@ -159,6 +159,7 @@ def test_an_interrupted_reencode_resumes(source: Path, tmp_path: Path, monkeypat
     assert manifest["images"] == 13
 
 
+@pytest.mark.slow
 def test_the_reencode_command_reports_bytes_and_the_path(source: Path, tmp_path: Path):
     proc = subprocess.run(
         [sys.executable, "-m", "runner.prepare", "reencode", "--quality", "70", "--src",

@@ -18,11 +18,12 @@ from tensordict import TensorDict
 
 from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, Storage
 from runner.loader import BatchStream, build_loader, collate
-from runner.models import UInt8Input
+from runner.model import UInt8Input
+from runner.nvjpeg import GpuDecodedBatches
 from runner.prefetch import CpuPrefetcher, CudaStreamPrefetcher
 from runner.storage.decode import ImageDecoder
+from runner.storage.encoded import ReadBytes
 from runner.storage.folder import FolderStorage
-from runner.storage.nvjpeg import GpuDecodedBatches, ReadBytes
 from tests.conftest import (
     REPO,
     SMALL_DATASET,
@@ -86,6 +87,7 @@ def test_empty_source_and_an_empty_loader():
     assert list(CpuPrefetcher([], depth=3)) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_the_run_promptly_with_no_stray_process(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "run.steps=1", "hydra.run.dir=warm",
             cwd=tmp_path)  # make the dataset first, so the run below is in its loop quickly
@@ -118,6 +120,7 @@ def test_ctrl_c_ends_the_run_promptly_with_no_stray_process(tmp_path: Path, cach
     assert m["status"] == "failed" and m["reason"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_bf16_autocast_trains_the_tiny_model_on_cpu(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "amp=bf16", "logger=none", "run.epochs=4", "hydra.run.dir=run",
             cwd=tmp_path)
@@ -126,6 +129,7 @@ def test_bf16_autocast_trains_the_tiny_model_on_cpu(tmp_path: Path, cache_dir: P
     assert m["loss_last"] < m["loss_first"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 @pytest.mark.parametrize(("override", "why"), [
     ("prefetch=gpu", "prefetch=gpu copies batches on a CUDA side stream and needs a CUDA device"),
@@ -152,11 +156,11 @@ def test_uint8_input_converts_on_the_device_inside_the_model():
 
 
 def gpu_decoded(tree: Path, device: torch.device, on_corrupt=OnCorrupt.skip):
-    storage = FolderStorage(tree, ReadBytes(), on_corrupt)
+    storage = FolderStorage(tree, ReadBytes(ImageDecoder(Decoder.pil, (24, 24), Crop.center)),
+                            on_corrupt)
     cfg = LoaderConfig(name=Storage.folder, batch_size=8, num_workers=0, shuffle=False)
     loader = build_loader(storage, cfg, seed=0, pin_memory=False)
-    wrapped = GpuDecodedBatches(loader, storage, device,
-                                ImageDecoder(Decoder.pil, (24, 24), Crop.center))
+    wrapped = GpuDecodedBatches(loader, storage, device)
     return storage, BatchStream(wrapped, epochs=1)
 
 
@@ -182,11 +186,11 @@ def test_gpu_decode_path_matches_cpu_decoding(tmp_path: Path):
 
 
 def test_encoded_batches_pack_into_one_buffer():
-    from runner.storage.folder import Sample
+    from runner.storage.base import Sample
 
     items = [Sample(torch.tensor([1, 2, 3], dtype=torch.uint8), 0, 0),
              Sample(torch.tensor([4, 5], dtype=torch.uint8), 1, 1)]
-    batch, skipped = collate(items)
+    batch, skipped = collate(items, ReadBytes.pack)
     assert batch["jpeg"].tolist() == [1, 2, 3, 4, 5] and batch["jpeg_offsets"].tolist() == [0, 3, 5]
     assert batch["label"].tolist() == [0, 1] and skipped == []
 

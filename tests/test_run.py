@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import csv
 import glob
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
+from tests.conftest import (
+    SMALL_DATASET,
+    encode,
+    make_tree,
+    photo,
+    read_metrics,
+    run_cli,
+    wandb_records,
+)
 
 REQUIRED = {"status", "reason", "images_per_sec", "ms_per_step", "data_wait_frac", "steps",
             "images", "skipped_files", "config"}
 
 
+@pytest.mark.slow
 def test_train_run_writes_metrics_and_learns(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "logger=none", "run.epochs=4", "hydra.run.dir=run",
             cwd=tmp_path)
@@ -32,6 +40,7 @@ def test_train_run_writes_metrics_and_learns(tmp_path: Path, cache_dir: Path):
     assert (cache_dir / "datasets").is_dir()  # the default dataset went to the cache
 
 
+@pytest.mark.slow
 def test_infer_run_writes_every_prediction(tmp_path: Path, image_tree: Path):
     run_cli("task=infer", f"dataset.path={image_tree}", "dataset.image_size=[32,32]",
             "loader.batch_size=4", "loader.num_workers=2", "logger=none", "run.progress=false",
@@ -48,6 +57,7 @@ def test_infer_run_writes_every_prediction(tmp_path: Path, image_tree: Path):
     assert not (tmp_path / "run" / ".predictions.parts").exists()
 
 
+@pytest.mark.slow
 def test_data_only_run_and_corrupt_files_are_reported(tmp_path: Path):
     good = encode(photo(48, 64))
     tree = make_tree(tmp_path / "data", {
@@ -64,6 +74,7 @@ def test_data_only_run_and_corrupt_files_are_reported(tmp_path: Path):
     assert "skipped undecodable file" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_dataset_fails_with_the_path(tmp_path: Path):
     proc = run_cli(f"dataset.path={tmp_path}/nope", "logger=none", "hydra.run.dir=run",
                    cwd=tmp_path, check=False)
@@ -72,6 +83,7 @@ def test_missing_dataset_fails_with_the_path(tmp_path: Path):
     assert m["status"] == "failed" and "nope" in m["reason"] and "does not exist" in m["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 @pytest.mark.parametrize(("override", "why"), [("device=cuda", "no CUDA device"),
                                                ("loader.decoder=nvjpeg", "needs CUDA")])
@@ -84,28 +96,7 @@ def test_cuda_only_runs_are_skipped_with_a_reason(tmp_path: Path, image_tree: Pa
     assert m["status"] == "skipped" and why in m["reason"]
 
 
-def wandb_records(run_file: str) -> list:
-    """Records of an offline .wandb file (a leveldb-style log of protobuf Records)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    raw = Path(run_file).read_bytes()
-    block, pos, pending, records = 32768, 7, b"", []  # 7: the ':W&B' header
-    while pos + 7 <= len(raw):
-        if block - pos % block < 7:
-            pos += block - pos % block  # block trailer padding
-            continue
-        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
-        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            break
-        pending = data if kind in (1, 2) else pending + data
-        if kind in (1, 4):  # a full record, or the last piece of one
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_config_and_no_secret(tmp_path: Path, image_tree: Path):
     secret = "wandb-key-0123456789abcdef0123456789abcdef"
     run_cli(f"dataset.path={image_tree}", "dataset.image_size=[32,32]", "loader.batch_size=6",
@@ -125,6 +116,7 @@ def test_wandb_offline_run_holds_the_config_and_no_secret(tmp_path: Path, image_
             assert secret.encode() not in path.read_bytes(), f"secret written to {path}"
 
 
+@pytest.mark.slow
 def test_memmap_converts_once_then_reuses(tmp_path: Path, cache_dir: Path):
     first = run_cli(*SMALL_DATASET, "loader=memmap", "logger=none", "hydra.run.dir=a",
                     cwd=tmp_path)
@@ -138,6 +130,7 @@ def test_memmap_converts_once_then_reuses(tmp_path: Path, cache_dir: Path):
     assert len(list((cache_dir / "memmap").glob("*/meta.json"))) == 1
 
 
+@pytest.mark.slow
 def test_ram_run_and_its_defaults(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "loader=ram", "model=none", "logger=none", "hydra.run.dir=run",
             cwd=tmp_path)
@@ -146,6 +139,7 @@ def test_ram_run_and_its_defaults(tmp_path: Path, cache_dir: Path):
     assert m["config"]["loader"]["batched"] is True and m["config"]["loader"]["num_workers"] == 0
 
 
+@pytest.mark.slow
 def test_nvjpeg_with_a_decode_once_loader_is_a_config_error(tmp_path: Path):
     proc = run_cli("loader=memmap", "loader.decoder=nvjpeg", "hydra.run.dir=run", cwd=tmp_path,
                    check=False)

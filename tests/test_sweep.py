@@ -6,14 +6,16 @@ import glob
 import json
 from pathlib import Path
 
+import pytest
+
 from runner.report import main as report_main
 from runner.report import write_report
-from tests.conftest import SMALL_DATASET, read_metrics, run_cli
-from tests.test_run import wandb_records
+from tests.conftest import SMALL_DATASET, read_metrics, run_cli, wandb_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_sweep_survives_skips_and_failures_and_reports(tmp_path: Path, cache_dir: Path):
     proc = run_cli("-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
                    "run.steps=4", "loader=folder,memmap", "prefetch=none,gpu",
@@ -69,6 +71,7 @@ def test_report_compares_against_the_slowest_and_a_baseline(tmp_path: Path):
     assert "- 3: data-bound: memmap" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_verdict_names_decode_for_a_slow_folder_decoder(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "loader.decoder=pil",
             "run.steps=6", "hydra.run.dir=run", cwd=tmp_path)
@@ -78,6 +81,7 @@ def test_the_verdict_names_decode_for_a_slow_folder_decoder(tmp_path: Path, cach
     assert b["sentence"].startswith("data-bound: pipeline") and "slowest stage decode" in b["sentence"]
 
 
+@pytest.mark.slow
 def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "loader=ram", "model=resnet18", "logger=none", "run.steps=6",
             "hydra.run.dir=run", cwd=tmp_path)
@@ -88,12 +92,14 @@ def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_d
     assert b["sentence"].startswith("model-bound: pipeline")
 
 
+@pytest.mark.slow
 def test_diagnose_false_skips_the_burst(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "diagnose=false", "run.steps=3",
             "hydra.run.dir=run", cwd=tmp_path)
     assert "bottleneck" not in read_metrics(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_the_profiler_writes_a_chrome_trace_with_the_stages(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "profile=true", "logger=none", "diagnose=false", "run.steps=12",
             "hydra.run.dir=run", cwd=tmp_path)
@@ -103,6 +109,7 @@ def test_the_profiler_writes_a_chrome_trace_with_the_stages(tmp_path: Path, cach
     assert {"data_wait", "copy", "compute"} <= names
 
 
+@pytest.mark.slow
 def test_each_sweep_job_is_one_wandb_run_in_the_sweeps_group(tmp_path: Path, cache_dir: Path):
     run_cli("-m", *SMALL_DATASET, "model=none", "diagnose=false", "run.steps=3",
             "loader=folder,memmap", "hydra.sweep.dir=sweep", cwd=tmp_path)

@@ -1,19 +1,22 @@
-"""``loader=`` storages: where batches come from.
+"""``loader=`` storages: where batches come from (the ``Storage`` protocol, base.py).
 
 folder decodes every image on every epoch; memmap and ram decode once (memmap.py, ram.py)
-and then serve batches by indexed reads of one uint8 tensor (decoded.py).
+and then serve batches by indexed reads of one uint8 tensor (decoded.py). ``STORAGES`` maps
+each ``loader.name`` to the function that opens it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, Storage
+from runner.storage.base import Storage as StorageProtocol
 from runner.storage.decode import ImageDecoder, check_decoder
 from runner.storage.decoded import DecodedStorage
+from runner.storage.encoded import ReadBytes
 from runner.storage.folder import FolderStorage
-from runner.storage.memmap import IMAGES, CacheSpec, ensure_cache, open_images, open_labels
-from runner.storage.nvjpeg import ReadBytes
+from runner.storage.memmap import CacheSpec, open_cache
 from runner.storage.ram import load_ram
 from runner.synthetic import SyntheticSpec, ensure_dataset
 
@@ -28,33 +31,48 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
 
 def cache_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> CacheSpec:
     return CacheSpec(Path(path).expanduser().resolve(), tuple(dataset.image_size),
-                     loader.decoder.name, loader.draft)
+                     loader.decoder.value, loader.draft)
 
 
-def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                  pin_memory: bool = False, progress: bool = True) -> FolderStorage | DecodedStorage:
-    """The storage ``loader.name`` asks for, over the ImageFolder tree at ``path``."""
+def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                progress: bool = True) -> FolderStorage:
+    """The image folder at ``path``, decoded with ``loader.decoder``.
+
+    Pre-decoded storage keeps the deterministic center crop; random crops for training
+    are applied to whole batches on the device instead (runner/augment.py).
+    """
     check_decoder(loader.decoder)
-    # Pre-decoded storage keeps the deterministic center crop; random crops for training
-    # are applied to whole batches on the device instead (runner/augment.py).
     crop = dataset.crop if loader.name is Storage.folder else Crop.center
     decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), crop, loader.draft)
     if loader.decoder is Decoder.nvjpeg:  # workers read bytes; the GPU decodes (nvjpeg.py)
-        decode = ReadBytes()
-    folder = FolderStorage(path, decode, dataset.on_corrupt)
-    if loader.name is Storage.folder:
-        return folder
-    spec = cache_spec(loader, dataset, path)
-    if loader.name is Storage.ram:
-        return load_ram(folder, spec, Path(dataset.cache_dir), pin_memory, progress)
-    return open_memmap(folder, spec, Path(dataset.cache_dir), progress)
+        decode = ReadBytes(ImageDecoder(Decoder.pil, decode.size, decode.crop))
+    return FolderStorage(path, decode, dataset.on_corrupt)
 
 
-def open_memmap(folder: FolderStorage, spec: CacheSpec, cache_root: Path,
+def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True) -> DecodedStorage:
-    """The memmap cache of ``folder`` (converted first if there is no valid one)."""
-    cache, meta = ensure_cache(folder, spec, cache_root, progress)
-    return DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
-                          [s["index"] for s in meta["skipped"]], folder.classes, folder.names(),
-                          folder.root, files=[str(cache / IMAGES)],
-                          reopen=lambda: open_images(cache, meta))
+    """The memmap cache of the folder at ``path`` (converted first if there is no valid one)."""
+    folder = open_folder(loader, dataset, path, progress)
+    return open_cache(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
+                      progress)
+
+
+def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+             progress: bool = True) -> DecodedStorage:
+    """The folder at ``path`` decoded once into memory (read from its memmap cache if valid)."""
+    folder = open_folder(loader, dataset, path, progress)
+    return load_ram(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
+                    progress)
+
+
+STORAGES: dict[Storage, Callable[..., StorageProtocol]] = {
+    Storage.folder: open_folder,
+    Storage.memmap: open_memmap,
+    Storage.ram: open_ram,
+}
+
+
+def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                  progress: bool = True) -> StorageProtocol:
+    """The storage ``loader.name`` asks for, over the ImageFolder tree at ``path``."""
+    return STORAGES[loader.name](loader, dataset, path, progress)

@@ -27,11 +27,16 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from runner.config import Crop, Decoder
-from runner.errors import Unavailable
+from runner.errors import Unavailable, UserError
+from runner.storage.base import stack_images
 
 
 class CorruptImageError(RuntimeError):
     """No decoder, the fallback included, could read this file."""
+
+
+class CorruptFileStop(CorruptImageError, UserError):
+    """``dataset.on_corrupt=fail`` met an undecodable file; the message names it."""
 
 
 class DecoderUnavailable(Unavailable):
@@ -311,6 +316,20 @@ class ImageDecoder:
             if img is not None:
                 return img
         return self._decode_fallback(data)
+
+    @property
+    def item_shape(self) -> tuple[int, int, int]:
+        return (3, *self.size)
+
+    @property
+    def image_decoder(self) -> ImageDecoder:
+        """The decoder that gives pixels: this one (``ReadBytes`` has one too)."""
+        return self
+
+    @staticmethod
+    def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Decoded images as one batch tensor (in shared memory inside a worker)."""
+        return stack_images(images)
 
     def box_for(self, h: int, w: int) -> Box:
         """The crop, on an upright image of this size: center, or random-resized."""

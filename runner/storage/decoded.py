@@ -8,11 +8,21 @@ lives: a memory-mapped cache file, or RAM.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from runner.storage.folder import Sample, unpad
+from runner.storage.base import (
+    Probe,
+    Sample,
+    SkippedFile,
+    cycle_rows,
+    shared_empty,
+    stack_images,
+    unpad,
+)
 
 
 def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -24,20 +34,15 @@ def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
     return torch.where(valid, index, -1 - index), valid
 
 
-def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor in shared memory, so it crosses to another process without a copy."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
-
-
 class DecodedStorage(Dataset):
-    """Images (N, 3, H, W) uint8 and labels (N,) int64, minus the slots of skipped files.
+    """Images (N, 3, H, W) uint8 and labels (N,) int64, minus the slots of skipped files
+    (the ``Storage`` protocol, runner/storage/base.py).
 
     Args:
         images: the pixel tensor (a MemoryMappedTensor, or a tensor in RAM).
         labels: one class index per slot.
-        skipped: slots whose source file could not be decoded (left out).
+        skipped: the files that could not be decoded when the images were made; their
+            slots are left out.
         classes: class names, in ImageFolder order.
         names: the source file name of every slot (for predictions).
         root: the source folder.
@@ -46,15 +51,19 @@ class DecodedStorage(Dataset):
         reopen: maps ``files`` again (drops this process's pages, for a cold page cache).
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, skipped: list[int],
-                 classes: list[str], names: list[str], root, files: list[str] | None = None,
-                 reopen=None):
+    decodes_per_epoch = False
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, skipped: list[SkippedFile],
+                 classes: list[str], names: list[str], root: Path | None,
+                 files: list[str] | None = None,
+                 reopen: Callable[[], torch.Tensor] | None = None):
         self.images = images
-        self.files = files or []
+        self._files = files or []
         self._reopen = reopen
         self.labels = labels
+        self.known_skipped = list(skipped)
         mask = torch.ones(len(labels), dtype=torch.bool)
-        mask[list(skipped)] = False
+        mask[[s.index for s in skipped]] = False
         self.slots = torch.nonzero(mask).flatten()
         self.contiguous_slots = len(skipped) == 0  # index == slot: no translation needed
         self.classes = classes
@@ -64,15 +73,27 @@ class DecodedStorage(Dataset):
     def __len__(self) -> int:
         return len(self.slots)
 
+    @property
+    def files(self) -> list[str]:
+        return self._files
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        return self.image_shape
+
+    @property
+    def image_bytes(self) -> int:
+        return math.prod(self.image_shape) * self.images.element_size()
+
     def reopen(self) -> None:
         """Map the image file anew: the old mapping's pages can then leave the page cache."""
         if self._reopen is not None:
             self.images = None  # drop the old mapping first
             self.images = self._reopen()
-
-    @property
-    def image_shape(self) -> tuple[int, ...]:
-        return tuple(self.images.shape[1:])
 
     def name_of(self, index: int) -> str:
         return self.names[int(self.slots[index])]
@@ -82,7 +103,8 @@ class DecodedStorage(Dataset):
         slot = int(self.slots[index])
         return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid)
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None) -> dict:
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None
+               ) -> tuple[dict, list[SkippedFile]]:
         """One batch with one indexed read of the image tensor (into ``out`` if given)."""
         index, valid = split_padding(index)
         slots = index if self.contiguous_slots else self.slots.index_select(0, index)
@@ -90,9 +112,9 @@ class DecodedStorage(Dataset):
         batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
         if valid is not None:
             batch["valid"] = valid
-        return batch
+        return batch, []
 
-    def __getitems__(self, indices: list[int]) -> dict:
+    def __getitems__(self, indices: list[int]) -> tuple[dict, list[SkippedFile]]:
         """The DataLoader's batched path; in a worker the batch is gathered into shared
         memory, so it reaches the main process without another copy."""
         index = torch.as_tensor(indices, dtype=torch.int64)
@@ -100,3 +122,21 @@ class DecodedStorage(Dataset):
         if get_worker_info() is not None:
             out = shared_empty((len(index), *self.image_shape), self.images.dtype)
         return self.gather(index, out)
+
+    @staticmethod
+    def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return stack_images(images)
+
+    def example(self, n: int) -> torch.Tensor:
+        return cycle_rows(self.gather(torch.arange(min(n, len(self))))[0]["image"], n)
+
+    def probes(self, batch_size: int) -> dict[str, Probe]:
+        """The batched gather of a random batch into a preallocated buffer."""
+        out = torch.empty((batch_size, *self.image_shape), dtype=self.images.dtype)
+        generator = torch.Generator().manual_seed(0)
+
+        def gather() -> int:
+            index = torch.randperm(len(self), generator=generator)[:batch_size].sort().values
+            return len(self.gather(index, out=out[: len(index)])[0]["image"])
+
+        return {"gather": gather}

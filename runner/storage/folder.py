@@ -4,46 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from runner.config import OnCorrupt
-from runner.storage.decode import CorruptImageError, ImageDecoder
+from runner.errors import UserError
+from runner.storage.base import Probe, Sample, SkippedFile, cycle_rows, unpad
+from runner.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
+from runner.storage.encoded import ReadBytes
 
 log = logging.getLogger(__name__)
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """The dataset folder is missing, empty or unusable; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One decoded image: CHW uint8, its class index and its index in the dataset."""
-
-    image: torch.Tensor
-    label: int
-    index: int
-    valid: bool = True  # False: padding that evens out distributed shards
-
-
-def unpad(index: int) -> tuple[int, bool]:
-    """(the index to read, whether it counts): padding rows of a distributed shard come as
-    ``-1 - i`` (runner.loader.BatchOrder)."""
-    return (index, True) if index >= 0 else (-1 - index, False)
-
-
-@dataclass(frozen=True)
-class SkippedFile:
-    """A file no decoder could read; it travels to the loop to be counted and reported."""
-
-    path: str
-    error: str
-    index: int = -1  # position in the storage
 
 
 def find_classes(root: Path) -> list[str]:
@@ -105,19 +82,24 @@ def read_file(path: str) -> bytearray:
 
 
 class FolderStorage(torch.utils.data.Dataset):
-    """Reads and decodes one file per item.
+    """Reads and decodes one file per item (the ``Storage`` protocol, runner/storage/base.py).
 
     Args:
         path: the ImageFolder root.
-        decode: bytes -> CHW uint8 tensor of the output size.
+        decode: bytes -> CHW uint8 tensor of the output size (an ``ImageDecoder``), or
+            ``ReadBytes`` when the GPU decodes (loader.decoder=nvjpeg).
         on_corrupt: skip (return a SkippedFile, counted by the loop) or fail (raise with the path).
     """
 
-    def __init__(self, path: str | Path, decode: ImageDecoder, on_corrupt: OnCorrupt):
+    decodes_per_epoch = True
+    image_bytes = None  # one file per image
+
+    def __init__(self, path: str | Path, decode: ImageDecoder | ReadBytes, on_corrupt: OnCorrupt):
         self.root = Path(path).expanduser()
         self.classes, self.samples = open_image_folder(path)
         self.decode = decode
         self.on_corrupt = on_corrupt
+        self.known_skipped: list[SkippedFile] = []
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -126,6 +108,13 @@ class FolderStorage(torch.utils.data.Dataset):
     def files(self) -> list[str]:
         """Every file an epoch reads."""
         return [path for path, _ in self.samples]
+
+    @property
+    def item_shape(self) -> tuple[int, ...] | None:
+        return self.decode.item_shape
+
+    def reopen(self) -> None:
+        """Nothing to do: files are opened and closed per read."""
 
     def name_of(self, index: int) -> str:
         return os.path.relpath(self.samples[index][0], self.root)
@@ -154,10 +143,91 @@ class FolderStorage(torch.utils.data.Dataset):
         """A file nothing could decode: a SkippedFile to count, or (on_corrupt=fail) an error
         with its path."""
         if self.on_corrupt is OnCorrupt.fail:
-            raise CorruptImageError(
+            raise CorruptFileStop(
                 f"cannot decode {path}: {error} (dataset.on_corrupt=skip skips such files)"
             ) from error
         return SkippedFile(path, str(error), index)
 
     def __getitems__(self, indices: list[int]) -> list[Sample | SkippedFile]:
         return [self[i] for i in indices]
+
+    def pack(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.decode.pack(images)
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None
+               ) -> tuple[dict | None, list[SkippedFile]]:
+        """One batch decoded in this process, each image written into ``out`` (when given)."""
+        items = self.__getitems__(index.tolist())
+        samples = [s for s in items if isinstance(s, Sample)]
+        skipped = [s for s in items if isinstance(s, SkippedFile)]
+        if not samples:
+            return None, skipped
+        if out is not None and samples[0].image.shape == out.shape[1:]:
+            pixels = {"image": torch.stack([s.image for s in samples], out=out[: len(samples)])}
+        else:
+            pixels = self.pack([s.image for s in samples])
+        return {**pixels, **batch_fields(samples)}, skipped
+
+    def example(self, n: int) -> torch.Tensor:
+        """``n`` decoded images (the first decodable files, repeated to fill ``n``)."""
+        decoder = self.decode.image_decoder
+        images = []
+        for path, _ in self.samples[: 2 * n]:
+            try:
+                images.append(decoder(read_file(path)))
+            except (CorruptImageError, OSError):
+                continue
+            if len(images) == n:
+                break
+        if not images:
+            raise DatasetError(f"none of the first {2 * n} files of {self.root} can be decoded")
+        return cycle_rows(torch.stack(images), n)
+
+    def probes(self, batch_size: int) -> dict[str, Probe]:
+        """Reading one file, decoding one image, collating one batch (each on one core)."""
+        paths = [p for p, _ in self.samples[: max(batch_size, 32)]]
+        data = self._decodable(paths)
+        counter = iter(range(10**12))
+
+        def read() -> int:
+            read_file(paths[next(counter) % len(paths)])
+            return 1
+
+        probes: dict[str, Probe] = {"read": read}
+        if data and isinstance(self.decode, ImageDecoder):  # nvjpeg decodes on the GPU
+            def decode() -> int:
+                self.decode(data[next(counter) % len(data)])
+                return 1
+
+            samples = [Sample(self.decode(data[0]), 0, i) for i in range(batch_size)]
+
+            def collate() -> int:
+                self.pack([s.image for s in samples])
+                batch_fields(samples)
+                return batch_size
+
+            probes.update(decode=decode, collate=collate)
+        return probes
+
+    def _decodable(self, paths: list[str], want: int = 16) -> list[bytearray]:
+        """Bytes of up to ``want`` files the decoder can read (corrupt ones left out)."""
+        found = []
+        for path in paths:
+            data = read_file(path)
+            try:
+                self.decode.image_decoder(data)
+            except (CorruptImageError, OSError):
+                continue
+            found.append(data)
+            if len(found) == want:
+                break
+        return found
+
+
+def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """label, index and (for padded distributed shards) valid, for a list of samples."""
+    fields = {"label": torch.tensor([s.label for s in samples], dtype=torch.int64),
+              "index": torch.tensor([s.index for s in samples], dtype=torch.int64)}
+    if not all(s.valid for s in samples):  # padding rows of a distributed shard
+        fields["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
+    return fields

@@ -34,8 +34,11 @@ from tensordict import MemoryMappedTensor
 from tqdm import tqdm
 
 from runner.atomic import write_json
+from runner.errors import UserError
 from runner.pool import parallel_imap
-from runner.storage.folder import FolderStorage, SkippedFile
+from runner.storage.base import SkippedFile, image_nbytes
+from runner.storage.decoded import DecodedStorage
+from runner.storage.folder import FolderStorage
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ IMAGES, LABELS, META, PLAN, DONE = "images.memmap", "labels.memmap", "meta.json"
 CHUNK = 64  # images per conversion task: the unit of progress and of resumption
 
 
-class CacheError(RuntimeError):
+class CacheError(UserError, RuntimeError):
     """A cache that exists but cannot be trusted; the message says how to rebuild it."""
 
 
@@ -106,8 +109,7 @@ def check_cache(folder: Path, meta: dict[str, Any], spec: CacheSpec) -> None:
     count = meta.get("count")
     expected = {IMAGES: None, LABELS: None}
     if isinstance(count, int) and meta.get("image_size") == list(spec.image_size):
-        expected = {IMAGES: count * 3 * spec.image_size[0] * spec.image_size[1],
-                    LABELS: count * 8}
+        expected = {IMAGES: count * image_nbytes(spec.image_size), LABELS: count * 8}
     for name, size in expected.items():
         path = folder / name
         actual = path.stat().st_size if path.exists() else None
@@ -153,6 +155,20 @@ def valid_cache(folder: Path, spec: CacheSpec, fingerprint: str) -> dict[str, An
     return meta
 
 
+def skipped_files(meta: dict[str, Any]) -> list[SkippedFile]:
+    """The undecodable files a cache's metadata lists."""
+    return [SkippedFile(s["path"], s["error"], s["index"]) for s in meta["skipped"]]
+
+
+def open_cache(folder: FolderStorage, spec: CacheSpec, cache_root: Path,
+               progress: bool = True) -> DecodedStorage:
+    """The memmap cache of ``folder`` as a storage (converted first if there is no valid one)."""
+    cache, meta = ensure_cache(folder, spec, cache_root, progress)
+    return DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
+                          skipped_files(meta), folder.classes, folder.names(), folder.root,
+                          files=[str(cache / IMAGES)], reopen=lambda: open_images(cache, meta))
+
+
 # --- conversion ---------------------------------------------------------------------------
 
 def ensure_cache(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
@@ -191,7 +207,7 @@ def _convert(folder_storage: FolderStorage, spec: CacheSpec, fingerprint: str, p
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         with open(partial / IMAGES, "wb") as f:
-            f.truncate(count * 3 * spec.image_size[0] * spec.image_size[1])  # zeros
+            f.truncate(count * image_nbytes(spec.image_size))  # zeros
         (partial / LABELS).write_bytes(folder_storage.label_tensor().numpy().tobytes())
         write_json(partial / PLAN, plan)
         done = {}

@@ -2,8 +2,11 @@
 
 The tensor lives in shared memory, so DataLoader workers map it instead of copying it, and
 is read from the memmap cache when one is valid for this dataset, else decoded straight
-into memory with every core. With ``loader.pin_memory`` on CUDA it is page-locked.
-A dataset that does not fit is refused before anything is loaded.
+into memory with every core. It is never page-locked as a whole: the batched path gathers
+into pinned batch buffers already (runner/buffers.py), and pinning the dataset would take
+it out of shared memory, give every rank its own copy and, through the caching host
+allocator's power-of-two rounding, pin up to twice its size. A dataset that does not fit is
+refused before anything is loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runner.storage.decoded import DecodedStorage, shared_empty
+from runner.storage.base import image_nbytes, shared_empty
+from runner.storage.decoded import DecodedStorage
 from runner.storage.folder import DatasetError, FolderStorage
 from runner.storage.memmap import (
     IMAGES,
@@ -24,6 +28,7 @@ from runner.storage.memmap import (
     decode_into,
     image_shape,
     open_labels,
+    skipped_files,
     source_fingerprint,
     valid_cache,
 )
@@ -45,11 +50,11 @@ def memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(nbytes: int, count: int, shape: tuple[int, ...], copies: int = 1) -> None:
+def check_fits(nbytes: int, count: int, shape: tuple[int, ...]) -> None:
     available = memory_available()
-    if nbytes * copies > 0.9 * available:
+    if nbytes > 0.9 * available:
         raise DatasetError(
-            f"loader=ram needs {nbytes * copies / GiB:.1f} GiB for {count:,} images of "
+            f"loader=ram needs {nbytes / GiB:.1f} GiB for {count:,} images of "
             f"{'x'.join(map(str, shape))} uint8, but only {available / GiB:.1f} GiB of memory "
             "is available; use loader=memmap (reads a memory-mapped file instead), or a "
             "smaller dataset.image_size"
@@ -57,25 +62,22 @@ def check_fits(nbytes: int, count: int, shape: tuple[int, ...], copies: int = 1)
 
 
 def load_ram(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
-             pin: bool = False, progress: bool = True) -> DecodedStorage:
-    """The dataset as a DecodedStorage whose images live in (shared, or pinned) RAM."""
+             progress: bool = True) -> DecodedStorage:
+    """The dataset as a DecodedStorage whose images live in shared memory."""
     count = len(folder_storage)
     shape = image_shape(count, spec.image_size)
-    nbytes = count * 3 * spec.image_size[0] * spec.image_size[1]
-    check_fits(nbytes, count, shape[1:], copies=2 if pin else 1)
+    check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
     meta = valid_cache(spec.folder(cache_root), spec, source_fingerprint(folder_storage))
     images = shared_empty(shape, torch.uint8)
     if meta is not None:
         _read_file(spec.folder(cache_root) / IMAGES, images, progress)
         labels = open_labels(spec.folder(cache_root), meta)
-        skipped = [s["index"] for s in meta["skipped"]]
+        skipped = skipped_files(meta)
     else:
         log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
         chunks = chunk_ranges(count)
-        skipped = [s.index for s in decode_into(images, folder_storage, chunks, progress)]
+        skipped = decode_into(images, folder_storage, chunks, progress)
         labels = folder_storage.label_tensor()
-    if pin:
-        images = images.pin_memory()  # page-locked: copies to the GPU can be asynchronous
     return DecodedStorage(images, labels, skipped, folder_storage.classes, folder_storage.names(),
                           folder_storage.root)
 

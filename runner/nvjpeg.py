@@ -1,7 +1,8 @@
-"""``loader.decoder=nvjpeg``: workers only read file bytes; each batch is decoded on the GPU.
+"""``loader.decoder=nvjpeg``: a stage above the loader that decodes each batch on the GPU.
 
-The DataLoader's workers return raw bytes, packed per batch into one uint8 tensor and its
-offsets. ``GpuDecodedBatches`` wraps the loader and, batch by batch, decodes every JPEG in
+The storage's items are raw bytes (runner/storage/encoded.py), packed per batch into one
+uint8 tensor and its offsets. ``GpuDecodedBatches`` wraps the loader and, batch by batch,
+decodes every JPEG in
 one ``torchvision.io.decode_jpeg(list, device="cuda")`` call, then applies the EXIF
 orientation and the crop and resize on the GPU, with the geometry the CPU decoders use.
 What nvjpeg cannot read (PNG, CMYK, a file it rejects) is decoded on the CPU by PIL and
@@ -14,29 +15,15 @@ from collections.abc import Iterator
 
 import torch
 
+from runner.loader import shutdown_workers
+from runner.storage.base import SkippedFile
 from runner.storage.decode import (
     CorruptImageError,
-    ImageDecoder,
     JpegHeader,
     apply_orientation,
     read_jpeg_header,
 )
-from runner.storage.folder import FolderStorage, SkippedFile
-
-
-class ReadBytes:
-    """The "decoder" for nvjpeg workers: the file's bytes as a 1-D uint8 tensor."""
-
-    def __call__(self, data: bytearray) -> torch.Tensor:
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
-def pack_encoded(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Variable-length byte tensors -> one tensor plus offsets (one buffer to move)."""
-    lengths = torch.tensor([len(b) for b in images], dtype=torch.int64)
-    offsets = torch.zeros(len(images) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return {"jpeg": torch.cat(images), "jpeg_offsets": offsets}
+from runner.storage.folder import FolderStorage
 
 
 class GpuDecodedBatches:
@@ -44,24 +31,22 @@ class GpuDecodedBatches:
 
     Args:
         loader: yields ({jpeg, jpeg_offsets, label, index}, skipped) per batch.
-        storage: the folder storage (paths, for skipped files and errors).
+        storage: the folder storage whose items are bytes (``ReadBytes``); its
+            ``decode.image_decoder`` gives the output size and crop and decodes the CPU
+            fallbacks.
         device: the CUDA device that decodes.
-        decoder: supplies the output size and crop (and decodes the CPU fallbacks).
     """
 
-    def __init__(self, loader, storage: FolderStorage, device: torch.device,
-                 decoder: ImageDecoder):
+    def __init__(self, loader, storage: FolderStorage, device: torch.device):
         self.loader = loader
         self.storage = storage
         self.device = device
-        self.decoder = decoder
+        self.decoder = storage.decode.image_decoder
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
-        from runner.loader import shutdown_workers
-
         iterator = iter(self.loader)
         try:
             for batch, skipped in iterator:

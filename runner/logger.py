@@ -25,6 +25,9 @@ class MetricLogger(Protocol):
 class NullLogger:
     """``logger=none``: needs no wandb at all."""
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
     def log(self, figures: dict[str, Any], step: int) -> None:
         pass
 
@@ -73,8 +76,9 @@ class WandbLogger:
         self.run.finish(exit_code=0 if status != "failed" else 1)
 
 
+LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.none: NullLogger}
+
+
 def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
                  group: str | None) -> MetricLogger:
-    if cfg.name is LoggerName.none:
-        return NullLogger()
-    return WandbLogger(cfg, run_dir, config, name, group)
+    return LOGGERS[cfg.name](cfg, run_dir, config, name, group)

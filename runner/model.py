@@ -68,22 +68,28 @@ class TinyNet(nn.Module):
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-def _backbone(name: ModelName, num_classes: int) -> nn.Module:
-    if name is ModelName.tiny:
-        return TinyNet(num_classes)
-    import torchvision
+def _torchvision(builder: str):
+    def build(num_classes: int) -> nn.Module:
+        import torchvision
 
-    # weights=None: random init, nothing is downloaded
-    builder = {ModelName.resnet18: torchvision.models.resnet18,
-               ModelName.resnet50: torchvision.models.resnet50}[name]
-    return builder(weights=None, num_classes=num_classes)
+        # weights=None: random init, nothing is downloaded
+        return getattr(torchvision.models, builder)(weights=None, num_classes=num_classes)
+
+    return build
+
+
+BACKBONES = {
+    ModelName.tiny: TinyNet,
+    ModelName.resnet18: _torchvision("resnet18"),
+    ModelName.resnet50: _torchvision("resnet50"),
+}
 
 
 def build_model(cfg: ModelConfig, num_classes: int, device: torch.device) -> nn.Module | None:
     """The model on ``device`` with its uint8 input layer, or None for ``model=none``."""
     if cfg.name is ModelName.none:
         return None
-    model = nn.Sequential(UInt8Input(cfg.channels_last), _backbone(cfg.name, num_classes))
+    model = nn.Sequential(UInt8Input(cfg.channels_last), BACKBONES[cfg.name](num_classes))
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -1,0 +1,137 @@
+"""The ``Storage`` protocol: what every ``loader=`` storage offers the rest of the runner.
+
+A storage is a map-style Dataset (``__len__``, ``__getitem__``) whose batched read,
+``gather``, fills a whole batch at once. Everything the runner needs beyond reading
+(the files it reads, an example batch to compile with, the stage probes of the verdict)
+is asked of the storage through this protocol, never found out by switching on its type.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import get_worker_info
+
+# A stage probe handles one unit of work (one file read, one image decoded, one batch
+# gathered) and returns how many images that was; the verdict times it (runner/diagnose.py).
+Probe = Callable[[], int]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One decoded image: CHW uint8, its class index and its index in the dataset."""
+
+    image: torch.Tensor
+    label: int
+    index: int
+    valid: bool = True  # False: padding that evens out distributed shards
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    """A file no decoder could read; it travels to the loop to be counted and reported."""
+
+    path: str
+    error: str
+    index: int = -1  # position in the storage
+
+
+def unpad(index: int) -> tuple[int, bool]:
+    """(the index to read, whether it counts): padding rows of a distributed shard come as
+    ``-1 - i`` (runner.loader.BatchOrder)."""
+    return (index, True) if index >= 0 else (-1 - index, False)
+
+
+def image_nbytes(image_size: tuple[int, int] | list[int]) -> int:
+    """Bytes of one decoded image: 3 channels of uint8 at (height, width)."""
+    return 3 * int(image_size[0]) * int(image_size[1])
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in shared memory, so it crosses to another process without a copy."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+def stack_images(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"image": torch.stack(images)}``, stacked into shared memory inside a DataLoader
+    worker, so the batch crosses to the main process without another copy (what
+    default_collate does)."""
+    out = None
+    if get_worker_info() is not None:
+        out = shared_empty((len(images), *images[0].shape), images[0].dtype)
+    return {"image": torch.stack(images, 0, out=out)}
+
+
+def cycle_rows(images: torch.Tensor, n: int) -> torch.Tensor:
+    """Exactly ``n`` rows: ``images`` repeated as often as needed (a full example batch)."""
+    return images.repeat(-(-n // len(images)), *([1] * (images.dim() - 1)))[:n]
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What every storage offers.
+
+    Attributes:
+        root: the source ImageFolder tree.
+        classes: class names, in ImageFolder order.
+        known_skipped: files already known to be undecodable when the storage was opened
+            (a decode-once cache records them); counted and reported like any other skip.
+        decodes_per_epoch: True when every epoch decodes the source files (so random crops
+            happen while decoding); False when images were decoded once (center crops, so
+            random crops of training batches happen on the device).
+    """
+
+    root: Path
+    classes: list[str]
+    known_skipped: list[SkippedFile]
+    decodes_per_epoch: bool
+
+    def __len__(self) -> int: ...
+
+    def name_of(self, index: int) -> str:
+        """The file behind ``index``, relative to ``root`` (for predictions)."""
+        ...
+
+    @property
+    def files(self) -> list[str]:
+        """Every file an epoch reads from the storage device (for ``page_cache=cold``)."""
+        ...
+
+    @property
+    def item_shape(self) -> tuple[int, ...] | None:
+        """(3, H, W) of one decoded image as the storage hands it out; None when items are
+        encoded bytes (loader.decoder=nvjpeg)."""
+        ...
+
+    @property
+    def image_bytes(self) -> int | None:
+        """Bytes one image takes where the run reads it (None: one file per image)."""
+        ...
+
+    def reopen(self) -> None:
+        """Drop this process's own mappings of ``files`` so their pages can be evicted."""
+        ...
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None
+               ) -> tuple[dict | None, list[SkippedFile]]:
+        """One batch read at once (into ``out`` when given), and the files it skipped."""
+        ...
+
+    def pack(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-item results of ``__getitem__`` as the tensors of one batch."""
+        ...
+
+    def example(self, n: int) -> torch.Tensor:
+        """``n`` real images, uint8 NCHW (to trace, warm up and verify compiled models)."""
+        ...
+
+    def probes(self, batch_size: int) -> dict[str, Probe]:
+        """Each data stage of this storage alone, as a probe the verdict can time."""
+        ...

@@ -1,0 +1,87 @@
+"""Every ``python -m runner`` command the README and the config presets document composes
+into valid configs (every job of a documented sweep included); documented errors fail as
+documented."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shlex
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from runner.config import ConfigError, check_command_line, to_config
+from tests.conftest import REPO, compose_config
+
+COMMAND = re.compile(r"(?:python -m|torchrun\b.*?-m) runner(?=\s|$)(.*)")
+HYDRA_FLAGS = {"-m", "--multirun"}
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command line) for every runner command in the README and conf/ comments."""
+    found = []
+    sources = [REPO / "README.md", *sorted((REPO / "conf").rglob("*.yaml"))]
+    for path in sources:
+        text = re.sub(r"\\\n\s*", " ", path.read_text())  # join continued lines
+        for k, line in enumerate(text.splitlines()):
+            for part in re.findall(r"`([^`]*)`", line) or [line]:
+                match = COMMAND.search(part.split("&&")[0])
+                if match and "--help" not in match.group(1):
+                    found.append((f"{path.name}:{k + 1}", part.strip()))
+    return found
+
+
+def parse(line: str) -> tuple[list[str], bool]:
+    """The overrides of a documented command line, and whether it documents an error
+    (a ``$ `` transcript line followed in the README by the error it prints)."""
+    transcript = line.lstrip("#").strip().startswith("$ ")
+    args = COMMAND.search(line.split("&&")[0]).group(1)
+    args = re.sub(r"\s+\([^)]*\)\s*$", "", args)  # a remark in parentheses after the command
+    argv = [os.path.expandvars(a) for a in shlex.split(args, comments=True)]
+    return [a for a in argv if a not in HYDRA_FLAGS], transcript
+
+
+def jobs(overrides: list[str]) -> list[list[str]]:
+    """Every job a (multirun) command line launches: the product of its sweeps."""
+    parser = OverridesParser.create()
+    choices = []
+    for override in overrides:
+        parsed = parser.parse_override(override)
+        if parsed.is_sweep_override():
+            key = override.split("=", 1)[0]
+            choices.append([f"{key}={v}" for v in parsed.sweep_string_iterator()])
+        else:
+            choices.append([override])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_document_commands():
+    assert len(COMMANDS) >= 20  # the extraction works: a broken pattern would find none
+    assert any("sweep=" in line for _, line in COMMANDS)
+
+
+@pytest.mark.parametrize(("where", "line"), COMMANDS, ids=[w for w, _ in COMMANDS])
+def test_documented_command_composes(where: str, line: str):
+    overrides, transcript = parse(line)
+    if transcript:  # documented to fail: it must, before any work
+        with pytest.raises((SystemExit, ConfigError)):
+            check_command_line(overrides)
+            to_config(compose_config(*overrides))
+        return
+    check_command_line(overrides)
+    hydra = any(o.startswith("hydra") for o in overrides)
+    for job in jobs(overrides):
+        cfg = compose_config(*job, hydra=hydra)
+        if hydra:
+            from omegaconf import open_dict
+
+            with open_dict(cfg):
+                del cfg["hydra"]
+        params = cfg.get("hydra", {}).get("sweeper", {}).get("params") if hydra else None
+        assert params is None or params  # a sweep preset sweeps something
+        to_config(cfg)
