@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import signal
 import sys
 
 import hydra
@@ -10,25 +12,49 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.config import ConfigError, check_command_line, config_dir, register_configs
+from runner import sweep
+from runner.config import check_command_line, config_dir, register_configs
 from runner.distributed import scratch_dirs_for_other_ranks
+from runner.outcome import EXIT_USER_ERROR, is_user_error, one_line
 from runner.run import run
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
+    """One job; returns ``run.objective`` for Hydra's sweepers (NaN when it did not succeed).
+
+    In a sweep a failed job is recorded in its metrics.json and the sweep goes on; alone,
+    a user's mistake exits with one line and status 2, a bug with its traceback.
+    """
     try:
-        run(cfg)
-    except ConfigError as e:
+        metrics = run(cfg)
+    except KeyboardInterrupt:
+        raise  # Ctrl-C or SIGTERM: stop, a sweep too (the job's figures are saved)
+    except Exception as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # recorded as failed in this job's metrics.json; the sweep goes on
-        logging.getLogger("runner").error("%s", e)
-        sys.exit(2)
+            return math.nan  # the sweep summary names it at the end
+        if not is_user_error(e):
+            raise
+        logging.getLogger("runner").error("%s  (details in %s/runner.log)", one_line(e),
+                                          HydraConfig.get().runtime.output_dir)
+        sys.exit(EXIT_USER_ERROR)
+    return sweep.objective(metrics, cfg.run.objective)
+
+
+def cli() -> None:
+    """The ``runner`` console script (and ``python -m runner``)."""
+    check_command_line(sys.argv[1:])
+    sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        name = getattr(e, "signal_name", "SIGINT")
+        sys.exit(128 + getattr(signal, name, signal.SIGINT))
+    if sweep.FAILED_JOBS:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    check_command_line(sys.argv[1:])
-    sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
-    main()
+    cli()

@@ -2,21 +2,38 @@
 applied to a whole uint8 batch on the device it was moved to (``dataset.crop=random`` with
 ``loader=memmap`` or ``loader=ram``, whose caches hold deterministic center crops).
 
-Each image gets its own crop (torchvision's RandomResizedCrop parameters, from torch's
-seeded RNG) through ``torchvision.transforms.v2.functional.resized_crop``; the flips are
-one batched ``torch.where``.
+Each image gets its own crop (torchvision's RandomResizedCrop parameters) and flip, all
+drawn on the device and applied with one ``grid_sample`` for the whole batch: a constant
+number of kernels per batch, no host round trip, no sync. The sampling grid reproduces a
+bilinear resize of each crop (``align_corners=False``, source coordinates clamped to the
+crop, as ``interpolate`` does); crops of a cached image are never larger than the output,
+so the resize only upsamples and antialiasing has nothing to do.
 """
 
 from __future__ import annotations
 
-import torch
-import torchvision.transforms.v2.functional as TF
+import math
+from dataclasses import dataclass
 
-from runner.storage.decode import random_box
+import torch
+import torch.nn.functional as F
+
+ATTEMPTS = 10  # torchvision's: tries per image before the fallback crop
+
+
+@dataclass
+class Boxes:
+    """Per-image crops (integer pixels, as tensors on the device) and flips."""
+
+    top: torch.Tensor
+    left: torch.Tensor
+    height: torch.Tensor
+    width: torch.Tensor
+    flip: torch.Tensor  # bool
 
 
 class BatchAugment:
-    """uint8 (N, 3, H, W) -> uint8 (N, 3, H, W), each image randomly cropped and flipped.
+    """uint8 (N, 3, H, W) -> uint8 (N, 3, *size), each image randomly cropped and flipped.
 
     Args:
         size: output (height, width).
@@ -27,12 +44,62 @@ class BatchAugment:
     def __init__(self, size: tuple[int, int], scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = list(size), scale, ratio
 
+    def boxes(self, n: int, h: int, w: int, device: torch.device,
+              generator: torch.Generator | None = None) -> Boxes:
+        """RandomResizedCrop.get_params for ``n`` images at once: ``ATTEMPTS`` draws each,
+        the first that fits, else the whole image clipped to the ratio range."""
+        def uniform(lo: float, hi: float) -> torch.Tensor:
+            return torch.rand(n, ATTEMPTS, device=device, generator=generator) * (hi - lo) + lo
+
+        area = h * w
+        target = area * uniform(*self.scale)
+        aspect = torch.exp(uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+        cw = torch.round(torch.sqrt(target * aspect))
+        ch = torch.round(torch.sqrt(target / aspect))
+        fits = (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
+        first = torch.argmax(fits.int(), dim=1, keepdim=True)  # first fitting attempt
+        any_fit = fits.any(dim=1)
+        cw = cw.gather(1, first).squeeze(1)
+        ch = ch.gather(1, first).squeeze(1)
+        # the fallback: the whole image, clipped to the ratio range (a constant per batch)
+        in_ratio = w / h
+        if in_ratio < min(self.ratio):
+            fw, fh = w, int(round(w / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            fw, fh = int(round(h * max(self.ratio))), h
+        else:
+            fw, fh = w, h
+        cw = torch.where(any_fit, cw, torch.full_like(cw, fw))
+        ch = torch.where(any_fit, ch, torch.full_like(ch, fh))
+        r = torch.rand(n, 3, device=device, generator=generator)
+        top = torch.floor(r[:, 0] * (h - ch + 1))
+        left = torch.floor(r[:, 1] * (w - cw + 1))
+        top = torch.where(any_fit, top, torch.full_like(top, (h - fh) // 2))
+        left = torch.where(any_fit, left, torch.full_like(left, (w - fw) // 2))
+        return Boxes(top, left, ch, cw, r[:, 2] < 0.5)
+
+    def apply(self, images: torch.Tensor, boxes: Boxes) -> torch.Tensor:
+        """Crop, resize and flip every image by its box, in one grid_sample."""
+        n, _, h, w = images.shape
+        out_h, out_w = self.size
+
+        def axis(start: torch.Tensor, length: torch.Tensor, out: int, size: int) -> torch.Tensor:
+            # output pixel j samples crop coordinate (j + 0.5) * length / out - 0.5, clamped
+            # to the crop, as a bilinear interpolate of the crop does
+            j = torch.arange(out, device=images.device, dtype=torch.float32) + 0.5
+            src = start[:, None] + j[None, :] * (length[:, None] / out) - 0.5
+            src = torch.minimum(torch.maximum(src, start[:, None]),
+                                (start + length - 1)[:, None])
+            return (src + 0.5) * (2.0 / size) - 1.0  # grid_sample's normalized coordinates
+
+        xs = axis(boxes.left, boxes.width, out_w, w)
+        xs = torch.where(boxes.flip[:, None], xs.flip(1), xs)
+        ys = axis(boxes.top, boxes.height, out_h, h)
+        grid = torch.stack(torch.broadcast_tensors(xs[:, None, :], ys[:, :, None]), dim=-1)
+        out = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
+                            align_corners=False)
+        return out.round_().clamp_(0, 255).to(images.dtype)
+
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        n, c, h, w = images.shape
-        out = torch.empty((n, c, *self.size), dtype=images.dtype, device=images.device)
-        for k in range(n):
-            box = random_box(h, w, self.scale, self.ratio)
-            out[k] = TF.resized_crop(images[k], int(box.top), int(box.left), int(box.height),
-                                     int(box.width), self.size, antialias=True)
-        flip = (torch.rand(n) < 0.5).to(images.device).view(n, 1, 1, 1)
-        return torch.where(flip, out.flip(-1), out)
+        n, _, h, w = images.shape
+        return self.apply(images, self.boxes(n, h, w, images.device))

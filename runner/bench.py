@@ -9,8 +9,13 @@ Measured in one run, on one machine, on the same images at one size (default 224
      2 workers;
   4. the runner's own loaders (``model=none``, through the runner's loop): folder with each
      decoder, memmap and ram, in process and with 2 workers;
-and, separately, per-batch overhead on a 300,000-element in-memory tensor dataset. Prints
-images/s, the ratios, whether each target holds, and writes the figures as JSON.
+and, separately, per-batch overhead on a 300,000-element in-memory tensor dataset; then
+the folder storage against its decode ceiling (one thread's read + decode + resize rate on
+the same files, times the decode threads) at batch 32, 64 and 256, in alternating rounds.
+Prints images/s, the ratios, whether each target holds, and writes the figures as JSON.
+
+``python -m runner.bench gil``: whether each decoder releases the GIL: the same files
+decoded by one thread and by one thread per core.
 """
 
 from __future__ import annotations
@@ -81,9 +86,9 @@ def runner_rate(config: Config, seconds: float) -> float:
         return run_loop(stream, DataOnlyStep(), CPU, steps, warmup, log_every=10**9,
                         logger=NullLogger(), progress=False)
 
-    probe = loop(min(per_epoch, 8), warmup=2).timed.figures()["images_per_sec"]
-    steps = max(2 * per_epoch, int(probe * seconds / cfg.loader.batch_size))
-    return loop(steps, warmup=min(5, per_epoch)).timed.figures()["images_per_sec"]
+    probe = loop(max(4, min(per_epoch, 8)), warmup=2).timed.figures()["images_per_sec"]
+    steps = max(2 * per_epoch, 6, int(probe * seconds / cfg.loader.batch_size))
+    return loop(steps, warmup=min(5, per_epoch, steps // 2)).timed.figures()["images_per_sec"]
 
 
 class PerItemMemmap(Dataset):
@@ -130,6 +135,58 @@ def limits(storage: DecodedStorage, batch_size: int, seconds: float) -> dict[str
         lambda: (torch.index_select(storage.images, 0, i, out=out) for i in order.batches()),
         seconds)
     return {"memcpy_limit": copy, "raw_memmap_gather": gather}
+
+
+def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) -> float:
+    """images/s of read + decode + resize of ``storage``'s first files (page cache warm),
+    by ``threads`` threads, each running torch ops on one core."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runner.prefetch import one_core_for_this_thread
+
+    indices = list(range(min(files, len(storage))))
+    for i in indices:
+        storage[i]  # warm: the page cache, the decoder's first-call set-up
+
+    def chunk(part: list[int]) -> int:
+        for i in part:
+            storage[i]
+        return len(part)
+
+    torch.get_num_threads()
+    with ThreadPoolExecutor(threads, initializer=one_core_for_this_thread) as pool:
+        def all_files() -> int:
+            return sum(pool.map(chunk, [indices[k::threads] for k in range(threads)]))
+
+        rates = [burst(all_files, seconds=seconds / 3, min_calls=1, warmup=0)
+                 for _ in range(3)]
+    return sorted(rates)[1]
+
+
+def bench_gil(args: argparse.Namespace) -> dict:
+    """Each decoder's decode + resize rate with one thread and with one thread per core."""
+    from runner.loader import cores
+
+    n = cores()
+    out = {}
+    print(f"decode + resize to {args.size}x{args.size}, 1 thread vs {n} threads "
+          f"(ideal: {n:.1f}x when the GIL is released)")
+    for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision"):
+        for draft in ((False, True) if decoder in ("pil", "simplejpeg") else (False,)):
+            cfg = compose([*args.overrides, f"dataset.image_size=[{args.size},{args.size}]",
+                           "loader=folder", f"loader.decoder={decoder}", f"loader.draft={draft}"])
+            name = f"{decoder}{'_draft' if draft else ''}"
+            try:
+                storage = build_storage(cfg.loader, cfg.dataset, resolve_dataset(cfg.dataset))
+            except DecoderUnavailable as e:
+                print(f"  {name:18s} skipped ({e})")
+                continue
+            one, many = one_thread_rate(storage, args.seconds), \
+                one_thread_rate(storage, args.seconds, n)
+            out[name] = {"one_thread": one, "threads": many, "speedup": many / one}
+            print(f"  {name:18s} {one:>8,.0f} -> {many:>8,.0f} images/s: {many / one:.2f}x "
+                  f"({'releases' if many / one >= 0.75 * n else 'holds'} the GIL)", flush=True)
+    return out
 
 
 def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3) -> dict:
@@ -179,6 +236,13 @@ def bench_loaders(args: argparse.Namespace) -> dict:
     path = resolve_dataset(memmap_cfg.dataset)
     memmap = build_storage(memmap_cfg.loader, memmap_cfg.dataset, path, progress=True)
     folder = build_storage(compose([*base, "loader=folder"]).loader, memmap_cfg.dataset, path)
+    if len(memmap) < 4 * args.batch_size:  # a few batches per epoch at least, or no timing
+        smaller = max(1, len(memmap) // 4)
+        print(f"only {len(memmap)} images: batch {args.batch_size} leaves fewer than 4 batches "
+              f"per epoch; using batch {smaller} (--batch-size to choose)", flush=True)
+        args.batch_size = smaller
+        base = [o if not o.startswith("loader.batch_size=") else f"loader.batch_size={smaller}"
+                for o in base]
     print(f"{len(memmap)} images from {path}; batch {args.batch_size}; "
           f"{args.seconds:g} s per measurement\n", flush=True)
 
@@ -214,10 +278,12 @@ def bench_loaders(args: argparse.Namespace) -> dict:
     folder_cfgs = {}
     for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision"):
         draft = decoder in ("pil", "simplejpeg")
-        name = f"folder_{decoder}{'_draft' if draft else ''}"
-        folder_cfgs[name] = compose([*base, "loader=folder", f"loader.decoder={decoder}",
-                                     f"loader.draft={draft}"])
-        record(name, lambda c=folder_cfgs[name]: runner_rate(c, args.seconds))
+        for mode, extra in (("workers", ["loader.num_workers=2"]),
+                            ("threads", ["loader.num_workers=0"])):
+            name = f"folder_{decoder}{'_draft' if draft else ''}_{mode}"
+            folder_cfgs[name] = compose([*base, "loader=folder", f"loader.decoder={decoder}",
+                                         f"loader.draft={draft}", *extra])
+            record(name, lambda c=folder_cfgs[name]: runner_rate(c, args.seconds))
     for storage in ("memmap", "ram"):
         record(f"{storage}", lambda s=storage: runner_rate(compose([*base, f"loader={s}"]),
                                                           args.seconds))
@@ -236,8 +302,63 @@ def bench_loaders(args: argparse.Namespace) -> dict:
         rounds.append(fast / naive)
         print(f"  round {k + 1}: naive {naive:,.0f}, {best} {fast:,.0f} images/s: "
               f"{rounds[-1]:.2f}x", flush=True)
+    stem = best.rsplit("_", 1)[0]  # the best decoder, in both modes: workers and threads
+    ceiling = decode_ceiling(args, base, {mode: folder_cfgs[f"{stem}_{mode}"]
+                                          for mode in ("workers", "threads")}, stem)
     return {"rates": rates, "overhead": overhead, "folder_vs_naive_rounds": rounds,
-            "best_folder": best}
+            "best_folder": best, "ceiling": ceiling}
+
+
+def decode_ceiling(args: argparse.Namespace, base: list[str], modes: dict[str, Config],
+                   name: str) -> dict:
+    """The best decoder, decoding in worker processes and in threads, at batch 32, 64 and
+    256 against its decode ceiling (one thread's read + decode + resize rate times the
+    cores that decode), in alternating rounds: each round takes the ceiling and every
+    measurement one after another, so a drift of the machine's speed moves them together."""
+    from runner.loader import cores
+
+    any_cfg = next(iter(modes.values()))
+    storage = build_storage(any_cfg.loader, any_cfg.dataset, resolve_dataset(any_cfg.dataset))
+    threads = cores()
+    sizes = [b for b in (32, 64, 256) if 4 * b <= len(storage)] or [args.batch_size]
+    print(f"7. {name} against its decode ceiling ({threads} cores x one thread's read + "
+          "decode + resize), in workers and in threads, alternating rounds")
+    rounds = []
+    for k in range(args.rounds):
+        ceiling = threads * one_thread_rate(storage, args.seconds)
+        row = {"ceiling": ceiling}
+        for mode, cfg in modes.items():
+            for b in sizes:
+                row[f"{mode}_batch_{b}"] = runner_rate(
+                    compose([*best_overrides(cfg, base), f"loader.batch_size={b}"]), args.seconds)
+        rounds.append(row)
+        print(f"  round {k + 1}: ceiling {ceiling:,.0f}", flush=True)
+        for mode in modes:
+            print(f"    {mode:8s} " + "; ".join(
+                f"batch {b}: {row[f'{mode}_batch_{b}']:,.0f} "
+                f"({row[f'{mode}_batch_{b}'] / ceiling:.0%})" for b in sizes), flush=True)
+
+    def median_share(mode: str) -> float:
+        shares = sorted(min(r[f"{mode}_batch_{b}"] for b in sizes) / r["ceiling"]
+                        for r in rounds)
+        return shares[len(shares) // 2]
+
+    best = max(modes, key=median_share)  # the mode whose worst batch size is best
+    print(f"  best mode: {best} (its slowest batch size at {median_share(best):.0%} of the "
+          "ceiling, median of rounds)")
+    return {"config": f"{name}_{best}", "mode": best, "threads": threads,
+            "batch_sizes": sizes, "rounds": [{"ceiling": r["ceiling"], **{
+                f"batch_{b}": r[f"{best}_batch_{b}"] for b in sizes}} for r in rounds],
+            "all_rounds": rounds}
+
+
+def best_overrides(cfg: Config, base: list[str]) -> list[str]:
+    """The overrides that compose ``cfg`` (a folder configuration of the bench), less the
+    batch size."""
+    loader = cfg.loader
+    return [o for o in base if not o.startswith("loader.batch_size=")] + [
+        "loader=folder", f"loader.decoder={loader.decoder.value}",
+        f"loader.draft={loader.draft}", f"loader.num_workers={loader.num_workers}"]
 
 
 def report(result: dict) -> list[tuple[str, float, float, bool]]:
@@ -254,6 +375,16 @@ def report(result: dict) -> list[tuple[str, float, float, bool]]:
     rounds = sorted(result.get("folder_vs_naive_rounds") or [folder_best / r["naive_folder"]])
     checks.append(("folder (best decoder) / naive folder, median of rounds",
                    rounds[len(rounds) // 2], 4.0))
+    ceiling = result.get("ceiling")
+    if ceiling:
+        for b in ceiling["batch_sizes"]:
+            share = sorted(r[f"batch_{b}"] / r["ceiling"] for r in ceiling["rounds"])
+            checks.append((f"best folder at batch {b} / decode ceiling, median of rounds",
+                           share[len(share) // 2], 0.8))
+        if {64, 256} <= set(ceiling["batch_sizes"]):
+            ratio = sorted(r["batch_64"] / r["batch_256"] for r in ceiling["rounds"])
+            checks.append(("best folder batch 64 / batch 256, median of rounds",
+                           ratio[len(ratio) // 2], 0.9))
     return [(what, ratio, target, ratio >= target) for what, ratio, target in checks]
 
 
@@ -266,6 +397,12 @@ def print_report(result: dict) -> None:
             print(f"  {a} / {b}: {r[a] / r[b]:.2f}")
     o = result["overhead"]
     print(f"  numpy loop / DataLoader (per-batch overhead): {o['dataloader_s'] / o['numpy_s']:.0f}x")
+    ceiling = result.get("ceiling")
+    if ceiling and "naive_folder" in r:
+        ceilings = sorted(x["ceiling"] for x in ceiling["rounds"])
+        print(f"  decode ceiling ({ceiling['config'].rsplit('_', 1)[0]}) / naive_folder: "
+              f"{ceilings[len(ceilings) // 2] / r['naive_folder']:.2f} (the most any folder "
+              "configuration with this decoder can reach on these files)")
     print("\ntargets")
     for what, ratio, target, met in report(result):
         shown = f"{ratio:.0%}" if target < 1 else f"{ratio:.1f}x"
@@ -284,7 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating folder/naive rounds")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    g = sub.add_parser("gil", help="does each decoder release the GIL (1 thread vs one per core)")
+    g.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    g.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    g.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     args = parser.parse_args(argv)
+    if args.command == "gil":
+        bench_gil(args)
+        return 0
     torch.manual_seed(0)
     print(f"runner.bench loaders on {platform.machine()} ({torch.get_num_threads()} threads, "
           f"torch {torch.__version__})", flush=True)

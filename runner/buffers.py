@@ -63,3 +63,11 @@ class BufferPool:
                 self._idle_count.append(_storage_use_count(buf.untyped_storage()._cdata))
                 return buf[:n]
         return self._new()[:n]
+
+
+def pin_small_fields(batch: dict[str, torch.Tensor], pinned: str = "image"
+                     ) -> dict[str, torch.Tensor]:
+    """The batch's other tensors (labels, indices, valid) in page-locked memory too, so
+    their copies to CUDA are asynchronous like the image's (a pageable source makes
+    ``non_blocking=True`` copy synchronously). ``pinned`` is already in a pinned buffer."""
+    return {k: v if k == pinned or v.is_pinned() else v.pin_memory() for k, v in batch.items()}

@@ -13,9 +13,11 @@ import contextlib
 import copy
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +31,15 @@ log = logging.getLogger(__name__)
 
 # max |compiled - eager| allowed, relative to max(1, max |eager|), by the dtype computed in
 TOLERANCE = {None: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+# float32 on CUDA: cuDNN's convolutions (and TensorRT's) use TF32 by default, a 10-bit
+# mantissa, so eager and compiled float32 differ as much as half precision does
+TF32_TOLERANCE = 2e-2
+
+
+def tolerance(dtype: torch.dtype | None, device: torch.device) -> float:
+    if dtype is None and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
+        return TF32_TOLERANCE
+    return TOLERANCE[dtype]
 
 
 class CompileMismatch(RuntimeError):
@@ -53,6 +64,28 @@ def _inductor(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     return torch.compile(model, backend="inductor", mode=cfg.mode.value, dynamic=cfg.dynamic)
 
 
+def batch_dynamic_shapes(max_batch: int) -> tuple[dict[int, Any]]:
+    """The backbone's one input with a dynamic batch dimension, 1..max_batch: the spec an
+    engine is exported with, so a cached engine takes the short last batch too."""
+    return ({0: torch.export.Dim("batch", min=1, max=max(max_batch, 2))},)
+
+
+def export_dynamic(module: nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """``module`` exported with a dynamic batch dimension up to ``example``'s batch."""
+    return torch.export.export(module, (example,), strict=False,
+                               dynamic_shapes=batch_dynamic_shapes(example.shape[0]))
+
+
+def backbone_in(backbone: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of the backbone in ``dtype``: TensorRT 11 builds strongly typed networks, so
+    the engine's precision is the dtype of the module it is given (``enabled_precisions``
+    is ignored on this path); the eager model is left as it is."""
+    return copy.deepcopy(backbone).eval().to(dtype)
+
+
+ENGINE_FORMATS = {"dynamo": ("exported_program", ".ep"), "torchscript": ("torchscript", ".ts")}
+
+
 def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
               amp: AmpConfig, cache: Path) -> nn.Module:
     device = example.device
@@ -67,34 +100,46 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     except ImportError as e:
         raise Unavailable("compile=tensorrt needs torch-tensorrt: pip install -e "
                           "'.[tensorrt]' (a CUDA machine with TensorRT)") from e
-    # The uint8 input layer stays eager; TensorRT gets the float backbone.
+    from filelock import FileLock
+
+    # The uint8 input layer stays eager; TensorRT gets the backbone, in the amp dtype.
     head, backbone = model[0], model[1]
     dtype = DTYPES[amp.name] or torch.float32
-    x = head(example).to(torch.float32)
-    batch = x.shape[0]
-    key = _engine_key(backbone, x.shape, dtype, cfg)
-    path = cache / f"{key}.ep"
-    if path.exists():
-        log.info("reusing the TensorRT engine %s", path)
-        engine = torch_tensorrt.load(str(path)).module()
-    else:
-        spec = torch_tensorrt.Input(min_shape=(1, *x.shape[1:]), opt_shape=tuple(x.shape),
-                                    max_shape=(batch, *x.shape[1:]), dtype=torch.float32)
-        engine = torch_tensorrt.compile(backbone.eval(), ir=cfg.ir.value, inputs=[spec],
-                                        enabled_precisions={dtype})
-        cache.mkdir(parents=True, exist_ok=True)
-        torch_tensorrt.save(engine, str(path), inputs=[x])
-        log.info("TensorRT engine cached in %s", path)
-    return _HeadThenEngine(head, engine)
+    with torch.no_grad():
+        x = head(example).to(dtype)
+    fmt, suffix = ENGINE_FORMATS[cfg.ir.value]
+    path = cache / f"{_engine_key(backbone, x.shape, dtype, cfg)}{suffix}"
+    cache.mkdir(parents=True, exist_ok=True)
+    # One process builds (the first to take the lock: under torchrun, one rank per
+    # node); the others wait, then load what it published.
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            spec = torch_tensorrt.Input(min_shape=(1, *x.shape[1:]), opt_shape=tuple(x.shape),
+                                        max_shape=tuple(x.shape), dtype=dtype)
+            engine = torch_tensorrt.compile(backbone_in(backbone, dtype), ir="dynamo",
+                                            inputs=[spec], enabled_precisions={dtype})
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            torch_tensorrt.save(engine, str(tmp), output_format=fmt, arg_inputs=[x],
+                                dynamic_shapes=batch_dynamic_shapes(x.shape[0]), retrace=True)
+            os.replace(tmp, path)  # published whole: a reader never sees half an engine
+            log.info("TensorRT engine (%s, batch 1..%d) cached in %s",
+                     str(dtype).replace("torch.", ""), x.shape[0], path)
+        else:
+            log.info("reusing the TensorRT engine %s", path)
+    engine = torch.jit.load(str(path)) if fmt == "torchscript" else \
+        torch_tensorrt.load(str(path)).module()
+    return _HeadThenEngine(head, engine, dtype)
 
 
 class _HeadThenEngine(nn.Module):
-    def __init__(self, head: nn.Module, engine):
+    """The eager uint8 input layer, then the engine, fed and read in the engine's dtype."""
+
+    def __init__(self, head: nn.Module, engine, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.head, self.engine = head, engine
+        self.head, self.engine, self.dtype = head, engine, dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.engine(self.head(x).to(torch.float32))
+        return self.engine(self.head(x).to(self.dtype)).float()
 
 
 def _engine_key(backbone: nn.Module, shape, dtype, cfg: CompileConfig) -> str:
@@ -194,13 +239,13 @@ def verify(model: nn.Module, compiled: nn.Module, example: torch.Tensor, cfg: Co
         model.load_state_dict(saved)  # two train-mode forwards moved the BN statistics
     scale = max(1.0, expected.abs().max().item())
     diff = (got - expected).abs().max().item()
-    tolerance = TOLERANCE[dtype] * scale
-    if not diff <= tolerance:  # also catches NaN
+    allowed = tolerance(dtype, example.device) * scale
+    if not diff <= allowed:  # also catches NaN
         raise CompileMismatch(
             f"compile={cfg.name.name} computes something different from eager: max |difference| "
-            f"{diff:.3g} on one batch, tolerance {tolerance:.3g} for "
+            f"{diff:.3g} on one batch, tolerance {allowed:.3g} for "
             f"{'float32' if dtype is None else str(dtype).replace('torch.', '')} "
             "(compile.verify=false skips this check)")
     log.info("compile=%s matches eager: max |difference| %.3g (tolerance %.3g)",
-             cfg.name.name, diff, tolerance)
+             cfg.name.name, diff, allowed)
     return diff

@@ -9,6 +9,7 @@ before any work is done.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -60,11 +61,13 @@ class PageCache(Enum):
     cold = "cold"  # the dataset's files evicted before the run and before each epoch
 
 
-class ModelName(Enum):
-    tiny = "tiny"
-    resnet18 = "resnet18"
-    resnet50 = "resnet50"
-    none = "none"
+class ModelSource(Enum):
+    """Where ``model.name`` is looked up: the runner's own (tiny, none) and every
+    torchvision classification builder; timm's registry; or the user's own class."""
+
+    torchvision = "torchvision"
+    timm = "timm"
+    custom = "custom"
 
 
 class TaskName(Enum):
@@ -124,6 +127,8 @@ class DatasetConfig:
     """``dataset.*``: where images come from and what size they are resized to."""
 
     path: str | None = None  # an ImageFolder tree; unset = the generated default dataset
+    # task=train: a validation ImageFolder (same classes); top-1 accuracy after each epoch
+    val_path: str | None = None
     cache_dir: str = "${oc.env:RUNNER_CACHE,'~/.cache/runner'}"
     num_images: int = 2000  # generated default dataset only
     num_classes: int = 10  # generated default dataset only
@@ -162,15 +167,21 @@ class LoaderConfig:
     pin_memory: bool | None = None  # unset: on when the run's device is CUDA
     prefetch_factor: int = 2  # batches each worker keeps ready (num_workers > 0 only)
     persistent_workers: bool = True  # keep workers between epochs (num_workers > 0 only)
-    shuffle: bool = True
+    shuffle: bool | None = None  # unset: shuffle for task=train, dataset order for infer
     # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
     # reads a memmap cache in longer contiguous stretches
     shuffle_block: int = 1
     drop_last: bool = False
     batched: bool = False  # one __getitems__ call per batch instead of one call per image
+    # loader=folder with num_workers=0: decode with this many threads in the main process,
+    # straight into reused batch buffers (unset: the cores available; 0: the main thread)
+    decode_threads: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "loader.batch_size", self.batch_size, "must be >= 1")
+        _require(self.decode_threads is None or self.decode_threads >= 0,
+                 "loader.decode_threads", self.decode_threads,
+                 "must be >= 0 (0: decode in the main thread; unset: one per core)")
         _require(
             self.num_workers >= 0,
             "loader.num_workers",
@@ -195,8 +206,22 @@ class LoaderConfig:
 class ModelConfig:
     """``model=``: the network; it takes uint8 NCHW and normalizes on its own device."""
 
-    name: ModelName = MISSING
+    # tiny, none, or any torchvision classification builder (resnet50, efficientnet_b0,
+    # vit_b_16, convnext_tiny, ...); with source=timm, any timm model name
+    name: str = MISSING
     channels_last: bool = False
+    source: ModelSource = ModelSource.torchvision
+    # source=custom: "package.module:Class" (or a function) returning an nn.Module; it gets
+    # num_classes=<the dataset's classes> when it accepts it, and these keyword arguments
+    target: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # a local state_dict (or a runner checkpoint.pt) for the network; never a download
+    weights: str | None = None
+
+    def __post_init__(self) -> None:
+        from runner.model import check_model
+
+        check_model(self)
 
 
 @dataclass
@@ -208,12 +233,16 @@ class TaskConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     topk: int = 5  # infer: how many classes each prediction keeps
+    # checkpoint.pt in the run folder every this many epochs (train; 0: only at the end)
+    checkpoint_every: int = 0
     write_predictions: bool = True  # infer: predictions.csv in the run folder
     writer_threads: int = 2
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
         _require(self.topk >= 1, "task.topk", self.topk, "must be >= 1")
+        _require(self.checkpoint_every >= 0, "task.checkpoint_every", self.checkpoint_every,
+                 "must be >= 0 (0: a checkpoint at the end only)")
         _require(self.writer_threads >= 1, "task.writer_threads", self.writer_threads, "must be >= 1")
 
 
@@ -272,11 +301,20 @@ class RunConfig:
     epochs: int = 1
     steps: int | None = None  # when set, run exactly this many steps (cycling epochs)
     warmup_steps: int = 5  # excluded from every figure
+    # the timed steps are split into this many consecutive windows: images_per_sec and
+    # ms_per_step are their median, with the spread beside it
+    repeats: int = 3
     log_every: int = 10
     progress: bool = True
+    # the figure of metrics.json the job returns to a Hydra sweeper (an optimizer
+    # maximizes or minimizes it); failed and skipped runs return NaN
+    objective: str = "images_per_sec"
+    # timeline.png/json: every process's stages over a few steps after warm-up
+    timeline: bool = True
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "run.epochs", self.epochs, "must be >= 1")
+        _require(self.repeats >= 1, "run.repeats", self.repeats, "must be >= 1")
         _require(
             self.steps is None or self.steps >= 1, "run.steps", self.steps, "must be >= 1 or null"
         )
@@ -303,27 +341,78 @@ class Config:
     profile: bool = False
     # task=infer: several models over each batch in one pass, e.g. models=[resnet18,resnet50]
     # (each with model.channels_last and the compile backend); empty: just model=
-    models: list[ModelName] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)
+    # task=train: continue from this checkpoint.pt (model, optimizer, scaler, epoch)
+    resume: str | None = None
 
     def __post_init__(self) -> None:
         if self.models and not isinstance(self.task, str) and self.task.name is not TaskName.infer:
-            raise ConfigError(f"models={[m.name for m in self.models]} runs several models in one "
+            raise ConfigError(f"models={list(self.models)} runs several models in one "
                               "inference pass: it needs task=infer")
         if len(set(self.models)) != len(self.models):
-            raise ConfigError(f"models={[m.name for m in self.models]} names a model twice")
-        if ModelName.none in self.models:
+            raise ConfigError(f"models={list(self.models)} names a model twice")
+        if not isinstance(self.loader, str) and not isinstance(self.task, str) \
+                and self.loader.shuffle is None:  # infer reads in dataset order unless asked
+            self.loader.shuffle = self.task.name is TaskName.train
+        if self.resume is not None and not isinstance(self.task, str) \
+                and self.task.name is not TaskName.train:
+            raise ConfigError(f"resume={self.resume} continues training: it needs task=train "
+                              "(to infer with trained weights, use model.weights=PATH)")
+        if "none" in self.models:
             raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                               "model=none to measure the data path alone")
 
 
 def register_configs() -> None:
-    """Store the schema that conf/config.yaml extends.
+    """Store the schema that conf/config.yaml extends, the ``--help`` page, and the
+    resolver that makes every run folder's name unique.
 
     Each group's node is typed by its field in ``Config`` (``loader: LoaderConfig``), so a
     preset or an override with an unknown key or a value outside an enum fails at compose
     time, before the job starts.
     """
-    ConfigStore.instance().store(name="schema", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    store.store(group="hydra/help", name="runner",
+                node={"app_name": "runner", "header": "", "footer": "", "template": help_text()})
+    # ${now:...} alone gives two runs started in the same second one folder; the process
+    # id makes the name unique on this machine (and the run folder's lock catches the rest)
+    OmegaConf.register_new_resolver("runner.pid", lambda: str(os.getpid()), use_cache=True,
+                                    replace=True)
+
+
+def _first_comment(path: Path) -> str:
+    """The first sentence of a preset's leading comment (its one-line description)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    return text.split(". ")[0].split(":")[0].rstrip(".") if text else ""
+
+
+def help_text() -> str:
+    """``python -m runner --help``: every group with each choice on one line, then Hydra's
+    flags and the composed config."""
+    fields = Config.__dataclass_fields__
+    lines = ["runner: get images into a model as fast as the hardware allows, and measure "
+             "what each switch buys.", "",
+             "Usage: python -m runner [group=choice ...] [key=value ...]   "
+             "(-m: run every combination)", "", "== Groups (group=choice) =="]
+    for group in sorted(p.name for p in config_dir().iterdir() if p.is_dir()):
+        if group == "hydra":
+            continue
+        schema = typing.get_type_hints(Config).get(group) if group in fields else None
+        doc = (schema.__doc__ or "").split("\n")[0] if schema else "a named multirun matrix (with -m)"
+        lines.append(f"{group}: {doc.split(': ', 1)[-1].rstrip('.')}")
+        for preset in sorted((config_dir() / group).glob("*.yaml")):
+            lines.append(f"  {preset.stem:12s} {_first_comment(preset)}")
+    lines += ["", "Every key of the config below can be overridden (loader.batch_size=128); "
+              "README.md explains each.", "", "== Flags ==", "$FLAGS_HELP", "",
+              "== Config (with these overrides) ==", "$CONFIG"]
+    return "\n".join(lines) + "\n"
 
 
 def config_dir() -> Path:
@@ -381,10 +470,21 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# Hydra's flags that take a value (``-sc install=bash``): that value is not an override
+_VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
+                "-cd", "--config-dir", "-p", "--package", "--experimental-rerun", "-c", "--cfg",
+                "-i", "--info"}
+
+
 def check_command_line(argv: list[str]) -> None:
-    """Exit with the valid keys when an override names a key the schema does not have."""
+    """Exit with the valid keys when an override names a key the schema does not have;
+    Hydra's own flags and their values pass through untouched."""
+    after_flag = False
     for arg in argv:
-        message = None if arg.startswith("-") else unknown_key_message(arg)
+        message = None
+        if not arg.startswith("-") and not after_flag:
+            message = unknown_key_message(arg)
+        after_flag = arg in _VALUE_FLAGS
         if message:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)

@@ -1,32 +1,40 @@
 """``diagnose=true`` (default): after the run, which stage limits throughput, measured.
 
-Each stage of the pipeline is timed alone for a short burst, giving its ceiling in
-images/s: storage read (file bytes, or the batched gather of pre-decoded storage), decode
-(+ resize), collate, host-to-device copy, and the model alone on device-resident synthetic
-batches. Stages that run in loader workers are measured on one core and scaled by the
-parallelism the config gives them (``min(num_workers, cores)``). The verdict compares them
-with the pipeline's own figures: a loop that waited for data for at least a fifth of its
-step time is data-bound, and the slowest data stage is named with what to try; otherwise
-the model is.
+Each stage of the pipeline is timed alone, in ``PROBE_REPEATS`` short bursts whose median
+is its ceiling in images/s (the quartiles are kept as its spread): storage read (file
+bytes, or the batched gather of pre-decoded storage), decode (+ resize), collate,
+host-to-device copy, and the model alone on device-resident synthetic batches. Stages are
+measured with the threads the pipeline gives them: those that run in loader workers on one
+thread, scaled by ``min(num_workers, cores)``; those of the main process with its threads.
+
+The verdict compares them with the pipeline's own figures: a loop that waited for data for
+at least a fifth of its step time is data-bound, otherwise the model is. A stage alone
+cannot be slower than the pipeline it is part of, so a stage whose ceiling is below the
+pipeline's own figure (beyond the noise) is never named the limit; when the two slowest
+candidates are within each other's spread, the verdict says so instead of picking one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config, ModelName, Storage
-from runner.metrics import burst, synchronize
+from runner.config import Config, Storage
+from runner.metrics import burst, quantiles, synchronize
 from runner.pagecache import can_evict, evict
 from runner.storage.base import Storage as StorageProtocol
 
 DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a run data-bound
+PROBE_REPEATS = 5  # bursts per stage; the ceiling is their median
+PROBE_SECONDS = 0.12  # each burst's length
+MIN_NOISE = 0.1  # the smallest relative noise assumed for a figure (a 2-core shared machine)
 
 ADVICE = {
     "read": "try loader=ram, a warm page cache, smaller files (re-encoded JPEGs) or faster "
@@ -50,17 +58,55 @@ class Verdict:
     bound: str  # "data" or "model"
     stage: str  # the limiting stage
     sentence: str
-    ceilings: dict[str, float]  # images/s of each stage alone
+    ceilings: dict[str, float]  # images/s of each stage alone (median of its bursts)
     storage: dict[str, float] | None = None  # a cold sequential read: MB/s, files/s
+    spread: dict[str, dict[str, float]] | None = None  # each ceiling's min/q1/median/q3/max
 
     def as_dict(self) -> dict[str, Any]:
         return {"bound": self.bound, "stage": self.stage, "sentence": self.sentence,
-                "ceilings": self.ceilings, "storage": self.storage}
+                "ceilings": self.ceilings, "ceiling_spread": self.spread,
+                "storage": self.storage}
 
 
-def _parallelism(cfg: Config) -> int:
-    workers = cfg.loader.num_workers
-    return max(1, min(workers, os.cpu_count() or 1)) if workers > 0 else 1
+@dataclass
+class Ceilings:
+    """Each stage's median images/s and the spread of its bursts."""
+
+    median: dict[str, float]
+    spread: dict[str, dict[str, float]]
+
+    def add(self, stage: str, rates: list[float]) -> None:
+        q = quantiles(rates)
+        self.median[stage], self.spread[stage] = q["median"], q
+
+
+def probe(fn: Callable[[], int], sync: Callable[[], None] = lambda: None,
+          repeats: int = PROBE_REPEATS, seconds: float = PROBE_SECONDS) -> list[float]:
+    """images/s of ``fn`` in ``repeats`` bursts (after one warm-up call): a stalled call
+    moves one burst, not the median."""
+    fn()
+    return [burst(fn, seconds=seconds, min_calls=1, sync=sync, warmup=0)
+            for _ in range(repeats)]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (as the stage had in the pipeline)."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _parallelism(cfg: Config, storage: StorageProtocol) -> int:
+    """How many stage copies run at once: the workers, or the decode threads."""
+    from runner.loader import cores, decode_threads
+
+    workers = cfg.loader.num_workers or decode_threads(cfg.loader, storage)
+    return max(1, min(workers, cores())) if workers > 0 else 1
 
 
 def storage_read(files: list[str], image_bytes: int | None = None,
@@ -93,20 +139,23 @@ def storage_read(files: list[str], image_bytes: int | None = None,
 
 
 def data_ceilings(cfg: Config, storage: StorageProtocol, device: torch.device, pin: bool,
-                  cold_read: dict[str, float] | None = None) -> dict[str, float]:
+                  cold_read: dict[str, float] | None = None) -> Ceilings:
     """images/s of each data stage alone for this run's storage and loader settings.
 
-    The storage's own probes (read, decode, collate; or gather), each scaled by the
-    parallelism its loader gives it; ``cold_read`` (a ``storage_read`` of a run that read
-    its files from the storage device) makes the device a stage too (``storage``).
+    The storage's own probes (read, decode, collate; or gather), each measured with the
+    threads it has in the pipeline and scaled by the parallelism its loader gives it;
+    ``cold_read`` (a ``storage_read`` of a run that read its files from the storage device)
+    makes the device a stage too (``storage``).
     """
-    ceilings: dict[str, float] = {}
+    ceilings = Ceilings({}, {})
     if cold_read is not None:
-        ceilings["storage"] = cold_read["images_per_sec"]
+        ceilings.add("storage", [cold_read["images_per_sec"]])
     bs = cfg.loader.batch_size
-    scale = _parallelism(cfg) if storage.decodes_per_epoch else 1
-    for stage, probe in storage.probes(bs).items():
-        ceilings[stage] = scale * burst(probe)
+    scale = _parallelism(cfg, storage) if storage.decodes_per_epoch else 1
+    # a DataLoader worker, or a decode thread, runs torch ops on one thread
+    with torch_threads(1 if scale > 1 or cfg.loader.num_workers > 0 else None):
+        for stage, fn in storage.probes(bs).items():
+            ceilings.add(stage, [scale * rate for rate in probe(fn)])
     if device.type == "cuda":
         shape = (bs, 3, *cfg.dataset.image_size)
         host = torch.randint(0, 256, shape, dtype=torch.uint8)
@@ -116,12 +165,12 @@ def data_ceilings(cfg: Config, storage: StorageProtocol, device: torch.device, p
             host.to(device, non_blocking=True)
             return bs
 
-        ceilings["copy"] = burst(copy_batch, sync=lambda: synchronize(device))
+        ceilings.add("copy", probe(copy_batch, sync=lambda: synchronize(device)))
     return ceilings
 
 
 def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
-                  device: torch.device) -> float:
+                  device: torch.device) -> list[float]:
     """images/s of the task's step (the run's compiled model or models) on a device-resident
     synthetic batch.
 
@@ -139,10 +188,15 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
         step(batch)
         return bs
 
-    return burst(one_step, seconds=0.5, min_calls=1, sync=lambda: synchronize(device))
+    return probe(one_step, sync=lambda: synchronize(device), seconds=0.15)
 
 
-def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],
+def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Two figures' spreads (quartiles) overlap: neither is measurably faster."""
+    return a["q1"] <= b["q3"] and b["q1"] <= a["q3"]
+
+
+def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str, float],
             world: int = 1, cpu: bool = False) -> Verdict:
     """Name the stage that limits this run, from its figures and the stage ceilings.
 
@@ -150,30 +204,63 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: dict[str, float],
     pipeline figure given here is per rank. ``cpu``: the model runs on the CPU, where it
     shares the cores with the loader's workers.
     """
+    if not isinstance(ceilings, Ceilings):  # plain medians: no spread known
+        ceilings = Ceilings(dict(ceilings), {k: dict.fromkeys(
+            ("min", "q1", "median", "q3", "max"), v) for k, v in ceilings.items()})
+    medians, spread = ceilings.median, ceilings.spread
     pipeline = figures["images_per_sec"]
-    wait = figures.get("data_wait_frac") or 0.0
-    data = {k: v for k, v in ceilings.items() if k != "model"}
-    slowest = min(data, key=data.get) if data else None
-    model = ceilings.get("model")
+    noise = max(figures.get("spread_frac") or 0.0, MIN_NOISE)
+    # On CUDA the host blocks in next() while queued kernels still run: only a GPU idle
+    # between steps (measured with events) means the data path held the model up.
+    gpu_idle = figures.get("gpu_idle_frac")
+    wait = gpu_idle if gpu_idle is not None else (figures.get("data_wait_frac") or 0.0)
+    waited = (f"the GPU idled between steps {wait:.0%} of step time" if gpu_idle is not None
+              else f"waited for data {wait:.0%} of step time")
+    data = {k: v for k, v in medians.items() if k != "model"}
+    # a stage alone slower than the whole pipeline was disturbed while probed: not a limit
+    below = {k: v for k, v in data.items() if v < pipeline * (1 - noise)}
+    credible = {k: v for k, v in data.items() if k not in below}
+    ranked = sorted(credible, key=credible.get)
+    slowest = ranked[0] if ranked else None
+    model = medians.get("model")
     parts = [f"pipeline {pipeline:,.0f} img/s" + (" (model=none)" if model is None else "")]
     if world > 1:
         parts[0] += f" per rank ({world} ranks)"
     if model is not None:
         parts.append(f"model alone {model:,.0f} img/s")
     shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is Storage.folder \
-        and cfg.model.name is not ModelName.none and (os.cpu_count() or 1) <= 2 else ""
-    if model is None or (wait >= DATA_BOUND_WAIT and slowest is not None):
-        stage = slowest or "read"
-        rate = data.get(stage, float("nan"))
-        sentence = (f"data-bound: {'; '.join(parts)}; slowest stage {stage} ({rate:,.0f} img/s): "
-                    f"{ADVICE[stage]}{shared}")
-        return Verdict("data", stage, sentence, ceilings)
-    tail = f"; the data path could deliver {data[slowest]:,.0f} img/s ({slowest})" if slowest else ""
+        and cfg.model.name != "none" and (os.cpu_count() or 1) <= 2 else ""
+    disturbed = ("; probes of " + ", ".join(f"{k} ({v:,.0f})" for k, v in below.items())
+                 + " came out below the pipeline itself and are not taken as limits"
+                 if below else "")
+    result = Verdict("data", "", "", medians, spread=spread)
+    if model is None or (wait >= DATA_BOUND_WAIT and data):
+        if slowest is None:
+            result.stage = "unknown"
+            result.sentence = (f"data-bound: {'; '.join(parts)}{disturbed}; no stage probe is a "
+                               "credible limit: run again on a quieter machine (or with "
+                               "run.steps larger) to name one")
+            return result
+        rate = credible[slowest]
+        tie = ""
+        if len(ranked) > 1 and _overlap(spread[ranked[0]], spread[ranked[1]]):
+            tie = (f"; {ranked[1]} ({credible[ranked[1]]:,.0f} img/s) is within noise of it, "
+                   "so either may limit")
+        near = (" (within noise of the pipeline: this stage is the pipeline's speed)"
+                if rate <= pipeline * (1 + noise) else "")
+        result.stage = slowest
+        result.sentence = (f"data-bound: {'; '.join(parts)}; {waited}; slowest stage {slowest} "
+                           f"({rate:,.0f} img/s){near}{tie}{disturbed}: {ADVICE[slowest]}{shared}")
+        return result
+    tail = (f"; the data path could deliver {credible[slowest]:,.0f} img/s ({slowest})"
+            if slowest else "")
+    if slowest and "model" in spread and _overlap(spread["model"], spread[slowest]):
+        tail += " — within noise of the model alone, so speeding up either alone buys little"
     advice = ADVICE["model"]
     if cpu and model > 1.3 * pipeline and cfg.loader.num_workers > 0:
         advice = (f"alone the model runs {model / pipeline:.1f}x faster, so the loader's "
                   f"{cfg.loader.num_workers} workers take CPU from it: try loader=memmap or "
                   f"loader=ram (nothing left to decode), or fewer workers; or {advice}")
-    sentence = (f"model-bound: {'; '.join(parts)}{tail}; waited for data "
-                f"{wait:.0%} of step time: {advice}")
-    return Verdict("model", "model", sentence, ceilings)
+    result.bound, result.stage = "model", "model"
+    result.sentence = f"model-bound: {'; '.join(parts)}{tail}{disturbed}; {waited}: {advice}"
+    return result

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ TIMEOUT = datetime.timedelta(hours=2)
 
 _store: dist.Store | None = None  # the rendezvous store, one connection per process
 _jobs = itertools.count()  # jobs run in the same order on every rank: the same numbers
+_job_view: dist.Store | None = None  # the current job's prefix of the store
 
 
 def _job_store(ranks: Ranks) -> dist.Store:
@@ -76,30 +78,65 @@ def _job_store(ranks: Ranks) -> dist.Store:
     Every job of a sweep joins a new group on the same store; under one prefix, a rank
     would read a peer's address left over from the previous job and fail to connect.
     """
-    global _store
+    global _store, _job_view
     if _store is None:
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun
         _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                ranks.world, is_master=ranks.main and not agent_hosts,
                                timeout=TIMEOUT)
-    return dist.PrefixStore(f"runner/job{next(_jobs)}", _store)
+    _job_view = dist.PrefixStore(f"runner/job{next(_jobs)}", _store)
+    return _job_view
 
 
 @contextlib.contextmanager
 def process_group(ranks: Ranks, device_type: str) -> Iterator[None]:
-    """Join the group for one job and leave it cleanly afterwards (also on errors)."""
+    """Join the group for one job and leave it cleanly afterwards (also on errors). A rank
+    that fails posts its reason to the store before it leaves (``peer_failure``)."""
     if not ranks.enabled:
         yield
         return
     backend = "nccl" if device_type == "cuda" else "gloo"
+    device = {"device_id": torch.device("cuda", torch.cuda.current_device())} \
+        if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=_job_store(ranks), rank=ranks.rank,
-                            world_size=ranks.world, timeout=TIMEOUT)
+                            world_size=ranks.world, timeout=TIMEOUT, **device)
     log.info("rank %d of %d joined a %s process group", ranks.rank, ranks.world, backend)
     try:
         yield
         dist.barrier()  # leave together: no rank starts the next job's group alone
+    except BaseException as e:
+        from runner.outcome import one_line
+
+        post_failure(ranks, f"rank {ranks.rank} failed: {one_line(e)}")
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def post_failure(ranks: Ranks, reason: str) -> None:
+    """Leave this rank's failure in the rendezvous store, which outlives the rank, in the
+    order failures happened (the store's counter): the peers of a failing rank see only a
+    closed connection, or torchrun's SIGTERM; rank 0 reads the first real reason."""
+    if _job_view is None:
+        return
+    with contextlib.suppress(Exception):
+        order = _job_view.add("failures", 1)
+        _job_view.set(f"failed/{order}", reason)
+
+
+def first_failure(wait: float = 3.0) -> str | None:
+    """The first failure any rank of this job posted, waiting up to ``wait`` seconds for
+    one (a peer's failure can reach this rank as an echo before the peer posts it)."""
+    if _job_view is None:
+        return None
+    deadline = time.monotonic() + wait
+    with contextlib.suppress(Exception):
+        while not _job_view.check(["failed/1"]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+        return _job_view.get("failed/1").decode(errors="replace")
+    return None
 
 
 def barrier(ranks: Ranks) -> None:

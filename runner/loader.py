@@ -7,16 +7,21 @@ could not read travel beside the batch and are counted by ``BatchStream``.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
+import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 
-from runner.buffers import BufferPool
+from runner import timeline
+from runner.buffers import BufferPool, pin_small_fields
 from runner.config import LoaderConfig
 from runner.storage.base import Sample, SkippedFile, Storage
 from runner.storage.folder import batch_fields
@@ -33,12 +38,14 @@ def collate(items: list[Sample | SkippedFile] | tuple[dict | None, list[SkippedF
     A storage's batched read (``__getitems__``) is a whole batch already and passes through.
     """
     if isinstance(items, tuple):
+        timeline.flush()  # in a worker: its spans so far, to its file
         return items
-    samples = [s for s in items if isinstance(s, Sample)]
-    skipped = [s for s in items if isinstance(s, SkippedFile)]
-    if not samples:
-        return None, skipped
-    return {**pack([s.image for s in samples]), **batch_fields(samples)}, skipped
+    with timeline.span("collate"):
+        samples = [s for s in items if isinstance(s, Sample)]
+        skipped = [s for s in items if isinstance(s, SkippedFile)]
+        batch = {**pack([s.image for s in samples]), **batch_fields(samples)} if samples else None
+    timeline.flush()
+    return batch, skipped
 
 
 class PerItem(Dataset):
@@ -95,12 +102,22 @@ class BatchOrder:
     """
 
     def __init__(self, size: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-                 block: int = 1, rank: int = 0, world: int = 1):
+                 block: int = 1, rank: int = 0, world: int = 1, crop_seeds: bool = False):
         self.size, self.batch_size = size, batch_size
         self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
         self.rank, self.world = rank, world
         self.per_rank = -(-size // world)  # padded to the same length on every rank
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self.crop_seeds = crop_seeds
+        self.epoch = -1  # the epoch whose batches are being handed out
+
+    def seeds_for(self, index: torch.Tensor) -> list[int]:
+        """One random-crop seed per image of this epoch: a function of (seed, epoch, image),
+        so a path that decodes in threads, in workers or per item crops each image alike."""
+        real = torch.where(index < 0, -1 - index, index)
+        base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
+        return ((real + base) % (2**62)).tolist()
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -117,6 +134,7 @@ class BatchOrder:
         return order[order < self.size]
 
     def batches(self) -> Iterator[torch.Tensor]:
+        self.epoch += 1
         order = self.epoch_order()
         if self.world > 1:
             pads = self.per_rank * self.world - self.size
@@ -130,9 +148,12 @@ class BatchOrder:
             rest = order[full:]
             yield _sorted_rows(rest[None])[0] if self.shuffle else rest
 
-    def __iter__(self) -> Iterator[list[int]]:  # as a DataLoader batch_sampler
+    def __iter__(self) -> Iterator[list]:  # as a DataLoader batch_sampler
         for index in self.batches():
-            yield index.tolist()
+            if self.crop_seeds:  # (index, crop seed) items: runner/storage/folder.py
+                yield list(zip(index.tolist(), self.seeds_for(index)))
+            else:
+                yield index.tolist()
 
 
 def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -148,6 +169,102 @@ def count_images(batch: TensorDict) -> int:
     if "valid" in batch.keys():
         return int(batch["valid"].sum())  # only a last batch of an epoch has padding
     return batch.batch_size[0]
+
+
+class ThreadedBatches:
+    """A per-epoch-decoding storage (``loader=folder``) decoded in this process by a pool of
+    threads, each image written straight into a reused batch buffer.
+
+    The design that makes memmap/ram fast, for decoding: no worker processes, no pickling,
+    no shared-memory batches, no wake-up per batch; one ``BatchOrder``. The decoders release
+    the GIL while they decode and resize (``python -m runner.bench gil`` measures it), so
+    the threads use every core. ``ahead`` batches are decoded ahead of the one the loop
+    holds, so decoding overlaps the model's step. Each thread runs torch ops on one core
+    (OpenMP teams per thread would fight for the cores).
+
+    Args:
+        storage: a storage with ``__getitem__`` giving Samples of ``item_shape`` images.
+        order: the batches' indices.
+        pin_memory: decode into page-locked buffers (asynchronous copies to CUDA).
+        threads: decode threads.
+        ahead: batches in flight besides the one handed out.
+    """
+
+    def __init__(self, storage: Storage, order: BatchOrder, pin_memory: bool, threads: int,
+                 ahead: int = 2):
+        self.storage, self.order, self.threads, self.ahead = storage, order, threads, ahead
+        self.pool = BufferPool((order.batch_size, *storage.item_shape), torch.uint8,
+                               pin=pin_memory, capacity=ahead + 6)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def _decode_into(self, out: torch.Tensor, positions: range, indices: list[int]
+                     ) -> list[Sample | SkippedFile]:
+        items = []
+        for k in positions:
+            item = self.storage[indices[k]]
+            if isinstance(item, Sample):
+                out[k].copy_(item.image)
+                item = Sample(None, item.label, item.index, item.valid)
+            items.append(item)
+        return items
+
+    def _submit(self, executor: ThreadPoolExecutor, index: torch.Tensor) -> tuple:
+        indices = index.tolist()
+        if self.order.crop_seeds:
+            indices = list(zip(indices, self.order.seeds_for(index)))
+        with torch.inference_mode(False):  # the decode threads write into it outside any
+            out = self.pool.take(len(indices))  # inference_mode the caller may be in
+        # a few slices per thread: balanced when one image is slow, few tasks per batch
+        step = max(1, -(-len(indices) // (2 * self.threads)))
+        futures = [executor.submit(self._decode_into, out, range(a, min(a + step, len(indices))),
+                                   indices) for a in range(0, len(indices), step)]
+        return out, futures
+
+    @staticmethod
+    def _assemble(out: torch.Tensor, items: list[Sample | SkippedFile]
+                  ) -> tuple[dict | None, list[SkippedFile]]:
+        with timeline.span("collate"):
+            good = [k for k, s in enumerate(items) if isinstance(s, Sample)]
+            skipped = [s for s in items if isinstance(s, SkippedFile)]
+            if not good:
+                return None, skipped
+            image = out
+            if len(good) < len(items):  # compacted in place: the buffer stays (pinned) memory
+                image = out[: len(good)]
+                image.copy_(out[torch.tensor(good)])
+            samples = [items[k] for k in good]
+            return {"image": image, **batch_fields(samples)}, skipped
+
+    def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
+        from runner.prefetch import one_core_for_this_thread, uses_openmp
+
+        main_threads = torch.get_num_threads()  # fixes the main thread's own count first
+        executor = ThreadPoolExecutor(self.threads, thread_name_prefix="runner-decode",
+                                      initializer=one_core_for_this_thread)
+        pending: collections.deque = collections.deque()
+        batches = self.order.batches()
+        try:
+            for index in itertools.islice(batches, self.ahead + 1):
+                pending.append(self._submit(executor, index))
+            while pending:
+                out, futures = pending.popleft()
+                items = [item for f in futures for item in f.result()]
+                index = next(batches, None)
+                if index is not None:  # keep the pool busy while the loop uses this batch
+                    pending.append(self._submit(executor, index))
+                batch, skipped = self._assemble(out, items)
+                if batch is not None and self.pool.pin:
+                    batch = pin_small_fields(batch)
+                yield batch, skipped
+        finally:
+            for _, futures in pending:
+                for f in futures:
+                    f.cancel()
+            executor.shutdown(wait=True, cancel_futures=True)
+            if uses_openmp():
+                torch.set_num_threads(main_threads)  # the default for threads started later
 
 
 class InProcessBatches:
@@ -166,6 +283,7 @@ class InProcessBatches:
     def __init__(self, storage: Storage, order: BatchOrder, pin_memory: bool):
         self.storage = storage
         self.order = order
+        self.pin = pin_memory
         self.pool = None
         if storage.item_shape is not None:
             self.pool = BufferPool((order.batch_size, *storage.item_shape), torch.uint8,
@@ -177,19 +295,41 @@ class InProcessBatches:
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
         for index in self.order.batches():
             out = self.pool.take(len(index)) if self.pool is not None else None
-            yield self.storage.gather(index, out=out)
+            batch, skipped = self.storage.gather(index, out=out)
+            if batch is not None and self.pin and out is not None:
+                batch = pin_small_fields(batch)
+            yield batch, skipped
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+
+
+def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
+    """Decode threads for the in-process threaded path; 0 when it does not apply (workers,
+    a storage decoded once, or encoded bytes for the GPU to decode)."""
+    if cfg.num_workers > 0 or not storage.decodes_per_epoch or storage.item_shape is None:
+        return 0
+    return cores() if cfg.decode_threads is None else cfg.decode_threads
 
 
 def build_loader(storage: Storage, cfg: LoaderConfig, seed: int, pin_memory: bool,
                  rank: int = 0, world: int = 1):
     """An iterable of (batch dict, skipped files) over one epoch of ``storage``.
 
-    ``loader.batched`` with no workers reads whole batches in process (``storage.gather``
-    into reused buffers); otherwise a DataLoader calls ``__getitems__``
-    once per batch (batched) or ``__getitem__`` once per image.
+    With no workers, a storage decoded every epoch is decoded by ``loader.decode_threads``
+    threads in process, into reused buffers (``ThreadedBatches``); ``loader.batched`` reads
+    whole batches of a decoded storage in process (``storage.gather`` into reused buffers);
+    otherwise a DataLoader calls ``__getitems__`` once per batch (batched) or
+    ``__getitem__`` once per image.
     """
     order = BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
-                       cfg.shuffle_block, rank, world)
+                       cfg.shuffle_block, rank, world, crop_seeds=storage.random_crops)
+    threads = decode_threads(cfg, storage)
+    if threads:
+        return ThreadedBatches(storage, order, pin_memory, threads)
     if cfg.batched and cfg.num_workers == 0:
         return InProcessBatches(storage, order, pin_memory)
     kwargs = dataloader_kwargs(cfg, pin_memory)

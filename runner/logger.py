@@ -2,7 +2,10 @@
 
 A logger is anything with ``log(figures, step)``, ``summary(figures)`` and ``close(status)``.
 Only the run's own config and figures are sent: no environment, no git state, no code, so
-a wandb key (WANDB_API_KEY) can never end up in a run.
+a wandb key (WANDB_API_KEY) can never end up in a run. The run's summary holds exactly the
+figures of metrics.json (flattened: ``spread.images_per_sec.median``); the per-window
+figures go to the history under ``window/`` and never into the summary. A logger that fails
+(wandb missing, a full disk) is reported once and then left out: it never costs the run.
 """
 
 from __future__ import annotations
@@ -63,17 +66,50 @@ class WandbLogger:
             tags=list(cfg.tags), name=name, dir=str(run_dir), mode=cfg.mode.value,
             config=config, settings=settings, reinit="create_new",
         )
+        # the history's last window must not stand in for the run's figures in the summary
+        self.run.define_metric("window/*", summary="none")
+        self.run.define_metric("val/*", summary="none")  # the run's own val_top1 is in it
 
     def log(self, figures: dict[str, Any], step: int) -> None:
         self.run.log({k: v for k, v in figures.items() if v is not None}, step=step)
 
     def summary(self, figures: dict[str, Any]) -> None:
-        for key, value in flatten({k: v for k, v in figures.items() if k != "config"}).items():
-            if isinstance(value, int | float | str | bool):
-                self.run.summary[key] = value
+        self.run.summary.update(summary_of(figures))
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status != "failed" else 1)
+
+
+def summary_of(metrics: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json as a logger's summary: flat keys, the config left to the run's config."""
+    return flatten({k: v for k, v in metrics.items() if k != "config"})
+
+
+class GuardedLogger:
+    """Any logger, whose first error is reported once and which is then left out."""
+
+    def __init__(self, inner: MetricLogger, name: str):
+        self.inner: MetricLogger | None = inner
+        self.name = name
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.inner is None:
+            return
+        try:
+            getattr(self.inner, method)(*args)
+        except Exception as e:
+            log.warning("logger=%s failed (%s: %s); the run goes on, its figures are in "
+                        "metrics.json", self.name, type(e).__name__, e)
+            self.inner = None
+
+    def log(self, figures: dict[str, Any], step: int) -> None:
+        self._call("log", figures, step)
+
+    def summary(self, figures: dict[str, Any]) -> None:
+        self._call("summary", figures)
+
+    def close(self, status: str) -> None:
+        self._call("close", status)
 
 
 LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.none: NullLogger}
@@ -81,4 +117,12 @@ LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.non
 
 def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
                  group: str | None) -> MetricLogger:
-    return LOGGERS[cfg.name](cfg, run_dir, config, name, group)
+    """The logger ``logger.name`` asks for; one that cannot start is reported, and the
+    run goes on with metrics.json alone."""
+    try:
+        inner = LOGGERS[cfg.name](cfg, run_dir, config, name, group)
+    except Exception as e:
+        log.warning("logger=%s could not start (%s: %s); the run goes on, its figures are in "
+                    "metrics.json", cfg.name.value, type(e).__name__, e)
+        inner = NullLogger()
+    return GuardedLogger(inner, cfg.name.value)

@@ -40,6 +40,11 @@ class DeviceClock:
             return event
         return time.perf_counter()
 
+    def done(self, stamp: Any) -> bool:
+        """Whether a timestamp is final: an event that has completed (asked without a
+        sync), or any host time."""
+        return stamp.query() if self.cuda else True
+
     def seconds(self, start: Any, end: Any) -> float:
         """Seconds between two timestamps (for events: only after both have completed)."""
         if self.cuda:
@@ -76,7 +81,7 @@ class Window:
         self.images += other.images
         self.seconds += other.seconds
         for k, v in other.stages.items():
-            self.stages[k] += v
+            self.stages[k] = self.stages.get(k, 0.0) + v
 
     def figures(self) -> dict[str, float | None]:
         """images/s, ms/step and each stage's share of the wall time."""
@@ -92,8 +97,34 @@ class Window:
         return out
 
 
+def quantiles(values: list[float]) -> dict[str, float]:
+    """min, q1, median, q3 and max of ``values`` (linear interpolation between ranks)."""
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return {"min": ordered[0], "q1": at(0.25), "median": at(0.5), "q3": at(0.75),
+            "max": ordered[-1]}
+
+
+def repeat_split(timed_steps: int, repeats: int) -> list[int]:
+    """The timed step (1-based) at which each of ``repeats`` consecutive, near-equal
+    windows ends; fewer windows when there are fewer steps."""
+    repeats = max(1, min(repeats, timed_steps))
+    return [round(timed_steps * (k + 1) / repeats) for k in range(repeats)]
+
+
 class StepClock:
     """Accumulates stage times per step; ``close_window`` syncs once and returns the totals.
+
+    On CUDA, copy and compute are timed with events, and the GPU's idle time between one
+    step's last kernel and the next step's first (``gpu_idle``) is measured the same way:
+    the host may wait for data while queued kernels still run, so only an idle GPU means
+    the data path held it back.
 
     Args:
         device: CUDA devices are timed with events, everything else with perf_counter.
@@ -103,11 +134,18 @@ class StepClock:
         self.device = device
         self.clock = DeviceClock(device)
         self.cuda = self.clock.cuda
-        self._window = Window()
+        self._window = self._empty()
         self._events: list[tuple[str, Any, Any]] = []
+        self._last_end: Any = None  # the previous step's last event (CUDA), this window
         self._start = time.perf_counter()
         self._owner = threading.get_ident()  # the loop's thread
         self._paused = 0.0  # paused time not yet taken out of a data-wait measurement
+
+    def _empty(self) -> Window:
+        window = Window()
+        if self.cuda:
+            window.stages["gpu_idle"] = 0.0
+        return window
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -141,26 +179,37 @@ class StepClock:
         else:
             self._window.stages[stage] += end - start
 
-    def step_done(self, images: int) -> None:
+    def step_done(self, images: int, first: Any = None, last: Any = None) -> None:
+        """One step: its images, and (CUDA) its first and last events for the idle gap."""
         self._window.steps += 1
         self._window.images += images
+        if self.cuda and first is not None:
+            if self._last_end is not None:
+                self._events.append(("gpu_idle", self._last_end, first))
+            self._last_end = last
 
-    def open_window(self) -> None:
-        """Start a fresh window now (after a sync, so queued work is not counted in it)."""
-        synchronize(self.device)
-        self._window, self._events = Window(), []
+    def has_steps(self) -> bool:
+        """Whether the open window holds any step yet."""
+        return self._window.steps > 0
+
+    def open_window(self, sync: bool = True) -> None:
+        """Start a fresh window now. ``sync=False`` right after ``close_window`` (which
+        synchronized), when nothing was queued on the device since: one sync per window."""
+        if sync:
+            synchronize(self.device)
+        self._window, self._events, self._last_end = self._empty(), [], None
         self._start = time.perf_counter()
 
     def close_window(self) -> Window:
-        """Sync, resolve the events and return the window's totals; a new window starts.
+        """Sync, resolve the events and return the window's totals.
 
-        A caller that does untimed work (logging) afterwards calls ``open_window`` again.
+        A caller that does untimed host work (logging) afterwards calls
+        ``open_window(sync=False)``.
         """
         synchronize(self.device)
         window = self._window
         window.seconds = time.perf_counter() - self._start
         for stage, start, end in self._events:
             window.stages[stage] += self.clock.seconds(start, end)
-        self._window, self._events = Window(), []
-        self._start = time.perf_counter()
+        self.open_window(sync=False)
         return window

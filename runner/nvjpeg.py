@@ -76,7 +76,7 @@ class GpuDecodedBatches:
         out = {"image": torch.stack([images[k] for k in keep])}
         for key in ("label", "index", "valid"):
             if key in batch:
-                out[key] = batch[key][index].to(self.device, non_blocking=True)
+                out[key] = self._to_device(batch[key][index])
         return out, skipped
 
     def _nvjpeg(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -99,10 +99,16 @@ class GpuDecodedBatches:
         img = apply_orientation(img, header.orientation)
         return self.decoder.finish(img, self.decoder.box_for(*img.shape[-2:]))
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """To the device from pinned memory: an asynchronous copy, not a sync each."""
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
     def _cpu_fallback(self, data: torch.Tensor, index: int,
                       skipped: list[SkippedFile]) -> torch.Tensor | None:
         try:
-            return self.decoder(bytearray(data.numpy().tobytes())).to(self.device)
+            return self._to_device(self.decoder(bytearray(data.numpy().tobytes())))
         except CorruptImageError as e:
             skipped.append(self.storage.undecodable(self.storage.samples[index][0], e, index))
             return None

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 
-HEADER = "index,file,label,pred,prob,topk_classes,topk_probs\n"
+from runner.storage.folder import printable
+
+HEADER = ("index,file,label,label_name,pred,pred_name,prob,topk_classes,topk_names,"
+          "topk_probs\n")
 
 
 class PredictionWriter:
@@ -30,10 +33,13 @@ class PredictionWriter:
         threads: writer threads.
         max_pending: batches in flight before ``submit`` waits (bounds host memory).
         file_name: the CSV's name in ``run_dir``.
+        classes: class names, by index (the dataset's folders), for the ``*_name`` columns.
     """
 
     def __init__(self, run_dir: Path, name_of: Callable[[int], str], threads: int = 2,
-                 max_pending: int = 16, file_name: str = "predictions.csv"):
+                 max_pending: int = 16, file_name: str = "predictions.csv",
+                 classes: list[str] | None = None):
+        self.classes = list(classes or [])
         self.path = Path(run_dir) / file_name
         self.parts = Path(run_dir) / f".{Path(file_name).stem}.parts"
         self.parts.mkdir(parents=True, exist_ok=True)
@@ -45,11 +51,14 @@ class PredictionWriter:
         self.error: BaseException | None = None
 
     def submit(self, index: torch.Tensor, label: torch.Tensor, probs: torch.Tensor,
-               classes: torch.Tensor) -> None:
-        """Queue one batch: (N,) index and label, (N, k) top-k probabilities and classes."""
+               classes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Queue one batch: (N,) index and label, (N, k) top-k probabilities and classes;
+        rows where ``valid`` is False (padding of a distributed shard) are left out here,
+        on the host, so the device never syncs to filter them."""
         self._raise_failed()
         self.slots.acquire()
-        host = [t.to("cpu", non_blocking=True) for t in (index, label, probs.float(), classes)]
+        fields = (index, label, probs.float(), classes) + ((valid,) if valid is not None else ())
+        host = [t.to("cpu", non_blocking=True) for t in fields]
         ready = None
         if probs.is_cuda:
             ready = torch.cuda.Event()
@@ -61,18 +70,27 @@ class PredictionWriter:
         try:
             if ready is not None:
                 ready.synchronize()  # the copy above was asynchronous
+            if len(host) == 5:  # drop padding rows
+                keep = host.pop()
+                host = [t[keep] for t in host]
             index, label, probs, classes = (t.tolist() for t in host)
-            with open(part, "w", newline="") as f:
+            with open(part, "w", newline="", encoding="utf-8") as f:
                 rows = csv.writer(f)
+                name = self._class_name
                 for i, y, p, c in zip(index, label, probs, classes):
-                    rows.writerow([i, self.name_of(i), y, c[0], f"{p[0]:.6f}",
-                                   " ".join(map(str, c)), " ".join(f"{v:.6f}" for v in p)])
+                    rows.writerow([i, printable(self.name_of(i)), y, name(y), c[0], name(c[0]),
+                                   f"{p[0]:.6f}", " ".join(map(str, c)),
+                                   " ".join(printable(name(k)) for k in c),
+                                   " ".join(f"{v:.6f}" for v in p)])
             return len(index)
         except BaseException as e:
             self.error = e
             raise
         finally:
             self.slots.release()
+
+    def _class_name(self, k: int) -> str:
+        return self.classes[k] if 0 <= k < len(self.classes) else str(k)
 
     def _raise_failed(self) -> None:
         if self.error is not None:
@@ -100,7 +118,7 @@ def merge_rank_files(run_dir: Path, world: int) -> None:
     for first in sorted(Path(run_dir).glob("*.rank0.csv")):
         base = first.name.replace(".rank0.csv", ".csv")
         parts = [first.with_name(base.replace(".csv", f".rank{r}.csv")) for r in range(world)]
-        with open(first) as f:
+        with open(first, encoding="utf-8") as f:
             header = f.readline()
         join_csv(first.with_name(base), parts, header=header, skip_header=True)
         for part in parts:
@@ -110,10 +128,10 @@ def merge_rank_files(run_dir: Path, world: int) -> None:
 def join_csv(target: Path, parts: list[Path], header: str, skip_header: bool = False) -> None:
     """``header`` and then every part, in order, written whole into ``target``."""
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as out:
+    with open(tmp, "w", encoding="utf-8") as out:
         out.write(header)
         for part in parts:
-            with open(part) as f:
+            with open(part, encoding="utf-8") as f:
                 if skip_header:
                     f.readline()
                 shutil.copyfileobj(f, out)

@@ -19,6 +19,7 @@ import collections
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -40,11 +41,11 @@ def _close(iterator) -> None:
         close()  # a generator's finally runs: loader workers shut down
 
 
-def _uses_openmp() -> bool:
+def uses_openmp() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def _one_core_for_this_thread() -> None:
+def one_core_for_this_thread() -> None:
     """Run this helper thread's torch ops on one core, leaving the main thread's alone.
 
     With OpenMP, PyTorch's default CPU backend, every thread that runs a parallel op gets
@@ -55,7 +56,7 @@ def _one_core_for_this_thread() -> None:
     copies the first time it asks, so the caller fixes the main thread's count before this
     runs, and the producer restores the default when it ends.
     """
-    if _uses_openmp():
+    if uses_openmp():
         torch.set_num_threads(1)
 
 
@@ -128,7 +129,7 @@ class CpuPrefetcher:
                     raise RuntimeError("the prefetch thread stopped without a result") from None
 
     def _produce(self, ready: queue.Queue, stop: threading.Event, main_threads: int) -> None:
-        _one_core_for_this_thread()
+        one_core_for_this_thread()
         iterator = iter(self.source)
         try:
             for batch in iterator:
@@ -139,7 +140,7 @@ class CpuPrefetcher:
             self._put(ready, stop, _Failure(e))
         finally:
             _close(iterator)
-            if _uses_openmp():
+            if uses_openmp():
                 torch.set_num_threads(main_threads)  # the default for threads started later
 
     @staticmethod
@@ -154,12 +155,20 @@ class CpuPrefetcher:
 
 
 class CudaStreamPrefetcher:
-    """Device-resident batches, each copied on a side stream ``depth`` steps ahead.
+    """Device-resident batches: a background thread takes each batch from the source (the
+    memmap/ram gather, or the loader's next batch) and launches its copy on a side stream,
+    ``depth`` batches ahead, so host work and copies both overlap the model's step (as
+    FFCV's epoch iterator does).
+
+    The compute stream waits for each batch's copy event (on the device, not the host),
+    and every tensor made on the side stream is ``record_stream``-ed on the compute stream
+    so the allocator does not reuse it early. Copy times are kept as event pairs, folded
+    into a total as they complete (no sync, a bounded list).
 
     Args:
         source: batches in pinned host memory (pinned is what makes the copy asynchronous).
         device: the CUDA device.
-        depth: copies in flight ahead of the batch in use.
+        depth: batches gathered and copied ahead of the one in use.
     """
 
     def __init__(self, source: Iterable[TensorDict], device: torch.device, depth: int = 2):
@@ -171,18 +180,15 @@ class CudaStreamPrefetcher:
         self.device = device
         self.depth = depth
         self.stream = torch.cuda.Stream(device=device)  # once per prefetcher, not per epoch
-        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._copy_events: collections.deque = collections.deque()
+        self._copy_seconds = 0.0
 
-    def __iter__(self) -> Iterator[TensorDict]:
-        compute = torch.cuda.current_stream(self.device)
-        source = iter(self.source)
-        in_flight: collections.deque = collections.deque()
-
-        def start_copy() -> None:
-            batch = next(source, None)
-            if batch is None:
-                return
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    def _copies(self, compute: torch.cuda.Stream) -> Iterator[tuple[TensorDict, Any]]:
+        """Runs on the prefetch thread: each batch gathered, then copied on the side stream."""
+        torch.cuda.set_device(self.device)
+        for batch in self.source:
+            start = torch.cuda.Event(enable_timing=True)
+            done = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.stream):
                 # The allocator may hand this copy memory that compute work queued earlier
                 # still reads: wait for that work before writing.
@@ -190,29 +196,31 @@ class CudaStreamPrefetcher:
                 start.record(self.stream)
                 moved = batch.to(self.device, non_blocking=True)
                 done.record(self.stream)
-            self._copy_events.append((start, done))
-            in_flight.append((moved, done))
+            yield moved, (start, done)
 
-        try:
-            for _ in range(self.depth):
-                start_copy()
-            while in_flight:
-                moved, done = in_flight.popleft()
-                compute.wait_event(done)  # this batch's copy, not the later ones
-                for tensor in moved.values(include_nested=True, leaves_only=True):
-                    # made on the side stream, used on the compute stream: the allocator
-                    # must not reuse it until the compute stream is done with it
-                    tensor.record_stream(compute)
-                start_copy()
-                yield moved
-        finally:
-            _close(source)
+    def _fold_completed(self) -> None:
+        while self._copy_events and self._copy_events[0][1].query():
+            start, done = self._copy_events.popleft()
+            self._copy_seconds += start.elapsed_time(done) / 1000.0
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        compute = torch.cuda.current_stream(self.device)
+        for moved, (start, done) in CpuPrefetcher(self._copies(compute), depth=self.depth):
+            compute.wait_event(done)  # this batch's copy, not the later ones
+            for tensor in moved.values(include_nested=True, leaves_only=True):
+                # made on the side stream, used on the compute stream: the allocator
+                # must not reuse it until the compute stream is done with it
+                tensor.record_stream(compute)
+            self._copy_events.append((start, done))
+            if len(self._copy_events) > 64:
+                self._fold_completed()
+            yield moved
 
     def copy_seconds(self) -> float:
         """Total side-stream copy time so far (synchronizes; call after the timed loop)."""
         torch.cuda.synchronize(self.device)
-        total = sum(s.elapsed_time(e) for s, e in self._copy_events) / 1000.0
-        self._copy_events.clear()
+        self._fold_completed()
+        total, self._copy_seconds = self._copy_seconds, 0.0
         return total
 
     def figures(self, steps: int) -> dict[str, float]:

@@ -19,27 +19,27 @@ import sys
 from pathlib import Path
 
 from runner.config import ConfigError, compose
+from runner.errors import UserError
 from runner.reencode import Reencoding, describe, reencode_folder
-from runner.storage import build_storage, cache_spec, resolve_dataset
-from runner.storage.decode import ImageDecoder, check_decoder
-from runner.storage.folder import DatasetError, FolderStorage
-from runner.storage.memmap import CacheError, ensure_cache
+from runner.storage import cache_spec, open_folder, resolve_dataset
+from runner.storage.memmap import ensure_cache
 
 
 def prepare_memmap(overrides: list[str], rebuild: bool = False) -> Path:
-    """Convert (or, when valid and not ``rebuild``, reuse) the cache for these overrides."""
-    config = compose([*overrides, "loader=memmap"] if not any(
-        o.startswith("loader=") for o in overrides) else overrides)
+    """Convert (or, when valid and not ``rebuild``, reuse) the cache for these overrides.
+
+    ``loader=ram`` builds the same cache (a ram run loads it instead of decoding again);
+    ``loader=folder`` has no cache to build and is refused.
+    """
+    loader = [o for o in overrides if o.startswith("loader=")]
+    if loader and loader[-1] == "loader=folder":
+        raise ConfigError("loader=folder decodes every epoch and has no cache to prepare: "
+                          "use loader=memmap (or loader=ram, which loads the memmap cache)")
+    config = compose([*[o for o in overrides if not o.startswith("loader=")], "loader=memmap"])
     path = resolve_dataset(config.dataset)
-    if not rebuild:
-        build_storage(config.loader, config.dataset, path)  # converts only if needed
-        return cache_spec(config.loader, config.dataset, path).folder(Path(config.dataset.cache_dir))
-    check_decoder(config.loader.decoder)
-    decode = ImageDecoder(config.loader.decoder, tuple(config.dataset.image_size),
-                          draft=config.loader.draft)
-    folder = FolderStorage(path, decode, config.dataset.on_corrupt)
-    spec = cache_spec(config.loader, config.dataset, path)
-    cache, _ = ensure_cache(folder, spec, Path(config.dataset.cache_dir), rebuild=True)
+    folder = open_folder(config.loader, config.dataset, path)
+    cache, _ = ensure_cache(folder, cache_spec(config.loader, config.dataset, path),
+                            Path(config.dataset.cache_dir), rebuild=rebuild)
     return cache
 
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             reencode(args)
         else:
             print(prepare_memmap(args.overrides, rebuild=args.rebuild))
-    except (ConfigError, DatasetError, CacheError, ValueError) as e:
+    except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

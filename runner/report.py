@@ -1,25 +1,33 @@
 """``python -m runner.report PATH [PATH ...]``: a sweep (or run folders) as a table and plots.
 
-Reads every ``metrics.json`` under the paths and writes, next to the sweep (or in
-``--out``):
-- ``report.md``: a Markdown table of every run (the options that vary, status, images/s,
-  ms/step, data-wait share, speed-up against the slowest run and against ``--baseline``,
-  the bottleneck stage), then each run's bottleneck sentence and each failure's reason;
-- ``throughput.png``: images/s against batch size, one line per loader (and per any other
-  option that varies), one panel per image size;
-- ``step_time.png``: one stacked bar per run, step time split into data wait, host-to-device
-  copy and compute.
+Reads every ``metrics.json`` under the paths (the runs of a sweep, or separate runs) and
+writes, next to the sweep (or in ``--out``):
+- ``report.md``: one row per run: the options that vary (read from each run's resolved
+  config, so defaults count and separate runs compare), status, images/s as the median of
+  its timed windows with their spread, ms/step, data-wait share, speed-up against the
+  slowest run and against ``--baseline``, flags (too few steps, wide spread) and the
+  bottleneck; a ranking where runs whose spreads overlap are "within noise" rather than
+  ranked; "what each switch bought": for each option, the median ratio between runs that
+  differ only in it; each run's verdict and timeline; each failure's reason;
+- ``results.csv``: the table's figures, one row per run;
+- ``throughput.png``: images/s per run (horizontal bars with the windows' spread, or
+  against batch size when it varies), log axis when figures span more than 10x;
+- ``step_time.png``: each run's step split into data wait, host-to-device copy and compute.
 The table is printed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
+import math
+import os
+import statistics
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +35,49 @@ from runner.config import flatten
 
 log = logging.getLogger(__name__)
 
-# Keys that differ between runs without being options.
-_NOT_OPTIONS = ("hydra.", "dataset.cache_dir", "run.progress")
+# Config keys that differ between runs without being options of the measurement.
+_NOT_OPTIONS = ("hydra.", "dataset.cache_dir", "run.progress", "logger.", "run.log_every",
+                "run.objective")
+_SPAN_FOR_LOG = 10.0  # figures spanning more than this factor get a log axis
 
 
 @dataclass
 class Run:
     name: str  # the run folder, relative to the report's root
     metrics: dict[str, Any]
-    options: dict[str, str]  # key -> value, from the command-line overrides
+    flat: dict[str, str] = field(default_factory=dict)  # resolved config, flat, as strings
+    options: dict[str, str] = field(default_factory=dict)  # shown name -> value
+
+    @property
+    def status(self) -> str:
+        return self.metrics.get("status", "?")
 
     @property
     def ok(self) -> bool:
-        return self.metrics.get("status") == "ok" and self.rate is not None
+        return self.status == "ok" and self.rate is not None
 
     @property
     def rate(self) -> float | None:
         return self.metrics.get("images_per_sec")
 
+    @property
+    def spread(self) -> dict[str, float] | None:
+        """min/q1/median/q3/max of the run's windows' images/s."""
+        s = (self.metrics.get("spread") or {}).get("images_per_sec")
+        if s is None and self.rate is not None:
+            return dict.fromkeys(("min", "q1", "median", "q3", "max"), self.rate)
+        return s
+
     def config(self, key: str, default: Any = None) -> Any:
         return flatten(self.metrics.get("config") or {}).get(key, default)
+
+
+def within_noise(a: Run, b: Run) -> bool:
+    """The two runs' windows overlap (min..max): neither is measurably faster."""
+    sa, sb = a.spread, b.spread
+    if sa is None or sb is None:
+        return False
+    return sa["min"] <= sb["max"] and sb["min"] <= sa["max"]
 
 
 def _job_order(path: Path) -> tuple:
@@ -66,120 +97,271 @@ def find_runs(paths: list[Path]) -> tuple[Path, list[Run]]:
     if not files:
         raise FileNotFoundError(f"no metrics.json under {', '.join(map(str, paths))}")
     root = paths[0] if len(paths) == 1 and paths[0].is_dir() else Path.cwd()
+    folders = [f.parent.resolve() for f in files]
+    common = Path(os.path.commonpath(folders)) if len(folders) > 1 else folders[0].parent
     runs = []
-    for file in files:
+    for file, folder in zip(files, folders):
         try:
             metrics = json.loads(file.read_text())
         except ValueError as e:
             log.warning("skipping unreadable %s: %s", file, e)
             continue
-        options = dict(o.split("=", 1) for o in metrics.get("overrides", []) if "=" in o)
-        try:
-            name = str(file.parent.relative_to(root))
-        except ValueError:
-            name = str(file.parent)
-        runs.append(Run(name if name != "." else file.parent.name, metrics, options))
+        name = str(folder.relative_to(common)) if folder != common else folder.name
+        flat = {k: _text(v) for k, v in flatten(metrics.get("config") or {}).items()
+                if not k.startswith(_NOT_OPTIONS)}
+        runs.append(Run(name, metrics, flat))
     return root, runs
 
 
+def _text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def short(key: str) -> str:
+    """``loader.name`` is shown as ``loader`` (the group choice); other keys as they are."""
+    return key[: -len(".name")] if key.endswith(".name") else key
+
+
 def varying(runs: list[Run]) -> list[str]:
-    """The options whose values differ between runs (from the overrides, else the config)."""
-    keys = sorted({k for r in runs for k in r.options if not k.startswith(_NOT_OPTIONS)},
-                  key=lambda k: min(list(r.options).index(k) for r in runs if k in r.options))
-    vary = [k for k in keys if len({r.options.get(k) for r in runs}) > 1]
-    if vary:
-        return vary
-    flat = [flatten(r.metrics.get("config") or {}) for r in runs]
-    all_keys = sorted({k for f in flat for k in f if not k.startswith(_NOT_OPTIONS)})
-    for run, f in zip(runs, flat):  # fall back to config values as the options
-        run.options = {k: str(f.get(k)) for k in all_keys}
-    return [k for k in all_keys if len({str(f.get(k)) for f in flat}) > 1]
+    """The config keys whose values differ between runs, less those a group choice
+    decides: when ``loader.name`` varies, ``loader.num_workers`` is hidden if every run of
+    one loader has the same value (the preset's), and shown if it varies within one.
+    Sets each run's ``options`` to the shown keys."""
+    keys: list[str] = []
+    for r in runs:
+        keys += [k for k in r.flat if k not in keys]
+    vary = [k for k in keys if len({r.flat.get(k) for r in runs}) > 1]
+    choices = [k for k in vary if k.endswith(".name") and k.count(".") == 1]
+    hidden = set()
+    for choice in choices:
+        group = choice[: -len("name")]
+        for key in vary:
+            if key.startswith(group) and key != choice:
+                per_choice = defaultdict(set)
+                for r in runs:
+                    per_choice[r.flat.get(choice)].add(r.flat.get(key))
+                if all(len(values) == 1 for values in per_choice.values()):
+                    hidden.add(key)
+    shown = [k for k in vary if k not in hidden]
+    shown.sort(key=lambda k: (not k.endswith(".name"), keys.index(k)))
+    for r in runs:
+        r.options = {short(k): r.flat.get(k, "") for k in shown}
+    return [short(k) for k in shown]
 
 
 def pick_baseline(runs: list[Run], spec: str | None) -> Run | None:
-    """The run whose options match every ``key=value`` of ``spec``."""
+    """The run whose resolved config matches every ``key=value`` of ``spec`` (``loader``
+    means ``loader.name``); the first such run that succeeded."""
     if not spec:
         return None
     wanted = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-    matches = [r for r in runs if all(r.options.get(k) == v or str(r.config(k)) == v
-                                      for k, v in wanted.items())]
-    if not matches:
+    if not wanted:
+        raise ValueError(f"--baseline {spec!r} is not of the form key=value[,key=value]")
+
+    def matches(r: Run) -> bool:
+        return all(r.flat.get(k, r.flat.get(f"{k}.name")) == v for k, v in wanted.items())
+
+    found = [r for r in runs if matches(r)]
+    if not found:
+        example = ", ".join(f"{k}={v}" for k, v in list(runs[0].options.items())[:4])
         raise ValueError(f"--baseline {spec!r} matches no run; runs have options like "
-                         f"{', '.join(f'{k}={v}' for k, v in runs[0].options.items())}")
-    if not matches[0].ok:
-        raise ValueError(f"--baseline {spec!r} is run {matches[0].name}, which has no figures "
-                         f"(status={matches[0].metrics.get('status')})")
-    return matches[0]
+                         f"{example or 'loader=' + runs[0].flat.get('loader.name', '?')}")
+    ok = [r for r in found if r.ok]
+    if not ok:
+        raise ValueError(f"--baseline {spec!r} is run {found[0].name}, which has no figures "
+                         f"(status={found[0].status})")
+    return ok[0]
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def ratio_text(run: Run, other: Run) -> str:
+    if not (run.ok and other.ok):
+        return ""
+    text = f"{run.rate / other.rate:.2f}x"
+    return f"{text} (within noise)" if run is not other and within_noise(run, other) else text
+
+
+def spread_text(run: Run) -> str:
+    s = run.spread
+    if s is None or not run.metrics.get("spread"):
+        return ""
+    return f"{s['min']:,.0f}–{s['max']:,.0f}"
+
+
 def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
-    ok_rates = [r.rate for r in runs if r.ok]
-    slowest = min(ok_rates) if ok_rates else None
-    head = ["run", *options, "status", "images/s", "ms/step", "data wait", "vs slowest"]
+    ok = [r for r in runs if r.ok]
+    slowest = min(ok, key=lambda r: r.rate) if ok else None
+    head = ["run", *options, "status", "images/s", "spread (windows)", "ms/step", "data wait",
+            "vs slowest"]
     if baseline is not None:
         head.append(f"vs run {baseline.name}")
-    head.append("bottleneck")
+    head += ["flags", "bottleneck"]
     rows = [head, ["---"] * len(head)]
     for r in runs:
         m = r.metrics
         wait = m.get("data_wait_frac")
-        row = [r.name, *(r.options.get(k, "") for k in options), m.get("status", "?"),
-               _fmt(r.rate, ",.0f"), _fmt(m.get("ms_per_step"), ".1f"),
+        row = [r.name, *(r.options.get(k, "") for k in options), r.status,
+               _fmt(r.rate, ",.0f"), spread_text(r), _fmt(m.get("ms_per_step"), ".1f"),
                "" if wait is None else f"{wait:.0%}",
-               f"{r.rate / slowest:.2f}x" if r.ok and slowest else ""]
+               ratio_text(r, slowest) if slowest else ""]
         if baseline is not None:
-            row.append(f"{r.rate / baseline.rate:.2f}x" if r.ok else "")
+            row.append(ratio_text(r, baseline))
+        row.append("; ".join(m.get("flags") or []))
         bottleneck = (m.get("bottleneck") or {}).get("stage", "")
-        row.append(bottleneck if r.ok else (m.get("reason") or "")[:60].replace("|", "/"))
+        row.append(bottleneck if r.ok else (m.get("reason") or "")[:60])
         rows.append(row)
-    return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
+    return "\n".join("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
+                     for row in rows)
+
+
+def ranking(runs: list[Run], options: list[str]) -> list[str]:
+    """Runs fastest first; a run within noise of the one above shares its place."""
+    ok = sorted((r for r in runs if r.ok), key=lambda r: -r.rate)
+    lines, place = [], 0
+    for k, r in enumerate(ok):
+        tied = k > 0 and within_noise(r, ok[k - 1])
+        place = place if tied else k + 1
+        lines.append(f"{place}. {'≈ ' if tied else ''}{_label(r, options)}: "
+                     f"{r.rate:,.0f} img/s ({spread_text(r) or 'one window'})"
+                     + (" — within noise of the run above" if tied else ""))
+    return lines
+
+
+def switches(runs: list[Run], options: list[str], baseline: Run | None) -> list[dict[str, Any]]:
+    """For each option and each of its values: the median ratio of images/s between runs
+    that differ only in that option (the value against the reference value: the
+    baseline's, else the first run's), the spread of the ratios, and whether every pair
+    was within noise."""
+    ok = [r for r in runs if r.ok]
+    rows = []
+    for option in options:
+        reference = (baseline or (ok[0] if ok else runs[0])).options.get(option)
+        others = [k for k in options if k != option]
+        values = []
+        for r in runs:
+            if r.options.get(option) not in values:
+                values.append(r.options.get(option))
+        for value in values:
+            if value == reference:
+                continue
+            pairs = [(a, b) for a in ok for b in ok
+                     if a.options.get(option) == reference and b.options.get(option) == value
+                     and all(a.options.get(k) == b.options.get(k) for k in others)]
+            ratios = [b.rate / a.rate for a, b in pairs]
+            rows.append({
+                "option": option, "from": reference, "to": value, "pairs": len(pairs),
+                "median": statistics.median(ratios) if ratios else None,
+                "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
+                "noise": bool(pairs) and all(within_noise(a, b) for a, b in pairs),
+            })
+    return rows
+
+
+def switch_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| option | from | to | pairs | median ratio | spread over pairs | |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in rows:
+        if not s["pairs"]:
+            out.append(f"| {s['option']} | {s['from']} | {s['to']} | 0 | | | no two runs "
+                       "differ only in this option |")
+            continue
+        spread = f"{s['min']:.2f}x–{s['max']:.2f}x" if s["pairs"] > 1 else "one pair"
+        word = ("within noise" if s["noise"] else
+                "faster" if s["median"] > 1 else "slower")
+        out.append(f"| {s['option']} | {s['from']} | {s['to']} | {s['pairs']} | "
+                   f"{s['median']:.2f}x | {spread} | {word} |")
+    return out
+
+
+def write_csv(runs: list[Run], options: list[str], path: Path) -> Path:
+    fields = ["run", *options, "status", "images_per_sec", "images_per_sec_min",
+              "images_per_sec_q1", "images_per_sec_q3", "images_per_sec_max", "repeats",
+              "ms_per_step", "data_wait_frac", "timed_steps", "flags", "bottleneck", "reason"]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in runs:
+            m, s = r.metrics, (r.metrics.get("spread") or {}).get("images_per_sec") or {}
+            writer.writerow({
+                "run": r.name, **{k: r.options.get(k, "") for k in options},
+                "status": r.status, "images_per_sec": r.rate,
+                "images_per_sec_min": s.get("min"), "images_per_sec_q1": s.get("q1"),
+                "images_per_sec_q3": s.get("q3"), "images_per_sec_max": s.get("max"),
+                "repeats": m.get("repeats"), "ms_per_step": m.get("ms_per_step"),
+                "data_wait_frac": m.get("data_wait_frac"), "timed_steps": m.get("timed_steps"),
+                "flags": "; ".join(m.get("flags") or []),
+                "bottleneck": (m.get("bottleneck") or {}).get("stage"),
+                "reason": m.get("reason"),
+            })
+    return path
 
 
 def _label(run: Run, keys: list[str]) -> str:
     return " ".join(f"{k}={run.options.get(k, '')}" for k in keys) or run.name
 
 
-def plot_throughput(runs: list[Run], options: list[str], out: Path) -> Path | None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _spans(values: list[float]) -> bool:
+    positive = [v for v in values if v and v > 0]
+    return bool(positive) and max(positive) / min(positive) > _SPAN_FOR_LOG
+
+
+def plot_throughput(runs: list[Run], options: list[str], out: Path) -> Path | None:
+    """images/s against batch size when it varies (one line per other option), else one
+    horizontal bar per run in the table's order, with the windows' min..max."""
     ok = [r for r in runs if r.ok]
     if not ok:
         return None
-    line_keys = [k for k in options if k not in ("loader.batch_size", "dataset.image_size")]
-    panels: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for r in ok:
-        size = "x".join(map(str, r.config("dataset.image_size", [])))
-        loader = r.config("loader.name", "?")
-        line = " ".join([loader, *(f"{k}={r.options.get(k, '')}" for k in line_keys
-                                   if k != "loader")])
-        panels[size][line].append((r.config("loader.batch_size"), r.rate))
-    one_batch_size = len({r.config("loader.batch_size") for r in ok}) == 1
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (size, lines) in zip(axes[0], sorted(panels.items())):
-        ax.set_title(f"images {size}")
-        ax.set_ylabel("images/s")
-        ax.set_yscale("log")
-        ax.grid(True, which="both", axis="y", alpha=0.3)
-        if one_batch_size:  # nothing to draw a line along: one bar per loader
-            names = sorted(lines)
-            ax.bar(names, [lines[n][0][1] for n in names], color=[f"C{k}" for k in range(len(names))])
-            ax.set_xlabel(f"batch size {ok[0].config('loader.batch_size')}")
-            ax.tick_params(axis="x", labelrotation=30, labelsize=7)
-            continue
-        for line, points in sorted(lines.items()):
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=line)
+    plt = _pyplot()
+    if "loader.batch_size" in options and len({r.options["loader.batch_size"] for r in ok}) > 1:
+        rest = [k for k in options if k != "loader.batch_size"]
+        lines: dict[str, list] = defaultdict(list)
+        for r in ok:
+            lines[_label(r, rest) or "runs"].append((int(r.options["loader.batch_size"]), r))
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for k, (line, points) in enumerate(sorted(lines.items())):
+            points.sort(key=lambda p: p[0])
+            xs, ys = [p[0] for p in points], [p[1].rate for p in points]
+            low = [p[1].rate - p[1].spread["min"] for p in points]
+            high = [p[1].spread["max"] - p[1].rate for p in points]
+            ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=line,
+                        color=f"C{k % 10}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
+        if _spans([r.rate for r in ok]):
+            ax.set_yscale("log")
+        ax.set_ylabel("images/s (median of windows, bars: min..max)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
+    else:
+        labels = [_label(r, options) for r in ok]
+        rates = [r.rate for r in ok]
+        low = [r.rate - r.spread["min"] for r in ok]
+        high = [r.spread["max"] - r.rate for r in ok]
+        fig, ax = plt.subplots(figsize=(9, 0.32 * len(ok) + 1.4))
+        ax.barh(range(len(ok)), rates, xerr=[low, high], capsize=2,
+                color=[f"C{k % 10}" for k in range(len(ok))], alpha=0.85)
+        ax.set_yticks(range(len(ok)), labels, fontsize=7)
+        ax.invert_yaxis()  # the table's order, top to bottom
+        if _spans(rates):
+            ax.set_xscale("log")
+        for k, r in enumerate(ok):
+            ax.text(r.spread["max"], k, f"  {r.rate:,.0f}", va="center", fontsize=7)
+        ax.set_xlabel("images/s (median of windows; whiskers: min..max)"
+                      + (", log scale" if _spans(rates) else ""))
+        ax.grid(True, which="both", axis="x", alpha=0.3)
+        ax.margins(x=0.15)
     fig.tight_layout()
     path = out / "throughput.png"
     fig.savefig(path, dpi=120)
@@ -188,33 +370,41 @@ def plot_throughput(runs: list[Run], options: list[str], out: Path) -> Path | No
 
 
 def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Each run's step split into data wait, copy and compute: in ms, or, when step times
+    span more than 10x, as shares of the step with the ms written at the bar's end."""
     ok = [r for r in runs if r.ok and r.metrics.get("ms_per_step")]
     if not ok:
         return None
+    plt = _pyplot()
     stages = [("data_wait_ms", "data wait"), ("copy_ms", "host-to-device copy"),
               ("compute_ms", "compute")]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(ok) + 1.5))
-    labels = [_label(r, options) for r in ok]
+    totals = [max(r.metrics["ms_per_step"], sum(r.metrics.get(k) or 0.0 for k, _ in stages))
+              for r in ok]
+    shares = _spans(totals)
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(ok) + 1.6))
+    rows = range(len(ok))
     left = [0.0] * len(ok)
     for key, name in stages:
         values = [r.metrics.get(key) or 0.0 for r in ok]
-        ax.barh(labels, values, left=left, label=name)
+        if shares:
+            values = [v / t * 100 for v, t in zip(values, totals)]
+        ax.barh(rows, values, left=left, label=name)
         left = [a + b for a, b in zip(left, values)]
-    other = [max(r.metrics["ms_per_step"] - done, 0.0) for r, done in zip(ok, left)]
-    if any(v > 0.01 * r.metrics["ms_per_step"] for v, r in zip(other, ok)):
-        ax.barh(labels, other, left=left, label="other (loop, logging)", color="lightgrey")
-    ax.set_xlabel("ms per step")
+    whole = [100.0] * len(ok) if shares else totals
+    other = [max(w - done, 0.0) for w, done in zip(whole, left)]
+    if any(v > 0.01 * w for v, w in zip(other, whole)):
+        ax.barh(rows, other, left=left, label="other (loop, logging)", color="lightgrey")
+    for k, total in enumerate(totals):
+        ax.text(whole[k], k, f" {total:.1f} ms", va="center", fontsize=7)
+    ax.set_yticks(list(rows), [_label(r, options) for r in ok], fontsize=7)
+    ax.set_xlabel("share of the step (%)" if shares else "ms per step")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
+    ax.margins(x=0.12)
     fig.tight_layout()
     path = out / "step_time.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -230,20 +420,46 @@ def write_report(paths: list[Path], baseline: str | None = None,
     out.mkdir(parents=True, exist_ok=True)
     figures = [p for p in (plot_throughput(runs, options, out), plot_step_time(runs, options, out))
                if p is not None]
-    counts = defaultdict(int)
+    write_csv(runs, options, out / "results.csv")
+    counts: dict[str, int] = defaultdict(int)
     for r in runs:
-        counts[r.metrics.get("status", "?")] += 1
+        counts[r.status] += 1
     lines = [f"# runner report: {root}", "",
              f"{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-             "", text, ""]
+             "", "images/s is the median of each run's timed windows; the spread is their "
+             "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
+    rank = ranking(runs, options)
+    if len(rank) > 1:
+        lines += ["", "## Ranking", ""] + rank
+    bought = switches(runs, options, base)
+    if bought:
+        lines += ["", "## What each switch bought", "",
+                  "Images/s of runs that differ only in one option, as the ratio to the "
+                  "reference value (the baseline's, else the first run's).", ""]
+        lines += switch_table(bought)
     verdicts = [(r.name, (r.metrics.get("bottleneck") or {}).get("sentence")) for r in runs]
     if any(v for _, v in verdicts):
         lines += ["", "## Bottlenecks", ""] + [f"- {n}: {v}" for n, v in verdicts if v]
-    problems = [r for r in runs if r.metrics.get("status") in ("failed", "skipped")]
+    timelines = [(r.name, r.metrics.get("timeline")) for r in runs if r.metrics.get("timeline")]
+    if timelines:
+        lines += ["", "## Timelines", ""]
+        for name, file in timelines:
+            target = Path(file)
+            try:
+                target = target.relative_to(out.resolve())
+            except ValueError:
+                pass
+            lines.append(f"- {name}: [{target.name}]({target})")
+    problems = [r for r in runs if r.status not in ("ok",)]
     if problems:
-        lines += ["", "## Skipped and failed", ""]
-        lines += [f"- {r.name} ({r.metrics['status']}): {r.metrics.get('reason')}" for r in problems]
+        lines += ["", "## Skipped, failed, interrupted", ""]
+        for r in problems:
+            note = (" (still running, or killed without a chance to say so)"
+                    if r.status == "running" else "")
+            lines.append(f"- {r.name} ({r.status}{note}): {r.metrics.get('reason')}")
+    if any(math.isnan(r.rate) for r in runs if isinstance(r.rate, float)):
+        log.warning("some runs report NaN images/s")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out, text
 
@@ -252,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="a sweep folder, or run folders")
-    parser.add_argument("--baseline", help="the run to compare against, e.g. "
-                                           "'loader=folder,prefetch=none'")
+    parser.add_argument("--baseline", help="the run to compare against, by its resolved "
+                                           "config, e.g. 'loader=folder,prefetch=none'")
     parser.add_argument("--out", type=Path, help="where to write (default: the sweep folder)")
     args = parser.parse_args(argv)
     try:
@@ -262,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)
-    print(f"\nwritten: {out / 'report.md'} (and its plots)")
+    print(f"\nwritten: {out / 'report.md'}, results.csv and the plots")
     return 0
 
 

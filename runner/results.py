@@ -11,7 +11,12 @@ from typing import Any
 
 from runner.config import Config, Storage, TaskName
 from runner.loop import LoopResult
+from runner.metrics import quantiles
 from runner.pagecache import ColdPageCache
+from runner.storage.folder import printable
+
+MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
+WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this: noisy
 
 
 def describe(cfg: Config) -> str:
@@ -23,26 +28,59 @@ def describe(cfg: Config) -> str:
               f"prefetch={cfg.prefetch.name.value}", f"amp={cfg.amp.name.value}",
               f"compile={cfg.compile.name.value}"]
     if cfg.models:
-        parts.append(f"models=[{','.join(m.value for m in cfg.models)}]")
+        parts.append(f"models=[{','.join(cfg.models)}]")
     else:
-        parts.append(f"model={cfg.model.name.value}")
+        parts.append(f"model={cfg.model.name}")
     parts.append(f"task={cfg.task.name.value}")
     return " ".join(parts)
 
 
-def loop_figures(result: LoopResult, skipped: list[str]) -> dict[str, Any]:
-    """images/s, ms/step and stage shares of the timed steps, with the step counts."""
-    return {
+def spread_figures(rates: list[float], step_ms: list[float]) -> dict[str, Any]:
+    """The median images/s and ms/step of the repeat windows, with their spread."""
+    if not rates:
+        return {"images_per_sec": None, "ms_per_step": None, "repeats": 0}
+    ips, ms = quantiles(rates), quantiles(step_ms)
+    return {"images_per_sec": ips["median"], "ms_per_step": ms["median"],
+            "repeats": len(rates), "spread": {"images_per_sec": ips, "ms_per_step": ms},
+            "spread_frac": (ips["max"] - ips["min"]) / ips["median"] if ips["median"] else None}
+
+
+def flags(figures: dict[str, Any], repeats_asked: int) -> list[str]:
+    """Why a figure should not be trusted as it stands: too few steps, too few windows,
+    or windows that disagree."""
+    out = []
+    steps, repeats = figures.get("timed_steps") or 0, figures.get("repeats") or 0
+    if steps < MIN_STEPS_PER_REPEAT * max(repeats_asked, 1):
+        out.append(f"few timed steps ({steps}; time at least "
+                   f"{MIN_STEPS_PER_REPEAT * max(repeats_asked, 1)})")
+    if repeats < min(repeats_asked, 3):
+        out.append(f"{repeats} timed window(s): no spread to judge noise by")
+    if (figures.get("spread_frac") or 0.0) > WIDE_SPREAD:
+        out.append(f"wide spread (windows differ by {figures['spread_frac']:.0%})")
+    return out
+
+
+def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3
+                 ) -> dict[str, Any]:
+    """images/s and ms/step (the median of the repeat windows, with their spread), stage
+    shares over all timed steps, the step counts and the flags that qualify them."""
+    windows = [w.figures() for w in result.repeats if w.steps]
+    figures = {
         **result.timed.figures(),
+        "images_per_sec_mean": result.timed.figures()["images_per_sec"],
+        **spread_figures([w["images_per_sec"] for w in windows],
+                         [w["ms_per_step"] for w in windows]),
         "steps": result.steps,
         "images": result.images,
         "warmup_steps": result.warmup_steps,
         "timed_steps": result.timed.steps,
         "timed_images": result.timed.images,
         "timed_seconds": result.timed.seconds,
-        "skipped_files": sorted(skipped),
+        "skipped_files": sorted(printable(f) for f in skipped),
         "skipped_count": len(skipped),
     }
+    figures["flags"] = flags(figures, repeats_asked)
+    return figures
 
 
 def page_cache_figures(page_cache: ColdPageCache | None) -> dict[str, Any]:
@@ -55,8 +93,11 @@ def page_cache_figures(page_cache: ColdPageCache | None) -> dict[str, Any]:
 def rank_figures(rank: int, figures: dict[str, Any], result: LoopResult,
                  parameters: str | None) -> dict[str, Any]:
     """What one rank sends rank 0 (``merge_ranks``)."""
+    windows = [w.figures() for w in result.repeats if w.steps]
     return {
         "rank": rank,
+        "repeat_rates": [w["images_per_sec"] for w in windows],
+        "repeat_ms": [w["ms_per_step"] for w in windows],
         "images": result.images,
         "timed_images": result.timed.images,
         "timed_seconds": result.timed.seconds,
@@ -68,8 +109,8 @@ def rank_figures(rank: int, figures: dict[str, Any], result: LoopResult,
     }
 
 
-def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: str
-                ) -> dict[str, Any]:
+def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: str,
+                repeats_asked: int = 3) -> dict[str, Any]:
     """Rank 0's figures for the whole run: images summed, time and data wait at their
     worst rank, skipped files joined, the replicas' parameter digests compared."""
     every = [dict(r) for r in every]
@@ -77,16 +118,25 @@ def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: s
     images = sum(r["timed_images"] for r in every)
     skipped = sorted({f for r in every for f in r.pop("skipped_files")})
     digests = {r["parameters"] for r in every}
-    return {
+    # every rank runs the same steps, so its k-th window spans the same steps: the run's
+    # k-th window moved the ranks' images together, at the pace of the slowest rank
+    windows = min(len(r["repeat_rates"]) for r in every)
+    rates = [sum(r["repeat_rates"][k] for r in every) for k in range(windows)]
+    step_ms = [max(r["repeat_ms"][k] for r in every) for k in range(windows)]
+    for r in every:
+        r.pop("repeat_rates"), r.pop("repeat_ms")
+    merged = {
         **figures,
-        "images_per_sec": images / seconds if seconds > 0 else None,
-        "ms_per_step": max(r["ms_per_step"] or 0.0 for r in every),
+        **spread_figures(rates, step_ms),
+        "images_per_sec_mean": images / seconds if seconds > 0 else None,
         "data_wait_frac": max(r["data_wait_frac"] or 0.0 for r in every),
         "images": sum(r["images"] for r in every), "timed_images": images,
         "timed_seconds": seconds, "skipped_files": skipped, "skipped_count": len(skipped),
         "distributed": {"world": len(every), "backend": backend, "ranks": every,
                         "replicas_in_sync": len(digests) == 1 if None not in digests else None},
     }
+    merged["flags"] = flags(merged, repeats_asked)
+    return merged
 
 
 def trace_file(run_dir: Path) -> str | None:

@@ -18,11 +18,21 @@ from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
 from runner.metrics import DeviceClock
 from runner.predictions import PredictionWriter
 
+MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones are folded
+
 
 class Step(Protocol):
     def __call__(self, batch: TensorDict) -> None: ...
     def read(self) -> dict[str, float]: ...
     def close(self) -> dict[str, float]: ...
+    def start_timing(self) -> None: ...  # warm-up is over: figures count from here
+
+
+def optimizer_options(device: torch.device) -> dict[str, Any]:
+    """SGD's implementation for the device: the fused kernel on CUDA, one launch for every
+    parameter, and the path on which a GradScaler's step needs no ``.item()`` sync (the
+    scaler hands the fused kernel its inf check on the device)."""
+    return {"fused": True} if device.type == "cuda" else {}
 
 
 class TrainStep:
@@ -40,9 +50,10 @@ class TrainStep:
     def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int,
                  amp: AmpConfig | None = None, device: torch.device | None = None):
         self.model = model.train()
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay)
         device = device or next(model.parameters()).device
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                         weight_decay=cfg.weight_decay,
+                                         **optimizer_options(device))
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, device)
         self.scaler = grad_scaler(amp, device)
@@ -66,6 +77,9 @@ class TrainStep:
         if self.steps < len(self.losses):
             self.losses[self.steps] = loss.detach()  # stays on the device: no sync
         self.steps += 1
+
+    def start_timing(self) -> None:
+        pass
 
     def read(self) -> dict[str, float]:
         """Mean loss since the last read (a sync point: call only at log points)."""
@@ -113,11 +127,17 @@ class InferStep:
         self._spans: dict[str, list] = {name: [] for name in models}
         self._seconds = dict.fromkeys(models, 0.0)
         self.images = 0
+        self._valid_rows = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def __call__(self, batch: TensorDict) -> None:
-        if "valid" in batch.keys():  # drop padding rows (distributed shards) before anything
-            batch = batch[batch["valid"]]
-        self.images += batch.batch_size[0]
+        # Padding rows of a distributed shard go through the model with the rest (a boolean
+        # mask here would sync with the device to learn the count); the writer drops them
+        # on the host and the count of real rows stays on the device until ``close``.
+        valid = batch["valid"] if "valid" in batch.keys() else None
+        if valid is None:
+            self.images += batch.batch_size[0]
+        else:
+            self._valid_rows = self._valid_rows + valid.sum()
         with torch.inference_mode(), self.autocast():
             for name, model in self.models.items():
                 start = self.clock.now()
@@ -127,23 +147,43 @@ class InferStep:
                 self._spans[name].append((start, self.clock.now()))
                 writer = self.writers.get(name)
                 if writer is not None:
-                    writer.submit(batch["index"], batch["label"], top.values, top.indices)
+                    writer.submit(batch["index"], batch["label"], top.values, top.indices,
+                                  valid)
         if not self.clock.cuda:  # host times are final already: keep no list
             self._resolve()
+        elif sum(len(s) for s in self._spans.values()) > MAX_PENDING_EVENTS:
+            self._resolve(done_only=True)  # a bounded list, and no sync
 
     def read(self) -> dict[str, float]:
         return {}
 
-    def _resolve(self) -> None:
-        """Fold the recorded spans into per-model seconds (events: after a sync)."""
+    def start_timing(self) -> None:
+        """Warm-up is over: the per-model figures count from the next step."""
+        if self.clock.cuda:
+            torch.cuda.synchronize(self.device)  # once, where the loop syncs anyway
+        self._resolve()
+        self._seconds = dict.fromkeys(self._seconds, 0.0)
+        self.images = 0
+        self._valid_rows = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def _resolve(self, done_only: bool = False) -> None:
+        """Fold recorded spans into per-model seconds: all of them (after a sync), or those
+        whose end event has completed (``done_only``: no sync, bounds the lists)."""
         for name, spans in self._spans.items():
-            self._seconds[name] += sum(self.clock.seconds(s, e) for s, e in spans)
-            spans.clear()
+            k = 0
+            if done_only:
+                while k < len(spans) and self.clock.done(spans[k][1]):
+                    k += 1
+            else:
+                k = len(spans)
+            self._seconds[name] += sum(self.clock.seconds(s, e) for s, e in spans[:k])
+            del spans[:k]
 
     def close(self) -> dict[str, Any]:
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
         self._resolve()
+        self.images += int(self._valid_rows)
         out: dict[str, Any] = {"models": {
             name: {"images_per_sec": self.images / sec if sec > 0 else None,
                    "ms_per_image": 1000.0 * sec / max(self.images, 1)}
@@ -162,6 +202,9 @@ class DataOnlyStep:
 
     def read(self) -> dict[str, float]:
         return {}
+
+    def start_timing(self) -> None:
+        pass
 
     def close(self) -> dict[str, float]:
         return {}

@@ -103,6 +103,19 @@ def run_in_process(*overrides: str, run_dir: Path) -> dict:
     return run(cfg)
 
 
+def stray_processes(marker: str) -> list[str]:
+    """Processes still alive whose command line holds ``marker`` (a run's own folder)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if pid.isdigit() and marker.encode() in cmdline:
+            found.append(pid)
+    return found
+
+
 def read_metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 

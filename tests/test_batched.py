@@ -147,12 +147,13 @@ def test_the_loader_benchmark_runs_end_to_end(tmp_path: Path, cache_dir: Path):
     from tests.conftest import REPO
 
     proc = subprocess.run(
-        [sys.executable, "-m", "runner.bench", "loaders", "--batch-size", "16", "--size", "32",
+        [sys.executable, "-m", "runner.bench", "loaders", "--size", "32",  # default batch 256
          "--seconds", "0.2", "--rounds", "1", "--out", str(tmp_path / "bench"),
          "dataset.num_images=96", "dataset.num_classes=3", "dataset.source_size=[64,80]"],
         capture_output=True, text=True, timeout=600,
         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode in (0, 1), proc.stderr  # 1: a target missed on toy data
+    assert "only 96 images: batch 256" in proc.stdout and "using batch 24" in proc.stdout
     for line in ("memcpy_limit", "per_item_dataloader", "naive_folder", "folder_simplejpeg_draft",
                  "memmap_2_workers", "round 1:", "targets"):
         assert line in proc.stdout

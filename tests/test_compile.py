@@ -17,7 +17,6 @@ from runner.config import (
     CompileConfig,
     CompileName,
     ModelConfig,
-    ModelName,
     TaskName,
 )
 from runner.model import build_model
@@ -33,7 +32,7 @@ CPU = torch.device("cpu")
 OFF = AmpConfig(AmpName.off)
 
 
-def model_and_batch(name: ModelName, train: bool, size: int = 32, device=CPU):
+def model_and_batch(name: str, train: bool, size: int = 32, device=CPU):
     torch.manual_seed(0)
     model = build_model(ModelConfig(name), num_classes=5, device=device).train(train)
     return model, torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, device=device)
@@ -43,12 +42,12 @@ INDUCTOR = pytest.mark.slow  # inductor compiles C++ kernels: 10-30 s each here
 
 
 @pytest.mark.parametrize(("backend", "name", "task"), [
-    (CompileName.torchscript, ModelName.tiny, TaskName.train),
-    (CompileName.torchscript, ModelName.tiny, TaskName.infer),
-    (CompileName.torchscript, ModelName.resnet18, TaskName.infer),
-    pytest.param(CompileName.inductor, ModelName.tiny, TaskName.infer, marks=INDUCTOR),
-    pytest.param(CompileName.inductor, ModelName.tiny, TaskName.train, marks=INDUCTOR),
-    pytest.param(CompileName.inductor, ModelName.resnet18, TaskName.infer, marks=INDUCTOR),
+    (CompileName.torchscript, "tiny", TaskName.train),
+    (CompileName.torchscript, "tiny", TaskName.infer),
+    (CompileName.torchscript, "resnet18", TaskName.infer),
+    pytest.param(CompileName.inductor, "tiny", TaskName.infer, marks=INDUCTOR),
+    pytest.param(CompileName.inductor, "tiny", TaskName.train, marks=INDUCTOR),
+    pytest.param(CompileName.inductor, "resnet18", TaskName.infer, marks=INDUCTOR),
 ])
 def test_compiled_matches_eager(backend, name, task, tmp_path: Path):
     train = task is TaskName.train
@@ -76,7 +75,7 @@ class OffByALittle(nn.Module):
 
 
 def test_verify_catches_a_wrong_compiled_model():
-    model, x = model_and_batch(ModelName.tiny, train=False)
+    model, x = model_and_batch("tiny", train=False)
     cfg = CompileConfig(CompileName.inductor)
     assert compiling.verify(model, OffByALittle(model, 1e-5), x, cfg, OFF, False) < 1e-4
     with pytest.raises(compiling.CompileMismatch, match=r"max \|difference\| 0\.5 .* tolerance 0\.001"):
@@ -153,7 +152,7 @@ def test_models_needs_infer_and_distinct_names(tmp_path: Path):
 @requires_cuda
 def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path, monkeypatch):
     pytest.importorskip("torch_tensorrt")
-    model, x = model_and_batch(ModelName.resnet18, train=False, size=64,
+    model, x = model_and_batch("resnet18", train=False, size=64,
                                device=torch.device("cuda"))
     cfg, fp16 = CompileConfig(CompileName.tensorrt), AmpConfig(AmpName.fp16)
     compiled, _ = compiling.compile_model(model, cfg, fp16, TaskName.infer, x, [8, 3], tmp_path)

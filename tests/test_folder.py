@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.datasets import ImageFolder
 
-from runner.config import Decoder, LoaderConfig, OnCorrupt, Storage
+from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, Storage
 from runner.loader import BatchStream, build_loader, dataloader_kwargs
 from runner.storage.decode import CorruptImageError, ImageDecoder
 from runner.storage.folder import DatasetError, FolderStorage
@@ -56,10 +56,16 @@ def tree_with_corrupt(tmp_path: Path) -> Path:
     })
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_corrupt_files_are_skipped_counted_and_named(tree_with_corrupt: Path, workers: int):
+# The ways a folder is decoded: threads in process (the default), worker processes, and
+# the main thread alone (the reference).
+PATHS = {"threads": dict(num_workers=0), "workers": dict(num_workers=2),
+         "main": dict(num_workers=0, decode_threads=0)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_corrupt_files_are_skipped_counted_and_named(tree_with_corrupt: Path, path: str):
     storage = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.skip)
-    loader = build_loader(storage, loader_config(num_workers=workers, batch_size=3), 0, False)
+    loader = build_loader(storage, loader_config(batch_size=3, **PATHS[path]), 0, False)
     stream = BatchStream(loader, epochs=2)
     batches = list(stream)
     images = sum(len(b) for b in batches)
@@ -69,9 +75,10 @@ def test_corrupt_files_are_skipped_counted_and_named(tree_with_corrupt: Path, wo
     assert all(b["image"].dtype == torch.uint8 for b in batches)
 
 
-def test_on_corrupt_fail_stops_with_the_path(tree_with_corrupt: Path):
+@pytest.mark.parametrize("path", PATHS)
+def test_on_corrupt_fail_stops_with_the_path(tree_with_corrupt: Path, path: str):
     storage = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.fail)
-    loader = build_loader(storage, loader_config(num_workers=2), 0, False)
+    loader = build_loader(storage, loader_config(**PATHS[path]), 0, False)
     with pytest.raises(CorruptImageError, match=r"truncated\.jpg"):
         list(BatchStream(loader, epochs=1))
 
@@ -130,3 +137,49 @@ def test_dataloader_options_pass_through_and_respect_zero_workers():
         prefetch_factor=4, persistent_workers=False)
     # torch rejects prefetch_factor / persistent_workers without workers: left out
     assert "prefetch_factor" not in dataloader_kwargs(loader_config(num_workers=0), False)
+
+
+@pytest.mark.parametrize("crop", [Crop.center, Crop.random])
+@pytest.mark.parametrize("decoder", [Decoder.pil, Decoder.simplejpeg])
+def test_every_path_gives_identical_batches_for_the_same_seed(image_tree: Path,
+                                                              crop: Crop, decoder: Decoder):
+    """Threads, workers and the main thread: the same images, crops and flips, every
+    epoch (random crops draw from a seed per image and epoch, not from a shared RNG)."""
+    storage = FolderStorage(image_tree, ImageDecoder(decoder, (24, 24), crop, draft=True),
+                            OnCorrupt.skip)
+    got = {}
+    for path, options in PATHS.items():
+        loader = build_loader(storage, loader_config(shuffle=True, **options), 7, False)
+        got[path] = [(b["index"].clone(), b["image"].clone()) for b in BatchStream(loader, 2)]
+    reference = got.pop("main")
+    for path, batches in got.items():
+        assert len(batches) == len(reference) == 10
+        for (i, x), (j, y) in zip(batches, reference):
+            assert torch.equal(i, j) and torch.equal(x, y), path
+    if crop is Crop.random:  # the second epoch crops the same image differently
+        first = {int(i): img for idx, imgs in reference[:5] for i, img in zip(idx, imgs)}
+        second = {int(i): img for idx, imgs in reference[5:] for i, img in zip(idx, imgs)}
+        assert any(not torch.equal(first[k], second[k]) for k in first)
+
+
+def test_threads_decode_into_reused_buffers_and_stop_cleanly(image_tree: Path):
+    import threading
+
+    from runner.loader import ThreadedBatches
+
+    storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
+    loader = build_loader(storage, loader_config(batch_size=4), 0, False)
+    assert isinstance(loader, ThreadedBatches) and loader.threads >= 1
+    stream = iter(BatchStream(loader, epochs=4))
+    for _ in range(12):
+        next(stream)
+    stream.close()  # stopping early, as the loop does at run.steps
+    assert loader.pool.allocated <= loader.ahead + 3  # buffers reused, not one per batch
+    assert not [t for t in threading.enumerate() if t.name.startswith("runner-decode")]
+
+
+def test_threads_can_be_iterated_under_inference_mode(image_tree: Path):
+    storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
+    loader = build_loader(storage, loader_config(batch_size=4), 0, False)
+    with torch.inference_mode():  # a user's eval loop: buffers made here, filled by threads
+        assert sum(len(b) for b in BatchStream(loader, epochs=2)) == 36

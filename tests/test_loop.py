@@ -55,8 +55,12 @@ def test_warmup_is_excluded_and_windows_add_up():
     result = loop(batches(10), DataOnlyStep(), logger=logger)
     assert (result.steps, result.images, result.warmup_steps) == (10, 40, 3)
     assert (result.timed.steps, result.timed.images) == (7, 28)
-    timed_logs = [step for step, figures in logger.calls if "images_per_sec" in figures]
-    assert timed_logs == [5, 7, 9, 10]  # every 2nd timed step, and the end
+    # 7 timed steps in 3 repeats end at timed steps 2, 5 and 7; logs every 2nd timed step
+    assert [w.steps for w in result.repeats] == [2, 3, 2]
+    assert sum(w.seconds for w in result.repeats) == pytest.approx(result.timed.seconds)
+    timed_logs = [step for step, figures in logger.calls if "window/images_per_sec" in figures]
+    assert timed_logs == [5, 7, 8, 9, 10]
+    assert all(k.startswith("window/") for _, figures in logger.calls for k in figures)
 
 
 def test_waiting_for_data_is_attributed_to_data_wait():
@@ -73,7 +77,8 @@ def test_a_short_stream_ends_the_loop():
 
 
 def test_predictions_are_written_in_batch_order(tmp_path: Path):
-    writer = PredictionWriter(tmp_path, name_of=lambda i: f"file{i}.jpg", threads=3)
+    writer = PredictionWriter(tmp_path, name_of=lambda i: f"file{i}.jpg", threads=3,
+                              classes=["cat", "dog"])
     for start in (0, 3, 6):
         index = torch.arange(start, start + 3)
         probs = torch.tensor([[0.7, 0.2]] * 3)
@@ -82,8 +87,9 @@ def test_predictions_are_written_in_batch_order(tmp_path: Path):
     with open(tmp_path / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["index"]) for r in rows] == list(range(9))
-    assert rows[4] == {"index": "4", "file": "file4.jpg", "label": "0", "pred": "1",
-                       "prob": "0.700000", "topk_classes": "1 0",
+    assert rows[4] == {"index": "4", "file": "file4.jpg", "label": "0", "label_name": "cat",
+                       "pred": "1", "pred_name": "dog", "prob": "0.700000",
+                       "topk_classes": "1 0", "topk_names": "dog cat",
                        "topk_probs": "0.700000 0.200000"}
 
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -25,7 +21,6 @@ from runner.storage.decode import ImageDecoder
 from runner.storage.encoded import ReadBytes
 from runner.storage.folder import FolderStorage
 from tests.conftest import (
-    REPO,
     SMALL_DATASET,
     encode,
     make_tree,
@@ -85,39 +80,6 @@ def test_breaking_out_early_stops_the_thread_and_the_workers(image_tree: Path):
 
 def test_empty_source_and_an_empty_loader():
     assert list(CpuPrefetcher([], depth=3)) == []
-
-
-@pytest.mark.slow
-def test_ctrl_c_ends_the_run_promptly_with_no_stray_process(tmp_path: Path, cache_dir: Path):
-    run_cli(*SMALL_DATASET, "model=none", "logger=none", "run.steps=1", "hydra.run.dir=warm",
-            cwd=tmp_path)  # make the dataset first, so the run below is in its loop quickly
-    marker = f"hydra.run.dir={tmp_path}/interrupted"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", *SMALL_DATASET, "prefetch=cpu", "loader.num_workers=2",
-         "model=tiny", "logger=none", "run.steps=100000", marker],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    for line in proc.stdout:
-        if "warm-up) on" in line or time.time() > deadline:
-            break
-    time.sleep(1.0)  # inside the loop, workers and prefetch thread running
-    proc.send_signal(signal.SIGINT)
-    start = time.time()
-    proc.communicate(timeout=20)
-    assert time.time() - start < 15 and proc.returncode != 0
-    time.sleep(0.5)
-    stray = []
-    for pid in os.listdir("/proc"):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if pid.isdigit() and marker.encode() in cmdline:
-            stray.append(pid)
-    assert stray == []
-    m = read_metrics(tmp_path / "interrupted")
-    assert m["status"] == "failed" and m["reason"] == "interrupted"
 
 
 @pytest.mark.slow

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import glob
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from runner.logger import summary_of
 from tests.conftest import (
     SMALL_DATASET,
     encode,
@@ -110,7 +112,18 @@ def test_wandb_offline_run_holds_the_config_and_no_secret(tmp_path: Path, image_
     assert config["loader.batch_size"] == "6" and config["model.name"] == '"tiny"'
     logged = [r for r in records if r.WhichOneof("record_type") == "history"]
     keys = {i.key or ".".join(i.nested_key) for r in logged for i in r.history.item}
-    assert {"images_per_sec", "ms_per_step", "data_wait_frac", "loss"} <= keys
+    assert {"window/images_per_sec", "window/ms_per_step", "window/loss"} <= keys
+
+    # the summary the dashboard shows: every summary update, replayed in order
+    summary = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update({i.key or ".".join(i.nested_key): json.loads(i.value_json)
+                            for i in r.summary.update})
+    shown = {k: v for k, v in summary.items() if not k.startswith("_")}
+    metrics = json.loads(json.dumps(summary_of(read_metrics(tmp_path / "run"))))
+    assert shown == metrics  # same keys, same values: one set of figures everywhere
+    assert shown["images_per_sec"] == read_metrics(tmp_path / "run")["images_per_sec"]
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), f"secret written to {path}"

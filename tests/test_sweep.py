@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -37,25 +39,36 @@ def test_a_sweep_survives_skips_and_failures_and_reports(tmp_path: Path, cache_d
     assert report_main([str(tmp_path / "sweep"), "--baseline",
                         "loader=folder,prefetch=none,loader.shuffle_block=1"]) == 0
     report = (tmp_path / "sweep" / "report.md").read_text()
-    assert "| run | loader | prefetch | loader.shuffle_block | status | images/s |" in report
+    header = next(line for line in report.splitlines() if line.startswith("| run |"))
+    columns = [c.strip() for c in header.split("|")]
+    assert {"loader", "prefetch", "loader.shuffle_block", "status", "images/s"} <= set(columns)
+    assert columns.index("loader") < columns.index("status")
     assert report.count("| failed |") == 4 and report.count("| skipped |") == 2
     assert "loader.shuffle_block=0 is invalid" in report
     for name in ("throughput.png", "step_time.png"):
         assert (tmp_path / "sweep" / name).read_bytes()[:8] == PNG
 
 
+def fake_run(folder: Path, rate: float, config: dict, spread: float = 0.02, **extra) -> None:
+    """A metrics.json as a run writes it: the median of 3 windows and their spread."""
+    folder.mkdir(parents=True)
+    q = {"min": rate * (1 - spread), "q1": rate * (1 - spread / 2), "median": rate,
+         "q3": rate * (1 + spread / 2), "max": rate * (1 + spread)}
+    batch = config.get("loader", {}).get("batch_size", 32)
+    (folder / "metrics.json").write_text(json.dumps({
+        "status": "ok", "images_per_sec": rate, "ms_per_step": 1000 * batch / rate,
+        "repeats": 3, "spread": {"images_per_sec": q}, "timed_steps": 30, "flags": [],
+        "data_wait_frac": 0.5, "data_wait_ms": 5.0, "copy_ms": 1.0, "compute_ms": 2.0,
+        "config": {"dataset": {"image_size": [224, 224]}, "model": {"name": "none"}, **config},
+        **extra}))
+
+
 def test_report_compares_against_the_slowest_and_a_baseline(tmp_path: Path):
     def fake(job: str, loader: str, rate: float, batch: int):
-        folder = tmp_path / "sw" / job
-        folder.mkdir(parents=True)
-        (folder / "metrics.json").write_text(json.dumps({
-            "status": "ok", "images_per_sec": rate, "ms_per_step": 1000 * batch / rate,
-            "data_wait_frac": 0.5, "data_wait_ms": 5.0, "copy_ms": 1.0, "compute_ms": 2.0,
-            "overrides": [f"loader={loader}", f"loader.batch_size={batch}", "model=none"],
-            "config": {"loader": {"name": loader, "batch_size": batch},
-                       "dataset": {"image_size": [224, 224]}},
-            "bottleneck": {"stage": "decode", "sentence": f"data-bound: {loader}"},
-        }))
+        workers = 2 if loader == "folder" else 0  # a preset's value: decided by the loader
+        fake_run(tmp_path / "sw" / job, rate,
+                 {"loader": {"name": loader, "batch_size": batch, "num_workers": workers}},
+                 bottleneck={"stage": "decode", "sentence": f"data-bound: {loader}"})
 
     fake("0", "folder", 100.0, 32)
     fake("1", "folder", 150.0, 64)
@@ -63,12 +76,69 @@ def test_report_compares_against_the_slowest_and_a_baseline(tmp_path: Path):
     fake("3", "memmap", 9000.0, 64)
     out, table = write_report([tmp_path / "sw"], baseline="loader=memmap,loader.batch_size=32")
     lines = table.splitlines()
-    assert lines[0] == ("| run | loader | loader.batch_size | status | images/s | ms/step | "
-                        "data wait | vs slowest | vs run 2 | bottleneck |")
-    assert "| 3 | memmap | 64 | ok | 9,000 |" in lines[5]
-    assert "| 90.00x | 1.80x | decode |" in lines[5]  # 9000/100 and 9000/5000
+    assert lines[0] == ("| run | loader | loader.batch_size | status | images/s | "
+                        "spread (windows) | ms/step | data wait | vs slowest | vs run 2 | flags "
+                        "| bottleneck |")  # num_workers follows the loader: not a column
+    assert "| 3 | memmap | 64 | ok | 9,000 | 8,820–9,180 |" in lines[5]
+    assert "| 90.00x | 1.80x |  | decode |" in lines[5]  # 9000/100 and 9000/5000
     assert "model" not in lines[0]  # constant options are not columns
-    assert "- 3: data-bound: memmap" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "- 3: data-bound: memmap" in report
+    # what each switch bought: folder -> memmap at equal batch size, 50x and 60x
+    assert "| loader | memmap | folder | 2 | 0.02x |" in report
+    assert "| loader.batch_size | 32 | 64 | 2 | 1.65x | 1.50x–1.80x | faster |" in report
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["loader"] for r in rows] == ["folder", "folder", "memmap", "memmap"]
+    assert float(rows[3]["images_per_sec"]) == 9000.0
+    assert float(rows[3]["images_per_sec_max"]) == pytest.approx(9180.0)
+
+
+def test_separate_runs_compare_by_their_resolved_config_defaults_included(tmp_path: Path):
+    # two runs made separately: one with no overrides at all (every value a default)
+    fake_run(tmp_path / "a", 1000.0, {"loader": {"name": "folder", "batch_size": 64}},
+             overrides=[])
+    fake_run(tmp_path / "b", 1400.0, {"loader": {"name": "memmap", "batch_size": 64}},
+             overrides=["loader=memmap"])
+    out, table = write_report([tmp_path / "a", tmp_path / "b"], baseline="loader=folder",
+                              out=tmp_path / "rep")
+    assert "| a | folder | ok |" in table and "| b | memmap | ok |" in table
+    assert "| 1.40x |" in table.splitlines()[3]
+
+
+def test_runs_whose_spreads_overlap_are_within_noise_not_ranked(tmp_path: Path):
+    fake_run(tmp_path / "s" / "0", 1000.0, {"loader": {"name": "folder"}}, spread=0.1)
+    fake_run(tmp_path / "s" / "1", 1050.0, {"loader": {"name": "memmap"}}, spread=0.1)
+    fake_run(tmp_path / "s" / "2", 3000.0, {"loader": {"name": "ram"}}, spread=0.1)
+    out, table = write_report([tmp_path / "s"])
+    assert "1.05x (within noise)" in table
+    report = (out / "report.md").read_text()
+    assert "1. loader=ram: 3,000 img/s" in report
+    assert "2. loader=memmap" in report and "2. ≈ loader=folder" in report
+    assert "| loader | folder | memmap | 1 | 1.05x | one pair | within noise |" in report
+
+
+def test_flags_reach_the_report(tmp_path: Path):
+    fake_run(tmp_path / "s" / "0", 1000.0, {"loader": {"name": "folder"}},
+             flags=["few timed steps (6; time at least 15)"])
+    fake_run(tmp_path / "s" / "1", 900.0, {"loader": {"name": "memmap"}})
+    _, table = write_report([tmp_path / "s"])
+    assert "few timed steps (6; time at least 15)" in table.splitlines()[2]
+
+
+def test_plots_stay_readable_at_30_runs_with_a_100x_span(tmp_path: Path):
+    from PIL import Image
+
+    for k in range(32):
+        rate = 100.0 * (1.16 ** k)  # 100 .. ~10,000 img/s
+        fake_run(tmp_path / "s" / str(k), rate,
+                 {"loader": {"name": ["folder", "memmap", "ram", "ram"][k % 4],
+                             "prefetch_factor": k}})
+    out, _ = write_report([tmp_path / "s"])
+    for name in ("throughput.png", "step_time.png"):
+        with Image.open(out / name) as img:
+            w, h = img.size
+        assert w >= 900 and h >= 0.3 * 120 * 32  # a row per run, not squeezed
 
 
 @pytest.mark.slow
@@ -128,7 +198,7 @@ def test_a_cpu_model_slowed_by_its_loader_is_told_so():
     from runner.config import Storage, compose
     from runner.diagnose import verdict
 
-    cfg = compose(["loader=folder", "model=tiny"])
+    cfg = compose(["loader=folder", "model=tiny", "loader.num_workers=2"])
     assert cfg.loader.name is Storage.folder and cfg.loader.num_workers == 2
     figures = {"images_per_sec": 300.0, "data_wait_frac": 0.03}
     ceilings = {"read": 50000.0, "decode": 1000.0, "collate": 90000.0, "model": 600.0}
@@ -136,3 +206,131 @@ def test_a_cpu_model_slowed_by_its_loader_is_told_so():
     assert v.bound == "model" and "alone the model runs 2.0x faster" in v.sentence
     assert "loader=memmap" in v.sentence
     assert "alone the model" not in verdict(cfg, figures, ceilings, cpu=False).sentence
+
+
+def q(median: float, width: float = 0.05) -> dict[str, float]:
+    return {"min": median * (1 - 2 * width), "q1": median * (1 - width), "median": median,
+            "q3": median * (1 + width), "max": median * (1 + 2 * width)}
+
+
+def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
+    from runner.config import compose
+    from runner.diagnose import Ceilings, verdict
+
+    cfg = compose(["loader=memmap", "model=none"])
+    figures = {"images_per_sec": 22305.0, "data_wait_frac": 0.9, "spread_frac": 0.05}
+    # one stalled probe: gather at 865 img/s cannot limit a pipeline at 22,305
+    v = verdict(cfg, figures, Ceilings({"gather": 865.0}, {"gather": q(865.0)}))
+    assert v.stage == "unknown" and "gather (865)" in v.sentence
+    assert "slowest stage" not in v.sentence
+    v = verdict(cfg, figures, Ceilings({"gather": 865.0, "collate": 24000.0},
+                                       {"gather": q(865.0), "collate": q(24000.0)}))
+    assert v.stage == "collate" and "within noise of the pipeline" in v.sentence
+
+
+def test_stages_within_each_others_spread_are_called_within_noise():
+    from runner.config import compose
+    from runner.diagnose import Ceilings, verdict
+
+    cfg = compose(["loader=folder", "model=none"])
+    figures = {"images_per_sec": 900.0, "data_wait_frac": 0.9, "spread_frac": 0.05}
+    close = Ceilings({"decode": 1000.0, "read": 1030.0},
+                     {"decode": q(1000.0), "read": q(1030.0)})
+    v = verdict(cfg, figures, close)
+    assert v.stage == "decode" and "read (1,030 img/s) is within noise" in v.sentence
+    apart = Ceilings({"decode": 1000.0, "read": 5000.0}, {"decode": q(1000.0), "read": q(5000.0)})
+    assert "within noise" not in verdict(cfg, figures, apart).sentence
+
+
+def test_stage_ceilings_are_medians_of_repeated_bursts_that_ignore_one_stall():
+    from runner.diagnose import probe
+
+    calls = []
+
+    def stage() -> int:
+        calls.append(1)
+        if len(calls) == 3:  # one call stalls for a long time
+            time.sleep(0.3)
+        else:
+            time.sleep(0.002)
+        return 10
+
+    rates = probe(stage, repeats=5, seconds=0.05)
+    assert len(rates) == 5
+    ordered = sorted(rates)
+    assert ordered[0] < 0.3 * ordered[2]  # the stalled burst is the outlier ...
+    assert ordered[2] > 2000  # ... and the median is the stage's real rate (~5,000 img/s)
+
+
+def test_the_objective_is_nan_unless_the_run_succeeded():
+    import math
+
+    from runner.sweep import objective
+
+    assert objective({"status": "ok", "images_per_sec": 12.5}, "images_per_sec") == 12.5
+    for m in ({"status": "failed", "images_per_sec": 12.5}, {"status": "skipped"},
+              {"status": "ok", "images_per_sec": None}, {"status": "interrupted"}):
+        assert math.isnan(objective(m, "images_per_sec"))
+
+
+def test_autotune_searches_what_this_machine_runs_and_starts_from_the_config_as_given():
+    optuna = pytest.importorskip("optuna")
+    from runner.sweep import autotune_choices, autotune_space
+    from tests.conftest import compose_config
+
+    cfg = compose_config("sweep=autotune", "loader.batch_size=96", hydra=True)
+    choices = autotune_choices(cfg, cuda=False, cores=2)
+    assert "gpu" not in choices["prefetch"] and "fp16" not in choices["amp"]
+    assert "nvjpeg" not in choices["loader.decoder"] and choices["compile"] == ["eager"]
+    assert max(choices["loader.num_workers"]) == 2
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(0))
+    first = study.ask()
+    autotune_space(cfg, first)
+    assert first.params["loader"] == "folder" and first.params["prefetch"] == "none"
+    assert first.params["loader.decoder"] == cfg.loader.decoder.value
+    assert "loader.batch_size" not in first.params  # given on the command line: fixed
+    seen = set()
+    for _ in range(30):
+        trial = study.ask()
+        autotune_space(cfg, trial)
+        seen.add(trial.params["loader"])
+        if trial.params["loader"] != "folder":  # conditional: no decoder without decoding
+            assert "loader.decoder" not in trial.params
+        if trial.params["prefetch"] == "none":
+            assert "prefetch.depth" not in trial.params
+        study.tell(trial, 1.0)
+    assert seen == {"folder", "memmap", "ram"}
+
+
+@pytest.mark.slow
+def test_any_hydra_sweeper_can_optimize_the_runner(tmp_path: Path, cache_dir: Path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = run_cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize",
+                   "hydra.sweeper.n_trials=3", "loader.batch_size=choice(8,16)",
+                   *[o for o in SMALL_DATASET if not o.startswith("loader.batch_size")],
+                   "model=none", "loader=memmap", "run.steps=6", "logger=none",
+                   "hydra.sweep.dir=sweep", cwd=tmp_path)
+    results = (tmp_path / "sweep" / "optimization_results.yaml").read_text()
+    assert "best_value" in results and "loader.batch_size" in results
+    assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_autotune_writes_the_best_command_and_its_gain_over_trial_0(tmp_path: Path,
+                                                                    cache_dir: Path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import yaml
+
+    proc = run_cli("-m", "sweep=autotune", "hydra.sweeper.n_trials=4", *SMALL_DATASET,
+                   "run.steps=8", "logger=none", "diagnose=false", "hydra.sweep.dir=sweep",
+                   cwd=tmp_path)
+    best = yaml.safe_load((tmp_path / "sweep" / "best.yaml").read_text())
+    first = read_metrics(tmp_path / "sweep" / "0")
+    assert first["config"]["loader"]["name"] == "folder"  # trial 0: the defaults
+    assert first["config"]["prefetch"]["name"] == "none"
+    winner = read_metrics(tmp_path / "sweep" / best["job"])
+    assert best["value"] == winner["images_per_sec"]
+    assert best["gain"] == pytest.approx(winner["images_per_sec"] / first["images_per_sec"])
+    assert best["command"].startswith("python -m runner ") and "sweep=" not in best["command"]
+    out = proc.stdout + proc.stderr
+    assert "autotune: best of 4 trials" in out and best["command"] in out.replace("\n  ", " ")

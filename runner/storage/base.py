@@ -86,12 +86,15 @@ class Storage(Protocol):
         decodes_per_epoch: True when every epoch decodes the source files (so random crops
             happen while decoding); False when images were decoded once (center crops, so
             random crops of training batches happen on the device).
+        random_crops: True when items take ``(index, crop_seed)`` and crop at random while
+            decoding; the batch order then hands out a seed per image and epoch.
     """
 
     root: Path
     classes: list[str]
     known_skipped: list[SkippedFile]
     decodes_per_epoch: bool
+    random_crops: bool
 
     def __len__(self) -> int: ...
 

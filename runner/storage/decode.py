@@ -167,18 +167,21 @@ def random_box(
     w: int,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    rng: torch.Generator | None = None,
 ) -> Box:
-    """torchvision's RandomResizedCrop.get_params, drawn from torch's RNG (seeded per worker)."""
+    """torchvision's RandomResizedCrop.get_params, drawn from ``rng`` (a per-image
+    generator: the same crop on every loading path), else torch's global RNG."""
     area = h * w
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
-        target = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=rng).item()
+        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1],
+                                                  generator=rng).item())
         cw = int(round(math.sqrt(target * aspect)))
         ch = int(round(math.sqrt(target / aspect)))
         if 0 < cw <= w and 0 < ch <= h:
-            top = torch.randint(0, h - ch + 1, size=(1,)).item()
-            left = torch.randint(0, w - cw + 1, size=(1,)).item()
+            top = torch.randint(0, h - ch + 1, size=(1,), generator=rng).item()
+            left = torch.randint(0, w - cw + 1, size=(1,), generator=rng).item()
             return Box(top, left, ch, cw)
     in_ratio = w / h  # fallback: the whole image, clipped to the ratio range
     if in_ratio < min(ratio):
@@ -212,6 +215,11 @@ def resize_crop(img: torch.Tensor, box: Box, size: tuple[int, int]) -> torch.Ten
 
 
 # --- decoders -------------------------------------------------------------------------------
+
+# A JPEG header can promise any size; past this (PIL's decompression-bomb threshold, twice
+# Image.MAX_IMAGE_PIXELS) a hostile or broken file is refused instead of decoded. PIL applies
+# the same limit to everything that falls back to it.
+MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
 # Each takes the file's bytes and the minimum (height, width) the decode may shrink to in the
 # DCT domain (None: full size), and returns a CHW uint8 tensor in stored (not upright)
 # orientation. Only pil and simplejpeg can decode at a reduced scale.
@@ -245,7 +253,17 @@ def decode_simplejpeg(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tens
 def decode_jpeg4py(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
     import jpeg4py
 
-    return _hwc(jpeg4py.JPEG(np.frombuffer(data, np.uint8)).decode())
+    jpeg = jpeg4py.JPEG(np.frombuffer(data, np.uint8))
+    try:
+        return _hwc(jpeg.decode())
+    except Exception:
+        # jpeg4py hands a decompressor back to its pool when the JPEG object dies; one that
+        # failed (a truncated file) is left in a state that corrupts memory on a later
+        # decode (seen: hangs at 100% CPU, malloc aborts, segfaults). Destroy it instead.
+        handle, jpeg.decompressor = jpeg.decompressor, None
+        if handle is not None:
+            handle.release()
+        raise
 
 
 def decode_torchvision(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
@@ -304,18 +322,24 @@ class ImageDecoder:
     crop: Crop = Crop.center
     draft: bool = False
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes, rng: torch.Generator | None = None) -> torch.Tensor:
+        """Decode ``data``; random crops draw from ``rng`` (per image) when given."""
         header = read_jpeg_header(data)
+        if header is not None and header.height * header.width > MAX_PIXELS:
+            raise CorruptImageError(
+                f"{header.width}x{header.height} pixels is over the {MAX_PIXELS:,}-pixel limit "
+                "(PIL's decompression-bomb limit): a file this large would take "
+                f"{3 * header.height * header.width / 2**30:.1f} GiB to decode")
         # CMYK/YCCK JPEGs: the libjpeg-turbo wrappers disagree on the colour conversion, PIL
         # does it right, so they go straight to the fallback.
         if header is not None and header.components in (1, 3):
             try:
-                img = self._decode_jpeg(data, header)
+                img = self._decode_jpeg(data, header, rng)
             except Exception:  # any decoder error: let PIL try before calling it corrupt
                 img = None
             if img is not None:
                 return img
-        return self._decode_fallback(data)
+        return self._decode_fallback(data, rng)
 
     @property
     def item_shape(self) -> tuple[int, int, int]:
@@ -331,22 +355,24 @@ class ImageDecoder:
         """Decoded images as one batch tensor (in shared memory inside a worker)."""
         return stack_images(images)
 
-    def box_for(self, h: int, w: int) -> Box:
+    def box_for(self, h: int, w: int, rng: torch.Generator | None = None) -> Box:
         """The crop, on an upright image of this size: center, or random-resized."""
         if self.crop is Crop.random:
-            return random_box(h, w)
+            return random_box(h, w, rng=rng)
         return center_box(h, w, *self.size)
 
-    def finish(self, img: torch.Tensor, box: Box) -> torch.Tensor:
+    def finish(self, img: torch.Tensor, box: Box, rng: torch.Generator | None = None
+               ) -> torch.Tensor:
         """Crop, resize and (random crops) maybe flip an upright CHW image, on its device."""
         out = resize_crop(img, box, self.size)
-        if self.crop is Crop.random and torch.rand(1).item() < 0.5:
+        if self.crop is Crop.random and torch.rand(1, generator=rng).item() < 0.5:
             out = out.flip(2).contiguous()
         return out
 
-    def _decode_jpeg(self, data: bytes, header: JpegHeader) -> torch.Tensor:
+    def _decode_jpeg(self, data: bytes, header: JpegHeader, rng: torch.Generator | None
+                     ) -> torch.Tensor:
         oh, ow = header.oriented_hw
-        box = self.box_for(oh, ow)
+        box = self.box_for(oh, ow, rng)
         min_hw = None
         if self.draft and self.decoder in SCALED_DECODERS:
             # The decode only needs to be as large as the crop will be after resizing.
@@ -358,9 +384,9 @@ class ImageDecoder:
             raise ValueError(f"decoder returned {img.shape[0]} channels")
         img = apply_orientation(img, header.orientation)
         dh, dw = img.shape[-2:]
-        return self.finish(img, box.scaled(dh / oh, dw / ow))
+        return self.finish(img, box.scaled(dh / oh, dw / ow), rng)
 
-    def _decode_fallback(self, data: bytes) -> torch.Tensor:
+    def _decode_fallback(self, data: bytes, rng: torch.Generator | None) -> torch.Tensor:
         try:
             with Image.open(io.BytesIO(data)) as pil:
                 pil = ImageOps.exif_transpose(pil).convert("RGB")
@@ -368,4 +394,4 @@ class ImageDecoder:
         except Exception as e:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
         h, w = img.shape[-2:]
-        return self.finish(img, self.box_for(h, w))
+        return self.finish(img, self.box_for(h, w, rng), rng)

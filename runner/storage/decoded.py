@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from runner import timeline
 from runner.storage.base import (
     Probe,
     Sample,
@@ -52,6 +53,7 @@ class DecodedStorage(Dataset):
     """
 
     decodes_per_epoch = False
+    random_crops = False  # center crops decoded once; random ones happen on the device
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, skipped: list[SkippedFile],
                  classes: list[str], names: list[str], root: Path | None,
@@ -108,7 +110,8 @@ class DecodedStorage(Dataset):
         """One batch with one indexed read of the image tensor (into ``out`` if given)."""
         index, valid = split_padding(index)
         slots = index if self.contiguous_slots else self.slots.index_select(0, index)
-        image = torch.index_select(self.images, 0, slots, out=out)
+        with timeline.span("gather"):
+            image = torch.index_select(self.images, 0, slots, out=out)
         batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
         if valid is not None:
             batch["valid"] = valid

@@ -24,7 +24,7 @@ class ReadBytes:
     def __init__(self, image_decoder: ImageDecoder):
         self.image_decoder = image_decoder
 
-    def __call__(self, data: bytearray) -> torch.Tensor:
+    def __call__(self, data: bytearray, rng: torch.Generator | None = None) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8)
 
     @staticmethod

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 
-from runner.config import OnCorrupt
+from runner import timeline
+from runner.config import Crop, OnCorrupt
 from runner.errors import UserError
 from runner.storage.base import Probe, Sample, SkippedFile, cycle_rows, unpad
 from runner.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
@@ -28,11 +30,33 @@ def find_classes(root: Path) -> list[str]:
     return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
 
 
+def printable(path: str) -> str:
+    """``path`` as valid UTF-8 text: bytes that are not UTF-8 (a file name from another
+    system's encoding) appear as ``\\xNN`` escapes instead of failing a write."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _walk(top: Path) -> list[tuple[str, list[str]]]:
+    """(folder, file names) below ``top``, following links to folders as ImageFolder does,
+    but entering each real folder once: a link that loops back (``ln -s .. loop``) would
+    otherwise be walked until the path is too long, listing every image again each time."""
+    seen: set[tuple[int, int]] = set()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        found.append((dirpath, filenames))
+    return found
+
+
 def scan_images(root: Path, classes: list[str]) -> list[tuple[str, int]]:
     """(path, class index) for every image, in ImageFolder's order (sorted walk per class)."""
     samples = []
     for label, name in enumerate(classes):
-        for dirpath, _, filenames in sorted(os.walk(root / name, followlinks=True)):
+        for dirpath, filenames in sorted(_walk(root / name)):
             for filename in sorted(filenames):
                 if filename.lower().endswith(EXTENSIONS):
                     samples.append((os.path.join(dirpath, filename), label))
@@ -127,14 +151,39 @@ class FolderStorage(torch.utils.data.Dataset):
         """Every file's class index, in storage order."""
         return torch.tensor([label for _, label in self.samples], dtype=torch.int64)
 
-    def __getitem__(self, index: int) -> Sample | SkippedFile:
+    @property
+    def random_crops(self) -> bool:
+        """Whether each image gets its own random crop (``dataset.crop=random``)."""
+        return self.decode.image_decoder.crop is Crop.random
+
+    def __getitem__(self, index: int | tuple[int, int]) -> Sample | SkippedFile:
+        """Item ``index``; ``(index, crop_seed)`` draws its random crop from that seed (the
+        batch order gives each image of each epoch one, so every path crops alike)."""
+        rng = None
+        if isinstance(index, tuple):
+            index, seed = index
+            rng = torch.Generator().manual_seed(seed)
         index, valid = unpad(index)
+        t0 = time.perf_counter()
+        try:
+            data = read_file(self.samples[index][0])
+        except OSError as e:
+            return self.undecodable(self.samples[index][0], e, index)
+        t1 = time.perf_counter()
+        item = self.decode_data(index, data, valid, rng)
+        if timeline.enabled():
+            timeline.record("read", t0, t1)
+            timeline.record("decode", t1, time.perf_counter())
+        return item
+
+    def decode_data(self, index: int, data: bytearray | None, valid: bool = True,
+                    rng: torch.Generator | None = None) -> Sample | SkippedFile:
+        """Item ``index`` from its file's bytes (None: the file could not be read)."""
         path, label = self.samples[index]
         try:
-            data = read_file(path)
             if not data:
-                raise CorruptImageError("empty file")
-            image = self.decode(data)
+                raise CorruptImageError("empty file" if data is not None else "unreadable")
+            image = self.decode(data, rng)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
         return Sample(image, label, index, valid)
@@ -144,8 +193,8 @@ class FolderStorage(torch.utils.data.Dataset):
         with its path."""
         if self.on_corrupt is OnCorrupt.fail:
             raise CorruptFileStop(
-                f"cannot decode {path}: {error} (dataset.on_corrupt=skip skips such files)"
-            ) from error
+                f"cannot decode {printable(path)}: {error} (dataset.on_corrupt=skip skips "
+                "such files)") from error
         return SkippedFile(path, str(error), index)
 
     def __getitems__(self, indices: list[int]) -> list[Sample | SkippedFile]:

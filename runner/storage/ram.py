@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,12 +25,12 @@ from runner.storage.folder import DatasetError, FolderStorage
 from runner.storage.memmap import (
     IMAGES,
     CacheSpec,
+    check_skipped,
     chunk_ranges,
     decode_into,
     image_shape,
     open_labels,
     skipped_files,
-    source_fingerprint,
     valid_cache,
 )
 
@@ -50,14 +51,33 @@ def memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+SHM = "/dev/shm"  # where torch's shared memory lives (shm_open)
+
+
+def shm_free() -> int | None:
+    """Free bytes in the shared-memory filesystem (None: there is none to ask)."""
+    try:
+        return shutil.disk_usage(SHM).free
+    except OSError:
+        return None
+
+
 def check_fits(nbytes: int, count: int, shape: tuple[int, ...]) -> None:
+    """Refuse, before loading anything, a dataset that RAM or /dev/shm cannot hold."""
     available = memory_available()
+    what = f"{nbytes / GiB:.2f} GiB for {count:,} images of {'x'.join(map(str, shape))} uint8"
     if nbytes > 0.9 * available:
         raise DatasetError(
-            f"loader=ram needs {nbytes / GiB:.1f} GiB for {count:,} images of "
-            f"{'x'.join(map(str, shape))} uint8, but only {available / GiB:.1f} GiB of memory "
+            f"loader=ram needs {what}, but only {available / GiB:.1f} GiB of memory "
             "is available; use loader=memmap (reads a memory-mapped file instead), or a "
             "smaller dataset.image_size"
+        )
+    shm = shm_free()
+    if shm is not None and nbytes > shm:
+        raise DatasetError(
+            f"loader=ram needs {what} of shared memory, but {SHM} has only {shm / GiB:.2f} GiB "
+            "free (a container's default is 64 MB): start the container with a larger "
+            "--shm-size (docker run --shm-size=16g), or use loader=memmap"
         )
 
 
@@ -67,9 +87,10 @@ def load_ram(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
     count = len(folder_storage)
     shape = image_shape(count, spec.image_size)
     check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
-    meta = valid_cache(spec.folder(cache_root), spec, source_fingerprint(folder_storage))
+    meta = valid_cache(spec.folder(cache_root), spec, folder_storage)
     images = shared_empty(shape, torch.uint8)
     if meta is not None:
+        check_skipped(meta, folder_storage)
         _read_file(spec.folder(cache_root) / IMAGES, images, progress)
         labels = open_labels(spec.folder(cache_root), meta)
         skipped = skipped_files(meta)

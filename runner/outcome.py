@@ -1,0 +1,163 @@
+"""How a run ends: its status and one-line reason, the signals that stop it, the folder it
+claims, and a metrics.json that is never lost.
+
+- ``ok``, ``skipped`` (``Unavailable``: this machine cannot run the combination),
+  ``interrupted`` (Ctrl-C or SIGTERM: the figures of the steps done are kept) or ``failed``.
+- A user's mistake (``UserError``, a full or read-only disk, a permission) fails with one
+  line that names the fix; its traceback goes to runner.log only. Anything else is a bug:
+  its traceback is printed too.
+- While a run is in progress its metrics.json says ``running`` (with the figures of the
+  windows done so far), so even a SIGKILL leaves a trace the report can show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from runner.atomic import write_json
+from runner.errors import Interrupted, Unavailable, UserError
+
+log = logging.getLogger("runner")
+
+# OS errors that are the machine's state, not the runner's bug: they get one line
+USER_ERRNOS = {errno.ENOSPC: "no space left on the device",
+               errno.EDQUOT: "the disk quota is exceeded",
+               errno.EROFS: "the filesystem is read-only",
+               errno.EACCES: "permission denied",
+               errno.EPERM: "operation not permitted"}
+EXIT_USER_ERROR = 2
+
+
+class RunDirInUse(UserError):
+    """Another live run holds this run folder."""
+
+
+def is_user_error(error: BaseException) -> bool:
+    return isinstance(error, UserError) or (
+        isinstance(error, OSError) and error.errno in USER_ERRNOS)
+
+
+def one_line(error: BaseException) -> str:
+    """The reason a run failed, in one line: the message for a user's mistake (with the
+    fix for an OS error), the exception's type and message for anything else."""
+    if isinstance(error, UserError):
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, OSError) and error.errno in USER_ERRNOS:
+        where = f" writing {error.filename}" if error.filename else ""
+        return (f"{USER_ERRNOS[error.errno]}{where}: free space, or point the run folder "
+                "(hydra.run.dir) and the cache (RUNNER_CACHE, dataset.cache_dir) at a "
+                "writable disk with room")
+    return f"{type(error).__name__}: {error}"
+
+
+def outcome(error: BaseException, interrupted_by: str | None = None) -> dict[str, Any]:
+    """status, reason and traceback for a run that ended with ``error``."""
+    if isinstance(error, Unavailable):
+        return {"status": "skipped", "reason": str(error)}
+    if isinstance(error, KeyboardInterrupt) or interrupted_by:
+        name = getattr(error, "signal_name", None) or interrupted_by or "SIGINT"
+        return {"status": "interrupted", "reason": f"interrupted by {name}",
+                "traceback": traceback.format_exc()}
+    return {"status": "failed", "reason": one_line(error), "user_error": is_user_error(error),
+            "traceback": traceback.format_exc()}
+
+
+def log_traceback(text: str) -> None:
+    """The traceback into runner.log (the job's log file) and not onto the console."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.stream.write(text if text.endswith("\n") else text + "\n")
+            handler.flush()
+
+
+def save_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    """Write metrics.json whole; when the disk refuses, print it instead: a finished run's
+    figures are never lost to a full disk."""
+    try:
+        write_json(path, metrics)
+    except OSError as e:
+        log.error("could not write %s (%s); the run's metrics follow on one line", path,
+                  one_line(e))
+        print(json.dumps(metrics, default=str), file=sys.stderr, flush=True)
+        raise
+
+
+class Signals:
+    """SIGTERM (kill, SLURM, ``docker stop``, torchrun stopping its workers) and SIGINT
+    end the run like Ctrl-C: ``Interrupted`` is raised in the main thread, so the loop keeps
+    the steps it completed and every worker and thread stops. A second signal while the run
+    cleans up is ignored (said once); a third exits at once."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.count = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            self.received = name
+            raise Interrupted(name)
+        if self.count == 2:
+            log.warning("%s: stopping and saving what was measured; a third signal kills "
+                        "the run at once", name)
+            return
+        os._exit(128 + signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Signals]:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # only the main thread may handle signals (a test's thread)
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        try:
+            yield self
+        finally:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+
+
+class RunDirClaim:
+    """An exclusive lock on the run folder for the run's lifetime: two runs never write
+    into one folder (a second one fails at once, saying which folder and why). The lock is
+    the kernel's (``flock``), so a killed run releases it."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".runner.lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunDirClaim:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "another"
+            os.close(self.fd)
+            self.fd = None
+            raise RunDirInUse(
+                f"the run folder {self.path.parent} is in use by another run (pid {holder}): "
+                "two runs never share one; drop hydra.run.dir to get a fresh folder, or give "
+                "each run its own") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None

@@ -1,0 +1,189 @@
+"""``run.timeline=true`` (default): what every lane of the pipeline did, over a few steps.
+
+Each stage records its start and end (``time.perf_counter``: the system's monotonic
+clock, the same in every process) into a per-process list: loader workers their reads,
+decodes, gathers and collates; the main thread (and a prefetch thread) its waits for the
+next batch, gathers, the copy to the device, augmentation and the model step. Workers
+append their spans to a file per process in the run folder after each batch. After the
+loop, the spans of a few consecutive steps after warm-up are drawn as one lane per
+process/thread: ``timeline.png``, with the data in ``timeline.json``. Overlap, or its
+absence, shows at a glance.
+
+Recording costs two clock reads and one append per span; each process keeps at most
+``LIMIT`` spans, so a long run records its beginning only (which is where the window is).
+On CUDA the main thread's spans are host time: the launch of the copy and of the step,
+not their execution on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+LIMIT = 200_000  # spans kept per process
+STEPS_SHOWN = 4  # consecutive steps drawn after warm-up
+
+_state: dict[str, Any] = {"dir": None}
+_spans: list[tuple[str, str, float, float]] = []  # (lane, stage, start, end)
+_written = 0  # spans of this process already appended to its file
+
+
+def enable(folder: Path) -> None:
+    """Record from now on, in this process and in the workers it forks later."""
+    global _written
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.jsonl"):
+        old.unlink()
+    _state["dir"] = folder
+    _spans.clear()
+    _written = 0
+
+
+def disable() -> None:
+    _state["dir"] = None
+    _spans.clear()
+
+
+def enabled() -> bool:
+    return _state["dir"] is not None
+
+
+def lane() -> str:
+    """The recording process and thread, as a lane name: ``main``, ``worker 1``,
+    ``main/prefetch``."""
+    if mp.parent_process() is None:
+        name = "main"
+    else:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        name = f"worker {info.id}" if info is not None else f"process {os.getpid()}"
+    thread = threading.current_thread()
+    if thread is not threading.main_thread():
+        name += f"/{thread.name.removeprefix('runner-')}"
+    return name
+
+
+def record(stage: str, start: float, end: float) -> None:
+    if _state["dir"] is not None and len(_spans) < LIMIT:
+        _spans.append((lane(), stage, start, end))
+
+
+@contextlib.contextmanager
+def span(stage: str) -> Iterator[None]:
+    if _state["dir"] is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        record(stage, start, time.perf_counter())
+
+
+def flush() -> None:
+    """In a worker process: append the spans recorded since the last flush to this
+    process's file (the main process keeps its own in memory)."""
+    global _written
+    folder = _state["dir"]
+    if folder is None or mp.parent_process() is None or _written >= len(_spans):
+        return
+    new = _spans[_written:]
+    _written = len(_spans)
+    try:
+        with open(folder / f"{os.getpid()}.jsonl", "a") as f:
+            f.write("".join(json.dumps(s) + "\n" for s in new))
+    except OSError:
+        pass  # a timeline is never worth a failed batch
+
+
+def collect(start: float, end: float) -> list[tuple[str, str, float, float]]:
+    """Every process's spans that overlap ``[start, end]``."""
+    spans = list(_spans)
+    folder = _state["dir"]
+    if folder is not None:
+        for file in folder.glob("*.jsonl"):
+            for line in file.read_text().splitlines():
+                try:
+                    spans.append(tuple(json.loads(line)))
+                except ValueError:
+                    continue  # a line cut by a worker that was stopped mid-write
+    return [s for s in spans if s[3] >= start and s[2] <= end]
+
+
+COLORS = {"read": "#8c564b", "decode": "#d62728", "gather": "#9467bd", "collate": "#e377c2",
+          "wait": "#bbbbbb", "copy": "#ff7f0e", "augment": "#bcbd22", "step": "#2ca02c"}
+
+
+def _lane_order(name: str) -> tuple:
+    return (name.startswith("main"), name)
+
+
+def write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
+          title: str) -> dict[str, Any] | None:
+    """Draw the steps after warm-up (``STEPS_SHOWN`` of them) into ``timeline.png`` and
+    ``timeline.json``; None when the run timed no step."""
+    shown = step_spans[warmup : warmup + STEPS_SHOWN]
+    if not shown:
+        return None
+    start, end = shown[0][0], shown[-1][1]
+    spans = collect(start, end)
+    lanes = sorted({s[0] for s in spans}, key=_lane_order)
+    data = {
+        "title": title, "unit": "ms from the first step shown",
+        "steps": [[(a - start) * 1e3, (b - start) * 1e3] for a, b in shown],
+        "spans": [{"lane": s[0], "stage": s[1], "start": (max(s[2], start) - start) * 1e3,
+                   "end": (min(s[3], end) - start) * 1e3} for s in spans],
+    }
+    json_path = run_dir / "timeline.json"
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    png = run_dir / "timeline.png"
+    try:
+        draw(data, lanes, png)
+    except Exception:  # matplotlib missing or failing: the JSON is the record
+        png = None
+    busy = {name: sum(s["end"] - s["start"] for s in data["spans"] if s["lane"] == name)
+            for name in lanes}
+    total = (end - start) * 1e3
+    return {"timeline": str(png or json_path), "timeline_json": str(json_path),
+            "timeline_busy": {k: v / total for k, v in busy.items()} if total else {}}
+
+
+def draw(data: dict[str, Any], lanes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(lanes) + 1.8))
+    seen = set()
+    for row, name in enumerate(lanes):
+        for s in data["spans"]:
+            if s["lane"] != name:
+                continue
+            label = s["stage"] if s["stage"] not in seen else None
+            seen.add(s["stage"])
+            ax.broken_barh([(s["start"], max(s["end"] - s["start"], 1e-3))], (row - 0.35, 0.7),
+                           color=COLORS.get(s["stage"], "C0"), label=label,
+                           edgecolor="white", linewidth=0.3)
+    for k, (a, _) in enumerate(data["steps"]):
+        ax.axvline(a, color="black", alpha=0.25, linewidth=0.8)
+        ax.text(a, len(lanes) - 0.4, f" step {k + 1}", fontsize=7, va="bottom")
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.set_ylim(-0.6, len(lanes))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (a few consecutive steps after warm-up)")
+    ax.set_title(data["title"], fontsize=8)
+    ax.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.18),
+              frameon=False)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,19 @@
+"""A user's own network, as ``model=custom model.target=tests.nets:TwoLayer`` imports it."""
+
+from torch import nn
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, num_classes: int, width: int = 8):
+        super().__init__()
+        self.width = width
+        self.body = nn.Sequential(nn.Conv2d(3, width, 3, stride=2), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def not_a_module(num_classes: int):
+    return "a string"

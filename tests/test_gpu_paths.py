@@ -1,0 +1,193 @@
+"""The CUDA paths' mechanisms, checked on the CPU where they allow it (the rest is marked
+and proven by ``python -m runner.selfcheck`` on a GPU)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+
+from runner.augment import BatchAugment
+from runner.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, export_dynamic, tolerance
+from runner.config import (
+    AmpConfig,
+    AmpName,
+    CompileName,
+    ModelConfig,
+    TaskConfig,
+    TaskName,
+    compose,
+)
+from runner.model import build_model
+from runner.predictions import PredictionWriter
+from runner.task import InferStep, TrainStep, optimizer_options
+from tests.conftest import requires_cuda
+
+CPU = torch.device("cpu")
+
+
+def test_batched_augmentation_matches_a_per_image_reference():
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (16, 3, 40, 48), dtype=torch.uint8)
+    aug = BatchAugment((40, 48))
+    boxes = aug.boxes(16, 40, 48, CPU)
+    out = aug.apply(images, boxes)
+    assert out.shape == (16, 3, 40, 48) and out.dtype == torch.uint8
+    for k in range(16):
+        t, left = int(boxes.top[k]), int(boxes.left[k])
+        h, w = int(boxes.height[k]), int(boxes.width[k])
+        assert 0 <= t and t + h <= 40 and 0 <= left and left + w <= 48
+        crop = images[k : k + 1, :, t : t + h, left : left + w].float()
+        ref = F.interpolate(crop, size=(40, 48), mode="bilinear", align_corners=False)[0]
+        ref = ref.round().clamp(0, 255)
+        if boxes.flip[k]:
+            ref = ref.flip(-1)
+        assert (out[k].float() - ref).abs().max() <= 1.0  # float rounding only
+    assert boxes.flip.any() and not boxes.flip.all()
+    assert len({(int(a), int(b)) for a, b in zip(boxes.height, boxes.width)}) > 8
+
+
+def test_augmentation_draws_on_the_device_with_no_host_round_trip(monkeypatch):
+    aug = BatchAugment((24, 24))
+    calls = []
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: calls.append(1) or real_item(self))
+    aug(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8))
+    assert calls == []  # no .item(): nothing leaves the device per image
+
+
+def test_the_engine_cache_export_takes_a_short_last_batch(tmp_path: Path):
+    backbone = build_model(ModelConfig("tiny"), 5, CPU)[1].eval()
+    full = torch.randn(8, 3, 32, 32)
+    program = export_dynamic(backbone, full)
+    torch.export.save(program, tmp_path / "engine.ep")
+    loaded = torch.export.load(tmp_path / "engine.ep").module()
+    with torch.no_grad():
+        for n in (8, 3, 1):  # the full batch, a short last batch, one image
+            assert torch.allclose(loaded(full[:n]), backbone(full[:n]), atol=1e-5)
+    (spec,) = batch_dynamic_shapes(8)
+    assert spec[0].min == 1 and spec[0].max == 8
+
+
+@pytest.mark.parametrize(("amp", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                            ("off", torch.float32)])
+def test_tensorrt_gets_the_backbone_in_the_amp_dtype(amp: str, dtype: torch.dtype):
+    from runner.amp import DTYPES
+
+    model = build_model(ModelConfig("tiny"), 5, CPU)
+    wanted = DTYPES[AmpConfig(AmpName(amp)).name] or torch.float32
+    assert wanted == dtype
+    converted = backbone_in(model[1], wanted)
+    assert {p.dtype for p in converted.parameters()} == {dtype}
+    assert {p.dtype for p in model[1].parameters()} == {torch.float32}  # eager untouched
+
+
+def test_fp32_verification_allows_for_tf32_on_cuda():
+    assert tolerance(None, CPU) == TOLERANCE[None]
+    assert tolerance(None, torch.device("cuda")) >= 1e-2  # cuDNN's TF32 default
+    assert tolerance(torch.float16, torch.device("cuda")) == TOLERANCE[torch.float16]
+
+
+def test_fp16_training_takes_the_fused_no_sync_optimizer_on_cuda():
+    assert optimizer_options(torch.device("cuda")) == {"fused": True}
+    assert optimizer_options(CPU) == {}
+    step = TrainStep(build_model(ModelConfig("tiny"), 3, CPU), TaskConfig(TaskName.train), 4)
+    assert not step.optimizer.defaults.get("fused")
+
+
+def test_loader_ram_does_not_pin_the_dataset_and_batches_pin_their_small_fields(monkeypatch,
+                                                                             image_tree: Path):
+    from runner.buffers import pin_small_fields
+    from runner.storage import build_storage
+
+    pinned = []
+
+    def fake_pin(self):
+        pinned.append(tuple(self.shape))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    cfg = compose(["loader=ram", f"dataset.path={image_tree}", "dataset.image_size=[16,16]",
+                   "run.progress=false"])
+    storage = build_storage(cfg.loader, cfg.dataset, image_tree, False)
+    assert pinned == []  # the whole dataset is never pinned (every rank would pin a copy)
+    assert not storage.images.is_pinned()
+    batch = {"image": torch.zeros(4, 3, 16, 16, dtype=torch.uint8),
+             "label": torch.zeros(4, dtype=torch.int64), "index": torch.arange(4)}
+    pin_small_fields(batch)
+    assert sorted(pinned) == [(4,), (4,)]  # labels and indices; the image buffer is pinned
+
+
+def test_the_verdict_on_cuda_follows_the_gpus_idle_time_not_the_hosts_wait():
+    from runner.diagnose import verdict
+
+    cfg = compose(["loader=memmap", "model=resnet50"])
+    figures = {"images_per_sec": 1000.0, "data_wait_frac": 0.7, "gpu_idle_frac": 0.01,
+               "spread_frac": 0.02}
+    v = verdict(cfg, figures, {"gather": 50000.0, "model": 1010.0})
+    assert v.bound == "model" and "the GPU idled between steps 1%" in v.sentence
+    idle = verdict(cfg, {**figures, "gpu_idle_frac": 0.4}, {"gather": 2000.0, "model": 5000.0})
+    assert idle.bound == "data"
+
+
+def test_infer_drops_padding_rows_on_the_host_and_counts_after_warm_up(tmp_path: Path):
+    model = build_model(ModelConfig("tiny"), 3, CPU).eval()
+    writer = PredictionWriter(tmp_path, name_of=lambda i: f"f{i}", classes=["a", "b", "c"])
+    step = InferStep({"tiny": model}, TaskConfig(TaskName.infer, topk=2), {"tiny": writer})
+
+    def batch(start: int, valid: list[bool] | None = None) -> TensorDict:
+        fields = {"image": torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8),
+                  "label": torch.zeros(3, dtype=torch.int64),
+                  "index": torch.arange(start, start + 3)}
+        if valid is not None:
+            fields["valid"] = torch.tensor(valid)
+        return TensorDict(fields, batch_size=[3])
+
+    step(batch(0))  # warm-up
+    step.start_timing()
+    step(batch(3))
+    step(batch(6, [True, True, False]))  # the last row pads a distributed shard
+    figures = step.close()
+    assert figures["models"]["tiny"]["images_per_sec"] is not None
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        assert [int(r["index"]) for r in csv.DictReader(f)] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert step.images == 5  # 3 + 2 after warm-up, the padding row not counted
+
+
+def test_selfcheck_without_cuda_says_so_in_one_line(capsys):
+    from runner.selfcheck import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the selfcheck runs for real")
+    assert main([]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no CUDA device" in out[0]
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_selfcheck_passes_on_a_gpu():
+    from runner.selfcheck import main
+
+    assert main(["--batch-size", "64", "--only", "loop", "transfers", "fp16"]) == 0
+
+
+@requires_cuda
+def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
+    pytest.importorskip("torch_tensorrt")
+    from runner.compile import compile_model
+    from runner.config import CompileConfig
+
+    device = torch.device("cuda")
+    model = build_model(ModelConfig("tiny"), 5, device).eval()
+    x = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8, device=device)
+    cfg, amp = CompileConfig(CompileName.tensorrt), AmpConfig(AmpName.fp16)
+    compile_model(model, cfg, amp, TaskName.infer, x, [8], tmp_path)  # builds, caches
+    reused, _ = compile_model(model, cfg, amp, TaskName.infer, x, [8, 3], tmp_path)
+    assert len(list(tmp_path.glob("*.ep"))) == 1
+    with torch.inference_mode():
+        assert reused(x[:3]).shape == (3, 5)

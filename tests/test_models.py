@@ -1,0 +1,173 @@
+"""Your model, your weights, your training script: any torchvision or timm classifier, your
+own nn.Module, local weights, checkpoints and resume, readable predictions, runner.pipeline."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.config import ConfigError, ModelConfig, ModelSource, compose
+from runner.errors import Unavailable
+from runner.model import build_model
+from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
+
+CPU = torch.device("cpu")
+UINT8 = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "efficientnet_b0", "squeezenet1_1",
+                                  "regnet_y_400mf"])
+def test_any_torchvision_classifier_with_the_datasets_classes(name: str):
+    model = build_model(compose([f"model.name={name}"]).model, 7, CPU).eval()
+    with torch.inference_mode():
+        assert model(UINT8).shape == (2, 7)  # uint8 in, the head sized to the classes
+
+
+def test_an_unknown_model_name_is_a_config_error_with_suggestions():
+    with pytest.raises(ConfigError, match=r"model.name=resnet5 .*did you mean resnet50"):
+        compose(["model.name=resnet5"])
+
+
+def test_timm_models_build_or_skip_naming_the_install(monkeypatch):
+    cfg = compose(["model=timm", "model.name=resnet18"]).model
+    assert cfg.source is ModelSource.timm
+    try:
+        import timm  # noqa: F401
+    except ImportError:
+        with pytest.raises(Unavailable, match=r"pip install -e '\.\[timm\]'"):
+            build_model(cfg, 4, CPU)
+        return
+    model = build_model(cfg, 4, CPU).eval()
+    with torch.inference_mode():
+        assert model(UINT8).shape == (2, 4)
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
+    with pytest.raises(Unavailable, match=r"pip install -e '\.\[timm\]'"):
+        build_model(cfg, 4, CPU)
+
+
+def test_your_own_module_by_import_path_with_keyword_arguments():
+    cfg = compose(["model=custom", "model.target=tests.nets:TwoLayer", "+model.kwargs.width=12"]
+                  ).model
+    model = build_model(cfg, 3, CPU)
+    assert model[1].width == 12 and model(UINT8).shape == (2, 3)
+    with pytest.raises(ConfigError, match="package.module:Class"):
+        compose(["model=custom"])
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        build_model(compose(["model=custom", "model.target=tests.nets:Nope"]).model, 3, CPU)
+    with pytest.raises(ConfigError, match="not a torch.nn.Module"):
+        build_model(compose(["model=custom", "model.target=tests.nets:not_a_module"]).model,
+                    3, CPU)
+
+
+def test_local_weights_load_and_a_mismatch_names_the_keys(tmp_path: Path):
+    source = build_model(ModelConfig("tiny"), 3, CPU)
+    torch.save(source[1].state_dict(), tmp_path / "w.pt")
+    loaded = build_model(ModelConfig("tiny", weights=str(tmp_path / "w.pt")), 3, CPU)
+    for a, b in zip(source.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match=r"head\.weight has shape \(3, 128\).*\(5, 128\)"):
+        build_model(ModelConfig("tiny", weights=str(tmp_path / "w.pt")), 5, CPU)
+    with pytest.raises(ConfigError, match=r"missing keys: .*unexpected keys: features"):
+        build_model(ModelConfig("resnet18", weights=str(tmp_path / "w.pt")), 3, CPU)
+    with pytest.raises(ConfigError, match="no such file"):
+        build_model(ModelConfig("tiny", weights=str(tmp_path / "none.pt")), 3, CPU)
+
+
+def test_infer_reads_in_dataset_order_unless_asked():
+    assert compose(["task=infer"]).loader.shuffle is False
+    assert compose(["task=train"]).loader.shuffle is True
+    assert compose(["task=infer", "loader.shuffle=true"]).loader.shuffle is True
+    with pytest.raises(ConfigError, match="resume=.*needs task=train"):
+        compose(["task=infer", "resume=x.pt"])
+
+
+@pytest.mark.slow
+def test_train_checkpoint_resume_continues_the_loss_then_infer_with_its_weights(
+        tmp_path: Path, cache_dir: Path):
+    common = [*SMALL_DATASET, "logger=none", "diagnose=false"]
+    run_cli(*common, "run.epochs=6", "task.checkpoint_every=2", "hydra.run.dir=first",
+            cwd=tmp_path)
+    first = read_metrics(tmp_path / "first")
+    saved = torch.load(tmp_path / "first" / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] == 6 and {"model", "optimizer", "scaler", "config"} <= set(saved)
+    run_cli(*common, "run.epochs=2", f"resume={tmp_path}/first", "hydra.run.dir=resumed",
+            cwd=tmp_path)
+    resumed = read_metrics(tmp_path / "resumed")
+    fresh_start = first["loss_first"]
+    # the resumed run starts where the first stopped, far below a fresh start
+    assert resumed["loss_first"] < 0.6 * fresh_start
+    assert resumed["loss_first"] <= 1.5 * first["loss_last"]  # no jump back up
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["epoch"] == 8
+
+    run_cli(*common, "task=infer", f"model.weights={tmp_path}/resumed/checkpoint.pt",
+            "hydra.run.dir=infer", cwd=tmp_path)
+    with open(tmp_path / "infer" / "predictions.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["index"]) for r in rows] == list(range(60))  # dataset order
+    assert all(r["label_name"] and r["pred_name"] and len(r["topk_names"].split()) == 3
+               for r in rows)
+    correct = sum(r["label"] == r["pred"] for r in rows) / len(rows)
+    assert correct > 0.5  # trained weights, not random ones
+
+
+@pytest.mark.slow
+def test_a_validation_folder_reports_top1_each_epoch(tmp_path: Path, cache_dir: Path):
+    val = make_tree(tmp_path / "val", {f"{c}/{k}.jpg": encode(photo(48, 48, index=k))
+                                       for c in ("class_000", "class_001", "class_002")
+                                       for k in range(3)})
+    run_cli(*SMALL_DATASET, "logger=none", "diagnose=false", "run.epochs=2",
+            f"dataset.val_path={val}", "hydra.run.dir=run", cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert [e["epoch"] for e in m["epochs"]] == [1, 2]
+    assert all(0.0 <= e["val_top1"] <= 1.0 for e in m["epochs"])
+    assert m["val_top1"] == m["epochs"][-1]["val_top1"]
+
+
+def test_the_pipeline_gives_device_batches_of_every_image_each_epoch(image_tree: Path):
+    import runner
+
+    with runner.pipeline(loader="folder", dataset_path=str(image_tree),
+                         dataset_image_size=[32, 32], loader_batch_size=4,
+                         run_warmup_steps=1) as pipeline:
+        assert pipeline.classes == ["Dog", "bird", "cat"]
+        for _ in range(2):
+            seen = []
+            for batch in pipeline:
+                assert batch["image"].dtype == torch.uint8 and batch.device == pipeline.device
+                seen += batch["index"].tolist()
+            assert sorted(seen) == list(range(18))
+        figures = pipeline.summary()
+        assert figures["images_per_sec"] > 0 and figures["batches"] == 10
+        x = pipeline.input_layer()(batch["image"])
+        assert x.dtype == torch.float32 and abs(float(x.mean())) < 3
+
+
+def readme_script() -> str:
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"<!-- train-script -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "README.md lost its training script"
+    return match.group(1)
+
+
+def test_the_readme_script_is_about_30_lines():
+    assert 20 <= len(readme_script().strip().splitlines()) <= 40
+
+
+@pytest.mark.slow
+def test_the_readme_training_script_runs_as_written(tmp_path: Path, cache_dir: Path):
+    root = make_tree(tmp_path / "data", {f"c{c}/{k}.jpg": encode(photo(64, 80, index=9 * c + k))
+                                         for c in range(3) for k in range(12)})
+    (tmp_path / "train.py").write_text(readme_script())
+    proc = subprocess.run([sys.executable, "train.py", str(root)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"epoch 1: loss \d", proc.stdout)
+    assert "images/s" in proc.stdout
