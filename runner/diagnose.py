@@ -53,6 +53,21 @@ ADVICE = {
 }
 
 
+def advice_for(cfg: Config, stage: str) -> str:
+    """What to try for ``stage``, leaving out what this run already does."""
+    if stage != "decode":
+        return ADVICE[stage]
+    loader = cfg.loader
+    tries = ["loader=memmap or loader=ram (decode once)"]
+    if loader.decoder.value != "simplejpeg":
+        tries.append("loader.decoder=simplejpeg")
+    if not loader.draft:
+        tries.append("loader.draft=true")
+    tries.append("more loader.num_workers" if loader.num_workers > 0
+                 else "more loader.decode_threads (more cores)")
+    return "try " + ", ".join(tries[:-1]) + " or " + tries[-1]
+
+
 @dataclass
 class Verdict:
     bound: str  # "data" or "model"
@@ -250,7 +265,8 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
                 if rate <= pipeline * (1 + noise) else "")
         result.stage = slowest
         result.sentence = (f"data-bound: {'; '.join(parts)}; {waited}; slowest stage {slowest} "
-                           f"({rate:,.0f} img/s){near}{tie}{disturbed}: {ADVICE[slowest]}{shared}")
+                           f"({rate:,.0f} img/s){near}{tie}{disturbed}: {advice_for(cfg, slowest)}"
+                           f"{shared}")
         return result
     tail = (f"; the data path could deliver {credible[slowest]:,.0f} img/s ({slowest})"
             if slowest else "")

@@ -394,8 +394,8 @@ def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | Non
     other = [max(w - done, 0.0) for w, done in zip(whole, left)]
     if any(v > 0.01 * w for v, w in zip(other, whole)):
         ax.barh(rows, other, left=left, label="other (loop, logging)", color="lightgrey")
-    for k, total in enumerate(totals):
-        ax.text(whole[k], k, f" {total:.1f} ms", va="center", fontsize=7)
+    for k, r in enumerate(ok):  # the run's own figure: the median of its windows
+        ax.text(whole[k], k, f" {r.metrics['ms_per_step']:.1f} ms", va="center", fontsize=7)
     ax.set_yticks(list(rows), [_label(r, options) for r in ok], fontsize=7)
     ax.set_xlabel("share of the step (%)" if shares else "ms per step")
     ax.invert_yaxis()

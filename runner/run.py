@@ -206,7 +206,7 @@ class Job:
                 figures["val_top1"] = tops[-1]
         if cfg.task.name is TaskName.train and self.models and ranks.main:
             done = self.start_epoch + result.steps / per_epoch
-            figures["checkpoint"] = str(self._checkpoint(step, done, figures))
+            figures["checkpoint"] = str(self._checkpoint(step, done, figures))  # with losses
         if timeline.enabled():
             try:
                 figures.update(timeline.write(self.run_dir, result.step_spans, warmup,

@@ -334,3 +334,15 @@ def test_autotune_writes_the_best_command_and_its_gain_over_trial_0(tmp_path: Pa
     assert best["command"].startswith("python -m runner ") and "sweep=" not in best["command"]
     out = proc.stdout + proc.stderr
     assert "autotune: best of 4 trials" in out and best["command"] in out.replace("\n  ", " ")
+
+
+def test_decode_advice_leaves_out_what_the_run_already_does():
+    from runner.config import compose
+    from runner.diagnose import advice_for as advice
+
+    threads = advice(compose(["loader=folder", "loader.draft=true"]), "decode")
+    assert "simplejpeg" not in threads and "draft" not in threads
+    assert "loader.decode_threads" in threads and "memmap" in threads
+    workers = advice(compose(["loader=folder", "loader.decoder=pil", "loader.num_workers=2"]),
+                     "decode")
+    assert "loader.decoder=simplejpeg" in workers and "loader.num_workers" in workers
