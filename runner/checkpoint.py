@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.distributed import local_module
 from runner.errors import UserError
 
 NAME = "checkpoint.pt"
@@ -28,8 +29,7 @@ class CheckpointError(UserError, ValueError):
 def network(model: nn.Module) -> nn.Module:
     """The user's network inside what the runner trains: DDP, torch.compile and the
     uint8 input layer unwrapped."""
-    model = getattr(model, "module", model)  # DistributedDataParallel
-    model = getattr(model, "_orig_mod", model)  # torch.compile
+    model = local_module(model)
     return model[1] if isinstance(model, nn.Sequential) and len(model) == 2 else model
 
 

@@ -301,8 +301,7 @@ class Job:
     def _checkpoint(self, step: Step, epoch: float, figures: dict[str, Any]) -> Path:
         losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
         path = checkpoint.save(self.run_dir / checkpoint.NAME, step, epoch,
-                               getattr(step, "steps", 0)
-                               + int((self.resumed or {}).get("steps", 0)),
+                               step.steps + int((self.resumed or {}).get("steps", 0)),
                                to_plain(self.config), losses)
         log.info("checkpoint: %s (epoch %s)", path, f"{epoch:g}")
         return path
