@@ -1,7 +1,7 @@
 """``runner.pipeline(...)``: the runner's data path in your own training loop.
 
 The same storage, loader, prefetch and device placement a config selects for
-``python -m runner`` (they are built by the same code, ``runner.run.Job``), as an iterable
+``python -m runner`` (both build it with ``runner.data.build_data_path``), as an iterable
 of device batches plus its measurement::
 
     pipeline = runner.pipeline(loader="memmap", prefetch="gpu", dataset_path="/data/train")
@@ -20,15 +20,17 @@ may be given as positional arguments too (``"loader.num_workers=4"``).
 
 from __future__ import annotations
 
-import logging
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
+
+from runner.compose import compose
+from runner.data import build_data_path
+from runner.data.order import count_images
+from runner.distributed import Ranks, pick_device
 
 GROUPS = ("loader", "prefetch", "amp", "compile", "model", "task", "logger", "sweep")
 TOP_LEVEL = ("device", "seed", "diagnose", "profile", "models", "resume")
@@ -63,29 +65,20 @@ class Pipeline:
 
     Attributes:
         config: the validated ``Config``.
+        data: the data path (``runner.data.DataPath``), built as ``python -m runner``
+            builds it.
         device: where batches arrive.
         classes: class names, by label.
-        storage: the storage (folder, memmap or ram).
+        storage: the storage (``loader=``).
     """
 
     def __init__(self, *overrides: str, **options: Any):
-        from runner.config import compose
-        from runner.run import Job
-
         self.config = compose(overrides_for(*overrides, **options))
-        self._scratch = tempfile.TemporaryDirectory(prefix="runner-pipeline-")
-        self._job = Job(self.config, Path(self._scratch.name), hydra_cfg=None)
-        self.device = self._job._setup_device()
-        self.storage = self._job._setup_storage()
-        self.classes = list(self.storage.classes)
-        quiet = logging.getLogger("runner")
-        level, quiet.level = quiet.level, logging.ERROR  # the run-length notes are the CLI's
-        try:
-            self._stream, _, _ = self._job._setup_data(self.storage, self.device)
-        finally:
-            quiet.setLevel(level)
-        self._stream.epochs = 1  # one epoch per iteration: the caller's loop counts epochs
-        self._augment = self._job._augment(self.storage)
+        self.device = pick_device(self.config.device.value, Ranks())
+        self.data = build_data_path(self.config, self.device, epochs=1,
+                                    progress=self.config.run.progress)
+        self.storage = self.data.storage
+        self.classes = list(self.data.classes)
         self.batches = 0
         self.images = 0
         self.wait_seconds = 0.0
@@ -100,13 +93,10 @@ class Pipeline:
         return UInt8Input(self.config.model.channels_last)
 
     def __len__(self) -> int:
-        return len(self._stream.loader)
+        return self.data.steps_per_epoch
 
     def __iter__(self) -> Iterator[TensorDict]:
-        from runner.loader import count_images
-        from runner.prefetch import build_prefetcher
-
-        batches = iter(build_prefetcher(self.config.prefetch, self._stream, self.device))
+        batches = iter(self.data)
         try:
             last = time.perf_counter()
             while True:
@@ -115,9 +105,7 @@ class Pipeline:
                 if batch is None:
                     return
                 n = count_images(batch)
-                batch = batch.to(self.device, non_blocking=True)
-                if self._augment is not None:
-                    batch["image"] = self._augment(batch["image"])
+                batch = self.data.finish(self.data.to_device(batch))
                 self.batches += 1
                 timed = self.batches > self.warmup
                 yield batch
@@ -142,10 +130,11 @@ class Pipeline:
             "device": str(self.device),
             "loader": self.config.loader.name.value,
             "prefetch": self.config.prefetch.name.value,
+            "skipped_files": self.data.skipped,
         }
 
     def close(self) -> None:
-        self._scratch.cleanup()
+        self.data.close()
 
     def __enter__(self) -> Pipeline:
         return self

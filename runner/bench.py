@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -32,20 +31,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from runner.config import Config, compose
-from runner.loader import (
-    BatchOrder,
-    BatchStream,
-    InProcessBatches,
-    build_loader,
-    shutdown_workers,
-)
+from runner.compose import compose
+from runner.config import Config
+from runner.data import build_data_path
+from runner.data.loader import BatchStream, InProcessBatches, shutdown_workers
+from runner.data.order import BatchOrder
+from runner.data.storage import build_storage, resolve_dataset
+from runner.data.storage.decode import DecoderUnavailable
+from runner.data.storage.decoded import DecodedStorage
 from runner.logger import NullLogger
-from runner.loop import run_loop
+from runner.loop import LoopOptions, run_loop
 from runner.metrics import burst
-from runner.storage import build_storage, resolve_dataset
-from runner.storage.decode import DecoderUnavailable
-from runner.storage.decoded import DecodedStorage
 from runner.task import DataOnlyStep
 
 CPU = torch.device("cpu")
@@ -73,22 +69,28 @@ def timed_rate(batches: Callable[[], Iterable], seconds: float, warmup: int = 1,
     return burst(one_batch, seconds=seconds, min_calls=min_batches, warmup=warmup)
 
 
-def runner_rate(config: Config, seconds: float) -> float:
-    """images/s of the runner's loader for ``config`` with model=none, via the runner's loop."""
-    cfg = config
-    path = resolve_dataset(cfg.dataset, progress=False)
-    storage = build_storage(cfg.loader, cfg.dataset, path, progress=True)
-    loader = build_loader(storage, cfg.loader, cfg.seed, pin_memory=False)
-    per_epoch = len(loader)
+def runner_rate(config: Config, seconds: float, device: torch.device = CPU) -> float:
+    """images/s of the runner's data path for ``config`` (model=none), through the runner's
+    loop: built by ``runner.data.build_data_path`` as a run builds it, so every stage a run
+    has is timed (GPU decoding for nvjpeg, the prefetcher, the copy to ``device``).
 
-    def loop(steps: int, warmup: int):
-        stream = BatchStream(loader, epochs=math.ceil(steps / per_epoch))
-        return run_loop(stream, DataOnlyStep(), CPU, steps, warmup, log_every=10**9,
-                        logger=NullLogger(), progress=False)
+    A short probe sizes the timed run to about ``seconds``.
+    """
+    data = build_data_path(config, device, epochs=1, progress=True)
 
-    probe = loop(max(4, min(per_epoch, 8)), warmup=2).timed.figures()["images_per_sec"]
-    steps = max(2 * per_epoch, 6, int(probe * seconds / cfg.loader.batch_size))
-    return loop(steps, warmup=min(5, per_epoch, steps // 2)).timed.figures()["images_per_sec"]
+    def loop(steps: int, warmup: int) -> float:
+        data.extend(steps)  # one pass of the stream reads at least this many batches
+        result = run_loop(data, DataOnlyStep(), NullLogger(), LoopOptions(
+            steps, warmup, log_every=10**9, repeats=1))
+        return result.timed.figures()["images_per_sec"]
+
+    try:
+        per_epoch = data.steps_per_epoch
+        probe = loop(max(4, min(per_epoch, 8)), warmup=2)
+        steps = max(2 * per_epoch, 6, int(probe * seconds / config.loader.batch_size))
+        return loop(steps, warmup=min(5, per_epoch, steps // 2))
+    finally:
+        data.close()
 
 
 class PerItemMemmap(Dataset):
@@ -142,7 +144,7 @@ def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) 
     by ``threads`` threads, each running torch ops on one core."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from runner.prefetch import one_core_for_this_thread
+    from runner.data.threads import one_core_for_this_thread
 
     indices = list(range(min(files, len(storage))))
     for i in indices:
@@ -165,7 +167,7 @@ def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) 
 
 def bench_gil(args: argparse.Namespace) -> dict:
     """Each decoder's decode + resize rate with one thread and with one thread per core."""
-    from runner.loader import cores
+    from runner.data.threads import cores
 
     n = cores()
     out = {}
@@ -315,7 +317,7 @@ def decode_ceiling(args: argparse.Namespace, base: list[str], modes: dict[str, C
     256 against its decode ceiling (one thread's read + decode + resize rate times the
     cores that decode), in alternating rounds: each round takes the ceiling and every
     measurement one after another, so a drift of the machine's speed moves them together."""
-    from runner.loader import cores
+    from runner.data.threads import cores
 
     any_cfg = next(iter(modes.values()))
     storage = build_storage(any_cfg.loader, any_cfg.dataset, resolve_dataset(any_cfg.dataset))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import logging
 import os
@@ -23,9 +24,19 @@ import torch
 from torch import nn
 
 from runner.amp import DTYPES, autocast
-from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, TaskName
+from runner.config import (
+    AmpConfig,
+    AmpName,
+    CompileConfig,
+    CompileName,
+    Config,
+    EngineFormat,
+    TaskName,
+)
+from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.metrics import synchronize
+from runner.model import build_model
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +94,9 @@ def backbone_in(backbone: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(backbone).eval().to(dtype)
 
 
-ENGINE_FORMATS = {"dynamo": ("exported_program", ".ep"), "torchscript": ("torchscript", ".ts")}
+# compile.engine_format -> (torch_tensorrt.save's output_format, the cached file's suffix)
+ENGINE_FORMATS = {EngineFormat.exported_program: ("exported_program", ".pt2"),
+                  EngineFormat.torchscript: ("torchscript", ".ts")}
 
 
 def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
@@ -107,7 +120,7 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     dtype = DTYPES[amp.name] or torch.float32
     with torch.no_grad():
         x = head(example).to(dtype)
-    fmt, suffix = ENGINE_FORMATS[cfg.ir.value]
+    fmt, suffix = ENGINE_FORMATS[cfg.engine_format]
     path = cache / f"{_engine_key(backbone, x.shape, dtype, cfg)}{suffix}"
     cache.mkdir(parents=True, exist_ok=True)
     # One process builds (the first to take the lock: under torchrun, one rank per
@@ -150,7 +163,7 @@ def _engine_key(backbone: nn.Module, shape, dtype, cfg: CompileConfig) -> str:
     for name, tensor in backbone.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
-    digest.update(repr((tuple(shape), str(dtype), cfg.ir.value, torch.__version__,
+    digest.update(repr((tuple(shape), str(dtype), cfg.engine_format.value, torch.__version__,
                         torch_tensorrt.__version__, torch.cuda.get_device_name())).encode())
     return digest.hexdigest()[:20]
 
@@ -249,3 +262,58 @@ def verify(model: nn.Module, compiled: nn.Module, example: torch.Tensor, cfg: Co
     log.info("compile=%s matches eager: max |difference| %.3g (tolerance %.3g)",
              cfg.name.name, diff, allowed)
     return diff
+
+
+def step_amp(config: Config) -> AmpConfig:
+    """The autocast the step runs under: TensorRT engines carry their own precision."""
+    return config.amp if uses_autocast(config.compile) else AmpConfig(AmpName.off)
+
+
+@dataclasses.dataclass
+class RunModels:
+    """The models of a run, compiled and verified, and what that cost."""
+
+    models: dict[str, nn.Module]
+    compile_seconds: float = 0.0
+    max_diff: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"compile_seconds": self.compile_seconds}
+        if self.max_diff:
+            out["compile_max_diff"] = self.max_diff
+        return out
+
+
+def build_models(config: Config, storage, device: torch.device, ranks: Ranks) -> RunModels:
+    """``model=`` (or every model of ``models=[...]``) on ``device``: built for the
+    storage's classes, a DDP replica when training under torch.distributed, compiled with
+    ``compile=`` on one real batch of the storage and every batch size the run will see, and
+    verified against eager (``compile.verify``). ``model=none``: no model."""
+    names = config.models or [config.model.name]
+    if names == ["none"]:
+        return RunModels({})
+    train = config.task.name is TaskName.train
+    if train and ranks.enabled and config.compile.name is CompileName.torchscript:
+        raise Unavailable("compile=torchscript cannot trace a DistributedDataParallel "
+                          "model: use compile=inductor or compile=eager under torchrun")
+    bs = config.loader.batch_size
+    shapes = [bs]
+    last = -(-len(storage) // ranks.world) % bs  # this rank's shard's last batch
+    if last and not config.loader.drop_last:
+        shapes.append(last)
+    example = storage.example(bs).to(device)
+    cache = Path(config.dataset.cache_dir).expanduser() / "tensorrt"
+    out = RunModels({})
+    for name in names:
+        model = build_model(dataclasses.replace(config.model, name=name), len(storage.classes),
+                            device)
+        model.train(train)  # before tracing: BN mode is baked in
+        model = replicate(model, ranks, device) if train else model
+        compiled, seconds = compile_model(model, config.compile, config.amp, config.task.name,
+                                          example, shapes, cache)
+        out.compile_seconds += seconds
+        if config.compile.verify and compiled is not model:
+            out.max_diff[name] = verify(model, compiled, example, config.compile, config.amp,
+                                        train)
+        out.models[name] = compiled
+    return out

@@ -18,13 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
-from runner.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A config value that composes but cannot be run; the message names key and fix."""
+from runner.errors import ConfigError
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -32,7 +28,7 @@ def _require(ok: bool, key: str, value: Any, must: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {must}")
 
 
-class Storage(Enum):
+class StorageName(Enum):
     folder = "folder"
     memmap = "memmap"
     ram = "ram"
@@ -111,8 +107,8 @@ class CompileMode(Enum):  # torch.compile's modes (inductor)
     max_autotune = "max-autotune"
 
 
-class TensorrtIR(Enum):
-    dynamo = "dynamo"
+class EngineFormat(Enum):  # how a TensorRT engine is saved and loaded (built with dynamo)
+    exported_program = "exported_program"  # torch.export's .pt2 file
     torchscript = "torchscript"
 
 
@@ -157,7 +153,7 @@ class DatasetConfig:
 class LoaderConfig:
     """``loader=``: storage, decoder and every DataLoader option."""
 
-    name: Storage = MISSING
+    name: StorageName = MISSING
     decoder: Decoder = Decoder.pil
     # Decode JPEGs at a reduced scale in the DCT domain when the target is much smaller
     # than the source (pil: Image.draft, simplejpeg: min_height/min_width).
@@ -194,7 +190,7 @@ class LoaderConfig:
         _require(self.shuffle_block >= 1, "loader.shuffle_block", self.shuffle_block,
                  "must be >= 1 (1 is a full permutation)")
         _require(
-            self.name is Storage.folder or self.decoder is not Decoder.nvjpeg,
+            self.name is StorageName.folder or self.decoder is not Decoder.nvjpeg,
             "loader.decoder",
             "nvjpeg",
             f"loader={self.name.name} decodes once on the CPU; nvjpeg decodes on the GPU "
@@ -217,11 +213,6 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     # a local state_dict (or a runner checkpoint.pt) for the network; never a download
     weights: str | None = None
-
-    def __post_init__(self) -> None:
-        from runner.model import check_model
-
-        check_model(self)
 
 
 @dataclass
@@ -289,9 +280,10 @@ class CompileConfig:
     # inductor: torch.compile(mode=..., dynamic=...); dynamic unset lets torch decide
     mode: CompileMode = CompileMode.default
     dynamic: bool | None = None
-    # tensorrt: the IR torch_tensorrt.compile uses; engines are cached under
+    # tensorrt: the file the engine is cached in (always built through torch.export /
+    # dynamo): exported_program (.pt2) or torchscript (.ts); engines are cached under
     # dataset.cache_dir/tensorrt, keyed by weights, shapes, precision and versions
-    ir: TensorrtIR = TensorrtIR.dynamo
+    engine_format: EngineFormat = EngineFormat.exported_program
 
 
 @dataclass
@@ -306,6 +298,9 @@ class RunConfig:
     repeats: int = 3
     log_every: int = 10
     progress: bool = True
+    # each timed window should last at least this many seconds: a data-only run
+    # (model=none) is lengthened until they do; other runs say so in their flags
+    window_seconds: float = 1.0
     # the figure of metrics.json the job returns to a Hydra sweeper (an optimizer
     # maximizes or minimizes it); failed and skipped runs return NaN
     objective: str = "images_per_sec"
@@ -320,6 +315,8 @@ class RunConfig:
         )
         _require(self.warmup_steps >= 0, "run.warmup_steps", self.warmup_steps, "must be >= 0")
         _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+        _require(self.window_seconds >= 0, "run.window_seconds", self.window_seconds,
+                 "must be >= 0 (0: windows by steps alone)")
 
 
 @dataclass
@@ -358,6 +355,11 @@ class Config:
                 and self.task.name is not TaskName.train:
             raise ConfigError(f"resume={self.resume} continues training: it needs task=train "
                               "(to infer with trained weights, use model.weights=PATH)")
+        if self.dataset.val_path is not None and not isinstance(self.task, str) and (
+                self.task.name is not TaskName.train
+                or (not isinstance(self.model, str) and self.model.name == "none")):
+            raise ConfigError(f"dataset.val_path={self.dataset.val_path} reports top-1 while "
+                              "training: it needs task=train and a model (not model=none)")
         if "none" in self.models:
             raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                               "model=none to measure the data path alone")
@@ -420,29 +422,6 @@ def config_dir() -> Path:
     ships inside the package as runner/conf (package-dir in pyproject.toml)."""
     here = Path(__file__).resolve().parent
     return next(p for p in (here.parent / "conf", here / "conf") if p.is_dir())
-
-
-def compose(overrides: list[str]) -> Config:
-    """The validated config for ``overrides``, composed exactly as ``python -m runner``
-    composes it (for commands and tests that run outside a Hydra job)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return to_config(hydra_compose("config", overrides=overrides))
-
-
-def to_config(cfg: DictConfig) -> Config:
-    """Resolve and validate a composed config; raises ConfigError naming the bad key."""
-    try:
-        obj = OmegaConf.to_object(cfg)
-    except ConfigError:
-        raise
-    except Exception as e:  # an interpolation that does not resolve, a missing value
-        raise ConfigError(str(e)) from e
-    assert isinstance(obj, Config)
-    return obj
 
 
 def to_plain(value: Any) -> Any:

@@ -16,20 +16,24 @@ candidates are within each other's spread, the verdict says so instead of pickin
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config, Storage
+from runner.compile import step_amp
+from runner.config import Config, StorageName
+from runner.data import DataPath
+from runner.data.loader import decode_threads
+from runner.data.pagecache import can_evict, evict
+from runner.data.storage.base import Storage
+from runner.data.threads import cores, torch_threads
+from runner.distributed import local_module
 from runner.metrics import burst, quantiles, synchronize
-from runner.pagecache import can_evict, evict
-from runner.storage.base import Storage as StorageProtocol
+from runner.task import make_step
 
 DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a run data-bound
 PROBE_REPEATS = 5  # bursts per stage; the ceiling is their median
@@ -104,22 +108,8 @@ def probe(fn: Callable[[], int], sync: Callable[[], None] = lambda: None,
             for _ in range(repeats)]
 
 
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run the block with ``n`` intra-op threads (as the stage had in the pipeline)."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _parallelism(cfg: Config, storage: StorageProtocol) -> int:
+def _parallelism(cfg: Config, storage: Storage) -> int:
     """How many stage copies run at once: the workers, or the decode threads."""
-    from runner.loader import cores, decode_threads
-
     workers = cfg.loader.num_workers or decode_threads(cfg.loader, storage)
     return max(1, min(workers, cores())) if workers > 0 else 1
 
@@ -153,7 +143,7 @@ def storage_read(files: list[str], image_bytes: int | None = None,
     return out
 
 
-def data_ceilings(cfg: Config, storage: StorageProtocol, device: torch.device, pin: bool,
+def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool,
                   cold_read: dict[str, float] | None = None) -> Ceilings:
     """images/s of each data stage alone for this run's storage and loader settings.
 
@@ -184,13 +174,22 @@ def data_ceilings(cfg: Config, storage: StorageProtocol, device: torch.device, p
     return ceilings
 
 
-def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
-                  device: torch.device) -> list[float]:
-    """images/s of the task's step (the run's compiled model or models) on a device-resident
-    synthetic batch.
+MODEL_BURST_STEPS = 3  # each burst of the model's probe times at least this many steps
+MODEL_BURST_SECONDS = 0.3
 
-    Runs after the run's figures are taken; in training it takes a few more optimizer steps
-    on synthetic data, which nothing reads afterwards (the runner saves no checkpoints).
+
+def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
+                  device: torch.device, in_loop: float | None = None) -> list[float]:
+    """images/s of the task's step (the run's compiled model or models) on a device-resident
+    synthetic batch of the run's batch size, with the threads the loop's model had.
+
+    A stage alone cannot be slower than the same stage inside the pipeline: ``in_loop`` (the
+    images the loop's steps handled per second of their compute time) is a floor. Bursts
+    last ``MODEL_BURST_STEPS`` steps and ``MODEL_BURST_SECONDS`` at least; a probe whose
+    median comes out below the floor was disturbed (another process, a busy core) and is
+    taken once more; if it is still below, the loop's own compute rate stands in for it.
+    In training it takes a few more optimizer steps on synthetic data, which nothing reads
+    afterwards (the checkpoint was written before).
     """
     bs = cfg.loader.batch_size
     batch = TensorDict({
@@ -199,11 +198,50 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
         "label": torch.randint(0, num_classes, (bs,), device=device),
         "index": torch.arange(bs, device=device),
     }, batch_size=[bs])
+
     def one_step() -> int:
         step(batch)
         return bs
 
-    return probe(one_step, sync=lambda: synchronize(device), seconds=0.15)
+    def bursts() -> list[float]:
+        one_step()
+        return [burst(one_step, seconds=MODEL_BURST_SECONDS, min_calls=MODEL_BURST_STEPS,
+                      sync=lambda: synchronize(device), warmup=0)
+                for _ in range(PROBE_REPEATS)]
+
+    rates = bursts()
+    if in_loop is not None and quantiles(rates)["median"] < in_loop:
+        rates = max(rates, bursts(), key=lambda r: quantiles(r)["median"])
+        if quantiles(rates)["median"] < in_loop:
+            rates = [max(r, in_loop) for r in rates]
+    return rates
+
+
+def in_loop_rate(figures: dict[str, Any]) -> float | None:
+    """images/s of the model inside the loop: the pipeline's figure over the share of step
+    time its steps computed (never below the pipeline itself)."""
+    compute, rate = figures.get("compute_frac"), figures.get("images_per_sec")
+    return rate / min(compute, 1.0) if compute and rate else None
+
+
+def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
+             world: int = 1) -> Verdict:
+    """Time each stage of the run's data path and its models alone, then the verdict."""
+    if world > 1:  # the stages below run in one process: compare per rank
+        figures = {**figures, "images_per_sec": figures["images_per_sec"] / world}
+    storage = data.storage
+    read = storage_read(storage.files, storage.image_bytes)  # a short cold read: the disk
+    cold = data.page_cache is not None and data.page_cache.state == "cold"
+    ceilings = data_ceilings(cfg, storage, data.device, data.pin_memory, read if cold else None)
+    if models:  # every model of the pass, on device-resident synthetic batches
+        local = {name: local_module(m) for name, m in models.items()}  # no collectives
+        step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
+        ceilings.add("model", model_ceiling(step, cfg, len(storage.classes), data.device,
+                                            in_loop_rate(figures)))
+    result = verdict(cfg, figures, ceilings, world, data.device.type == "cpu",
+                     decoders=_parallelism(cfg, storage) if storage.decodes_per_epoch else 0)
+    result.storage = read
+    return result
 
 
 def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -212,12 +250,12 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str, float],
-            world: int = 1, cpu: bool = False) -> Verdict:
+            world: int = 1, cpu: bool = False, decoders: int = 0) -> Verdict:
     """Name the stage that limits this run, from its figures and the stage ceilings.
 
     Under torch.distributed (``world`` ranks) the stages were timed in one process, so the
     pipeline figure given here is per rank. ``cpu``: the model runs on the CPU, where it
-    shares the cores with the loader's workers.
+    shares the cores with the ``decoders`` threads or workers that decode every epoch.
     """
     if not isinstance(ceilings, Ceilings):  # plain medians: no spread known
         ceilings = Ceilings(dict(ceilings), {k: dict.fromkeys(
@@ -238,13 +276,15 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
     ranked = sorted(credible, key=credible.get)
     slowest = ranked[0] if ranked else None
     model = medians.get("model")
+    if model is not None and model < pipeline * (1 - noise):
+        below["model"] = model  # never named as the limit; the probe is reported as disturbed
     parts = [f"pipeline {pipeline:,.0f} img/s" + (" (model=none)" if model is None else "")]
     if world > 1:
         parts[0] += f" per rank ({world} ranks)"
     if model is not None:
         parts.append(f"model alone {model:,.0f} img/s")
-    shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is Storage.folder \
-        and cfg.model.name != "none" and (os.cpu_count() or 1) <= 2 else ""
+    shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is StorageName.folder \
+        and cfg.model.name != "none" and cores() <= 2 else ""
     disturbed = ("; probes of " + ", ".join(f"{k} ({v:,.0f})" for k, v in below.items())
                  + " came out below the pipeline itself and are not taken as limits"
                  if below else "")
@@ -272,11 +312,22 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
             if slowest else "")
     if slowest and "model" in spread and _overlap(spread["model"], spread[slowest]):
         tail += " — within noise of the model alone, so speeding up either alone buys little"
-    advice = ADVICE["model"]
-    if cpu and model > 1.3 * pipeline and cfg.loader.num_workers > 0:
-        advice = (f"alone the model runs {model / pipeline:.1f}x faster, so the loader's "
-                  f"{cfg.loader.num_workers} workers take CPU from it: try loader=memmap or "
-                  f"loader=ram (nothing left to decode), or fewer workers; or {advice}")
+    if "model" in below:  # the model's probe came out below the pipeline: not a credible limit
+        result.bound, result.stage = "model", "unknown"
+        result.sentence = (f"compute-bound: {'; '.join(parts)}{tail}{disturbed}; {waited}, so "
+                           "the step itself limits, but the model's probe was disturbed: run "
+                           "again on a quieter machine to measure it")
+        return result
     result.bound, result.stage = "model", "model"
-    result.sentence = f"model-bound: {'; '.join(parts)}{tail}{disturbed}; {waited}: {advice}"
+    if cpu and decoders and model > 1.3 * pipeline:  # decoding competes for the model's cores
+        who = (f"{cfg.loader.num_workers} loader workers" if cfg.loader.num_workers
+               else f"{decoders} decode threads")
+        result.sentence = (
+            f"model-bound, sharing its cores with decoding: {'; '.join(parts)}{disturbed}; "
+            f"alone the model runs {model / pipeline:.1f}x faster, so the {who} take its "
+            f"cores; {waited}: try loader=memmap or loader=ram (decoded once, nothing left "
+            "to decode each epoch), then amp=bf16 or model.channels_last=true")
+        return result
+    result.sentence = (f"model-bound: {'; '.join(parts)}{tail}{disturbed}; {waited}: "
+                       f"{ADVICE['model']}")
     return result

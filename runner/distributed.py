@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node=N -m runner ...`` starts N copies of the runner; each finds its
 rank in the environment, joins a process group (gloo on CPU, nccl on CUDA), drives one
-device, loads its own shard of every epoch (``runner.loader.BatchOrder``) and trains one
+device, loads its own shard of every epoch (``runner.data.loader.BatchOrder``) and trains one
 DistributedDataParallel replica. Rank 0 alone writes the run's outputs, with figures
 gathered from every rank. Each job of a sweep creates and destroys its own group.
 """
@@ -189,3 +189,29 @@ def scratch_dirs_for_other_ranks(argv: list[str]) -> list[str]:
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
     return [*kept, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}"]
+
+
+def pick_device(want: str, ranks: Ranks) -> torch.device:
+    """The device a run asks for (``auto``: CUDA when there is one), one GPU per local rank
+    (torchrun, SLURM); an ``Unavailable`` when it asks for CUDA on a machine without."""
+    from runner.errors import Unavailable
+
+    if want == "cuda" and not torch.cuda.is_available():
+        raise Unavailable("device=cuda but no CUDA device is available here")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want != "cuda":
+        return torch.device(want)
+    device = torch.device("cuda", ranks.local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def replicate(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.nn.Module:
+    """A DistributedDataParallel replica of ``model`` for training under torch.distributed."""
+    if not ranks.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index]
+                                   if device.type == "cuda" else None)

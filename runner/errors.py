@@ -13,9 +13,14 @@ class UserError(Exception):
     runner.log only."""
 
 
+class ConfigError(UserError, ValueError):
+    """A config value that composes but cannot be run; the message names key and fix."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The run was stopped from outside: Ctrl-C (SIGINT) or SIGTERM (kill, SLURM,
-    ``docker stop``). Raised in the main thread by the signal handler in runner/run.py."""
+    ``docker stop``). Raised in the main thread by the signal handler in runner/outcome.py
+    (``Signals``)."""
 
     def __init__(self, signal_name: str = "SIGINT"):
         super().__init__(signal_name)

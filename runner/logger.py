@@ -112,6 +112,17 @@ class GuardedLogger:
         self._call("close", status)
 
 
+def run_identity(hydra_cfg: Any) -> tuple[str, str | None]:
+    """(name, group) of a run for the dashboard: its overrides (and its job number in a
+    sweep), grouped by the sweep's folder."""
+    from hydra.types import RunMode
+
+    name = hydra_cfg.job.override_dirname or "defaults"
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return f"{hydra_cfg.job.num}:{name}", Path(hydra_cfg.sweep.dir).name
+    return name, None
+
+
 LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.none: NullLogger}
 
 

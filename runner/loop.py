@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
 from tqdm import tqdm
 
 from runner import timeline
-from runner.loader import count_images
+from runner.data.order import count_images
 from runner.logger import MetricLogger
 from runner.metrics import StepClock, Window, repeat_split
 from runner.profile import stage_range
@@ -37,47 +38,105 @@ def _prefixed(figures: dict[str, Any]) -> dict[str, Any]:
     return {f"window/{k}": v for k, v in figures.items() if v is not None}
 
 
-def run_loop(
-    batches: Iterable[TensorDict],
-    step: Step,
-    device: torch.device,
-    total_steps: int,
-    warmup_steps: int,
-    log_every: int,
-    logger: MetricLogger,
-    progress: bool = True,
-    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    profiler: torch.profiler.profile | None = None,
-    clock: StepClock | None = None,
-    repeats: int = 3,
-    on_window: Callable[[LoopResult], None] | None = None,
-    on_epoch_end: tuple[int, Callable[[int], None]] | None = None,
-) -> LoopResult:
-    """Run ``step`` on up to ``total_steps`` batches and time the ones after warm-up.
+class Batches(Protocol):
+    """What the loop reads: batches as they come, moved to the device, finished there
+    (``runner.data.DataPath``; ``OnDevice`` for any iterable of TensorDicts)."""
+
+    device: torch.device
+
+    def __iter__(self) -> Iterator[TensorDict]: ...
+    def to_device(self, batch: TensorDict) -> TensorDict: ...
+    def finish(self, batch: TensorDict) -> TensorDict: ...
+
+
+class OnDevice:
+    """Any iterable of TensorDicts as the loop's batches: moved to ``device``, nothing more."""
+
+    augment = None
+
+    def __init__(self, source: Iterable[TensorDict], device: torch.device):
+        self.source, self.device = source, device
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        return iter(self.source)
+
+    def to_device(self, batch: TensorDict) -> TensorDict:
+        return batch.to(self.device, non_blocking=True)
+
+    def finish(self, batch: TensorDict) -> TensorDict:
+        return batch
+
+
+@dataclass
+class LoopOptions:
+    """How long the loop runs and how it measures.
+
+    Attributes:
+        total_steps: steps to run (fewer if the batches end first).
+        warmup_steps: the first steps, left out of every figure.
+        log_every: a timed window closes (and is logged) every this many timed steps.
+        repeats: the timed steps are split into this many consecutive windows (the spread).
+        min_window_seconds: each repeat window should last at least this long: short
+            windows of a fast pipeline give figures that differ run to run.
+        extend: called with a new total step count when the windows would be too short
+            and the run may go on (None: the run keeps its length; its flags say so).
+        progress: a progress bar.
+        profiler: a torch.profiler window (profile=true).
+        clock: the step clock (a caller may pause it around its own work).
+        on_window: sees the result so far after every window (to save it as it grows).
+        steps_per_epoch: with ``on_epoch_end``: called with the epochs done after each
+            epoch's last step (a checkpoint, a validation pass), its time left out.
+    """
+
+    total_steps: int
+    warmup_steps: int
+    log_every: int = 10
+    repeats: int = 3
+    min_window_seconds: float = 0.0
+    extend: Callable[[int], None] | None = None
+    progress: bool = False
+    profiler: torch.profiler.profile | None = None
+    clock: StepClock | None = None
+    on_window: Callable[[LoopResult], None] | None = None
+    steps_per_epoch: int | None = None
+    on_epoch_end: Callable[[int], None] | None = None
+
+
+def steps_for_windows(timed_seconds: float, timed_steps: int, repeats: int,
+                      min_window_seconds: float) -> int:
+    """Timed steps that make ``repeats`` windows of ``min_window_seconds`` each at the pace
+    measured so far (with a tenth to spare)."""
+    per_step = timed_seconds / max(timed_steps, 1)
+    return math.ceil(1.1 * repeats * min_window_seconds / max(per_step, 1e-9))
+
+
+def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOptions
+             ) -> LoopResult:
+    """Run ``step`` on up to ``options.total_steps`` batches and time those after warm-up.
 
     The timed steps are split into ``repeats`` consecutive windows (the run's spread); the
     device is synchronized only at window edges: when warm-up ends, at every
-    ``log_every``-th timed step, at each repeat's end, and at the end. ``augment`` (random
+    ``log_every``-th timed step, at each repeat's end, and at the end. When the first
+    repeat shows that the windows would last less than ``min_window_seconds``, the run is
+    lengthened through ``extend`` (when given) so that they do not. ``finish`` (random
     crops of pre-decoded batches) runs on the device after the move and counts as compute.
     With a ``profiler``, each stage is a named range and the profiler advances once per
-    step. A ``clock`` made by the caller lets setup code pause it (``StepClock.paused``).
-    ``on_window`` sees the result so far after every window (to save it as it grows).
-    ``on_epoch_end=(steps_per_epoch, fn)`` calls ``fn(epochs done)`` on the loop's thread
-    after each epoch's last step (a checkpoint, a validation pass); its time is taken out
-    of the figures.
-    Ctrl-C or SIGTERM (``KeyboardInterrupt``) ends the loop early with the steps done so
-    far timed and kept; the result carries the interruption for the caller to re-raise.
+    step. Ctrl-C or SIGTERM (``KeyboardInterrupt``) ends the loop early with the steps done
+    so far timed and kept; the result carries the interruption for the caller to re-raise.
     """
-    clock = clock or StepClock(device)
-    ends = repeat_split(max(total_steps - warmup_steps, 1), repeats)
+    o = options
+    clock = o.clock or StepClock(batches.device)
+    total_steps, warmup_steps = o.total_steps, o.warmup_steps
+    ends = repeat_split(max(total_steps - warmup_steps, 1), o.repeats)
     result = LoopResult(timed=Window(), repeats=[Window() for _ in ends], steps=0, images=0,
                         warmup_steps=warmup_steps)
-    stage = stage_range(profiler is not None)
-    bar = tqdm(total=total_steps, unit="step", disable=not progress, dynamic_ncols=True)
+    stage = stage_range(o.profiler is not None)
+    bar = tqdm(total=total_steps, unit="step", disable=not o.progress, dynamic_ncols=True)
     batch_iter = iter(batches)
     repeat = 0
     traced = timeline.enabled()
     keep_spans = warmup_steps + timeline.STEPS_SHOWN
+    finishes = getattr(batches, "augment", None) is not None
 
     def close_window() -> dict[str, Any]:
         nonlocal repeat
@@ -87,12 +146,26 @@ def run_loop(
         timed = result.steps - warmup_steps
         if repeat < len(ends) - 1 and timed >= ends[repeat]:
             repeat += 1
-        if on_window is not None:
-            on_window(result)
+        if o.on_window is not None:
+            o.on_window(result)
         return window.figures()
 
-    if profiler is not None:
-        profiler.start()
+    def lengthen() -> None:
+        """Still in the first repeat: make every window last ``min_window_seconds``."""
+        nonlocal total_steps, ends
+        timed = result.steps - warmup_steps
+        needed = steps_for_windows(result.timed.seconds, result.timed.steps, o.repeats,
+                                   o.min_window_seconds)
+        if needed <= total_steps - warmup_steps:
+            return
+        total_steps = warmup_steps + needed
+        ends = [max(e, timed) for e in repeat_split(needed, o.repeats)]
+        result.repeats += [Window() for _ in range(len(ends) - len(result.repeats))]
+        bar.total = total_steps
+        o.extend(total_steps)
+
+    if o.profiler is not None:
+        o.profiler.start()
     if warmup_steps == 0:
         step.start_timing()
         clock.open_window()
@@ -108,12 +181,12 @@ def run_loop(
             n = count_images(batch)  # before the move: counting padding needs no device sync
             c0 = clock.now()
             with stage("copy"):
-                batch = batch.to(device, non_blocking=True)
+                batch = batches.to_device(batch)
             c1 = clock.now()
             h2 = time.perf_counter()
-            if augment is not None:
+            if finishes:
                 with stage("augment"):
-                    batch["image"] = augment(batch["image"])
+                    batch = batches.finish(batch)
             h3 = time.perf_counter()
             with stage("compute"):
                 step(batch)
@@ -122,7 +195,7 @@ def run_loop(
                 h4 = time.perf_counter()
                 for name, a, b in (("wait", t0, h1), ("copy", h1, h2), ("augment", h2, h3),
                                    ("step", h3, h4)):
-                    if b > a and (name != "augment" or augment is not None):
+                    if b > a and (name != "augment" or finishes):
                         timeline.record(name, a, b)
                 result.step_spans.append((t0, h4))
             clock.add("copy", c0, c1)
@@ -131,27 +204,29 @@ def run_loop(
             result.steps += 1
             result.images += n
             bar.update()
-            if on_epoch_end is not None and result.steps % on_epoch_end[0] == 0:
+            if o.on_epoch_end is not None and result.steps % o.steps_per_epoch == 0:
                 with clock.paused():
-                    on_epoch_end[1](result.steps // on_epoch_end[0])
-            if profiler is not None:
-                profiler.step()
+                    o.on_epoch_end(result.steps // o.steps_per_epoch)
+            if o.profiler is not None:
+                o.profiler.step()
             timed = result.steps - warmup_steps
             if timed == 0:  # warm-up ends: what came before is not timed
                 logger.log(_prefixed(step.read()), step=result.steps)
                 step.start_timing()
                 clock.open_window()
-            elif timed > 0 and (timed % log_every == 0 or timed in ends):
+            elif timed > 0 and (timed % o.log_every == 0 or timed in ends):
                 figures = close_window() | step.read()
                 logger.log(_prefixed(figures), step=result.steps)
                 bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
+                if repeat == 0 and o.extend is not None and o.min_window_seconds > 0:
+                    lengthen()
                 clock.open_window(sync=False)  # logging is the runner's, not the pipeline's
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (runner.run's handler)
         result.interrupted = e
     finally:
         bar.close()
-        if profiler is not None:
-            profiler.stop()
+        if o.profiler is not None:
+            o.profiler.stop()
         if hasattr(batch_iter, "close"):
             batch_iter.close()  # stops loader workers now, also when stopping early
     if result.steps > warmup_steps and clock.has_steps():

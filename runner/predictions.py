@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-from runner.storage.folder import printable
+from runner.config import TaskConfig, TaskName
+from runner.data.storage.folder import printable
+from runner.distributed import Ranks
 
 HEADER = ("index,file,label,label_name,pred,pred_name,prob,topk_classes,topk_names,"
           "topk_probs\n")
@@ -105,6 +107,23 @@ class PredictionWriter:
         join_csv(self.path, parts, header=HEADER)
         shutil.rmtree(self.parts, ignore_errors=True)
         return self.rows
+
+
+def prediction_writers(task: TaskConfig, names: list[str], run_dir: Path, ranks: Ranks,
+                       name_of: Callable[[int], str], classes: list[str]
+                       ) -> dict[str, PredictionWriter]:
+    """``task=infer``: a writer per model, ``predictions.csv`` (``predictions_<model>.csv``
+    with several); under torch.distributed one file per rank, merged at the end."""
+    if task.name is not TaskName.infer or not task.write_predictions:
+        return {}
+    writers = {}
+    for name in names:
+        file = "predictions.csv" if len(names) == 1 else f"predictions_{name}.csv"
+        if ranks.enabled:
+            file = rank_file(file, ranks.rank)
+        writers[name] = PredictionWriter(run_dir, name_of, task.writer_threads,
+                                         file_name=file, classes=classes)
+    return writers
 
 
 def rank_file(file_name: str, rank: int) -> str:

@@ -18,11 +18,12 @@ import logging
 import sys
 from pathlib import Path
 
-from runner.config import ConfigError, compose
+from runner.compose import compose
+from runner.config import ConfigError
+from runner.data.reencode import Reencoding, describe, reencode_folder
+from runner.data.storage import cache_spec, open_folder, resolve_dataset
+from runner.data.storage.memmap import ensure_cache
 from runner.errors import UserError
-from runner.reencode import Reencoding, describe, reencode_folder
-from runner.storage import cache_spec, open_folder, resolve_dataset
-from runner.storage.memmap import ensure_cache
 
 
 def prepare_memmap(overrides: list[str], rebuild: bool = False) -> Path:

@@ -6,14 +6,14 @@ figures, every rank's figures become the run's, and a config becomes its one-lin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import Config, Storage, TaskName
+from runner.config import Config, StorageName, TaskName
+from runner.data.storage.folder import printable
 from runner.loop import LoopResult
 from runner.metrics import quantiles
-from runner.pagecache import ColdPageCache
-from runner.storage.folder import printable
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
 WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this: noisy
@@ -22,7 +22,7 @@ WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this:
 def describe(cfg: Config) -> str:
     """The run's options in one line, e.g. ``loader=folder decoder=pil workers=2 ...``."""
     parts = [f"loader={cfg.loader.name.value}"]
-    if cfg.loader.name is Storage.folder:
+    if cfg.loader.name is StorageName.folder:
         parts.append(f"decoder={cfg.loader.decoder.value}")
     parts += [f"workers={cfg.loader.num_workers}", f"batch={cfg.loader.batch_size}",
               f"prefetch={cfg.prefetch.name.value}", f"amp={cfg.amp.name.value}",
@@ -45,9 +45,10 @@ def spread_figures(rates: list[float], step_ms: list[float]) -> dict[str, Any]:
             "spread_frac": (ips["max"] - ips["min"]) / ips["median"] if ips["median"] else None}
 
 
-def flags(figures: dict[str, Any], repeats_asked: int) -> list[str]:
+def flags(figures: dict[str, Any], repeats_asked: int, window_seconds: float = 0.0
+          ) -> list[str]:
     """Why a figure should not be trusted as it stands: too few steps, too few windows,
-    or windows that disagree."""
+    windows too short to be stable, or windows that disagree."""
     out = []
     steps, repeats = figures.get("timed_steps") or 0, figures.get("repeats") or 0
     if steps < MIN_STEPS_PER_REPEAT * max(repeats_asked, 1):
@@ -55,13 +56,18 @@ def flags(figures: dict[str, Any], repeats_asked: int) -> list[str]:
                    f"{MIN_STEPS_PER_REPEAT * max(repeats_asked, 1)})")
     if repeats < min(repeats_asked, 3):
         out.append(f"{repeats} timed window(s): no spread to judge noise by")
+    seconds = figures.get("timed_seconds") or 0.0
+    if repeats and window_seconds > 0 and seconds / repeats < 0.8 * window_seconds:
+        steps_needed = math.ceil(steps * window_seconds * repeats / max(seconds, 1e-9))
+        out.append(f"short windows ({1000 * seconds / repeats:,.0f} ms each, run.window_seconds"
+                   f"={window_seconds:g}): about {steps_needed:,} timed steps would fill them")
     if (figures.get("spread_frac") or 0.0) > WIDE_SPREAD:
         out.append(f"wide spread (windows differ by {figures['spread_frac']:.0%})")
     return out
 
 
-def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3
-                 ) -> dict[str, Any]:
+def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3,
+                 window_seconds: float = 0.0) -> dict[str, Any]:
     """images/s and ms/step (the median of the repeat windows, with their spread), stage
     shares over all timed steps, the step counts and the flags that qualify them."""
     windows = [w.figures() for w in result.repeats if w.steps]
@@ -79,15 +85,8 @@ def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3
         "skipped_files": sorted(printable(f) for f in skipped),
         "skipped_count": len(skipped),
     }
-    figures["flags"] = flags(figures, repeats_asked)
+    figures["flags"] = flags(figures, repeats_asked, window_seconds)
     return figures
-
-
-def page_cache_figures(page_cache: ColdPageCache | None) -> dict[str, Any]:
-    if page_cache is None:
-        return {"page_cache": "warm"}
-    return {"page_cache": page_cache.state, "page_cache_note": page_cache.note,
-            "evictions": page_cache.evictions, "evict_seconds": page_cache.seconds}
 
 
 def rank_figures(rank: int, figures: dict[str, Any], result: LoopResult,

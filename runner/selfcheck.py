@@ -176,7 +176,7 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
 
 def check_nvjpeg(batch: int) -> list[Row]:
     from runner.bench import runner_rate
-    from runner.config import compose
+    from runner.compose import compose
 
     rates = {}
     for name, extra in (("nvjpeg", ["loader.decoder=nvjpeg", "loader.num_workers=2"]),
@@ -184,7 +184,7 @@ def check_nvjpeg(batch: int) -> list[Row]:
                                                    "loader.num_workers=2"])):
         cfg = compose(["loader=folder", "model=none", "logger=none", "device=cuda",
                        f"loader.batch_size={batch}", *extra])
-        rates[name] = runner_rate(cfg, 3.0)
+        rates[name] = runner_rate(cfg, 3.0, torch.device("cuda"))
     ratio = rates["nvjpeg"] / rates["simplejpeg, 2 workers"]
     return [Row("loader.decoder=nvjpeg vs the best CPU decoder with 2 workers", ratio >= 1.0,
                 f"{rates['nvjpeg']:,.0f} vs {rates['simplejpeg, 2 workers']:,.0f} img/s "

@@ -99,8 +99,8 @@ class SweepSummary(Callback):
 
 def _available_decoders() -> list[str]:
     from runner.config import Decoder
+    from runner.data.storage.decode import check_decoder
     from runner.errors import Unavailable
-    from runner.storage.decode import check_decoder
 
     found = []
     for decoder in (Decoder.pil, Decoder.simplejpeg, Decoder.jpeg4py, Decoder.torchvision):

@@ -6,6 +6,7 @@ log points (where the loop has already synchronized) and returns the figures to 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import torch
@@ -14,7 +15,20 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner.amp import autocast, grad_scaler
-from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
+from runner.config import (
+    AmpConfig,
+    AmpName,
+    Config,
+    Crop,
+    PageCache,
+    PrefetchConfig,
+    PrefetchName,
+    StorageName,
+    TaskConfig,
+    TaskName,
+)
+from runner.data import DataPath, build_data_path
+from runner.errors import ConfigError
 from runner.metrics import DeviceClock
 from runner.predictions import PredictionWriter
 
@@ -221,3 +235,54 @@ def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
         (model,) = models.values()
         return TrainStep(model, cfg, total_steps, amp, device)
     return InferStep(models, cfg, writers or {}, amp, device)
+
+
+def validation_config(config: Config) -> Config:
+    """The data path of ``dataset.val_path``: the folder decoded with the run's decoder,
+    center crops, in order, every image once, from a warm page cache."""
+    dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path, crop=Crop.center,
+                                  page_cache=PageCache.warm)
+    loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,
+                                 drop_last=False)
+    return dataclasses.replace(config, dataset=dataset, loader=loader,
+                               prefetch=PrefetchConfig(PrefetchName.none))
+
+
+class Validation:
+    """Top-1 accuracy of the trained model over ``dataset.val_path`` (after each epoch).
+
+    Args:
+        data: the validation data path (``validation_config``), one epoch per call.
+        model: the model being trained.
+        amp: the run's autocast.
+        classes: the training set's classes; the validation folder must have the same.
+    """
+
+    def __init__(self, data: DataPath, model: nn.Module, amp: AmpConfig, classes: list[str]):
+        if data.classes != list(classes):
+            raise ConfigError(f"dataset.val_path={data.storage.root} has classes "
+                              f"{data.classes[:5]}..., the training folder {list(classes)[:5]}"
+                              "...: they must be the same class folders")
+        self.data, self.model, self.amp = data, model, amp
+
+    @classmethod
+    def for_run(cls, config: Config, model: nn.Module, amp: AmpConfig, device: torch.device,
+                classes: list[str], progress: bool) -> Validation:
+        data = build_data_path(validation_config(config), device, epochs=1, progress=progress)
+        return cls(data, model, amp, classes)
+
+    def __call__(self) -> float:
+        correct = torch.zeros((), dtype=torch.int64, device=self.data.device)
+        total = 0
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), autocast(self.amp, self.data.device):
+            for batch in self.data.device_batches():
+                pred = self.model(batch["image"]).argmax(dim=1)
+                correct += (pred == batch["label"]).sum()
+                total += batch.batch_size[0]
+        self.model.train(was_training)
+        return int(correct) / max(total, 1)
+
+    def close(self) -> None:
+        self.data.close()

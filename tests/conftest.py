@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.synthetic import SyntheticSpec, make_image
+from runner.data.synthetic import SyntheticSpec, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,3 +165,11 @@ def compose_config(*overrides: str, hydra: bool = False):
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides),
                        return_hydra_config=hydra)
+
+
+def make_loader(storage, cfg, seed: int = 0, pin_memory: bool = False, rank: int = 0,
+                world: int = 1):
+    """``build_loader`` over ``storage`` with its batch order for (seed, rank, world)."""
+    from runner.data.loader import batch_order, build_loader
+
+    return build_loader(storage, cfg, batch_order(storage, cfg, seed, rank, world), pin_memory)

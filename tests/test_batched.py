@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.augment import BatchAugment
-from runner.buffers import BufferPool
-from runner.config import Decoder, LoaderConfig, OnCorrupt, Storage
-from runner.loader import BatchOrder, BatchStream, InProcessBatches, build_loader
-from runner.storage import ram
-from runner.storage.decode import ImageDecoder
-from runner.storage.folder import DatasetError, FolderStorage
-from runner.storage.memmap import CacheSpec, open_cache
-from tests.conftest import encode, make_tree, photo
+from runner.config import Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.augment import BatchAugment
+from runner.data.buffers import BufferPool
+from runner.data.loader import BatchStream, InProcessBatches
+from runner.data.order import BatchOrder
+from runner.data.storage import ram
+from runner.data.storage.decode import ImageDecoder
+from runner.data.storage.folder import DatasetError, FolderStorage
+from runner.data.storage.memmap import CacheSpec, open_cache
+from tests.conftest import encode, make_loader, make_tree, photo
 
 SIZE = (16, 16)
 
@@ -38,12 +39,12 @@ def memmap_storage(folder: FolderStorage, tmp_path: Path):
 
 
 def cfg(**kwargs) -> LoaderConfig:
-    base = dict(name=Storage.memmap, batch_size=4, num_workers=0, batched=True, shuffle=True)
+    base = dict(name=StorageName.memmap, batch_size=4, num_workers=0, batched=True, shuffle=True)
     return LoaderConfig(**{**base, **kwargs})
 
 
 def batches(storage, epochs: int = 2, **kwargs) -> list:
-    loader = build_loader(storage, cfg(**kwargs), seed=7, pin_memory=False)
+    loader = make_loader(storage, cfg(**kwargs), seed=7, pin_memory=False)
     return [{k: v.clone() for k, v in b.items()} for b in BatchStream(loader, epochs)]
 
 
@@ -67,9 +68,35 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     assert len(BatchOrder(10, 4, True, drop_last=True, seed=1)) == 2
 
 
+def test_an_epochs_order_depends_on_its_number_alone_so_a_resumed_run_reads_the_same():
+    straight = BatchOrder(50, batch_size=8, shuffle=True, drop_last=False, seed=4,
+                          crop_seeds=True)
+    seen = [([b.tolist() for b in straight.batches()], straight.seeds_for(torch.arange(50)))
+            for _ in range(4)]
+    resumed = BatchOrder(50, batch_size=8, shuffle=True, drop_last=False, seed=4,
+                         crop_seeds=True)
+    resumed.set_epoch(3)  # a run that starts after 3 epochs
+    assert [b.tolist() for b in resumed.batches()] == seen[3][0]
+    assert resumed.seeds_for(torch.arange(50)) == seen[3][1]  # the same crops too
+    assert seen[2][0] != seen[3][0] and seen[2][1] != seen[3][1]
+
+
+def test_a_stream_resumed_at_an_epoch_gives_that_epochs_batches(memmap_storage):
+    from runner.data.loader import batch_order, build_loader
+
+    def stream(start: int, epochs: int) -> list[list[int]]:
+        config = cfg(batch_size=4)
+        order = batch_order(memmap_storage, config, seed=5)
+        loader = build_loader(memmap_storage, config, order, False)
+        return [b["index"].tolist() for b in BatchStream(loader, epochs, order, start)]
+
+    per_epoch = -(-len(memmap_storage) // 4)
+    assert stream(2, 1) == stream(0, 3)[2 * per_epoch :]
+
+
 def test_block_shuffle_keeps_runs_together():
     order = BatchOrder(64, batch_size=16, shuffle=True, drop_last=False, seed=0, block=8)
-    flat = order.epoch_order().tolist()
+    flat = order.epoch_order(0).tolist()
     assert sorted(flat) == list(range(64))
     runs = [flat[k : k + 8] for k in range(0, 64, 8)]
     assert all(r == list(range(r[0], r[0] + 8)) and r[0] % 8 == 0 for r in runs)
@@ -78,7 +105,7 @@ def test_block_shuffle_keeps_runs_together():
 
 def test_every_loading_path_gives_the_same_batches(memmap_storage):
     in_process = batches(memmap_storage)
-    assert isinstance(build_loader(memmap_storage, cfg(), 7, False), InProcessBatches)
+    assert isinstance(make_loader(memmap_storage, cfg(), 7, False), InProcessBatches)
     assert_same(in_process, batches(memmap_storage, batched=False))  # per item, collated
     assert_same(in_process, batches(memmap_storage, num_workers=2))  # batched, 2 workers
     assert_same(in_process, batches(memmap_storage, batched=False, num_workers=2))
@@ -101,7 +128,7 @@ def test_ram_refuses_a_dataset_that_does_not_fit(folder, tmp_path: Path, monkeyp
 
 
 def test_a_held_batch_is_never_overwritten(memmap_storage):
-    loader = build_loader(memmap_storage, cfg(batch_size=4), seed=0, pin_memory=False)
+    loader = make_loader(memmap_storage, cfg(batch_size=4), seed=0, pin_memory=False)
     stream = iter(BatchStream(loader, epochs=3))
     kept = next(stream)
     snapshot = kept["image"].clone()

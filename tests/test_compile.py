@@ -11,14 +11,7 @@ import torch
 from torch import nn
 
 from runner import compile as compiling
-from runner.config import (
-    AmpConfig,
-    AmpName,
-    CompileConfig,
-    CompileName,
-    ModelConfig,
-    TaskName,
-)
+from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
 from runner.model import build_model
 from tests.conftest import (
     SMALL_DATASET,

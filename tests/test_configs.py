@@ -9,9 +9,10 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from runner.config import ConfigError, register_configs, to_config, unknown_key_message
+from runner.compose import to_config
+from runner.config import ConfigError, register_configs, unknown_key_message
 from runner.errors import Unavailable
-from tests.conftest import REPO, compose_config, run_cli
+from tests.conftest import REPO, compose_config, make_loader, run_cli
 
 CONF = REPO / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: launchers
@@ -29,18 +30,18 @@ def test_every_group_has_presets_and_a_builder():
 
 
 def build_loader_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.loader import BatchStream, build_loader
-    from runner.storage import build_storage
+    from runner.data.loader import BatchStream
+    from runner.data.storage import build_storage
 
     storage = build_storage(config.loader, config.dataset, image_tree, progress=False)
     assert len(storage) == 18
-    loader = build_loader(storage, config.loader, config.seed, pin_memory=False)
+    loader = make_loader(storage, config.loader, config.seed, pin_memory=False)
     batch = next(iter(BatchStream(loader, epochs=1)))
     assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (3, 224, 224)
 
 
 def build_prefetch_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.prefetch import build_prefetcher
+    from runner.data.prefetch import build_prefetcher
 
     source = [{"x": torch.arange(3)}, {"x": torch.arange(3) + 3}]
     prefetcher = build_prefetcher(config.prefetch, source, DEVICE)
@@ -213,3 +214,34 @@ def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_
     assert proc.returncode != 0
     assert "Available options in 'loader'" in proc.stdout + proc.stderr
     assert not cache_dir.exists()  # failed before the default dataset was made
+
+
+@pytest.mark.slow
+def test_a_misspelt_model_in_models_is_refused_before_any_dataset_is_made(tmp_path: Path,
+                                                                       cache_dir: Path):
+    proc = run_cli("task=infer", "models=[resnet18,resnett50]", "logger=none",
+                   "loader=memmap", "hydra.run.dir=run", cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert "model.name=resnett50 is not a torchvision classification model" in out
+    assert "did you mean resnet50" in out
+    assert not cache_dir.exists() or not any(cache_dir.rglob("*.jpg"))  # nothing generated
+
+
+def test_every_model_name_is_checked_when_the_config_is_composed():
+    from runner.compose import compose
+
+    with pytest.raises(ConfigError, match="resnett50"):
+        compose(["task=infer", "models=[resnet18,resnett50]"])
+    with pytest.raises(ConfigError, match="model.name=resnett18"):
+        compose(["model.name=resnett18"])
+
+
+def test_a_loader_with_no_batches_is_a_users_mistake_not_a_bug(tmp_path: Path, image_tree: Path):
+    from runner.compose import compose
+    from runner.data import build_data_path
+
+    config = compose([f"dataset.path={image_tree}", "loader.batch_size=64",
+                      "loader.drop_last=true", "dataset.image_size=[16,16]"])
+    with pytest.raises(ConfigError, match="loader.drop_last=false"):
+        build_data_path(config, torch.device("cpu"), progress=False)

@@ -11,7 +11,7 @@ import torch
 from PIL import Image, ImageOps
 
 from runner.config import Crop, Decoder
-from runner.storage.decode import (
+from runner.data.storage.decode import (
     CorruptImageError,
     DecoderUnavailable,
     ImageDecoder,

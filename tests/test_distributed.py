@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import Decoder, LoaderConfig, OnCorrupt, Storage
-from runner.loader import BatchOrder, BatchStream, build_loader
-from runner.storage.decode import ImageDecoder
-from runner.storage.decoded import DecodedStorage
-from runner.storage.folder import FolderStorage
-from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics
+from runner.config import Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.loader import BatchStream
+from runner.data.order import BatchOrder
+from runner.data.storage.decode import ImageDecoder
+from runner.data.storage.decoded import DecodedStorage
+from runner.data.storage.folder import FolderStorage
+from tests.conftest import REPO, SMALL_DATASET, encode, make_loader, make_tree, photo, read_metrics
 
 
 @pytest.mark.parametrize(("size", "world", "batch"), [(10, 2, 4), (9, 2, 4), (61, 2, 8),
@@ -39,10 +40,10 @@ def test_shards_cover_each_epoch_once_with_equal_steps(size: int, world: int, ba
 def test_padding_rows_are_marked_not_counted(tmp_path: Path):
     images = torch.arange(9, dtype=torch.uint8).view(9, 1, 1, 1).expand(9, 3, 2, 2).clone()
     storage = DecodedStorage(images, torch.arange(9), [], ["c"], [str(i) for i in range(9)], None)
-    cfg = LoaderConfig(name=Storage.memmap, batch_size=4, num_workers=0, batched=True)
+    cfg = LoaderConfig(name=StorageName.memmap, batch_size=4, num_workers=0, batched=True)
     seen = []
     for rank in (0, 1):
-        for batch in BatchStream(build_loader(storage, cfg, 0, False, rank, 2), 1):
+        for batch in BatchStream(make_loader(storage, cfg, 0, False, rank, 2), 1):
             valid = batch["valid"] if "valid" in batch.keys() else torch.ones(len(batch), dtype=torch.bool)
             seen += batch["index"][valid].tolist()
             assert torch.equal(batch["image"][:, 0, 0, 0].long(), batch["index"])  # real pixels
@@ -50,8 +51,8 @@ def test_padding_rows_are_marked_not_counted(tmp_path: Path):
     files = {f"c/{k}.jpg": encode(photo(16, 16, index=k)) for k in range(5)}
     folder = FolderStorage(make_tree(tmp_path / "f", files), ImageDecoder(Decoder.pil, (8, 8)),
                            OnCorrupt.skip)
-    folder_cfg = LoaderConfig(name=Storage.folder, batch_size=4, num_workers=0)
-    last = list(BatchStream(build_loader(folder, folder_cfg, 0, False, 1, 2), 1))[-1]
+    folder_cfg = LoaderConfig(name=StorageName.folder, batch_size=4, num_workers=0)
+    last = list(BatchStream(make_loader(folder, folder_cfg, 0, False, 1, 2), 1))[-1]
     # 5 images, 2 ranks: 3 rows each, and rank 1's third row is a pad
     assert len(last["valid"]) == 3 and int(last["valid"].sum()) == 2
 

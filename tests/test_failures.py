@@ -20,12 +20,19 @@ import pytest
 import torch
 
 from runner.config import Decoder, OnCorrupt
+from runner.data.pool import WorkerDied
+from runner.data.storage import memmap
+from runner.data.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.memmap import (
+    META,
+    CacheError,
+    CacheSpec,
+    DiskFull,
+    ensure_cache,
+    open_cache,
+)
 from runner.outcome import RunDirClaim
-from runner.pool import WorkerDied
-from runner.storage import memmap
-from runner.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
-from runner.storage.folder import FolderStorage
-from runner.storage.memmap import META, CacheError, CacheSpec, DiskFull, ensure_cache, open_cache
 from tests.conftest import (
     REPO,
     SMALL_DATASET,
@@ -74,7 +81,7 @@ JPEG4PY_AFTER_TRUNCATED = textwrap.dedent("""
     import sys
     from pathlib import Path
     from runner.config import Decoder
-    from runner.storage.decode import CorruptImageError, ImageDecoder
+    from runner.data.storage.decode import CorruptImageError, ImageDecoder
     good, truncated = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes()
     decode = ImageDecoder(Decoder.jpeg4py, (32, 32))
     reference = decode(good)
@@ -91,8 +98,8 @@ JPEG4PY_AFTER_TRUNCATED = textwrap.dedent("""
 @pytest.mark.slow
 def test_jpeg4py_survives_a_truncated_file_then_200_good_ones(tmp_path: Path):
     pytest.importorskip("jpeg4py")
+    from runner.data.storage.decode import check_decoder
     from runner.errors import Unavailable
-    from runner.storage.decode import check_decoder
 
     try:
         check_decoder(Decoder.jpeg4py)
@@ -116,7 +123,7 @@ def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path
             cwd=tmp_path)  # the default dataset, made before the crash is injected
     env = sitecustomize(tmp_path / "inject", """
         import multiprocessing, os, signal
-        import runner.storage.decode as decode
+        import runner.data.storage.decode as decode
         real = decode.ImageDecoder.__call__
         def crashing(self, data, rng=None):
             if multiprocessing.parent_process() is not None:  # a DataLoader worker
@@ -324,7 +331,7 @@ def test_an_unchanged_folder_is_checked_without_reading_any_file(source: Path, t
 # --- 8. what a cache left out, and on_corrupt=fail with a cache -----------------------------
 
 def test_decoded_storages_report_the_files_the_cache_left_out(source: Path, tmp_path: Path):
-    from runner.storage.ram import load_ram
+    from runner.data.storage.ram import load_ram
 
     build(source, tmp_path / "cache")
     for storage in (open_cache(folder_of(source), spec_for(source), tmp_path / "cache",
@@ -355,10 +362,10 @@ def test_a_memmap_run_lists_skipped_files_in_metrics(tmp_path: Path, cache_dir: 
 
 def test_the_same_folder_spelled_differently_reuses_the_cache(source: Path, tmp_path: Path,
                                                               monkeypatch):
-    from runner.config import DatasetConfig, LoaderConfig, Storage
-    from runner.storage import build_storage
+    from runner.config import DatasetConfig, LoaderConfig, StorageName
+    from runner.data.storage import build_storage
 
-    loader = LoaderConfig(name=Storage.memmap, decoder=Decoder.simplejpeg)
+    loader = LoaderConfig(name=StorageName.memmap, decoder=Decoder.simplejpeg)
     dataset = DatasetConfig(image_size=list(SIZE), cache_dir=str(tmp_path / "cache"))
     build_storage(loader, dataset, source, False)
     calls = []
@@ -440,8 +447,8 @@ def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
 
 
 def test_loader_ram_refuses_a_dataset_larger_than_dev_shm(monkeypatch):
-    from runner.storage import ram
-    from runner.storage.folder import DatasetError
+    from runner.data.storage import ram
+    from runner.data.storage.folder import DatasetError
 
     monkeypatch.setattr(ram, "shm_free", lambda: 64 * 2**20)  # docker's default 64 MB
     with pytest.raises(DatasetError, match="--shm-size"):

@@ -9,17 +9,17 @@ import pytest
 import torch
 from torchvision.datasets import ImageFolder
 
-from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, Storage
-from runner.loader import BatchStream, build_loader, dataloader_kwargs
-from runner.storage.decode import CorruptImageError, ImageDecoder
-from runner.storage.folder import DatasetError, FolderStorage
-from tests.conftest import encode, make_tree, photo
+from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.loader import BatchStream, dataloader_kwargs
+from runner.data.storage.decode import CorruptImageError, ImageDecoder
+from runner.data.storage.folder import DatasetError, FolderStorage
+from tests.conftest import encode, make_loader, make_tree, photo
 
 DECODE = ImageDecoder(Decoder.simplejpeg, (32, 32))
 
 
 def loader_config(**kwargs) -> LoaderConfig:
-    base = dict(name=Storage.folder, batch_size=4, num_workers=0, shuffle=False)
+    base = dict(name=StorageName.folder, batch_size=4, num_workers=0, shuffle=False)
     return LoaderConfig(**{**base, **kwargs})
 
 
@@ -65,7 +65,7 @@ PATHS = {"threads": dict(num_workers=0), "workers": dict(num_workers=2),
 @pytest.mark.parametrize("path", PATHS)
 def test_corrupt_files_are_skipped_counted_and_named(tree_with_corrupt: Path, path: str):
     storage = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.skip)
-    loader = build_loader(storage, loader_config(batch_size=3, **PATHS[path]), 0, False)
+    loader = make_loader(storage, loader_config(batch_size=3, **PATHS[path]), 0, False)
     stream = BatchStream(loader, epochs=2)
     batches = list(stream)
     images = sum(len(b) for b in batches)
@@ -78,7 +78,7 @@ def test_corrupt_files_are_skipped_counted_and_named(tree_with_corrupt: Path, pa
 @pytest.mark.parametrize("path", PATHS)
 def test_on_corrupt_fail_stops_with_the_path(tree_with_corrupt: Path, path: str):
     storage = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.fail)
-    loader = build_loader(storage, loader_config(**PATHS[path]), 0, False)
+    loader = make_loader(storage, loader_config(**PATHS[path]), 0, False)
     with pytest.raises(CorruptImageError, match=r"truncated\.jpg"):
         list(BatchStream(loader, epochs=1))
 
@@ -88,7 +88,7 @@ def test_no_worker_outlives_the_stream(image_tree: Path, tree_with_corrupt: Path
                                        persistent: bool):
     storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
     cfg = loader_config(num_workers=2, persistent_workers=persistent)
-    stream = iter(BatchStream(build_loader(storage, cfg, 0, False), epochs=3))
+    stream = iter(BatchStream(make_loader(storage, cfg, 0, False), epochs=3))
     next(stream)
     assert len(multiprocessing.active_children()) == 2
     stream.close()  # stopping early, as the loop does when run.steps is reached
@@ -96,14 +96,14 @@ def test_no_worker_outlives_the_stream(image_tree: Path, tree_with_corrupt: Path
 
     failing = FolderStorage(tree_with_corrupt, DECODE, OnCorrupt.fail)
     with pytest.raises(CorruptImageError):
-        list(BatchStream(build_loader(failing, cfg, 0, False), epochs=1))
+        list(BatchStream(make_loader(failing, cfg, 0, False), epochs=1))
     assert multiprocessing.active_children() == []
 
 
 def test_batched_and_per_item_loading_give_the_same_batches(image_tree: Path):
     storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
-    per_item = build_loader(storage, loader_config(shuffle=True), seed=3, pin_memory=False)
-    batched = build_loader(storage, loader_config(shuffle=True, batched=True), seed=3,
+    per_item = make_loader(storage, loader_config(shuffle=True), seed=3, pin_memory=False)
+    batched = make_loader(storage, loader_config(shuffle=True, batched=True), seed=3,
                            pin_memory=False)
     a, b = list(BatchStream(per_item, 1)), list(BatchStream(batched, 1))
     assert len(a) == len(b) == 5  # 18 images, batch 4, last batch short
@@ -117,7 +117,7 @@ def test_shuffle_is_seeded_and_reshuffles_each_epoch(image_tree: Path):
 
     def order(seed: int) -> list[list[list[int]]]:
         """The batches of each of two epochs."""
-        loader = build_loader(storage, loader_config(shuffle=True, batch_size=6), seed, False)
+        loader = make_loader(storage, loader_config(shuffle=True, batch_size=6), seed, False)
         batches = [b["index"].tolist() for b in BatchStream(loader, epochs=2)]
         return [batches[:3], batches[3:]]
 
@@ -149,7 +149,7 @@ def test_every_path_gives_identical_batches_for_the_same_seed(image_tree: Path,
                             OnCorrupt.skip)
     got = {}
     for path, options in PATHS.items():
-        loader = build_loader(storage, loader_config(shuffle=True, **options), 7, False)
+        loader = make_loader(storage, loader_config(shuffle=True, **options), 7, False)
         got[path] = [(b["index"].clone(), b["image"].clone()) for b in BatchStream(loader, 2)]
     reference = got.pop("main")
     for path, batches in got.items():
@@ -165,10 +165,10 @@ def test_every_path_gives_identical_batches_for_the_same_seed(image_tree: Path,
 def test_threads_decode_into_reused_buffers_and_stop_cleanly(image_tree: Path):
     import threading
 
-    from runner.loader import ThreadedBatches
+    from runner.data.loader import ThreadedBatches
 
     storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
-    loader = build_loader(storage, loader_config(batch_size=4), 0, False)
+    loader = make_loader(storage, loader_config(batch_size=4), 0, False)
     assert isinstance(loader, ThreadedBatches) and loader.threads >= 1
     stream = iter(BatchStream(loader, epochs=4))
     for _ in range(12):
@@ -180,6 +180,6 @@ def test_threads_decode_into_reused_buffers_and_stop_cleanly(image_tree: Path):
 
 def test_threads_can_be_iterated_under_inference_mode(image_tree: Path):
     storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
-    loader = build_loader(storage, loader_config(batch_size=4), 0, False)
+    loader = make_loader(storage, loader_config(batch_size=4), 0, False)
     with torch.inference_mode():  # a user's eval loop: buffers made here, filled by threads
         assert sum(len(b) for b in BatchStream(loader, epochs=2)) == 36

@@ -11,17 +11,10 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-from runner.augment import BatchAugment
 from runner.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, export_dynamic, tolerance
-from runner.config import (
-    AmpConfig,
-    AmpName,
-    CompileName,
-    ModelConfig,
-    TaskConfig,
-    TaskName,
-    compose,
-)
+from runner.compose import compose
+from runner.config import AmpConfig, AmpName, CompileName, ModelConfig, TaskConfig, TaskName
+from runner.data.augment import BatchAugment
 from runner.model import build_model
 from runner.predictions import PredictionWriter
 from runner.task import InferStep, TrainStep, optimizer_options
@@ -101,8 +94,8 @@ def test_fp16_training_takes_the_fused_no_sync_optimizer_on_cuda():
 
 def test_loader_ram_does_not_pin_the_dataset_and_batches_pin_their_small_fields(monkeypatch,
                                                                              image_tree: Path):
-    from runner.buffers import pin_small_fields
-    from runner.storage import build_storage
+    from runner.data.buffers import pin_small_fields
+    from runner.data.storage import build_storage
 
     pinned = []
 

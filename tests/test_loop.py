@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from runner.loop import run_loop
+from runner.loop import LoopOptions, OnDevice, run_loop
 from runner.predictions import PredictionWriter
 from runner.task import DataOnlyStep
 
@@ -46,8 +46,8 @@ class RecordingLogger:
 
 
 def loop(source, step, total=10, warmup=3, log_every=2, logger=None):
-    return run_loop(source, step, torch.device("cpu"), total_steps=total, warmup_steps=warmup,
-                    log_every=log_every, logger=logger or RecordingLogger(), progress=False)
+    return run_loop(OnDevice(source, torch.device("cpu")), step, logger or RecordingLogger(),
+                    LoopOptions(total, warmup, log_every))
 
 
 def test_warmup_is_excluded_and_windows_add_up():
@@ -102,3 +102,31 @@ def test_a_failing_write_is_raised_not_lost(tmp_path: Path):
                   torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(RuntimeError, match="writing predictions failed: disk full"):
         writer.close()
+
+
+def endless(size: int = 4):
+    while True:
+        yield TensorDict({"image": torch.zeros(size, 3, 8, 8, dtype=torch.uint8),
+                          "label": torch.zeros(size, dtype=torch.long)}, batch_size=[size])
+
+
+def test_a_fast_pipelines_windows_are_lengthened_to_last_their_seconds():
+    asked = []
+    result = run_loop(OnDevice(endless(), torch.device("cpu")), SlowStep(0.001),
+                      RecordingLogger(), LoopOptions(20, 2, log_every=5, repeats=3,
+                                                     min_window_seconds=0.1,
+                                                     extend=asked.append))
+    assert asked and result.steps == asked[-1] > 20  # the run went on, and said how far
+    assert len(result.repeats) == 3
+    assert all(w.seconds >= 0.08 for w in result.repeats)  # each window near 0.1 s or more
+
+
+def test_without_extend_the_run_keeps_its_length_and_its_flags_say_why():
+    from runner.results import loop_figures
+
+    result = run_loop(OnDevice(endless(), torch.device("cpu")), DataOnlyStep(),
+                      RecordingLogger(), LoopOptions(20, 2, log_every=5, repeats=3,
+                                                     min_window_seconds=1.0))
+    assert result.steps == 20
+    flags = loop_figures(result, [], 3, window_seconds=1.0)["flags"]
+    assert any(f.startswith("short windows") for f in flags)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from runner.config import Decoder, OnCorrupt
+from runner.data.storage import memmap
+from runner.data.storage.decode import ImageDecoder
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.memmap import META, CacheError, CacheSpec, ensure_cache
 from runner.prepare import main as prepare_main
-from runner.storage import memmap
-from runner.storage.decode import ImageDecoder
-from runner.storage.folder import FolderStorage
-from runner.storage.memmap import META, CacheError, CacheSpec, ensure_cache
 from tests.conftest import REPO, encode, make_tree, photo
 
 SIZE = (24, 32)
@@ -62,7 +62,7 @@ def test_cache_holds_the_folder_loaders_pixels_and_labels(source: Path, tmp_path
 
 
 def memmap_storage(folder: FolderStorage, cache: Path):
-    from runner.storage.memmap import open_cache
+    from runner.data.storage.memmap import open_cache
 
     return open_cache(folder, spec_for(folder.root), cache, progress=False)
 
@@ -123,9 +123,9 @@ KILLED_CONVERSION = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     from runner.config import Decoder, OnCorrupt
-    from runner.storage import memmap
-    from runner.storage.decode import ImageDecoder
-    from runner.storage.folder import FolderStorage
+    from runner.data.storage import memmap
+    from runner.data.storage.decode import ImageDecoder
+    from runner.data.storage.folder import FolderStorage
 
     source, cache = Path(sys.argv[1]), Path(sys.argv[2])
     memmap.CHUNK = 3

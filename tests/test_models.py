@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import ConfigError, ModelConfig, ModelSource, compose
+from runner.compose import compose
+from runner.config import ConfigError, ModelConfig, ModelSource
 from runner.errors import Unavailable
 from runner.model import build_model
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli

@@ -12,12 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from runner import pagecache, reencode
 from runner.config import Decoder, OnCorrupt
-from runner.pagecache import ColdPageCache, resident_fraction
-from runner.storage.decode import ImageDecoder
-from runner.storage.folder import FolderStorage, open_image_folder
-from runner.storage.memmap import CacheSpec, open_cache
+from runner.data import pagecache, reencode
+from runner.data.pagecache import ColdPageCache, resident_fraction
+from runner.data.storage.decode import ImageDecoder
+from runner.data.storage.folder import FolderStorage, open_image_folder
+from runner.data.storage.memmap import CacheSpec, open_cache
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
 
 

@@ -12,17 +12,18 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, Storage
-from runner.loader import BatchStream, build_loader, collate
+from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.loader import BatchStream, collate
+from runner.data.nvjpeg import GpuDecodedBatches
+from runner.data.prefetch import CpuPrefetcher, CudaStreamPrefetcher
+from runner.data.storage.decode import ImageDecoder
+from runner.data.storage.encoded import ReadBytes
+from runner.data.storage.folder import FolderStorage
 from runner.model import UInt8Input
-from runner.nvjpeg import GpuDecodedBatches
-from runner.prefetch import CpuPrefetcher, CudaStreamPrefetcher
-from runner.storage.decode import ImageDecoder
-from runner.storage.encoded import ReadBytes
-from runner.storage.folder import FolderStorage
 from tests.conftest import (
     SMALL_DATASET,
     encode,
+    make_loader,
     make_tree,
     photo,
     read_metrics,
@@ -33,8 +34,8 @@ from tests.conftest import (
 
 def folder_stream(tree: Path, workers: int, epochs: int = 2) -> BatchStream:
     storage = FolderStorage(tree, ImageDecoder(Decoder.simplejpeg, (16, 16)), OnCorrupt.skip)
-    cfg = LoaderConfig(name=Storage.folder, batch_size=4, num_workers=workers)
-    return BatchStream(build_loader(storage, cfg, seed=1, pin_memory=False), epochs)
+    cfg = LoaderConfig(name=StorageName.folder, batch_size=4, num_workers=workers)
+    return BatchStream(make_loader(storage, cfg, seed=1, pin_memory=False), epochs)
 
 
 def snapshot(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -120,8 +121,8 @@ def test_uint8_input_converts_on_the_device_inside_the_model():
 def gpu_decoded(tree: Path, device: torch.device, on_corrupt=OnCorrupt.skip):
     storage = FolderStorage(tree, ReadBytes(ImageDecoder(Decoder.pil, (24, 24), Crop.center)),
                             on_corrupt)
-    cfg = LoaderConfig(name=Storage.folder, batch_size=8, num_workers=0, shuffle=False)
-    loader = build_loader(storage, cfg, seed=0, pin_memory=False)
+    cfg = LoaderConfig(name=StorageName.folder, batch_size=8, num_workers=0, shuffle=False)
+    loader = make_loader(storage, cfg, seed=0, pin_memory=False)
     wrapped = GpuDecodedBatches(loader, storage, device)
     return storage, BatchStream(wrapped, epochs=1)
 
@@ -148,7 +149,7 @@ def test_gpu_decode_path_matches_cpu_decoding(tmp_path: Path):
 
 
 def test_encoded_batches_pack_into_one_buffer():
-    from runner.storage.base import Sample
+    from runner.data.storage.base import Sample
 
     items = [Sample(torch.tensor([1, 2, 3], dtype=torch.uint8), 0, 0),
              Sample(torch.tensor([4, 5], dtype=torch.uint8), 1, 1)]

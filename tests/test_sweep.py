@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner.report import main as report_main
 from runner.report import write_report
@@ -195,17 +196,62 @@ def test_each_sweep_job_is_one_wandb_run_in_the_sweeps_group(tmp_path: Path, cac
 
 
 def test_a_cpu_model_slowed_by_its_loader_is_told_so():
-    from runner.config import Storage, compose
+    from runner.compose import compose
+    from runner.config import StorageName
     from runner.diagnose import verdict
 
     cfg = compose(["loader=folder", "model=tiny", "loader.num_workers=2"])
-    assert cfg.loader.name is Storage.folder and cfg.loader.num_workers == 2
+    assert cfg.loader.name is StorageName.folder and cfg.loader.num_workers == 2
     figures = {"images_per_sec": 300.0, "data_wait_frac": 0.03}
     ceilings = {"read": 50000.0, "decode": 1000.0, "collate": 90000.0, "model": 600.0}
-    v = verdict(cfg, figures, ceilings, cpu=True)
+    v = verdict(cfg, figures, ceilings, cpu=True, decoders=2)
     assert v.bound == "model" and "alone the model runs 2.0x faster" in v.sentence
-    assert "loader=memmap" in v.sentence
-    assert "alone the model" not in verdict(cfg, figures, ceilings, cpu=False).sentence
+    assert "2 loader workers take its cores" in v.sentence and "loader=memmap" in v.sentence
+    assert "alone the model" not in verdict(cfg, figures, ceilings, cpu=False,
+                                           decoders=2).sentence
+    assert "alone the model" not in verdict(cfg, figures, ceilings, cpu=True).sentence
+
+
+def test_the_default_runs_decode_threads_taking_the_models_cores_point_to_memmap():
+    from runner.compose import compose
+    from runner.diagnose import verdict
+
+    cfg = compose([])  # the default: folder, decoded by one thread per core in process
+    assert cfg.loader.num_workers == 0
+    figures = {"images_per_sec": 286.0, "data_wait_frac": 0.01}
+    ceilings = {"read": 50000.0, "decode": 1100.0, "collate": 90000.0, "model": 521.0}
+    v = verdict(cfg, figures, ceilings, cpu=True, decoders=2)
+    assert v.sentence.startswith("model-bound, sharing its cores with decoding")
+    assert "2 decode threads take its cores" in v.sentence and "loader=memmap" in v.sentence
+
+
+def test_a_model_probe_below_the_pipeline_is_never_named_the_limit():
+    from runner.compose import compose
+    from runner.diagnose import verdict
+
+    cfg = compose(["loader=memmap"])
+    figures = {"images_per_sec": 596.0, "data_wait_frac": 0.01}
+    v = verdict(cfg, figures, {"gather": 120000.0, "model": 411.0}, cpu=True)
+    assert v.stage != "model" and "model (411)" in v.sentence
+    assert "came out below the pipeline" in v.sentence
+
+
+def test_the_model_ceiling_is_floored_at_its_rate_inside_the_loop():
+    """A disturbed probe (here: a step that is slow when probed) cannot come out below the
+    model's own rate inside the pipeline, which the loop measured."""
+    from runner.compose import compose
+    from runner.diagnose import in_loop_rate, model_ceiling
+
+    cfg = compose(["loader=memmap", "loader.batch_size=4", "dataset.image_size=[8,8]"])
+    floor = in_loop_rate({"images_per_sec": 400.0, "compute_frac": 0.8})
+    assert floor == 500.0
+
+    def slow_step(batch) -> None:
+        time.sleep(0.02)  # 4 images per 20 ms: 200 img/s alone, below the floor
+
+    rates = model_ceiling(slow_step, cfg, 3, torch.device("cpu"), in_loop=floor)
+    assert min(rates) >= floor
+    assert max(model_ceiling(slow_step, cfg, 3, torch.device("cpu"))) < floor
 
 
 def q(median: float, width: float = 0.05) -> dict[str, float]:
@@ -214,7 +260,7 @@ def q(median: float, width: float = 0.05) -> dict[str, float]:
 
 
 def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
-    from runner.config import compose
+    from runner.compose import compose
     from runner.diagnose import Ceilings, verdict
 
     cfg = compose(["loader=memmap", "model=none"])
@@ -229,7 +275,7 @@ def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
 
 
 def test_stages_within_each_others_spread_are_called_within_noise():
-    from runner.config import compose
+    from runner.compose import compose
     from runner.diagnose import Ceilings, verdict
 
     cfg = compose(["loader=folder", "model=none"])
@@ -337,7 +383,7 @@ def test_autotune_writes_the_best_command_and_its_gain_over_trial_0(tmp_path: Pa
 
 
 def test_decode_advice_leaves_out_what_the_run_already_does():
-    from runner.config import compose
+    from runner.compose import compose
     from runner.diagnose import advice_for as advice
 
     threads = advice(compose(["loader=folder", "loader.draft=true"]), "decode")

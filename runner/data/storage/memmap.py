@@ -49,12 +49,12 @@ from tqdm import tqdm
 
 from runner.atomic import write_json
 from runner.config import OnCorrupt
+from runner.data.pool import parallel_imap
+from runner.data.storage.base import SkippedFile, image_nbytes
+from runner.data.storage.decode import CorruptFileStop
+from runner.data.storage.decoded import DecodedStorage
+from runner.data.storage.folder import FolderStorage, printable, read_file
 from runner.errors import UserError
-from runner.pool import parallel_imap
-from runner.storage.base import SkippedFile, image_nbytes
-from runner.storage.decode import CorruptFileStop
-from runner.storage.decoded import DecodedStorage
-from runner.storage.folder import FolderStorage, printable, read_file
 
 log = logging.getLogger(__name__)
 
@@ -457,7 +457,7 @@ def decode_into(target: torch.Tensor, folder_storage: FolderStorage,
     recording each file's stat and content hash in ``sources`` when given.
 
     ``target`` (and ``sources``) must be shared with forked children: a file mapping, or
-    shared memory. A worker that dies fails this at once (``runner.pool.WorkerDied``).
+    shared memory. A worker that dies fails this at once (``runner.data.pool.WorkerDied``).
     """
     global _JOB
     skipped: list[SkippedFile] = []

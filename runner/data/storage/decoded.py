@@ -15,29 +15,20 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from runner import timeline
-from runner.storage.base import (
+from runner.data.order import split_padding, unpad
+from runner.data.storage.base import (
     Probe,
     Sample,
     SkippedFile,
     cycle_rows,
     shared_empty,
     stack_images,
-    unpad,
 )
-
-
-def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the indices to read, the valid mask or None when nothing is padding); padding is
-    ``-1 - i`` (runner.loader.BatchOrder)."""
-    valid = index >= 0
-    if valid.all():
-        return index, None
-    return torch.where(valid, index, -1 - index), valid
 
 
 class DecodedStorage(Dataset):
     """Images (N, 3, H, W) uint8 and labels (N,) int64, minus the slots of skipped files
-    (the ``Storage`` protocol, runner/storage/base.py).
+    (the ``Storage`` protocol, runner/data/storage/base.py).
 
     Args:
         images: the pixel tensor (a MemoryMappedTensor, or a tensor in RAM).

@@ -121,6 +121,11 @@ class ColdPageCache:
             self.seconds += time.perf_counter() - start
         self.evictions += 1
 
+    def figures(self) -> dict:
+        """What the run reports about its page cache."""
+        return {"page_cache": self.state, "page_cache_note": self.note,
+                "evictions": self.evictions, "evict_seconds": self.seconds}
+
     def _check(self) -> None:
         left = resident_fraction(self.files)
         if left is None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, Storage
-from runner.storage.base import Storage as StorageProtocol
-from runner.storage.decode import ImageDecoder, check_decoder
-from runner.storage.decoded import DecodedStorage
-from runner.storage.encoded import ReadBytes
-from runner.storage.folder import FolderStorage
-from runner.storage.memmap import CacheSpec, open_cache
-from runner.storage.ram import load_ram
-from runner.synthetic import SyntheticSpec, ensure_dataset
+from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.data.storage.base import Storage
+from runner.data.storage.decode import ImageDecoder, check_decoder
+from runner.data.storage.decoded import DecodedStorage
+from runner.data.storage.encoded import ReadBytes
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.memmap import CacheSpec, open_cache
+from runner.data.storage.ram import load_ram
+from runner.data.synthetic import SyntheticSpec, ensure_dataset
 
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
@@ -39,10 +39,10 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The image folder at ``path``, decoded with ``loader.decoder``.
 
     Pre-decoded storage keeps the deterministic center crop; random crops for training
-    are applied to whole batches on the device instead (runner/augment.py).
+    are applied to whole batches on the device instead (runner/data/augment.py).
     """
     check_decoder(loader.decoder)
-    crop = dataset.crop if loader.name is Storage.folder else Crop.center
+    crop = dataset.crop if loader.name is StorageName.folder else Crop.center
     decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), crop, loader.draft)
     if loader.decoder is Decoder.nvjpeg:  # workers read bytes; the GPU decodes (nvjpeg.py)
         decode = ReadBytes(ImageDecoder(Decoder.pil, decode.size, decode.crop))
@@ -65,14 +65,14 @@ def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                     progress)
 
 
-STORAGES: dict[Storage, Callable[..., StorageProtocol]] = {
-    Storage.folder: open_folder,
-    Storage.memmap: open_memmap,
-    Storage.ram: open_ram,
+STORAGES: dict[StorageName, Callable[..., Storage]] = {
+    StorageName.folder: open_folder,
+    StorageName.memmap: open_memmap,
+    StorageName.ram: open_ram,
 }
 
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                  progress: bool = True) -> StorageProtocol:
+                  progress: bool = True) -> Storage:
     """The storage ``loader.name`` asks for, over the ImageFolder tree at ``path``."""
     return STORAGES[loader.name](loader, dataset, path, progress)

@@ -27,7 +27,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from runner.atomic import write_atomic, write_json
-from runner.pool import parallel_imap
+from runner.data.pool import parallel_imap
+from runner.data.threads import cores
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def ensure_dataset(spec: SyntheticSpec, cache_dir: str | Path, progress: bool = 
 
 def _generate(spec: SyntheticSpec, root: Path, todo: list[int], progress: bool) -> None:
     jobs = [(spec, root, i) for i in todo]
-    workers = min(os.cpu_count() or 1, max(len(todo) // 64, 1))
+    workers = min(cores(), max(len(todo) // 64, 1))
     with tqdm(total=len(todo), desc="default dataset", unit="img", disable=not progress) as bar:
         for _ in parallel_imap(_write_one, jobs, workers=workers, chunksize=8):
             bar.update()

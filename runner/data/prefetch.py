@@ -25,6 +25,11 @@ import torch
 from tensordict import TensorDict
 
 from runner.config import PrefetchConfig, PrefetchName
+from runner.data.threads import (
+    main_thread_count,
+    one_core_for_this_thread,
+    restore_thread_count,
+)
 from runner.errors import Unavailable
 
 _END = object()
@@ -39,25 +44,6 @@ def _close(iterator) -> None:
     close = getattr(iterator, "close", None)
     if close is not None:
         close()  # a generator's finally runs: loader workers shut down
-
-
-def uses_openmp() -> bool:
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-def one_core_for_this_thread() -> None:
-    """Run this helper thread's torch ops on one core, leaving the main thread's alone.
-
-    With OpenMP, PyTorch's default CPU backend, every thread that runs a parallel op gets
-    its own team of worker threads, and the main thread's team spins between ops: on a
-    small machine the two teams fight for the cores (measured here: a batched gather ran at
-    15,000 images/s from a second thread, 120,000 from the main thread). The OpenMP thread
-    count is per thread; ``torch.set_num_threads`` also sets the default that a thread
-    copies the first time it asks, so the caller fixes the main thread's count before this
-    runs, and the producer restores the default when it ends.
-    """
-    if uses_openmp():
-        torch.set_num_threads(1)
 
 
 class Unprefetched:
@@ -98,7 +84,7 @@ class CpuPrefetcher:
     def __iter__(self) -> Iterator:
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        main_threads = torch.get_num_threads()  # fixes this thread's count (see below)
+        main_threads = main_thread_count()
         thread = threading.Thread(target=self._produce, args=(ready, stop, main_threads),
                                   daemon=True, name="runner-prefetch")
         thread.start()
@@ -140,8 +126,7 @@ class CpuPrefetcher:
             self._put(ready, stop, _Failure(e))
         finally:
             _close(iterator)
-            if uses_openmp():
-                torch.set_num_threads(main_threads)  # the default for threads started later
+            restore_thread_count(main_threads)
 
     @staticmethod
     def _put(ready: queue.Queue, stop: threading.Event, item) -> bool:

@@ -1,6 +1,6 @@
 """``loader.decoder=nvjpeg``: a stage above the loader that decodes each batch on the GPU.
 
-The storage's items are raw bytes (runner/storage/encoded.py), packed per batch into one
+The storage's items are raw bytes (runner/data/storage/encoded.py), packed per batch into one
 uint8 tensor and its offsets. ``GpuDecodedBatches`` wraps the loader and, batch by batch,
 decodes every JPEG in
 one ``torchvision.io.decode_jpeg(list, device="cuda")`` call, then applies the EXIF
@@ -15,15 +15,15 @@ from collections.abc import Iterator
 
 import torch
 
-from runner.loader import shutdown_workers
-from runner.storage.base import SkippedFile
-from runner.storage.decode import (
+from runner.data.loader import shutdown_workers
+from runner.data.storage.base import SkippedFile
+from runner.data.storage.decode import (
     CorruptImageError,
     JpegHeader,
     apply_orientation,
     read_jpeg_header,
 )
-from runner.storage.folder import FolderStorage
+from runner.data.storage.folder import FolderStorage
 
 
 class GpuDecodedBatches:

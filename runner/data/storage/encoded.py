@@ -1,14 +1,14 @@
 """``loader.decoder=nvjpeg`` on the storage side: items are the files' bytes, undecoded.
 
 The storage reads each file into a 1-D uint8 tensor and packs a batch of them into one
-buffer plus offsets; ``runner.nvjpeg.GpuDecodedBatches`` decodes them on the GPU.
+buffer plus offsets; ``runner.data.nvjpeg.GpuDecodedBatches`` decodes them on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from runner.storage.decode import ImageDecoder
+from runner.data.storage.decode import ImageDecoder
 
 
 class ReadBytes:

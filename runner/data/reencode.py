@@ -20,8 +20,9 @@ from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from runner.atomic import write_atomic, write_json
-from runner.pool import parallel_imap
-from runner.storage.folder import open_image_folder
+from runner.data.pool import parallel_imap
+from runner.data.storage.folder import open_image_folder
+from runner.data.threads import cores
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def reencode_folder(src: Path, dst: Path, job: Reencoding, progress: bool = True
     for name in classes:  # every class folder, even an empty one: the same class indices
         (dst / name).mkdir(parents=True, exist_ok=True)
     jobs = [(p, str(dst / os.path.relpath(p, src)), job) for p, _ in samples]
-    workers = workers or min(os.cpu_count() or 1, max(1, len(jobs) // 16))
+    workers = workers or min(cores(), max(1, len(jobs) // 16))
     results = []
     with tqdm(total=len(jobs), unit="img", desc="re-encoding", disable=not progress) as bar:
         for r in parallel_imap(_one, jobs, workers=workers, chunksize=8):

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from runner.config import Crop, Decoder
+from runner.data.storage.base import stack_images
 from runner.errors import Unavailable, UserError
-from runner.storage.base import stack_images
 
 
 class CorruptImageError(RuntimeError):

@@ -3,7 +3,7 @@
 The tensor lives in shared memory, so DataLoader workers map it instead of copying it, and
 is read from the memmap cache when one is valid for this dataset, else decoded straight
 into memory with every core. It is never page-locked as a whole: the batched path gathers
-into pinned batch buffers already (runner/buffers.py), and pinning the dataset would take
+into pinned batch buffers already (runner/data/buffers.py), and pinning the dataset would take
 it out of shared memory, give every rank its own copy and, through the caching host
 allocator's power-of-two rounding, pin up to twice its size. A dataset that does not fit is
 refused before anything is loaded.
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runner.storage.base import image_nbytes, shared_empty
-from runner.storage.decoded import DecodedStorage
-from runner.storage.folder import DatasetError, FolderStorage
-from runner.storage.memmap import (
+from runner.data.storage.base import image_nbytes, shared_empty
+from runner.data.storage.decoded import DecodedStorage
+from runner.data.storage.folder import DatasetError, FolderStorage
+from runner.data.storage.memmap import (
     IMAGES,
     CacheSpec,
     check_skipped,

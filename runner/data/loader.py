@@ -11,7 +11,6 @@ import collections
 import functools
 import itertools
 import logging
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,10 +20,17 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 
 from runner import timeline
-from runner.buffers import BufferPool, pin_small_fields
 from runner.config import LoaderConfig
-from runner.storage.base import Sample, SkippedFile, Storage
-from runner.storage.folder import batch_fields
+from runner.data.buffers import BufferPool, pin_small_fields
+from runner.data.order import BatchOrder
+from runner.data.storage.base import Sample, SkippedFile, Storage
+from runner.data.storage.folder import batch_fields
+from runner.data.threads import (
+    cores,
+    main_thread_count,
+    one_core_for_this_thread,
+    restore_thread_count,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,101 +80,6 @@ def dataloader_kwargs(cfg: LoaderConfig, pin_memory: bool) -> dict:
     if cfg.num_workers > 0:
         kwargs.update(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers)
     return kwargs
-
-
-class BatchOrder:
-    """The index sets of each epoch's batches: a seeded permutation, reshuffled per epoch.
-
-    Every loading path (per item, batched, in process, with workers) draws its batches from
-    this one sampler, so the same seed gives the same batches on every path. Indices within
-    a batch are sorted: the batch is the same set of images, read in file order.
-
-    Under torch.distributed every rank draws the same permutation and takes every
-    ``world``-th index from ``rank`` on: disjoint shards that cover the epoch once. The
-    permutation is first padded to a multiple of ``world`` with repeats marked as padding
-    (negative indices, ``-1 - i``), so every rank runs the same number of steps; storages
-    turn them into rows with ``valid=False``, which count in no figure, loss or prediction.
-
-    Args:
-        size: number of items.
-        batch_size: items per batch.
-        shuffle: permute each epoch (else file order).
-        drop_last: drop a last, short batch.
-        seed: seeds the permutations.
-        block: shuffle runs of this many consecutive items instead of single items (1: a
-            full permutation); larger blocks read a memmap in longer contiguous runs.
-        rank: this process's rank (torch.distributed).
-        world: the number of ranks.
-    """
-
-    def __init__(self, size: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-                 block: int = 1, rank: int = 0, world: int = 1, crop_seeds: bool = False):
-        self.size, self.batch_size = size, batch_size
-        self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
-        self.rank, self.world = rank, world
-        self.per_rank = -(-size // world)  # padded to the same length on every rank
-        self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
-        self.crop_seeds = crop_seeds
-        self.epoch = -1  # the epoch whose batches are being handed out
-
-    def seeds_for(self, index: torch.Tensor) -> list[int]:
-        """One random-crop seed per image of this epoch: a function of (seed, epoch, image),
-        so a path that decodes in threads, in workers or per item crops each image alike."""
-        real = torch.where(index < 0, -1 - index, index)
-        base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
-        return ((real + base) % (2**62)).tolist()
-
-    def __len__(self) -> int:
-        if self.drop_last:
-            return self.per_rank // self.batch_size
-        return -(-self.per_rank // self.batch_size)
-
-    def epoch_order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.size)
-        if self.block <= 1:
-            return torch.randperm(self.size, generator=self.generator)
-        starts = torch.randperm(-(-self.size // self.block), generator=self.generator)
-        order = (starts[:, None] * self.block + torch.arange(self.block)).flatten()
-        return order[order < self.size]
-
-    def batches(self) -> Iterator[torch.Tensor]:
-        self.epoch += 1
-        order = self.epoch_order()
-        if self.world > 1:
-            pads = self.per_rank * self.world - self.size
-            order = torch.cat([order, -1 - order[:pads]])[self.rank :: self.world]
-        full = (len(order) // self.batch_size) * self.batch_size
-        rows = order[:full].view(-1, self.batch_size)
-        if self.shuffle:  # one sort for the whole epoch, not one call per batch
-            rows = _sorted_rows(rows)
-        yield from rows
-        if not self.drop_last and full < len(order):
-            rest = order[full:]
-            yield _sorted_rows(rest[None])[0] if self.shuffle else rest
-
-    def __iter__(self) -> Iterator[list]:  # as a DataLoader batch_sampler
-        for index in self.batches():
-            if self.crop_seeds:  # (index, crop seed) items: runner/storage/folder.py
-                yield list(zip(index.tolist(), self.seeds_for(index)))
-            else:
-                yield index.tolist()
-
-
-def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Each row in file order; padding (negative, ``-1 - i``) sorts as the index it repeats."""
-    if (rows >= 0).all():
-        return rows.sort(dim=1).values
-    real = torch.where(rows < 0, -1 - rows, rows)
-    return rows.gather(1, real.argsort(dim=1))
-
-
-def count_images(batch: TensorDict) -> int:
-    """Images in a batch that count: padding rows (torch.distributed) do not."""
-    if "valid" in batch.keys():
-        return int(batch["valid"].sum())  # only a last batch of an epoch has padding
-    return batch.batch_size[0]
 
 
 class ThreadedBatches:
@@ -238,9 +149,7 @@ class ThreadedBatches:
             return {"image": image, **batch_fields(samples)}, skipped
 
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
-        from runner.prefetch import one_core_for_this_thread, uses_openmp
-
-        main_threads = torch.get_num_threads()  # fixes the main thread's own count first
+        main_threads = main_thread_count()
         executor = ThreadPoolExecutor(self.threads, thread_name_prefix="runner-decode",
                                       initializer=one_core_for_this_thread)
         pending: collections.deque = collections.deque()
@@ -263,8 +172,7 @@ class ThreadedBatches:
                 for f in futures:
                     f.cancel()
             executor.shutdown(wait=True, cancel_futures=True)
-            if uses_openmp():
-                torch.set_num_threads(main_threads)  # the default for threads started later
+            restore_thread_count(main_threads)
 
 
 class InProcessBatches:
@@ -301,12 +209,6 @@ class InProcessBatches:
             yield batch, skipped
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-
-
 def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
     """Decode threads for the in-process threaded path; 0 when it does not apply (workers,
     a storage decoded once, or encoded bytes for the GPU to decode)."""
@@ -315,8 +217,14 @@ def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
     return cores() if cfg.decode_threads is None else cfg.decode_threads
 
 
-def build_loader(storage: Storage, cfg: LoaderConfig, seed: int, pin_memory: bool,
-                 rank: int = 0, world: int = 1):
+def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
+                world: int = 1) -> BatchOrder:
+    """The batch order of ``storage`` for this loader config and rank."""
+    return BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
+                      cfg.shuffle_block, rank, world, crop_seeds=storage.random_crops)
+
+
+def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_memory: bool):
     """An iterable of (batch dict, skipped files) over one epoch of ``storage``.
 
     With no workers, a storage decoded every epoch is decoded by ``loader.decode_threads``
@@ -325,8 +233,6 @@ def build_loader(storage: Storage, cfg: LoaderConfig, seed: int, pin_memory: boo
     otherwise a DataLoader calls ``__getitems__`` once per batch (batched) or
     ``__getitem__`` once per image.
     """
-    order = BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
-                       cfg.shuffle_block, rank, world, crop_seeds=storage.random_crops)
     threads = decode_threads(cfg, storage)
     if threads:
         return ThreadedBatches(storage, order, pin_memory, threads)
@@ -340,7 +246,8 @@ def build_loader(storage: Storage, cfg: LoaderConfig, seed: int, pin_memory: boo
         # of receiving a pickled copy each
         kwargs["multiprocessing_context"] = "fork"
     dataset = storage if cfg.batched else PerItem(storage)
-    generator = torch.Generator().manual_seed(seed + rank)  # worker seeds (random crops)
+    # worker seeds (crops draw from per-image seeds; this only fixes the workers' own)
+    generator = torch.Generator().manual_seed(order.seed + order.rank)
     return DataLoader(dataset, batch_sampler=order, generator=generator,
                       collate_fn=functools.partial(collate, pack=storage.pack), **kwargs)
 
@@ -377,23 +284,29 @@ def shutdown_workers(loader: DataLoader, iterator=None) -> None:
 class BatchStream:
     """Batches as TensorDicts over ``epochs`` epochs of ``loader``, skipped files recorded.
 
-    The workers are shut down when the stream ends, is closed early or fails.
+    Each iteration goes on from the epoch where the last one stopped (the first is
+    ``start_epoch``), so iterating again, one epoch at a time, reshuffles as a longer run
+    does. ``epochs`` is read at every epoch's end: raising it while the stream runs extends
+    the run. The workers are shut down when the stream ends, is closed early or fails.
 
     Args:
         loader: yields (batch dict or None, skipped files) per batch.
-        epochs: how many passes; the loop may stop earlier (``run.steps``).
+        epochs: how many passes an iteration makes; the loop may stop earlier.
+        order: the loader's batch order, told each epoch's number (None: it counts itself).
+        start_epoch: the first epoch's number (a resumed run's epochs done).
         on_epoch: called with the epoch number before each epoch starts (page-cache
             eviction for ``dataset.page_cache=cold``).
         known_skipped: files the storage already knew to be undecodable (a decode-once
             cache's metadata lists them); reported with the ones found while loading.
     """
 
-    def __init__(self, loader: DataLoader, epochs: int,
-                 on_epoch: Callable[[int], None] | None = None,
+    def __init__(self, loader, epochs: int, order: BatchOrder | None = None,
+                 start_epoch: int = 0, on_epoch: Callable[[int], None] | None = None,
                  known_skipped: list[SkippedFile] = ()):
         self.loader = loader
         self.epochs = epochs
-        self.epoch = 0
+        self.order = order
+        self.epoch = start_epoch  # the epoch being read (or read next)
         self.on_epoch = on_epoch
         self.skips = SkipLog()
         self.skips.add(list(known_skipped))
@@ -403,15 +316,19 @@ class BatchStream:
 
     def __iter__(self) -> Iterator[TensorDict]:
         iterator = None
+        done = 0
         try:
-            for epoch in range(self.epochs):
-                self.epoch = epoch
+            while done < self.epochs:
+                if self.order is not None:
+                    self.order.set_epoch(self.epoch)
                 if self.on_epoch is not None:
-                    self.on_epoch(epoch)
+                    self.on_epoch(self.epoch)
                 iterator = iter(self.loader)
                 for batch, skipped in iterator:
                     self.skips.add(skipped)
                     if batch is not None:
                         yield TensorDict(batch, batch_size=[len(batch["label"])])
+                done += 1
+                self.epoch += 1
         finally:
             shutdown_workers(self.loader, iterator)

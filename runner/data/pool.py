@@ -12,6 +12,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from runner.data.threads import cores
+
 
 class WorkerDied(RuntimeError):
     """A worker process ended abruptly (killed by a signal: SIGKILL when out of memory,
@@ -48,7 +50,7 @@ def parallel_imap(fn: Callable[[Any], Any], jobs: list, workers: int | None = No
     ``multiprocessing.Pool`` would wait for its result for ever. At most two chunks per
     worker are in flight, so stopping early (an error, Ctrl-C) waits for little.
     """
-    workers = workers or min(os.cpu_count() or 1, len(jobs))
+    workers = workers or min(cores(), len(jobs))
     if workers <= 1:
         yield from map(fn, jobs)
         return

@@ -41,12 +41,6 @@ class SkippedFile:
     index: int = -1  # position in the storage
 
 
-def unpad(index: int) -> tuple[int, bool]:
-    """(the index to read, whether it counts): padding rows of a distributed shard come as
-    ``-1 - i`` (runner.loader.BatchOrder)."""
-    return (index, True) if index >= 0 else (-1 - index, False)
-
-
 def image_nbytes(image_size: tuple[int, int] | list[int]) -> int:
     """Bytes of one decoded image: 3 channels of uint8 at (height, width)."""
     return 3 * int(image_size[0]) * int(image_size[1])

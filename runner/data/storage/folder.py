@@ -11,10 +11,11 @@ import torch
 
 from runner import timeline
 from runner.config import Crop, OnCorrupt
+from runner.data.order import unpad
+from runner.data.storage.base import Probe, Sample, SkippedFile, cycle_rows
+from runner.data.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
+from runner.data.storage.encoded import ReadBytes
 from runner.errors import UserError
-from runner.storage.base import Probe, Sample, SkippedFile, cycle_rows, unpad
-from runner.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
-from runner.storage.encoded import ReadBytes
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def read_file(path: str) -> bytearray:
 
 
 class FolderStorage(torch.utils.data.Dataset):
-    """Reads and decodes one file per item (the ``Storage`` protocol, runner/storage/base.py).
+    """Reads and decodes one file per item (the ``Storage`` protocol, runner/data/storage/base.py).
 
     Args:
         path: the ImageFolder root.

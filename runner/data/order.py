@@ -1,0 +1,140 @@
+"""Batch order: which images each step of each epoch reads, and the padding rule.
+
+Every loading path (per item, batched, in process, with workers) draws its batches from one
+``BatchOrder``, so the same seed gives the same batches on every path. An epoch's order is a
+function of (seed, epoch) alone, never of the epochs drawn before it: a run resumed at
+epoch ``e`` reads exactly what an uninterrupted run reads there.
+
+Padding (torch.distributed): every rank draws the same permutation, padded to a multiple of
+the world size with repeats, and takes every ``world``-th index from ``rank`` on, so every
+rank runs the same number of steps. A repeat of image ``i`` is written ``-1 - i``
+(``pad``); storages turn it into a row with ``valid=False`` (``unpad``, ``split_padding``),
+which counts in no figure, loss or prediction (``count_images``). This file is the one
+place that rule is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDict
+
+
+def pad(index: torch.Tensor) -> torch.Tensor:
+    """Indices as padding: the same images, marked not to count."""
+    return -1 - index
+
+
+def unpad(index: int) -> tuple[int, bool]:
+    """(the index to read, whether it counts) for one index of a batch."""
+    return (index, True) if index >= 0 else (-1 - index, False)
+
+
+def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the indices to read, the valid mask, or None when no row is padding)."""
+    valid = index >= 0
+    if valid.all():
+        return index, None
+    return torch.where(valid, index, -1 - index), valid
+
+
+def count_images(batch: TensorDict) -> int:
+    """Images in a batch that count: padding rows (torch.distributed) do not."""
+    if "valid" in batch.keys():
+        return int(batch["valid"].sum())  # only a last batch of an epoch has padding
+    return batch.batch_size[0]
+
+
+def sorted_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Each row in file order; padding sorts as the index it repeats."""
+    if (rows >= 0).all():
+        return rows.sort(dim=1).values
+    real, _ = split_padding(rows)
+    return rows.gather(1, real.argsort(dim=1))
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of one epoch's permutation (and crops): distinct per (seed, epoch)."""
+    return (seed * 1_000_003 + epoch) * 10_000_019 % (2**62)
+
+
+class BatchOrder:
+    """The index sets of each epoch's batches: a seeded permutation per epoch.
+
+    Indices within a batch are sorted: the batch is the same set of images, read in file
+    order. ``set_epoch`` picks the epoch the next iteration hands out (as
+    ``DistributedSampler.set_epoch`` does); iterating without it moves to the next epoch.
+
+    Args:
+        size: number of items.
+        batch_size: items per batch.
+        shuffle: permute each epoch (else file order).
+        drop_last: drop a last, short batch.
+        seed: seeds the permutations.
+        block: shuffle runs of this many consecutive items instead of single items (1: a
+            full permutation); larger blocks read a memmap in longer contiguous runs.
+        rank: this process's rank (torch.distributed).
+        world: the number of ranks.
+        crop_seeds: hand out ``(index, crop seed)`` items (storages that crop at random
+            while decoding).
+    """
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
+                 block: int = 1, rank: int = 0, world: int = 1, crop_seeds: bool = False):
+        self.size, self.batch_size = size, batch_size
+        self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
+        self.rank, self.world = rank, world
+        self.per_rank = -(-size // world)  # padded to the same length on every rank
+        self.seed = seed
+        self.crop_seeds = crop_seeds
+        self.epoch = -1  # the epoch whose batches are being handed out
+        self._next: int | None = None  # set_epoch's choice for the next iteration
+
+    def set_epoch(self, epoch: int) -> None:
+        self._next = epoch
+
+    def seeds_for(self, index: torch.Tensor) -> list[int]:
+        """One random-crop seed per image of this epoch: a function of (seed, epoch, image),
+        so a path that decodes in threads, in workers or per item crops each image alike."""
+        real, _ = split_padding(index)
+        return ((real + epoch_seed(self.seed, self.epoch)) % (2**62)).tolist()
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.per_rank // self.batch_size
+        return -(-self.per_rank // self.batch_size)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.size)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        if self.block <= 1:
+            return torch.randperm(self.size, generator=generator)
+        starts = torch.randperm(-(-self.size // self.block), generator=generator)
+        order = (starts[:, None] * self.block + torch.arange(self.block)).flatten()
+        return order[order < self.size]
+
+    def batches(self) -> Iterator[torch.Tensor]:
+        """The next epoch's batches (``set_epoch``'s epoch, else the one after the last)."""
+        self.epoch = self._next if self._next is not None else self.epoch + 1
+        self._next = None
+        order = self.epoch_order(self.epoch)
+        if self.world > 1:
+            pads = self.per_rank * self.world - self.size
+            order = torch.cat([order, pad(order[:pads])])[self.rank :: self.world]
+        full = (len(order) // self.batch_size) * self.batch_size
+        rows = order[:full].view(-1, self.batch_size)
+        if self.shuffle:  # one sort for the whole epoch, not one call per batch
+            rows = sorted_rows(rows)
+        yield from rows
+        if not self.drop_last and full < len(order):
+            rest = order[full:]
+            yield sorted_rows(rest[None])[0] if self.shuffle else rest
+
+    def __iter__(self) -> Iterator[list]:  # as a DataLoader batch_sampler
+        for index in self.batches():
+            if self.crop_seeds:  # (index, crop seed) items: runner/data/storage/folder.py
+                yield list(zip(index.tolist(), self.seeds_for(index)))
+            else:
+                yield index.tolist()

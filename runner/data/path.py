@@ -1,0 +1,180 @@
+"""The data path's one constructor: ``build_data_path(config, device, ...) -> DataPath``.
+
+storage (``loader=``) -> batch order -> loader (decode threads, in-process gathers or
+DataLoader workers; nvjpeg decoding above it) -> stream (epochs, skipped files, a cold page
+cache) -> prefetcher (``prefetch=``) -> the device (the copy, then random crops of
+pre-decoded images). ``python -m runner``, ``runner.pipeline(...)``, the loader benchmark,
+validation and the selfcheck all build their data path here, so a new storage or stage is
+added in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from runner.config import Config, Crop, Decoder, LoaderConfig, PageCache, RunConfig
+from runner.data.augment import BatchAugment
+from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
+from runner.data.nvjpeg import GpuDecodedBatches
+from runner.data.pagecache import ColdPageCache
+from runner.data.prefetch import build_prefetcher
+from runner.data.storage import build_storage, resolve_dataset
+from runner.data.storage.base import Storage
+from runner.distributed import Ranks, barrier
+from runner.errors import ConfigError
+
+
+def pin_memory(cfg: LoaderConfig, device: torch.device) -> bool:
+    """Page-locked batches: on by default with CUDA (asynchronous copies), never without."""
+    if device.type != "cuda":
+        return False
+    return True if cfg.pin_memory is None else bool(cfg.pin_memory)
+
+
+def planned_epochs(run: RunConfig, steps_per_epoch: int) -> int:
+    """Epochs a run of ``run.steps`` (else ``run.epochs``) reads."""
+    if run.steps is not None:
+        return math.ceil(run.steps / steps_per_epoch)
+    return run.epochs
+
+
+def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
+    """The storage; under torch.distributed each node's local rank 0 makes the default
+    dataset and the decode-once cache while the other ranks wait, then they open them."""
+    if not ranks.local_main:
+        barrier(ranks)
+    path = resolve_dataset(config.dataset, progress=progress and ranks.local_main)
+    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main)
+    if ranks.local_main:
+        barrier(ranks)
+    return storage
+
+
+class DataPath:
+    """Batches of one dataset, from storage to the device, over a run's epochs.
+
+    Iterating gives the batches as the loop takes them (in host memory, or already on the
+    device with ``prefetch=gpu``); ``to_device`` moves one (a no-op for those already
+    there) and ``augment`` (random crops of pre-decoded images, on the device) finishes it;
+    ``device_batches`` does all three. ``figures`` reports what the data path measured about
+    itself; ``close`` stops its workers.
+
+    Attributes:
+        storage: where batches come from (``loader=``).
+        device: where they arrive.
+        pin_memory: whether host batches are page-locked.
+        steps_per_epoch: batches per epoch on this rank.
+        augment: random-resized crops + flips on the device, or None.
+        page_cache: the cold page cache's evictions (``dataset.page_cache=cold``), or None.
+    """
+
+    def __init__(self, storage: Storage, stream: BatchStream, batches, device: torch.device,
+                 pin: bool, augment: BatchAugment | None, page_cache: ColdPageCache | None):
+        self.storage = storage
+        self.stream = stream
+        self.batches = batches
+        self.device = device
+        self.pin_memory = pin
+        self.augment = augment
+        self.page_cache = page_cache
+        self.steps_per_epoch = len(stream.loader)
+
+    @property
+    def classes(self) -> list[str]:
+        return self.storage.classes
+
+    @property
+    def epochs(self) -> int:
+        """Epochs one iteration reads."""
+        return self.stream.epochs
+
+    def __len__(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        return iter(self.batches)
+
+    def to_device(self, batch: TensorDict) -> TensorDict:
+        return batch.to(self.device, non_blocking=True)
+
+    def finish(self, batch: TensorDict) -> TensorDict:
+        """The device-side stage: random crops of pre-decoded images (when asked)."""
+        if self.augment is not None:
+            batch["image"] = self.augment(batch["image"])
+        return batch
+
+    def device_batches(self) -> Iterator[TensorDict]:
+        """Every batch of one iteration on the device, ready for the model."""
+        for batch in self:
+            yield self.finish(self.to_device(batch))
+
+    def extend(self, steps: int) -> None:
+        """Read at least ``steps`` batches per iteration (more epochs), while running."""
+        self.stream.epochs = max(self.stream.epochs, math.ceil(steps / self.steps_per_epoch))
+
+    def exclude_from_timing(self, paused: Callable[[], AbstractContextManager]) -> None:
+        """Work that is the measurement's (evicting the page cache) runs under ``paused``."""
+        if self.page_cache is not None:
+            self.page_cache.pause = paused
+
+    @property
+    def skipped(self) -> list[str]:
+        """Undecodable files met so far (and those a decode-once cache lists)."""
+        return list(self.stream.skips.files)
+
+    def figures(self, steps: int) -> dict[str, Any]:
+        """What the data path measured about itself over ``steps`` steps."""
+        page_cache = {"page_cache": "warm"} if self.page_cache is None \
+            else self.page_cache.figures()
+        return {"pin_memory": self.pin_memory, **self.batches.figures(steps), **page_cache}
+
+    def close(self) -> None:
+        shutdown_workers(self.stream.loader)
+
+
+def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = None,
+                    start_epoch: int = 0, epochs: int | None = None, progress: bool = True
+                    ) -> DataPath:
+    """The data path ``config`` selects, delivering to ``device``.
+
+    Args:
+        config: the run's validated config (dataset, loader, prefetch; ``run`` sets the
+            epochs when ``epochs`` is None).
+        device: where batches go.
+        ranks: this process's place under torch.distributed (a disjoint shard per rank).
+        start_epoch: the first epoch's number (a resumed run's epochs done): its batch order
+            and crops are that epoch's.
+        epochs: epochs one iteration reads (None: the run's plan, ``run.steps`` or
+            ``run.epochs``).
+        progress: progress bars for one-off work (the default dataset, a cache conversion).
+    """
+    ranks = ranks or Ranks()
+    storage = open_storage(config, ranks, progress)
+    page_cache = None
+    if config.dataset.page_cache is PageCache.cold:
+        page_cache = ColdPageCache(storage.files, storage.reopen)
+    pin = pin_memory(config.loader, device)
+    order = batch_order(storage, config.loader, config.seed, ranks.rank, ranks.world)
+    loader = build_loader(storage, config.loader, order, pin)
+    if config.loader.decoder is Decoder.nvjpeg:  # a stage above the loader: decode on the GPU
+        loader = GpuDecodedBatches(loader, storage, device)
+    if len(loader) == 0:
+        raise ConfigError(
+            f"the loader yields no batches: {len(storage)} images per rank is fewer than "
+            f"loader.batch_size={config.loader.batch_size} with loader.drop_last=true; use a "
+            "smaller batch or loader.drop_last=false")
+    if epochs is None:
+        epochs = planned_epochs(config.run, len(loader))
+    stream = BatchStream(loader, epochs, order, start_epoch, page_cache, storage.known_skipped)
+    batches = build_prefetcher(config.prefetch, stream, device)
+    augment = None
+    if config.dataset.crop is Crop.random and not storage.decodes_per_epoch:
+        # images decoded once hold center crops: random ones are taken per batch on the device
+        augment = BatchAugment(tuple(config.dataset.image_size))
+    return DataPath(storage, stream, batches, device, pin, augment, page_cache)
