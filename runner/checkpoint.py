@@ -9,6 +9,7 @@ a kill mid-write leaves the previous checkpoint, never half of one.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from torch import nn
 
 from runner.distributed import local_module
 from runner.errors import UserError
+
+log = logging.getLogger("runner")
 
 NAME = "checkpoint.pt"
 
@@ -71,8 +74,9 @@ def load(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def restore(step: Any, state: dict[str, Any]) -> None:
-    """Model, optimizer and scaler of a ``TrainStep`` as the checkpoint left them."""
+def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
+    """Model, optimizer and scaler of a ``TrainStep`` as the checkpoint (from ``source``)
+    left them."""
     try:
         network(step.model).load_state_dict(state["model"])
     except RuntimeError as e:
@@ -81,3 +85,6 @@ def restore(step: Any, state: dict[str, Any]) -> None:
     step.optimizer.load_state_dict(state["optimizer"])
     if state.get("scaler"):
         step.scaler.load_state_dict(state["scaler"])
+    log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,
+             f"{state['epoch']:g}", state.get("steps", 0),
+             (state.get("losses") or {}).get("loss_last"))

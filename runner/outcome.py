@@ -73,6 +73,33 @@ def outcome(error: BaseException, interrupted_by: str | None = None) -> dict[str
             "traceback": traceback.format_exc()}
 
 
+def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str, Any]:
+    """metrics.json as a run starts: ``running``, with what it was asked to do."""
+    import platform
+    import time
+
+    import torch
+
+    return {"status": "running", "reason": None, "run_dir": str(run_dir), "pid": os.getpid(),
+            "overrides": overrides, "config": config,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+
+
+def record_ending(metrics: dict[str, Any], error: BaseException, signal_name: str | None,
+                  first_failure: str | None = None, main: bool = True) -> None:
+    """How a run that raised ``error`` ended, into ``metrics`` (the traceback of a failure
+    to runner.log, a skip's reason to the console). ``first_failure``: under torchrun, the
+    reason of the rank that failed first, which stands over this rank's echo of it."""
+    metrics.update(outcome(error, signal_name))
+    if first_failure is not None:
+        metrics.update(status="failed", reason=first_failure)
+    if metrics["status"] == "skipped":
+        log.warning("skipped: %s", metrics["reason"])
+    elif main:
+        log_traceback(metrics.get("traceback", ""))
+
+
 def log_traceback(text: str) -> None:
     """The traceback into runner.log (the job's log file) and not onto the console."""
     for handler in logging.getLogger().handlers:

@@ -89,6 +89,25 @@ def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3,
     return figures
 
 
+def device_figures(device) -> dict[str, str]:
+    """The device the run used, by name."""
+    import platform
+
+    import torch
+
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor() or platform.machine())
+    return {"device": str(device), "device_name": name}
+
+
+def epochs(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-epoch figures (validation top-1), and the last epoch's top-1 as the run's."""
+    if not rows:
+        return {}
+    tops = [e["val_top1"] for e in rows if "val_top1" in e]
+    return {"epochs": rows, **({"val_top1": tops[-1]} if tops else {})}
+
+
 def rank_figures(rank: int, figures: dict[str, Any], result: LoopResult,
                  parameters: str | None) -> dict[str, Any]:
     """What one rank sends rank 0 (``merge_ranks``)."""

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import platform
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +39,7 @@ from runner.distributed import (
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.metrics import StepClock
-from runner.outcome import RunDirClaim, Signals, log_traceback, outcome, save_metrics
+from runner.outcome import RunDirClaim, Signals, record_ending, running_record, save_metrics
 from runner.predictions import merge_rank_files, prediction_writers
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
 from runner.task import Step, Validation, make_step
@@ -62,16 +59,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ranks = ranks_from_env()
     if not ranks.main:
         log.setLevel(logging.WARNING)  # one voice: rank 0 reports, the others only warn
-    metrics: dict[str, Any] = {
-        "status": "running",
-        "reason": None,
-        "run_dir": str(run_dir),
-        "pid": os.getpid(),
-        "overrides": list(hydra_cfg.overrides.task),
-        "config": OmegaConf.to_container(cfg, resolve=False, enum_to_str=True),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-    }
+    metrics = running_record(run_dir, list(hydra_cfg.overrides.task),
+                             OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
     signals = Signals()
     job: Job | None = None
     with contextlib.ExitStack() as stack:
@@ -89,14 +78,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         except BaseException as e:
             if job is not None:
                 metrics.update(job.figures)  # what was measured before it stopped
-            metrics.update(outcome(e, signals.received))
+            # under torchrun: the rank that failed first, not its echo
             first = first_failure() if ranks.enabled and ranks.main else None
-            if first is not None:  # under torchrun: the rank that failed first, not its echo
-                metrics.update(status="failed", reason=first)
-            if metrics["status"] == "skipped":
-                log.warning("skipped: %s", metrics["reason"])
-            elif ranks.main:
-                log_traceback(metrics.get("traceback", ""))
+            record_ending(metrics, e, signals.received, first, ranks.main)
             if metrics["status"] != "skipped":
                 raise
         finally:
@@ -149,7 +133,9 @@ class Job:
                                                  step_amp(cfg), device, data.classes,
                                                  cfg.run.progress and ranks.main)
         torch.manual_seed(cfg.seed + ranks.rank)  # random crops differ between ranks
-        self.logger = self._setup_logger() if ranks.main else NullLogger()
+        if ranks.main:
+            self.logger = build_logger(cfg.logger, self.run_dir, flatten(to_plain(cfg)),
+                                       *run_identity(self.hydra_cfg))
         log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s%s",
                  results.describe(cfg), data.storage.root, len(data.storage), len(data.classes),
                  total_steps, warmup, device, f" x {ranks.world} ranks" if ranks.enabled else "")
@@ -167,11 +153,8 @@ class Job:
             done = self.start_epoch + result.steps / data.steps_per_epoch
             figures["checkpoint"] = str(self._checkpoint(step, done, figures))  # with losses
         if timeline.enabled():
-            try:
-                figures.update(timeline.write(self.run_dir, result.step_spans, warmup,
-                                              results.describe(cfg)) or {})
-            except Exception as e:  # a picture is never worth the run
-                log.warning("timeline.png could not be drawn: %s: %s", type(e).__name__, e)
+            figures.update(timeline.write(self.run_dir, result.step_spans, warmup,
+                                          results.describe(cfg)))
         if result.interrupted is not None:
             raise result.interrupted  # after the figures of the steps it completed
         if ranks.main:
@@ -195,8 +178,7 @@ class Job:
             log.error("closing the logger failed: %s", e)
 
     @property
-    def start_epoch(self) -> int:
-        """Epochs done before this run (resume)."""
+    def start_epoch(self) -> int:  # epochs done before this run (resume)
         return int(self.resumed["epoch"]) if self.resumed is not None else 0
 
     # --- setup ------------------------------------------------------------------------------
@@ -221,16 +203,8 @@ class Job:
                                      data.storage.name_of, data.classes)
         step = make_step(cfg.task, self.models, step_amp(cfg), device, total_steps, writers)
         if self.resumed is not None:
-            checkpoint.restore(step, self.resumed)
-            log.info("resumed from %s: %d epochs (%d steps) done, last loss %s", cfg.resume,
-                     self.start_epoch, self.resumed.get("steps", 0),
-                     (self.resumed.get("losses") or {}).get("loss_last"))
+            checkpoint.restore(step, self.resumed, cfg.resume)
         return step
-
-    def _setup_logger(self) -> MetricLogger:
-        name, group = run_identity(self.hydra_cfg)
-        return build_logger(self.config.logger, self.run_dir, flatten(to_plain(self.config)),
-                            name, group)
 
     # --- epochs: validation, checkpoints ------------------------------------------------------
 
@@ -271,19 +245,9 @@ class Job:
         device, run = self.data.device, self.config.run
         figures = self.figures = results.loop_figures(result, self.data.skipped, run.repeats,
                                                       run.window_seconds)
-        figures.update(
-            device=str(device),
-            device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                         else platform.processor() or platform.machine()),
-            **self.compile_figures,
-            **{k: v for k, v in step.close().items() if v is not None},
-            **self.data.figures(result.steps),
-        )
-        if self.epoch_figures:
-            figures["epochs"] = self.epoch_figures
-            tops = [e["val_top1"] for e in self.epoch_figures if "val_top1" in e]
-            if tops:
-                figures["val_top1"] = tops[-1]
+        figures.update(**results.device_figures(device), **self.compile_figures,
+                       **{k: v for k, v in step.close().items() if v is not None},
+                       **self.data.figures(result.steps), **results.epochs(self.epoch_figures))
         if profiled:
             figures["trace"] = results.trace_file(self.run_dir)
             if figures["trace"] is None:

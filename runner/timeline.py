@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -47,8 +49,11 @@ def enable(folder: Path) -> None:
 
 
 def disable() -> None:
-    _state["dir"] = None
+    """Stop recording and remove the workers' span files."""
+    folder, _state["dir"] = _state["dir"], None
     _spans.clear()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def enabled() -> bool:
@@ -127,9 +132,20 @@ def _lane_order(name: str) -> tuple:
 
 
 def write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
-          title: str) -> dict[str, Any] | None:
+          title: str) -> dict[str, Any]:
     """Draw the steps after warm-up (``STEPS_SHOWN`` of them) into ``timeline.png`` and
-    ``timeline.json``; None when the run timed no step."""
+    ``timeline.json``, and return their figures (none when the run timed no step, or when
+    they could not be written: a picture is never worth the run)."""
+    try:
+        return _write(run_dir, step_spans, warmup, title) or {}
+    except Exception as e:
+        logging.getLogger("runner").warning("timeline.png could not be drawn: %s: %s",
+                                            type(e).__name__, e)
+        return {}
+
+
+def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
+           title: str) -> dict[str, Any] | None:
     shown = step_spans[warmup : warmup + STEPS_SHOWN]
     if not shown:
         return None
