@@ -29,7 +29,6 @@ from tensordict import TensorDict
 
 from runner.compose import compose
 from runner.data import build_data_path
-from runner.data.order import count_images
 from runner.distributed import Ranks, pick_device
 
 GROUPS = ("loader", "prefetch", "amp", "compile", "model", "task", "logger", "sweep")
@@ -104,7 +103,7 @@ class Pipeline:
                 got = time.perf_counter()
                 if batch is None:
                     return
-                n = count_images(batch)
+                n = self.data.count(batch)
                 batch = self.data.finish(self.data.to_device(batch))
                 self.batches += 1
                 timed = self.batches > self.warmup

@@ -81,8 +81,15 @@ def batch_dynamic_shapes(max_batch: int) -> tuple[dict[int, Any]]:
     return ({0: torch.export.Dim("batch", min=1, max=max(max_batch, 2))},)
 
 
+def trace_batch(example: torch.Tensor) -> torch.Tensor:
+    """An example batch of at least 2: torch.export specializes a dimension whose example
+    is 1 (``loader.batch_size=1``), and could then not take a dynamic batch range."""
+    return example if example.shape[0] >= 2 else example.repeat(2, *[1] * (example.dim() - 1))
+
+
 def export_dynamic(module: nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
     """``module`` exported with a dynamic batch dimension up to ``example``'s batch."""
+    example = trace_batch(example)
     return torch.export.export(module, (example,), strict=False,
                                dynamic_shapes=batch_dynamic_shapes(example.shape[0]))
 
@@ -116,10 +123,10 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     from filelock import FileLock
 
     # The uint8 input layer stays eager; TensorRT gets the backbone, in the amp dtype.
-    head, backbone = model[0], model[1]
+    head, backbone = engine_head(model[0]), model[1]
     dtype = DTYPES[amp.name] or torch.float32
     with torch.no_grad():
-        x = head(example).to(dtype)
+        x = trace_batch(head(example).to(dtype))
     fmt, suffix = ENGINE_FORMATS[cfg.engine_format]
     path = cache / f"{_engine_key(backbone, x.shape, dtype, cfg)}{suffix}"
     cache.mkdir(parents=True, exist_ok=True)
@@ -144,12 +151,30 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     return _HeadThenEngine(head, engine, dtype)
 
 
+def engine_head(head: nn.Module) -> nn.Module:
+    """The uint8 input layer for an engine: an engine picks its own layouts and takes a
+    contiguous input, so a channels_last head would make it copy every batch back."""
+    head = copy.copy(head)
+    head.channels_last = False
+    return head
+
+
 class _HeadThenEngine(nn.Module):
-    """The eager uint8 input layer, then the engine, fed and read in the engine's dtype."""
+    """The eager uint8 input layer, then the engine, fed and read in the engine's dtype.
+
+    An engine has no training mode: the module ``ExportedProgram.module()`` returns raises
+    ``NotImplementedError`` from ``train()`` and ``eval()``, so a mode change reaches the
+    head alone (the engine was built from a model in eval mode).
+    """
 
     def __init__(self, head: nn.Module, engine, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.head, self.engine, self.dtype = head, engine, dtype
+
+    def train(self, mode: bool = True) -> _HeadThenEngine:
+        self.training = mode
+        self.head.train(mode)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.engine(self.head(x).to(self.dtype)).float()
@@ -193,13 +218,15 @@ def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: Ta
         cache: where engines that can be cached are kept (TensorRT).
     """
     backend = BACKENDS[cfg.name]
-    if backend is None:
-        return model, 0.0
     train = task is TaskName.train
     device = example.device
+    if backend is None and device.type != "cuda":
+        return model, 0.0
     synchronize(device)
     start = time.perf_counter()
-    compiled = backend(model, cfg, example, train, amp, cache)
+    # eager on CUDA is warmed too: cuDNN's autotuner (torch.backends.cudnn.benchmark) picks
+    # its kernels on the first call of each shape, the short last batch's included
+    compiled = model if backend is None else backend(model, cfg, example, train, amp, cache)
     with _freezing(cfg, train):  # inductor compiles on the first calls, made here
         _warm(model, compiled, example, shapes, train, amp if uses_autocast(cfg) else None)
     synchronize(device)

@@ -336,6 +336,9 @@ class Config:
     diagnose: bool = True
     # record a short torch.profiler window (trace.json in the run folder)
     profile: bool = False
+    # CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner picking the fastest kernels
+    # for each input shape on its first use (warmed before timing, every batch size)
+    cudnn_benchmark: bool = True
     # task=infer: several models over each batch in one pass, e.g. models=[resnet18,resnet50]
     # (each with model.channels_last and the compile backend); empty: just model=
     models: list[str] = field(default_factory=list)

@@ -45,6 +45,7 @@ class Batches(Protocol):
     device: torch.device
 
     def __iter__(self) -> Iterator[TensorDict]: ...
+    def count(self, batch: TensorDict) -> int: ...
     def to_device(self, batch: TensorDict) -> TensorDict: ...
     def finish(self, batch: TensorDict) -> TensorDict: ...
 
@@ -59,6 +60,9 @@ class OnDevice:
 
     def __iter__(self) -> Iterator[TensorDict]:
         return iter(self.source)
+
+    def count(self, batch: TensorDict) -> int:
+        return count_images(batch)
 
     def to_device(self, batch: TensorDict) -> TensorDict:
         return batch.to(self.device, non_blocking=True)
@@ -178,7 +182,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
                 break
             h1 = time.perf_counter()
             clock.add_host("data_wait", h1 - t0 - clock.take_paused())
-            n = count_images(batch)  # before the move: counting padding needs no device sync
+            n = batches.count(batch)  # counted on the host: no device sync
             c0 = clock.now()
             with stage("copy"):
                 batch = batches.to_device(batch)

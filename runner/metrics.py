@@ -161,6 +161,9 @@ class StepClock:
             spent = time.perf_counter() - start
             self._start += spent
             self._paused += spent
+            # the device idles through this work too: the next step's gap is not the data
+            # path's (validation, a checkpoint, an eviction), so no gap spans it
+            self._last_end = None
 
     def take_paused(self) -> float:
         spent, self._paused = self._paused, 0.0

@@ -113,6 +113,8 @@ class Job:
     def execute(self) -> dict[str, Any]:
         device = pick_device(self.config.device.value, self.ranks)
         check_amp(self.config.amp, device)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = self.config.cudnn_benchmark
         with process_group(self.ranks, device.type):  # joined and left within this job
             return self._execute(device)
 

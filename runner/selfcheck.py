@@ -9,11 +9,19 @@ figure with its verdict:
   ``torch.cuda.set_sync_debug_mode("error")``: no hidden sync;
 - the same loop's step time within 5% of the model alone on batches already on the device;
 - uint8 vs float32 transfers (bytes and time), pinned vs pageable;
+- timing calibration: a batch source with a known host delay, an epoch-end pause and a
+  step of known GPU time, under prefetch none and gpu: gpu_idle_frac as expected, never
+  above 1, the pause left out, every batch pinned before its copy;
 - compile=tensorrt fp16 vs eager fp16 on resnet50 (>= 1.5x), verified, and a cached engine
   reused on a short last batch;
-- loader.decoder=nvjpeg against the best CPU decoder with 2 workers;
-- amp=fp16 training with no per-step sync (fused SGD, GradScaler);
-- DDP over nccl on one GPU.
+- ``python -m runner task=infer compile=tensorrt`` itself for fp16 and bf16, both engine
+  formats, each run twice (the second reuses the engine), on a dataset whose last batch is
+  short and one whose last batch is a single image;
+- loader.decoder=nvjpeg against the best CPU decoder with 2 workers, through the data path
+  a run builds (the GPU decode stage included);
+- amp=fp16 training with no per-step sync (fused SGD, GradScaler), and its numbers: a first
+  step that overflows, then 5 steps, against a reference SGD;
+- two DDP ranks through the project's own process group and replicas (torchrun).
 
 Without CUDA it says so in one line and exits 0. Exit status 1 when a check fails.
 """
@@ -58,10 +66,17 @@ def _pipeline(*overrides: str):
     return Pipeline(*overrides, "logger=none", "run.progress=false", "device=cuda")
 
 
+def _endless(pipeline):
+    """The pipeline's batches epoch after epoch (one epoch per pass): a row may need more
+    steps than one epoch has (batch 256 of the default dataset: 8 a pass)."""
+    while True:
+        yield from pipeline
+
+
 def _steps(pipeline, step, n: int, sync_check: bool) -> tuple[float, int]:
     """Seconds for ``n`` steps after 3 warm-up steps; the timed ones optionally under
     sync-debug mode "error" (any implicit device sync raises)."""
-    batches = iter(pipeline)
+    batches = _endless(pipeline)
     for _ in range(3):
         step(next(batches))
     torch.cuda.synchronize()
@@ -83,8 +98,7 @@ def check_loop(size: int, batch: int) -> list[Row]:
     from runner.task import TrainStep
 
     common = ["loader=memmap", "prefetch=gpu", "amp=bf16", "model=resnet50",
-              f"loader.batch_size={batch}", f"dataset.image_size=[{size},{size}]",
-              "run.epochs=100"]
+              f"loader.batch_size={batch}", f"dataset.image_size=[{size},{size}]"]
     pipeline = _pipeline(*common)
     device = pipeline.device
     model = build_model(ModelConfig("resnet50"), len(pipeline.classes), device)
@@ -199,12 +213,7 @@ def check_fp16_training(size: int, batch: int) -> list[Row]:
     device = torch.device("cuda")
     model = build_model(ModelConfig("resnet18"), 10, device)
     step = TrainStep(model, TaskConfig(TaskName.train), 100, AmpConfig(AmpName.fp16), device)
-    from tensordict import TensorDict
-
-    batch_td = TensorDict({
-        "image": torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, device=device),
-        "label": torch.randint(0, 10, (batch,), device=device),
-        "index": torch.arange(batch, device=device)}, batch_size=[batch])
+    batch_td = _synthetic_batch(batch, size, device)
     for _ in range(3):
         step(batch_td)
     torch.cuda.synchronize()
@@ -220,34 +229,218 @@ def check_fp16_training(size: int, batch: int) -> list[Row]:
     return [Row("amp=fp16 training with no per-step sync", ok, figure)]
 
 
-def check_ddp() -> list[Row]:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+def _synthetic_batch(batch: int, size: int, device: torch.device, classes: int = 10):
+    from tensordict import TensorDict
 
-    from runner.config import ModelConfig
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    return TensorDict({
+        "image": torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8,
+                               generator=generator).to(device),
+        "label": torch.randint(0, classes, (batch,), generator=generator).to(device),
+        "index": torch.arange(batch, device=device)}, batch_size=[batch])
+
+
+def check_fp16_numbers(size: int, batch: int) -> list[Row]:
+    """The project's fp16 training step (fused SGD, GradScaler) with a first step that
+    overflows, 5 steps, against the same model trained by a reference optimizer (plain
+    SGD, for-loop) under the same scaler: losses finite, parameters close."""
+    import copy
+
+    from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
     from runner.model import build_model
+    from runner.task import TrainStep
 
-    device = torch.device("cuda", 0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig("tiny"), 10, device)
+    reference = copy.deepcopy(model)
+    cfg = TaskConfig(TaskName.train)
+    amp = AmpConfig(AmpName.fp16)
+    ours = TrainStep(model, cfg, 10, amp, device)
+    theirs = TrainStep(reference, cfg, 10, amp, device)
+    theirs.optimizer = torch.optim.SGD(reference.parameters(), lr=cfg.lr,
+                                       momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                       foreach=False)
+    first = {"step": True}
+    for net in (model, reference):  # the first step's gradients overflow, as fp16's can
+        next(net.parameters()).register_hook(
+            lambda g: torch.full_like(g, float("inf")) if first["step"] else g)
+    for _ in range(5):
+        data = _synthetic_batch(batch, size, device)
+        ours(data)
+        theirs(data)
+        first["step"] = False
+    losses = ours.losses[:5].float().cpu()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                          reference.parameters()))
+    skipped = ours.scaler.get_scale() < 2.0**16  # the default initial scale, halved once
+    ok = bool(torch.isfinite(losses).all()) and diff < 1e-2 and skipped
+    return [Row("amp=fp16 training numbers: first step overflows, 5 steps vs a reference SGD",
+                ok, f"losses {', '.join(f'{x:.3f}' for x in losses.tolist())}; max |param "
+                    f"diff| {diff:.2g}; first step skipped: {skipped}")]
+
+
+def check_timing(batch: int) -> list[Row]:
+    """Timing calibration: a batch source with a known host delay per batch and an
+    epoch-end pause, through the project's prefetchers, loop and clock, against a step of
+    known GPU time: gpu_idle_frac near (delay - gpu) / delay, never above 1, the pause not
+    counted, and every batch pinned before its copy."""
+    import time
+
+    from tensordict import TensorDict
+
+    from runner.config import PrefetchConfig, PrefetchName
+    from runner.data.buffers import BufferPool
+    from runner.data.prefetch import build_prefetcher
+    from runner.logger import NullLogger
+    from runner.loop import LoopOptions, OnDevice, run_loop
+    from runner.metrics import StepClock
+
+    device = torch.device("cuda")
+    delay, gpu, pause, steps, per_epoch = 0.02, 0.005, 0.3, 40, 10
+    pool = BufferPool((batch, 3, 32, 32), torch.uint8, pin=True)
+    unpinned = []
+
+    def source():
+        for _ in range(steps + 2):
+            time.sleep(delay)  # the host's work for one batch
+            image = pool.take()
+            if not image.is_pinned():
+                unpinned.append(image)
+            yield TensorDict({"image": image, "label": torch.zeros(batch, dtype=torch.long)
+                              .pin_memory()}, batch_size=[batch])
+
+    cycles = _cycles_for(gpu)
+
+    def step(_batch) -> None:
+        torch.cuda._sleep(cycles)  # known GPU time, launched without a sync
+
+    rows = []
+    for name in (PrefetchName.none, PrefetchName.gpu):
+        clock = StepClock(device)
+        batches = build_prefetcher(PrefetchConfig(name), source(), device)
+        result = run_loop(OnDevice(batches, device), _TimedStep(step), NullLogger(),
+                          LoopOptions(steps, 4, log_every=10, repeats=1, clock=clock,
+                                      steps_per_epoch=per_epoch,
+                                      on_epoch_end=lambda done: time.sleep(pause)))
+        idle = result.timed.figures().get("gpu_idle_frac")
+        expected = (delay - gpu) / delay
+        ok = idle is not None and 0.0 <= idle <= 1.0 and abs(idle - expected) < 0.15 \
+            and not unpinned
+        rows.append(Row(f"timing calibration, prefetch={name.value}: gpu_idle_frac near "
+                        "(delay - gpu) / delay, epoch-end pauses left out, batches pinned",
+                        ok, f"gpu_idle_frac {idle if idle is None else round(idle, 3)} "
+                            f"(expected {expected:.2f}); unpinned batches {len(unpinned)}"))
+    return rows
+
+
+class _TimedStep:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, batch) -> None:
+        self.fn(batch)
+
+    def read(self) -> dict:
+        return {}
+
+    def start_timing(self) -> None:
+        pass
+
+    def close(self) -> dict:
+        return {}
+
+
+def _cycles_for(seconds: float) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``seconds``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    per_cycle = start.elapsed_time(end) / 1000.0 / 1_000_000
+    return int(seconds / per_cycle)
+
+
+def check_tensorrt_job() -> list[Row]:
+    """``python -m runner task=infer compile=tensorrt`` for fp16 and bf16, both engine
+    formats, each run twice (the second must reuse the engine), on a dataset whose last
+    batch is short and one whose last batch is a single image."""
     try:
-        model = DistributedDataParallel(build_model(ModelConfig("tiny"), 10, device),
-                                        device_ids=[0])
-        x = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8, device=device)
-        model(x).float().sum().backward()
-        torch.cuda.synchronize()
-        return [Row("DDP over nccl on one GPU", True, "process group, forward, backward")]
-    finally:
-        dist.destroy_process_group()
+        import torch_tensorrt  # noqa: F401
+    except ImportError:
+        return [Row("python -m runner task=infer compile=tensorrt (fp16, bf16, both formats)",
+                    None, "torch-tensorrt not installed: pip install -e '.[tensorrt]'")]
+    import subprocess
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "RUNNER_CACHE": scratch, "WANDB_SILENT": "true"}
+        for images, last in ((70, "short"), (65, "single image")):
+            for amp in ("fp16", "bf16"):
+                for fmt in ("exported_program", "torchscript"):
+                    said = []
+                    for attempt in (1, 2):
+                        run_dir = Path(scratch) / f"{images}-{amp}-{fmt}-{attempt}"
+                        proc = subprocess.run(
+                            [sys.executable, "-m", "runner", "task=infer", "compile=tensorrt",
+                             f"amp={amp}", f"compile.engine_format={fmt}", "model=tiny",
+                             f"dataset.num_images={images}", "dataset.image_size=[64,64]",
+                             "loader.batch_size=32", "logger=none", "run.progress=false",
+                             "diagnose=false", f"hydra.run.dir={run_dir}"],
+                            capture_output=True, text=True, env=env, timeout=900)
+                        out = proc.stdout + proc.stderr
+                        said.append((proc.returncode, "reusing the TensorRT engine" in out,
+                                     out.strip().splitlines()[-1][:80] if out.strip() else ""))
+                    ok = said[0][0] == 0 and said[1][0] == 0 and said[1][1]
+                    rows.append(Row(f"task=infer compile=tensorrt amp={amp} {fmt}, last batch "
+                                    f"{last}, run twice", ok,
+                                    "second run reused the engine" if ok else
+                                    f"exit {said[0][0]}/{said[1][0]}: {said[-1][2]}"))
+    return rows
+
+
+def check_ddp() -> list[Row]:
+    """Two ranks through the project's own process group and DDP replicas (``torchrun
+    -m runner``): NCCL on two GPUs; on one GPU, gloo on the CPU (NCCL refuses two ranks
+    on one device)."""
+    import json
+    import subprocess
+
+    gpus = torch.cuda.device_count()
+    device = "cuda" if gpus >= 2 else "cpu"
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "RUNNER_CACHE": scratch, "WANDB_SILENT": "true",
+               "OMP_NUM_THREADS": "1"}
+        run_dir = Path(scratch) / "run"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node=2", "-m", "runner", f"device={device}", "model=tiny",
+             "dataset.num_images=64", "dataset.image_size=[64,64]", "loader.batch_size=8",
+             "run.steps=6", "run.warmup_steps=1", "logger=none", "run.progress=false",
+             "diagnose=false", f"hydra.run.dir={run_dir}"],
+            capture_output=True, text=True, env=env, timeout=600)
+        try:
+            m = json.loads((run_dir / "metrics.json").read_text())
+        except (OSError, ValueError):
+            m = {}
+    dist = m.get("distributed") or {}
+    ok = proc.returncode == 0 and dist.get("world") == 2 and dist.get("replicas_in_sync")
+    backend = dist.get("backend", "?")
+    return [Row(f"DDP: 2 ranks, the project's process group and replicas ({device})", ok,
+                f"backend {backend}, replicas in sync: {dist.get('replicas_in_sync')}" if ok
+                else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:90]}")]
 
 
 CHECKS = [
     ("loop", lambda a: check_loop(a.size, a.batch_size)),
     ("transfers", lambda a: check_transfers(a.size, a.batch_size)),
+    ("timing", lambda a: check_timing(min(a.batch_size, 64))),
     ("tensorrt", lambda a: check_tensorrt(a.size, a.batch_size)),
+    ("tensorrt-job", lambda a: check_tensorrt_job()),
     ("nvjpeg", lambda a: check_nvjpeg(min(a.batch_size, 64))),
     ("fp16", lambda a: check_fp16_training(a.size, min(a.batch_size, 64))),
+    ("fp16-numbers", lambda a: check_fp16_numbers(64, 32)),
     ("ddp", lambda a: check_ddp()),
 ]
 

@@ -49,6 +49,34 @@ def optimizer_options(device: torch.device) -> dict[str, Any]:
     return {"fused": True} if device.type == "cuda" else {}
 
 
+def build_optimizer(model: nn.Module, cfg: TaskConfig, options: dict[str, Any]
+                    ) -> torch.optim.SGD:
+    """SGD with momentum for ``model``, its momentum buffers at zero (``zero_momentum``)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay, **options)
+    zero_momentum(optimizer)
+    return optimizer
+
+
+def zero_momentum(optimizer: torch.optim.SGD) -> None:
+    """Momentum buffers that start at zero, before the first step.
+
+    Fused SGD makes them with ``empty_like`` on its first step and fills them inside the
+    kernel, which returns at once when the GradScaler found an overflow: a first step that
+    overflows (common at the scaler's initial scale) would leave garbage that the second
+    step reads, and the weights would turn to NaN. Starting from zeros is exactly the first
+    step's ``buf = grad`` when dampening is 0 (``buf = momentum * 0 + grad``), so nothing
+    else changes.
+    """
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        if group["dampening"] != 0:
+            raise ValueError("zero_momentum is exact only with dampening=0")
+        for p in group["params"]:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
 class TrainStep:
     """SGD with momentum on cross-entropy; losses stay on the device until read.
 
@@ -65,9 +93,7 @@ class TrainStep:
                  amp: AmpConfig | None = None, device: torch.device | None = None):
         self.model = model.train()
         device = device or next(model.parameters()).device
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay,
-                                         **optimizer_options(device))
+        self.optimizer = build_optimizer(model, cfg, optimizer_options(device))
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, device)
         self.scaler = grad_scaler(amp, device)

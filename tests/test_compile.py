@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 
 from runner import compile as compiling
 from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
-from runner.model import build_model
+from runner.model import UInt8Input, build_model
 from tests.conftest import (
     SMALL_DATASET,
     read_metrics,
@@ -156,3 +157,49 @@ def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path
     monkeypatch.setattr(torch_tensorrt, "compile", lambda *a, **k: pytest.fail("rebuilt"))
     again, _ = compiling.compile_model(model, cfg, fp16, TaskName.infer, x, [8, 3], tmp_path)
     compiling.verify(model, again, x, cfg, fp16, False)
+
+
+def test_an_exported_engine_module_survives_the_infer_steps_eval():
+    """``ExportedProgram.module()`` (what a cached TensorRT engine loads as) raises from
+    train()/eval(); the infer step calls eval() on every model it runs."""
+    from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
+    from runner.task import InferStep
+
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)).eval()
+    x = torch.rand(2, 3, 8, 8)
+    engine = compiling.export_dynamic(backbone, x).module()
+    with pytest.raises(NotImplementedError):
+        engine.eval()  # the defect this guards against, as torch has it
+    wrapped = compiling._HeadThenEngine(UInt8Input(), engine)
+    step = InferStep({"m": wrapped}, TaskConfig(TaskName.infer, topk=2), {},
+                     AmpConfig(AmpName.off), torch.device("cpu"))
+    assert not step.models["m"].training and not wrapped.head.training
+    batch = TensorDict({"image": torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8),
+                        "label": torch.zeros(2, dtype=torch.long),
+                        "index": torch.arange(2)}, batch_size=[2])
+    step(batch)
+    assert step.close()["models"]["m"]["images_per_sec"] > 0
+
+
+def test_a_batch_of_one_exports_with_a_dynamic_batch_dimension():
+    """loader.batch_size=1 with compile=tensorrt: torch.export specializes a dimension
+    whose example is 1, so the engine is traced on a batch of 2 and takes 1..2."""
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3)).eval()
+    one = torch.rand(1, 3, 4, 4)
+    assert compiling.trace_batch(one).shape[0] == 2
+    program = compiling.export_dynamic(net, one).module()
+    for n in (1, 2):
+        x = torch.rand(n, 3, 4, 4)
+        assert torch.allclose(program(x), net(x), atol=1e-6)
+
+
+def test_the_tensorrt_head_hands_the_engine_contiguous_input():
+    """An engine takes contiguous NCHW: a channels_last input layer in front of it would
+    cost a copy back on every call, so the engine's head is a contiguous copy."""
+    head = UInt8Input(channels_last=True)
+    x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    mine = compiling.engine_head(head)
+    assert mine(x).is_contiguous() and not mine(x).is_contiguous(
+        memory_format=torch.channels_last)
+    assert head(x).is_contiguous(memory_format=torch.channels_last)  # the eager one as it was
+    assert torch.equal(mine(x), head(x).contiguous())

@@ -18,7 +18,7 @@ from runner.data.augment import BatchAugment
 from runner.model import build_model
 from runner.predictions import PredictionWriter
 from runner.task import InferStep, TrainStep, optimizer_options
-from tests.conftest import requires_cuda
+from tests.conftest import SMALL_DATASET, requires_cuda, run_in_process
 
 CPU = torch.device("cpu")
 
@@ -184,3 +184,13 @@ def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
     assert len(list(tmp_path.glob("*.ep"))) == 1
     with torch.inference_mode():
         assert reused(x[:3]).shape == (3, 5)
+
+
+@requires_cuda
+def test_a_cuda_run_turns_cudnns_autotuner_on_unless_told_not_to(tmp_path, cache_dir):
+    import torch
+
+    for flag in ("true", "false"):
+        run_in_process(*SMALL_DATASET, "logger=none", "diagnose=false", "run.steps=3",
+                       "device=cuda", f"cudnn_benchmark={flag}", run_dir=tmp_path / flag)
+        assert torch.backends.cudnn.benchmark is (flag == "true")

@@ -130,3 +130,36 @@ def test_without_extend_the_run_keeps_its_length_and_its_flags_say_why():
     assert result.steps == 20
     flags = loop_figures(result, [], 3, window_seconds=1.0)["flags"]
     assert any(f.startswith("short windows") for f in flags)
+
+
+class HostEvents:
+    """A CUDA event clock stand-in: timestamps are host seconds, always complete."""
+
+    cuda = True
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def done(self, stamp) -> bool:
+        return True
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+def test_work_paused_out_of_the_timing_is_no_device_idle_time_either():
+    from runner.metrics import StepClock
+
+    clock = StepClock(torch.device("cpu"))
+    clock.clock, clock.cuda = HostEvents(), True  # as on CUDA: idle gaps from events
+    clock.open_window()
+    for k in range(4):
+        first = clock.now()
+        time.sleep(0.01)  # the step's device work
+        clock.step_done(1, first, clock.now())
+        if k == 1:
+            with clock.paused():  # validation, a checkpoint, a cache eviction
+                time.sleep(0.2)
+    window = clock.close_window()
+    assert window.stages["gpu_idle"] < 0.05  # the 0.2 s pause is not the data path's
+    assert window.figures()["gpu_idle_frac"] <= 1.0

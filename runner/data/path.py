@@ -22,6 +22,7 @@ from runner.config import Config, Crop, Decoder, LoaderConfig, PageCache, RunCon
 from runner.data.augment import BatchAugment
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
+from runner.data.order import count_images
 from runner.data.pagecache import ColdPageCache
 from runner.data.prefetch import build_prefetcher
 from runner.data.storage import build_storage, resolve_dataset
@@ -99,6 +100,11 @@ class DataPath:
 
     def __iter__(self) -> Iterator[TensorDict]:
         return iter(self.batches)
+
+    def count(self, batch: TensorDict) -> int:
+        """Images that count in ``batch`` (padding does not), without a device sync."""
+        count = getattr(self.batches, "count", None)  # batches already on the device
+        return count(batch) if count is not None else count_images(batch)
 
     def to_device(self, batch: TensorDict) -> TensorDict:
         return batch.to(self.device, non_blocking=True)

@@ -9,8 +9,10 @@
   ``depth`` batches from pinned memory with ``non_blocking=True`` while the model computes
   on the current one. timm's PrefetchLoader made a new stream per epoch and never made the
   copy stream wait for the compute stream, and its reserved memory grew every epoch (timm
-  issue #2781); here the stream lives as long as the prefetcher, each copy waits for the
-  compute work queued before it, and tensors that cross streams are ``record_stream``-ed.
+  issue #2781); here the stream lives as long as the prefetcher, the compute stream waits
+  for each batch's copy event, and tensors that cross streams are ``record_stream``-ed, so
+  the allocator never reuses a block the compute stream still reads (the copy itself does
+  not wait for earlier steps: it overlaps them, even at depth 1).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.config import PrefetchConfig, PrefetchName
+from runner.data.order import count_images
 from runner.data.threads import (
     main_thread_count,
     one_core_for_this_thread,
@@ -167,21 +170,25 @@ class CudaStreamPrefetcher:
         self.stream = torch.cuda.Stream(device=device)  # once per prefetcher, not per epoch
         self._copy_events: collections.deque = collections.deque()
         self._copy_seconds = 0.0
+        self._images = 0
 
-    def _copies(self, compute: torch.cuda.Stream) -> Iterator[tuple[TensorDict, Any]]:
+    def _copies(self, compute: torch.cuda.Stream) -> Iterator[tuple[TensorDict, Any, int]]:
         """Runs on the prefetch thread: each batch gathered, then copied on the side stream."""
         torch.cuda.set_device(self.device)
         for batch in self.source:
+            images = count_images(batch)  # on the host, before the copy: no device sync
             start = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.stream):
-                # The allocator may hand this copy memory that compute work queued earlier
-                # still reads: wait for that work before writing.
-                self.stream.wait_stream(compute)
+                # No wait for the compute stream here: that would queue each copy behind
+                # the step before it (no overlap at depth 1). Memory is safe without it:
+                # every tensor that crosses to the compute stream is record_stream-ed there
+                # (``__iter__``), so the allocator does not hand its block to a later copy
+                # until the compute work that reads it has finished.
                 start.record(self.stream)
                 moved = batch.to(self.device, non_blocking=True)
                 done.record(self.stream)
-            yield moved, (start, done)
+            yield moved, (start, done), images
 
     def _fold_completed(self) -> None:
         while self._copy_events and self._copy_events[0][1].query():
@@ -190,7 +197,8 @@ class CudaStreamPrefetcher:
 
     def __iter__(self) -> Iterator[TensorDict]:
         compute = torch.cuda.current_stream(self.device)
-        for moved, (start, done) in CpuPrefetcher(self._copies(compute), depth=self.depth):
+        for moved, (start, done), images in CpuPrefetcher(self._copies(compute),
+                                                           depth=self.depth):
             compute.wait_event(done)  # this batch's copy, not the later ones
             for tensor in moved.values(include_nested=True, leaves_only=True):
                 # made on the side stream, used on the compute stream: the allocator
@@ -199,7 +207,12 @@ class CudaStreamPrefetcher:
             self._copy_events.append((start, done))
             if len(self._copy_events) > 64:
                 self._fold_completed()
+            self._images = images
             yield moved
+
+    def count(self, batch: TensorDict) -> int:
+        """Images that count in the batch just handed out, counted on the host."""
+        return self._images
 
     def copy_seconds(self) -> float:
         """Total side-stream copy time so far (synchronizes; call after the timed loop)."""
