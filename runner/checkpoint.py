@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,114 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
     return path
 
 
-def load(path: str | Path) -> dict[str, Any]:
+class Checkpointer:
+    """When ``task=train`` writes its checkpoint: every ``task.checkpoint_every`` epochs,
+    ``checkpoint_every_steps`` steps or ``checkpoint_every_minutes`` minutes, at the end and
+    when a signal stops the run; never with ``task.checkpoint=false``. Only the latest is
+    kept (``checkpoint.pt``) unless ``task.keep_checkpoints``.
+
+    Args:
+        task: the task's config.
+        run_dir: where checkpoint.pt goes.
+        config: the run's config, as plain values (saved with it, checked on resume).
+        paused: a context in which work is left out of the run's timing.
+        first_step: steps of the run done before this process (a resume).
+    """
+
+    def __init__(self, task: Any, run_dir: Path, config: dict[str, Any], paused: Any,
+                 first_step: int = 0):
+        self.task, self.run_dir, self.config, self.paused = task, Path(run_dir), config, paused
+        self.first_step = first_step
+        self.last_write = time.monotonic()
+
+    def _due(self, done: int, epoch_end: int | None) -> bool:
+        t = self.task
+        if not t.checkpoint:
+            return False
+        if epoch_end is not None:
+            return bool(t.checkpoint_every) and epoch_end % t.checkpoint_every == 0
+        return bool((t.checkpoint_every_steps and done % t.checkpoint_every_steps == 0)
+                    or (t.checkpoint_every_minutes and time.monotonic() - self.last_write
+                        >= 60 * t.checkpoint_every_minutes))
+
+    def after_step(self, step: Any, done: int, per_epoch: int) -> None:
+        if self._due(done, None):
+            with self.paused():
+                self.write(step, done, per_epoch)
+
+    def after_epoch(self, step: Any, epoch: int, per_epoch: int) -> None:
+        if self._due(epoch * per_epoch, epoch):
+            self.write(step, epoch * per_epoch, per_epoch)
+
+    def write(self, step: Any, done: int, per_epoch: int,
+              losses: dict[str, float] | None = None) -> Path | None:
+        """The checkpoint after ``done`` steps of the run (none with checkpoint=false)."""
+        if not self.task.checkpoint:
+            return None
+        path = save(self.run_dir / NAME, step, done / per_epoch, done, self.config,
+                    losses or {})
+        if self.task.keep_checkpoints:
+            shutil.copyfile(path, self.run_dir / f"checkpoint-{done:08d}.pt")
+        self.last_write = time.monotonic()
+        log.info("checkpoint: %s (step %d, epoch %s)", path, done, f"{done / per_epoch:g}")
+        return path
+
+
+def resume_source(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint ``resume=`` names: a file or run folder, or ``auto``: this run
+    folder's own checkpoint when there is one (a requeued job), else none (start fresh)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        own = Path(run_dir) / NAME
+        if own.is_file():
+            log.info("resume=auto: continuing from %s", own)
+            return own
+        log.info("resume=auto: no checkpoint in %s yet: starting fresh", run_dir)
+        return None
+    return Path(resume)
+
+
+# What a checkpoint must share with the run that resumes it: a different value would train
+# another model, on other data, or in another order.
+MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
+              "dataset.num_images", "dataset.num_classes", "dataset.image_size",
+              "loader.batch_size", "loader.drop_last", "loader.shuffle", "seed")
+
+
+def _value(config: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def check_fits(state: dict[str, Any], config: Any, path: str | Path) -> None:
+    """Refuse a checkpoint of another run (model, dataset, batch order), naming what
+    differs."""
+    from runner.config import to_plain
+
+    saved, mine = state.get("config") or {}, to_plain(config)
+    differ = [f"{k}: checkpoint {_value(saved, k)!r}, this run {_value(mine, k)!r}"
+              for k in MUST_MATCH if saved and _value(saved, k) != _value(mine, k)]
+    if differ:
+        raise CheckpointError(f"resume={path} is a checkpoint of another run ("
+                              + "; ".join(differ) + "): resume it with the same settings, "
+                              "or start fresh (drop resume=)")
+
+
+def steps_left(total: int, done: int, resume: str | None) -> int:
+    """Steps of a ``total``-step plan left after ``done``; a plan already done is refused."""
+    if done >= total:
+        raise CheckpointError(
+            f"resume={resume}: the checkpoint has done {done} steps, the whole plan of "
+            f"{total}: nothing is left. To train longer on purpose, raise run.epochs or "
+            "run.steps (they count the whole run, the checkpoint's steps included)")
+    log.info("resuming: %d of the plan's %d steps done, %d left", done, total, total - done)
+    return total - done
+
+
+def load(path: str | Path, config: Any = None) -> dict[str, Any]:
+    """A runner checkpoint, checked against ``config`` (the run that resumes it)."""
     file = Path(path).expanduser()
     if file.is_dir():
         file = file / NAME
@@ -71,6 +180,8 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"resume={path} is not a runner checkpoint (no "
                               f"{', '.join(sorted(missing))}); to start from weights alone "
                               "use model.weights=PATH")
+    if config is not None:
+        check_fits(state, config, path)
     return state
 
 

@@ -224,16 +224,24 @@ class TaskConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     topk: int = 5  # infer: how many classes each prediction keeps
-    # checkpoint.pt in the run folder every this many epochs (train; 0: only at the end)
+    # task=train: checkpoint.pt in the run folder at the end, when a signal stops the run,
+    # and every this many epochs, steps or minutes (0: not by that measure); a SIGKILL
+    # loses at most that much. checkpoint=false writes none at all (a sweep of speed runs)
+    checkpoint: bool = True
     checkpoint_every: int = 0
+    checkpoint_every_steps: int = 0
+    checkpoint_every_minutes: float = 0.0
+    # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
+    keep_checkpoints: bool = False
     write_predictions: bool = True  # infer: predictions.csv in the run folder
     writer_threads: int = 2
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
         _require(self.topk >= 1, "task.topk", self.topk, "must be >= 1")
-        _require(self.checkpoint_every >= 0, "task.checkpoint_every", self.checkpoint_every,
-                 "must be >= 0 (0: a checkpoint at the end only)")
+        for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_minutes"):
+            _require(getattr(self, key) >= 0, f"task.{key}", getattr(self, key),
+                     "must be >= 0 (0: not by this measure)")
         _require(self.writer_threads >= 1, "task.writer_threads", self.writer_threads, "must be >= 1")
 
 

@@ -16,6 +16,7 @@ candidates are within each other's spread, the verdict says so instead of pickin
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
 from runner.metrics import burst, quantiles, synchronize
 from runner.task import make_step
+
+log = logging.getLogger("runner")
 
 DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a run data-bound
 PROBE_REPEATS = 5  # bursts per stage; the ceiling is their median
@@ -225,7 +228,21 @@ def in_loop_rate(figures: dict[str, Any]) -> float | None:
 
 
 def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
-             world: int = 1) -> Verdict:
+             world: int = 1) -> dict[str, Any]:
+    """The verdict on a finished run (``bottleneck`` in metrics.json), logged: each stage
+    of its data path and its models timed alone, then named. The run itself is done: a
+    diagnosis that fails is reported, and never loses it."""
+    try:
+        result = measure(cfg, figures, data, models, world)
+    except Exception as e:
+        log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
+        return {"error": f"{type(e).__name__}: {e}"}
+    log.info("%s", result.sentence)
+    return result.as_dict()
+
+
+def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
+            world: int = 1) -> Verdict:
     """Time each stage of the run's data path and its models alone, then the verdict."""
     if world > 1:  # the stages below run in one process: compare per rank
         figures = {**figures, "images_per_sec": figures["images_per_sec"] / world}

@@ -90,6 +90,10 @@ class LoopOptions:
         on_window: sees the result so far after every window (to save it as it grows).
         steps_per_epoch: with ``on_epoch_end``: called with the epochs done after each
             epoch's last step (a checkpoint, a validation pass), its time left out.
+        first_step: steps of the run done before this loop (a resume): epochs end where
+            they would have in one uninterrupted run.
+        on_step: called with the run's steps done after every step (a checkpoint
+            schedule); what it does must leave the timing itself (``clock.paused``).
     """
 
     total_steps: int
@@ -104,6 +108,8 @@ class LoopOptions:
     on_window: Callable[[LoopResult], None] | None = None
     steps_per_epoch: int | None = None
     on_epoch_end: Callable[[int], None] | None = None
+    first_step: int = 0
+    on_step: Callable[[int], None] | None = None
 
 
 def steps_for_windows(timed_seconds: float, timed_steps: int, repeats: int,
@@ -208,9 +214,12 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             result.steps += 1
             result.images += n
             bar.update()
-            if o.on_epoch_end is not None and result.steps % o.steps_per_epoch == 0:
+            done = o.first_step + result.steps
+            if o.on_step is not None:
+                o.on_step(done)
+            if o.on_epoch_end is not None and done % o.steps_per_epoch == 0:
                 with clock.paused():
-                    o.on_epoch_end(result.steps // o.steps_per_epoch)
+                    o.on_epoch_end(done // o.steps_per_epoch)
             if o.profiler is not None:
                 o.profiler.step()
             timed = result.steps - warmup_steps

@@ -73,6 +73,31 @@ def outcome(error: BaseException, interrupted_by: str | None = None) -> dict[str
             "traceback": traceback.format_exc()}
 
 
+def finished_record(run_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
+    """The metrics of a run that finished ok in ``run_dir`` with the same overrides (a
+    requeued job, or a sweep started again into its own folder): its figures stand."""
+    try:
+        metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(metrics, dict) or metrics.get("status") != "ok" \
+            or list(metrics.get("overrides", [])) != list(overrides):
+        return None
+    log.info("%s finished already with these overrides: its figures stand (delete the "
+             "folder to run it again)", run_dir)
+    return metrics
+
+
+def keep_previous(run_dir: Path) -> None:
+    """A run continued in its own folder (resume=auto) keeps the record of the part that
+    stopped as ``metrics.<k>.json`` (k = 1, 2, ...): the new metrics.json is the new
+    part's own."""
+    current = Path(run_dir) / "metrics.json"
+    if current.exists():
+        k = 1 + sum(1 for _ in Path(run_dir).glob("metrics.*.json"))
+        os.replace(current, current.with_name(f"metrics.{k}.json"))
+
+
 def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str, Any]:
     """metrics.json as a run starts: ``running``, with what it was asked to do."""
     import platform
@@ -98,6 +123,22 @@ def record_ending(metrics: dict[str, Any], error: BaseException, signal_name: st
         log.warning("skipped: %s", metrics["reason"])
     elif main:
         log_traceback(metrics.get("traceback", ""))
+        if metrics["status"] == "interrupted":
+            log.warning("%s", stopped_line(metrics))
+
+
+def stopped_line(metrics: dict[str, Any]) -> str:
+    """One line for a run a signal stopped: what stopped it, the steps done, where its
+    figures and checkpoint are, and the command that continues it."""
+    run_dir = metrics.get("run_dir", ".")
+    overrides = [o for o in metrics.get("overrides", [])
+                 if not o.startswith(("resume=", "hydra.run.dir="))]
+    where = f"figures in {run_dir}/metrics.json"
+    if metrics.get("checkpoint"):
+        where += f", checkpoint {metrics['checkpoint']}"
+    return (f"stopped: {metrics.get('reason')} after {metrics.get('steps', 0)} steps; {where}; "
+            "continue with: python -m runner " + " ".join(
+                [*overrides, "resume=auto", f"hydra.run.dir={run_dir}"]))
 
 
 def log_traceback(text: str) -> None:

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, results, timeline
+from runner import checkpoint, outcome, results, timeline
 from runner.amp import check_amp
 from runner.compile import build_models, step_amp
 from runner.compose import to_config
@@ -39,7 +40,6 @@ from runner.distributed import (
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.metrics import StepClock
-from runner.outcome import RunDirClaim, Signals, record_ending, running_record, save_metrics
 from runner.predictions import merge_rank_files, prediction_writers
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
 from runner.task import Step, Validation, make_step
@@ -59,20 +59,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ranks = ranks_from_env()
     if not ranks.main:
         log.setLevel(logging.WARNING)  # one voice: rank 0 reports, the others only warn
-    metrics = running_record(run_dir, list(hydra_cfg.overrides.task),
+    if cfg.get("resume") == "auto" or hydra_cfg.mode == RunMode.MULTIRUN:
+        done = outcome.finished_record(run_dir, list(hydra_cfg.overrides.task))
+        if done is not None:  # a requeued job, or a sweep run again: nothing is redone
+            return done
+        if ranks.main and cfg.get("resume") == "auto":
+            outcome.keep_previous(run_dir)
+    metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task),
                              OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
-    signals = Signals()
+    signals = outcome.Signals()
     job: Job | None = None
     with contextlib.ExitStack() as stack:
         if ranks.main:  # rank 0 alone writes the run's outputs (under torch.distributed)
-            stack.enter_context(RunDirClaim(run_dir))
-            save_metrics(run_dir / "metrics.json", metrics)  # a SIGKILL leaves "running"
+            stack.enter_context(outcome.RunDirClaim(run_dir))
+            outcome.save_metrics(run_dir / "metrics.json", metrics)  # a SIGKILL leaves "running"
         stack.enter_context(signals.installed())
         try:
             config = to_config(cfg)  # every check runs here, before any work
             metrics["config"] = to_plain(config)
             job = Job(config, run_dir, hydra_cfg, ranks, on_progress=lambda figures: (
-                ranks.main and save_metrics(run_dir / "metrics.json", {**metrics, **figures})))
+                ranks.main and outcome.save_metrics(run_dir / "metrics.json", {**metrics, **figures})))
             metrics.update(job.execute())
             metrics["status"] = "ok"
         except BaseException as e:
@@ -80,14 +86,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 metrics.update(job.figures)  # what was measured before it stopped
             # under torchrun: the rank that failed first, not its echo
             first = first_failure() if ranks.enabled and ranks.main else None
-            record_ending(metrics, e, signals.received, first, ranks.main)
+            outcome.record_ending(metrics, e, signals.received, first, ranks.main)
             if metrics["status"] != "skipped":
                 raise
         finally:
             if job is not None:
                 job.close(metrics)
             if ranks.main:
-                save_metrics(run_dir / "metrics.json", metrics)
+                outcome.save_metrics(run_dir / "metrics.json", metrics)
     return metrics
 
 
@@ -109,6 +115,7 @@ class Job:
         self.compile_figures: dict[str, Any] = {}
         self.resumed: dict[str, Any] | None = None  # the checkpoint run.resume names
         self.epoch_figures: list[dict[str, Any]] = []  # per epoch: validation top-1
+        self.saves: checkpoint.Checkpointer | None = None
 
     def execute(self) -> dict[str, Any]:
         device = pick_device(self.config.device.value, self.ranks)
@@ -122,9 +129,10 @@ class Job:
         cfg, ranks = self.config, self.ranks
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
-        if cfg.resume is not None:  # before the data path: the batch order continues too
-            self.resumed = checkpoint.load(cfg.resume)
-        self.data = data = build_data_path(cfg, device, ranks, self.start_epoch,
+        source = checkpoint.resume_source(cfg.resume, self.run_dir)
+        if source is not None:  # before the data path: the batch order continues too
+            self.resumed = {**checkpoint.load(source, cfg), "source": str(source)}
+        self.data = data = build_data_path(cfg, device, ranks, start_step=self.start_step,
                                            progress=cfg.run.progress)
         total_steps, warmup = self._plan(data)
         if cfg.run.timeline and ranks.main:  # before the loader's workers start
@@ -144,16 +152,21 @@ class Job:
         profiler = build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
         clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
+        saves = self._checkpointer(clock, step)
         result = run_loop(data, step, self.logger, LoopOptions(
             total_steps, warmup, cfg.run.log_every, cfg.run.repeats, cfg.run.window_seconds,
             extend=data.extend if not self.models else None,  # only data-only runs go on
             progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
             on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
-            on_epoch_end=lambda done: self._epoch_end(done, step)))
+            first_step=self.start_step, on_epoch_end=lambda done: self._epoch_end(done, step),
+            on_step=saves and (lambda done: saves.after_step(step, done, data.steps_per_epoch))))
         figures = self._figures(result, step, profiler is not None)
-        if cfg.task.name is TaskName.train and self.models and ranks.main:
-            done = self.start_epoch + result.steps / data.steps_per_epoch
-            figures["checkpoint"] = str(self._checkpoint(step, done, figures))  # with losses
+        if self.resumed is not None:  # this run's own figures, and where it started
+            figures.update(resumed_from=self.resumed["source"], start_step=self.start_step)
+        if saves is not None:  # at the end, or where a signal stopped it (with its losses)
+            losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
+            path = saves.write(step, self.start_step + result.steps, data.steps_per_epoch, losses)
+            figures["checkpoint"] = str(path) if path else None
         if timeline.enabled():
             figures.update(timeline.write(self.run_dir, result.step_spans, warmup,
                                           results.describe(cfg)))
@@ -162,7 +175,7 @@ class Job:
         if ranks.main:
             self._report(figures)
         if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
-            figures["bottleneck"] = self._diagnose(figures)
+            figures["bottleneck"] = diagnose(cfg, figures, data, self.models, ranks.world)
         self.figures = figures
         return figures
 
@@ -180,15 +193,16 @@ class Job:
             log.error("closing the logger failed: %s", e)
 
     @property
-    def start_epoch(self) -> int:  # epochs done before this run (resume)
-        return int(self.resumed["epoch"]) if self.resumed is not None else 0
+    def start_step(self) -> int:  # steps of the plan done before this run (resume)
+        return int(self.resumed["steps"]) if self.resumed is not None else 0
 
     # --- setup ------------------------------------------------------------------------------
 
-    def _plan(self, data: DataPath) -> tuple[int, int]:
-        """(total steps, warm-up steps) of this run."""
+    def _plan(self, data: DataPath) -> tuple[int, int]:  # (steps, warm-up steps) of this run
         run = self.config.run
-        total = run.steps if run.steps is not None else data.epochs * data.steps_per_epoch
+        total = run.steps if run.steps is not None else run.epochs * data.steps_per_epoch
+        if self.resumed is not None:  # the plan is the whole run's: do what is left
+            total = checkpoint.steps_left(total, self.start_step, self.config.resume)
         warmup = run.warmup_steps
         if warmup >= total:
             warmup = max(total - 1, 0)
@@ -205,32 +219,31 @@ class Job:
                                      data.storage.name_of, data.classes)
         step = make_step(cfg.task, self.models, step_amp(cfg), device, total_steps, writers)
         if self.resumed is not None:
-            checkpoint.restore(step, self.resumed, cfg.resume)
+            checkpoint.restore(step, self.resumed, self.resumed["source"])
         return step
 
     # --- epochs: validation, checkpoints ------------------------------------------------------
 
     def _epoch_end(self, done: int, step: Step) -> None:
-        """After each epoch: validation top-1 (dataset.val_path), and a checkpoint every
-        ``task.checkpoint_every`` epochs."""
-        epoch = self.start_epoch + done
+        """After each epoch: validation top-1 (dataset.val_path), and a checkpoint when one
+        is due."""
+        epoch = done
         row: dict[str, Any] = {"epoch": epoch}
         if self.validation is not None:
             row["val_top1"] = self.validation()
             log.info("epoch %d: validation top-1 %.1f%%", epoch, 100 * row["val_top1"])
             self.logger.log({"val/top1": row["val_top1"], "epoch": epoch}, step=None)
         self.epoch_figures.append(row)
-        every = self.config.task.checkpoint_every
-        if every and epoch % every == 0 and self.ranks.main and self.models:
-            self._checkpoint(step, epoch, {})
+        if self.saves is not None:
+            self.saves.after_epoch(step, epoch, self.data.steps_per_epoch)
 
-    def _checkpoint(self, step: Step, epoch: float, figures: dict[str, Any]) -> Path:
-        losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
-        path = checkpoint.save(self.run_dir / checkpoint.NAME, step, epoch,
-                               step.steps + int((self.resumed or {}).get("steps", 0)),
-                               to_plain(self.config), losses)
-        log.info("checkpoint: %s (epoch %s)", path, f"{epoch:g}")
-        return path
+    def _checkpointer(self, clock: StepClock, step: Step) -> checkpoint.Checkpointer | None:
+        """task=train on rank 0 (the replicas are equal): the checkpoints' schedule."""
+        if self.config.task.name is not TaskName.train or not self.models or not self.ranks.main:
+            return None
+        self.saves = checkpoint.Checkpointer(self.config.task, self.run_dir,
+                                             to_plain(self.config), clock.paused)
+        return self.saves
 
     # --- results ----------------------------------------------------------------------------
 
@@ -278,14 +291,3 @@ class Job:
         if figures["skipped_files"]:
             log.warning("%d undecodable files skipped (listed in metrics.json)",
                         len(figures["skipped_files"]))
-
-    def _diagnose(self, figures: dict[str, Any]) -> dict[str, Any]:
-        """Each stage alone for a short burst, then the verdict (runner/diagnose.py); the
-        run itself is done: a diagnosis that fails never loses it."""
-        try:
-            verdict = diagnose(self.config, figures, self.data, self.models, self.ranks.world)
-        except Exception as e:
-            log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
-            return {"error": f"{type(e).__name__}: {e}"}
-        log.info("%s", verdict.sentence)
-        return verdict.as_dict()

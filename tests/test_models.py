@@ -98,7 +98,8 @@ def test_train_checkpoint_resume_continues_the_loss_then_infer_with_its_weights(
     first = read_metrics(tmp_path / "first")
     saved = torch.load(tmp_path / "first" / "checkpoint.pt", weights_only=True)
     assert saved["epoch"] == 6 and {"model", "optimizer", "scaler", "config"} <= set(saved)
-    run_cli(*common, "run.epochs=2", f"resume={tmp_path}/first", "hydra.run.dir=resumed",
+    # run.epochs is the whole run's: 8 after a checkpoint at 6 trains 2 more on purpose
+    run_cli(*common, "run.epochs=8", f"resume={tmp_path}/first", "hydra.run.dir=resumed",
             cwd=tmp_path)
     resumed = read_metrics(tmp_path / "resumed")
     fresh_start = first["loss_first"]

@@ -44,16 +44,33 @@ class BatchAugment:
     def __init__(self, size: tuple[int, int], scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = list(size), scale, ratio
 
+    @staticmethod
+    def draws(n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The uniform draws that decide ``n`` images' crops and flips, made on the host
+        from ``generator``: a batch carries them to the device (no sync, and a resumed run
+        replays them exactly when the generator is seeded by the batch's place)."""
+        return {"crop_area": torch.rand(n, ATTEMPTS, generator=generator),
+                "crop_aspect": torch.rand(n, ATTEMPTS, generator=generator),
+                "crop_place": torch.rand(n, 3, generator=generator)}
+
     def boxes(self, n: int, h: int, w: int, device: torch.device,
-              generator: torch.Generator | None = None) -> Boxes:
+              generator: torch.Generator | None = None,
+              draws: dict[str, torch.Tensor] | None = None) -> Boxes:
         """RandomResizedCrop.get_params for ``n`` images at once: ``ATTEMPTS`` draws each,
-        the first that fits, else the whole image clipped to the ratio range."""
-        def uniform(lo: float, hi: float) -> torch.Tensor:
-            return torch.rand(n, ATTEMPTS, device=device, generator=generator) * (hi - lo) + lo
+        the first that fits, else the whole image clipped to the ratio range. ``draws``
+        (``BatchAugment.draws``, on ``device``) replace the device's own random numbers."""
+        def rand(key: str, cols: int) -> torch.Tensor:
+            if draws is not None:
+                return draws[key]
+            return torch.rand(n, cols, device=device, generator=generator)
+
+        def uniform(u: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+            return u * (hi - lo) + lo
 
         area = h * w
-        target = area * uniform(*self.scale)
-        aspect = torch.exp(uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+        target = area * uniform(rand("crop_area", ATTEMPTS), *self.scale)
+        aspect = torch.exp(uniform(rand("crop_aspect", ATTEMPTS), math.log(self.ratio[0]),
+                                   math.log(self.ratio[1])))
         cw = torch.round(torch.sqrt(target * aspect))
         ch = torch.round(torch.sqrt(target / aspect))
         fits = (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
@@ -71,7 +88,7 @@ class BatchAugment:
             fw, fh = w, h
         cw = torch.where(any_fit, cw, torch.full_like(cw, fw))
         ch = torch.where(any_fit, ch, torch.full_like(ch, fh))
-        r = torch.rand(n, 3, device=device, generator=generator)
+        r = rand("crop_place", 3)
         top = torch.floor(r[:, 0] * (h - ch + 1))
         left = torch.floor(r[:, 1] * (w - cw + 1))
         top = torch.where(any_fit, top, torch.full_like(top, (h - fh) // 2))
@@ -100,6 +117,7 @@ class BatchAugment:
                             align_corners=False)
         return out.round_().clamp_(0, 255).to(images.dtype)
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor,
+                 draws: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         n, _, h, w = images.shape
-        return self.apply(images, self.boxes(n, h, w, images.device))
+        return self.apply(images, self.boxes(n, h, w, images.device, draws=draws))

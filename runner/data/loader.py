@@ -294,6 +294,9 @@ class BatchStream:
         epochs: how many passes an iteration makes; the loop may stop earlier.
         order: the loader's batch order, told each epoch's number (None: it counts itself).
         start_epoch: the first epoch's number (a resumed run's epochs done).
+        start_batch: batches of that epoch already done: it continues with the next one.
+        per_batch: ``(epoch, batch number, rows) -> tensors`` added to each batch (the
+            random draws of device-side crops, a function of the batch's place).
         on_epoch: called with the epoch number before each epoch starts (page-cache
             eviction for ``dataset.page_cache=cold``).
         known_skipped: files the storage already knew to be undecodable (a decode-once
@@ -302,11 +305,14 @@ class BatchStream:
 
     def __init__(self, loader, epochs: int, order: BatchOrder | None = None,
                  start_epoch: int = 0, on_epoch: Callable[[int], None] | None = None,
-                 known_skipped: list[SkippedFile] = ()):
+                 known_skipped: list[SkippedFile] = (), start_batch: int = 0,
+                 per_batch: Callable[[int, int, int], dict] | None = None):
         self.loader = loader
         self.epochs = epochs
         self.order = order
         self.epoch = start_epoch  # the epoch being read (or read next)
+        self.skip = start_batch  # batches of the first epoch already done (a resume)
+        self.per_batch = per_batch
         self.on_epoch = on_epoch
         self.skips = SkipLog()
         self.skips.add(list(known_skipped))
@@ -319,15 +325,19 @@ class BatchStream:
         done = 0
         try:
             while done < self.epochs:
+                skip, self.skip = self.skip, 0
                 if self.order is not None:
-                    self.order.set_epoch(self.epoch)
+                    self.order.set_epoch(self.epoch, skip)
                 if self.on_epoch is not None:
                     self.on_epoch(self.epoch)
                 iterator = iter(self.loader)
-                for batch, skipped in iterator:
+                for position, (batch, skipped) in enumerate(iterator, start=skip):
                     self.skips.add(skipped)
                     if batch is not None:
-                        yield TensorDict(batch, batch_size=[len(batch["label"])])
+                        n = len(batch["label"])
+                        if self.per_batch is not None:  # e.g. the random draws of its crops
+                            batch = {**batch, **self.per_batch(self.epoch, position, n)}
+                        yield TensorDict(batch, batch_size=[n])
                 done += 1
                 self.epoch += 1
         finally:

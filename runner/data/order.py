@@ -90,9 +90,12 @@ class BatchOrder:
         self.crop_seeds = crop_seeds
         self.epoch = -1  # the epoch whose batches are being handed out
         self._next: int | None = None  # set_epoch's choice for the next iteration
+        self._skip = 0  # batches of the next iteration's epoch already done (a resume)
 
-    def set_epoch(self, epoch: int) -> None:
-        self._next = epoch
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """The next iteration hands out epoch ``epoch``, from its batch ``skip`` on (a run
+        resumed mid-epoch continues with the next batch of the same permutation)."""
+        self._next, self._skip = epoch, skip
 
     def seeds_for(self, index: torch.Tensor) -> list[int]:
         """One random-crop seed per image of this epoch: a function of (seed, epoch, image),
@@ -118,7 +121,7 @@ class BatchOrder:
     def batches(self) -> Iterator[torch.Tensor]:
         """The next epoch's batches (``set_epoch``'s epoch, else the one after the last)."""
         self.epoch = self._next if self._next is not None else self.epoch + 1
-        self._next = None
+        skip, self._next, self._skip = self._skip, None, 0
         order = self.epoch_order(self.epoch)
         if self.world > 1:
             pads = self.per_rank * self.world - self.size
@@ -127,8 +130,8 @@ class BatchOrder:
         rows = order[:full].view(-1, self.batch_size)
         if self.shuffle:  # one sort for the whole epoch, not one call per batch
             rows = sorted_rows(rows)
-        yield from rows
-        if not self.drop_last and full < len(order):
+        yield from rows[skip:]
+        if not self.drop_last and full < len(order) and skip <= len(rows):
             rest = order[full:]
             yield sorted_rows(rest[None])[0] if self.shuffle else rest
 

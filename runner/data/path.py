@@ -22,7 +22,7 @@ from runner.config import Config, Crop, Decoder, LoaderConfig, PageCache, RunCon
 from runner.data.augment import BatchAugment
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
-from runner.data.order import count_images
+from runner.data.order import count_images, epoch_seed
 from runner.data.pagecache import ColdPageCache
 from runner.data.prefetch import build_prefetcher
 from runner.data.storage import build_storage, resolve_dataset
@@ -110,9 +110,11 @@ class DataPath:
         return batch.to(self.device, non_blocking=True)
 
     def finish(self, batch: TensorDict) -> TensorDict:
-        """The device-side stage: random crops of pre-decoded images (when asked)."""
+        """The device-side stage: random crops of pre-decoded images (when asked), drawn
+        from the draws the batch carries."""
         if self.augment is not None:
-            batch["image"] = self.augment(batch["image"])
+            draws = {k: batch[k] for k in CROP_DRAWS} if CROP_DRAWS[0] in batch.keys() else None
+            batch["image"] = self.augment(batch["image"], draws)
         return batch
 
     def device_batches(self) -> Iterator[TensorDict]:
@@ -144,8 +146,24 @@ class DataPath:
         shutdown_workers(self.stream.loader)
 
 
+CROP_DRAWS = ("crop_area", "crop_aspect", "crop_place")
+
+
+def crop_draws(augment: BatchAugment, seed: int, rank: int, pin: bool
+               ) -> Callable[[int, int, int], dict]:
+    """Each batch's crop draws from a generator seeded by its place (seed, rank, epoch,
+    batch number): the same crops on every run, and after a resume."""
+    def draws(epoch: int, position: int, n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(
+            epoch_seed(seed * 65_537 + rank, epoch) + 7_919 * position)
+        out = augment.draws(n, generator)
+        return {k: v.pin_memory() for k, v in out.items()} if pin else out
+
+    return draws
+
+
 def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = None,
-                    start_epoch: int = 0, epochs: int | None = None, progress: bool = True
+                    start_step: int = 0, epochs: int | None = None, progress: bool = True
                     ) -> DataPath:
     """The data path ``config`` selects, delivering to ``device``.
 
@@ -154,10 +172,10 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
             epochs when ``epochs`` is None).
         device: where batches go.
         ranks: this process's place under torch.distributed (a disjoint shard per rank).
-        start_epoch: the first epoch's number (a resumed run's epochs done): its batch order
-            and crops are that epoch's.
-        epochs: epochs one iteration reads (None: the run's plan, ``run.steps`` or
-            ``run.epochs``).
+        start_step: steps of the run already done (a resumed run): the data path goes on
+            from the next batch of the same epoch's permutation, with the same crops.
+        epochs: epochs one iteration reads (None: what is left of the run's plan,
+            ``run.steps`` or ``run.epochs``).
         progress: progress bars for one-off work (the default dataset, a cache conversion).
     """
     ranks = ranks or Ranks()
@@ -175,12 +193,15 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
             f"the loader yields no batches: {len(storage)} images per rank is fewer than "
             f"loader.batch_size={config.loader.batch_size} with loader.drop_last=true; use a "
             "smaller batch or loader.drop_last=false")
+    start_epoch, start_batch = divmod(start_step, len(loader))
     if epochs is None:
-        epochs = planned_epochs(config.run, len(loader))
-    stream = BatchStream(loader, epochs, order, start_epoch, page_cache, storage.known_skipped)
-    batches = build_prefetcher(config.prefetch, stream, device)
-    augment = None
+        epochs = max(planned_epochs(config.run, len(loader)) - start_epoch, 1)
+    augment = per_batch = None
     if config.dataset.crop is Crop.random and not storage.decodes_per_epoch:
         # images decoded once hold center crops: random ones are taken per batch on the device
         augment = BatchAugment(tuple(config.dataset.image_size))
+        per_batch = crop_draws(augment, config.seed, ranks.rank, pin)
+    stream = BatchStream(loader, epochs, order, start_epoch, page_cache, storage.known_skipped,
+                         start_batch, per_batch)
+    batches = build_prefetcher(config.prefetch, stream, device)
     return DataPath(storage, stream, batches, device, pin, augment, page_cache)

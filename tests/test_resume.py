@@ -1,0 +1,161 @@
+"""Stopped, resumed, exactly: a run stopped at any step and resumed sees the same batches
+(same images, same crops) and computes the same losses as one that never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.errors import Interrupted
+from tests.conftest import SMALL_DATASET, encode, make_tree, photo, read_metrics, run_in_process
+
+COMMON = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false",
+          "dataset.crop=random", "run.epochs=3"]  # 60 images, batch 8: 8 steps an epoch
+
+
+class Recorder:
+    """Every training step's batch (image indices, a checksum of its pixels) and loss; a
+    SIGTERM (as the signal handler raises it) before step ``stop_at``, or during the
+    validation after epoch ``stop_in_validation``."""
+
+    def __init__(self, monkeypatch, stop_at: int | None = None,
+                 stop_in_validation: int | None = None):
+        import runner.task
+
+        self.steps: list[tuple[tuple[int, ...], int, float]] = []
+        self.epochs_validated = 0
+        real_step, real_validate = runner.task.TrainStep.__call__, runner.task.Validation.__call__
+        recorder = self
+
+        def step(self, batch) -> None:
+            if stop_at is not None and len(recorder.steps) == stop_at:
+                raise Interrupted("SIGTERM")
+            real_step(self, batch)
+            recorder.steps.append((tuple(batch["index"].tolist()),
+                                   int(batch["image"].long().sum()),
+                                   float(self.losses[self.steps - 1])))
+
+        def validate(self) -> float:
+            recorder.epochs_validated += 1
+            if recorder.epochs_validated == stop_in_validation:
+                raise Interrupted("SIGTERM")
+            return real_validate(self)
+
+        monkeypatch.setattr(runner.task.TrainStep, "__call__", step)
+        monkeypatch.setattr(runner.task.Validation, "__call__", validate)
+
+
+def read_metrics_file(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def val_tree(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "val", {f"class_00{c}/{k}.jpg": encode(photo(48, 64, 5 * c + k))
+                                        for c in range(3) for k in range(2)})
+
+
+def run(monkeypatch, run_dir: Path, *overrides: str, **stop) -> Recorder:
+    recorder = Recorder(monkeypatch, **stop)
+    try:
+        run_in_process(*COMMON, *overrides, run_dir=run_dir)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    return recorder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["folder", "memmap"])
+@pytest.mark.parametrize("stop", [{"stop_at": 1}, {"stop_at": 5}, {"stop_at": 8},
+                                  {"stop_in_validation": 2}],
+                         ids=["first-step", "mid-epoch", "epoch-boundary", "in-validation"])
+def test_a_stopped_and_resumed_run_sees_the_same_batches_and_losses(
+        tmp_path: Path, cache_dir: Path, monkeypatch, val_tree: Path, loader: str, stop: dict):
+    common = [f"loader={loader}", f"dataset.val_path={val_tree}"]
+    straight = run(monkeypatch, tmp_path / "straight", *common)
+    assert len(straight.steps) == 24
+    first = run(monkeypatch, tmp_path / "run", *common, **stop)
+    stopped = read_metrics(tmp_path / "run")
+    assert stopped["status"] == "interrupted" and Path(stopped["checkpoint"]).is_file()
+    second = run(monkeypatch, tmp_path / "run", *common, "resume=auto")
+    resumed = read_metrics(tmp_path / "run")
+    done = len(first.steps)
+    assert resumed["status"] == "ok" and resumed["start_step"] == done
+    assert read_metrics_file(tmp_path / "run" / "metrics.1.json")["status"] == "interrupted"
+    assert resumed["steps"] == 24 - done  # the plan is the whole run's: only what was left
+    together = first.steps + second.steps
+    assert [s[:2] for s in together] == [s[:2] for s in straight.steps]  # images and crops
+    assert [s[2] for s in together] == pytest.approx([s[2] for s in straight.steps],
+                                                     abs=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_fresh_goes_on_and_leaves_a_finished_run_alone(
+        tmp_path: Path, cache_dir: Path):
+    fresh = run_in_process(*COMMON, "resume=auto", "run.epochs=1", run_dir=tmp_path / "run")
+    assert fresh["status"] == "ok" and "resumed_from" not in fresh and fresh["steps"] == 8
+    more = run_in_process(*COMMON, "resume=auto", "run.epochs=2", run_dir=tmp_path / "run")
+    assert more["resumed_from"].endswith("checkpoint.pt") and more["start_step"] == 8
+    assert more["steps"] == 8  # the second epoch only
+    again = run_in_process(*COMMON, "resume=auto", "run.epochs=2", run_dir=tmp_path / "run")
+    assert again == read_metrics(tmp_path / "run") == more  # finished: nothing redone
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path: Path,
+                                                                      cache_dir: Path):
+    from runner.checkpoint import CheckpointError
+
+    run_in_process(*COMMON, "run.epochs=1", run_dir=tmp_path / "first")
+    with pytest.raises(CheckpointError, match="loader.batch_size: checkpoint 8, this run 4"):
+        run_in_process(*COMMON, "loader.batch_size=4", f"resume={tmp_path}/first",
+                       run_dir=tmp_path / "second")
+    with pytest.raises(CheckpointError, match="nothing is left"):
+        run_in_process(*COMMON, "run.epochs=1", f"resume={tmp_path}/first",
+                       run_dir=tmp_path / "third")
+
+
+def test_an_epoch_resumed_at_a_batch_continues_the_same_permutation():
+    from runner.data.order import BatchOrder
+
+    whole = BatchOrder(30, 4, True, False, seed=2)
+    whole.set_epoch(5)
+    rows = [b.tolist() for b in whole.batches()]
+    for skip in (0, 1, 7, 8):
+        part = BatchOrder(30, 4, True, False, seed=2)
+        part.set_epoch(5, skip)
+        assert [b.tolist() for b in part.batches()] == rows[skip:]
+
+
+def test_device_crops_are_drawn_from_the_batchs_place():
+    from runner.data.augment import BatchAugment
+    from runner.data.path import crop_draws
+
+    draws = crop_draws(BatchAugment((8, 8)), seed=0, rank=0, pin=False)
+    again = crop_draws(BatchAugment((8, 8)), seed=0, rank=0, pin=False)
+    assert all(torch.equal(draws(3, 5, 4)[k], again(3, 5, 4)[k]) for k in draws(3, 5, 4))
+    assert not torch.equal(draws(3, 5, 4)["crop_area"], draws(3, 6, 4)["crop_area"])
+    other_rank = crop_draws(BatchAugment((8, 8)), seed=0, rank=1, pin=False)
+    assert not torch.equal(draws(3, 5, 4)["crop_area"], other_rank(3, 5, 4)["crop_area"])
+
+
+@pytest.mark.slow
+def test_checkpoints_every_few_steps_only_the_latest_kept_or_none_at_all(tmp_path: Path,
+                                                                        cache_dir: Path):
+    one_epoch = [*COMMON, "run.epochs=1"]  # 8 steps
+    run_in_process(*one_epoch, "task.checkpoint_every_steps=3", "task.keep_checkpoints=true",
+                   run_dir=tmp_path / "kept")
+    kept = sorted(p.name for p in (tmp_path / "kept").glob("checkpoint-*.pt"))
+    assert kept == ["checkpoint-00000003.pt", "checkpoint-00000006.pt",
+                    "checkpoint-00000008.pt"]  # every 3 steps, and the end
+    third = torch.load(tmp_path / "kept" / kept[0], weights_only=True)
+    assert third["steps"] == 3  # a SIGKILL after step 5 would lose 2 steps, not the run
+    run_in_process(*one_epoch, "task.checkpoint_every_steps=3", run_dir=tmp_path / "latest")
+    assert [p.name for p in (tmp_path / "latest").glob("checkpoint*.pt")] == ["checkpoint.pt"]
+    none = run_in_process(*one_epoch, "task.checkpoint=false", run_dir=tmp_path / "none")
+    assert none["checkpoint"] is None and not list((tmp_path / "none").glob("checkpoint*"))
