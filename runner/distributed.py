@@ -107,7 +107,8 @@ def process_group(ranks: Ranks, device_type: str) -> Iterator[None]:
     except BaseException as e:
         from runner.outcome import one_line
 
-        post_failure(ranks, f"rank {ranks.rank} failed: {one_line(e)}")
+        if not isinstance(e, KeyboardInterrupt):  # a signal stops every rank: no failure
+            post_failure(ranks, f"rank {ranks.rank} failed: {one_line(e)}")
         raise
     finally:
         dist.destroy_process_group()
@@ -122,6 +123,19 @@ def post_failure(ranks: Ranks, reason: str) -> None:
     with contextlib.suppress(Exception):
         order = _job_view.add("failures", 1)
         _job_view.set(f"failed/{order}", reason)
+
+
+def leave_together(ranks: Ranks, timeout: float = 120.0) -> None:
+    """Stopped by a signal: wait (through the store, no collective) until every rank has
+    stopped, so none exits while rank 0 still writes the checkpoint and the figures
+    (torchrun stops the other workers as soon as one exits)."""
+    if _job_view is None:
+        return
+    with contextlib.suppress(Exception):
+        _job_view.add("stopped", 1)
+        deadline = time.monotonic() + timeout
+        while _job_view.add("stopped", 0) < ranks.world and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def first_failure(wait: float = 3.0) -> str | None:

@@ -32,6 +32,7 @@ from runner.distributed import (
     broadcast,
     first_failure,
     gather,
+    leave_together,
     parameter_digest,
     pick_device,
     process_group,
@@ -85,7 +86,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if job is not None:
                 metrics.update(job.figures)  # what was measured before it stopped
             # under torchrun: the rank that failed first, not its echo
-            first = first_failure() if ranks.enabled and ranks.main else None
+            stopped = isinstance(e, KeyboardInterrupt)
+            first = first_failure() if ranks.enabled and ranks.main and not stopped else None
             outcome.record_ending(metrics, e, signals.received, first, ranks.main)
             if metrics["status"] != "skipped":
                 raise
@@ -94,6 +96,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 job.close(metrics)
             if ranks.main:
                 outcome.save_metrics(run_dir / "metrics.json", metrics)
+            if ranks.enabled and metrics["status"] == "interrupted":
+                leave_together(ranks)  # none exits before rank 0 has saved all of this
     return metrics
 
 

@@ -159,3 +159,86 @@ def test_checkpoints_every_few_steps_only_the_latest_kept_or_none_at_all(tmp_pat
     assert [p.name for p in (tmp_path / "latest").glob("checkpoint*.pt")] == ["checkpoint.pt"]
     none = run_in_process(*one_epoch, "task.checkpoint=false", run_dir=tmp_path / "none")
     assert none["checkpoint"] is None and not list((tmp_path / "none").glob("checkpoint*"))
+
+
+RECORDING = """
+    import json, os
+    import runner.task
+    from runner.errors import Interrupted
+
+    real = runner.task.TrainStep.__call__
+    done = [0]
+
+    def step(self, batch):
+        stop = int(os.environ.get("STOP_AT", "-1"))
+        if done[0] == stop:
+            raise Interrupted("SIGTERM")
+        real(self, batch)
+        done[0] += 1
+        with open(os.environ["RECORD"] + "." + os.environ.get("RANK", "0"), "a") as f:
+            f.write(json.dumps([batch["index"].tolist(), int(batch["image"].long().sum()),
+                                float(self.losses[self.steps - 1])]) + "\\n")
+
+    runner.task.TrainStep.__call__ = step
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["folder", "memmap"])
+def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_sees(
+        tmp_path: Path, cache_dir: Path, loader: str):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_failures import sitecustomize
+
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+           **sitecustomize(tmp_path / "inject", RECORDING)}
+    common = [*COMMON, f"loader={loader}", "run.epochs=2"]  # 2 ranks: 4 steps an epoch
+
+    def torchrun(record: str, stop: int, *extra: str) -> int:
+        run_env = {**env, "RECORD": str(tmp_path / record), "STOP_AT": str(stop)}
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             "--standalone", "-m", "runner", *common, *extra],
+            cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=300).returncode
+
+    def steps(record: str, rank: int) -> list:
+        path = tmp_path / f"{record}.{rank}"
+        return [json.loads(line) for line in path.read_text().splitlines()] \
+            if path.exists() else []
+
+    assert torchrun("straight", -1, "hydra.run.dir=straight") == 0
+    assert torchrun("first", 3, "resume=auto", "hydra.run.dir=run") != 0  # stopped mid-epoch
+    assert read_metrics(tmp_path / "run")["status"] == "interrupted"
+    assert torchrun("second", -1, "resume=auto", "hydra.run.dir=run") == 0
+    assert read_metrics(tmp_path / "run")["start_step"] == 3
+    for rank in (0, 1):
+        straight = steps("straight", rank)
+        together = steps("first", rank) + steps("second", rank)
+        assert len(straight) == 8 and len(steps("first", rank)) == 3
+        assert [s[:2] for s in together] == [s[:2] for s in straight]
+        assert [s[2] for s in together] == pytest.approx([s[2] for s in straight], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_path: Path,
+                                                                       cache_dir: Path):
+    from tests.conftest import run_cli
+
+    sweep = ["-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
+             "run.steps=3", "loader=folder,memmap,ram", "hydra.sweep.dir=sweep"]
+    run_cli(*sweep, cwd=tmp_path)
+    before = {k: read_metrics(tmp_path / "sweep" / str(k)) for k in range(3)}
+    (tmp_path / "sweep" / "1" / "metrics.json").unlink()  # as if stopped before job 1 ended
+    (tmp_path / "sweep" / "2" / "metrics.json").write_text(
+        '{"status": "interrupted", "overrides": []}')  # stopped halfway through job 2
+    proc = run_cli(*sweep, cwd=tmp_path)
+    after = {k: read_metrics(tmp_path / "sweep" / str(k)) for k in range(3)}
+    assert after[0] == before[0]  # finished ok with the same overrides: kept as it was
+    assert "finished already" in proc.stdout + proc.stderr
+    for k in (1, 2):  # run again
+        assert after[k]["status"] == "ok" and after[k]["started_at"] >= before[k]["started_at"]
+        assert after[k]["pid"] != before[k]["pid"]
