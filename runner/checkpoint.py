@@ -39,9 +39,11 @@ def network(model: nn.Module) -> nn.Module:
 
 
 def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
-         losses: dict[str, float]) -> Path:
-    """Write a checkpoint of a ``TrainStep`` after ``epoch`` epochs (``steps`` steps)."""
+         losses: dict[str, float], extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint of a ``TrainStep`` after ``epoch`` epochs (``steps`` steps);
+    ``extra``: what else a resume needs (the wandb run's id)."""
     state = {
+        **(extra or {}),
         "model": network(step.model).state_dict(),
         "optimizer": step.optimizer.state_dict(),
         "scaler": step.scaler.state_dict(),
@@ -68,13 +70,13 @@ class Checkpointer:
         run_dir: where checkpoint.pt goes.
         config: the run's config, as plain values (saved with it, checked on resume).
         paused: a context in which work is left out of the run's timing.
-        first_step: steps of the run done before this process (a resume).
+        extra: returns what else each checkpoint holds (the wandb run's id).
     """
 
     def __init__(self, task: Any, run_dir: Path, config: dict[str, Any], paused: Any,
-                 first_step: int = 0):
+                 extra: Any = dict):
         self.task, self.run_dir, self.config, self.paused = task, Path(run_dir), config, paused
-        self.first_step = first_step
+        self.extra = extra
         self.last_write = time.monotonic()
 
     def _due(self, done: int, epoch_end: int | None) -> bool:
@@ -102,7 +104,7 @@ class Checkpointer:
         if not self.task.checkpoint:
             return None
         path = save(self.run_dir / NAME, step, done / per_epoch, done, self.config,
-                    losses or {})
+                    losses or {}, self.extra())
         if self.task.keep_checkpoints:
             shutil.copyfile(path, self.run_dir / f"checkpoint-{done:08d}.pt")
         self.last_write = time.monotonic()

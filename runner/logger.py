@@ -28,6 +28,8 @@ class MetricLogger(Protocol):
 class NullLogger:
     """``logger=none``: needs no wandb at all."""
 
+    run_id: str | None = None
+
     def __init__(self, *args: Any, **kwargs: Any):
         pass
 
@@ -53,7 +55,7 @@ class WandbLogger:
     """
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
-                 group: str | None):
+                 group: str | None, run_id: str | None = None):
         try:
             import wandb
         except ImportError as e:
@@ -65,10 +67,16 @@ class WandbLogger:
             project=cfg.project, entity=cfg.entity, group=cfg.group or group,
             tags=list(cfg.tags), name=name, dir=str(run_dir), mode=cfg.mode.value,
             config=config, settings=settings, reinit="create_new",
+            # a resumed run continues the wandb run its checkpoint names
+            **({"id": run_id, "resume": "allow"} if run_id else {}),
         )
         # the history's last window must not stand in for the run's figures in the summary
         self.run.define_metric("window/*", summary="none")
         self.run.define_metric("val/*", summary="none")  # the run's own val_top1 is in it
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
 
     def log(self, figures: dict[str, Any], step: int) -> None:
         self.run.log({k: v for k, v in figures.items() if v is not None}, step=step)
@@ -91,6 +99,11 @@ class GuardedLogger:
     def __init__(self, inner: MetricLogger, name: str):
         self.inner: MetricLogger | None = inner
         self.name = name
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id (saved with checkpoints, so a resumed run continues it)."""
+        return getattr(self.inner, "run_id", None)
 
     def _call(self, method: str, *args: Any) -> None:
         if self.inner is None:
@@ -127,11 +140,11 @@ LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.non
 
 
 def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
-                 group: str | None) -> MetricLogger:
+                 group: str | None, run_id: str | None = None) -> MetricLogger:
     """The logger ``logger.name`` asks for; one that cannot start is reported, and the
     run goes on with metrics.json alone."""
     try:
-        inner = LOGGERS[cfg.name](cfg, run_dir, config, name, group)
+        inner = LOGGERS[cfg.name](cfg, run_dir, config, name, group, run_id)
     except Exception as e:
         log.warning("logger=%s could not start (%s: %s); the run goes on, its figures are in "
                     "metrics.json", cfg.name.value, type(e).__name__, e)

@@ -149,7 +149,8 @@ class Job:
         torch.manual_seed(cfg.seed + ranks.rank)  # random crops differ between ranks
         if ranks.main:
             self.logger = build_logger(cfg.logger, self.run_dir, flatten(to_plain(cfg)),
-                                       *run_identity(self.hydra_cfg))
+                                       *run_identity(self.hydra_cfg),
+                                       (self.resumed or {}).get("wandb_id"))
         log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s%s",
                  results.describe(cfg), data.storage.root, len(data.storage), len(data.classes),
                  total_steps, warmup, device, f" x {ranks.world} ranks" if ranks.enabled else "")
@@ -246,7 +247,8 @@ class Job:
         if self.config.task.name is not TaskName.train or not self.models or not self.ranks.main:
             return None
         self.saves = checkpoint.Checkpointer(self.config.task, self.run_dir,
-                                             to_plain(self.config), clock.paused)
+                                             to_plain(self.config), clock.paused,
+                                             lambda: {"wandb_id": self.logger.run_id})
         return self.saves
 
     # --- results ----------------------------------------------------------------------------

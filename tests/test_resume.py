@@ -242,3 +242,21 @@ def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_pat
     for k in (1, 2):  # run again
         assert after[k]["status"] == "ok" and after[k]["started_at"] >= before[k]["started_at"]
         assert after[k]["pid"] != before[k]["pid"]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, cache_dir: Path):
+    from tests.conftest import run_cli
+    from tests.test_failures import sitecustomize
+
+    env = {**sitecustomize(tmp_path / "inject", RECORDING), "RECORD": str(tmp_path / "rec")}
+    args = [*SMALL_DATASET, "diagnose=false", "run.epochs=2", "resume=auto",
+            "hydra.run.dir=run"]
+    stopped = run_cli(*args, cwd=tmp_path, env={**env, "STOP_AT": "5"}, check=False)
+    assert stopped.returncode == 143 and "continue with: python -m runner" in \
+        stopped.stdout + stopped.stderr
+    run_cli(*args, cwd=tmp_path, env={**env, "STOP_AT": "-1"})
+    ids = {p.name.split("-")[-1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 2
+    assert len(ids) == 1  # both parts logged to one wandb run
+    assert read_metrics(tmp_path / "run")["start_step"] == 5
