@@ -127,6 +127,13 @@ def resume_source(resume: str | None, run_dir: Path) -> Path | None:
     return Path(resume)
 
 
+def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint ``resume=`` names (checked against ``config``), with its ``source``;
+    None when the run starts fresh."""
+    source = resume_source(config.resume, run_dir)
+    return None if source is None else {**load(source, config), "source": str(source)}
+
+
 # What a checkpoint must share with the run that resumes it: a different value would train
 # another model, on other data, or in another order.
 MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",

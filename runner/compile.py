@@ -320,6 +320,10 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks) ->
     if names == ["none"]:
         return RunModels({})
     train = config.task.name is TaskName.train
+    if train and len(storage.classes) == 1:
+        log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
+                    "its loss goes to 0; point dataset.path at the folder that holds the "
+                    "class folders", storage.classes[0])
     if train and ranks.enabled and config.compile.name is CompileName.torchscript:
         raise Unavailable("compile=torchscript cannot trace a DistributedDataParallel "
                           "model: use compile=inductor or compile=eager under torchrun")

@@ -112,7 +112,8 @@ def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str
 
 
 def record_ending(metrics: dict[str, Any], error: BaseException, signal_name: str | None,
-                  first_failure: str | None = None, main: bool = True) -> None:
+                  first_failure: str | None = None, main: bool = True,
+                  sweep_dir: str | None = None) -> None:
     """How a run that raised ``error`` ended, into ``metrics`` (the traceback of a failure
     to runner.log, a skip's reason to the console). ``first_failure``: under torchrun, the
     reason of the rank that failed first, which stands over this rank's echo of it."""
@@ -124,21 +125,25 @@ def record_ending(metrics: dict[str, Any], error: BaseException, signal_name: st
     elif main:
         log_traceback(metrics.get("traceback", ""))
         if metrics["status"] == "interrupted":
-            log.warning("%s", stopped_line(metrics))
+            log.warning("%s", stopped_line(metrics, sweep_dir))
 
 
-def stopped_line(metrics: dict[str, Any]) -> str:
+def stopped_line(metrics: dict[str, Any], sweep_dir: str | None = None) -> str:
     """One line for a run a signal stopped: what stopped it, the steps done, where its
-    figures and checkpoint are, and the command that continues it."""
+    figures and checkpoint are, and the command that continues it (a sweep: the same
+    command into the same sweep folder, which keeps the jobs that finished)."""
     run_dir = metrics.get("run_dir", ".")
-    overrides = [o for o in metrics.get("overrides", [])
-                 if not o.startswith(("resume=", "hydra.run.dir="))]
     where = f"figures in {run_dir}/metrics.json"
     if metrics.get("checkpoint"):
         where += f", checkpoint {metrics['checkpoint']}"
+    if sweep_dir is not None:
+        argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
+        again = [*argv, f"hydra.sweep.dir={sweep_dir}"]
+    else:
+        argv = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir="))]
+        again = [*argv, "resume=auto", f"hydra.run.dir={run_dir}"]
     return (f"stopped: {metrics.get('reason')} after {metrics.get('steps', 0)} steps; {where}; "
-            "continue with: python -m runner " + " ".join(
-                [*overrides, "resume=auto", f"hydra.run.dir={run_dir}"]))
+            "continue with: python -m runner " + " ".join(again))
 
 
 def log_traceback(text: str) -> None:

@@ -50,45 +50,45 @@ log = logging.getLogger("runner")
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Hydra task function: run one job and return its metrics, as written to metrics.json.
-
     A failure or an interruption is written first, then re-raised (``__main__`` turns it
-    into the exit status, or, in a sweep, into a failed trial).
-    """
+    into the exit status, or, in a sweep, into a failed trial)."""
     hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
+    run_dir, sweep = Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode == RunMode.MULTIRUN
     run_dir.mkdir(parents=True, exist_ok=True)
     ranks = ranks_from_env()
     if not ranks.main:
         log.setLevel(logging.WARNING)  # one voice: rank 0 reports, the others only warn
-    if cfg.get("resume") == "auto" or hydra_cfg.mode == RunMode.MULTIRUN:
+    if cfg.get("resume") == "auto" or sweep:
         done = outcome.finished_record(run_dir, list(hydra_cfg.overrides.task))
         if done is not None:  # a requeued job, or a sweep run again: nothing is redone
             return done
         if ranks.main and cfg.get("resume") == "auto":
             outcome.keep_previous(run_dir)
-    metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task),
-                             OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
+    raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+    metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task), raw)
     signals = outcome.Signals()
     job: Job | None = None
     with contextlib.ExitStack() as stack:
         if ranks.main:  # rank 0 alone writes the run's outputs (under torch.distributed)
             stack.enter_context(outcome.RunDirClaim(run_dir))
-            outcome.save_metrics(run_dir / "metrics.json", metrics)  # a SIGKILL leaves "running"
+            outcome.save_metrics(run_dir / "metrics.json", metrics)  # SIGKILL leaves "running"
         stack.enter_context(signals.installed())
         try:
             config = to_config(cfg)  # every check runs here, before any work
             metrics["config"] = to_plain(config)
             job = Job(config, run_dir, hydra_cfg, ranks, on_progress=lambda figures: (
-                ranks.main and outcome.save_metrics(run_dir / "metrics.json", {**metrics, **figures})))
+                ranks.main and outcome.save_metrics(run_dir / "metrics.json",
+                                                    {**metrics, **figures})))
             metrics.update(job.execute())
             metrics["status"] = "ok"
         except BaseException as e:
             if job is not None:
                 metrics.update(job.figures)  # what was measured before it stopped
-            # under torchrun: the rank that failed first, not its echo
+            # under torchrun: the rank that failed first, not its echo (a signal stops all)
             stopped = isinstance(e, KeyboardInterrupt)
             first = first_failure() if ranks.enabled and ranks.main and not stopped else None
-            outcome.record_ending(metrics, e, signals.received, first, ranks.main)
+            outcome.record_ending(metrics, e, signals.received, first, ranks.main,
+                                  hydra_cfg.sweep.dir if sweep else None)
             if metrics["status"] != "skipped":
                 raise
         finally:
@@ -133,9 +133,8 @@ class Job:
         cfg, ranks = self.config, self.ranks
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
-        source = checkpoint.resume_source(cfg.resume, self.run_dir)
-        if source is not None:  # before the data path: the batch order continues too
-            self.resumed = {**checkpoint.load(source, cfg), "source": str(source)}
+        # before the data path: the batch order goes on where the checkpoint stopped
+        self.resumed = checkpoint.resumed(cfg, self.run_dir)
         self.data = data = build_data_path(cfg, device, ranks, start_step=self.start_step,
                                            progress=cfg.run.progress)
         total_steps, warmup = self._plan(data)

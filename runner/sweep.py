@@ -73,6 +73,25 @@ class SweepSummary(Callback):
     """After a sweep: every job that did not succeed, with its reason (Hydra itself would
     show only the first failure's traceback)."""
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if is_autotune(config):  # keep and continue the study (runner/autotune.py)
+            from runner.autotune import continue_studies
+
+            continue_studies()
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        """autotune: the best trial so far on disk after every trial (a sweep stopped
+        halfway keeps its answer)."""
+        if not is_autotune(config):
+            return
+        try:
+            sweep_dir = Path(config.hydra.sweep.dir)
+            best = best_of(read_jobs(sweep_dir), config.run.objective)
+            if best is not None:
+                write_best(sweep_dir, best)
+        except Exception as e:  # the best-so-far file is never worth a trial
+            log.warning("autotune: best.yaml could not be written: %s", e)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = read_jobs(sweep_dir)

@@ -183,3 +183,25 @@ def test_threads_can_be_iterated_under_inference_mode(image_tree: Path):
     loader = make_loader(storage, loader_config(batch_size=4), 0, False)
     with torch.inference_mode():  # a user's eval loop: buffers made here, filled by threads
         assert sum(len(b) for b in BatchStream(loader, epochs=2)) == 36
+
+
+def test_a_dead_class_link_one_class_and_a_deleted_file_are_each_said(tmp_path, caplog):
+    import logging
+    import os
+
+    from runner.config import Decoder as D
+    from runner.config import OnCorrupt as O
+    from runner.data.storage.decode import ImageDecoder
+    from runner.data.storage.folder import FolderStorage as Folder
+    from tests.conftest import encode, make_tree, photo
+
+    root = make_tree(tmp_path / "one", {"only/a.jpg": encode(photo(16, 16)),
+                                        "only/b.jpg": encode(photo(16, 16, 1))})
+    os.symlink(tmp_path / "nowhere", root / "ghost")
+    with caplog.at_level(logging.WARNING):
+        storage = Folder(root, ImageDecoder(D.pil, (8, 8)), O.skip)
+    assert storage.classes == ["only"] and "links to nothing" in caplog.text
+    assert "ghost" in caplog.text
+    (root / "only" / "b.jpg").unlink()  # deleted during the run
+    skipped = storage[1]
+    assert skipped.error.startswith("unreadable")

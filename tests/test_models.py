@@ -173,3 +173,18 @@ def test_the_readme_training_script_runs_as_written(tmp_path: Path, cache_dir: P
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"epoch 1: loss \d", proc.stdout)
     assert "images/s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_training_on_a_single_class_is_warned_about(tmp_path: Path, cache_dir: Path, caplog):
+    import logging
+
+    from tests.conftest import run_in_process
+
+    tree = make_tree(tmp_path / "data", {f"only/{k}.jpg": encode(photo(32, 32, k))
+                                         for k in range(4)})
+    with caplog.at_level(logging.WARNING):
+        run_in_process(f"dataset.path={tree}", "dataset.image_size=[16,16]",
+                       "loader.batch_size=2", "logger=none", "diagnose=false",
+                       "run.progress=false", run_dir=tmp_path / "run")
+    assert "the dataset has one class (only)" in caplog.text

@@ -392,3 +392,23 @@ def test_decode_advice_leaves_out_what_the_run_already_does():
     workers = advice(compose(["loader=folder", "loader.decoder=pil", "loader.num_workers=2"]),
                      "decode")
     assert "loader.decoder=simplejpeg" in workers and "loader.num_workers" in workers
+
+
+@pytest.mark.slow
+def test_an_autotune_study_is_kept_on_disk_and_continued_when_started_again(tmp_path: Path,
+                                                                          cache_dir: Path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import optuna
+
+    common = ["-m", "sweep=autotune", *SMALL_DATASET, "run.steps=6", "logger=none",
+              "diagnose=false", "hydra.sweep.dir=sweep"]
+    run_cli(*common, "hydra.sweeper.n_trials=2", cwd=tmp_path)  # then stopped, say
+    db = tmp_path / "sweep" / "autotune.db"
+    assert db.is_file() and (tmp_path / "sweep" / "best.yaml").is_file()
+    first = {k: read_metrics(tmp_path / "sweep" / str(k)) for k in (0, 1)}
+    proc = run_cli(*common, "hydra.sweeper.n_trials=3", cwd=tmp_path)
+    assert "2 of 3 trials done" in proc.stdout + proc.stderr
+    study = optuna.load_study(study_name="autotune", storage=f"sqlite:///{db}")
+    assert len(study.trials) == 3  # one new trial, not three
+    assert {k: read_metrics(tmp_path / "sweep" / str(k)) for k in (0, 1)} == first
+    assert read_metrics(tmp_path / "sweep" / "2")["status"] in ("ok", "failed", "skipped")

@@ -24,7 +24,7 @@ from runner.config import LoaderConfig
 from runner.data.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.storage.base import Sample, SkippedFile, Storage
-from runner.data.storage.folder import batch_fields
+from runner.data.storage.folder import UNREADABLE, batch_fields
 from runner.data.threads import (
     cores,
     main_thread_count,
@@ -254,7 +254,7 @@ def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_mem
 
 @dataclass
 class SkipLog:
-    """Every file skipped as undecodable, each named once in a warning."""
+    """Every file skipped as undecodable (or unreadable), each named once in a warning."""
 
     files: dict[str, str] = field(default_factory=dict)  # path -> error
 
@@ -262,7 +262,8 @@ class SkipLog:
         for s in skipped:
             if s.path not in self.files:
                 self.files[s.path] = s.error
-                log.warning("skipped undecodable file %s: %s", s.path, s.error)
+                kind = UNREADABLE if s.error.startswith(UNREADABLE) else "undecodable"
+                log.warning("skipped %s file %s: %s", kind, s.path, s.error)
 
 
 def shutdown_workers(loader: DataLoader, iterator=None) -> None:

@@ -26,9 +26,18 @@ class DatasetError(UserError):
     """The dataset folder is missing, empty or unusable; the message says which and why."""
 
 
+UNREADABLE = "unreadable"  # how the error of a file that could not be read begins
+
+
 def find_classes(root: Path) -> list[str]:
-    """Class folder names in the order ``torchvision.datasets.ImageFolder`` indexes them."""
-    return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    """Class folder names in the order ``torchvision.datasets.ImageFolder`` indexes them;
+    a class folder that is a link to nothing is left out, and said so."""
+    entries = list(os.scandir(root))
+    broken = sorted(e.name for e in entries if e.is_symlink() and not os.path.exists(e.path))
+    if broken:
+        log.warning("class folders that are links to nothing (left out, as ImageFolder "
+                    "does): %s", ", ".join(broken))
+    return sorted(entry.name for entry in entries if entry.is_dir())
 
 
 def printable(path: str) -> str:
@@ -168,8 +177,9 @@ class FolderStorage(torch.utils.data.Dataset):
         t0 = time.perf_counter()
         try:
             data = read_file(self.samples[index][0])
-        except OSError as e:
-            return self.undecodable(self.samples[index][0], e, index)
+        except OSError as e:  # deleted, moved or unreadable since the folder was listed
+            return self.undecodable(self.samples[index][0],
+                                    OSError(f"{UNREADABLE}: {e.strerror or e}"), index)
         t1 = time.perf_counter()
         item = self.decode_data(index, data, valid, rng)
         if timeline.enabled():
