@@ -62,8 +62,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         done = outcome.finished_record(run_dir, list(hydra_cfg.overrides.task))
         if done is not None:  # a requeued job, or a sweep run again: nothing is redone
             return done
-        if ranks.main and cfg.get("resume") == "auto":
-            outcome.keep_previous(run_dir)
     raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task), raw)
     signals = outcome.Signals()
@@ -71,6 +69,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if ranks.main:  # rank 0 alone writes the run's outputs (under torch.distributed)
             stack.enter_context(outcome.RunDirClaim(run_dir))
+            if cfg.get("resume") == "auto":  # the stopped part's record is kept beside
+                outcome.keep_previous(run_dir)
             outcome.save_metrics(run_dir / "metrics.json", metrics)  # SIGKILL leaves "running"
         stack.enter_context(signals.installed())
         try:
