@@ -125,6 +125,35 @@ def post_failure(ranks: Ranks, reason: str) -> None:
         _job_view.set(f"failed/{order}", reason)
 
 
+def agree_to_stop(ranks: Ranks, mine: bool, device: torch.device) -> bool:
+    """Whether any rank was asked to stop (a collective: every rank calls it at the same
+    step, where the loop synchronizes anyway)."""
+    flag = torch.tensor([int(mine)], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())  # note: a sync point, at a log point only
+
+
+@contextlib.contextmanager
+def agreed_stops(ranks: Ranks, signals: Any, device: torch.device) -> Iterator[Any]:
+    """Under torch.distributed: signals (``runner.outcome.Signals``) are only recorded
+    while the block runs, and the loop's ``stop_requested`` this yields stops every rank
+    at the same step when any was signalled (None: one process, signals act at once)."""
+    if not ranks.enabled or signals is None:
+        yield None
+        return
+    signals.defer = True
+
+    def stop_requested() -> str | None:
+        if agree_to_stop(ranks, signals.received is not None, device):
+            return signals.received or "a signal to another rank"
+        return None
+
+    try:
+        yield stop_requested
+    finally:
+        signals.defer = False
+
+
 def leave_together(ranks: Ranks, timeout: float = 120.0) -> None:
     """Stopped by a signal: wait (through the store, no collective) until every rank has
     stopped, so none exits while rank 0 still writes the checkpoint and the figures

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from runner import timeline
 from runner.data.order import count_images
+from runner.errors import Interrupted
 from runner.logger import MetricLogger
 from runner.metrics import StepClock, Window, repeat_split
 from runner.profile import stage_range
@@ -94,6 +95,9 @@ class LoopOptions:
             they would have in one uninterrupted run.
         on_step: called with the run's steps done after every step (a checkpoint
             schedule); what it does must leave the timing itself (``clock.paused``).
+        stop_requested: asked when warm-up ends and at every ``log_every``-th timed step
+            (the same steps on every rank): a signal's name ends the loop there, as the
+            signal itself would.
     """
 
     total_steps: int
@@ -110,6 +114,7 @@ class LoopOptions:
     on_epoch_end: Callable[[int], None] | None = None
     first_step: int = 0
     on_step: Callable[[int], None] | None = None
+    stop_requested: Callable[[], str | None] | None = None
 
 
 def steps_for_windows(timed_seconds: float, timed_steps: int, repeats: int,
@@ -223,6 +228,9 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             if o.profiler is not None:
                 o.profiler.step()
             timed = result.steps - warmup_steps
+            if o.stop_requested is not None and timed >= 0 and timed % o.log_every == 0 \
+                    and (name := o.stop_requested()) is not None:
+                raise Interrupted(name)  # every rank at this same step
             if timed == 0:  # warm-up ends: what came before is not timed
                 logger.log(_prefixed(step.read()), step=result.steps)
                 step.start_timing()

@@ -170,11 +170,17 @@ class Signals:
     """SIGTERM (kill, SLURM, ``docker stop``, torchrun stopping its workers) and SIGINT
     end the run like Ctrl-C: ``Interrupted`` is raised in the main thread, so the loop keeps
     the steps it completed and every worker and thread stops. A second signal while the run
-    cleans up is ignored (said once); a third exits at once."""
+    cleans up is ignored (said once); a third exits at once.
+
+    While ``defer`` is set (the loop of a torch.distributed run), the first signal is only
+    recorded: ranks reach it at different steps, and a rank that stopped alone would leave
+    the others waiting in a collective; the loop asks the ranks at its next log point and
+    they all stop at the same step (``runner.distributed.agree_to_stop``)."""
 
     def __init__(self) -> None:
         self.received: str | None = None
         self.count = 0
+        self.defer = False
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -182,6 +188,9 @@ class Signals:
         name = signal.Signals(signum).name
         if self.count == 1:
             self.received = name
+            if self.defer:
+                log.warning("%s: every rank stops at the next step they agree on", name)
+                return
             raise Interrupted(name)
         if self.count == 2:
             log.warning("%s: stopping and saving what was measured; a third signal kills "

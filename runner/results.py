@@ -175,3 +175,16 @@ def summary_line(cfg: Config, figures: dict[str, Any], world: int = 1) -> str | 
     if cfg.task.name is TaskName.train and "loss_first" in figures:
         line += f"; loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f}"
     return line
+
+
+def report(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
+    """The run's result on the console: its summary line and the files it skipped."""
+    import logging
+
+    log = logging.getLogger("runner")
+    line = summary_line(cfg, figures, world)
+    if line is not None:
+        log.info("%s", line)
+    if figures["skipped_files"]:
+        log.warning("%d undecodable files skipped (listed in metrics.json)",
+                    len(figures["skipped_files"]))

@@ -29,6 +29,7 @@ from runner.data import DataPath, build_data_path
 from runner.diagnose import diagnose
 from runner.distributed import (
     Ranks,
+    agreed_stops,
     broadcast,
     first_failure,
     gather,
@@ -38,6 +39,7 @@ from runner.distributed import (
     process_group,
     ranks_from_env,
 )
+from runner.errors import Interrupted
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.metrics import StepClock
@@ -76,9 +78,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         try:
             config = to_config(cfg)  # every check runs here, before any work
             metrics["config"] = to_plain(config)
-            job = Job(config, run_dir, hydra_cfg, ranks, on_progress=lambda figures: (
+            job = Job(config, run_dir, hydra_cfg, ranks, signals, on_progress=lambda fig: (
                 ranks.main and outcome.save_metrics(run_dir / "metrics.json",
-                                                    {**metrics, **figures})))
+                                                    {**metrics, **fig})))
             metrics.update(job.execute())
             metrics["status"] = "ok"
         except BaseException as e:
@@ -105,18 +107,14 @@ class Job:
     """One run: the data path, the models and the task's step, the loop, the figures."""
 
     def __init__(self, config: Config, run_dir: Path, hydra_cfg: Any, ranks: Ranks | None = None,
-                 on_progress: Callable[[dict[str, Any]], Any] | None = None):
-        self.config = config
-        self.run_dir = run_dir
-        self.hydra_cfg = hydra_cfg
-        self.ranks = ranks or Ranks()
-        self.on_progress = on_progress
+                 signals: Any = None, on_progress: Callable[[dict[str, Any]], Any] | None = None):
+        self.config, self.run_dir, self.hydra_cfg = config, run_dir, hydra_cfg
+        self.ranks, self.signals, self.on_progress = ranks or Ranks(), signals, on_progress
         self.figures: dict[str, Any] = {}  # what was measured so far (kept if the run fails)
         self.logger: MetricLogger = NullLogger()
         self.data: DataPath | None = None
         self.validation: Validation | None = None
-        self.models: dict = {}
-        self.compile_figures: dict[str, Any] = {}
+        self.models, self.compile_figures = {}, {}
         self.resumed: dict[str, Any] | None = None  # the checkpoint run.resume names
         self.epoch_figures: list[dict[str, Any]] = []  # per epoch: validation top-1
         self.saves: checkpoint.Checkpointer | None = None
@@ -157,14 +155,19 @@ class Job:
         clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         saves = self._checkpointer(clock, step)
-        result = run_loop(data, step, self.logger, LoopOptions(
-            total_steps, warmup, cfg.run.log_every, cfg.run.repeats, cfg.run.window_seconds,
-            extend=data.extend if not self.models else None,  # only data-only runs go on
-            progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
-            on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
-            first_step=self.start_step, on_epoch_end=lambda done: self._epoch_end(done, step),
-            on_step=saves and (lambda done: saves.after_step(step, done, data.steps_per_epoch))))
+        with agreed_stops(ranks, self.signals, device) as stop:  # torchrun: one stop step
+            result = run_loop(data, step, self.logger, LoopOptions(
+                total_steps, warmup, cfg.run.log_every, cfg.run.repeats, cfg.run.window_seconds,
+                # only a data-only run of one process goes on (ranks keep one schedule)
+                extend=data.extend if not self.models and not ranks.enabled else None,
+                progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
+                on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
+                first_step=self.start_step, stop_requested=stop,
+                on_epoch_end=lambda done: self._epoch_end(done, step), on_step=saves and (
+                    lambda done: saves.after_step(step, done, data.steps_per_epoch))))
         figures = self._figures(result, step, profiler is not None)
+        if result.interrupted is None and self.signals and self.signals.received:
+            result.interrupted = Interrupted(self.signals.received)  # after the last step
         if self.resumed is not None:  # this run's own figures, and where it started
             figures.update(resumed_from=self.resumed["source"], start_step=self.start_step)
         if saves is not None:  # at the end, or where a signal stopped it (with its losses)
@@ -177,7 +180,7 @@ class Job:
         if result.interrupted is not None:
             raise result.interrupted  # after the figures of the steps it completed
         if ranks.main:
-            self._report(figures)
+            results.report(cfg, figures, ranks.world)
         if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
             figures["bottleneck"] = diagnose(cfg, figures, data, self.models, ranks.world)
         self.figures = figures
@@ -288,11 +291,3 @@ class Job:
         merge_rank_files(self.run_dir, self.ranks.world)
         return results.merge_ranks(figures, every, torch.distributed.get_backend(),
                                    self.config.run.repeats)
-
-    def _report(self, figures: dict[str, Any]) -> None:
-        line = results.summary_line(self.config, figures, self.ranks.world)
-        if line is not None:
-            log.info("%s", line)
-        if figures["skipped_files"]:
-            log.warning("%d undecodable files skipped (listed in metrics.json)",
-                        len(figures["skipped_files"]))

@@ -162,7 +162,7 @@ def test_checkpoints_every_few_steps_only_the_latest_kept_or_none_at_all(tmp_pat
 
 
 RECORDING = """
-    import json, os
+    import json, os, time
     import runner.task
     from runner.errors import Interrupted
 
@@ -174,6 +174,7 @@ RECORDING = """
         if done[0] == stop:
             raise Interrupted("SIGTERM")
         real(self, batch)
+        time.sleep(float(os.environ.get("SLEEP", "0")))  # a slower step: time to signal
         done[0] += 1
         with open(os.environ["RECORD"] + "." + os.environ.get("RANK", "0"), "a") as f:
             f.write(json.dumps([batch["index"].tolist(), int(batch["image"].long().sum()),
@@ -260,3 +261,52 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, cache_dir: P
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 2
     assert len(ids) == 1  # both parts logged to one wandb run
     assert read_metrics(tmp_path / "run")["start_step"] == 5
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_torchrun_stops_every_rank_at_one_step_and_the_resume_is_exact(
+        tmp_path: Path, cache_dir: Path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_failures import sitecustomize
+
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+           **sitecustomize(tmp_path / "inject", RECORDING), "STOP_AT": "-1"}
+    common = [*COMMON, "loader=memmap", "run.epochs=6", "run.log_every=2"]  # 24 steps a rank
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--standalone", "-m", "runner", *common]
+
+    def steps(record: str, rank: int) -> list:
+        path = tmp_path / f"{record}.{rank}"
+        return [json.loads(line) for line in path.read_text().splitlines()] \
+            if path.exists() else []
+
+    subprocess.run([*command, "hydra.run.dir=straight"], cwd=tmp_path, timeout=300,
+                   env={**env, "RECORD": str(tmp_path / "straight")}, capture_output=True)
+    proc = subprocess.Popen([*command, "resume=auto", "hydra.run.dir=run"], cwd=tmp_path,
+                            env={**env, "RECORD": str(tmp_path / "first"), "SLEEP": "0.2"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(steps("first", 0)) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # as SLURM or docker stop would, to torchrun
+    proc.wait(timeout=120)
+    stopped = read_metrics(tmp_path / "run")
+    first = [steps("first", r) for r in (0, 1)]
+    assert stopped["status"] == "interrupted"
+    assert len(first[0]) == len(first[1]) < 24  # both ranks stopped at the same step
+    assert stopped["checkpoint"] and torch.load(stopped["checkpoint"], weights_only=True)[
+        "steps"] == len(first[0])
+    subprocess.run([*command, "resume=auto", "hydra.run.dir=run"], cwd=tmp_path, timeout=300,
+                   env={**env, "RECORD": str(tmp_path / "second")}, capture_output=True)
+    assert read_metrics(tmp_path / "run")["status"] == "ok"
+    for rank in (0, 1):
+        together = first[rank] + steps("second", rank)
+        straight = steps("straight", rank)
+        assert [s[:2] for s in together] == [s[:2] for s in straight]
+        assert [s[2] for s in together] == pytest.approx([s[2] for s in straight], abs=1e-5)
