@@ -134,22 +134,28 @@ def agree_to_stop(ranks: Ranks, mine: bool, device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
-def agreed_stops(ranks: Ranks, signals: Any, device: torch.device) -> Iterator[Any]:
-    """Under torch.distributed: signals (``runner.outcome.Signals``) are only recorded
-    while the block runs, and the loop's ``stop_requested`` this yields stops every rank
-    at the same step when any was signalled (None: one process, signals act at once)."""
-    if not ranks.enabled or signals is None:
-        yield None
+def agreed_stops(ranks: Ranks, signals: Any, device: torch.device
+                 ) -> Iterator[tuple[Any, bool]]:
+    """While the block (the loop) runs, signals (``runner.outcome.Signals``) are only
+    recorded, and the loop stops between two steps, never inside one: a stop in the middle
+    of a step (after the optimizer's update, before the step is counted) would leave a
+    checkpoint one update behind its weights. Yields the loop's ``stop_requested`` and
+    whether to ask it after every step (one process) or only at log points (torch.distributed:
+    the ranks agree there, all at the same step, with one small all-reduce)."""
+    if signals is None:
+        yield None, False
         return
     signals.defer = True
 
     def stop_requested() -> str | None:
+        if not ranks.enabled:
+            return signals.received
         if agree_to_stop(ranks, signals.received is not None, device):
             return signals.received or "a signal to another rank"
         return None
 
     try:
-        yield stop_requested
+        yield stop_requested, not ranks.enabled
     finally:
         signals.defer = False
 

@@ -95,9 +95,9 @@ class LoopOptions:
             they would have in one uninterrupted run.
         on_step: called with the run's steps done after every step (a checkpoint
             schedule); what it does must leave the timing itself (``clock.paused``).
-        stop_requested: asked when warm-up ends and at every ``log_every``-th timed step
-            (the same steps on every rank): a signal's name ends the loop there, as the
-            signal itself would.
+        stop_requested: asked between steps (every step with ``stop_each_step``, else when
+            warm-up ends and at every ``log_every``-th timed step: the same steps on every
+            rank): a signal's name ends the loop there, never inside a step.
     """
 
     total_steps: int
@@ -115,6 +115,7 @@ class LoopOptions:
     first_step: int = 0
     on_step: Callable[[int], None] | None = None
     stop_requested: Callable[[], str | None] | None = None
+    stop_each_step: bool = False
 
 
 def steps_for_windows(timed_seconds: float, timed_steps: int, repeats: int,
@@ -228,9 +229,10 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             if o.profiler is not None:
                 o.profiler.step()
             timed = result.steps - warmup_steps
-            if o.stop_requested is not None and timed >= 0 and timed % o.log_every == 0 \
+            if o.stop_requested is not None and (
+                    o.stop_each_step or (timed >= 0 and timed % o.log_every == 0)) \
                     and (name := o.stop_requested()) is not None:
-                raise Interrupted(name)  # every rank at this same step
+                raise Interrupted(name)  # between two steps (every rank at this same one)
             if timed == 0:  # warm-up ends: what came before is not timed
                 logger.log(_prefixed(step.read()), step=result.steps)
                 step.start_timing()

@@ -172,10 +172,11 @@ class Signals:
     the steps it completed and every worker and thread stops. A second signal while the run
     cleans up is ignored (said once); a third exits at once.
 
-    While ``defer`` is set (the loop of a torch.distributed run), the first signal is only
-    recorded: ranks reach it at different steps, and a rank that stopped alone would leave
-    the others waiting in a collective; the loop asks the ranks at its next log point and
-    they all stop at the same step (``runner.distributed.agree_to_stop``)."""
+    While ``defer`` is set (the loop), the first signal is only recorded and the loop stops
+    between two steps: inside one, the weights could be a step ahead of the count a
+    checkpoint records. Under torch.distributed the ranks, which receive a signal at
+    different steps, agree at the loop's log points and all stop at the same step
+    (``runner.distributed.agreed_stops``). A second signal stops at once."""
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -188,9 +189,11 @@ class Signals:
         name = signal.Signals(signum).name
         if self.count == 1:
             self.received = name
-            if self.defer:
-                log.warning("%s: every rank stops at the next step they agree on", name)
+            if self.defer:  # the loop stops between two steps (and every rank at one)
+                log.warning("%s: stopping after this step (again: stop at once)", name)
                 return
+            raise Interrupted(name)
+        if self.count == 2 and self.defer:  # asked twice: now, even inside a step
             raise Interrupted(name)
         if self.count == 2:
             log.warning("%s: stopping and saving what was measured; a third signal kills "
@@ -207,11 +210,20 @@ class Signals:
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
+        # A job that submitit runs (Hydra's submitit launcher, SLURM) is warned of a
+        # preemption or its time limit with SIGUSR2, and submitit's handler requeues the
+        # job. The run stops and saves first, then hands the signal to that handler.
+        usr2 = signal.getsignal(signal.SIGUSR2)
+        if callable(usr2):
+            self._previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, self._handle)
         try:
             yield self
         finally:
             for signum, previous in self._previous.items():
                 signal.signal(signum, previous)
+            if self.received == "SIGUSR2" and callable(usr2):
+                log.warning("preempted (SIGUSR2): the run is saved; handing over to requeue")
+                usr2(signal.SIGUSR2, None)  # submitit: checkpoint the job and requeue it
 
 
 class RunDirClaim:

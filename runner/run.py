@@ -155,14 +155,14 @@ class Job:
         clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         saves = self._checkpointer(clock, step)
-        with agreed_stops(ranks, self.signals, device) as stop:  # torchrun: one stop step
+        with agreed_stops(ranks, self.signals, device) as (stop, each_step):
             result = run_loop(data, step, self.logger, LoopOptions(
                 total_steps, warmup, cfg.run.log_every, cfg.run.repeats, cfg.run.window_seconds,
                 # only a data-only run of one process goes on (ranks keep one schedule)
                 extend=data.extend if not self.models and not ranks.enabled else None,
                 progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
                 on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
-                first_step=self.start_step, stop_requested=stop,
+                first_step=self.start_step, stop_requested=stop, stop_each_step=each_step,
                 on_epoch_end=lambda done: self._epoch_end(done, step), on_step=saves and (
                     lambda done: saves.after_step(step, done, data.steps_per_epoch))))
         figures = self._figures(result, step, profiler is not None)

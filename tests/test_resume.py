@@ -310,3 +310,106 @@ def test_a_sigterm_to_torchrun_stops_every_rank_at_one_step_and_the_resume_is_ex
         straight = steps("straight", rank)
         assert [s[:2] for s in together] == [s[:2] for s in straight]
         assert [s[2] for s in together] == pytest.approx([s[2] for s in straight], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_preempted_submitit_job_saves_then_hands_over_to_requeue_and_resumes(
+        tmp_path: Path, cache_dir: Path, monkeypatch):
+    """submitit warns a SLURM job of a preemption or its time limit with SIGUSR2 and its
+    handler requeues the job (Hydra's submitit launcher resubmits the same overrides into
+    the same job folder). Here a stand-in for that handler checks what the run had saved
+    when it was called; the requeued job is the same command again."""
+    import os
+    import signal
+
+    import runner.task
+
+    requeued = []
+
+    def submitit_handler(signum, frame):  # what submitit installs in a job
+        requeued.append(read_metrics(tmp_path / "job"))
+
+    previous = signal.signal(signal.SIGUSR2, submitit_handler)
+    real_step, seen = runner.task.TrainStep.__call__, []
+
+    def step(self, batch):
+        if len(seen) == 6:
+            os.kill(os.getpid(), signal.SIGUSR2)  # the preemption warning, mid-epoch
+        real_step(self, batch)
+        seen.append(float(self.losses[self.steps - 1]))
+
+    monkeypatch.setattr(runner.task.TrainStep, "__call__", step)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_in_process(*COMMON, "resume=auto", run_dir=tmp_path / "job")
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert len(requeued) == 1  # handed over once, after the run was saved:
+    assert requeued[0]["status"] == "interrupted" and "SIGUSR2" in requeued[0]["reason"]
+    # the signal came during step 7: the run finished that step, then stopped and saved
+    assert torch.load(requeued[0]["checkpoint"], weights_only=True)["steps"] == 7
+    monkeypatch.undo()
+    again = run_in_process(*COMMON, "resume=auto", run_dir=tmp_path / "job")  # the requeue
+    assert again["status"] == "ok" and again["start_step"] == 7 and again["steps"] == 17
+
+
+SLOW_STEPS = """
+    import os, time
+    import runner.task
+
+    real = runner.task.TrainStep.__call__
+
+    def step(self, batch):
+        real(self, batch)
+        time.sleep(float(os.environ.get("SLEEP", "0")))
+        with open(os.environ["RECORD"], "a") as f:
+            f.write("%r\\n" % float(self.losses[self.steps - 1]))
+
+    runner.task.TrainStep.__call__ = step
+"""
+
+
+@pytest.mark.slow
+def test_hydras_submitit_launcher_requeues_a_preempted_job_which_resumes_exactly(
+        tmp_path: Path, cache_dir: Path):
+    """The whole protocol on the CPU: Hydra's submitit launcher (local executor), SIGUSR2 to
+    the job (what SLURM sends before a preemption or the time limit), submitit's requeue of
+    the same job into the same folder, and resume=auto there."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import stray_processes
+    from tests.test_failures import sitecustomize
+
+    env = {**os.environ, "WANDB_SILENT": "true", **sitecustomize(tmp_path / "inject", SLOW_STEPS)}
+    command = [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_local",
+               *COMMON, "run.epochs=4", "resume=auto"]  # 32 steps
+    subprocess.run([*command, f"hydra.sweep.dir={tmp_path}/straight"], cwd=tmp_path,
+                   env={**env, "RECORD": str(tmp_path / "straight.txt")}, timeout=300,
+                   capture_output=True)
+    record = tmp_path / "preempted.txt"
+    sweep = subprocess.Popen([*command, f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path,
+                             env={**env, "RECORD": str(record), "SLEEP": "0.15"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while (not record.exists() or len(record.read_text().splitlines()) < 5) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    jobs = stray_processes("submitit.core._submit")
+    jobs = [pid for pid in jobs if str(tmp_path / "sweep") in
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(jobs) == 1
+    os.kill(int(jobs[0]), signal.SIGUSR2)  # the preemption warning
+    assert sweep.wait(timeout=240) == 0
+    job = tmp_path / "sweep" / "0"
+    first, final = read_metrics_file(job / "metrics.1.json"), read_metrics(job)
+    assert first["status"] == "interrupted" and "SIGUSR2" in first["reason"]
+    assert final["status"] == "ok" and final["start_step"] == first["steps"] > 0
+    assert final["start_step"] + final["steps"] == 32
+    losses = [float(x) for x in record.read_text().split()]
+    straight = [float(x) for x in (tmp_path / "straight.txt").read_text().split()]
+    assert losses == pytest.approx(straight, abs=1e-6)  # as if it had never stopped

@@ -412,3 +412,37 @@ def test_an_autotune_study_is_kept_on_disk_and_continued_when_started_again(tmp_
     assert len(study.trials) == 3  # one new trial, not three
     assert {k: read_metrics(tmp_path / "sweep" / str(k)) for k in (0, 1)} == first
     assert read_metrics(tmp_path / "sweep" / "2")["status"] in ("ok", "failed", "skipped")
+
+
+@pytest.mark.slow
+def test_an_autotune_stopped_by_ctrl_c_mid_trial_continues_where_it_stopped(tmp_path: Path,
+                                                                           cache_dir: Path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import optuna
+
+    command = [sys.executable, "-m", "runner", "-m", "sweep=autotune", *SMALL_DATASET,
+               "run.steps=40", "logger=none", "diagnose=false", "hydra.sweeper.n_trials=3",
+               "hydra.sweep.dir=sweep"]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "sweep" / "1" / "metrics.json").exists() \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C during trial 1
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "continue with: python -m runner -m" in out
+    assert (tmp_path / "sweep" / "best.yaml").is_file()  # trial 0's answer, kept
+    run_cli(*command[3:], cwd=tmp_path)
+    study = optuna.load_study(study_name="autotune",
+                              storage=f"sqlite:///{tmp_path / 'sweep' / 'autotune.db'}")
+    states = [t.state.name for t in study.trials]
+    assert states.count("COMPLETE") + states.count("FAIL") == len(states) == 4
+    assert states[1] == "FAIL"  # the trial Ctrl-C stopped, run anew as trial 3
+    assert read_metrics(tmp_path / "sweep" / "0")["status"] == "ok"  # not run again
