@@ -185,9 +185,10 @@ RECORDING = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loader", ["memmap"])  # folder: the one-process test above
+@pytest.mark.parametrize(("loader", "stop"), [("memmap", 1), ("memmap", 3), ("folder", 4)],
+                         ids=["first-step", "mid-epoch", "epoch-boundary"])
 def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_sees(
-        tmp_path: Path, cache_dir: Path, loader: str):
+        tmp_path: Path, cache_dir: Path, loader: str, stop: int):
     import json
     import os
     import subprocess
@@ -198,6 +199,8 @@ def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_se
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
            **sitecustomize(tmp_path / "inject", RECORDING)}
     common = [*COMMON, f"loader={loader}", "run.epochs=2"]  # 2 ranks: 4 steps an epoch
+    # (the in-validation stop point is covered in one process: under torchrun a signal
+    # during validation is acted on at the same step boundary as any other)
 
     def torchrun(record: str, stop: int, *extra: str) -> int:
         run_env = {**env, "RECORD": str(tmp_path / record), "STOP_AT": str(stop)}
@@ -212,14 +215,14 @@ def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_se
             if path.exists() else []
 
     assert torchrun("straight", -1, "hydra.run.dir=straight") == 0
-    assert torchrun("first", 3, "resume=auto", "hydra.run.dir=run") != 0  # stopped mid-epoch
+    assert torchrun("first", stop, "resume=auto", "hydra.run.dir=run") != 0
     assert read_metrics(tmp_path / "run")["status"] == "interrupted"
     assert torchrun("second", -1, "resume=auto", "hydra.run.dir=run") == 0
-    assert read_metrics(tmp_path / "run")["start_step"] == 3
+    assert read_metrics(tmp_path / "run")["start_step"] == stop
     for rank in (0, 1):
         straight = steps("straight", rank)
         together = steps("first", rank) + steps("second", rank)
-        assert len(straight) == 8 and len(steps("first", rank)) == 3
+        assert len(straight) == 8 and len(steps("first", rank)) == stop
         assert [s[:2] for s in together] == [s[:2] for s in straight]
         assert [s[2] for s in together] == pytest.approx([s[2] for s in straight], abs=1e-5)
 
@@ -413,3 +416,36 @@ def test_hydras_submitit_launcher_requeues_a_preempted_job_which_resumes_exactly
     losses = [float(x) for x in record.read_text().split()]
     straight = [float(x) for x in (tmp_path / "straight.txt").read_text().split()]
     assert losses == pytest.approx(straight, abs=1e-6)  # as if it had never stopped
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_by_sigterm_keeps_its_finished_jobs_when_started_again(
+        tmp_path: Path, cache_dir: Path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "runner", "-m", *SMALL_DATASET, "model=none",
+               "logger=none", "diagnose=false", "run.steps=400", "run.window_seconds=0",
+               "loader=memmap,ram,folder", "hydra.sweep.dir=sweep"]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    first = tmp_path / "sweep" / "0" / "metrics.json"
+    deadline = time.monotonic() + 180
+    while not (first.exists() and read_metrics(first.parent)["status"] == "ok"
+               and (tmp_path / "sweep" / "1" / "metrics.json").exists()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # during job 1
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "continue with: python -m runner -m" in out
+    kept = read_metrics(tmp_path / "sweep" / "0")
+    assert read_metrics(tmp_path / "sweep" / "1")["status"] == "interrupted"
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0
+    assert read_metrics(tmp_path / "sweep" / "0") == kept  # finished: not run again
+    assert all(read_metrics(tmp_path / "sweep" / str(k))["status"] == "ok" for k in (1, 2))
