@@ -319,7 +319,7 @@ def check_timing(batch: int) -> list[Row]:
     for name in (PrefetchName.none, PrefetchName.gpu):
         clock = StepClock(device)
         batches = build_prefetcher(PrefetchConfig(name), source(), device)
-        result = run_loop(OnDevice(batches, device), _TimedStep(step), NullLogger(),
+        result = run_loop(OnDevice(batches, device), _timed_step(step), NullLogger(),
                           LoopOptions(steps, 4, log_every=10, repeats=1, clock=clock,
                                       steps_per_epoch=per_epoch,
                                       on_epoch_end=lambda done: time.sleep(pause)))
@@ -334,21 +334,15 @@ def check_timing(batch: int) -> list[Row]:
     return rows
 
 
-class _TimedStep:
-    def __init__(self, fn):
-        self.fn = fn
+def _timed_step(fn):
+    """A data-only step that runs ``fn`` on each batch (the loop's Step protocol)."""
+    from runner.task import DataOnlyStep
 
-    def __call__(self, batch) -> None:
-        self.fn(batch)
+    class TimedStep(DataOnlyStep):
+        def __call__(self, batch) -> None:
+            fn(batch)
 
-    def read(self) -> dict:
-        return {}
-
-    def start_timing(self) -> None:
-        pass
-
-    def close(self) -> dict:
-        return {}
+    return TimedStep()
 
 
 def _cycles_for(seconds: float) -> int:

@@ -21,14 +21,16 @@ import torch
 from tensordict import TensorDict
 
 
-def pad(index: torch.Tensor) -> torch.Tensor:
-    """Indices as padding: the same images, marked not to count."""
+def pad(index: int | torch.Tensor) -> int | torch.Tensor:
+    """Indices (an int or a tensor) as padding: the same images, marked not to count;
+    applied to padding, the indices to read."""
     return -1 - index
 
 
 def unpad(index: int) -> tuple[int, bool]:
-    """(the index to read, whether it counts) for one index of a batch."""
-    return (index, True) if index >= 0 else (-1 - index, False)
+    """(the index to read, whether it counts) for one index of a batch (``pad`` is its own
+    inverse)."""
+    return (index, True) if index >= 0 else (pad(index), False)
 
 
 def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -36,7 +38,7 @@ def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
     valid = index >= 0
     if valid.all():
         return index, None
-    return torch.where(valid, index, -1 - index), valid
+    return torch.where(valid, index, pad(index)), valid
 
 
 def count_images(batch: TensorDict) -> int:

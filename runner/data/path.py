@@ -62,8 +62,8 @@ class DataPath:
 
     Iterating gives the batches as the loop takes them (in host memory, or already on the
     device with ``prefetch=gpu``); ``to_device`` moves one (a no-op for those already
-    there) and ``augment`` (random crops of pre-decoded images, on the device) finishes it;
-    ``device_batches`` does all three. ``figures`` reports what the data path measured about
+    there) and ``finish`` applies ``augment`` (random crops of pre-decoded images, on the
+    device); ``device_batches`` does all three. ``figures`` reports what the data path measured about
     itself; ``close`` stops its workers.
 
     Attributes:
@@ -90,13 +90,8 @@ class DataPath:
     def classes(self) -> list[str]:
         return self.storage.classes
 
-    @property
-    def epochs(self) -> int:
-        """Epochs one iteration reads."""
-        return self.stream.epochs
-
-    def __len__(self) -> int:
-        return self.epochs * self.steps_per_epoch
+    def __len__(self) -> int:  # batches one iteration reads
+        return self.stream.epochs * self.steps_per_epoch
 
     def __iter__(self) -> Iterator[TensorDict]:
         return iter(self.batches)
@@ -111,10 +106,9 @@ class DataPath:
 
     def finish(self, batch: TensorDict) -> TensorDict:
         """The device-side stage: random crops of pre-decoded images (when asked), drawn
-        from the draws the batch carries."""
+        from the draws the batch carries (``crop_draws``)."""
         if self.augment is not None:
-            draws = {k: batch[k] for k in CROP_DRAWS} if CROP_DRAWS[0] in batch.keys() else None
-            batch["image"] = self.augment(batch["image"], draws)
+            batch["image"] = self.augment(batch["image"], {k: batch[k] for k in CROP_DRAWS})
         return batch
 
     def device_batches(self) -> Iterator[TensorDict]:
@@ -201,7 +195,8 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         # images decoded once hold center crops: random ones are taken per batch on the device
         augment = BatchAugment(tuple(config.dataset.image_size))
         per_batch = crop_draws(augment, config.seed, ranks.rank, pin)
-    stream = BatchStream(loader, epochs, order, start_epoch, page_cache, storage.known_skipped,
-                         start_batch, per_batch)
+    stream = BatchStream(loader, epochs, order, start_epoch=start_epoch, on_epoch=page_cache,
+                         known_skipped=storage.known_skipped, start_batch=start_batch,
+                         per_batch=per_batch)
     batches = build_prefetcher(config.prefetch, stream, device)
     return DataPath(storage, stream, batches, device, pin, augment, page_cache)
