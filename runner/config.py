@@ -32,6 +32,7 @@ class StorageName(Enum):
     folder = "folder"
     memmap = "memmap"
     ram = "ram"
+    packed = "packed"  # JPEGs re-encoded once at dataset.store_size into one file
 
 
 class Decoder(Enum):
@@ -40,11 +41,19 @@ class Decoder(Enum):
     jpeg4py = "jpeg4py"
     torchvision = "torchvision"
     nvjpeg = "nvjpeg"
+    # libjpeg-turbo through the runner's own binding: only the crop's window is decoded,
+    # at the smallest power-of-two DCT scale that keeps it at least the output size
+    region = "region"
 
 
 class Crop(Enum):
     center = "center"  # resize the shorter side, then center crop
     random = "random"  # random-resized-crop + horizontal flip (training augmentation)
+
+
+class StoreSide(Enum):  # which side of an image dataset.store_size sets
+    shorter = "shorter"  # the shorter side, aspect kept (resize 256 for 224 crops)
+    longer = "longer"  # the longer side at most (FFCV's max_resolution)
 
 
 class OnCorrupt(Enum):
@@ -132,6 +141,13 @@ class DatasetConfig:
     quality: int = 90  # JPEG quality of the generated default dataset
     image_size: list[int] = field(default_factory=lambda: [224, 224])  # (H, W) fed to the model
     crop: Crop = Crop.center
+    # The size images are stored at, in pixels along dataset.store_side: loader=packed
+    # re-encodes each image at it (unset: 8/7 of image_size's larger side, 256 for 224);
+    # memmap/ram store image_size scaled to it and crop to image_size on the device per
+    # batch (unset: stored at image_size, as before)
+    store_size: int | None = None
+    store_side: StoreSide = StoreSide.shorter
+    store_quality: int = 90  # JPEG quality of loader=packed's re-encoded images
     on_corrupt: OnCorrupt = OnCorrupt.skip
     page_cache: PageCache = PageCache.warm
 
@@ -147,6 +163,13 @@ class DatasetConfig:
         _require(self.num_images >= 1, "dataset.num_images", self.num_images, "must be >= 1")
         _require(self.num_classes >= 1, "dataset.num_classes", self.num_classes, "must be >= 1")
         _require(1 <= self.quality <= 100, "dataset.quality", self.quality, "must be in 1..100")
+        _require(1 <= self.store_quality <= 100, "dataset.store_quality", self.store_quality,
+                 "must be in 1..100")
+        if self.store_size is not None:
+            side = (min if self.store_side is StoreSide.shorter else max)(self.image_size)
+            _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,
+                     f"must be at least the {self.store_side.value} side of dataset.image_size="
+                     f"{list(self.image_size)} ({side}): crops are taken from the stored image")
 
 
 @dataclass

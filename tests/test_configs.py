@@ -190,7 +190,7 @@ def test_unknown_decoder_lists_the_choices():
         compose_config("loader.decoder=libjpeg")
     message = str(info.value) + str(info.value.__cause__)
     assert "loader.decoder" in message
-    assert "expected one of [pil, simplejpeg, jpeg4py, torchvision, nvjpeg]" in message
+    assert "expected one of [pil, simplejpeg, jpeg4py, torchvision, nvjpeg, region]" in message
 
 
 def test_unknown_key_suggests_the_valid_one():

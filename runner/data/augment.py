@@ -32,6 +32,24 @@ class Boxes:
     flip: torch.Tensor  # bool
 
 
+def center_crop(images: torch.Tensor, size: tuple[int, int] | list[int]) -> torch.Tensor:
+    """The centred ``size`` window of every image of an (N, C, H, W) batch (a view)."""
+    h, w = images.shape[-2:]
+    top, left = (h - int(size[0])) // 2, (w - int(size[1])) // 2
+    return images[..., top : top + int(size[0]), left : left + int(size[1])]
+
+
+class CenterCrop:
+    """The device-side stage of ``dataset.crop=center`` over a store larger than the
+    output (``dataset.store_size``): the centred window, as "resize 256, crop 224" does."""
+
+    def __init__(self, size: tuple[int, int]):
+        self.size = tuple(size)
+
+    def __call__(self, images: torch.Tensor, draws: dict | None = None) -> torch.Tensor:
+        return center_crop(images, self.size)
+
+
 class BatchAugment:
     """uint8 (N, 3, H, W) -> uint8 (N, 3, *size), each image randomly cropped and flipped.
 

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.config import Config, Crop, Decoder, LoaderConfig, PageCache, RunConfig
-from runner.data.augment import BatchAugment
+from runner.data.augment import BatchAugment, CenterCrop
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
 from runner.data.order import count_images, epoch_seed
@@ -71,7 +71,8 @@ class DataPath:
         device: where they arrive.
         pin_memory: whether host batches are page-locked.
         steps_per_epoch: batches per epoch on this rank.
-        augment: random-resized crops + flips on the device, or None.
+        augment: the device-side crop of images decoded once (random-resized crops +
+            flips, or the centre of a larger store), or None.
         page_cache: the cold page cache's evictions (``dataset.page_cache=cold``), or None.
     """
 
@@ -108,7 +109,8 @@ class DataPath:
         """The device-side stage: random crops of pre-decoded images (when asked), drawn
         from the draws the batch carries (``crop_draws``)."""
         if self.augment is not None:
-            batch["image"] = self.augment(batch["image"], {k: batch[k] for k in CROP_DRAWS})
+            draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()}
+            batch["image"] = self.augment(batch["image"], draws or None)
         return batch
 
     def device_batches(self) -> Iterator[TensorDict]:
@@ -156,6 +158,23 @@ def crop_draws(augment: BatchAugment, seed: int, rank: int, pin: bool
     return draws
 
 
+def device_crop(storage: Storage, config: Config, rank: int, pin: bool
+                ) -> tuple[BatchAugment | CenterCrop | None, Callable | None]:
+    """The device-side crop of images decoded once (and the per-batch draws it needs):
+    random-resized crops of the whole stored image (``dataset.crop=random``), or the centre
+    window of a store larger than the output (``dataset.store_size``); None when images
+    are decoded per epoch (cropped while decoding) or stored at the output size."""
+    if storage.decodes_per_epoch:
+        return None, None
+    size = tuple(int(v) for v in config.dataset.image_size)
+    if config.dataset.crop is Crop.random:
+        augment = BatchAugment(size)
+        return augment, crop_draws(augment, config.seed, rank, pin)
+    if storage.item_shape is not None and tuple(storage.item_shape[1:]) != size:
+        return CenterCrop(size), None
+    return None, None
+
+
 def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = None,
                     start_step: int = 0, epochs: int | None = None, progress: bool = True
                     ) -> DataPath:
@@ -190,11 +209,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     start_epoch, start_batch = divmod(start_step, len(loader))
     if epochs is None:
         epochs = max(planned_epochs(config.run, len(loader)) - start_epoch, 1)
-    augment = per_batch = None
-    if config.dataset.crop is Crop.random and not storage.decodes_per_epoch:
-        # images decoded once hold center crops: random ones are taken per batch on the device
-        augment = BatchAugment(tuple(config.dataset.image_size))
-        per_batch = crop_draws(augment, config.seed, ranks.rank, pin)
+    augment, per_batch = device_crop(storage, config, ranks.rank, pin)
     stream = BatchStream(loader, epochs, order, start_epoch=start_epoch, on_epoch=page_cache,
                          known_skipped=storage.known_skipped, start_batch=start_batch,
                          per_batch=per_batch)

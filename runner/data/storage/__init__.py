@@ -1,22 +1,25 @@
 """``loader=`` storages: where batches come from (the ``Storage`` protocol, base.py).
 
 folder decodes every image on every epoch; memmap and ram decode once (memmap.py, ram.py)
-and then serve batches by indexed reads of one uint8 tensor (decoded.py). ``STORAGES`` maps
+and then serve batches by indexed reads of one uint8 tensor (decoded.py); packed re-encodes
+once at a stored size into one file and decodes per epoch (packed.py). ``STORAGES`` maps
 each ``loader.name`` to the function that opens it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName, StoreSide
 from runner.data.storage.base import Storage
 from runner.data.storage.decode import ImageDecoder, check_decoder
 from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.encoded import ReadBytes
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import CacheSpec, open_cache
+from runner.data.storage.packed import PackedSpec, PackedStorage, open_packed_cache
 from runner.data.storage.ram import load_ram
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 
@@ -29,8 +32,28 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 
 
+def stored_size(dataset: DatasetConfig) -> tuple[int, int]:
+    """The (height, width) memmap and ram store: ``dataset.image_size`` scaled so its
+    ``dataset.store_side`` is ``dataset.store_size`` (unset: ``image_size`` itself). The
+    crop to ``image_size`` is taken from it on the device, per batch."""
+    h, w = (int(v) for v in dataset.image_size)
+    if dataset.store_size is None:
+        return h, w
+    scale = dataset.store_size / (min(h, w) if dataset.store_side is StoreSide.shorter
+                                  else max(h, w))
+    return max(h, round(h * scale)), max(w, round(w * scale))
+
+
+def packed_spec(dataset: DatasetConfig, path: Path) -> PackedSpec:
+    """What ``loader=packed`` stores: ``dataset.store_size`` (unset: 8/7 of the larger side
+    of ``image_size``, the usual resize-256-crop-224 ratio) at ``dataset.store_quality``."""
+    size = dataset.store_size or math.ceil(max(dataset.image_size) * 8 / 7)
+    return PackedSpec(Path(path).expanduser().resolve(), int(size), dataset.store_side,
+                      dataset.store_quality)
+
+
 def cache_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> CacheSpec:
-    return CacheSpec(Path(path).expanduser().resolve(), tuple(dataset.image_size),
+    return CacheSpec(Path(path).expanduser().resolve(), stored_size(dataset),
                      loader.decoder.value, loader.draft)
 
 
@@ -38,12 +61,15 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True) -> FolderStorage:
     """The image folder at ``path``, decoded with ``loader.decoder``.
 
-    Pre-decoded storage keeps the deterministic center crop; random crops for training
-    are applied to whole batches on the device instead (runner/data/augment.py).
+    Pre-decoded storage decodes at the stored size with the deterministic center crop;
+    random crops for training are applied to whole batches on the device instead
+    (runner/data/augment.py).
     """
     check_decoder(loader.decoder)
-    crop = dataset.crop if loader.name is StorageName.folder else Crop.center
-    decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), crop, loader.draft)
+    decoded_once = loader.name in (StorageName.memmap, StorageName.ram)
+    crop = Crop.center if decoded_once else dataset.crop
+    size = stored_size(dataset) if decoded_once else tuple(dataset.image_size)
+    decode = ImageDecoder(loader.decoder, size, crop, loader.draft)
     if loader.decoder is Decoder.nvjpeg:  # workers read bytes; the GPU decodes (nvjpeg.py)
         decode = ReadBytes(ImageDecoder(Decoder.pil, decode.size, decode.crop))
     return FolderStorage(path, decode, dataset.on_corrupt)
@@ -53,22 +79,36 @@ def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True) -> DecodedStorage:
     """The memmap cache of the folder at ``path`` (converted first if there is no valid one)."""
     folder = open_folder(loader, dataset, path, progress)
-    return open_cache(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
-                      progress)
+    storage = open_cache(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
+                         progress)
+    storage.output_size = tuple(dataset.image_size)
+    return storage
 
 
 def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
              progress: bool = True) -> DecodedStorage:
     """The folder at ``path`` decoded once into memory (read from its memmap cache if valid)."""
     folder = open_folder(loader, dataset, path, progress)
-    return load_ram(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
-                    progress)
+    storage = load_ram(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
+                       progress)
+    storage.output_size = tuple(dataset.image_size)
+    return storage
+
+
+def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                progress: bool = True) -> PackedStorage:
+    """The packed store of the folder at ``path`` (packed first if there is no valid one),
+    each stored JPEG decoded per epoch with ``loader.decoder``."""
+    folder = open_folder(loader, dataset, path, progress)
+    return open_packed_cache(folder, packed_spec(dataset, path), Path(dataset.cache_dir),
+                             folder.decode, progress)
 
 
 STORAGES: dict[StorageName, Callable[..., Storage]] = {
     StorageName.folder: open_folder,
     StorageName.memmap: open_memmap,
     StorageName.ram: open_ram,
+    StorageName.packed: open_packed,
 }
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from runner import timeline
+from runner.data.augment import center_crop
 from runner.data.order import split_padding, unpad
 from runner.data.storage.base import (
     Probe,
@@ -45,6 +46,9 @@ class DecodedStorage(Dataset):
 
     decodes_per_epoch = False
     random_crops = False  # center crops decoded once; random ones happen on the device
+    # what the model gets (dataset.image_size): a store at dataset.store_size is cropped
+    # to it on the device (runner/data/augment.py); None: images are stored at it
+    output_size: tuple[int, int] | None = None
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, skipped: list[SkippedFile],
                  classes: list[str], names: list[str], root: Path | None,
@@ -122,7 +126,11 @@ class DecodedStorage(Dataset):
         return stack_images(images)
 
     def example(self, n: int) -> torch.Tensor:
-        return cycle_rows(self.gather(torch.arange(min(n, len(self))))[0]["image"], n)
+        """``n`` images as the model gets them (center crops of a larger store)."""
+        images = self.gather(torch.arange(min(n, len(self))))[0]["image"]
+        if self.output_size is not None:
+            images = center_crop(images, self.output_size)
+        return cycle_rows(images.contiguous(), n)
 
     def probes(self, batch_size: int) -> dict[str, Probe]:
         """The batched gather of a random batch into a preallocated buffer."""

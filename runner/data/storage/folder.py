@@ -176,7 +176,7 @@ class FolderStorage(torch.utils.data.Dataset):
         index, valid = unpad(index)
         t0 = time.perf_counter()
         try:
-            data = read_file(self.samples[index][0])
+            data = self.read(index)
         except OSError as e:  # deleted, moved or unreadable since the folder was listed
             return self.undecodable(self.samples[index][0],
                                     OSError(f"{UNREADABLE}: {e.strerror or e}"), index)
@@ -186,6 +186,10 @@ class FolderStorage(torch.utils.data.Dataset):
             timeline.record("read", t0, t1)
             timeline.record("decode", t1, time.perf_counter())
         return item
+
+    def read(self, index: int) -> bytearray | memoryview:
+        """The encoded bytes of item ``index``: its file, read whole."""
+        return read_file(self.samples[index][0])
 
     def decode_data(self, index: int, data: bytearray | None, valid: bool = True,
                     rng: torch.Generator | None = None) -> Sample | SkippedFile:
@@ -232,9 +236,9 @@ class FolderStorage(torch.utils.data.Dataset):
         """``n`` decoded images (the first decodable files, repeated to fill ``n``)."""
         decoder = self.decode.image_decoder
         images = []
-        for path, _ in self.samples[: 2 * n]:
+        for index in range(min(2 * n, len(self))):
             try:
-                images.append(decoder(read_file(path)))
+                images.append(decoder(self.read(index)))
             except (CorruptImageError, OSError):
                 continue
             if len(images) == n:
@@ -245,12 +249,12 @@ class FolderStorage(torch.utils.data.Dataset):
 
     def probes(self, batch_size: int) -> dict[str, Probe]:
         """Reading one file, decoding one image, collating one batch (each on one core)."""
-        paths = [p for p, _ in self.samples[: max(batch_size, 32)]]
-        data = self._decodable(paths)
+        items = list(range(min(len(self), max(batch_size, 32))))
+        data = self._decodable(items)
         counter = iter(range(10**12))
 
         def read() -> int:
-            read_file(paths[next(counter) % len(paths)])
+            self.read(items[next(counter) % len(items)])
             return 1
 
         probes: dict[str, Probe] = {"read": read}
@@ -269,12 +273,12 @@ class FolderStorage(torch.utils.data.Dataset):
             probes.update(decode=decode, collate=collate)
         return probes
 
-    def _decodable(self, paths: list[str], want: int = 16) -> list[bytearray]:
-        """Bytes of up to ``want`` files the decoder can read (corrupt ones left out)."""
+    def _decodable(self, items: list[int], want: int = 16) -> list[bytearray | memoryview]:
+        """Bytes of up to ``want`` items the decoder can read (corrupt ones left out)."""
         found = []
-        for path in paths:
-            data = read_file(path)
+        for index in items:
             try:
+                data = self.read(index)
                 self.decode.image_decoder(data)
             except (CorruptImageError, OSError):
                 continue

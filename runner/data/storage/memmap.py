@@ -83,9 +83,12 @@ class CacheSpec:
     """What a cache's pixels depend on; each distinct spec gets its own folder."""
 
     source: Path
-    image_size: tuple[int, int]
+    image_size: tuple[int, int]  # as stored (dataset.store_size, else dataset.image_size)
     decoder: str
     draft: bool
+
+    kind = "memmap"  # the cache's sub-folder and its name in messages
+    version = CACHE_VERSION
 
     def settings(self) -> dict[str, Any]:
         return {"source": str(self.source), "image_size": list(self.image_size),
@@ -104,8 +107,24 @@ class CacheSpec:
                 f"dataset.image_size=[{h},{w}] loader.decoder={self.decoder}{draft}")
 
     def damaged(self, folder: Path, what: str) -> CacheError:
-        return CacheError(f"the memmap cache {folder} is damaged: {what}. Rebuild it with: "
-                          f"{self.rebuild_command()}  (or delete the folder)")
+        return CacheError(f"the {self.kind} cache {folder} is damaged: {what}. Rebuild it "
+                          f"with: {self.rebuild_command()}  (or delete the folder)")
+
+    def file_sizes(self, folder: Path, meta: dict[str, Any]) -> dict[str, int]:
+        """The bytes each file of a valid cache holds (CacheError when ``meta`` disagrees
+        with this spec)."""
+        if meta.get("image_size") != list(self.image_size):
+            raise self.damaged(folder, f"its image size {meta.get('image_size')} is not "
+                                       f"{list(self.image_size)}")
+        count = meta["count"]
+        return {IMAGES: count * image_nbytes(self.image_size), LABELS: count * 8,
+                SOURCES: count * SOURCE_DTYPE.itemsize}
+
+    def convert(self, folder_storage: FolderStorage, partial: Path, progress: bool
+                ) -> dict[str, Any]:
+        """Build the cache in ``partial`` (resuming what a killed conversion left there);
+        returns its metadata."""
+        return _convert(folder_storage, self, partial, progress)
 
 
 def layout_fingerprint(folder: FolderStorage) -> str:
@@ -165,10 +184,10 @@ def read_meta(folder: Path, spec: CacheSpec) -> dict[str, Any] | None:
         raise spec.damaged(folder, f"its {META} holds a {type(meta).__name__}, not an object")
     if not {"version", "settings"} <= set(meta):
         raise spec.damaged(folder, f"its {META} has no version or settings")
-    if meta.get("version") != CACHE_VERSION or meta.get("settings") != spec.settings():
+    if meta.get("version") != spec.version or meta.get("settings") != spec.settings():
         return meta  # another version or settings: rebuilt, not refused
-    problems = [key for key, kind in (("count", int), ("layout", str), ("image_size", list),
-                                      ("skipped", list), ("classes", list))
+    problems = [key for key, kind in (("count", int), ("layout", str), ("skipped", list),
+                                      ("classes", list))
                 if not isinstance(meta.get(key), kind)]
     skipped_ok = isinstance(meta.get("skipped"), list) and all(
         isinstance(s, dict) and {"index", "path", "error"} <= set(s) for s in meta["skipped"])
@@ -180,13 +199,7 @@ def read_meta(folder: Path, spec: CacheSpec) -> dict[str, Any] | None:
 
 def check_cache(folder: Path, meta: dict[str, Any], spec: CacheSpec) -> None:
     """Raise CacheError unless the files are exactly as large as ``meta`` says."""
-    count = meta["count"]
-    if meta["image_size"] != list(spec.image_size):
-        raise spec.damaged(folder, f"its image size {meta['image_size']} is not "
-                                   f"{list(spec.image_size)}")
-    expected = {IMAGES: count * image_nbytes(spec.image_size), LABELS: count * 8,
-                SOURCES: count * SOURCE_DTYPE.itemsize}
-    for name, size in expected.items():
+    for name, size in spec.file_sizes(folder, meta).items():
         path = folder / name
         actual = path.stat().st_size if path.exists() else None
         if actual != size:
@@ -251,8 +264,9 @@ def valid_cache(folder: Path, spec: CacheSpec, source: FolderStorage) -> dict[st
     meta = read_meta(folder, spec)
     if meta is None:
         return None
-    if meta.get("version") != CACHE_VERSION or meta.get("settings") != spec.settings():
-        log.info("memmap cache %s was built by another version or settings: rebuilding", folder)
+    if meta.get("version") != spec.version or meta.get("settings") != spec.settings():
+        log.info("%s cache %s was built by another version or settings: rebuilding",
+                 spec.kind, folder)
         return None
     if meta["layout"] != layout_fingerprint(source) or meta["count"] != len(source):
         log.info("files were added, removed or renamed in the source since %s was built: "
@@ -312,7 +326,7 @@ def ensure_cache(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Pat
         lock = FileLock(str(final) + ".lock")
         lock.acquire()
     except OSError as e:
-        raise CacheError(f"cannot build the memmap cache in {final.parent}: "
+        raise CacheError(f"cannot build the {spec.kind} cache in {final.parent}: "
                          f"{e.strerror or e}. Point RUNNER_CACHE (dataset.cache_dir) at a "
                          "writable folder, or build the cache where it can be written with "
                          f"{spec.rebuild_command()}") from e
@@ -320,14 +334,14 @@ def ensure_cache(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Pat
         meta = None if rebuild else valid_cache(final, spec, folder_storage)
         if meta is None:  # nobody converted it while this process waited for the lock
             partial = final.with_name(final.name + ".partial")
-            meta = _convert(folder_storage, spec, partial, progress)
+            meta = spec.convert(folder_storage, partial, progress)
             old = final.with_name(final.name + ".old")
             if final.exists():
                 os.replace(final, old)
             os.replace(partial, final)  # the publish: meta.json arrives with the pixels
             shutil.rmtree(old, ignore_errors=True)
-            log.info("memmap cache ready: %s (%d images, %d skipped)", final, meta["count"],
-                     len(meta["skipped"]))
+            log.info("%s cache ready: %s (%d images, %d skipped)", spec.kind, final,
+                     meta["count"], len(meta["skipped"]))
     finally:
         lock.release()
     return final, meta
@@ -346,7 +360,7 @@ def reserve(path: Path, size: int) -> None:
             free = shutil.disk_usage(path.parent).free
             raise DiskFull(
                 errno.ENOSPC,
-                f"not enough disk space for the memmap cache in {path.parent}: it needs "
+                f"not enough disk space for the cache in {path.parent}: it needs "
                 f"{size / GiB:.2f} GiB ({size:,} bytes), {(free + held) / GiB:.2f} GiB are "
                 "free there. Free some space, or put the cache on a larger disk with "
                 "RUNNER_CACHE=/path (dataset.cache_dir)") from e
