@@ -46,13 +46,13 @@ from runner.data.storage.decode import CorruptImageError, ImageDecoder, read_jpe
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import (
     DONE,
-    GiB,
     META,
     PLAN,
     SOURCE_DTYPE,
     SOURCES,
     CacheSpec,
     DiskFull,
+    GiB,
     _resume,
     check_skipped,
     chunk_ranges,
