@@ -74,9 +74,10 @@ UNEVEN.append("dataset.num_images=61")  # 61 images, 2 ranks, batch 8: a padded 
 
 
 @pytest.mark.slow
-def test_two_ranks_infer_every_image_exactly_once(tmp_path: Path, cache_dir: Path):
+@pytest.mark.parametrize("loader", ["folder", "packed"])
+def test_two_ranks_infer_every_image_exactly_once(tmp_path: Path, cache_dir: Path, loader: str):
     torchrun(*UNEVEN, "task=infer", "logger=none", "diagnose=false", "hydra.run.dir=run",
-             cwd=tmp_path)
+             f"loader={loader}", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m["status"] == "ok" and m["distributed"]["world"] == 2
     assert m["distributed"]["backend"] == "gloo"
