@@ -14,6 +14,13 @@ the folder storage against its decode ceiling (one thread's read + decode + resi
 the same files, times the decode threads) at batch 32, 64 and 256, in alternating rounds.
 Prints images/s, the ratios, whether each target holds, and writes the figures as JSON.
 
+``python -m runner.bench stores`` (also section 8 of ``loaders``): the stores for datasets of
+every size on the same images: folder (simplejpeg with DCT scaling, and the region decoder),
+packed at store_size 256, memmap and ram, each with center and random crops at batch 64 and
+256, memmap stored at 256 against stored at the output size, folder and packed with a cold
+page cache; the bytes on disk; each target PASS/FAIL with the median and range of the
+ratios over alternating rounds.
+
 ``python -m runner.bench gil``: whether each decoder releases the GIL: the same files
 decoded by one thread and by one thread per core.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -278,7 +286,7 @@ def bench_loaders(args: argparse.Namespace) -> dict:
     record("naive_folder", naive_rate)
     print("4. the runner's loaders (model=none)")
     folder_cfgs = {}
-    for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision"):
+    for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision", "region"):
         draft = decoder in ("pil", "simplejpeg")
         for mode, extra in (("workers", ["loader.num_workers=2"]),
                             ("threads", ["loader.num_workers=0"])):
@@ -307,8 +315,9 @@ def bench_loaders(args: argparse.Namespace) -> dict:
     stem = best.rsplit("_", 1)[0]  # the best decoder, in both modes: workers and threads
     ceiling = decode_ceiling(args, base, {mode: folder_cfgs[f"{stem}_{mode}"]
                                           for mode in ("workers", "threads")}, stem)
+    stores = bench_stores(args, base)
     return {"rates": rates, "overhead": overhead, "folder_vs_naive_rounds": rounds,
-            "best_folder": best, "ceiling": ceiling}
+            "best_folder": best, "ceiling": ceiling, "stores": stores}
 
 
 def decode_ceiling(args: argparse.Namespace, base: list[str], modes: dict[str, Config],
@@ -352,6 +361,122 @@ def decode_ceiling(args: argparse.Namespace, base: list[str], modes: dict[str, C
             "batch_sizes": sizes, "rounds": [{"ceiling": r["ceiling"], **{
                 f"batch_{b}": r[f"{best}_batch_{b}"] for b in sizes}} for r in rounds],
             "all_rounds": rounds}
+
+
+# The stores compared by ``bench stores`` (and section 8 of ``bench loaders``): the overrides
+# of each, beside the bench's base ones. The best folder configurations are the fastest
+# decoder with DCT scaling (simplejpeg, loader.draft) and the region decoder, in threads.
+STORE_CONFIGS = {
+    "folder_simplejpeg_draft": ["loader=folder", "loader.decoder=simplejpeg", "loader.draft=true"],
+    "folder_region": ["loader=folder", "loader.decoder=region"],
+    "packed": ["loader=packed", "dataset.store_size=256"],
+    "memmap": ["loader=memmap"],
+    "memmap_store_256": ["loader=memmap", "dataset.store_size=256"],
+    "ram": ["loader=ram"],
+}
+FOLDERS = ("folder_simplejpeg_draft", "folder_region")
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def bench_stores(args: argparse.Namespace, base: list[str]) -> dict:
+    """Folder, packed, memmap and ram on the same images: center and random crops at batch
+    64 and 256, memmap stored at 256 against stored at the output size, and a cold page
+    cache (folder and packed, batch 64), in alternating rounds; plus the bytes each store
+    holds on disk."""
+    from runner.data.storage import packed_spec
+    from runner.data.storage.memmap import IMAGES
+
+    base = [o for o in base if not o.startswith("loader.batch_size=")]
+    rows = [(name, crop, b, "warm") for b in (64, 256) for crop in ("center", "random")
+            for name in STORE_CONFIGS
+            if not (crop == "center" and name == "memmap_store_256")]
+    rows += [(name, "center", 64, "cold") for name in (*FOLDERS, "packed")]
+    print(f"8. stores: folder, packed (store 256), memmap and ram; center and random crops; "
+          f"warm and cold page cache; {args.rounds} alternating rounds", flush=True)
+    for name, extra in STORE_CONFIGS.items():  # build every cache first, outside the timing
+        config = compose([*base, *extra])
+        try:
+            build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
+        except DecoderUnavailable as e:
+            print(f"  {name}: skipped ({e})", flush=True)
+            rows = [r for r in rows if r[0] != name]
+    rounds: list[dict[str, float]] = []
+    for k in range(args.rounds):
+        row = {}
+        for name, crop, b, cache in rows:
+            config = compose([*base, *STORE_CONFIGS[name], f"dataset.crop={crop}",
+                              f"loader.batch_size={b}", f"dataset.page_cache={cache}"])
+            row[f"{name}/{crop}/{b}/{cache}"] = runner_rate(config, args.seconds)
+        rounds.append(row)
+        print(f"  round {k + 1} done", flush=True)
+    keys = list(rounds[0]) if rounds else []
+    print(f"  {'store / crop / batch / page cache':44s} {'median':>9s}  (min-max) images/s")
+    for key in keys:
+        values = [r[key] for r in rounds]
+        print(f"  {key:44s} {_median(values):>9,.0f}  ({min(values):,.0f}-{max(values):,.0f})")
+    config = compose([*base, *STORE_CONFIGS["packed"]])
+    path = resolve_dataset(config.dataset)
+    packed_bytes = os.path.getsize(packed_spec(config.dataset, path).folder(
+        Path(config.dataset.cache_dir)) / "images.bin")
+    memmap_cfg = compose([*base, "loader=memmap"])
+    memmap_bytes = os.path.getsize(Path(build_storage(
+        memmap_cfg.loader, memmap_cfg.dataset, path).files[0]).parent / IMAGES)
+    print(f"  on disk: packed {packed_bytes / 1e6:,.1f} MB, memmap at {args.size}x{args.size} "
+          f"{memmap_bytes / 1e6:,.1f} MB")
+    return {"rounds": rounds, "packed_bytes": packed_bytes, "memmap_bytes": memmap_bytes}
+
+
+def store_targets(stores: dict) -> list[tuple[str, float, float, str]]:
+    """(what, median ratio, target, spread) for each target of the stores benchmark: each
+    ratio is taken within a round, then the median and range over rounds."""
+    rounds = stores["rounds"]
+
+    def best_folder(r: dict, crop: str, b: int, cache: str = "warm") -> float:
+        return max(r.get(f"{f}/{crop}/{b}/{cache}", 0.0) for f in FOLDERS)
+
+    def ratio(what: str, fn, target: float) -> tuple[str, float, float, str]:
+        values = [fn(r) for r in rounds]
+        return what, _median(values), target, f"{min(values):.2f}-{max(values):.2f}"
+
+    checks = []
+    for b in (64, 256):
+        checks.append(ratio(f"packed center / best folder center, batch {b}",
+                            lambda r, b=b: r[f"packed/center/{b}/warm"] /
+                            best_folder(r, "center", b), 1.5))
+    for b in (64, 256):
+        checks.append(ratio(f"best folder random / best folder center, batch {b}",
+                            lambda r, b=b: best_folder(r, "random", b) /
+                            best_folder(r, "center", b), 0.9))
+        checks.append(ratio(f"packed random / packed center, batch {b}",
+                            lambda r, b=b: r[f"packed/random/{b}/warm"] /
+                            r[f"packed/center/{b}/warm"], 0.9))
+    checks.append(ratio("packed cold / best folder cold, batch 64",
+                        lambda r: r["packed/center/64/cold"] / best_folder(r, "center", 64,
+                                                                           "cold"), 3.0))
+    for b in (64, 256):
+        checks.append(ratio("memmap stored at 256, random / memmap stored at the output "
+                            f"size, random, batch {b}",
+                            lambda r, b=b: r[f"memmap_store_256/random/{b}/warm"] /
+                            r[f"memmap/random/{b}/warm"], 0.8))
+    size = stores["memmap_bytes"] / stores["packed_bytes"]
+    checks.append(("memmap at the output size / packed, bytes on disk", size, 4.0, "-"))
+    return checks
+
+
+def print_store_targets(stores: dict) -> list[dict]:
+    out = []
+    print("\nstore targets (median of rounds, range in brackets)")
+    for what, value, target, spread in store_targets(stores):
+        met = value >= target
+        print(f"  {'PASS' if met else 'FAIL'}  {what}: {value:.2f}x ({spread}; target "
+              f">= {target:g}x)")
+        out.append({"what": what, "ratio": value, "target": target, "spread": spread,
+                    "met": met})
+    return out
 
 
 def best_overrides(cfg: Config, base: list[str]) -> list[str]:
@@ -423,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating folder/naive rounds")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    t = sub.add_parser("stores", help="folder, packed, memmap and ram: center/random, warm/cold")
+    t.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    t.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    t.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    t.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    t.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     g = sub.add_parser("gil", help="does each decoder release the GIL (1 thread vs one per core)")
     g.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
     g.add_argument("--seconds", type=float, default=3.0, help="per measurement")
@@ -432,13 +563,28 @@ def main(argv: list[str] | None = None) -> int:
         bench_gil(args)
         return 0
     torch.manual_seed(0)
+    if args.command == "stores":
+        print(f"runner.bench stores on {platform.machine()} ({torch.get_num_threads()} "
+              f"threads, torch {torch.__version__})", flush=True)
+        base = [*args.overrides, f"dataset.image_size=[{args.size},{args.size}]",
+                "model=none", "logger=none", "run.progress=false"]
+        stores = bench_stores(args, base)
+        checks = print_store_targets(stores)
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = args.out / f"stores-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+        out.write_text(json.dumps({"stores": stores, "targets": checks, "args": {
+            k: str(v) for k, v in vars(args).items()}}, indent=2))
+        print(f"\nwritten to {out}")
+        return 0 if all(c["met"] for c in checks) else 1
     print(f"runner.bench loaders on {platform.machine()} ({torch.get_num_threads()} threads, "
           f"torch {torch.__version__})", flush=True)
     result = bench_loaders(args)
     print_report(result)
+    store_checks = print_store_targets(result["stores"])
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"loaders-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
     checks = [dict(zip(("what", "ratio", "target", "met"), c)) for c in report(result)]
+    checks += store_checks
     out.write_text(json.dumps({**result, "targets": checks, "args": {
         k: str(v) for k, v in vars(args).items()}}, indent=2))
     print(f"\nwritten to {out}")

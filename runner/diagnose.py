@@ -49,8 +49,8 @@ ADVICE = {
     "storage": "the disk, not decode, is the limit: try loader=ram, a warm page cache "
                "(dataset.page_cache=warm), smaller files (python -m runner.prepare reencode "
                "--quality 75) or faster storage",
-    "decode": "try loader=memmap or loader=ram (decode once), loader.decoder=simplejpeg, "
-              "loader.draft=true or more loader.num_workers",
+    "decode": "try loader=memmap or loader=ram (decode once), loader=packed, "
+              "loader.decoder=region or more loader.num_workers",
     "collate": "try loader.batched=true (one call per batch) or loader=memmap",
     "gather": "a batched gather is a memory copy already; only fewer bytes per image "
               "(a smaller dataset.image_size) or a model that keeps up will change this",
@@ -66,9 +66,13 @@ def advice_for(cfg: Config, stage: str) -> str:
         return ADVICE[stage]
     loader = cfg.loader
     tries = ["loader=memmap or loader=ram (decode once)"]
-    if loader.decoder.value != "simplejpeg":
-        tries.append("loader.decoder=simplejpeg")
-    if not loader.draft:
+    if loader.name.value == "folder":
+        tries.append("loader=packed (re-encoded once at dataset.store_size: less to decode)")
+    elif loader.name.value == "packed":
+        tries.append("a smaller dataset.store_size")
+    if loader.decoder.value not in ("simplejpeg", "region"):
+        tries.append("loader.decoder=region (decodes only the crop)")
+    if not loader.draft and loader.decoder.value in ("pil", "simplejpeg"):
         tries.append("loader.draft=true")
     tries.append("more loader.num_workers" if loader.num_workers > 0
                  else "more loader.decode_threads (more cores)")

@@ -389,9 +389,14 @@ def test_decode_advice_leaves_out_what_the_run_already_does():
     threads = advice(compose(["loader=folder", "loader.draft=true"]), "decode")
     assert "simplejpeg" not in threads and "draft" not in threads
     assert "loader.decode_threads" in threads and "memmap" in threads
+    assert "loader=packed" in threads  # a folder: packing once leaves less to decode
     workers = advice(compose(["loader=folder", "loader.decoder=pil", "loader.num_workers=2"]),
                      "decode")
-    assert "loader.decoder=simplejpeg" in workers and "loader.num_workers" in workers
+    assert "loader.decoder=region" in workers and "loader.num_workers" in workers
+    assert "loader.draft=true" in workers
+    packed = advice(compose(["loader=packed"]), "decode")  # region: no decoder, no draft
+    assert "decoder" not in packed and "draft" not in packed
+    assert "dataset.store_size" in packed and "loader=packed" not in packed
 
 
 @pytest.mark.slow

@@ -122,6 +122,7 @@ class ThreadedBatches:
         return items
 
     def _submit(self, executor: ThreadPoolExecutor, index: torch.Tensor) -> tuple:
+        self.storage.will_need(index)  # a cold page cache: reading starts before decoding
         indices = index.tolist()
         if self.order.crop_seeds:
             indices = list(zip(indices, self.order.seeds_for(index)))

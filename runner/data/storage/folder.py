@@ -187,6 +187,10 @@ class FolderStorage(torch.utils.data.Dataset):
             timeline.record("decode", t1, time.perf_counter())
         return item
 
+    def will_need(self, index: torch.Tensor) -> None:
+        """A hint that the items of ``index`` are read soon (a packed store starts reading
+        them); nothing for a folder: opening each file to say so would cost a read's worth."""
+
     def read(self, index: int) -> bytearray | memoryview:
         """The encoded bytes of item ``index``: its file, read whole."""
         return read_file(self.samples[index][0])
