@@ -122,7 +122,8 @@ def _available_decoders() -> list[str]:
     from runner.errors import Unavailable
 
     found = []
-    for decoder in (Decoder.pil, Decoder.simplejpeg, Decoder.jpeg4py, Decoder.torchvision):
+    for decoder in (Decoder.pil, Decoder.simplejpeg, Decoder.jpeg4py, Decoder.torchvision,
+                    Decoder.region):
         try:
             check_decoder(decoder)
             found.append(decoder.value)
@@ -146,7 +147,7 @@ def autotune_choices(cfg: DictConfig, cuda: bool, cores: int) -> dict[str, list]
 
     workers = sorted({0, 1, 2, *(w for w in (4, 8, 16) if w <= cores)})
     choices = {
-        "loader": ["folder", "memmap", "ram"],
+        "loader": ["folder", "packed", "memmap", "ram"],
         "loader.decoder": _available_decoders() + (["nvjpeg"] if cuda else []),
         "loader.draft": [False, True],
         "loader.num_workers": workers,
@@ -172,8 +173,8 @@ def _given(cfg: DictConfig) -> set[str]:
 def autotune_space(cfg: DictConfig, trial: Any) -> None:
     """hydra-optuna-sweeper's ``custom_search_space``: suggest this trial's knobs.
 
-    Conditional and device-aware: decoder and draft only for the folder storage, workers
-    only where a storage decodes per epoch (the memmap/ram presets gather in-process),
+    Conditional and device-aware: decoder only where a storage decodes per epoch (folder,
+    packed), draft only for the decoders that scale (pil, simplejpeg), workers only there (the memmap/ram presets gather in-process),
     prefetch depth only with a prefetcher, channels_last only with a model; GPU-only
     choices only with CUDA. Trial 0 is the configuration as given (the defaults plus the
     command line): the baseline every gain is measured against, in the same sweep.
@@ -194,9 +195,9 @@ def autotune_space(cfg: DictConfig, trial: Any) -> None:
         return trial.suggest_categorical(key, choices[key])
 
     storage = pick("loader")
-    if storage == "folder":
-        pick("loader.decoder")
-        pick("loader.draft")
+    if storage in ("folder", "packed"):  # decoded every epoch
+        if pick("loader.decoder") in ("pil", "simplejpeg"):
+            pick("loader.draft")
         pick("loader.num_workers")
     pick("loader.batch_size")
     if pick("prefetch") != "none":

@@ -319,3 +319,53 @@ def test_a_store_size_below_the_image_size_is_refused():
     with pytest.raises(ConfigError, match=r"dataset.store_size=100 .*shorter side of "
                                           r"dataset.image_size=\[224, 224\]"):
         compose(["dataset.store_size=100", "loader=memmap"])
+
+
+# --- python -m runner.prepare packed / sizes ------------------------------------------------------
+
+def test_prepare_packed_builds_the_store_a_run_opens_and_prints_the_sizes(
+        source: Path, tmp_path: Path, capsys, monkeypatch):
+    from runner.data.storage import build_storage, resolve_dataset
+    from runner.prepare import main as prepare_main
+
+    overrides = [f"dataset.path={source}", "dataset.image_size=[32,32]", "dataset.store_size=40",
+                 f"dataset.cache_dir={tmp_path / 'cache'}", "run.progress=false"]
+    assert prepare_main(["packed", *overrides]) == 0
+    out = capsys.readouterr().out
+    printed = Path(out.strip().splitlines()[-1])
+    assert (printed / META).exists() and printed.parent.name == "packed"
+    assert "31 images" in out and "pick: loader=memmap" in out  # a tiny dataset fits memory
+    table = {line.split()[0]: line for line in out.splitlines() if line.startswith("loader=")}
+    assert set(table) == {"loader=folder", "loader=memmap", "loader=packed"}
+    assert "raw uint8 at 40x40" in table["loader=memmap"]  # the stored size, not the output
+    # the estimate (from a sample) is near the bytes the store really holds
+    estimate = packed.estimate_bytes(folder_of(source), spec_for(source))
+    actual = os.path.getsize(printed / DATA)
+    assert 0.7 < estimate / actual < 1.4
+
+    from runner.compose import compose
+
+    calls = []
+    real = packed._convert
+    monkeypatch.setattr(packed, "_convert", lambda *a: calls.append(1) or real(*a))
+    config = compose([*overrides, "loader=packed"])
+    store = build_storage(config.loader, config.dataset, resolve_dataset(config.dataset), False)
+    assert calls == [] and len(store) == 30  # the run opens what prepare built
+
+
+def test_prepare_sizes_picks_packed_when_the_raw_store_does_not_fit(source: Path,
+                                                                    tmp_path: Path, capsys,
+                                                                    monkeypatch):
+    from runner import prepare
+
+    overrides = [f"dataset.path={source}", "dataset.image_size=[32,32]",
+                 f"dataset.cache_dir={tmp_path / 'cache'}", "run.progress=false"]
+    sizes = prepare.store_sizes(prepare.compose(overrides))
+    raw, packed_store = sizes.stores[1].nbytes, sizes.stores[2].nbytes
+    assert raw == 31 * 3 * 32 * 32 and packed_store < raw
+    # memory between the two: only the packed store fits the page cache
+    monkeypatch.setattr(prepare, "memory_available", lambda: int((raw + packed_store) / 2 / 0.8))
+    assert prepare.main(["sizes", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "pick: loader=packed: the raw store does not fit the page cache" in out
+    assert not (tmp_path / "cache" / "packed").exists()  # sizes only measures
