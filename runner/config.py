@@ -33,6 +33,7 @@ class StorageName(Enum):
     memmap = "memmap"
     ram = "ram"
     packed = "packed"  # JPEGs re-encoded once at dataset.store_size into one file
+    dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
 
 
 class Decoder(Enum):

@@ -55,6 +55,9 @@ ADVICE = {
     "gather": "a batched gather is a memory copy already; only fewer bytes per image "
               "(a smaller dataset.image_size) or a model that keeps up will change this",
     "copy": "try loader.pin_memory=true and prefetch=gpu; batches already cross as uint8",
+    "dali": "DALI's pipeline is one stage the runner cannot look inside (read, decode and "
+            "crop together); compare it with loader=packed, memmap or ram in "
+            "python -m runner -m sweep=rivals",
     "model": "try amp=bf16 (or fp16 on CUDA), model.channels_last=true, a larger batch, or a "
              "smaller model",
 }
@@ -116,7 +119,10 @@ def probe(fn: Callable[[], int], sync: Callable[[], None] = lambda: None,
 
 
 def _parallelism(cfg: Config, storage: Storage) -> int:
-    """How many stage copies run at once: the workers, or the decode threads."""
+    """How many stage copies run at once: the workers, or the decode threads (a rival's
+    pipeline is probed whole, with its own threads: one)."""
+    if storage.opaque:
+        return 1
     workers = cfg.loader.num_workers or decode_threads(cfg.loader, storage)
     return max(1, min(workers, cores())) if workers > 0 else 1
 

@@ -120,10 +120,16 @@ class BatchOrder:
         order = (starts[:, None] * self.block + torch.arange(self.block)).flatten()
         return order[order < self.size]
 
-    def batches(self) -> Iterator[torch.Tensor]:
-        """The next epoch's batches (``set_epoch``'s epoch, else the one after the last)."""
+    def begin_epoch(self) -> int:
+        """Move to the next epoch (``set_epoch``'s, else the one after the last); returns
+        how many of its batches were already done (a resume)."""
         self.epoch = self._next if self._next is not None else self.epoch + 1
         skip, self._next, self._skip = self._skip, None, 0
+        return skip
+
+    def batches(self) -> Iterator[torch.Tensor]:
+        """The next epoch's batches (``set_epoch``'s epoch, else the one after the last)."""
+        skip = self.begin_epoch()
         order = self.epoch_order(self.epoch)
         if self.world > 1:
             pads = self.per_rank * self.world - self.size

@@ -198,7 +198,10 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         page_cache = ColdPageCache(storage.files, storage.reopen)
     pin = pin_memory(config.loader, device)
     order = batch_order(storage, config.loader, config.seed, ranks.rank, ranks.world)
-    loader = build_loader(storage, config.loader, order, pin)
+    if storage.opaque:  # a rival's own pipeline (loader=dali) in place of the runner's
+        loader = storage.own_loader(order, device)
+    else:
+        loader = build_loader(storage, config.loader, order, pin)
     if config.loader.decoder is Decoder.nvjpeg:  # a stage above the loader: decode on the GPU
         loader = GpuDecodedBatches(loader, storage, device)
     if len(loader) == 0:

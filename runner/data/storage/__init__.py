@@ -104,11 +104,22 @@ def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                              folder.decode, progress)
 
 
+def open_dali(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+              progress: bool = True) -> Storage:
+    """The folder at ``path`` for NVIDIA DALI's own pipeline (the rival, measured the
+    runner's way; runner/data/storage/dali.py)."""
+    from runner.data.storage.dali import DaliStorage, check_dali
+
+    check_dali()  # before listing the folder: a clear skip when DALI is not installed
+    return DaliStorage(open_folder(loader, dataset, path, progress), loader, dataset)
+
+
 STORAGES: dict[StorageName, Callable[..., Storage]] = {
     StorageName.folder: open_folder,
     StorageName.memmap: open_memmap,
     StorageName.ram: open_ram,
     StorageName.packed: open_packed,
+    StorageName.dali: open_dali,
 }
 
 

@@ -82,6 +82,9 @@ class Storage(Protocol):
             random crops of training batches happen on the device).
         random_crops: True when items take ``(index, crop_seed)`` and crop at random while
             decoding; the batch order then hands out a seed per image and epoch.
+        opaque: True when the storage brings its own loader (a rival's pipeline: DALI,
+            ``own_loader(order, device)``): the runner's loaders are not used, and the
+            verdict probes that pipeline whole, as one stage.
     """
 
     root: Path
@@ -89,6 +92,7 @@ class Storage(Protocol):
     known_skipped: list[SkippedFile]
     decodes_per_epoch: bool
     random_crops: bool
+    opaque: bool
 
     def __len__(self) -> int: ...
 

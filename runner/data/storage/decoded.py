@@ -45,6 +45,7 @@ class DecodedStorage(Dataset):
     """
 
     decodes_per_epoch = False
+    opaque = False  # the runner's own loaders read it
     random_crops = False  # center crops decoded once; random ones happen on the device
     # what the model gets (dataset.image_size): a store at dataset.store_size is cropped
     # to it on the device (runner/data/augment.py); None: images are stored at it

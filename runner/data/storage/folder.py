@@ -126,6 +126,7 @@ class FolderStorage(torch.utils.data.Dataset):
     """
 
     decodes_per_epoch = True
+    opaque = False  # the runner's own loaders read it
     image_bytes = None  # one file per image
 
     def __init__(self, path: str | Path, decode: ImageDecoder | ReadBytes, on_corrupt: OnCorrupt):

@@ -1,0 +1,248 @@
+"""``loader=dali``: NVIDIA DALI's own pipeline over ``dataset.path``, measured the runner's way.
+
+A user choosing a data path asks whether the runner's loader beats what they would use
+otherwise; this storage answers on their own data, in the same loop, figures and verdict.
+The pipeline is what a DALI user writes: ``fn.readers.file`` (DALI's reader, its own
+seeded shuffle: a full permutation after every epoch, ``shuffle_after_epoch``; disjoint
+shards under torchrun), the image decoder (``decoders.image`` for center crops,
+``decoders.image_random_crop`` for random-resized crops, which decodes only the crop's
+window), a resize to ``dataset.image_size`` and ``crop_mirror_normalize`` to uint8 CHW (the
+runner's batch: uint8 NCHW, labels, indices; the random flip a coin per image). On CUDA
+the decoder is DALI's mixed (nvJPEG) one and the images arrive on the GPU, handed over
+without a copy; on the CPU, its CPU decoders. It runs with one thread per core (or
+``loader.decode_threads``), like the runner's decode threads.
+
+Corrupt files: DALI cannot skip a sample inside a pipeline (its maintainers: the reader
+has no way to replace it, NVIDIA/DALI#3913); one undecodable file stops the pipeline for
+good ("Current pipeline object is no longer valid"). So the runner screens the files
+first, once per run: a file that is empty, not a JPEG or PNG with a readable header, or a
+JPEG without its end-of-image marker (a truncated file) is left out and reported as
+skipped, as the runner's own loaders report theirs. A file that passes the screen and still
+fails inside DALI (corrupt entropy-coded data) fails the run with DALI's message, which
+names the file where DALI does; a sweep goes on. DALI's own order is not the runner's
+permutation, so a resumed ``loader=dali`` run continues at the right step but not with the
+exact batches of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from runner.config import Crop, DatasetConfig, LoaderConfig
+from runner.data.order import BatchOrder
+from runner.data.storage.base import Probe, SkippedFile
+from runner.data.storage.decode import read_jpeg_header
+from runner.data.storage.folder import DatasetError, FolderStorage, printable
+from runner.data.threads import cores
+from runner.errors import Unavailable, UserError
+
+log = logging.getLogger(__name__)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+HEAD = 64 * 1024  # bytes read to find a JPEG's frame header (all of most files)
+TAIL = 64  # bytes at the end searched for the end-of-image marker
+
+
+class DaliStopped(UserError, RuntimeError):
+    """DALI's pipeline stopped on a file it could not decode; the message says which, when
+    DALI does, and the fix."""
+
+
+class RivalUnavailable(Unavailable):
+    """The rival's package is not installed here; the message names the install."""
+
+
+def check_dali() -> None:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as e:
+        raise RivalUnavailable(
+            "loader=dali needs NVIDIA DALI: pip install -e '.[dali]' (the "
+            "nvidia-dali-cuda130 wheel; it runs on the CPU too)") from e
+
+
+def screen_file(path: str) -> str | None:
+    """Why DALI could not decode ``path`` (empty, not an image, truncated), or None.
+
+    Reads the first 64 KB and the last 64 bytes: a readable JPEG frame header or a PNG
+    signature, and a JPEG's end-of-image marker. Corrupt data between them passes."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(HEAD)
+            if not head:
+                return "empty file"
+            if head[:8] == PNG:
+                return None
+            header = read_jpeg_header(head)
+            if header is None and size > HEAD:  # a header behind a large EXIF block
+                header = read_jpeg_header(head + f.read())
+            if header is None:
+                return "not a JPEG or PNG with a readable header"
+            f.seek(max(0, size - TAIL))
+            if b"\xff\xd9" not in f.read(TAIL):
+                return "truncated: the JPEG has no end-of-image marker"
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    return None
+
+
+class DaliStorage(FolderStorage):
+    """The screened image folder, read and decoded by DALI's pipeline (``loader.name``
+    dali). Its loader is DALI's (``own_loader``): one stage the runner cannot look
+    inside, probed whole by the verdict (``probes``)."""
+
+    opaque = True  # the verdict probes the pipeline whole, with its own threads
+
+    def __init__(self, folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig):
+        check_dali()
+        start = time.perf_counter()
+        kept, skipped = [], []
+        for path, label in folder.samples:
+            reason = screen_file(path)
+            if reason is None:
+                kept.append((path, label))
+            else:
+                skipped.append(SkippedFile(path, f"screened out for DALI: {reason}"))
+        if not kept:
+            raise DatasetError(f"no file of {folder.root} passes the screen for DALI")
+        log.info("screened %d files for DALI in %.1f s: %d left out (DALI stops on a file it "
+                 "cannot decode)", len(folder.samples), time.perf_counter() - start,
+                 len(skipped))
+        self.root, self.classes, self.samples = folder.root, folder.classes, kept
+        self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
+        for s in skipped:
+            folder.undecodable(s.path, ValueError(s.error), -1)  # on_corrupt=fail raises
+        self.known_skipped = skipped
+        self.loader_cfg, self.dataset = loader, dataset
+        self.threads = loader.decode_threads or cores()
+
+    def own_loader(self, order: BatchOrder, device: torch.device) -> DaliBatches:
+        return DaliBatches(self, order, device)
+
+    def probes(self, batch_size: int) -> dict[str, Probe]:
+        """The whole pipeline, one batch per call (a fresh pipeline on the CPU)."""
+        order = BatchOrder(len(self), batch_size, True, True, seed=0)
+        batches = DaliBatches(self, order, torch.device("cpu"))
+        stream = None
+
+        def dali() -> int:
+            nonlocal stream
+            for _ in range(2):
+                if stream is None:
+                    stream = iter(batches)
+                batch = next(stream, None)
+                if batch is not None:
+                    return len(batch[0]["label"])
+                stream = None
+            return 0
+
+        return {"dali": dali}
+
+
+def _pipeline(storage: DaliStorage, order: BatchOrder, device: torch.device):
+    from nvidia.dali import fn, pipeline_def, types
+
+    crop = storage.dataset.crop
+    h, w = (int(v) for v in storage.dataset.image_size)
+    cuda = device.type == "cuda"
+
+    @pipeline_def
+    def pipe():
+        jpegs, index = fn.readers.file(
+            files=[p for p, _ in storage.samples], labels=list(range(len(storage))),
+            shard_id=order.rank, num_shards=order.world, random_shuffle=False,
+            shuffle_after_epoch=order.shuffle, pad_last_batch=True, name="Reader",
+            seed=order.seed + 1)
+        decoder = "mixed" if cuda else "cpu"
+        if crop is Crop.random:
+            images = fn.decoders.image_random_crop(
+                jpegs, device=decoder, output_type=types.RGB, random_area=[0.08, 1.0],
+                random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+            images = fn.resize(images, size=[h, w], antialias=True)
+            mirror = fn.random.coin_flip()
+        else:
+            images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+            images = fn.resize(images, mode="not_smaller", size=[h, w], antialias=True)
+            mirror = 0
+        images = fn.crop_mirror_normalize(images, crop=[h, w], dtype=types.UINT8,
+                                          output_layout="CHW", mirror=mirror)
+        return images, index
+
+    return pipe(batch_size=order.batch_size, num_threads=storage.threads,
+                device_id=(device.index or 0) if cuda else None,
+                seed=order.seed * 1009 + order.rank, prefetch_queue_depth=2)
+
+
+class DaliBatches:
+    """One epoch of DALI batches per iteration, as the runner's loaders yield them:
+    ``({image, label, index[, valid]}, skipped files)``.
+
+    Under torchrun the iterator fills a shard's last batch with repeated samples (every
+    shard yields the same number of batches, as DDP needs); those rows are marked not
+    ``valid`` and not counted, as the runner's own padding is. In one process the last
+    batch is short, as the runner's own loaders give it.
+    """
+
+    def __init__(self, storage: DaliStorage, order: BatchOrder, device: torch.device):
+        from nvidia.dali.plugin.base_iterator import LastBatchPolicy
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+        self.storage, self.order = storage, order
+        self.labels = torch.tensor([label for _, label in storage.samples], dtype=torch.int64)
+        n, r, s = len(storage), order.rank, order.world
+        self.shard = n * (r + 1) // s - n * r // s  # DALI's shard: [n r / s, n (r + 1) / s)
+        pipe = _pipeline(storage, order, device)
+        pipe.build()
+        # one process: a short last batch, as the runner's own loaders give; torchrun: every
+        # rank the same number of full batches, the fill marked not valid
+        policy = (LastBatchPolicy.DROP if order.drop_last else
+                  LastBatchPolicy.FILL if order.world > 1 else LastBatchPolicy.PARTIAL)
+        self.iterator = DALIGenericIterator(pipe, ["image", "index"], reader_name="Reader",
+                                            last_batch_policy=policy,
+                                            auto_reset=True)
+        self.batches = len(self.iterator)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self):
+        skip = self.order.begin_epoch()  # batches of a resumed epoch already done
+        bs = self.order.batch_size
+        try:
+            for k, out in enumerate(self.iterator):
+                if k < skip:
+                    continue
+                image, index = out[0]["image"], out[0]["index"].flatten().to(torch.int64)
+                index = index.cpu()
+                batch = {"image": image, "label": self.labels[index], "index": index}
+                real = self.shard - k * bs  # rows of this shard left at this batch
+                if real < len(index):
+                    batch["valid"] = torch.arange(len(index)) < real
+                yield batch, []
+        except RuntimeError as e:
+            raise DaliStopped(f"DALI's pipeline stopped: {_dali_reason(str(e))} (DALI cannot "
+                              "skip a file it fails to decode: remove it from "
+                              f"{printable(str(self.storage.root))}, or use a runner loader, "
+                              "which skips and counts such files)") from e
+
+
+def _dali_reason(message: str) -> str:
+    """What DALI says went wrong, without its pipeline traceback: the lines after
+    "encountered:" (they name the file where DALI knows it), else the first lines."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if "encountered:" in lines:
+        after = lines[lines.index("encountered:") + 1 :]
+        cause = [line for line in after if not line.startswith("Current pipeline")]
+        return "; ".join(cause[:3])
+    return "; ".join(lines[:3])
+
+
+def open_dali(folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig
+              ) -> DaliStorage:
+    return DaliStorage(folder, loader, dataset)
+
