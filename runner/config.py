@@ -34,6 +34,7 @@ class StorageName(Enum):
     ram = "ram"
     packed = "packed"  # JPEGs re-encoded once at dataset.store_size into one file
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
+    ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
 
 
 class Decoder(Enum):
@@ -196,9 +197,13 @@ class LoaderConfig:
     # loader=folder with num_workers=0: decode with this many threads in the main process,
     # straight into reused batch buffers (unset: the cores available; 0: the main thread)
     decode_threads: int | None = None
+    # loader=ffcv: how its .beton stores images: jpg (at dataset.store_quality) or raw
+    ffcv_mode: str = "jpg"
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "loader.batch_size", self.batch_size, "must be >= 1")
+        _require(self.ffcv_mode in ("jpg", "raw"), "loader.ffcv_mode", self.ffcv_mode,
+                 "must be jpg or raw")
         _require(self.decode_threads is None or self.decode_threads >= 0,
                  "loader.decode_threads", self.decode_threads,
                  "must be >= 0 (0: decode in the main thread; unset: one per core)")

@@ -58,6 +58,9 @@ ADVICE = {
     "dali": "DALI's pipeline is one stage the runner cannot look inside (read, decode and "
             "crop together); compare it with loader=packed, memmap or ram in "
             "python -m runner -m sweep=rivals",
+    "ffcv": "FFCV's Loader is one stage the runner cannot look inside (read, decode and crop "
+            "together); compare it with loader=packed, memmap or ram in "
+            "python -m runner -m sweep=rivals",
     "model": "try amp=bf16 (or fp16 on CUDA), model.channels_last=true, a larger batch, or a "
              "smaller model",
 }

@@ -160,3 +160,54 @@ def test_on_corrupt_fail_stops_on_a_screened_file(tree: Path):
     folder = FolderStorage(tree, ImageDecoder(Decoder.simplejpeg, SIZE), OnCorrupt.fail)
     with pytest.raises(CorruptFileStop, match=r"empty\.jpg|notes\.jpg|truncated\.jpg"):
         DaliStorage(folder, config.loader, config.dataset)
+
+
+# --- loader=ffcv -------------------------------------------------------------------------------
+
+def ffcv_or_skip():
+    pytest.importorskip("ffcv.loader", reason="loader=ffcv needs: apt-get install libopencv-dev "
+                        "libturbojpeg0-dev pkg-config; pip install -e '.[ffcv]'")
+
+
+def ffcv_common(tree: Path, tmp_path: Path) -> list[str]:
+    return [o if o != "loader=dali" else "loader=ffcv" for o in common(tree, tmp_path)] + \
+        ["dataset.store_size=40"]
+
+
+@pytest.mark.parametrize("crop", ["center", "random"])
+def test_ffcv_trains_in_the_runners_loop_and_reports_what_it_left_out(tree: Path,
+                                                                      tmp_path: Path, crop):
+    ffcv_or_skip()
+    m = run_in_process(*ffcv_common(tree, tmp_path), "model=tiny", f"dataset.crop={crop}",
+                       run_dir=tmp_path / "run")
+    assert m["status"] == "ok" and m["images"] == 21
+    assert sorted(Path(f).name for f in m["skipped_files"]) == \
+        ["empty.jpg", "notes.jpg", "truncated.jpg"]
+    assert m["bottleneck"]["stage"] in ("ffcv", "model")
+
+
+def test_ffcv_batches_are_the_runners_batches_and_a_stale_beton_is_rebuilt(
+        tree: Path, tmp_path: Path, monkeypatch):
+    ffcv_or_skip()
+    import runner
+    from runner.data.storage import ffcv as ffcv_storage
+
+    def batches():
+        pipe = runner.pipeline(*ffcv_common(tree, tmp_path)[1:], "loader.shuffle=true",
+                               dataset_path=str(tree))
+        return pipe, list(pipe)
+
+    pipe, first = batches()
+    index = torch.cat([b["index"] for b in first])
+    assert sorted(index.tolist()) == list(range(21))  # every kept image once per epoch
+    for b in first:
+        assert b["image"].dtype == torch.uint8 and b["image"].shape[1:] == (3, *SIZE)
+        assert b["label"].tolist() == [pipe.storage.samples[int(i)][1] for i in b["index"]]
+    calls = []
+    real = ffcv_storage._convert
+    monkeypatch.setattr(ffcv_storage, "_convert", lambda *a: calls.append(1) or real(*a))
+    batches()
+    assert calls == []  # a valid .beton is reused
+    (tree / "c0" / "img00.jpg").write_bytes(encode(photo(60, 80, index=99)))
+    batches()
+    assert calls == [1]  # a changed source file rebuilds it

@@ -114,12 +114,23 @@ def open_dali(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     return DaliStorage(open_folder(loader, dataset, path, progress), loader, dataset)
 
 
+def open_ffcv(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+              progress: bool = True) -> Storage:
+    """The folder at ``path`` as an FFCV .beton read by FFCV's Loader (the rival, measured
+    the runner's way; runner/data/storage/ffcv.py)."""
+    from runner.data.storage.ffcv import FfcvStorage, check_ffcv
+
+    check_ffcv()
+    return FfcvStorage(open_folder(loader, dataset, path, progress), loader, dataset, progress)
+
+
 STORAGES: dict[StorageName, Callable[..., Storage]] = {
     StorageName.folder: open_folder,
     StorageName.memmap: open_memmap,
     StorageName.ram: open_ram,
     StorageName.packed: open_packed,
     StorageName.dali: open_dali,
+    StorageName.ffcv: open_ffcv,
 }
 
 
