@@ -211,3 +211,34 @@ def test_ffcv_batches_are_the_runners_batches_and_a_stale_beton_is_rebuilt(
     (tree / "c0" / "img00.jpg").write_bytes(encode(photo(60, 80, index=99)))
     batches()
     assert calls == [1]  # a changed source file rebuilds it
+
+
+def os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("rival", ["dali", "ffcv"])
+def test_a_closed_rival_leaves_no_threads_behind(tree: Path, tmp_path: Path, rival: str):
+    """A sweep runs its jobs in one process: a rival's threads left running took the
+    cores from the jobs after it (memmap measured at 20,000 img/s instead of 79,000)."""
+    (dali_or_skip if rival == "dali" else ffcv_or_skip)()
+    from runner.compose import compose
+    from runner.data import build_data_path
+
+    before = os_threads()
+    overrides = ffcv_common(tree, tmp_path) if rival == "ffcv" else common(tree, tmp_path)
+    data = build_data_path(compose(overrides), torch.device("cpu"), progress=False)
+    next(iter(data))  # an epoch left unfinished, as a run's last step leaves it
+    probe = data.storage.probes(8)[rival]
+    probe()
+    running = os_threads()
+    data.close()
+    import time
+
+    for _ in range(50):  # threads end within a moment of being told
+        if os_threads() <= before + 1:
+            break
+        time.sleep(0.1)
+    assert os_threads() <= before + 1, (before, running, os_threads())

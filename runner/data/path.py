@@ -139,7 +139,13 @@ class DataPath:
         return {"pin_memory": self.pin_memory, **self.batches.figures(steps), **page_cache}
 
     def close(self) -> None:
+        """Stop the loader's workers or threads (a rival's pipeline too) and whatever the
+        storage started (a verdict's probe pipeline)."""
         shutdown_workers(self.stream.loader)
+        for part in (self.stream.loader, self.storage):
+            close = getattr(part, "close", None)
+            if callable(close):
+                close()
 
 
 CROP_DRAWS = ("crop_area", "crop_aspect", "crop_place")

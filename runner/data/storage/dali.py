@@ -141,7 +141,14 @@ class DaliStorage(FolderStorage):
                 stream = None
             return 0
 
+        self._probe = batches
         return {"dali": dali}
+
+    def close(self) -> None:
+        """Stop the probe's pipeline, if the verdict built one."""
+        probe, self._probe = getattr(self, "_probe", None), None
+        if probe is not None:
+            probe.close()
 
 
 def _pipeline(storage: DaliStorage, order: BatchOrder, device: torch.device):
@@ -206,9 +213,17 @@ class DaliBatches:
                                             last_batch_policy=policy,
                                             auto_reset=True)
         self.batches = len(self.iterator)
+        self.pipe = pipe
 
     def __len__(self) -> int:
         return self.batches
+
+    def close(self) -> None:
+        """Stop DALI's threads now (a sweep's next job runs in this process)."""
+        if self.pipe is not None:
+            self.iterator = None
+            self.pipe._shutdown()
+            self.pipe = None
 
     def __iter__(self):
         skip = self.order.begin_epoch()  # batches of a resumed epoch already done
