@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runner.config import Crop, Decoder, OnCorrupt
-from runner.data.storage.dali import screen_file
 from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.folder import FolderStorage
+from runner.data.storage.rival import screen_file
 from tests.conftest import encode, make_tree, photo, read_metrics, run_in_process
 
 SIZE = (32, 32)

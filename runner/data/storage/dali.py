@@ -27,33 +27,23 @@ exact batches of an uninterrupted one.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
 from runner.config import Crop, DatasetConfig, LoaderConfig
 from runner.data.order import BatchOrder
-from runner.data.storage.base import Probe, SkippedFile
-from runner.data.storage.decode import read_jpeg_header
+from runner.data.storage.base import SkippedFile
 from runner.data.storage.folder import DatasetError, FolderStorage, printable
+from runner.data.storage.rival import RivalStorage, RivalUnavailable, screen_file
 from runner.data.threads import cores
-from runner.errors import Unavailable, UserError
+from runner.errors import UserError
 
 log = logging.getLogger(__name__)
-
-PNG = b"\x89PNG\r\n\x1a\n"
-HEAD = 64 * 1024  # bytes read to find a JPEG's frame header (all of most files)
-TAIL = 64  # bytes at the end searched for the end-of-image marker
-
 
 class DaliStopped(UserError, RuntimeError):
     """DALI's pipeline stopped on a file it could not decode; the message says which, when
     DALI does, and the fix."""
-
-
-class RivalUnavailable(Unavailable):
-    """The rival's package is not installed here; the message names the install."""
 
 
 def check_dali() -> None:
@@ -65,38 +55,12 @@ def check_dali() -> None:
             "nvidia-dali-cuda130 wheel; it runs on the CPU too)") from e
 
 
-def screen_file(path: str) -> str | None:
-    """Why DALI could not decode ``path`` (empty, not an image, truncated), or None.
-
-    Reads the first 64 KB and the last 64 bytes: a readable JPEG frame header or a PNG
-    signature, and a JPEG's end-of-image marker. Corrupt data between them passes."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(HEAD)
-            if not head:
-                return "empty file"
-            if head[:8] == PNG:
-                return None
-            header = read_jpeg_header(head)
-            if header is None and size > HEAD:  # a header behind a large EXIF block
-                header = read_jpeg_header(head + f.read())
-            if header is None:
-                return "not a JPEG or PNG with a readable header"
-            f.seek(max(0, size - TAIL))
-            if b"\xff\xd9" not in f.read(TAIL):
-                return "truncated: the JPEG has no end-of-image marker"
-    except OSError as e:
-        return f"unreadable: {e.strerror or e}"
-    return None
-
-
-class DaliStorage(FolderStorage):
+class DaliStorage(RivalStorage):
     """The screened image folder, read and decoded by DALI's pipeline (``loader.name``
     dali). Its loader is DALI's (``own_loader``): one stage the runner cannot look
     inside, probed whole by the verdict (``probes``)."""
 
-    opaque = True  # the verdict probes the pipeline whole, with its own threads
+    stage = "dali"
 
     def __init__(self, folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig):
         check_dali()
@@ -123,32 +87,6 @@ class DaliStorage(FolderStorage):
 
     def own_loader(self, order: BatchOrder, device: torch.device) -> DaliBatches:
         return DaliBatches(self, order, device)
-
-    def probes(self, batch_size: int) -> dict[str, Probe]:
-        """The whole pipeline, one batch per call (a fresh pipeline on the CPU)."""
-        order = BatchOrder(len(self), batch_size, True, True, seed=0)
-        batches = DaliBatches(self, order, torch.device("cpu"))
-        stream = None
-
-        def dali() -> int:
-            nonlocal stream
-            for _ in range(2):
-                if stream is None:
-                    stream = iter(batches)
-                batch = next(stream, None)
-                if batch is not None:
-                    return len(batch[0]["label"])
-                stream = None
-            return 0
-
-        self._probe = batches
-        return {"dali": dali}
-
-    def close(self) -> None:
-        """Stop the probe's pipeline, if the verdict built one."""
-        probe, self._probe = getattr(self, "_probe", None), None
-        if probe is not None:
-            probe.close()
 
 
 def _pipeline(storage: DaliStorage, order: BatchOrder, device: torch.device):

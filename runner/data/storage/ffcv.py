@@ -35,8 +35,7 @@ import torch
 
 from runner.config import Crop, DatasetConfig, LoaderConfig, StoreSide
 from runner.data.order import BatchOrder
-from runner.data.storage.base import Probe, SkippedFile
-from runner.data.storage.dali import RivalUnavailable, screen_file
+from runner.data.storage.base import SkippedFile
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import (
     META,
@@ -50,6 +49,7 @@ from runner.data.storage.memmap import (
     skipped_files,
 )
 from runner.data.storage.packed import stored_hw
+from runner.data.storage.rival import RivalStorage, RivalUnavailable, screen_file
 from runner.data.threads import cores
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,11 @@ def _convert(folder_storage: FolderStorage, spec: FfcvSpec, partial: Path,
     return meta
 
 
-class FfcvStorage(FolderStorage):
+class FfcvStorage(RivalStorage):
     """The screened image folder as an FFCV .beton, read by FFCV's Loader: one stage the
     runner cannot look inside (``opaque``), probed whole by the verdict."""
 
-    opaque = True
+    stage = "ffcv"
 
     def __init__(self, folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig,
                  progress: bool = True):
@@ -197,30 +197,6 @@ class FfcvStorage(FolderStorage):
 
     def own_loader(self, order: BatchOrder, device: torch.device) -> FfcvBatches:
         return FfcvBatches(self, order)
-
-    def probes(self, batch_size: int) -> dict[str, Probe]:
-        """FFCV's whole Loader, one batch per call."""
-        batches = FfcvBatches(self, BatchOrder(len(self), batch_size, True, True, seed=0))
-        stream = None
-
-        def ffcv() -> int:
-            nonlocal stream
-            for _ in range(2):
-                if stream is None:
-                    stream = iter(batches)
-                batch = next(stream, None)
-                if batch is not None:
-                    return len(batch[0]["label"])
-                stream = None
-            return 0
-
-        self._probe = batches
-        return {"ffcv": ffcv}
-
-    def close(self) -> None:
-        probe, self._probe = getattr(self, "_probe", None), None
-        if probe is not None:
-            probe.close()
 
 
 class FfcvBatches:

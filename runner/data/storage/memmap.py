@@ -347,6 +347,21 @@ def ensure_cache(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Pat
     return final, meta
 
 
+def disk_full(path: Path, size: int, held: int = 0, estimated: bool = False,
+              also: str = "") -> DiskFull:
+    """The error for a cache file at ``path`` that needs ``size`` bytes (``held`` of them
+    already allocated to it): the bytes needed and free, and what to do."""
+    free = shutil.disk_usage(path.parent).free + held
+    about = "about " if estimated else ""
+    source = ", estimated from a sample" if estimated else ""
+    return DiskFull(
+        errno.ENOSPC,
+        f"not enough disk space for the cache in {path.parent}: it needs {about}"
+        f"{size / GiB:.2f} GiB ({size:,} bytes{source}), {free / GiB:.2f} GiB are free there. "
+        f"Free some space, {also}or put the cache on a larger disk with RUNNER_CACHE=/path "
+        "(dataset.cache_dir)")
+
+
 def reserve(path: Path, size: int) -> None:
     """Allocate ``size`` bytes of ``path`` on disk now, so a full disk fails here, at
     once, and not as a SIGBUS in a worker writing into a sparse mapping later."""
@@ -356,14 +371,7 @@ def reserve(path: Path, size: int) -> None:
             os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            held = os.fstat(fd).st_blocks * 512
-            free = shutil.disk_usage(path.parent).free
-            raise DiskFull(
-                errno.ENOSPC,
-                f"not enough disk space for the cache in {path.parent}: it needs "
-                f"{size / GiB:.2f} GiB ({size:,} bytes), {(free + held) / GiB:.2f} GiB are "
-                "free there. Free some space, or put the cache on a larger disk with "
-                "RUNNER_CACHE=/path (dataset.cache_dir)") from e
+            raise disk_full(path, size, os.fstat(fd).st_blocks * 512) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, as before

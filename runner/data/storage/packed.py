@@ -52,11 +52,10 @@ from runner.data.storage.memmap import (
     SOURCE_DTYPE,
     SOURCES,
     CacheSpec,
-    DiskFull,
-    GiB,
     _resume,
     check_skipped,
     chunk_ranges,
+    disk_full,
     ensure_cache,
     file_record,
     layout_fingerprint,
@@ -204,14 +203,8 @@ class _Reserved:
             os.posix_fallocate(self.fd, self.reserved, size - self.reserved)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                free = shutil.disk_usage(self.path.parent).free
-                raise DiskFull(
-                    errno.ENOSPC,
-                    f"not enough disk space for the packed store in {self.path.parent}: it "
-                    f"needs about {size / GiB:.2f} GiB ({size:,} bytes, estimated from a "
-                    f"sample), {free / GiB:.2f} GiB are free there. Free some space, lower "
-                    "dataset.store_size or dataset.store_quality, or put the cache on a "
-                    "larger disk with RUNNER_CACHE=/path (dataset.cache_dir)") from e
+                raise disk_full(self.path, size, estimated=True, also="lower "
+                                "dataset.store_size or dataset.store_quality, ") from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         self.reserved = size
