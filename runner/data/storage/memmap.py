@@ -384,11 +384,7 @@ def _convert(folder_storage: FolderStorage, spec: CacheSpec, partial: Path,
     count = len(folder_storage)
     plan = {"version": CACHE_VERSION, "settings": spec.settings(),
             "layout": layout_fingerprint(folder_storage), "count": count}
-    done = _resume(partial, plan)
-    if done is None:  # nothing to resume: start over
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        done = {}
+    done = open_partial(partial, plan)
     reserve(partial / IMAGES, count * image_nbytes(spec.image_size))  # zeros until decoded
     reserve(partial / SOURCES, count * SOURCE_DTYPE.itemsize)
     if not done:
@@ -423,6 +419,18 @@ def _convert(folder_storage: FolderStorage, spec: CacheSpec, partial: Path,
     for name in (PLAN, DONE):
         (partial / name).unlink()
     return meta
+
+
+def open_partial(partial: Path, plan: dict[str, Any]) -> dict[int, list]:
+    """The chunks an interrupted conversion of the same ``plan`` finished in ``partial``
+    (their skipped files by chunk start); an empty ``partial`` to start over when there is
+    nothing to resume."""
+    done = _resume(partial, plan)
+    if done is None:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        done = {}
+    return done
 
 
 def _resume(partial: Path, plan: dict[str, Any]) -> dict[int, list] | None:

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,13 +51,13 @@ from runner.data.storage.memmap import (
     SOURCE_DTYPE,
     SOURCES,
     CacheSpec,
-    _resume,
     check_skipped,
     chunk_ranges,
     disk_full,
     ensure_cache,
     file_record,
     layout_fingerprint,
+    open_partial,
     skipped_files,
 )
 
@@ -215,15 +214,9 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, partial: Path,
     count = len(folder_storage)
     plan = {"version": PACKED_VERSION, "settings": spec.settings(),
             "layout": layout_fingerprint(folder_storage), "count": count}
-    done = _resume(partial, plan)
-    ends: list[int] = []
-    if done is None:  # nothing to resume: start over
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        done = {}
-    else:
-        ends = _recorded_ends(partial)
-    end = max(ends, default=0)  # bytes past the last recorded chunk are overwritten
+    done = open_partial(partial, plan)
+    # bytes past the last recorded chunk (a kill before its record) are overwritten
+    end = max(_recorded_ends(partial), default=0) if done else 0
     estimate = estimate_bytes(folder_storage, spec)
     if not done:
         for name, rows in ((INDEX, count), (SOURCES, count)):
