@@ -100,8 +100,8 @@ def test_the_store_holds_every_image_upright_at_its_stored_size(source: Path, tm
     assert all(store[i].image.shape == (3, *SIZE) for i in range(len(store)))
 
 
-def test_the_stored_images_are_decoded_from_one_mapped_file(source: Path, tmp_path: Path,
-                                                           monkeypatch):
+def test_the_stored_images_are_read_from_one_open_file(source: Path, tmp_path: Path,
+                                                       monkeypatch):
     store = open_store(source, tmp_path / "cache")
     assert store.files == [str(store.path)] and store.path.name == DATA
     opened = []

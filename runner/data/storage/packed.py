@@ -4,8 +4,8 @@ For datasets too big to keep decoded: ``dataset.store_size`` (the shorter side, 
 ``dataset.store_side=longer`` the longer side at most; never enlarged) keeps what a crop
 to ``dataset.image_size`` needs, at ``dataset.store_quality``. Each epoch decodes the
 stored JPEGs again (random crops are real random-resized crops of the whole stored image),
-with the in-process decode threads, straight from one memory-mapped file: no file opened
-per image. With ``loader.decoder=region`` (the default) only the crop's window is decoded.
+with the in-process decode threads, one ``pread`` per image from one open file: no file
+opened per image. With ``loader.decoder=region`` (the default) only the crop's window is decoded.
 
 A cache folder holds ``images.bin`` (the JPEGs back to back), ``index.bin`` (per source
 file: offset, size, stored height and width, label; size 0 for an undecodable file),
@@ -296,7 +296,7 @@ def _recorded_ends(partial: Path) -> list[int]:
 class PackedStorage(FolderStorage):
     """The stored JPEGs of a packed cache, decoded per epoch like an image folder (the
     ``Storage`` protocol): item ``i`` is the ``i``-th decodable source file, read as a
-    slice of one memory-mapped file.
+    ``pread`` from one open file.
 
     Args:
         folder: the source folder (names, classes and labels; never read again).
