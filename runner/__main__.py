@@ -13,7 +13,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner import sweep
-from runner.config import check_command_line, config_dir, register_configs
+from runner.commandline import check_command_line, register_configs
+from runner.config import config_dir
 from runner.distributed import scratch_dirs_for_other_ranks
 from runner.outcome import EXIT_USER_ERROR, is_user_error, one_line
 from runner.run import run

@@ -40,19 +40,37 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from runner.compose import compose
-from runner.config import Config
+from runner.config import Config, StorageName
 from runner.data import build_data_path
 from runner.data.loader import BatchStream, InProcessBatches, shutdown_workers
 from runner.data.order import BatchOrder
-from runner.data.storage import build_storage, resolve_dataset
-from runner.data.storage.decode import DecoderUnavailable
+from runner.data.storage import STORAGES, build_storage, decoded_once, resolve_dataset
+from runner.data.storage.decode import DECODERS, DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
 from runner.logger import NullLogger
 from runner.loop import LoopOptions, run_loop
 from runner.metrics import burst
+from runner.stats import median
 from runner.task import DataOnlyStep
 
 CPU = torch.device("cpu")
+# what the bench compares against each other: the image folder as it is (decoded every
+# epoch), the decode-once store whose raw gather is the limit, and the packed store
+FOLDER, MEMMAP, PACKED = StorageName.folder, StorageName.memmap, StorageName.packed
+
+
+def loader(name: StorageName) -> str:
+    return f"loader={name.value}"
+
+
+def cpu_decoders() -> list[tuple[str, list[str]]]:
+    """(row name, overrides) for every CPU decoder, with DCT scaling where it has it."""
+    rows = []
+    for d, k in DECODERS.items():
+        if not k.cuda:
+            rows.append((f"{d.value}{'_draft' if k.scales else ''}",
+                         [f"loader.decoder={d.value}", f"loader.draft={k.scales}"]))
+    return rows
 
 
 def timed_rate(batches: Callable[[], Iterable], seconds: float, warmup: int = 1,
@@ -89,7 +107,7 @@ def runner_rate(config: Config, seconds: float, device: torch.device = CPU) -> f
     def loop(steps: int, warmup: int) -> float:
         data.extend(steps)  # one pass of the stream reads at least this many batches
         result = run_loop(data, DataOnlyStep(), NullLogger(), LoopOptions(
-            steps, warmup, log_every=10**9, repeats=1))
+            total_steps=steps, warmup_steps=warmup, log_every=10**9, repeats=1))
         return result.timed.figures()["images_per_sec"]
 
     try:
@@ -170,7 +188,7 @@ def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) 
 
         rates = [burst(all_files, seconds=seconds / 3, min_calls=1, warmup=0)
                  for _ in range(3)]
-    return sorted(rates)[1]
+    return median(rates)
 
 
 def bench_gil(args: argparse.Namespace) -> dict:
@@ -181,11 +199,13 @@ def bench_gil(args: argparse.Namespace) -> dict:
     out = {}
     print(f"decode + resize to {args.size}x{args.size}, 1 thread vs {n} threads "
           f"(ideal: {n:.1f}x when the GIL is released)")
-    for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision"):
-        for draft in ((False, True) if decoder in ("pil", "simplejpeg") else (False,)):
+    for d, k in DECODERS.items():
+        for draft in ((False, True) if k.scales else (False,)):
+            if k.cuda:
+                continue
             cfg = compose([*args.overrides, f"dataset.image_size=[{args.size},{args.size}]",
-                           "loader=folder", f"loader.decoder={decoder}", f"loader.draft={draft}"])
-            name = f"{decoder}{'_draft' if draft else ''}"
+                           loader(FOLDER), f"loader.decoder={d.value}", f"loader.draft={draft}"])
+            name = f"{d.value}{'_draft' if draft else ''}"
             try:
                 storage = build_storage(cfg.loader, cfg.dataset, resolve_dataset(cfg.dataset))
             except DecoderUnavailable as e:
@@ -213,8 +233,9 @@ def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3
         return min(times)
 
     dataloader = DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True)
-    storage = DecodedStorage(images, labels, [], ["c"], [], None)
-    runner = InProcessBatches(storage, BatchOrder(n, batch_size, True, False, seed=0), False)
+    storage = DecodedStorage(images, labels, skipped=[], classes=["c"], names=[], root=None)
+    order = BatchOrder(n, batch_size, shuffle=True, drop_last=False, seed=0)
+    runner = InProcessBatches(storage, order, False)
     xs, ys = images.numpy(), labels.numpy()
 
     def numpy_loop():
@@ -242,10 +263,10 @@ def bench_loaders(args: argparse.Namespace) -> dict:
             "run.progress=false"]
     rates: dict[str, float] = {}
     print(f"preparing the memmap cache ({args.size}x{args.size})...", flush=True)
-    memmap_cfg = compose([*base, "loader=memmap"])
+    memmap_cfg = compose([*base, loader(MEMMAP)])
     path = resolve_dataset(memmap_cfg.dataset)
     memmap = build_storage(memmap_cfg.loader, memmap_cfg.dataset, path, progress=True)
-    folder = build_storage(compose([*base, "loader=folder"]).loader, memmap_cfg.dataset, path)
+    folder = build_storage(compose([*base, loader(FOLDER)]).loader, memmap_cfg.dataset, path)
     if len(memmap) < 4 * args.batch_size:  # a few batches per epoch at least, or no timing
         smaller = max(1, len(memmap) // 4)
         print(f"only {len(memmap)} images: batch {args.batch_size} leaves fewer than 4 batches "
@@ -286,24 +307,22 @@ def bench_loaders(args: argparse.Namespace) -> dict:
     record("naive_folder", naive_rate)
     print("4. the runner's loaders (model=none)")
     folder_cfgs = {}
-    for decoder in ("pil", "simplejpeg", "jpeg4py", "torchvision", "region"):
-        draft = decoder in ("pil", "simplejpeg")
+    for decoder, overrides in cpu_decoders():
         for mode, extra in (("workers", ["loader.num_workers=2"]),
                             ("threads", ["loader.num_workers=0"])):
-            name = f"folder_{decoder}{'_draft' if draft else ''}_{mode}"
-            folder_cfgs[name] = compose([*base, "loader=folder", f"loader.decoder={decoder}",
-                                         f"loader.draft={draft}", *extra])
+            name = f"{FOLDER.value}_{decoder}_{mode}"
+            folder_cfgs[name] = compose([*base, loader(FOLDER), *overrides, *extra])
             record(name, lambda c=folder_cfgs[name]: runner_rate(c, args.seconds))
-    for storage in ("memmap", "ram"):
-        record(f"{storage}", lambda s=storage: runner_rate(compose([*base, f"loader={s}"]),
-                                                          args.seconds))
-        record(f"{storage}_2_workers", lambda s=storage: runner_rate(
-            compose([*base, f"loader={s}", "loader.num_workers=2"]), args.seconds))
+    for kind in decoded_once():
+        name = kind.name.value
+        record(name, lambda k=kind: runner_rate(compose([*base, loader(k.name)]), args.seconds))
+        record(f"{name}_2_workers", lambda k=kind: runner_rate(
+            compose([*base, loader(k.name), "loader.num_workers=2"]), args.seconds))
     print("5. per-batch overhead: 300,000 in-memory items, batch 300, one epoch")
     overhead = per_batch_overhead()
     for key in ("dataloader_s", "runner_s", "numpy_s"):
         print(f"  {key[:-2]:34s} {overhead[key]:>10.3f} s/epoch")
-    best = max((k for k in rates if k.startswith("folder_")), key=rates.get)
+    best = max((k for k in rates if k.startswith(f"{FOLDER.value}_")), key=rates.get)
     print(f"6. {best} against the naive path, alternating rounds (this machine's speed drifts "
           "between measurements; the median ratio of pairs taken together is the figure)")
     rounds = []
@@ -350,9 +369,8 @@ def decode_ceiling(args: argparse.Namespace, base: list[str], modes: dict[str, C
                 f"({row[f'{mode}_batch_{b}'] / ceiling:.0%})" for b in sizes), flush=True)
 
     def median_share(mode: str) -> float:
-        shares = sorted(min(r[f"{mode}_batch_{b}"] for b in sizes) / r["ceiling"]
-                        for r in rounds)
-        return shares[len(shares) // 2]
+        return median([min(r[f"{mode}_batch_{b}"] for b in sizes) / r["ceiling"]
+                       for r in rounds])
 
     best = max(modes, key=median_share)  # the mode whose worst batch size is best
     print(f"  best mode: {best} (its slowest batch size at {median_share(best):.0%} of the "
@@ -363,41 +381,30 @@ def decode_ceiling(args: argparse.Namespace, base: list[str], modes: dict[str, C
             "all_rounds": rounds}
 
 
-# The stores compared by ``bench stores`` (and section 8 of ``bench loaders``): the overrides
-# of each, beside the bench's base ones. The best folder configurations are the fastest
-# decoder with DCT scaling (simplejpeg, loader.draft) and the region decoder, in threads.
-STORE_CONFIGS = {
-    "folder_simplejpeg_draft": ["loader=folder", "loader.decoder=simplejpeg", "loader.draft=true"],
-    "folder_region": ["loader=folder", "loader.decoder=region"],
-    "packed": ["loader=packed", "dataset.store_size=256"],
-    "memmap": ["loader=memmap"],
-    "memmap_store_256": ["loader=memmap", "dataset.store_size=256"],
-    "ram": ["loader=ram"],
-}
-FOLDERS = ("folder_simplejpeg_draft", "folder_region")
+def store_rows() -> dict[str, tuple[StorageName, tuple[str, ...]]]:
+    """The stores compared by ``bench stores`` (and section 8 of ``bench loaders``): each
+    storage's own bench rows (its registry record), name -> (storage, overrides)."""
+    return {name: (kind.name, overrides) for kind in STORAGES.values()
+            for name, overrides in kind.bench.items()}
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else float("nan")
+def folder_rows() -> list[str]:
+    return [n for n, (k, _) in store_rows().items() if k is FOLDER]
 
 
 def bench_stores(args: argparse.Namespace, base: list[str]) -> dict:
-    """Folder, packed, memmap and ram on the same images: center and random crops at batch
-    64 and 256, memmap stored at 256 against stored at the output size, and a cold page
-    cache (folder and packed, batch 64), in alternating rounds; plus the bytes each store
-    holds on disk."""
-    from runner.data.storage import packed_spec
-    from runner.data.storage.memmap import IMAGES
-
+    """Every store's bench rows on the same images: center and random crops at batch 64 and
+    256, and a cold page cache (at batch 64, for the stores that read their files every
+    epoch), in alternating rounds; plus the bytes each store holds on disk."""
     base = [o for o in base if not o.startswith("loader.batch_size=")]
+    stores = store_rows()
     rows = [(name, crop, b, "warm") for b in (64, 256) for crop in ("center", "random")
-            for name in STORE_CONFIGS
-            if not (crop == "center" and name == "memmap_store_256")]
-    rows += [(name, "center", 64, "cold") for name in (*FOLDERS, "packed")]
-    print(f"8. stores: folder, packed (store 256), memmap and ram; center and random crops; "
-          f"warm and cold page cache; {args.rounds} alternating rounds", flush=True)
-    for name, extra in STORE_CONFIGS.items():  # build every cache first, outside the timing
+            for name in stores]
+    rows += [(name, "center", 64, "cold") for name, (k, _) in stores.items()
+             if STORAGES[k].decodes_per_epoch]
+    print(f"8. stores: {', '.join(stores)}; center and random crops; warm and cold page "
+          f"cache; {args.rounds} alternating rounds", flush=True)
+    for name, (_, extra) in stores.items():  # build every store first, outside the timing
         config = compose([*base, *extra])
         try:
             build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
@@ -408,7 +415,7 @@ def bench_stores(args: argparse.Namespace, base: list[str]) -> dict:
     for k in range(args.rounds):
         row = {}
         for name, crop, b, cache in rows:
-            config = compose([*base, *STORE_CONFIGS[name], f"dataset.crop={crop}",
+            config = compose([*base, *stores[name][1], f"dataset.crop={crop}",
                               f"loader.batch_size={b}", f"dataset.page_cache={cache}"])
             row[f"{name}/{crop}/{b}/{cache}"] = runner_rate(config, args.seconds)
         rounds.append(row)
@@ -417,53 +424,59 @@ def bench_stores(args: argparse.Namespace, base: list[str]) -> dict:
     print(f"  {'store / crop / batch / page cache':44s} {'median':>9s}  (min-max) images/s")
     for key in keys:
         values = [r[key] for r in rounds]
-        print(f"  {key:44s} {_median(values):>9,.0f}  ({min(values):,.0f}-{max(values):,.0f})")
-    config = compose([*base, *STORE_CONFIGS["packed"]])
-    path = resolve_dataset(config.dataset)
-    packed_bytes = os.path.getsize(packed_spec(config.dataset, path).folder(
-        Path(config.dataset.cache_dir)) / "images.bin")
-    memmap_cfg = compose([*base, "loader=memmap"])
-    memmap_bytes = os.path.getsize(Path(build_storage(
-        memmap_cfg.loader, memmap_cfg.dataset, path).files[0]).parent / IMAGES)
-    print(f"  on disk: packed {packed_bytes / 1e6:,.1f} MB, memmap at {args.size}x{args.size} "
-          f"{memmap_bytes / 1e6:,.1f} MB")
-    return {"rounds": rounds, "packed_bytes": packed_bytes, "memmap_bytes": memmap_bytes}
+        print(f"  {key:44s} {median(values):>9,.0f}  ({min(values):,.0f}-{max(values):,.0f})")
+    on_disk = {}
+    for name, (kind, extra) in stores.items():
+        config = compose([*base, *extra])
+        files = build_storage(config.loader, config.dataset,
+                              resolve_dataset(config.dataset)).files
+        if STORAGES[kind].build is not None and files:
+            on_disk[name] = sum(os.path.getsize(f) for f in files)
+    print("  on disk: " + ", ".join(f"{n} {v / 1e6:,.1f} MB" for n, v in on_disk.items()))
+    return {"rounds": rounds, "bytes": on_disk}
+
+
+def _row(name: StorageName) -> str:
+    """The first bench row of a storage (its plain configuration)."""
+    return next(iter(STORAGES[name].bench))
 
 
 def store_targets(stores: dict) -> list[tuple[str, float, float, str]]:
     """(what, median ratio, target, spread) for each target of the stores benchmark: each
     ratio is taken within a round, then the median and range over rounds."""
     rounds = stores["rounds"]
+    folders, packed, memmap = folder_rows(), _row(PACKED), _row(MEMMAP)
+    memmap_256 = [n for n in STORAGES[MEMMAP].bench if n != memmap][0]
 
     def best_folder(r: dict, crop: str, b: int, cache: str = "warm") -> float:
-        return max(r.get(f"{f}/{crop}/{b}/{cache}", 0.0) for f in FOLDERS)
+        return max(r.get(f"{f}/{crop}/{b}/{cache}", 0.0) for f in folders)
 
     def ratio(what: str, fn, target: float) -> tuple[str, float, float, str]:
         values = [fn(r) for r in rounds]
-        return what, _median(values), target, f"{min(values):.2f}-{max(values):.2f}"
+        return what, median(values), target, f"{min(values):.2f}-{max(values):.2f}"
 
     checks = []
     for b in (64, 256):
-        checks.append(ratio(f"packed center / best folder center, batch {b}",
-                            lambda r, b=b: r[f"packed/center/{b}/warm"] /
+        checks.append(ratio(f"{packed} center / best folder center, batch {b}",
+                            lambda r, b=b: r[f"{packed}/center/{b}/warm"] /
                             best_folder(r, "center", b), 1.5))
     for b in (64, 256):
         checks.append(ratio(f"best folder random / best folder center, batch {b}",
                             lambda r, b=b: best_folder(r, "random", b) /
                             best_folder(r, "center", b), 0.9))
-        checks.append(ratio(f"packed random / packed center, batch {b}",
-                            lambda r, b=b: r[f"packed/random/{b}/warm"] /
-                            r[f"packed/center/{b}/warm"], 0.9))
-    checks.append(ratio("packed cold / best folder cold, batch 64",
-                        lambda r: r["packed/center/64/cold"] / best_folder(r, "center", 64,
-                                                                           "cold"), 3.0))
+        checks.append(ratio(f"{packed} random / {packed} center, batch {b}",
+                            lambda r, b=b: r[f"{packed}/random/{b}/warm"] /
+                            r[f"{packed}/center/{b}/warm"], 0.9))
+    checks.append(ratio(f"{packed} cold / best folder cold, batch 64",
+                        lambda r: r[f"{packed}/center/64/cold"] / best_folder(r, "center", 64,
+                                                                              "cold"), 3.0))
     for b in (64, 256):
-        checks.append(ratio("memmap stored at 256, random / memmap stored at the output "
-                            f"size, random, batch {b}",
-                            lambda r, b=b: r[f"memmap_store_256/random/{b}/warm"] /
-                            r[f"memmap/random/{b}/warm"], 0.8))
-    size = stores["memmap_bytes"] / stores["packed_bytes"]
-    checks.append(("memmap at the output size / packed, bytes on disk", size, 4.0, "-"))
+        checks.append(ratio(f"{memmap_256}, random / {memmap} (stored at the output size), "
+                            f"random, batch {b}",
+                            lambda r, b=b: r[f"{memmap_256}/random/{b}/warm"] /
+                            r[f"{memmap}/random/{b}/warm"], 0.8))
+    size = stores["bytes"][memmap] / stores["bytes"][packed]
+    checks.append((f"{memmap} at the output size / {packed}, bytes on disk", size, 4.0, "-"))
     return checks
 
 
@@ -482,56 +495,58 @@ def print_store_targets(stores: dict) -> list[dict]:
 def best_overrides(cfg: Config, base: list[str]) -> list[str]:
     """The overrides that compose ``cfg`` (a folder configuration of the bench), less the
     batch size."""
-    loader = cfg.loader
+    chosen = cfg.loader
     return [o for o in base if not o.startswith("loader.batch_size=")] + [
-        "loader=folder", f"loader.decoder={loader.decoder.value}",
-        f"loader.draft={loader.draft}", f"loader.num_workers={loader.num_workers}"]
+        loader(FOLDER), f"loader.decoder={chosen.decoder.value}",
+        f"loader.draft={chosen.draft}", f"loader.num_workers={chosen.num_workers}"]
 
 
-def report(result: dict) -> list[tuple[str, float, float, bool]]:
+def loader_targets(result: dict) -> list[tuple[str, float, float, bool]]:
     """(what, measured ratio, target, met) for each target of the loader benchmark."""
     r, o = result["rates"], result["overhead"]
-    folder_best = max((v for k, v in r.items() if k.startswith("folder_")), default=0.0)
+    folder_best = max((v for k, v in r.items() if k.startswith(f"{FOLDER.value}_")),
+                      default=0.0)
     checks = []
-    for name in ("memmap", "ram"):
+    for name in (k.name.value for k in decoded_once()):
         if name in r:
             checks.append((f"{name} / per-item DataLoader", r[name] / r["per_item_dataloader"], 4.0))
             checks.append((f"{name} / memcpy limit", r[name] / r["memcpy_limit"], 0.35))
     checks.append(("runner batched / DataLoader, per-batch overhead",
                    o["dataloader_s"] / o["runner_s"], 20.0))
-    rounds = sorted(result.get("folder_vs_naive_rounds") or [folder_best / r["naive_folder"]])
-    checks.append(("folder (best decoder) / naive folder, median of rounds",
-                   rounds[len(rounds) // 2], 4.0))
+    rounds = result.get("folder_vs_naive_rounds") or [folder_best / r["naive_folder"]]
+    checks.append(("folder (best decoder) / naive folder, median of rounds", median(rounds),
+                   4.0))
     ceiling = result.get("ceiling")
     if ceiling:
         for b in ceiling["batch_sizes"]:
-            share = sorted(r[f"batch_{b}"] / r["ceiling"] for r in ceiling["rounds"])
+            share = median([r[f"batch_{b}"] / r["ceiling"] for r in ceiling["rounds"]])
             checks.append((f"best folder at batch {b} / decode ceiling, median of rounds",
-                           share[len(share) // 2], 0.8))
+                           share, 0.8))
         if {64, 256} <= set(ceiling["batch_sizes"]):
-            ratio = sorted(r["batch_64"] / r["batch_256"] for r in ceiling["rounds"])
-            checks.append(("best folder batch 64 / batch 256, median of rounds",
-                           ratio[len(ratio) // 2], 0.9))
+            ratio = median([r["batch_64"] / r["batch_256"] for r in ceiling["rounds"]])
+            checks.append(("best folder batch 64 / batch 256, median of rounds", ratio, 0.9))
     return [(what, ratio, target, ratio >= target) for what, ratio, target in checks]
 
 
 def print_report(result: dict) -> None:
     r = result["rates"]
     print("\nratios")
-    for a, b in [("raw_memmap_gather", "memcpy_limit"), ("memmap_2_workers", "memmap"),
-                 ("ram_2_workers", "ram"), ("ram", "memmap"), ("memmap", "naive_folder")]:
+    once = [k.name.value for k in decoded_once()]
+    pairs = [("raw_memmap_gather", "memcpy_limit"), *((f"{n}_2_workers", n) for n in once),
+             *((n, once[0]) for n in once[1:]), (once[0], "naive_folder")]
+    for a, b in pairs:
         if a in r and b in r:
             print(f"  {a} / {b}: {r[a] / r[b]:.2f}")
     o = result["overhead"]
     print(f"  numpy loop / DataLoader (per-batch overhead): {o['dataloader_s'] / o['numpy_s']:.0f}x")
     ceiling = result.get("ceiling")
     if ceiling and "naive_folder" in r:
-        ceilings = sorted(x["ceiling"] for x in ceiling["rounds"])
+        ceilings = median([x["ceiling"] for x in ceiling["rounds"]])
         print(f"  decode ceiling ({ceiling['config'].rsplit('_', 1)[0]}) / naive_folder: "
-              f"{ceilings[len(ceilings) // 2] / r['naive_folder']:.2f} (the most any folder "
+              f"{ceilings / r['naive_folder']:.2f} (the most any folder "
               "configuration with this decoder can reach on these files)")
     print("\ntargets")
-    for what, ratio, target, met in report(result):
+    for what, ratio, target, met in loader_targets(result):
         shown = f"{ratio:.0%}" if target < 1 else f"{ratio:.1f}x"
         wanted = f">= {target:.0%}" if target < 1 else f">= {target:g}x"
         print(f"  {'PASS' if met else 'FAIL'}  {what}: {shown} (target {wanted})")
@@ -583,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     store_checks = print_store_targets(result["stores"])
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"loaders-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-    checks = [dict(zip(("what", "ratio", "target", "met"), c)) for c in report(result)]
+    checks = [dict(zip(("what", "ratio", "target", "met"), c)) for c in loader_targets(result)]
     checks += store_checks
     out.write_text(json.dumps({**result, "targets": checks, "args": {
         k: str(v) for k, v in vars(args).items()}}, indent=2))

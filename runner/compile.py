@@ -87,13 +87,6 @@ def trace_batch(example: torch.Tensor) -> torch.Tensor:
     return example if example.shape[0] >= 2 else example.repeat(2, *[1] * (example.dim() - 1))
 
 
-def export_dynamic(module: nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
-    """``module`` exported with a dynamic batch dimension up to ``example``'s batch."""
-    example = trace_batch(example)
-    return torch.export.export(module, (example,), strict=False,
-                               dynamic_shapes=batch_dynamic_shapes(example.shape[0]))
-
-
 def backbone_in(backbone: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of the backbone in ``dtype``: TensorRT 11 builds strongly typed networks, so
     the engine's precision is the dtype of the module it is given (``enabled_precisions``

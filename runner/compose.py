@@ -1,5 +1,6 @@
-"""A config composed and checked: Hydra's composition, the schema's checks and the model
-names, before any work is done (no dataset generated, no cache converted).
+"""A config composed and checked: Hydra's composition, the schema's checks, the decoder the
+storage takes and the model names, before any work is done (no dataset generated, no store
+converted).
 
 ``to_config`` turns a composed DictConfig into the validated ``Config`` (``python -m
 runner`` calls it first thing); ``compose`` composes overrides exactly as the command line
@@ -12,7 +13,9 @@ import dataclasses
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import Config, config_dir, register_configs
+from runner.commandline import register_configs
+from runner.config import Config, config_dir
+from runner.data.storage import check_loader
 from runner.errors import ConfigError
 from runner.model import check_model
 
@@ -32,6 +35,7 @@ def to_config(cfg: DictConfig) -> Config:
     except Exception as e:  # an interpolation that does not resolve, a missing value
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
+    check_loader(obj.loader)
     check_models(obj)
     return obj
 

@@ -1,24 +1,21 @@
-"""Config schemas: one dataclass per config group, registered in Hydra's ConfigStore.
+"""Config schemas: one dataclass per config group (registered in Hydra's ConfigStore by
+runner/commandline.py).
 
 The YAML presets in conf/ extend these schemas, so a typo in a key or a value outside an
 enum fails at compose time with the valid choices; range checks (a batch size of 0) run in
 ``__post_init__`` when ``to_config`` turns the composed DictConfig into these objects,
-before any work is done.
+before any work is done. Checks that need more than the config (a model's name, a
+decoder a storage takes) run in runner/compose.py.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-import sys
-import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 from runner.errors import ConfigError
 
@@ -218,13 +215,6 @@ class LoaderConfig:
         )
         _require(self.shuffle_block >= 1, "loader.shuffle_block", self.shuffle_block,
                  "must be >= 1 (1 is a full permutation)")
-        _require(
-            self.name is StorageName.folder or self.decoder is not Decoder.nvjpeg,
-            "loader.decoder",
-            "nvjpeg",
-            f"loader={self.name.name} decodes once on the CPU; nvjpeg decodes on the GPU "
-            "every epoch (loader=folder). Pick pil, simplejpeg, jpeg4py or torchvision",
-        )
 
 
 @dataclass
@@ -405,58 +395,6 @@ class Config:
                               "model=none to measure the data path alone")
 
 
-def register_configs() -> None:
-    """Store the schema that conf/config.yaml extends, the ``--help`` page, and the
-    resolver that makes every run folder's name unique.
-
-    Each group's node is typed by its field in ``Config`` (``loader: LoaderConfig``), so a
-    preset or an override with an unknown key or a value outside an enum fails at compose
-    time, before the job starts.
-    """
-    store = ConfigStore.instance()
-    store.store(name="schema", node=Config)
-    store.store(group="hydra/help", name="runner",
-                node={"app_name": "runner", "header": "", "footer": "", "template": help_text()})
-    # ${now:...} alone gives two runs started in the same second one folder; the process
-    # id makes the name unique on this machine (and the run folder's lock catches the rest)
-    OmegaConf.register_new_resolver("runner.pid", lambda: str(os.getpid()), use_cache=True,
-                                    replace=True)
-
-
-def _first_comment(path: Path) -> str:
-    """The first sentence of a preset's leading comment (its one-line description)."""
-    lines = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        if not line.startswith("# @package"):
-            lines.append(line.lstrip("# ").strip())
-    text = " ".join(lines)
-    return text.split(". ")[0].split(":")[0].rstrip(".") if text else ""
-
-
-def help_text() -> str:
-    """``python -m runner --help``: every group with each choice on one line, then Hydra's
-    flags and the composed config."""
-    fields = Config.__dataclass_fields__
-    lines = ["runner: get images into a model as fast as the hardware allows, and measure "
-             "what each switch buys.", "",
-             "Usage: python -m runner [group=choice ...] [key=value ...]   "
-             "(-m: run every combination)", "", "== Groups (group=choice) =="]
-    for group in sorted(p.name for p in config_dir().iterdir() if p.is_dir()):
-        if group == "hydra":
-            continue
-        schema = typing.get_type_hints(Config).get(group) if group in fields else None
-        doc = (schema.__doc__ or "").split("\n")[0] if schema else "a named multirun matrix (with -m)"
-        lines.append(f"{group}: {doc.split(': ', 1)[-1].rstrip('.')}")
-        for preset in sorted((config_dir() / group).glob("*.yaml")):
-            lines.append(f"  {preset.stem:12s} {_first_comment(preset)}")
-    lines += ["", "Every key of the config below can be overridden (loader.batch_size=128); "
-              "README.md explains each.", "", "== Flags ==", "$FLAGS_HELP", "",
-              "== Config (with these overrides) ==", "$CONFIG"]
-    return "\n".join(lines) + "\n"
-
-
 def config_dir() -> Path:
     """conf/ at the top of a checkout (and of an editable install), else the copy a wheel
     ships inside the package as runner/conf (package-dir in pyproject.toml)."""
@@ -487,58 +425,3 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
-
-
-# Hydra's flags that take a value (``-sc install=bash``): that value is not an override
-_VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
-                "-cd", "--config-dir", "-p", "--package", "--experimental-rerun", "-c", "--cfg",
-                "-i", "--info"}
-
-
-def check_command_line(argv: list[str]) -> None:
-    """Exit with the valid keys when an override names a key the schema does not have;
-    Hydra's own flags and their values pass through untouched."""
-    after_flag = False
-    for arg in argv:
-        message = None
-        if not arg.startswith("-") and not after_flag:
-            message = unknown_key_message(arg)
-        after_flag = arg in _VALUE_FLAGS
-        if message:
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
-
-
-def unknown_key_message(override: str) -> str | None:
-    """For ``loader.batchsize=3``: a message listing the valid keys, with a suggestion.
-
-    Hydra rejects unknown keys too, but without naming the valid ones; this check runs on
-    the command line before Hydra composes anything. Appends (``+key``), deletions
-    (``~key``), Hydra's own keys and group choices are left to Hydra.
-    """
-    key = override.split("=", 1)[0].strip()
-    if "=" not in override or key[:1] in "+~" or key.startswith("hydra"):
-        return None
-    if (config_dir() / key).is_dir():  # a group choice (sweep=loaders): Hydra checks it
-        return None
-    node: Any = Config
-    path: list[str] = []
-    for part in key.split("."):
-        fields = getattr(node, "__dataclass_fields__", None)
-        if fields is None:
-            return None  # below a leaf or a free-form mapping: Hydra decides
-        if part not in fields:
-            where = ".".join(path) or "the top level"
-            close = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f" Did you mean {'.'.join([*path, close[0]])}?" if close else ""
-            return (f"unknown config key {key!r}: valid keys under {where} are "
-                    f"{', '.join(fields)}.{hint}")
-        path.append(part)
-        node = _field_type(node, part)
-    return None
-
-
-def _field_type(node: Any, name: str) -> Any:
-    hints = typing.get_type_hints(node)
-    hint = hints[name]
-    return hint if hasattr(hint, "__dataclass_fields__") else None

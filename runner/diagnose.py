@@ -26,14 +26,17 @@ import torch
 from tensordict import TensorDict
 
 from runner.compile import step_amp
-from runner.config import Config, StorageName
+from runner.config import Config
 from runner.data import DataPath
 from runner.data.loader import decode_threads
 from runner.data.pagecache import can_evict, evict
+from runner.data.storage import STORAGES, choices, decoded_once
+from runner.data.storage import advice as storage_advice
 from runner.data.storage.base import Storage
 from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
-from runner.metrics import burst, quantiles, synchronize
+from runner.metrics import burst, synchronize
+from runner.stats import quantiles
 from runner.task import make_step
 
 log = logging.getLogger("runner")
@@ -43,24 +46,10 @@ PROBE_REPEATS = 5  # bursts per stage; the ceiling is their median
 PROBE_SECONDS = 0.12  # each burst's length
 MIN_NOISE = 0.1  # the smallest relative noise assumed for a figure (a 2-core shared machine)
 
+# what to try for the stages that are not the storage's (the storages' own advice is in
+# their registry records: runner.data.storage.advice)
 ADVICE = {
-    "read": "try loader=ram, a warm page cache, smaller files (re-encoded JPEGs) or faster "
-            "storage",
-    "storage": "the disk, not decode, is the limit: try loader=ram, a warm page cache "
-               "(dataset.page_cache=warm), smaller files (python -m runner.prepare reencode "
-               "--quality 75) or faster storage",
-    "decode": "try loader=memmap or loader=ram (decode once), loader=packed, "
-              "loader.decoder=region or more loader.num_workers",
-    "collate": "try loader.batched=true (one call per batch) or loader=memmap",
-    "gather": "a batched gather is a memory copy already; only fewer bytes per image "
-              "(a smaller dataset.image_size) or a model that keeps up will change this",
     "copy": "try loader.pin_memory=true and prefetch=gpu; batches already cross as uint8",
-    "dali": "DALI's pipeline is one stage the runner cannot look inside (read, decode and "
-            "crop together); compare it with loader=packed, memmap or ram in "
-            "python -m runner -m sweep=rivals",
-    "ffcv": "FFCV's Loader is one stage the runner cannot look inside (read, decode and crop "
-            "together); compare it with loader=packed, memmap or ram in "
-            "python -m runner -m sweep=rivals",
     "model": "try amp=bf16 (or fp16 on CUDA), model.channels_last=true, a larger batch, or a "
              "smaller model",
 }
@@ -68,21 +57,7 @@ ADVICE = {
 
 def advice_for(cfg: Config, stage: str) -> str:
     """What to try for ``stage``, leaving out what this run already does."""
-    if stage != "decode":
-        return ADVICE[stage]
-    loader = cfg.loader
-    tries = ["loader=memmap or loader=ram (decode once)"]
-    if loader.name.value == "folder":
-        tries.append("loader=packed (re-encoded once at dataset.store_size: less to decode)")
-    elif loader.name.value == "packed":
-        tries.append("a smaller dataset.store_size")
-    if loader.decoder.value not in ("simplejpeg", "region"):
-        tries.append("loader.decoder=region (decodes only the crop)")
-    if not loader.draft and loader.decoder.value in ("pil", "simplejpeg"):
-        tries.append("loader.draft=true")
-    tries.append("more loader.num_workers" if loader.num_workers > 0
-                 else "more loader.decode_threads (more cores)")
-    return "try " + ", ".join(tries[:-1]) + " or " + tries[-1]
+    return storage_advice(stage, cfg.loader) or ADVICE.get(stage, "")
 
 
 @dataclass
@@ -124,7 +99,7 @@ def probe(fn: Callable[[], int], sync: Callable[[], None] = lambda: None,
 def _parallelism(cfg: Config, storage: Storage) -> int:
     """How many stage copies run at once: the workers, or the decode threads (a rival's
     pipeline is probed whole, with its own threads: one)."""
-    if storage.opaque:
+    if STORAGES[cfg.loader.name].own_loader:
         return 1
     workers = cfg.loader.num_workers or decode_threads(cfg.loader, storage)
     return max(1, min(workers, cores())) if workers > 0 else 1
@@ -279,6 +254,122 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
     return a["q1"] <= b["q3"] and b["q1"] <= a["q3"]
 
 
+@dataclass
+class Reading:
+    """What a run's figures and its stage ceilings say, before it is put into words.
+
+    Attributes:
+        bound: "data" or "model".
+        stage: the limiting stage; "unknown" when no probe is a credible limit.
+        pipeline: the pipeline's images/s (per rank under torch.distributed).
+        model: the model alone, images/s (None: model=none).
+        wait: the share of step time spent waiting (the GPU's idle share on CUDA).
+        gpu_idle: ``wait`` is the GPU's idle share.
+        credible: data stages whose ceiling is not below the pipeline, by images/s.
+        below: probes that came out below the pipeline itself (disturbed while probed).
+        tie: the next stage, when it is within noise of ``stage``.
+        near: ``stage`` is within noise of the pipeline (it is the pipeline's speed).
+        slowest: the slowest credible data stage (the model-bound verdict names it too).
+        model_tie: the model alone is within noise of ``slowest``.
+        sharing: a CPU model sharing its cores with the decode threads or workers.
+    """
+
+    bound: str
+    stage: str
+    pipeline: float
+    model: float | None
+    wait: float
+    gpu_idle: bool
+    credible: dict[str, float]
+    below: dict[str, float]
+    tie: str | None = None
+    near: bool = False
+    slowest: str | None = None
+    model_tie: bool = False
+    sharing: bool = False
+
+
+def classify(figures: dict[str, Any], ceilings: Ceilings, cpu: bool = False,
+             decoders: int = 0) -> Reading:
+    """Which stage limits the run: the figures and ceilings read, no words yet."""
+    medians, spread = ceilings.median, ceilings.spread
+    pipeline = figures["images_per_sec"]
+    noise = max(figures.get("spread_frac") or 0.0, MIN_NOISE)
+    # On CUDA the host blocks in next() while queued kernels still run: only a GPU idle
+    # between steps (measured with events) means the data path held the model up.
+    gpu_idle = figures.get("gpu_idle_frac")
+    wait = gpu_idle if gpu_idle is not None else (figures.get("data_wait_frac") or 0.0)
+    data = {k: v for k, v in medians.items() if k != "model"}
+    # a stage alone slower than the whole pipeline was disturbed while probed: not a limit
+    below = {k: v for k, v in data.items() if v < pipeline * (1 - noise)}
+    credible = {k: v for k, v in data.items() if k not in below}
+    ranked = sorted(credible, key=credible.get)
+    slowest = ranked[0] if ranked else None
+    model = medians.get("model")
+    if model is not None and model < pipeline * (1 - noise):
+        below["model"] = model  # never named as the limit; reported as disturbed
+    reading = Reading("data", "unknown", pipeline, model, wait, gpu_idle is not None,
+                      credible, below, slowest=slowest)
+    if model is None or (wait >= DATA_BOUND_WAIT and data):
+        if slowest is not None:
+            reading.stage = slowest
+            reading.near = credible[slowest] <= pipeline * (1 + noise)
+            if len(ranked) > 1 and _overlap(spread[ranked[0]], spread[ranked[1]]):
+                reading.tie = ranked[1]
+        return reading
+    reading.bound = "model"
+    reading.model_tie = bool(slowest and "model" in spread
+                             and _overlap(spread["model"], spread[slowest]))
+    if "model" not in below:
+        reading.stage = "model"
+        reading.sharing = cpu and bool(decoders) and model > 1.3 * pipeline
+    return reading
+
+
+def word(cfg: Config, r: Reading, world: int = 1, decoders: int = 0) -> str:
+    """The verdict's sentence for a ``Reading``: the figures, the stage and what to try."""
+    parts = [f"pipeline {r.pipeline:,.0f} img/s" + (" (model=none)" if r.model is None else "")]
+    if world > 1:
+        parts[0] += f" per rank ({world} ranks)"
+    if r.model is not None:
+        parts.append(f"model alone {r.model:,.0f} img/s")
+    figures = "; ".join(parts)
+    waited = (f"the GPU idled between steps {r.wait:.0%} of step time" if r.gpu_idle
+              else f"waited for data {r.wait:.0%} of step time")
+    disturbed = ("; probes of " + ", ".join(f"{k} ({v:,.0f})" for k, v in r.below.items())
+                 + " came out below the pipeline itself and are not taken as limits"
+                 if r.below else "")
+    shared = (" (the stages share this machine's CPU cores)"
+              if STORAGES[cfg.loader.name].decodes_per_epoch and r.model is not None
+              and cores() <= 2 else "")
+    if r.bound == "data":
+        if r.stage == "unknown":
+            return (f"data-bound: {figures}{disturbed}; no stage probe is a credible limit: "
+                    "run again on a quieter machine (or with run.steps larger) to name one")
+        rate = r.credible[r.stage]
+        near = " (within noise of the pipeline: this stage is the pipeline's speed)"             if r.near else ""
+        tie = (f"; {r.tie} ({r.credible[r.tie]:,.0f} img/s) is within noise of it, so either "
+               "may limit" if r.tie else "")
+        return (f"data-bound: {figures}; {waited}; slowest stage {r.stage} ({rate:,.0f} "
+                f"img/s){near}{tie}{disturbed}: {advice_for(cfg, r.stage)}{shared}")
+    tail = (f"; the data path could deliver {r.credible[r.slowest]:,.0f} img/s ({r.slowest})"
+            if r.slowest else "")
+    if r.model_tie:
+        tail += " — within noise of the model alone, so speeding up either alone buys little"
+    if r.stage == "unknown":  # the model's probe came out below the pipeline
+        return (f"compute-bound: {figures}{tail}{disturbed}; {waited}, so the step itself "
+                "limits, but the model's probe was disturbed: run again on a quieter machine "
+                "to measure it")
+    if r.sharing:  # decoding competes for the model's cores
+        who = (f"{cfg.loader.num_workers} loader workers" if cfg.loader.num_workers
+               else f"{decoders} decode threads")
+        return (f"model-bound, sharing its cores with decoding: {figures}{disturbed}; alone "
+                f"the model runs {r.model / r.pipeline:.1f}x faster, so the {who} take its "
+                f"cores; {waited}: try {choices(decoded_once())} (decoded once, nothing left "
+                "to decode each epoch), then amp=bf16 or model.channels_last=true")
+    return f"model-bound: {figures}{tail}{disturbed}; {waited}: {ADVICE['model']}"
+
+
 def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str, float],
             world: int = 1, cpu: bool = False, decoders: int = 0) -> Verdict:
     """Name the stage that limits this run, from its figures and the stage ceilings.
@@ -290,74 +381,6 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
     if not isinstance(ceilings, Ceilings):  # plain medians: no spread known
         ceilings = Ceilings(dict(ceilings), {k: dict.fromkeys(
             ("min", "q1", "median", "q3", "max"), v) for k, v in ceilings.items()})
-    medians, spread = ceilings.median, ceilings.spread
-    pipeline = figures["images_per_sec"]
-    noise = max(figures.get("spread_frac") or 0.0, MIN_NOISE)
-    # On CUDA the host blocks in next() while queued kernels still run: only a GPU idle
-    # between steps (measured with events) means the data path held the model up.
-    gpu_idle = figures.get("gpu_idle_frac")
-    wait = gpu_idle if gpu_idle is not None else (figures.get("data_wait_frac") or 0.0)
-    waited = (f"the GPU idled between steps {wait:.0%} of step time" if gpu_idle is not None
-              else f"waited for data {wait:.0%} of step time")
-    data = {k: v for k, v in medians.items() if k != "model"}
-    # a stage alone slower than the whole pipeline was disturbed while probed: not a limit
-    below = {k: v for k, v in data.items() if v < pipeline * (1 - noise)}
-    credible = {k: v for k, v in data.items() if k not in below}
-    ranked = sorted(credible, key=credible.get)
-    slowest = ranked[0] if ranked else None
-    model = medians.get("model")
-    if model is not None and model < pipeline * (1 - noise):
-        below["model"] = model  # never named as the limit; the probe is reported as disturbed
-    parts = [f"pipeline {pipeline:,.0f} img/s" + (" (model=none)" if model is None else "")]
-    if world > 1:
-        parts[0] += f" per rank ({world} ranks)"
-    if model is not None:
-        parts.append(f"model alone {model:,.0f} img/s")
-    shared = " (the stages share this machine's CPU cores)" if cfg.loader.name is StorageName.folder \
-        and cfg.model.name != "none" and cores() <= 2 else ""
-    disturbed = ("; probes of " + ", ".join(f"{k} ({v:,.0f})" for k, v in below.items())
-                 + " came out below the pipeline itself and are not taken as limits"
-                 if below else "")
-    result = Verdict("data", "", "", medians, spread=spread)
-    if model is None or (wait >= DATA_BOUND_WAIT and data):
-        if slowest is None:
-            result.stage = "unknown"
-            result.sentence = (f"data-bound: {'; '.join(parts)}{disturbed}; no stage probe is a "
-                               "credible limit: run again on a quieter machine (or with "
-                               "run.steps larger) to name one")
-            return result
-        rate = credible[slowest]
-        tie = ""
-        if len(ranked) > 1 and _overlap(spread[ranked[0]], spread[ranked[1]]):
-            tie = (f"; {ranked[1]} ({credible[ranked[1]]:,.0f} img/s) is within noise of it, "
-                   "so either may limit")
-        near = (" (within noise of the pipeline: this stage is the pipeline's speed)"
-                if rate <= pipeline * (1 + noise) else "")
-        result.stage = slowest
-        result.sentence = (f"data-bound: {'; '.join(parts)}; {waited}; slowest stage {slowest} "
-                           f"({rate:,.0f} img/s){near}{tie}{disturbed}: {advice_for(cfg, slowest)}"
-                           f"{shared}")
-        return result
-    tail = (f"; the data path could deliver {credible[slowest]:,.0f} img/s ({slowest})"
-            if slowest else "")
-    if slowest and "model" in spread and _overlap(spread["model"], spread[slowest]):
-        tail += " — within noise of the model alone, so speeding up either alone buys little"
-    if "model" in below:  # the model's probe came out below the pipeline: not a credible limit
-        result.bound, result.stage = "model", "unknown"
-        result.sentence = (f"compute-bound: {'; '.join(parts)}{tail}{disturbed}; {waited}, so "
-                           "the step itself limits, but the model's probe was disturbed: run "
-                           "again on a quieter machine to measure it")
-        return result
-    result.bound, result.stage = "model", "model"
-    if cpu and decoders and model > 1.3 * pipeline:  # decoding competes for the model's cores
-        who = (f"{cfg.loader.num_workers} loader workers" if cfg.loader.num_workers
-               else f"{decoders} decode threads")
-        result.sentence = (
-            f"model-bound, sharing its cores with decoding: {'; '.join(parts)}{disturbed}; "
-            f"alone the model runs {model / pipeline:.1f}x faster, so the {who} take its "
-            f"cores; {waited}: try loader=memmap or loader=ram (decoded once, nothing left "
-            "to decode each epoch), then amp=bf16 or model.channels_last=true")
-        return result
-    result.sentence = (f"model-bound: {'; '.join(parts)}{tail}{disturbed}; {waited}: "
-                       f"{ADVICE['model']}")
-    return result
+    reading = classify(figures, ceilings, cpu, decoders)
+    return Verdict(reading.bound, reading.stage, word(cfg, reading, world, decoders),
+                   ceilings.median, spread=ceilings.spread)

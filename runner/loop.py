@@ -72,7 +72,7 @@ class OnDevice:
         return batch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopOptions:
     """How long the loop runs and how it measures.
 
@@ -126,67 +126,159 @@ def steps_for_windows(timed_seconds: float, timed_steps: int, repeats: int,
     return math.ceil(1.1 * repeats * min_window_seconds / max(per_step, 1e-9))
 
 
+class Windows:
+    """The timed windows of a loop: where warm-up ends, where each window closes (a device
+    sync, then the figures logged), the repeat windows that give the spread, and the
+    lengthening of a run whose windows would be too short.
+
+    The device is synchronized only at window edges: when warm-up ends, at every
+    ``log_every``-th timed step, at each repeat's end, and at the end.
+    """
+
+    def __init__(self, o: LoopOptions, clock: StepClock, step: Step, logger: MetricLogger,
+                 bar: tqdm):
+        self.o, self.clock, self.step, self.logger, self.bar = o, clock, step, logger, bar
+        self.total, self.warmup = o.total_steps, o.warmup_steps
+        self.ends = repeat_split(max(self.total - self.warmup, 1), o.repeats)
+        self.result = LoopResult(timed=Window(), repeats=[Window() for _ in self.ends],
+                                 steps=0, images=0, warmup_steps=self.warmup)
+        self.repeat = 0
+
+    @property
+    def timed(self) -> int:
+        """Timed steps so far (negative during warm-up)."""
+        return self.result.steps - self.warmup
+
+    def begin(self) -> None:
+        """Warm-up is over: what came before is not timed."""
+        self.logger.log(_prefixed(self.step.read()), step=self.result.steps)
+        self.step.start_timing()
+        self.clock.open_window()
+
+    def after_step(self) -> None:
+        timed = self.timed
+        if timed == 0:
+            self.begin()
+        elif timed > 0 and (timed % self.o.log_every == 0 or timed in self.ends):
+            figures = self.close()
+            self.bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
+            if self.repeat == 0 and self.o.extend is not None and self.o.min_window_seconds > 0:
+                self.lengthen()
+            self.clock.open_window(sync=False)  # logging is the runner's, not the pipeline's
+
+    def close(self) -> dict[str, Any]:
+        """Close the open window (a sync), add it to the run and its repeat window, log it."""
+        window = self.clock.close_window()
+        self.result.timed.add(window)
+        self.result.repeats[self.repeat].add(window)
+        if self.repeat < len(self.ends) - 1 and self.timed >= self.ends[self.repeat]:
+            self.repeat += 1
+        if self.o.on_window is not None:
+            self.o.on_window(self.result)
+        figures = window.figures() | self.step.read()
+        self.logger.log(_prefixed(figures), step=self.result.steps)
+        return figures
+
+    def lengthen(self) -> None:
+        """Still in the first repeat: make every window last ``min_window_seconds``."""
+        o, result = self.o, self.result
+        needed = steps_for_windows(result.timed.seconds, result.timed.steps, o.repeats,
+                                   o.min_window_seconds)
+        if needed <= self.total - self.warmup:
+            return
+        self.total = self.warmup + needed
+        self.ends = [max(e, self.timed) for e in repeat_split(needed, o.repeats)]
+        result.repeats += [Window() for _ in range(len(self.ends) - len(result.repeats))]
+        self.bar.total = self.total
+        o.extend(self.total)
+
+    def finish(self) -> LoopResult:
+        """The last, partial window, and the repeats that hold steps."""
+        if self.result.steps > self.warmup and self.clock.has_steps():
+            self.close()
+        self.result.repeats = [w for w in self.result.repeats if w.steps]
+        return self.result
+
+
+class StepHooks:
+    """What runs between two steps besides the timing: the checkpoint schedule
+    (``on_step``), epoch ends (validation, checkpoints; their time left out), the
+    profiler's step, and a stop a signal asked for (raised between two steps, never inside
+    one)."""
+
+    def __init__(self, o: LoopOptions, clock: StepClock):
+        self.o, self.clock = o, clock
+
+    def start(self) -> None:
+        if self.o.profiler is not None:
+            self.o.profiler.start()
+
+    def stop(self) -> None:
+        if self.o.profiler is not None:
+            self.o.profiler.stop()
+
+    def after_step(self, steps: int) -> None:
+        o = self.o
+        done = o.first_step + steps
+        if o.on_step is not None:
+            o.on_step(done)
+        if o.on_epoch_end is not None and done % o.steps_per_epoch == 0:
+            with self.clock.paused():
+                o.on_epoch_end(done // o.steps_per_epoch)
+        if o.profiler is not None:
+            o.profiler.step()
+        timed = steps - o.warmup_steps
+        if o.stop_requested is not None and (
+                o.stop_each_step or (timed >= 0 and timed % o.log_every == 0)) \
+                and (name := o.stop_requested()) is not None:
+            raise Interrupted(name)  # between two steps (every rank at this same one)
+
+
+class StepTrace:
+    """The host spans of the first steps after warm-up, for the timeline
+    (runner/timeline.py): wait, copy, augment and step, and each step's span."""
+
+    def __init__(self, result: LoopResult, augments: bool):
+        self.result, self.augments = result, augments
+        self.keep = result.warmup_steps + timeline.STEPS_SHOWN if timeline.enabled() else 0
+
+    def record(self, t0: float, h1: float, h2: float, h3: float) -> None:
+        if self.result.steps >= self.keep:
+            return
+        h4 = time.perf_counter()
+        for name, a, b in (("wait", t0, h1), ("copy", h1, h2), ("augment", h2, h3),
+                           ("step", h3, h4)):
+            if b > a and (name != "augment" or self.augments):
+                timeline.record(name, a, b)
+        self.result.step_spans.append((t0, h4))
+
+
 def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOptions
              ) -> LoopResult:
-    """Run ``step`` on up to ``options.total_steps`` batches and time those after warm-up.
+    """Run ``step`` on up to ``options.total_steps`` batches and time those after warm-up:
+    wait for the next batch, copy it to the device, finish it there, step.
 
-    The timed steps are split into ``repeats`` consecutive windows (the run's spread); the
-    device is synchronized only at window edges: when warm-up ends, at every
-    ``log_every``-th timed step, at each repeat's end, and at the end. When the first
-    repeat shows that the windows would last less than ``min_window_seconds``, the run is
-    lengthened through ``extend`` (when given) so that they do not. ``finish`` (random
-    crops of pre-decoded batches) runs on the device after the move and counts as compute.
-    With a ``profiler``, each stage is a named range and the profiler advances once per
-    step. Ctrl-C or SIGTERM (``KeyboardInterrupt``) ends the loop early with the steps done
-    so far timed and kept; the result carries the interruption for the caller to re-raise.
+    The timed steps are split into ``repeats`` consecutive windows (the run's spread,
+    ``Windows``). ``finish`` (random crops of pre-decoded batches) runs on the device after
+    the move and counts as compute. With a ``profiler``, each stage is a named range and
+    the profiler advances once per step. Ctrl-C or SIGTERM (``KeyboardInterrupt``) ends the
+    loop early with the steps done so far timed and kept; the result carries the
+    interruption for the caller to re-raise.
     """
     o = options
     clock = o.clock or StepClock(batches.device)
-    total_steps, warmup_steps = o.total_steps, o.warmup_steps
-    ends = repeat_split(max(total_steps - warmup_steps, 1), o.repeats)
-    result = LoopResult(timed=Window(), repeats=[Window() for _ in ends], steps=0, images=0,
-                        warmup_steps=warmup_steps)
+    bar = tqdm(total=o.total_steps, unit="step", disable=not o.progress, dynamic_ncols=True)
+    windows, hooks = Windows(o, clock, step, logger, bar), StepHooks(o, clock)
+    result = windows.result
+    augments = getattr(batches, "augment", None) is not None
+    trace = StepTrace(result, augments)
     stage = stage_range(o.profiler is not None)
-    bar = tqdm(total=total_steps, unit="step", disable=not o.progress, dynamic_ncols=True)
     batch_iter = iter(batches)
-    repeat = 0
-    traced = timeline.enabled()
-    keep_spans = warmup_steps + timeline.STEPS_SHOWN
-    finishes = getattr(batches, "augment", None) is not None
-
-    def close_window() -> dict[str, Any]:
-        nonlocal repeat
-        window = clock.close_window()
-        result.timed.add(window)
-        result.repeats[repeat].add(window)
-        timed = result.steps - warmup_steps
-        if repeat < len(ends) - 1 and timed >= ends[repeat]:
-            repeat += 1
-        if o.on_window is not None:
-            o.on_window(result)
-        return window.figures()
-
-    def lengthen() -> None:
-        """Still in the first repeat: make every window last ``min_window_seconds``."""
-        nonlocal total_steps, ends
-        timed = result.steps - warmup_steps
-        needed = steps_for_windows(result.timed.seconds, result.timed.steps, o.repeats,
-                                   o.min_window_seconds)
-        if needed <= total_steps - warmup_steps:
-            return
-        total_steps = warmup_steps + needed
-        ends = [max(e, timed) for e in repeat_split(needed, o.repeats)]
-        result.repeats += [Window() for _ in range(len(ends) - len(result.repeats))]
-        bar.total = total_steps
-        o.extend(total_steps)
-
-    if o.profiler is not None:
-        o.profiler.start()
-    if warmup_steps == 0:
-        step.start_timing()
-        clock.open_window()
+    hooks.start()
+    if windows.warmup == 0:
+        windows.begin()
     try:
-        while result.steps < total_steps:
+        while result.steps < windows.total:
             t0 = time.perf_counter()
             with stage("data_wait"):
                 batch = next(batch_iter, None)
@@ -198,62 +290,28 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             c0 = clock.now()
             with stage("copy"):
                 batch = batches.to_device(batch)
-            c1 = clock.now()
-            h2 = time.perf_counter()
-            if finishes:
+            c1, h2 = clock.now(), time.perf_counter()
+            if augments:
                 with stage("augment"):
                     batch = batches.finish(batch)
             h3 = time.perf_counter()
             with stage("compute"):
                 step(batch)
             c2 = clock.now()
-            if traced and result.steps < keep_spans:  # host spans, for runner/timeline.py
-                h4 = time.perf_counter()
-                for name, a, b in (("wait", t0, h1), ("copy", h1, h2), ("augment", h2, h3),
-                                   ("step", h3, h4)):
-                    if b > a and (name != "augment" or finishes):
-                        timeline.record(name, a, b)
-                result.step_spans.append((t0, h4))
+            trace.record(t0, h1, h2, h3)
             clock.add("copy", c0, c1)
             clock.add("compute", c1, c2)
             clock.step_done(n, c0, c2)
             result.steps += 1
             result.images += n
             bar.update()
-            done = o.first_step + result.steps
-            if o.on_step is not None:
-                o.on_step(done)
-            if o.on_epoch_end is not None and done % o.steps_per_epoch == 0:
-                with clock.paused():
-                    o.on_epoch_end(done // o.steps_per_epoch)
-            if o.profiler is not None:
-                o.profiler.step()
-            timed = result.steps - warmup_steps
-            if o.stop_requested is not None and (
-                    o.stop_each_step or (timed >= 0 and timed % o.log_every == 0)) \
-                    and (name := o.stop_requested()) is not None:
-                raise Interrupted(name)  # between two steps (every rank at this same one)
-            if timed == 0:  # warm-up ends: what came before is not timed
-                logger.log(_prefixed(step.read()), step=result.steps)
-                step.start_timing()
-                clock.open_window()
-            elif timed > 0 and (timed % o.log_every == 0 or timed in ends):
-                figures = close_window() | step.read()
-                logger.log(_prefixed(figures), step=result.steps)
-                bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
-                if repeat == 0 and o.extend is not None and o.min_window_seconds > 0:
-                    lengthen()
-                clock.open_window(sync=False)  # logging is the runner's, not the pipeline's
+            hooks.after_step(result.steps)
+            windows.after_step()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (runner.run's handler)
         result.interrupted = e
     finally:
         bar.close()
-        if o.profiler is not None:
-            o.profiler.stop()
+        hooks.stop()
         if hasattr(batch_iter, "close"):
             batch_iter.close()  # stops loader workers now, also when stopping early
-    if result.steps > warmup_steps and clock.has_steps():
-        figures = close_window() | step.read()
-        logger.log(_prefixed(figures), step=result.steps)
-    result.repeats = [w for w in result.repeats if w.steps]
-    return result
+    return windows.finish()

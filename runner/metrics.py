@@ -97,20 +97,6 @@ class Window:
         return out
 
 
-def quantiles(values: list[float]) -> dict[str, float]:
-    """min, q1, median, q3 and max of ``values`` (linear interpolation between ranks)."""
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-    return {"min": ordered[0], "q1": at(0.25), "median": at(0.5), "q3": at(0.75),
-            "max": ordered[-1]}
-
-
 def repeat_split(timed_steps: int, repeats: int) -> list[int]:
     """The timed step (1-based) at which each of ``repeats`` consecutive, near-equal
     windows ends; fewer windows when there are fewer steps."""

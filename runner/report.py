@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import flatten
+from runner.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def switches(runs: list[Run], options: list[str], baseline: Run | None) -> list[
             ratios = [b.rate / a.rate for a, b in pairs]
             rows.append({
                 "option": option, "from": reference, "to": value, "pairs": len(pairs),
-                "median": statistics.median(ratios) if ratios else None,
+                "median": median(ratios) if ratios else None,
                 "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
                 "noise": bool(pairs) and all(within_noise(a, b) for a, b in pairs),
             })
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="a sweep folder, or run folders")
     parser.add_argument("--baseline", help="the run to compare against, by its resolved "
-                                           "config, e.g. 'loader=folder,prefetch=none'")
+                                           "config, e.g. 'prefetch=none,amp=off'")
     parser.add_argument("--out", type=Path, help="where to write (default: the sweep folder)")
     args = parser.parse_args(argv)
     try:

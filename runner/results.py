@@ -10,10 +10,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import Config, StorageName, TaskName
+from runner.config import Config, TaskName
+from runner.data.storage import STORAGES
 from runner.data.storage.folder import printable
 from runner.loop import LoopResult
-from runner.metrics import quantiles
+from runner.stats import quantiles
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
 WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this: noisy
@@ -22,7 +23,8 @@ WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this:
 def describe(cfg: Config) -> str:
     """The run's options in one line, e.g. ``loader=folder decoder=pil workers=2 ...``."""
     parts = [f"loader={cfg.loader.name.value}"]
-    if cfg.loader.name is StorageName.folder:
+    kind = STORAGES[cfg.loader.name]
+    if kind.decodes_per_epoch and not kind.own_loader:
         parts.append(f"decoder={cfg.loader.decoder.value}")
     parts += [f"workers={cfg.loader.num_workers}", f"batch={cfg.loader.batch_size}",
               f"prefetch={cfg.prefetch.name.value}", f"amp={cfg.amp.name.value}",
@@ -177,7 +179,7 @@ def summary_line(cfg: Config, figures: dict[str, Any], world: int = 1) -> str | 
     return line
 
 
-def report(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
+def announce(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
     """The run's result on the console: its summary line and the files it skipped."""
     import logging
 

@@ -157,7 +157,8 @@ class Job:
         saves = self._checkpointer(clock, step)
         with agreed_stops(ranks, self.signals, device) as (stop, each_step):
             result = run_loop(data, step, self.logger, LoopOptions(
-                total_steps, warmup, cfg.run.log_every, cfg.run.repeats, cfg.run.window_seconds,
+                total_steps=total_steps, warmup_steps=warmup, log_every=cfg.run.log_every,
+                repeats=cfg.run.repeats, min_window_seconds=cfg.run.window_seconds,
                 # only a data-only run of one process goes on (ranks keep one schedule)
                 extend=data.extend if not self.models and not ranks.enabled else None,
                 progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
@@ -180,7 +181,7 @@ class Job:
         if result.interrupted is not None:
             raise result.interrupted  # after the figures of the steps it completed
         if ranks.main:
-            results.report(cfg, figures, ranks.world)
+            results.announce(cfg, figures, ranks.world)
         if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
             figures["bottleneck"] = diagnose(cfg, figures, data, self.models, ranks.world)
         self.figures = figures

@@ -93,11 +93,11 @@ def _steps(pipeline, step, n: int, sync_check: bool) -> tuple[float, int]:
 
 
 def check_loop(size: int, batch: int) -> list[Row]:
-    from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
+    from runner.config import AmpConfig, AmpName, ModelConfig, StorageName, TaskConfig, TaskName
     from runner.model import build_model
     from runner.task import TrainStep
 
-    common = ["loader=memmap", "prefetch=gpu", "amp=bf16", "model=resnet50",
+    common = [f"loader={StorageName.memmap.value}", "prefetch=gpu", "amp=bf16", "model=resnet50",
               f"loader.batch_size={batch}", f"dataset.image_size=[{size},{size}]"]
     pipeline = _pipeline(*common)
     device = pipeline.device
@@ -189,20 +189,23 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
 
 
 def check_nvjpeg(batch: int) -> list[Row]:
-    from runner.bench import runner_rate
+    """Each GPU decoder against the folder's default CPU decoder, both with 2 workers."""
+    from runner.bench import FOLDER, loader, runner_rate
     from runner.compose import compose
+    from runner.data.storage.decode import DECODERS
 
-    rates = {}
-    for name, extra in (("nvjpeg", ["loader.decoder=nvjpeg", "loader.num_workers=2"]),
-                        ("simplejpeg, 2 workers", ["loader.decoder=simplejpeg",
-                                                   "loader.num_workers=2"])):
-        cfg = compose(["loader=folder", "model=none", "logger=none", "device=cuda",
-                       f"loader.batch_size={batch}", *extra])
-        rates[name] = runner_rate(cfg, 3.0, torch.device("cuda"))
-    ratio = rates["nvjpeg"] / rates["simplejpeg, 2 workers"]
-    return [Row("loader.decoder=nvjpeg vs the best CPU decoder with 2 workers", ratio >= 1.0,
-                f"{rates['nvjpeg']:,.0f} vs {rates['simplejpeg, 2 workers']:,.0f} img/s "
-                f"({ratio:.2f}x)")]
+    base = [loader(FOLDER), "model=none", "logger=none", "device=cuda",
+            f"loader.batch_size={batch}", "loader.num_workers=2"]
+    cpu = compose(base)
+    reference = runner_rate(cpu, 3.0, torch.device("cuda"))
+    rows = []
+    for decoder in (d for d, k in DECODERS.items() if k.cuda):
+        rate = runner_rate(compose([*base, f"loader.decoder={decoder.value}"]), 3.0,
+                           torch.device("cuda"))
+        rows.append(Row(f"loader.decoder={decoder.value} vs the CPU decoder "
+                        f"{cpu.loader.decoder.value} with 2 workers", rate >= reference,
+                        f"{rate:,.0f} vs {reference:,.0f} img/s ({rate / reference:.2f}x)"))
+    return rows
 
 
 def check_fp16_training(size: int, batch: int) -> list[Row]:
@@ -320,7 +323,8 @@ def check_timing(batch: int) -> list[Row]:
         clock = StepClock(device)
         batches = build_prefetcher(PrefetchConfig(name), source(), device)
         result = run_loop(OnDevice(batches, device), _timed_step(step), NullLogger(),
-                          LoopOptions(steps, 4, log_every=10, repeats=1, clock=clock,
+                          LoopOptions(total_steps=steps, warmup_steps=4, log_every=10,
+                                      repeats=1, clock=clock,
                                       steps_per_epoch=per_epoch,
                                       on_epoch_end=lambda done: time.sleep(pause)))
         idle = result.timed.figures().get("gpu_idle_frac")
@@ -432,7 +436,7 @@ CHECKS = [
     ("timing", lambda a: check_timing(min(a.batch_size, 64))),
     ("tensorrt", lambda a: check_tensorrt(a.size, a.batch_size)),
     ("tensorrt-job", lambda a: check_tensorrt_job()),
-    ("nvjpeg", lambda a: check_nvjpeg(min(a.batch_size, 64))),
+    ("gpu-decode", lambda a: check_nvjpeg(min(a.batch_size, 64))),
     ("fp16", lambda a: check_fp16_training(a.size, min(a.batch_size, 64))),
     ("fp16-numbers", lambda a: check_fp16_numbers(64, 32)),
     ("ddp", lambda a: check_ddp()),

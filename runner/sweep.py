@@ -116,20 +116,11 @@ class SweepSummary(Callback):
 
 # --- autotune: -m sweep=autotune ---------------------------------------------------------
 
-def _available_decoders() -> list[str]:
-    from runner.config import Decoder
-    from runner.data.storage.decode import check_decoder
-    from runner.errors import Unavailable
+def _available_decoders(gpu: bool) -> list[str]:
+    """The decoders this machine can run (those that decode on the GPU only with CUDA)."""
+    from runner.data.storage.decode import DECODERS
 
-    found = []
-    for decoder in (Decoder.pil, Decoder.simplejpeg, Decoder.jpeg4py, Decoder.torchvision,
-                    Decoder.region):
-        try:
-            check_decoder(decoder)
-            found.append(decoder.value)
-        except Unavailable:
-            pass
-    return found
+    return [d.value for d, k in DECODERS.items() if (gpu or not k.cuda) and k.available()]
 
 
 def _value(cfg: DictConfig, key: str) -> Any:
@@ -145,10 +136,12 @@ def autotune_choices(cfg: DictConfig, cuda: bool, cores: int) -> dict[str, list]
         current = _value(cfg, key)
         return choices if current in choices or current is None else [current, *choices]
 
+    from runner.data.storage import STORAGES
+
     workers = sorted({0, 1, 2, *(w for w in (4, 8, 16) if w <= cores)})
     choices = {
-        "loader": ["folder", "packed", "memmap", "ram"],
-        "loader.decoder": _available_decoders() + (["nvjpeg"] if cuda else []),
+        "loader": [name.value for name, kind in STORAGES.items() if kind.autotune],
+        "loader.decoder": _available_decoders(cuda),
         "loader.draft": [False, True],
         "loader.num_workers": workers,
         "loader.batch_size": [32, 64, 128, 256],
@@ -173,10 +166,10 @@ def _given(cfg: DictConfig) -> set[str]:
 def autotune_space(cfg: DictConfig, trial: Any) -> None:
     """hydra-optuna-sweeper's ``custom_search_space``: suggest this trial's knobs.
 
-    Conditional and device-aware: decoder only where a storage decodes per epoch (folder,
-    packed), draft only for the decoders that scale (pil, simplejpeg), workers only there (the memmap/ram presets gather in-process),
-    prefetch depth only with a prefetcher, channels_last only with a model; GPU-only
-    choices only with CUDA. Trial 0 is the configuration as given (the defaults plus the
+    Conditional and device-aware: each storage's own knobs from its registry record
+    (decoder and workers where a storage decodes every epoch), draft only for the decoders
+    that scale, a decoder only among those the storage takes, prefetch depth only with a
+    prefetcher, channels_last only with a model; GPU-only choices only with CUDA. Trial 0 is the configuration as given (the defaults plus the
     command line): the baseline every gain is measured against, in the same sweep.
     """
     import os
@@ -194,10 +187,18 @@ def autotune_space(cfg: DictConfig, trial: Any) -> None:
             return _value(cfg, key)
         return trial.suggest_categorical(key, choices[key])
 
-    storage = pick("loader")
-    if storage in ("folder", "packed"):  # decoded every epoch
-        if pick("loader.decoder") in ("pil", "simplejpeg"):
+    from runner.config import Decoder, StorageName
+    from runner.data.storage import STORAGES
+    from runner.data.storage.decode import DECODERS
+
+    # (a parameter's choices must be the same in every trial: a decoder a storage does not
+    # take would be a failed trial, and every storage that has the knob takes them all)
+    kind = STORAGES[StorageName(pick("loader"))]
+    if "loader.decoder" in kind.knobs:
+        decoder = pick("loader.decoder")
+        if "loader.draft" in kind.knobs and DECODERS[Decoder(decoder)].scales:
             pick("loader.draft")
+    if "loader.num_workers" in kind.knobs:
         pick("loader.num_workers")
     pick("loader.batch_size")
     if pick("prefetch") != "none":

@@ -19,7 +19,17 @@ from runner.data.synthetic import SyntheticSpec, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` (``pytest -m cuda`` selects them on a GPU machine) are skipped
+    where there is no CUDA device, never left to fail."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 def photo(h: int = 96, w: int = 128, index: int = 0) -> np.ndarray:
@@ -88,7 +98,8 @@ def run_in_process(*overrides: str, run_dir: Path) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from runner.config import config_dir, register_configs
+    from runner.commandline import register_configs
+    from runner.config import config_dir
     from runner.run import run
 
     register_configs()
@@ -159,12 +170,23 @@ def compose_config(*overrides: str, hydra: bool = False):
     """The composed (not yet validated) DictConfig, as ``python -m runner`` composes it."""
     from hydra import compose, initialize_config_dir
 
-    from runner.config import config_dir, register_configs
+    from runner.commandline import register_configs
+    from runner.config import config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides),
                        return_hydra_config=hydra)
+
+
+def export_dynamic(module, example):
+    """``module`` exported with a dynamic batch dimension up to ``example``'s batch, with the
+    spec and the trace batch a TensorRT engine is saved with (runner/compile.py)."""
+    from runner.compile import batch_dynamic_shapes, trace_batch
+
+    example = trace_batch(example)
+    return torch.export.export(module, (example,), strict=False,
+                               dynamic_shapes=batch_dynamic_shapes(example.shape[0]))
 
 
 def make_loader(storage, cfg, seed: int = 0, pin_memory: bool = False, rank: int = 0,

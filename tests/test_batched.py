@@ -16,7 +16,7 @@ from runner.data.order import BatchOrder
 from runner.data.storage import ram
 from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.folder import DatasetError, FolderStorage
-from runner.data.storage.memmap import CacheSpec, open_cache
+from runner.data.storage.memmap import MemmapSpec, open_cache
 from tests.conftest import encode, make_loader, make_tree, photo
 
 SIZE = (16, 16)
@@ -29,8 +29,8 @@ def folder(tmp_path: Path) -> FolderStorage:
     return FolderStorage(root, ImageDecoder(Decoder.simplejpeg, SIZE), OnCorrupt.skip)
 
 
-def spec(folder: FolderStorage) -> CacheSpec:
-    return CacheSpec(folder.root.resolve(), SIZE, "simplejpeg", False)
+def spec(folder: FolderStorage) -> MemmapSpec:
+    return MemmapSpec(folder.root.resolve(), SIZE, "simplejpeg", False)
 
 
 @pytest.fixture
@@ -63,9 +63,9 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
         assert sorted(flat) == list(range(10)) and [len(b) for b in epoch] == [4, 4, 2]
         assert all(b == sorted(b) for b in epoch)  # read in file order within a batch
     assert epochs[0] != epochs[1]  # reshuffled each epoch
-    again = BatchOrder(10, 4, True, False, seed=1)
+    again = BatchOrder(10, 4, shuffle=True, drop_last=False, seed=1)
     assert [b.tolist() for b in again.batches()] == epochs[0]  # reproducible
-    assert len(BatchOrder(10, 4, True, drop_last=True, seed=1)) == 2
+    assert len(BatchOrder(10, 4, shuffle=True, drop_last=True, seed=1)) == 2
 
 
 def test_an_epochs_order_depends_on_its_number_alone_so_a_resumed_run_reads_the_same():
@@ -88,7 +88,7 @@ def test_a_stream_resumed_at_an_epoch_gives_that_epochs_batches(memmap_storage):
         config = cfg(batch_size=4)
         order = batch_order(memmap_storage, config, seed=5)
         loader = build_loader(memmap_storage, config, order, False)
-        return [b["index"].tolist() for b in BatchStream(loader, epochs, order, start)]
+        return [b["index"].tolist() for b in BatchStream(loader, epochs, order=order, start_epoch=start)]
 
     per_epoch = -(-len(memmap_storage) // 4)
     assert stream(2, 1) == stream(0, 3)[2 * per_epoch :]

@@ -16,8 +16,8 @@ from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelC
 from runner.model import UInt8Input, build_model
 from tests.conftest import (
     SMALL_DATASET,
+    export_dynamic,
     read_metrics,
-    requires_cuda,
     run_cli,
     run_in_process,
 )
@@ -143,7 +143,7 @@ def test_models_needs_infer_and_distinct_names(tmp_path: Path):
         assert proc.returncode == 2 and why in proc.stdout + proc.stderr
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path, monkeypatch):
     pytest.importorskip("torch_tensorrt")
     model, x = model_and_batch("resnet18", train=False, size=64,
@@ -167,7 +167,7 @@ def test_an_exported_engine_module_survives_the_infer_steps_eval():
 
     backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)).eval()
     x = torch.rand(2, 3, 8, 8)
-    engine = compiling.export_dynamic(backbone, x).module()
+    engine = export_dynamic(backbone, x).module()
     with pytest.raises(NotImplementedError):
         engine.eval()  # the defect this guards against, as torch has it
     wrapped = compiling._HeadThenEngine(UInt8Input(), engine)
@@ -187,7 +187,7 @@ def test_a_batch_of_one_exports_with_a_dynamic_batch_dimension():
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3)).eval()
     one = torch.rand(1, 3, 4, 4)
     assert compiling.trace_batch(one).shape[0] == 2
-    program = compiling.export_dynamic(net, one).module()
+    program = export_dynamic(net, one).module()
     for n in (1, 2):
         x = torch.rand(n, 3, 4, 4)
         assert torch.allclose(program(x), net(x), atol=1e-6)

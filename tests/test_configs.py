@@ -9,8 +9,9 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+from runner.commandline import register_configs, unknown_key_message
 from runner.compose import to_config
-from runner.config import ConfigError, register_configs, unknown_key_message
+from runner.config import ConfigError
 from runner.errors import Unavailable
 from tests.conftest import REPO, compose_config, make_loader, run_cli
 

@@ -24,7 +24,8 @@ from tests.conftest import REPO, SMALL_DATASET, encode, make_loader, make_tree, 
 @pytest.mark.parametrize(("size", "world", "batch"), [(10, 2, 4), (9, 2, 4), (61, 2, 8),
                                                       (7, 3, 2), (5, 4, 8), (64, 2, 8)])
 def test_shards_cover_each_epoch_once_with_equal_steps(size: int, world: int, batch: int):
-    orders = [BatchOrder(size, batch, True, False, seed=3, rank=r, world=world)
+    orders = [BatchOrder(size, batch, shuffle=True, drop_last=False, seed=3, rank=r,
+                         world=world)
               for r in range(world)]
     assert len({len(o) for o in orders}) == 1  # every rank runs the same number of steps
     for _ in range(3):  # epochs: reshuffled, and still an exact cover each time
@@ -39,7 +40,8 @@ def test_shards_cover_each_epoch_once_with_equal_steps(size: int, world: int, ba
 
 def test_padding_rows_are_marked_not_counted(tmp_path: Path):
     images = torch.arange(9, dtype=torch.uint8).view(9, 1, 1, 1).expand(9, 3, 2, 2).clone()
-    storage = DecodedStorage(images, torch.arange(9), [], ["c"], [str(i) for i in range(9)], None)
+    storage = DecodedStorage(images, torch.arange(9), skipped=[], classes=["c"],
+                             names=[str(i) for i in range(9)], root=None)
     cfg = LoaderConfig(name=StorageName.memmap, batch_size=4, num_workers=0, batched=True)
     seen = []
     for rank in (0, 1):
@@ -126,7 +128,8 @@ def test_the_slurm_launcher_preset_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
-    from runner.config import config_dir, register_configs
+    from runner.commandline import register_configs
+    from runner.config import config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -12,8 +12,9 @@ import shlex
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from runner.commandline import check_command_line
 from runner.compose import to_config
-from runner.config import ConfigError, check_command_line
+from runner.config import ConfigError
 from tests.conftest import REPO, compose_config
 
 COMMAND = re.compile(r"(?:python -m|torchrun\b.*?-m) runner(?=\s|$)(.*)")

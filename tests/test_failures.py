@@ -21,17 +21,11 @@ import torch
 
 from runner.config import Decoder, OnCorrupt
 from runner.data.pool import WorkerDied
-from runner.data.storage import memmap
+from runner.data.storage import cache, memmap
+from runner.data.storage.cache import META, CacheError, DiskFull, ensure_cache
 from runner.data.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.memmap import (
-    META,
-    CacheError,
-    CacheSpec,
-    DiskFull,
-    ensure_cache,
-    open_cache,
-)
+from runner.data.storage.memmap import MemmapSpec, open_cache
 from runner.outcome import RunDirClaim
 from tests.conftest import (
     REPO,
@@ -59,8 +53,8 @@ def folder_of(root: Path, on_corrupt: OnCorrupt = OnCorrupt.skip) -> FolderStora
     return FolderStorage(root, ImageDecoder(Decoder.simplejpeg, SIZE), on_corrupt)
 
 
-def spec_for(root: Path) -> CacheSpec:
-    return CacheSpec(root.resolve(), SIZE, "simplejpeg", False)
+def spec_for(root: Path) -> MemmapSpec:
+    return MemmapSpec(root.resolve(), SIZE, "simplejpeg", False)
 
 
 def build(root: Path, cache: Path, on_corrupt: OnCorrupt = OnCorrupt.skip):
@@ -151,7 +145,8 @@ def test_a_full_disk_fails_the_conversion_at_once_with_bytes_needed_and_free(
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     start = time.monotonic()
-    with pytest.raises(DiskFull, match=r"needs .* GiB \([\d,]+ bytes\), .* GiB are free"):
+    with pytest.raises(DiskFull, match=r"needs [\d.]+ [KMGT]?B \([\d,]+ bytes\), [\d.]+ [KMGT]?B "
+                                      r"\([\d,]+ bytes\) are free"):
         build(source, tmp_path / "cache")
     assert time.monotonic() - start < 30
     assert not (spec_for(source).folder(tmp_path / "cache") / META).exists()
@@ -161,7 +156,7 @@ _REAL_DECODE_CHUNK = memmap._decode_chunk
 
 
 def bus_error(chunk):  # module level: the pool pickles it by name
-    if chunk[0] == 3 * memmap.CHUNK:
+    if chunk[0] == 3 * cache.CHUNK:
         faulthandler.disable()  # pytest's, inherited: its dump of this death is noise
         os.kill(os.getpid(), signal.SIGBUS)  # what a write into a full sparse file does
     return _REAL_DECODE_CHUNK(chunk)
@@ -169,7 +164,7 @@ def bus_error(chunk):  # module level: the pool pickles it by name
 
 def test_a_worker_that_dies_fails_the_conversion_promptly_and_it_resumes(
         source: Path, tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(memmap, "CHUNK", 3)
+    monkeypatch.setattr(cache, "CHUNK", 3)
     real = memmap._decode_chunk
     monkeypatch.setattr(memmap, "_decode_chunk", bus_error)
     start = time.monotonic()
@@ -322,8 +317,8 @@ def test_an_unchanged_folder_is_checked_without_reading_any_file(source: Path, t
                                                                  monkeypatch):
     build(source, tmp_path / "cache")
     read = []
-    real = memmap.file_record
-    monkeypatch.setattr(memmap, "file_record", lambda p: read.append(p) or real(p))
+    real = cache.file_record
+    monkeypatch.setattr(cache, "file_record", lambda p: read.append(p) or real(p))
     build(source, tmp_path / "cache")
     assert read == []  # stat only: the content hash is read only for files whose stat moved
 
@@ -387,7 +382,7 @@ def test_a_valid_cache_opens_where_no_lock_can_be_made(source: Path, tmp_path: P
         def __init__(self, *args, **kwargs):
             raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(memmap, "FileLock", ReadOnlyLock)
+    monkeypatch.setattr(cache, "FileLock", ReadOnlyLock)
     storage = open_cache(folder_of(source), spec_for(source), tmp_path / "cache", progress=False)
     assert len(storage) == 24
     (source / "c0" / "new.jpg").write_bytes(encode(photo(48, 64, index=55)))  # now stale
@@ -413,11 +408,12 @@ def test_prepare_memmap_with_loader_ram_builds_the_cache_ram_reads(source: Path,
     overrides = [f"dataset.path={source}", f"dataset.image_size=[{SIZE[0]},{SIZE[1]}]",
                  "loader.decoder=simplejpeg", f"dataset.cache_dir={tmp_path / 'cache'}",
                  "run.progress=false"]
-    assert prepare_main(["memmap", "loader=ram", *overrides]) == 0
+    assert prepare_main(["ram", *overrides]) == 0
     printed = Path(capsys.readouterr().out.strip().splitlines()[-1].split()[-1])
     assert (printed / META).exists()  # the path it prints is the cache it built
-    assert prepare_main(["memmap", "loader=folder", *overrides]) == 2
-    assert "loader=folder" in capsys.readouterr().err
+    assert printed.parent.name == "memmap"  # ram loads the memmap store
+    assert prepare_main(["folder", *overrides]) == 2
+    assert "loader=folder has no store to prepare" in capsys.readouterr().err
 
 
 # --- 12. one voice for user errors ----------------------------------------------------------

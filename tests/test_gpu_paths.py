@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-from runner.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, export_dynamic, tolerance
+from runner.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, tolerance
 from runner.compose import compose
 from runner.config import AmpConfig, AmpName, CompileName, ModelConfig, TaskConfig, TaskName
 from runner.data.augment import BatchAugment
 from runner.model import build_model
 from runner.predictions import PredictionWriter
 from runner.task import InferStep, TrainStep, optimizer_options
-from tests.conftest import SMALL_DATASET, requires_cuda, run_in_process
+from tests.conftest import SMALL_DATASET, export_dynamic, run_in_process
 
 CPU = torch.device("cpu")
 
@@ -57,8 +57,8 @@ def test_the_engine_cache_export_takes_a_short_last_batch(tmp_path: Path):
     backbone = build_model(ModelConfig("tiny"), 5, CPU)[1].eval()
     full = torch.randn(8, 3, 32, 32)
     program = export_dynamic(backbone, full)
-    torch.export.save(program, tmp_path / "engine.ep")
-    loaded = torch.export.load(tmp_path / "engine.ep").module()
+    torch.export.save(program, tmp_path / "engine.pt2")
+    loaded = torch.export.load(tmp_path / "engine.pt2").module()
     with torch.no_grad():
         for n in (8, 3, 1):  # the full batch, a short last batch, one image
             assert torch.allclose(loaded(full[:n]), backbone(full[:n]), atol=1e-5)
@@ -161,7 +161,7 @@ def test_selfcheck_without_cuda_says_so_in_one_line(capsys):
     assert len(out) == 1 and "no CUDA device" in out[0]
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.slow
 def test_selfcheck_passes_on_a_gpu():
     from runner.selfcheck import main
@@ -169,7 +169,7 @@ def test_selfcheck_passes_on_a_gpu():
     assert main(["--batch-size", "64", "--only", "loop", "transfers", "fp16"]) == 0
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
     pytest.importorskip("torch_tensorrt")
     from runner.compile import compile_model
@@ -186,7 +186,7 @@ def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
         assert reused(x[:3]).shape == (3, 5)
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_a_cuda_run_turns_cudnns_autotuner_on_unless_told_not_to(tmp_path, cache_dir):
     import torch
 

@@ -1,18 +1,24 @@
-"""The structure the code promises: the data path builds on nothing above it, and no import
-runs in a circle through the config."""
+"""The structure the code promises: the data path builds on nothing above it, no import runs
+in a circle through the config, each storage's facts live with the storage, and a storage
+is its enum value, its preset and its module."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
+from runner.config import Decoder, StorageName
 from tests.conftest import REPO
 
 RUNNER = REPO / "runner"
-ABOVE_THE_DATA_PATH = {"run", "loop", "task", "api", "bench", "results", "diagnose",
-                       "selfcheck", "compile", "model", "sweep", "report", "__main__"}
+
+# What the data path may build on: itself, the config, the errors, whole-file writes, the
+# timeline's recorder and the ranks. Anything else is a new dependency to decide on here.
+DATA_MAY_IMPORT = {"runner.data", "runner.config", "runner.errors", "runner.atomic",
+                   "runner.timeline", "runner.distributed"}
 
 
 def runner_imports(path: Path) -> set[str]:
@@ -27,21 +33,81 @@ def runner_imports(path: Path) -> set[str]:
     return found
 
 
-def test_nothing_under_runner_data_imports_what_is_built_on_it():
+# compiled modules (pyproject.toml's ext-modules): modules, whether built here or not
+EXTENSIONS = set(re.findall(r'name = "(runner\.[\w.]+)"', (REPO / "pyproject.toml").read_text()))
+
+
+def module_of(name: str) -> str:
+    """``runner.data.storage.folder.FolderStorage`` -> the module it names, as a file would."""
+    parts = name.split(".")
+    while parts:
+        path = REPO.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() \
+                or ".".join(parts) in EXTENSIONS:
+            return ".".join(parts)
+        parts.pop()
+    return name
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The runner modules a file's imports load: ``from pkg import mod`` loads ``pkg.mod``
+    (the package itself only as its parent), ``from mod import name`` loads ``mod``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runner"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if module_of(full) == full else module_of(node.module))
+        elif isinstance(node, ast.Import):
+            found.update(module_of(a.name) for a in node.names if a.name.startswith("runner"))
+    return found
+
+
+def test_runner_data_imports_only_what_it_may():
     offenders = {}
     for path in sorted((RUNNER / "data").rglob("*.py")):
-        bad = {m for m in runner_imports(path)
-               if "." in m and m.split(".")[1] in ABOVE_THE_DATA_PATH}
+        modules = {module_of(m) for m in runner_imports(path)} - {"runner"}
+        modules |= {f"runner.{m.split('.', 1)[1]}" for m in runner_imports(path)
+                    if m.startswith("runner.") and module_of(m) == "runner"}
+        bad = {m for m in modules
+               if not any(m == a or m.startswith(a + ".") for a in DATA_MAY_IMPORT)}
         if bad:
             offenders[str(path.relative_to(REPO))] = sorted(bad)
     assert offenders == {}
 
 
-@pytest.mark.parametrize("module", ["config", "errors"])
+@pytest.mark.parametrize("module", ["config", "errors", "stats"])
 def test_the_config_imports_no_module_that_imports_it(module: str):
     imported = {m.split(".")[1] for m in runner_imports(RUNNER / f"{module}.py")
                 if m.count(".") >= 1}
     assert imported <= {"errors"}, imported
+
+
+def test_no_import_circle_between_the_runners_modules():
+    graph = {}
+    for path in RUNNER.rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = imported_modules(path) - {name}
+    seen, stack = set(), []
+
+    def visit(node: str) -> None:
+        if node in stack:
+            cycle = stack[stack.index(node):] + [node]
+            # a package importing its own modules is not a circle; a module importing its
+            # package's __init__ back is (the order would then decide what exists)
+            if not all(b.startswith(a + ".") for a, b in zip(cycle, cycle[1:])):
+                raise AssertionError(" -> ".join(cycle))
+            return
+        if node in seen:
+            return
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        stack.pop()
+        seen.add(node)
+
+    for node in sorted(graph):
+        visit(node)
 
 
 def test_the_pipeline_api_builds_on_the_data_path_not_on_a_run():
@@ -55,3 +121,140 @@ def test_pools_are_sized_by_the_cores_this_process_may_use():
     users = [str(p.relative_to(REPO)) for p in RUNNER.rglob("*.py")
              if "cpu_count(" in p.read_text()]
     assert users == ["runner/data/threads.py"]
+
+
+# --- each storage carries its own facts ------------------------------------------------------
+
+NAMES = {s.value for s in StorageName} | {d.value for d in Decoder}
+CHOICE = re.compile(r"(?:loader|loader\.name|loader\.decoder)=(\w+)")
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) \
+                and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant):
+            out.add(id(node.body[0].value))
+    return out
+
+
+def named_storages(path: Path) -> list[str]:
+    """Storage or decoder names a file writes as strings (outside docstrings): a name on
+    its own, or as a choice (``loader=memmap``, ``loader.decoder=region``)."""
+    tree = ast.parse(path.read_text())
+    docs = docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            names = {node.value} & NAMES
+            names |= {m for m in CHOICE.findall(node.value) if m in NAMES}
+            where = path.relative_to(REPO) if REPO in path.parents else path.name
+            found += [f"{where}:{node.lineno}: {n}" for n in sorted(names)]
+    return found
+
+
+def test_storage_and_decoder_names_are_written_only_where_they_are_defined():
+    """A caller that writes ``if name == "packed"`` (or a list of decoders) holds a fact in
+    the wrong place: it asks the storage's or decoder's registry record instead."""
+    homes = (RUNNER / "data" / "storage", RUNNER / "config.py")
+    found = [hit for path in sorted(RUNNER.rglob("*.py"))
+             if not any(path == h or h in path.parents for h in homes)
+             for hit in named_storages(path)]
+    assert found == []
+
+
+def test_the_name_check_finds_a_name_written_out(tmp_path: Path):
+    sample = tmp_path / "caller.py"
+    sample.write_text('"""loader=memmap in a docstring is prose."""\n'
+                      'x = "packed"\ny = f"try loader=ram or {x}"\nz = "simplejpeg"\n')
+    assert sorted(h.rsplit(": ", 1)[1] for h in named_storages(sample)) == \
+        ["packed", "ram", "simplejpeg"]
+
+
+def test_every_storage_has_a_complete_record_a_preset_and_a_module():
+    from runner.data.storage import STORAGES
+    from runner.data.storage.base import StorageKind
+
+    assert set(STORAGES) == set(StorageName)
+    for name, kind in STORAGES.items():
+        assert isinstance(kind, StorageKind) and kind.name is name
+        assert (RUNNER / "data" / "storage" / f"{name.value}.py").is_file()
+        assert (REPO / "conf" / "loader" / f"{name.value}.yaml").is_file()
+        assert callable(kind.open) and kind.summary and kind.decoders <= set(Decoder)
+        assert isinstance(kind.storage, type) and hasattr(kind.storage, "decodes_per_epoch")
+        if kind.own_loader:  # probed whole: its advice names the stage
+            assert name.value in kind.advice and hasattr(kind.storage, "own_loader")
+        else:
+            assert kind.footprint is not None  # prepare sizes can show it
+        if kind.autotune:
+            assert not kind.own_loader
+        for knob in kind.knobs:
+            section, key = knob.split(".")
+            from runner.config import DatasetConfig, LoaderConfig
+
+            assert key in {"loader": LoaderConfig, "dataset": DatasetConfig}[section]\
+                .__dataclass_fields__
+        for overrides in kind.bench.values():
+            assert f"loader={name.value}" in overrides
+
+
+def test_a_storage_is_its_enum_value_its_preset_and_its_module(tmp_path: Path):
+    """What adding a storage takes, run for real: a copy of the package with one more enum
+    value, one more preset and one more module (an image folder read its own way) finds
+    the new storage in the registry, composes ``loader=<it>`` and serves its batches."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "checkout"
+    shutil.copytree(REPO / "runner", copy / "runner",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "conf", copy / "conf")
+    config = copy / "runner" / "config.py"
+    config.write_text(config.read_text().replace(
+        '    folder = "folder"\n', '    folder = "folder"\n    mirrored = "mirrored"\n', 1))
+    (copy / "conf" / "loader" / "mirrored.yaml").write_text(
+        "# An image folder, every image flipped left to right.\nname: mirrored\n"
+        "decoder: simplejpeg\nnum_workers: 0\n")
+    (copy / "runner" / "data" / "storage" / "mirrored.py").write_text(MIRRORED)
+    script = ("import torch, runner\n"
+              "from runner.data.storage import STORAGES\n"
+              "from runner.config import StorageName\n"
+              "assert StorageName.mirrored in STORAGES\n"
+              "p = runner.pipeline('dataset.num_images=20', 'dataset.num_classes=2',\n"
+              "    'dataset.source_size=[32,48]', 'dataset.image_size=[16,16]',\n"
+              "    'loader.batch_size=5', 'run.progress=false', loader='mirrored')\n"
+              "print(sum(len(b['label']) for b in p))\n")
+    env = {"PYTHONPATH": str(copy), "RUNNER_CACHE": str(tmp_path / "cache"),
+           "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=copy, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "20"
+
+
+MIRRORED = '''"""``loader=mirrored``: an image folder, every image flipped left to right (a test's
+storage: what adding one takes)."""
+
+from runner.config import Decoder, StorageName
+from runner.data.storage.base import StorageKind
+from runner.data.storage.folder import FolderStorage, open_folder, source_footprint
+
+
+class MirroredStorage(FolderStorage):
+    def decode_data(self, index, data, valid=True, rng=None):
+        item = super().decode_data(index, data, valid, rng)
+        return item if not hasattr(item, "image") else type(item)(
+            item.image.flip(2).contiguous(), item.label, item.index, item.valid)
+
+
+def open_mirrored(loader, dataset, path, progress=True):
+    folder = open_folder(loader, dataset, path, progress)
+    return MirroredStorage(folder.root, folder.decode, folder.on_corrupt)
+
+
+KIND = StorageKind(name=StorageName.mirrored, open=open_mirrored, storage=MirroredStorage,
+                   summary="an image folder, every image flipped", decoders=frozenset(Decoder),
+                   footprint=source_footprint)
+'''

@@ -47,7 +47,7 @@ class RecordingLogger:
 
 def loop(source, step, total=10, warmup=3, log_every=2, logger=None):
     return run_loop(OnDevice(source, torch.device("cpu")), step, logger or RecordingLogger(),
-                    LoopOptions(total, warmup, log_every))
+                    LoopOptions(total_steps=total, warmup_steps=warmup, log_every=log_every))
 
 
 def test_warmup_is_excluded_and_windows_add_up():
@@ -113,8 +113,8 @@ def endless(size: int = 4):
 def test_a_fast_pipelines_windows_are_lengthened_to_last_their_seconds():
     asked = []
     result = run_loop(OnDevice(endless(), torch.device("cpu")), SlowStep(0.001),
-                      RecordingLogger(), LoopOptions(20, 2, log_every=5, repeats=3,
-                                                     min_window_seconds=0.1,
+                      RecordingLogger(), LoopOptions(total_steps=20, warmup_steps=2, log_every=5,
+                                                     repeats=3, min_window_seconds=0.1,
                                                      extend=asked.append))
     assert asked and result.steps == asked[-1] > 20  # the run went on, and said how far
     assert len(result.repeats) == 3
@@ -125,8 +125,8 @@ def test_without_extend_the_run_keeps_its_length_and_its_flags_say_why():
     from runner.results import loop_figures
 
     result = run_loop(OnDevice(endless(), torch.device("cpu")), DataOnlyStep(),
-                      RecordingLogger(), LoopOptions(20, 2, log_every=5, repeats=3,
-                                                     min_window_seconds=1.0))
+                      RecordingLogger(), LoopOptions(total_steps=20, warmup_steps=2, log_every=5,
+                                                     repeats=3, min_window_seconds=1.0))
     assert result.steps == 20
     flags = loop_figures(result, [], 3, window_seconds=1.0)["flags"]
     assert any(f.startswith("short windows") for f in flags)

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from runner.config import Decoder, OnCorrupt
+from runner.data.storage import cache as engine
 from runner.data.storage import memmap
+from runner.data.storage.cache import META, CacheError, ensure_cache
 from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.memmap import META, CacheError, CacheSpec, ensure_cache
+from runner.data.storage.memmap import MemmapSpec
 from runner.prepare import main as prepare_main
 from tests.conftest import REPO, encode, make_tree, photo
 
@@ -27,8 +29,8 @@ def decode() -> ImageDecoder:
     return ImageDecoder(Decoder.simplejpeg, SIZE)
 
 
-def spec_for(root: Path) -> CacheSpec:
-    return CacheSpec(root.resolve(), SIZE, "simplejpeg", False)
+def spec_for(root: Path) -> MemmapSpec:
+    return MemmapSpec(root.resolve(), SIZE, "simplejpeg", False)
 
 
 @pytest.fixture
@@ -89,7 +91,7 @@ def test_a_valid_cache_is_reused_and_a_changed_source_rebuilt(source: Path, tmp_
     _, _, meta = build(source, cache)
     assert calls == [1, 1, 1] and meta["count"] == 29  # a file removed
 
-    other = CacheSpec(source.resolve(), (16, 16), "simplejpeg", False)
+    other = MemmapSpec(source.resolve(), (16, 16), "simplejpeg", False)
     assert other.folder(cache) != spec_for(source).folder(cache)  # size: its own cache
 
 
@@ -123,26 +125,26 @@ KILLED_CONVERSION = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     from runner.config import Decoder, OnCorrupt
-    from runner.data.storage import memmap
+    from runner.data.storage import cache as engine, memmap
     from runner.data.storage.decode import ImageDecoder
     from runner.data.storage.folder import FolderStorage
 
     source, cache = Path(sys.argv[1]), Path(sys.argv[2])
-    memmap.CHUNK = 3
+    engine.CHUNK = 3
     real = memmap._decode_chunk
 
     def dying(chunk):
-        if chunk[0] >= 4 * memmap.CHUNK:
+        if chunk[0] >= 4 * engine.CHUNK:
             time.sleep(1.0)  # let the parent record the first chunks
-        if chunk[0] == 4 * memmap.CHUNK:
+        if chunk[0] == 4 * engine.CHUNK:
             os.kill(os.getppid(), signal.SIGKILL)  # the converting process dies, hard
             time.sleep(5)
         return real(chunk)
 
     memmap._decode_chunk = dying
     folder = FolderStorage(source, ImageDecoder(Decoder.simplejpeg, (24, 32)), OnCorrupt.skip)
-    spec = memmap.CacheSpec(source.resolve(), (24, 32), "simplejpeg", False)
-    memmap.ensure_cache(folder, spec, cache, progress=False)
+    spec = memmap.MemmapSpec(source.resolve(), (24, 32), "simplejpeg", False)
+    engine.ensure_cache(folder, spec, cache, progress=False)
 """)
 
 
@@ -160,7 +162,7 @@ def test_a_killed_conversion_resumes_to_identical_bytes(source: Path, tmp_path: 
     recorded = len((partial / "done.jsonl").read_text().splitlines())
     assert recorded >= 1
 
-    monkeypatch.setattr(memmap, "CHUNK", 3)
+    monkeypatch.setattr(engine, "CHUNK", 3)
     real_decode_into = memmap.decode_into
     redone = []
 

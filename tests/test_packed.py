@@ -17,10 +17,11 @@ import torch
 from PIL import Image, ImageOps
 
 from runner.config import Crop, Decoder, OnCorrupt, StoreSide
+from runner.data.storage import cache as engine
 from runner.data.storage import packed
+from runner.data.storage.cache import META, CacheError, DiskFull
 from runner.data.storage.decode import CorruptFileStop, ImageDecoder, read_jpeg_header
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.memmap import META, CacheError, DiskFull
 from runner.data.storage.packed import (
     DATA,
     PackedSpec,
@@ -58,7 +59,7 @@ def folder_of(source: Path, on_corrupt: OnCorrupt = OnCorrupt.skip,
 
 def open_store(source: Path, cache: Path, **kwargs) -> PackedStorage:
     folder = folder_of(source, **kwargs)
-    return open_packed_cache(folder, spec_for(source), cache, folder.decode, progress=False)
+    return open_packed_cache(folder, spec_for(source), cache, progress=False)
 
 
 def upright(data: bytes) -> Image.Image:
@@ -154,22 +155,21 @@ def test_a_full_disk_fails_the_packing_at_once(source: Path, tmp_path: Path, mon
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(DiskFull, match=r"needs about .* GiB .* estimated from a sample"):
+    with pytest.raises(DiskFull, match=r"needs about [\d.]+ [KMGT]?B \([\d,]+ bytes, estimated "
+                                      r"from a sample\)"):
         open_store(source, tmp_path / "cache")
     assert not (spec_for(source).folder(tmp_path / "cache") / META).exists()
 
 
 def test_a_valid_store_opens_where_no_lock_can_be_made(source: Path, tmp_path: Path,
                                                       monkeypatch):
-    from runner.data.storage import memmap
-
     open_store(source, tmp_path / "cache")
 
     class ReadOnlyLock:
         def __init__(self, *args, **kwargs):
             raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(memmap, "FileLock", ReadOnlyLock)
+    monkeypatch.setattr(engine, "FileLock", ReadOnlyLock)
     assert len(open_store(source, tmp_path / "cache")) == 30
 
 
@@ -177,18 +177,18 @@ KILLED_PACKING = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     from runner.config import Decoder, OnCorrupt, StoreSide
-    from runner.data.storage import memmap, packed
+    from runner.data.storage import cache as engine, packed
     from runner.data.storage.decode import ImageDecoder
     from runner.data.storage.folder import FolderStorage
 
     source, cache = Path(sys.argv[1]), Path(sys.argv[2])
-    memmap.CHUNK = 3
+    engine.CHUNK = 3
     real = packed._encode_chunk
 
     def dying(chunk):
-        if chunk[0] >= 4 * memmap.CHUNK:
+        if chunk[0] >= 4 * engine.CHUNK:
             time.sleep(1.0)  # let the parent record the first chunks
-        if chunk[0] == 4 * memmap.CHUNK:
+        if chunk[0] == 4 * engine.CHUNK:
             os.kill(os.getppid(), signal.SIGKILL)  # the packing process dies, hard
             time.sleep(5)
         return real(chunk)
@@ -196,15 +196,13 @@ KILLED_PACKING = textwrap.dedent("""
     packed._encode_chunk = dying
     folder = FolderStorage(source, ImageDecoder(Decoder.simplejpeg, (32, 32)), OnCorrupt.skip)
     spec = packed.PackedSpec(source.resolve(), 40, StoreSide.shorter, 90)
-    memmap.ensure_cache(folder, spec, cache, progress=False)
+    engine.ensure_cache(folder, spec, cache, progress=False)
 """)
 
 
 @pytest.mark.slow
 def test_a_killed_packing_resumes_to_the_same_images(source: Path, tmp_path: Path,
                                                     monkeypatch):
-    from runner.data.storage import memmap
-
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", KILLED_PACKING, str(source), str(cache)],
@@ -216,7 +214,7 @@ def test_a_killed_packing_resumes_to_the_same_images(source: Path, tmp_path: Pat
     recorded = len((partial / "done.jsonl").read_text().splitlines())
     assert recorded >= 1
 
-    monkeypatch.setattr(memmap, "CHUNK", 3)
+    monkeypatch.setattr(engine, "CHUNK", 3)
     redone = []
     real = packed._encode_chunk
     monkeypatch.setattr(packed, "_encode_chunk", lambda c: redone.append(c) or real(c))
@@ -336,7 +334,7 @@ def test_prepare_packed_builds_the_store_a_run_opens_and_prints_the_sizes(
     assert (printed / META).exists() and printed.parent.name == "packed"
     assert "31 images" in out and "pick: loader=memmap" in out  # a tiny dataset fits memory
     table = {line.split()[0]: line for line in out.splitlines() if line.startswith("loader=")}
-    assert set(table) == {"loader=folder", "loader=memmap", "loader=packed"}
+    assert set(table) == {"loader=folder", "loader=memmap", "loader=ram", "loader=packed"}
     assert "raw uint8 at 40x40" in table["loader=memmap"]  # the stored size, not the output
     # the estimate (from a sample) is near the bytes the store really holds
     estimate = packed.estimate_bytes(folder_of(source), spec_for(source))
@@ -360,12 +358,12 @@ def test_prepare_sizes_picks_packed_when_the_raw_store_does_not_fit(source: Path
 
     overrides = [f"dataset.path={source}", "dataset.image_size=[32,32]",
                  f"dataset.cache_dir={tmp_path / 'cache'}", "run.progress=false"]
-    sizes = prepare.store_sizes(prepare.compose(overrides))
-    raw, packed_store = sizes.stores[1].nbytes, sizes.stores[2].nbytes
+    sizes = {k.name.value: f for k, f in prepare.store_sizes(prepare.compose(overrides)).stores}
+    raw, packed_store = sizes["memmap"].nbytes, sizes["packed"].nbytes
     assert raw == 31 * 3 * 32 * 32 and packed_store < raw
     # memory between the two: only the packed store fits the page cache
     monkeypatch.setattr(prepare, "memory_available", lambda: int((raw + packed_store) / 2 / 0.8))
     assert prepare.main(["sizes", *overrides]) == 0
     out = capsys.readouterr().out
-    assert "pick: loader=packed: the raw store does not fit the page cache" in out
+    assert "pick: loader=packed: the fastest store that fits the page cache" in out
     assert not (tmp_path / "cache" / "packed").exists()  # sizes only measures

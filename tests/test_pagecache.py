@@ -17,7 +17,7 @@ from runner.data import pagecache, reencode
 from runner.data.pagecache import ColdPageCache, resident_fraction
 from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.folder import FolderStorage, open_image_folder
-from runner.data.storage.memmap import CacheSpec, open_cache
+from runner.data.storage.memmap import MemmapSpec, open_cache
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
 
 
@@ -60,7 +60,7 @@ def test_a_mapped_memmap_is_reopened_before_eviction(tmp_path: Path):
     tree = make_tree(tmp_path / "src", {f"c/{k}.jpg": encode(photo(64, 64, index=k))
                                         for k in range(40)})
     folder = FolderStorage(tree, ImageDecoder(Decoder.simplejpeg, (48, 48)), OnCorrupt.skip)
-    spec = CacheSpec(tree.resolve(), (48, 48), "simplejpeg", False)
+    spec = MemmapSpec(tree.resolve(), (48, 48), "simplejpeg", False)
     storage = open_cache(folder, spec, tmp_path / "cache", progress=False)
     storage.images.sum()  # every page mapped in by this process
     assert resident_fraction(storage.files) > 0.9

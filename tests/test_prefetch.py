@@ -27,7 +27,6 @@ from tests.conftest import (
     make_tree,
     photo,
     read_metrics,
-    requires_cuda,
     run_cli,
 )
 
@@ -167,7 +166,7 @@ def device_batches(n: int = 6):
                          batch_size=[len(images)])
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_gpu_prefetch_equals_plain_copies():
     device = torch.device("cuda")
     source = list(device_batches())
@@ -179,7 +178,7 @@ def test_gpu_prefetch_equals_plain_copies():
     assert list(CudaStreamPrefetcher([], device)) == []
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_gpu_prefetch_memory_is_flat_across_epochs():
     device = torch.device("cuda")
     source = list(device_batches(20))
@@ -193,7 +192,7 @@ def test_gpu_prefetch_memory_is_flat_across_epochs():
     assert reserved[2] <= reserved[0]
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_nvjpeg_pixels_are_close_to_cpu_decoding(tmp_path: Path):
     tree = make_tree(tmp_path / "t", {f"a/{k}.jpg": encode(photo(96, 128, index=k))
                                       for k in range(8)})

@@ -123,11 +123,11 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path: 
 def test_an_epoch_resumed_at_a_batch_continues_the_same_permutation():
     from runner.data.order import BatchOrder
 
-    whole = BatchOrder(30, 4, True, False, seed=2)
+    whole = BatchOrder(30, 4, shuffle=True, drop_last=False, seed=2)
     whole.set_epoch(5)
     rows = [b.tolist() for b in whole.batches()]
     for skip in (0, 1, 7, 8):
-        part = BatchOrder(30, 4, True, False, seed=2)
+        part = BatchOrder(30, 4, shuffle=True, drop_last=False, seed=2)
         part.set_epoch(5, skip)
         assert [b.tolist() for b in part.batches()] == rows[skip:]
 

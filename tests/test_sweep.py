@@ -27,7 +27,9 @@ def test_a_sweep_survives_skips_and_failures_and_reports(tmp_path: Path, cache_d
     jobs = sorted(glob.glob(str(tmp_path / "sweep" / "*" / "metrics.json")))
     assert len(jobs) == 8  # every job left its result, after and despite the failures
     statuses = [json.loads(Path(j).read_text())["status"] for j in jobs]
-    assert statuses.count("ok") == 2 and statuses.count("skipped") == 2
+    gpu = torch.cuda.is_available()  # prefetch=gpu runs there, and is skipped here
+    assert statuses.count("ok") == (4 if gpu else 2)
+    assert statuses.count("skipped") == (0 if gpu else 2)
     assert statuses.count("failed") == 4  # shuffle_block=0 is refused in each of those jobs
     assert proc.returncode != 0  # and the sweep as a whole says so, at its end
     for j in jobs:
@@ -418,7 +420,8 @@ def test_an_autotune_study_is_kept_on_disk_and_continued_when_started_again(tmp_
     study = optuna.load_study(study_name="autotune", storage=f"sqlite:///{db}")
     assert len(study.trials) == 3  # one new trial, not three
     assert {k: read_metrics(tmp_path / "sweep" / str(k)) for k in (0, 1)} == first
-    assert read_metrics(tmp_path / "sweep" / "2")["status"] in ("ok", "failed", "skipped")
+    third = read_metrics(tmp_path / "sweep" / "2")  # the new trial ran, and measured
+    assert third["status"] == "ok" and third["images_per_sec"] > 0, third.get("reason")
 
 
 @pytest.mark.slow

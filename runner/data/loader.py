@@ -101,7 +101,7 @@ class ThreadedBatches:
         ahead: batches in flight besides the one handed out.
     """
 
-    def __init__(self, storage: Storage, order: BatchOrder, pin_memory: bool, threads: int,
+    def __init__(self, storage: Storage, order: BatchOrder, *, pin_memory: bool, threads: int,
                  ahead: int = 2):
         self.storage, self.order, self.threads, self.ahead = storage, order, threads, ahead
         self.pool = BufferPool((order.batch_size, *storage.item_shape), torch.uint8,
@@ -221,8 +221,9 @@ def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
 def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
                 world: int = 1) -> BatchOrder:
     """The batch order of ``storage`` for this loader config and rank."""
-    return BatchOrder(len(storage), cfg.batch_size, cfg.shuffle, cfg.drop_last, seed,
-                      cfg.shuffle_block, rank, world, crop_seeds=storage.random_crops)
+    return BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
+                      drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
+                      world=world, crop_seeds=storage.random_crops)
 
 
 def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_memory: bool):
@@ -236,7 +237,7 @@ def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_mem
     """
     threads = decode_threads(cfg, storage)
     if threads:
-        return ThreadedBatches(storage, order, pin_memory, threads)
+        return ThreadedBatches(storage, order, pin_memory=pin_memory, threads=threads)
     if cfg.batched and cfg.num_workers == 0:
         return InProcessBatches(storage, order, pin_memory)
     kwargs = dataloader_kwargs(cfg, pin_memory)
@@ -305,7 +306,7 @@ class BatchStream:
             cache's metadata lists them); reported with the ones found while loading.
     """
 
-    def __init__(self, loader, epochs: int, order: BatchOrder | None = None,
+    def __init__(self, loader, epochs: int, *, order: BatchOrder | None = None,
                  start_epoch: int = 0, on_epoch: Callable[[int], None] | None = None,
                  known_skipped: list[SkippedFile] = (), start_batch: int = 0,
                  per_batch: Callable[[int, int, int], dict] | None = None):

@@ -82,8 +82,9 @@ class BatchOrder:
             while decoding).
     """
 
-    def __init__(self, size: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-                 block: int = 1, rank: int = 0, world: int = 1, crop_seeds: bool = False):
+    def __init__(self, size: int, batch_size: int, *, shuffle: bool, drop_last: bool,
+                 seed: int, block: int = 1, rank: int = 0, world: int = 1,
+                 crop_seeds: bool = False):
         self.size, self.batch_size = size, batch_size
         self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
         self.rank, self.world = rank, world

@@ -18,15 +18,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config, Crop, Decoder, LoaderConfig, PageCache, RunConfig
+from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig
 from runner.data.augment import BatchAugment, CenterCrop
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
 from runner.data.order import count_images, epoch_seed
 from runner.data.pagecache import ColdPageCache
 from runner.data.prefetch import build_prefetcher
-from runner.data.storage import build_storage, resolve_dataset
-from runner.data.storage.base import Storage
+from runner.data.storage import STORAGES, build_storage, resolve_dataset
+from runner.data.storage.base import Storage, StorageKind
+from runner.data.storage.decode import DECODERS
 from runner.distributed import Ranks, barrier
 from runner.errors import ConfigError
 
@@ -68,6 +69,7 @@ class DataPath:
 
     Attributes:
         storage: where batches come from (``loader=``).
+        kind: the storage's registry record.
         device: where they arrive.
         pin_memory: whether host batches are page-locked.
         steps_per_epoch: batches per epoch on this rank.
@@ -76,9 +78,10 @@ class DataPath:
         page_cache: the cold page cache's evictions (``dataset.page_cache=cold``), or None.
     """
 
-    def __init__(self, storage: Storage, stream: BatchStream, batches, device: torch.device,
-                 pin: bool, augment: BatchAugment | None, page_cache: ColdPageCache | None):
-        self.storage = storage
+    def __init__(self, storage: Storage, *, kind: StorageKind, stream: BatchStream, batches,
+                 device: torch.device, pin: bool, augment: BatchAugment | None,
+                 page_cache: ColdPageCache | None):
+        self.storage, self.kind = storage, kind
         self.stream = stream
         self.batches = batches
         self.device = device
@@ -204,11 +207,12 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         page_cache = ColdPageCache(storage.files, storage.reopen)
     pin = pin_memory(config.loader, device)
     order = batch_order(storage, config.loader, config.seed, ranks.rank, ranks.world)
-    if storage.opaque:  # a rival's own pipeline (loader=dali) in place of the runner's
+    kind = STORAGES[config.loader.name]
+    if kind.own_loader:  # a rival's own pipeline in place of the runner's loaders
         loader = storage.own_loader(order, device)
     else:
         loader = build_loader(storage, config.loader, order, pin)
-    if config.loader.decoder is Decoder.nvjpeg:  # a stage above the loader: decode on the GPU
+    if DECODERS[config.loader.decoder].cuda:  # a stage above the loader: decode on the GPU
         loader = GpuDecodedBatches(loader, storage, device)
     if len(loader) == 0:
         raise ConfigError(
@@ -219,8 +223,9 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     if epochs is None:
         epochs = max(planned_epochs(config.run, len(loader)) - start_epoch, 1)
     augment, per_batch = device_crop(storage, config, ranks.rank, pin)
-    stream = BatchStream(loader, epochs, order, start_epoch=start_epoch, on_epoch=page_cache,
-                         known_skipped=storage.known_skipped, start_batch=start_batch,
-                         per_batch=per_batch)
+    stream = BatchStream(loader, epochs, order=order, start_epoch=start_epoch,
+                         on_epoch=page_cache, known_skipped=storage.known_skipped,
+                         start_batch=start_batch, per_batch=per_batch)
     batches = build_prefetcher(config.prefetch, stream, device)
-    return DataPath(storage, stream, batches, device, pin, augment, page_cache)
+    return DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
+                    augment=augment, page_cache=page_cache)

@@ -1,27 +1,43 @@
 """``loader=`` storages: where batches come from (the ``Storage`` protocol, base.py).
 
+Each storage is one module named after its ``loader.name``, ``runner/data/storage/<name>.py``,
+which defines its registry record ``KIND`` (a ``StorageKind``: how to open it and what
+callers need to know about it: does it decode every epoch, which decoders and knobs it
+takes, its own loader, its advice, its bench rows, the store it converts to). ``STORAGES``
+maps every ``StorageName`` to its record, found in its module: a new storage is its enum
+value, its preset ``conf/loader/<name>.yaml`` and its module.
+
 folder decodes every image on every epoch; memmap and ram decode once (memmap.py, ram.py)
 and then serve batches by indexed reads of one uint8 tensor (decoded.py); packed re-encodes
-once at a stored size into one file and decodes per epoch (packed.py). ``STORAGES`` maps
-each ``loader.name`` to the function that opens it.
+once at a stored size into one file and decodes per epoch (packed.py); dali and ffcv run
+the rivals' own pipelines (rival.py). The stores built once share one engine (cache.py).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import importlib
 from pathlib import Path
 
-from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName, StoreSide
-from runner.data.storage.base import Storage
-from runner.data.storage.decode import ImageDecoder, check_decoder
-from runner.data.storage.decoded import DecodedStorage
-from runner.data.storage.encoded import ReadBytes
-from runner.data.storage.folder import FolderStorage
-from runner.data.storage.memmap import CacheSpec, open_cache
-from runner.data.storage.packed import PackedSpec, PackedStorage, open_packed_cache
-from runner.data.storage.ram import load_ram
+from runner.config import DatasetConfig, LoaderConfig, StorageName
+from runner.data.storage.base import Storage, StorageKind
+from runner.data.storage.decode import DECODERS
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
+from runner.errors import ConfigError
+
+
+def _registry() -> dict[StorageName, StorageKind]:
+    """Every storage's record, from its own module."""
+    kinds = {}
+    for name in StorageName:
+        kind = getattr(importlib.import_module(f"{__name__}.{name.value}"), "KIND", None)
+        if not isinstance(kind, StorageKind) or kind.name is not name:
+            raise ImportError(f"runner/data/storage/{name.value}.py must define KIND, the "
+                              f"StorageKind of loader={name.value}")
+        kinds[name] = kind
+    return kinds
+
+
+STORAGES: dict[StorageName, StorageKind] = _registry()
 
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
@@ -32,109 +48,58 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 
 
-def stored_size(dataset: DatasetConfig) -> tuple[int, int]:
-    """The (height, width) memmap and ram store: ``dataset.image_size`` scaled so its
-    ``dataset.store_side`` is ``dataset.store_size`` (unset: ``image_size`` itself). The
-    crop to ``image_size`` is taken from it on the device, per batch."""
-    h, w = (int(v) for v in dataset.image_size)
-    if dataset.store_size is None:
-        return h, w
-    scale = dataset.store_size / (min(h, w) if dataset.store_side is StoreSide.shorter
-                                  else max(h, w))
-    return max(h, round(h * scale)), max(w, round(w * scale))
-
-
-def packed_spec(dataset: DatasetConfig, path: Path) -> PackedSpec:
-    """What ``loader=packed`` stores: ``dataset.store_size`` (unset: 8/7 of the larger side
-    of ``image_size``, the usual resize-256-crop-224 ratio) at ``dataset.store_quality``."""
-    size = dataset.store_size or math.ceil(max(dataset.image_size) * 8 / 7)
-    return PackedSpec(Path(path).expanduser().resolve(), int(size), dataset.store_side,
-                      dataset.store_quality)
-
-
-def cache_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> CacheSpec:
-    return CacheSpec(Path(path).expanduser().resolve(), stored_size(dataset),
-                     loader.decoder.value, loader.draft)
-
-
-def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                progress: bool = True) -> FolderStorage:
-    """The image folder at ``path``, decoded with ``loader.decoder``.
-
-    Pre-decoded storage decodes at the stored size with the deterministic center crop;
-    random crops for training are applied to whole batches on the device instead
-    (runner/data/augment.py).
-    """
-    check_decoder(loader.decoder)
-    decoded_once = loader.name in (StorageName.memmap, StorageName.ram)
-    crop = Crop.center if decoded_once else dataset.crop
-    size = stored_size(dataset) if decoded_once else tuple(dataset.image_size)
-    decode = ImageDecoder(loader.decoder, size, crop, loader.draft)
-    if loader.decoder is Decoder.nvjpeg:  # workers read bytes; the GPU decodes (nvjpeg.py)
-        decode = ReadBytes(ImageDecoder(Decoder.pil, decode.size, decode.crop))
-    return FolderStorage(path, decode, dataset.on_corrupt)
-
-
-def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                progress: bool = True) -> DecodedStorage:
-    """The memmap cache of the folder at ``path`` (converted first if there is no valid one)."""
-    folder = open_folder(loader, dataset, path, progress)
-    storage = open_cache(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
-                         progress)
-    storage.output_size = tuple(dataset.image_size)
-    return storage
-
-
-def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-             progress: bool = True) -> DecodedStorage:
-    """The folder at ``path`` decoded once into memory (read from its memmap cache if valid)."""
-    folder = open_folder(loader, dataset, path, progress)
-    storage = load_ram(folder, cache_spec(loader, dataset, path), Path(dataset.cache_dir),
-                       progress)
-    storage.output_size = tuple(dataset.image_size)
-    return storage
-
-
-def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                progress: bool = True) -> PackedStorage:
-    """The packed store of the folder at ``path`` (packed first if there is no valid one),
-    each stored JPEG decoded per epoch with ``loader.decoder``."""
-    folder = open_folder(loader, dataset, path, progress)
-    return open_packed_cache(folder, packed_spec(dataset, path), Path(dataset.cache_dir),
-                             folder.decode, progress)
-
-
-def open_dali(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-              progress: bool = True) -> Storage:
-    """The folder at ``path`` for NVIDIA DALI's own pipeline (the rival, measured the
-    runner's way; runner/data/storage/dali.py)."""
-    from runner.data.storage.dali import DaliStorage, check_dali
-
-    check_dali()  # before listing the folder: a clear skip when DALI is not installed
-    return DaliStorage(open_folder(loader, dataset, path, progress), loader, dataset)
-
-
-def open_ffcv(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-              progress: bool = True) -> Storage:
-    """The folder at ``path`` as an FFCV .beton read by FFCV's Loader (the rival, measured
-    the runner's way; runner/data/storage/ffcv.py)."""
-    from runner.data.storage.ffcv import FfcvStorage, check_ffcv
-
-    check_ffcv()
-    return FfcvStorage(open_folder(loader, dataset, path, progress), loader, dataset, progress)
-
-
-STORAGES: dict[StorageName, Callable[..., Storage]] = {
-    StorageName.folder: open_folder,
-    StorageName.memmap: open_memmap,
-    StorageName.ram: open_ram,
-    StorageName.packed: open_packed,
-    StorageName.dali: open_dali,
-    StorageName.ffcv: open_ffcv,
-}
+def check_loader(loader: LoaderConfig) -> None:
+    """A ConfigError naming the fix when ``loader.decoder`` is not one ``loader=`` takes."""
+    kind = STORAGES[loader.name]
+    if loader.decoder not in kind.decoders:
+        takes = ", ".join(sorted(d.value for d in kind.decoders))
+        why = (" (it decodes on the GPU, every epoch)" if DECODERS[loader.decoder].cuda
+               else "")
+        raise ConfigError(f"loader.decoder={loader.decoder.value} is invalid for "
+                          f"loader={loader.name.value}{why}: it takes {takes}")
 
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                   progress: bool = True) -> Storage:
-    """The storage ``loader.name`` asks for, over the ImageFolder tree at ``path``."""
-    return STORAGES[loader.name](loader, dataset, path, progress)
+    """The storage ``loader.name`` asks for, over the image folder at ``path``."""
+    return STORAGES[loader.name].open(loader, dataset, path, progress)
+
+
+def decoded_once() -> list[StorageKind]:
+    """The storages that decode once (and the runner's loaders read)."""
+    return [k for k in STORAGES.values() if not k.decodes_per_epoch and not k.own_loader]
+
+
+def choices(kinds: list[StorageKind]) -> str:
+    """``loader=memmap or loader=ram``."""
+    return " or ".join(f"loader={k.name.value}" for k in kinds)
+
+
+def advice(stage: str, loader: LoaderConfig) -> str | None:
+    """What to try when ``stage`` of a data path with ``loader`` limits a run, leaving out
+    what it already does; None for a stage that is not the storage's."""
+    kind, once = STORAGES[loader.name], choices(decoded_once())
+    if stage in kind.advice and stage != "decode":  # e.g. a rival's own pipeline
+        return kind.advice[stage]
+    if stage == "decode":
+        tries = [f"{once} (decode once)"]
+        if "decode" in kind.advice:
+            tries.append(kind.advice["decode"])
+        region = [d for d, k in DECODERS.items() if k.region and d in kind.decoders]
+        if region and not DECODERS[loader.decoder].region:
+            tries.append(f"loader.decoder={region[0].value} (decodes only the crop)")
+        if not loader.draft and DECODERS[loader.decoder].scales:
+            tries.append("loader.draft=true")
+        tries.append("more loader.num_workers" if loader.num_workers > 0
+                     else "more loader.decode_threads (more cores)")
+        return "try " + ", ".join(tries[:-1]) + " or " + tries[-1]
+    return {
+        "read": f"try {once}, a warm page cache, smaller files (re-encoded JPEGs) or faster "
+                "storage",
+        "storage": f"the disk, not decode, is the limit: try {once}, a warm page cache "
+                   "(dataset.page_cache=warm), smaller files (python -m runner.prepare "
+                   "reencode --quality 75) or faster storage",
+        "collate": f"try loader.batched=true (one call per batch) or {once}",
+        "gather": "a batched gather is a memory copy already; only fewer bytes per image "
+                  "(a smaller dataset.image_size) or a model that keeps up will change this",
+    }.get(stage)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import get_worker_info
+
+if TYPE_CHECKING:
+    from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
 
 # A stage probe handles one unit of work (one file read, one image decoded, one batch
 # gathered) and returns how many images that was; the verdict times it (runner/diagnose.py).
@@ -82,9 +85,10 @@ class Storage(Protocol):
             random crops of training batches happen on the device).
         random_crops: True when items take ``(index, crop_seed)`` and crop at random while
             decoding; the batch order then hands out a seed per image and epoch.
-        opaque: True when the storage brings its own loader (a rival's pipeline: DALI,
-            ``own_loader(order, device)``): the runner's loaders are not used, and the
-            verdict probes that pipeline whole, as one stage.
+
+    What callers need to know about a storage without opening one (does it bring its own
+    loader, which decoders and knobs it takes, its advice and bench rows) is in its
+    registry record, ``StorageKind``.
     """
 
     root: Path
@@ -92,7 +96,6 @@ class Storage(Protocol):
     known_skipped: list[SkippedFile]
     decodes_per_epoch: bool
     random_crops: bool
-    opaque: bool
 
     def __len__(self) -> int: ...
 
@@ -136,3 +139,67 @@ class Storage(Protocol):
     def probes(self, batch_size: int) -> dict[str, Probe]:
         """Each data stage of this storage alone, as a probe the verdict can time."""
         ...
+
+
+@dataclass(frozen=True)
+class StoreFootprint:
+    """What a storage holds for a dataset, in bytes (``python -m runner.prepare sizes``)."""
+
+    what: str  # e.g. "raw uint8 at 224x224"
+    nbytes: int
+    estimated: bool = False  # extrapolated from a sample
+    on_disk: bool = True  # a store written to the cache (False: the source files themselves)
+
+
+@dataclass(frozen=True)
+class StorageKind:
+    """A storage's registry record: everything a caller would otherwise guess from its name.
+
+    Each storage module ``runner/data/storage/<name>.py`` defines one as ``KIND``; the
+    registry (``runner.data.storage.STORAGES``) finds it there by ``loader.name``. Adding a
+    storage is its enum value (``runner.config.StorageName``), its preset
+    (``conf/loader/<name>.yaml``) and its module with its ``KIND``.
+
+    Attributes:
+        name: its ``loader.name``.
+        open: ``(loader config, dataset config, path, progress) -> Storage``.
+        storage: the class ``open`` returns (``decodes_per_epoch`` is the class's).
+        summary: what it is, in one line.
+        decoders: the ``loader.decoder`` values it takes (for a store decoded once: the
+            decoder of its conversion).
+        knobs: config keys, beyond batch size and prefetch, that change how it reads (what
+            autotune searches for it).
+        own_loader: it brings its own loader (a rival's pipeline): the runner's loaders
+            are not used, and the verdict probes that pipeline whole as one stage named
+            after the storage.
+        autotune: autotune may pick it.
+        advice: per stage of the verdict, what this storage itself suggests trying.
+        bench: the rows ``python -m runner.bench stores`` measures, name -> overrides.
+        build: ``(loader, dataset, path, progress, rebuild) -> Path``: builds (or reuses,
+            unless ``rebuild``) the store it converts the folder to and returns its folder
+            (``python -m runner.prepare <name>`` calls it); None: it reads the folder as is.
+        footprint: ``(dataset config, folder storage) -> StoreFootprint``, or None.
+        speed_rank: among stores that fit the page cache, ``prepare sizes`` picks the
+            lowest (0 is fastest).
+    """
+
+    name: StorageName
+    open: Callable[..., Storage]
+    storage: type
+    summary: str
+    decoders: frozenset[Decoder]
+    knobs: tuple[str, ...] = ()
+    own_loader: bool = False
+    autotune: bool = True
+    advice: dict[str, str] = field(default_factory=dict)
+    bench: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    build: Callable[[LoaderConfig, DatasetConfig, Path, bool, bool], Path] | None = None
+    footprint: Callable[[DatasetConfig, Any], StoreFootprint] | None = None
+    speed_rank: int = 10
+
+    @property
+    def decodes_per_epoch(self) -> bool:
+        """Every epoch decodes the images (random crops while decoding, decode threads or
+        workers competing for a CPU model's cores); False: decoded once (crops on the
+        device)."""
+        return bool(self.storage.decodes_per_epoch)

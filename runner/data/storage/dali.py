@@ -28,18 +28,26 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
-from runner.config import Crop, DatasetConfig, LoaderConfig
+from runner.config import Crop, DatasetConfig, LoaderConfig, StorageName
 from runner.data.order import BatchOrder
-from runner.data.storage.base import SkippedFile
-from runner.data.storage.folder import DatasetError, FolderStorage, printable
-from runner.data.storage.rival import RivalStorage, RivalUnavailable, screen_file
+from runner.data.storage.base import StorageKind
+from runner.data.storage.decode import CPU_DECODERS
+from runner.data.storage.folder import DatasetError, FolderStorage, open_folder, printable
+from runner.data.storage.rival import (
+    RivalStorage,
+    RivalUnavailable,
+    screen_file,
+    screen_samples,
+)
 from runner.data.threads import cores
 from runner.errors import UserError
 
 log = logging.getLogger(__name__)
+
 
 class DaliStopped(UserError, RuntimeError):
     """DALI's pipeline stopped on a file it could not decode; the message says which, when
@@ -65,24 +73,15 @@ class DaliStorage(RivalStorage):
     def __init__(self, folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig):
         check_dali()
         start = time.perf_counter()
-        kept, skipped = [], []
-        for path, label in folder.samples:
-            reason = screen_file(path)
-            if reason is None:
-                kept.append((path, label))
-            else:
-                skipped.append(SkippedFile(path, f"screened out for DALI: {reason}"))
+        kept, skipped = screen_samples(folder, "DALI",
+                                       (screen_file(path) for path, _ in folder.samples))
         if not kept:
             raise DatasetError(f"no file of {folder.root} passes the screen for DALI")
         log.info("screened %d files for DALI in %.1f s: %d left out (DALI stops on a file it "
                  "cannot decode)", len(folder.samples), time.perf_counter() - start,
                  len(skipped))
-        self.root, self.classes, self.samples = folder.root, folder.classes, kept
-        self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
-        for s in skipped:
-            folder.undecodable(s.path, ValueError(s.error), -1)  # on_corrupt=fail raises
-        self.known_skipped = skipped
-        self.loader_cfg, self.dataset = loader, dataset
+        self._serve(folder, kept, skipped)
+        self.dataset = dataset
         self.threads = loader.decode_threads or cores()
 
     def own_loader(self, order: BatchOrder, device: torch.device) -> DaliBatches:
@@ -195,7 +194,23 @@ def _dali_reason(message: str) -> str:
     return "; ".join(lines[:3])
 
 
-def open_dali(folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig
-              ) -> DaliStorage:
-    return DaliStorage(folder, loader, dataset)
+def open_dali(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+              progress: bool = True) -> DaliStorage:
+    """The folder at ``path`` for NVIDIA DALI's own pipeline (the rival, measured the
+    runner's way)."""
+    check_dali()  # before listing the folder: a clear skip when DALI is not installed
+    return DaliStorage(open_folder(loader, dataset, path, progress), loader, dataset)
 
+
+KIND = StorageKind(
+    name=StorageName.dali,
+    open=open_dali,
+    storage=DaliStorage,
+    summary="the rival: NVIDIA DALI's own pipeline (reader, decoder, crops) over the folder",
+    decoders=CPU_DECODERS,  # only for the example images models are built with
+    own_loader=True,
+    autotune=False,
+    advice={"dali": "DALI's pipeline is one stage the runner cannot look inside (read, "
+                    "decode and crop together); compare it with loader=packed, memmap or ram "
+                    "in python -m runner -m sweep=rivals"},
+)

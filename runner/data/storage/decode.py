@@ -275,46 +275,91 @@ def decode_torchvision(data: bytes, min_hw: tuple[int, int] | None) -> torch.Ten
     return decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=False)
 
 
-DECODERS: dict[Decoder, DecodeFn] = {
-    Decoder.pil: decode_pil,
-    Decoder.simplejpeg: decode_simplejpeg,
-    Decoder.jpeg4py: decode_jpeg4py,
-    Decoder.torchvision: decode_torchvision,
-}
-SCALED_DECODERS = frozenset({Decoder.pil, Decoder.simplejpeg})
+def _check_region() -> None:
+    try:
+        from runner.data.storage import _jpegregion  # noqa: F401
+    except ImportError as e:
+        raise DecoderUnavailable(
+            "loader.decoder=region needs the runner's libjpeg binding, built by the "
+            "install when libjpeg's headers are there: apt-get install "
+            "libjpeg62-turbo-dev, then pip install -e . again; or pick "
+            "loader.decoder=simplejpeg") from e
+
+
+def _check_jpeg4py() -> None:
+    try:
+        import jpeg4py
+
+        probe = Image.new("RGB", (8, 8))
+        buf = io.BytesIO()
+        probe.save(buf, "JPEG")
+        jpeg4py.JPEG(np.frombuffer(buf.getvalue(), np.uint8)).decode()
+    except ImportError as e:
+        raise DecoderUnavailable(
+            "loader.decoder=jpeg4py needs the jpeg4py package: pip install -e '.[jpeg4py]'"
+        ) from e
+    except Exception as e:  # jpeg4py imports fine but cannot dlopen libturbojpeg
+        raise DecoderUnavailable(
+            "loader.decoder=jpeg4py needs libturbojpeg: apt-get install libturbojpeg0 "
+            f"({type(e).__name__}: {e}); or pick loader.decoder=simplejpeg"
+        ) from e
+
+
+def _check_nvjpeg() -> None:
+    if not torch.cuda.is_available():
+        raise DecoderUnavailable("loader.decoder=nvjpeg decodes on the GPU and needs CUDA")
+
+
+@dataclass(frozen=True)
+class DecoderKind:
+    """A decoder's registry record: what callers would otherwise guess from its name.
+
+    Attributes:
+        name: its ``loader.decoder``.
+        decode: bytes and the minimum (height, width) a DCT-scaled decode may shrink to ->
+            CHW uint8 in stored orientation; None when it has its own path (the window
+            decode of ``region``, the GPU's batched decode of ``nvjpeg``).
+        scales: ``loader.draft`` may decode at a reduced DCT scale.
+        region: decodes only the crop's window (random crops cost what centre crops do).
+        cuda: decodes on the GPU, batch by batch (``runner/data/nvjpeg.py``).
+        check: raises ``DecoderUnavailable`` naming the fix when it cannot run here.
+    """
+
+    name: Decoder
+    decode: DecodeFn | None = None
+    scales: bool = False
+    region: bool = False
+    cuda: bool = False
+    check: Callable[[], None] | None = None
+
+    def available(self) -> bool:
+        try:
+            check_decoder(self.name)
+        except DecoderUnavailable:
+            return False
+        return True
+
+
+DECODERS: dict[Decoder, DecoderKind] = {k.name: k for k in (
+    DecoderKind(Decoder.pil, decode_pil, scales=True),
+    DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True),
+    DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py),
+    DecoderKind(Decoder.torchvision, decode_torchvision),
+    DecoderKind(Decoder.region, region=True, check=_check_region),
+    DecoderKind(Decoder.nvjpeg, cuda=True, check=_check_nvjpeg),
+)}
+SCALED_DECODERS = frozenset(d for d, k in DECODERS.items() if k.scales)
+CPU_DECODERS = frozenset(d for d, k in DECODERS.items() if not k.cuda)
+# what a folder falls back to for files the chosen decoder cannot read, and what decodes
+# the CPU fallbacks and example images of a GPU decoder
+FALLBACK = Decoder.pil
 
 
 def check_decoder(decoder: Decoder) -> None:
     """Raise DecoderUnavailable, naming the fix, if ``decoder`` cannot run here."""
-    if decoder is Decoder.region:
-        try:
-            from runner.data.storage import _jpegregion  # noqa: F401
-        except ImportError as e:
-            raise DecoderUnavailable(
-                "loader.decoder=region needs the runner's libjpeg binding, built by the "
-                "install when libjpeg's headers are there: apt-get install "
-                "libjpeg62-turbo-dev, then pip install -e . again; or pick "
-                "loader.decoder=simplejpeg") from e
-    elif decoder is Decoder.jpeg4py:
-        try:
-            import jpeg4py
-
-            probe = Image.new("RGB", (8, 8))
-            buf = io.BytesIO()
-            probe.save(buf, "JPEG")
-            jpeg4py.JPEG(np.frombuffer(buf.getvalue(), np.uint8)).decode()
-        except ImportError as e:
-            raise DecoderUnavailable(
-                "loader.decoder=jpeg4py needs the jpeg4py package: pip install -e '.[jpeg4py]'"
-            ) from e
-        except Exception as e:  # jpeg4py imports fine but cannot dlopen libturbojpeg
-            raise DecoderUnavailable(
-                "loader.decoder=jpeg4py needs libturbojpeg: apt-get install libturbojpeg0 "
-                f"({type(e).__name__}: {e}); or pick loader.decoder=simplejpeg"
-            ) from e
-    elif decoder is Decoder.nvjpeg:
-        if not torch.cuda.is_available():
-            raise DecoderUnavailable("loader.decoder=nvjpeg decodes on the GPU and needs CUDA")
+    check = DECODERS[decoder].check
+    if check is not None:
+        check()
 
 
 # --- region decoding ------------------------------------------------------------------------
@@ -446,15 +491,16 @@ class ImageDecoder:
                      ) -> torch.Tensor:
         oh, ow = header.oriented_hw
         box = self.box_for(oh, ow, rng)
-        if self.decoder is Decoder.region:
+        kind = DECODERS[self.decoder]
+        if kind.region:
             return self.finish(*decode_region(data, header, box, self.size), rng)
         min_hw = None
-        if self.draft and self.decoder in SCALED_DECODERS:
+        if self.draft and kind.scales:
             # The decode only needs to be as large as the crop will be after resizing.
             shrink = max(self.size[0] / box.height, self.size[1] / box.width)
             if shrink <= 0.5:
                 min_hw = (math.ceil(header.height * shrink), math.ceil(header.width * shrink))
-        img = DECODERS[self.decoder](data, min_hw)
+        img = kind.decode(data, min_hw)
         if img.shape[0] != 3:
             raise ValueError(f"decoder returned {img.shape[0]} channels")
         img = apply_orientation(img, header.orientation)

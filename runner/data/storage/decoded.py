@@ -45,15 +45,14 @@ class DecodedStorage(Dataset):
     """
 
     decodes_per_epoch = False
-    opaque = False  # the runner's own loaders read it
     random_crops = False  # center crops decoded once; random ones happen on the device
     # what the model gets (dataset.image_size): a store at dataset.store_size is cropped
     # to it on the device (runner/data/augment.py); None: images are stored at it
     output_size: tuple[int, int] | None = None
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, skipped: list[SkippedFile],
-                 classes: list[str], names: list[str], root: Path | None,
-                 files: list[str] | None = None,
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *,
+                 skipped: list[SkippedFile], classes: list[str], names: list[str],
+                 root: Path | None, files: list[str] | None = None,
                  reopen: Callable[[], torch.Tensor] | None = None):
         self.images = images
         self._files = files or []

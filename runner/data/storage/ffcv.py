@@ -1,11 +1,11 @@
 """``loader=ffcv``: FFCV's ``.beton`` and its Loader over ``dataset.path``, measured the
 runner's way (the rival for datasets stored once and decoded per epoch, like packed).
 
-Conversion, with the runner's cache rules (memmap.py's ``ensure_cache``: keyed by the
+Conversion, with the runner's cache engine (runner/data/storage/cache.py: keyed by the
 source's layout and every file's stat and content hash, rebuilt when stale, built in
 ``<key>.partial`` and published by a rename, refused with the rebuild command when
-damaged): the files DALI would stop on are screened out the same way (dali.py) and listed
-as skipped; the others are written by FFCV's ``DatasetWriter`` (its own worker processes
+damaged; ``python -m runner.prepare ffcv`` builds it ahead): the files DALI would stop on
+are screened out the same way (dali.py) and listed as skipped; the others are written by FFCV's ``DatasetWriter`` (its own worker processes
 and progress bar) as JPEG (``loader.ffcv_mode=jpg``, at ``dataset.store_quality``) or raw
 pixels (``raw``), at the same stored size as ``loader=packed`` (``dataset.store_size``
 along ``dataset.store_side``; FFCV's own ``max_resolution`` caps only the longer side, so
@@ -21,35 +21,37 @@ order (``OrderOption.RANDOM``) or dataset order, FFCV's own sharding under torch
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from runner.config import Crop, DatasetConfig, LoaderConfig, StoreSide
+from runner.config import Crop, DatasetConfig, LoaderConfig, StorageName, StoreSide
 from runner.data.order import BatchOrder
-from runner.data.storage.base import SkippedFile
-from runner.data.storage.folder import FolderStorage
-from runner.data.storage.memmap import (
+from runner.data.storage.base import StorageKind
+from runner.data.storage.cache import (
     META,
     SOURCE_DTYPE,
     SOURCES,
-    CacheSpec,
-    check_skipped,
+    Journal,
+    StoreSpec,
     ensure_cache,
     file_record,
-    layout_fingerprint,
     skipped_files,
 )
-from runner.data.storage.packed import stored_hw
-from runner.data.storage.rival import RivalStorage, RivalUnavailable, screen_file
+from runner.data.storage.decode import CPU_DECODERS
+from runner.data.storage.folder import FolderStorage, open_folder
+from runner.data.storage.packed import default_store_size, stored_hw
+from runner.data.storage.rival import (
+    RivalStorage,
+    RivalUnavailable,
+    screen_data,
+    screen_samples,
+)
 from runner.data.threads import cores
 
 log = logging.getLogger(__name__)
@@ -72,41 +74,57 @@ def check_ffcv() -> None:
 
 
 @dataclass(frozen=True)
-class FfcvSpec:
-    """What a .beton's bytes depend on; each distinct spec gets its own folder."""
+class FfcvSpec(StoreSpec):
+    """What a .beton's bytes depend on; each distinct spec gets its own folder.
+
+    ``selected_by``: the overrides that chose it (its rebuild command), not part of the key.
+    """
 
     source: Path
     store_size: int
     side: StoreSide
     quality: int
     mode: str  # jpg or raw
+    selected_by: tuple[str, ...] = field(default=(), compare=False)
 
-    kind = "ffcv"
+    kind = StorageName.ffcv.value
     version = FFCV_VERSION
-    damaged = CacheSpec.damaged
 
     def settings(self) -> dict[str, Any]:
         return {"source": str(self.source), "store_size": self.store_size,
                 "side": self.side.value, "quality": self.quality, "mode": self.mode}
 
-    def folder(self, cache_root: Path) -> Path:
-        digest = hashlib.sha256(json.dumps(self.settings(), sort_keys=True).encode())
-        name = (f"{self.source.name}-{self.side.value}{self.store_size}-{self.mode}"
-                f"{self.quality if self.mode == 'jpg' else ''}-{digest.hexdigest()[:10]}")
-        return Path(cache_root).expanduser() / "ffcv" / name
+    def label(self) -> str:
+        return (f"{self.side.value}{self.store_size}-{self.mode}"
+                f"{self.quality if self.mode == 'jpg' else ''}")
 
-    def rebuild_command(self) -> str:
-        return (f"deleting that folder; the next python -m runner loader=ffcv "
-                f"dataset.path={self.source} converts again")
+    def overrides(self) -> list[str]:
+        return list(self.selected_by) or [
+            f"dataset.path={self.source}", f"dataset.store_size={self.store_size}",
+            f"dataset.store_side={self.side.value}", f"dataset.store_quality={self.quality}",
+            f"loader.ffcv_mode={self.mode}"]
 
     def file_sizes(self, folder: Path, meta: dict[str, Any]) -> dict[str, int]:
         if not isinstance(meta.get("data_bytes"), int):
             raise self.damaged(folder, f"its {META} lacks or mistypes: data_bytes")
-        return {BETON: meta["data_bytes"], SOURCES: meta["count"] * SOURCE_DTYPE.itemsize}
+        return {BETON: meta["data_bytes"]}
 
-    def convert(self, folder_storage: FolderStorage, partial: Path, progress: bool
+    def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
                 ) -> dict[str, Any]:
-        return _convert(folder_storage, self, partial, progress)
+        return _convert(folder_storage, self, journal, progress)
+
+
+def ffcv_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> FfcvSpec:
+    """The .beton ``loader=ffcv`` reads: the stored size of ``loader=packed``."""
+    source = Path(path).expanduser().resolve()
+    size = default_store_size(dataset)
+    picked = (f"dataset.path={source}",
+              f"dataset.image_size=[{','.join(str(int(v)) for v in dataset.image_size)}]",
+              f"dataset.store_size={size}", f"dataset.store_side={dataset.store_side.value}",
+              f"dataset.store_quality={dataset.store_quality}",
+              f"loader.ffcv_mode={loader.ffcv_mode}")
+    return FfcvSpec(source, size, dataset.store_side, dataset.store_quality, loader.ffcv_mode,
+                    selected_by=picked)
 
 
 class _Stored(torch.utils.data.Dataset):
@@ -130,59 +148,46 @@ class _Stored(torch.utils.data.Dataset):
         return np.asarray(img), label, i
 
 
-def _convert(folder_storage: FolderStorage, spec: FfcvSpec, partial: Path,
+def _convert(folder_storage: FolderStorage, spec: FfcvSpec, journal: Journal,
              progress: bool) -> dict[str, Any]:
-    import shutil
-
+    check_ffcv()
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
 
-    shutil.rmtree(partial, ignore_errors=True)  # FFCV's writer cannot resume: start over
-    partial.mkdir(parents=True)
-    count = len(folder_storage)
-    sources = np.zeros(count, dtype=SOURCE_DTYPE)
-    kept, skipped = [], []
-    for i, (path, label) in enumerate(folder_storage.samples):
-        row, _ = file_record(path)
-        sources[i] = row
-        reason = screen_file(path)
-        if reason is None:
-            kept.append((path, label))
-        else:
-            skipped.append({"index": i, "path": path, "error": f"screened out for FFCV: {reason}"})
-            folder_storage.undecodable(path, ValueError(reason), i)  # on_corrupt=fail raises
+    journal.start_over()  # FFCV's writer cannot resume
+    partial = journal.folder
+    sources = np.zeros(len(folder_storage), dtype=SOURCE_DTYPE)
+
+    def reasons():  # each file read once: its fingerprint, then the screen of its bytes
+        for i, (path, _) in enumerate(folder_storage.samples):
+            sources[i], data = file_record(path)
+            yield "unreadable" if data is None else screen_data(data, data)
+
+    kept, skipped = screen_samples(folder_storage, "FFCV", reasons())
     sources.tofile(partial / SOURCES)
     writer = DatasetWriter(str(partial / BETON), {
         "image": RGBImageField(write_mode=spec.mode, jpeg_quality=spec.quality),
         "label": IntField(), "index": IntField()}, num_workers=cores())
-    writer.from_indexed_dataset(_Stored(kept, spec), chunksize=64)
-    meta = {"version": FFCV_VERSION, "settings": spec.settings(),
-            "layout": layout_fingerprint(folder_storage), "count": count,
-            "data_bytes": os.path.getsize(partial / BETON), "classes": folder_storage.classes,
-            "kept": len(kept), "skipped": skipped}
-    (partial / META).write_text(json.dumps(meta))
-    return meta
+    writer.from_indexed_dataset(_Stored([folder_storage.samples[i] for i in kept], spec),
+                                chunksize=64)
+    return journal.finish(skipped, data_bytes=os.path.getsize(partial / BETON),
+                          classes=folder_storage.classes)
 
 
 class FfcvStorage(RivalStorage):
     """The screened image folder as an FFCV .beton, read by FFCV's Loader: one stage the
-    runner cannot look inside (``opaque``), probed whole by the verdict."""
+    runner cannot look inside, probed whole by the verdict."""
 
     stage = "ffcv"
 
     def __init__(self, folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig,
                  progress: bool = True):
         check_ffcv()
-        size = dataset.store_size or math.ceil(max(dataset.image_size) * 8 / 7)
-        spec = FfcvSpec(Path(folder.root).expanduser().resolve(), int(size),
-                        dataset.store_side, dataset.store_quality, loader.ffcv_mode)
+        spec = ffcv_spec(loader, dataset, folder.root)
         cache, meta = ensure_cache(folder, spec, Path(dataset.cache_dir), progress)
-        check_skipped(meta, folder)
-        skipped = {s["index"] for s in meta["skipped"]}
-        self.root, self.classes = folder.root, folder.classes
-        self.samples = [s for i, s in enumerate(folder.samples) if i not in skipped]
-        self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
-        self.known_skipped: list[SkippedFile] = skipped_files(meta)
+        skipped = skipped_files(meta)
+        left_out = {s.index for s in skipped}
+        self._serve(folder, [i for i in range(len(folder)) if i not in left_out], skipped)
         self.path = cache / BETON
         self.spec, self.dataset = spec, dataset
         self.threads = loader.decode_threads or cores()
@@ -249,6 +254,33 @@ class FfcvBatches:
             self.close()  # otherwise, taking a core from whatever runs next (the verdict)
 
 
-def open_ffcv(folder: FolderStorage, loader: LoaderConfig, dataset: DatasetConfig,
+def open_ffcv(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
               progress: bool = True) -> FfcvStorage:
-    return FfcvStorage(folder, loader, dataset, progress)
+    """The folder at ``path`` as an FFCV .beton read by FFCV's Loader (the rival, measured
+    the runner's way)."""
+    check_ffcv()  # before listing the folder: a clear skip when FFCV is not installed
+    return FfcvStorage(open_folder(loader, dataset, path, progress), loader, dataset, progress)
+
+
+def build_ffcv(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+               progress: bool = True, rebuild: bool = False) -> Path:
+    """The .beton's folder, converted now if there is no valid one (or ``rebuild``)."""
+    check_ffcv()
+    folder = open_folder(loader, dataset, path, progress)
+    return ensure_cache(folder, ffcv_spec(loader, dataset, path), Path(dataset.cache_dir),
+                        progress, rebuild)[0]
+
+
+KIND = StorageKind(
+    name=StorageName.ffcv,
+    open=open_ffcv,
+    storage=FfcvStorage,
+    summary="the rival: FFCV's .beton (at the stored size of loader=packed) and its Loader",
+    decoders=CPU_DECODERS,  # only for the example images models are built with
+    own_loader=True,
+    autotune=False,
+    advice={"ffcv": "FFCV's Loader is one stage the runner cannot look inside (read, decode "
+                    "and crop together); compare it with loader=packed, memmap or ram in "
+                    "python -m runner -m sweep=rivals"},
+    build=build_ffcv,
+)

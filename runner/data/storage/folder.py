@@ -10,10 +10,24 @@ from pathlib import Path
 import torch
 
 from runner import timeline
-from runner.config import Crop, OnCorrupt
+from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.order import unpad
-from runner.data.storage.base import Probe, Sample, SkippedFile, cycle_rows
-from runner.data.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
+from runner.data.storage.base import (
+    Probe,
+    Sample,
+    SkippedFile,
+    StorageKind,
+    StoreFootprint,
+    cycle_rows,
+)
+from runner.data.storage.decode import (
+    DECODERS,
+    FALLBACK,
+    CorruptFileStop,
+    CorruptImageError,
+    ImageDecoder,
+    check_decoder,
+)
 from runner.data.storage.encoded import ReadBytes
 from runner.errors import UserError
 
@@ -126,7 +140,6 @@ class FolderStorage(torch.utils.data.Dataset):
     """
 
     decodes_per_epoch = True
-    opaque = False  # the runner's own loaders read it
     image_bytes = None  # one file per image
 
     def __init__(self, path: str | Path, decode: ImageDecoder | ReadBytes, on_corrupt: OnCorrupt):
@@ -135,6 +148,16 @@ class FolderStorage(torch.utils.data.Dataset):
         self.decode = decode
         self.on_corrupt = on_corrupt
         self.known_skipped: list[SkippedFile] = []
+
+    def _serve(self, folder: FolderStorage, keep: list[int], skipped: list[SkippedFile]
+               ) -> None:
+        """Set up a storage built from ``folder`` (a cache or a rival's pipeline over it) to
+        serve the files ``keep``, ``skipped`` listed as undecodable: the folder's root,
+        classes, decoder and ``on_corrupt`` without listing the folder again."""
+        self.root, self.classes = folder.root, folder.classes
+        self.samples = [folder.samples[i] for i in keep]
+        self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
+        self.known_skipped = list(skipped)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -300,3 +323,38 @@ def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
     if not all(s.valid for s in samples):  # padding rows of a distributed shard
         fields["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
     return fields
+
+
+def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                progress: bool = True, decode: ImageDecoder | None = None) -> FolderStorage:
+    """The image folder at ``path``, each image decoded on every epoch with
+    ``loader.decoder`` at ``dataset.image_size`` and ``dataset.crop`` (or with ``decode``:
+    a store built from the folder decodes its own way)."""
+    if decode is None:
+        check_decoder(loader.decoder)
+        decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
+                              loader.draft)
+        if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
+            decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop))
+    return FolderStorage(path, decode, dataset.on_corrupt)
+
+
+def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
+    total = sum(os.path.getsize(p) for p in folder.files if os.path.exists(p))
+    return StoreFootprint("the source files", total, on_disk=False)
+
+
+KIND = StorageKind(
+    name=StorageName.folder,
+    open=open_folder,
+    storage=FolderStorage,
+    summary="an image folder, every image read and decoded on every epoch",
+    decoders=frozenset(Decoder),
+    knobs=("loader.decoder", "loader.draft", "loader.num_workers"),
+    advice={"decode": "loader=packed (re-encoded once at dataset.store_size: less to decode)"},
+    bench={"folder_simplejpeg_draft": ("loader=folder", "loader.decoder=simplejpeg",
+                                       "loader.draft=true"),
+           "folder_region": ("loader=folder", "loader.decoder=region")},
+    footprint=source_footprint,
+    speed_rank=3,
+)

@@ -5,29 +5,30 @@ For datasets too big to keep decoded: ``dataset.store_size`` (the shorter side, 
 to ``dataset.image_size`` needs, at ``dataset.store_quality``. Each epoch decodes the
 stored JPEGs again (random crops are real random-resized crops of the whole stored image),
 with the in-process decode threads, one ``pread`` per image from one open file: no file
-opened per image. With ``loader.decoder=region`` (the default) only the crop's window is decoded.
+opened per image. With ``loader.decoder=region`` (the default) only the crop's window is
+decoded.
 
-A cache folder holds ``images.bin`` (the JPEGs back to back), ``index.bin`` (per source
-file: offset, size, stored height and width, label; size 0 for an undecodable file),
-``sources.bin`` and ``meta.json``. It has every guarantee of the memmap cache (memmap.py):
-built in parallel with a progress bar, in ``<key>.partial`` and published by a rename,
-resumable after a kill (``done.jsonl`` records each chunk after its bytes and index rows
-are on disk), the source fingerprinted (a changed file rebuilds), undecodable files
-listed in the metadata and reported by every run, opened without a lock (read-only caches
-work). Its size is not known before encoding, so the conversion first encodes a sample,
-reserves the estimate (a disk too small fails at once) and reserves more if it runs over.
+A store holds ``images.bin`` (the JPEGs back to back, in dataset order), ``index.bin`` (per
+source file: offset, size, stored height and width, label and a CRC-32 of its bytes; size 0
+for an undecodable file) beside the engine's ``sources.bin`` and ``meta.json``
+(runner/data/storage/cache.py: keyed, fingerprinted, resumable, reserved, published
+atomically, checked). The JPEGs are encoded by worker processes and written in index
+order, so two builds of the same folder are the same bytes. A stored image that no
+longer decodes is checked against its CRC: damage to the store is named as such, with the
+command that rebuilds it, instead of blaming a healthy source file. The store's size is
+not known before encoding, so the conversion first encodes a sample, reserves the
+estimate (a disk too small fails at once) and reserves more if it runs over.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
-import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,37 +38,39 @@ import torch
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
-from runner.atomic import write_json
-from runner.config import StoreSide
+from runner.config import DatasetConfig, LoaderConfig, StorageName, StoreSide
 from runner.data.order import split_padding
 from runner.data.pool import parallel_imap
-from runner.data.storage.base import SkippedFile
-from runner.data.storage.decode import CorruptImageError, ImageDecoder, read_jpeg_header
-from runner.data.storage.folder import FolderStorage
-from runner.data.storage.memmap import (
-    DONE,
+from runner.data.storage.base import Sample, SkippedFile, StorageKind, StoreFootprint
+from runner.data.storage.cache import (
     META,
-    PLAN,
     SOURCE_DTYPE,
     SOURCES,
-    CacheSpec,
-    check_skipped,
+    CacheError,
+    Journal,
+    StoreSpec,
     chunk_ranges,
-    disk_full,
     ensure_cache,
     file_record,
-    layout_fingerprint,
-    open_partial,
+    reserve,
     skipped_files,
 )
+from runner.data.storage.decode import CPU_DECODERS, CorruptImageError, read_jpeg_header
+from runner.data.storage.folder import FolderStorage, open_folder
 
 log = logging.getLogger(__name__)
 
-PACKED_VERSION = 1
+PACKED_VERSION = 2  # 2: a CRC-32 per stored image, written in dataset order
 DATA, INDEX = "images.bin", "index.bin"
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
-                        ("width", "<i4"), ("label", "<i8")])
+                        ("width", "<i4"), ("label", "<i8"), ("crc", "<u4"), ("pad", "<u4")])
 SAMPLE = 32  # images encoded up front to estimate the store's size
+
+
+def default_store_size(dataset: DatasetConfig) -> int:
+    """``dataset.store_size``, else 8/7 of ``image_size``'s larger side (the usual
+    resize-256-crop-224 ratio)."""
+    return int(dataset.store_size or math.ceil(max(dataset.image_size) * 8 / 7))
 
 
 def stored_hw(height: int, width: int, size: int, side: StoreSide) -> tuple[int, int]:
@@ -80,43 +83,54 @@ def stored_hw(height: int, width: int, size: int, side: StoreSide) -> tuple[int,
 
 
 @dataclass(frozen=True)
-class PackedSpec:
-    """What a packed store's bytes depend on; each distinct spec gets its own folder."""
+class PackedSpec(StoreSpec):
+    """What a packed store's bytes depend on; each distinct spec gets its own folder.
+
+    ``selected_by``: the overrides that chose it (its rebuild command), not part of the key.
+    """
 
     source: Path
     store_size: int
     side: StoreSide
     quality: int
+    selected_by: tuple[str, ...] = field(default=(), compare=False)
 
-    kind = "packed"
+    kind = StorageName.packed.value
     version = PACKED_VERSION
-    damaged = CacheSpec.damaged
 
     def settings(self) -> dict[str, Any]:
         return {"source": str(self.source), "store_size": self.store_size,
                 "side": self.side.value, "quality": self.quality}
 
-    def folder(self, cache_root: Path) -> Path:
-        digest = hashlib.sha256(json.dumps(self.settings(), sort_keys=True).encode())
-        name = (f"{self.source.name}-{self.side.value}{self.store_size}-q{self.quality}-"
-                f"{digest.hexdigest()[:10]}")
-        return Path(cache_root).expanduser() / "packed" / name
+    def label(self) -> str:
+        return f"{self.side.value}{self.store_size}-q{self.quality}"
 
-    def rebuild_command(self) -> str:
-        return (f"python -m runner.prepare packed --rebuild dataset.path={self.source} "
-                f"dataset.store_size={self.store_size} dataset.store_side={self.side.value} "
-                f"dataset.store_quality={self.quality}")
+    def overrides(self) -> list[str]:
+        return list(self.selected_by) or [
+            f"dataset.path={self.source}", f"dataset.store_size={self.store_size}",
+            f"dataset.store_side={self.side.value}", f"dataset.store_quality={self.quality}"]
 
     def file_sizes(self, folder: Path, meta: dict[str, Any]) -> dict[str, int]:
         if not isinstance(meta.get("data_bytes"), int):
             raise self.damaged(folder, f"its {META} lacks or mistypes: data_bytes")
-        count = meta["count"]
-        return {DATA: meta["data_bytes"], INDEX: count * INDEX_DTYPE.itemsize,
-                SOURCES: count * SOURCE_DTYPE.itemsize}
+        return {DATA: meta["data_bytes"], INDEX: meta["count"] * INDEX_DTYPE.itemsize}
 
-    def convert(self, folder_storage: FolderStorage, partial: Path, progress: bool
+    def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
                 ) -> dict[str, Any]:
-        return _convert(folder_storage, self, partial, progress)
+        return _convert(folder_storage, self, journal, progress)
+
+
+def packed_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> PackedSpec:
+    """What ``loader=packed`` stores: ``dataset.store_size`` (unset: 8/7 of the larger side
+    of ``image_size``, the usual resize-256-crop-224 ratio) at ``dataset.store_quality``."""
+    source = Path(path).expanduser().resolve()
+    size = default_store_size(dataset)
+    picked = (f"dataset.path={source}",
+              f"dataset.image_size=[{','.join(str(int(v)) for v in dataset.image_size)}]",
+              f"dataset.store_size={size}", f"dataset.store_side={dataset.store_side.value}",
+              f"dataset.store_quality={dataset.store_quality}")
+    return PackedSpec(source, size, dataset.store_side, dataset.store_quality,
+                      selected_by=picked)
 
 
 # --- encoding -----------------------------------------------------------------------------
@@ -188,78 +202,58 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-class _Reserved:
-    """The data file's disk space, reserved ahead of the bytes written into it."""
-
-    def __init__(self, fd: int, path: Path, reserved: int):
-        self.fd, self.path, self.reserved = fd, path, 0
-        self.grow(reserved)
-
-    def grow(self, size: int) -> None:
-        if size <= self.reserved:
-            return
-        try:
-            os.posix_fallocate(self.fd, self.reserved, size - self.reserved)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise disk_full(self.path, size, estimated=True, also="lower "
-                                "dataset.store_size or dataset.store_quality, ") from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        self.reserved = size
-
-
-def _convert(folder_storage: FolderStorage, spec: PackedSpec, partial: Path,
+def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
              progress: bool) -> dict[str, Any]:
-    count = len(folder_storage)
-    plan = {"version": PACKED_VERSION, "settings": spec.settings(),
-            "layout": layout_fingerprint(folder_storage), "count": count}
-    done = open_partial(partial, plan)
-    # bytes past the last recorded chunk (a kill before its record) are overwritten
-    end = max(_recorded_ends(partial), default=0) if done else 0
-    estimate = estimate_bytes(folder_storage, spec)
-    if not done:
-        for name, rows in ((INDEX, count), (SOURCES, count)):
-            with open(partial / name, "wb") as f:
-                f.truncate(rows * (INDEX_DTYPE if name == INDEX else SOURCE_DTYPE).itemsize)
-        write_json(partial / PLAN, plan)
+    """Encode every image into ``journal.folder``, in index order, resuming what a killed
+    conversion left there; returns the store's metadata."""
+    count, partial = len(folder_storage), journal.folder
     chunks = chunk_ranges(count)
-    todo = [c for c in chunks if c[0] not in done]
-    if done:
-        log.info("resuming the conversion in %s: %d of %d chunks already done", partial,
-                 len(done), len(chunks))
+    todo = journal.todo(chunks)
+    # chunks are recorded in index order, so what is done is a prefix and the data file
+    # ends where its last record says (bytes past it, from a kill, are overwritten)
+    end = max((e["end"] for e in journal.done.values()), default=0)
+    reserved = max(end, int(estimate_bytes(folder_storage, spec) * 1.1))
+    also = "lower dataset.store_size or dataset.store_quality, "
+    reserve(partial / DATA, reserved, estimated=True, also=also)
+    reserve(partial / INDEX, count * INDEX_DTYPE.itemsize)
+    reserve(partial / SOURCES, count * SOURCE_DTYPE.itemsize)
+    if not journal.done:
+        journal.start()
     index = np.memmap(partial / INDEX, dtype=INDEX_DTYPE, mode="r+", shape=(count,))
     sources = np.memmap(partial / SOURCES, dtype=SOURCE_DTYPE, mode="r+", shape=(count,))
-    fd = os.open(partial / DATA, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(partial / DATA, os.O_RDWR)
     bar = tqdm(total=count, initial=count - sum(e - s for s, e in todo), unit="img",
                desc="packing", disable=not progress)
     global _JOB
     _JOB = (folder_storage, spec)
+    waiting: dict[int, tuple] = {}  # finished out of order: written when their turn comes
+    queue = iter(todo)
+    turn = next(queue, None)
     try:
-        space = _Reserved(fd, partial / DATA, max(end, int(estimate * 1.1)))
-        with open(partial / DONE, "a") as record:
-            for chunk, rows, skipped in parallel_imap(_encode_chunk, todo,
-                                                      initializer=_init_worker):
+        for chunk, rows, skipped in parallel_imap(_encode_chunk, todo, initializer=_init_worker):
+            waiting[chunk[0]] = (chunk, rows, skipped)
+            while turn is not None and turn[0] in waiting:
+                chunk, rows, skipped = waiting.pop(turn[0])
                 blob = b"".join(r[1] for r in rows)
-                space.grow(end + len(blob) if end + len(blob) <= space.reserved
-                           else math.ceil((end + len(blob)) * 1.25))
+                if end + len(blob) > reserved:
+                    grown = math.ceil((end + len(blob)) * 1.25)
+                    reserve(partial / DATA, grown - reserved, offset=reserved, estimated=True,
+                            also=also)
+                    reserved = grown
                 os.pwrite(fd, blob, end)
                 offset = end
                 for k, (source, encoded, h, w, label) in enumerate(rows):
-                    index[chunk[0] + k] = (offset, len(encoded), h, w, label)
+                    index[chunk[0] + k] = (offset, len(encoded), h, w, label,
+                                           zlib.crc32(encoded), 0)
                     sources[chunk[0] + k] = source
                     offset += len(encoded)
                 end = offset
                 index.flush()
                 sources.flush()
                 os.fdatasync(fd)  # bytes and rows reach the disk before the record does
-                entry = {"start": chunk[0], "end": end,
-                         "skipped": [[s.index, s.path, s.error] for s in skipped]}
-                record.write(json.dumps(entry) + "\n")
-                record.flush()
-                os.fsync(record.fileno())
-                done[chunk[0]] = entry["skipped"]
+                journal.record(chunk[0], skipped, end=end)
                 bar.update(chunk[1] - chunk[0])
+                turn = next(queue, None)
         os.ftruncate(fd, end)
         os.fsync(fd)
     finally:
@@ -267,57 +261,33 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, partial: Path,
         bar.close()
         os.close(fd)
     del index, sources
-    skipped = sorted((s for entries in done.values() for s in entries), key=lambda s: s[0])
-    meta = {**plan, "data_bytes": end, "classes": folder_storage.classes,
-            "skipped": [{"index": i, "path": p, "error": e} for i, p, e in skipped]}
-    write_json(partial / META, meta)
-    for name in (PLAN, DONE):
-        (partial / name).unlink()
-    return meta
-
-
-def _recorded_ends(partial: Path) -> list[int]:
-    """Where each recorded chunk's bytes end in the data file."""
-    ends = []
-    try:
-        lines = (partial / DONE).read_text().splitlines()
-    except OSError:
-        return ends
-    for line in lines:
-        try:
-            ends.append(int(json.loads(line)["end"]))
-        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-            continue
-    return ends
+    return journal.finish(data_bytes=end, classes=folder_storage.classes)
 
 
 # --- reading ------------------------------------------------------------------------------
 
 class PackedStorage(FolderStorage):
-    """The stored JPEGs of a packed cache, decoded per epoch like an image folder (the
+    """The stored JPEGs of a packed store, decoded per epoch like an image folder (the
     ``Storage`` protocol): item ``i`` is the ``i``-th decodable source file, read as a
     ``pread`` from one open file.
 
     Args:
-        folder: the source folder (names, classes and labels; never read again).
-        cache: the packed cache folder.
+        folder: the source folder (names, classes, labels and the decoder that crops and
+            resizes each stored JPEG; its files are never read again).
+        cache: the packed store's folder.
         meta: its metadata.
-        decode: the decoder that crops and resizes each stored JPEG.
+        spec: its spec (names it, with the rebuild command, when a stored image is damaged).
     """
 
     def __init__(self, folder: FolderStorage, cache: Path, meta: dict[str, Any],
-                 decode: ImageDecoder):
+                 spec: PackedSpec | None = None):
         table = np.fromfile(cache / INDEX, dtype=INDEX_DTYPE, count=meta["count"])
         keep = np.nonzero(table["size"] > 0)[0]
-        self.root, self.classes = folder.root, folder.classes
-        self.samples = [folder.samples[i] for i in keep.tolist()]
+        self._serve(folder, keep.tolist(), skipped_files(meta))
         self.offsets = table["offset"][keep].tolist()
         self.sizes = table["size"][keep].tolist()
-        self.stored_hw = np.stack([table["height"][keep], table["width"][keep]], 1)
-        self.decode = decode
-        self.on_corrupt = folder.on_corrupt
-        self.known_skipped = skipped_files(meta)
-        self.path = cache / DATA
+        self.crcs = table["crc"][keep].tolist()
+        self.path, self.cache, self.spec = cache / DATA, cache, spec
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -363,6 +333,24 @@ class PackedStorage(FolderStorage):
             raise OSError(errno.EIO, f"{self.path} ends before image {index}'s {size} bytes")
         return data
 
+    def decode_data(self, index: int, data: bytes | None, valid: bool = True,
+                    rng: torch.Generator | None = None) -> Sample | SkippedFile:
+        """A stored image that does not decode is either damage to the store (its CRC no
+        longer matches: a CacheError naming the store and its rebuild) or a source that was
+        already undecodable as stored (reported as a skipped file, as a folder would)."""
+        item = super().decode_data(index, data, valid, rng)
+        if isinstance(item, SkippedFile) and data is not None \
+                and zlib.crc32(data) != self.crcs[index]:
+            raise self.damaged(f"the bytes of image {index} ({self.name_of(index)}) no "
+                               "longer match their checksum")
+        return item
+
+    def damaged(self, what: str) -> CacheError:
+        if self.spec is not None:
+            return self.spec.damaged(self.cache, what)
+        return CacheError(f"the packed store {self.cache} is damaged: {what}; delete it to "
+                          "rebuild it")
+
 
 def unpad_all(index: torch.Tensor) -> list[int]:
     """The storage indices of a batch's rows, padding rows mapped back to theirs."""
@@ -370,8 +358,45 @@ def unpad_all(index: torch.Tensor) -> list[int]:
 
 
 def open_packed_cache(folder: FolderStorage, spec: PackedSpec, cache_root: Path,
-                      decode: ImageDecoder, progress: bool = True) -> PackedStorage:
+                      progress: bool = True) -> PackedStorage:
     """The packed store of ``folder`` (converted first if there is no valid one)."""
     cache, meta = ensure_cache(folder, spec, cache_root, progress)
-    check_skipped(meta, folder)
-    return PackedStorage(folder, cache, meta, decode)
+    return PackedStorage(folder, cache, meta, spec)
+
+
+def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                progress: bool = True) -> PackedStorage:
+    """The packed store of the folder at ``path`` (packed first if there is no valid one),
+    each stored JPEG decoded per epoch with ``loader.decoder``."""
+    folder = open_folder(loader, dataset, path, progress)
+    return open_packed_cache(folder, packed_spec(loader, dataset, path), Path(dataset.cache_dir),
+                             progress)
+
+
+def build_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                 progress: bool = True, rebuild: bool = False) -> Path:
+    """The packed store's folder, packed now if there is no valid one (or ``rebuild``)."""
+    folder = open_folder(loader, dataset, path, progress)
+    return ensure_cache(folder, packed_spec(loader, dataset, path), Path(dataset.cache_dir),
+                        progress, rebuild)[0]
+
+
+def packed_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
+    spec = packed_spec(None, dataset, folder.root)
+    return StoreFootprint(f"JPEG q{spec.quality} at the {spec.side.value} side "
+                          f"{spec.store_size}", estimate_bytes(folder, spec), estimated=True)
+
+
+KIND = StorageKind(
+    name=StorageName.packed,
+    open=open_packed,
+    storage=PackedStorage,
+    summary="JPEGs re-encoded once at dataset.store_size into one file, decoded every epoch",
+    decoders=CPU_DECODERS,
+    knobs=("loader.decoder", "loader.draft", "loader.num_workers"),
+    advice={"decode": "a smaller dataset.store_size (fewer pixels to decode per image)"},
+    bench={"packed": ("loader=packed", "dataset.store_size=256")},
+    build=build_packed,
+    footprint=packed_footprint,
+    speed_rank=1,
+)

@@ -19,19 +19,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runner.data.storage.base import image_nbytes, shared_empty
+from runner.config import DatasetConfig, LoaderConfig, StorageName
+from runner.data.storage.base import StorageKind, image_nbytes, shared_empty
+from runner.data.storage.cache import check_skipped, chunk_ranges, skipped_files, valid_cache
+from runner.data.storage.decode import CPU_DECODERS
 from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import DatasetError, FolderStorage
 from runner.data.storage.memmap import (
     IMAGES,
-    CacheSpec,
-    check_skipped,
-    chunk_ranges,
+    MemmapSpec,
+    build_memmap,
     decode_into,
+    decoding_folder,
     image_shape,
+    memmap_spec,
     open_labels,
-    skipped_files,
-    valid_cache,
+    raw_footprint,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,18 @@ def check_fits(nbytes: int, count: int, shape: tuple[int, ...]) -> None:
         )
 
 
-def load_ram(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
+def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+             progress: bool = True) -> DecodedStorage:
+    """The folder at ``path`` decoded once into memory (read from its memmap store if
+    valid)."""
+    folder = decoding_folder(loader, dataset, path, progress)
+    storage = load_ram(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
+                       progress)
+    storage.output_size = tuple(dataset.image_size)
+    return storage
+
+
+def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
              progress: bool = True) -> DecodedStorage:
     """The dataset as a DecodedStorage whose images live in shared memory."""
     count = len(folder_storage)
@@ -99,8 +113,8 @@ def load_ram(folder_storage: FolderStorage, spec: CacheSpec, cache_root: Path,
         chunks = chunk_ranges(count)
         skipped = decode_into(images, folder_storage, chunks, progress)
         labels = folder_storage.label_tensor()
-    return DecodedStorage(images, labels, skipped, folder_storage.classes, folder_storage.names(),
-                          folder_storage.root)
+    return DecodedStorage(images, labels, skipped=skipped, classes=folder_storage.classes,
+                          names=folder_storage.names(), root=folder_storage.root)
 
 
 def _read_file(path: Path, images: torch.Tensor, progress: bool) -> None:
@@ -115,3 +129,18 @@ def _read_file(path: Path, images: torch.Tensor, progress: bool) -> None:
             if got != min(step, len(view) - start):
                 raise DatasetError(f"{path} ended early while loading it into RAM")
             bar.update(got)
+
+
+KIND = StorageKind(
+    name=StorageName.ram,
+    open=open_ram,
+    storage=DecodedStorage,
+    summary="decoded once into one uint8 tensor in shared memory; each batch is one "
+            "indexed read",
+    decoders=CPU_DECODERS,
+    knobs=("loader.shuffle_block",),
+    bench={"ram": ("loader=ram",)},
+    build=build_memmap,  # it loads the memmap store when there is one
+    footprint=raw_footprint,
+    speed_rank=0,
+)

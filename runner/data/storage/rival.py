@@ -5,12 +5,13 @@ probed whole by the verdict (one opaque stage) and stopped when the data path cl
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from runner.data.order import BatchOrder
-from runner.data.storage.base import Probe
+from runner.data.storage.base import Probe, SkippedFile
 from runner.data.storage.decode import read_jpeg_header
 from runner.data.storage.folder import FolderStorage
 from runner.errors import Unavailable
@@ -24,46 +25,65 @@ class RivalUnavailable(Unavailable):
     """The rival's package is not installed here; the message names the install."""
 
 
-def screen_file(path: str) -> str | None:
-    """Why a rival could not decode ``path`` (empty, not an image, truncated), or None.
+def screen_data(head: bytes, tail: bytes) -> str | None:
+    """Why a rival could not decode a file that begins with ``head`` (its frame header
+    within) and ends with ``tail`` (empty, not an image, truncated), or None: a readable
+    JPEG frame header or a PNG signature, and a JPEG's end-of-image marker. Corrupt data
+    between them passes."""
+    if not head:
+        return "empty file"
+    if head[:8] == PNG:
+        return None
+    if read_jpeg_header(head) is None:
+        return "not a JPEG or PNG with a readable header"
+    if b"\xff\xd9" not in tail[-TAIL:]:
+        return "truncated: the JPEG has no end-of-image marker"
+    return None
 
-    Reads the first 64 KB and the last 64 bytes: a readable JPEG frame header or a PNG
-    signature, and a JPEG's end-of-image marker. Corrupt data between them passes."""
+
+def screen_file(path: str) -> str | None:
+    """``screen_data`` of the file at ``path``, reading its first 64 KB and last 64 bytes
+    (all of it when a large block puts the frame header further in)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(HEAD)
-            if not head:
-                return "empty file"
-            if head[:8] == PNG:
-                return None
-            header = read_jpeg_header(head)
-            if header is None and size > HEAD:  # a header behind a large EXIF block
-                header = read_jpeg_header(head + f.read())
-            if header is None:
-                return "not a JPEG or PNG with a readable header"
+            if size > HEAD and head[:8] != PNG and read_jpeg_header(head) is None:
+                head += f.read()
             f.seek(max(0, size - TAIL))
-            if b"\xff\xd9" not in f.read(TAIL):
-                return "truncated: the JPEG has no end-of-image marker"
+            return screen_data(head, f.read(TAIL))
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
-    return None
 
+
+def screen_samples(folder: FolderStorage, rival: str, reasons: Iterable[str | None]
+                   ) -> tuple[list[int], list[SkippedFile]]:
+    """The items of ``folder`` a rival can take and those it cannot, from each file's
+    screening verdict (``reasons``, in sample order); ``dataset.on_corrupt=fail`` raises
+    on the first one left out, naming it."""
+    kept, skipped = [], []
+    for i, ((path, _), reason) in enumerate(zip(folder.samples, reasons)):
+        if reason is None:
+            kept.append(i)
+        else:
+            error = ValueError(f"screened out for {rival}: {reason}")
+            skipped.append(folder.undecodable(path, error, i))
+    return kept, skipped
 
 
 class RivalStorage(FolderStorage):
-    """An image folder read by a rival's own pipeline (``own_loader``): the runner's
-    loaders are not used, and the verdict probes that pipeline whole (``probes``), one
-    batch per call. ``close`` stops the probe's pipeline."""
+    """An image folder read by a rival's own pipeline (``own_loader``; its registry record
+    says ``own_loader=True``): the runner's loaders are not used, and the verdict probes that
+    pipeline whole (``probes``), one batch per call. ``close`` stops the probe's pipeline."""
 
-    opaque = True
     stage = "rival"  # the verdict's name for the pipeline
 
     def own_loader(self, order: BatchOrder, device: torch.device) -> Any:
         raise NotImplementedError
 
     def probes(self, batch_size: int) -> dict[str, Probe]:
-        batches = self.own_loader(BatchOrder(len(self), batch_size, True, True, seed=0),
+        batches = self.own_loader(BatchOrder(len(self), batch_size, shuffle=True, drop_last=True,
+                                                    seed=0),
                                   torch.device("cpu"))
         stream = None
 

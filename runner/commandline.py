@@ -1,0 +1,163 @@
+"""The command line: the schema registered with Hydra, ``--help``, and a user's typos.
+
+``register_configs`` stores the schema that conf/config.yaml extends, the ``--help`` page
+and the resolver that makes every run folder's name unique. ``check_command_line`` runs
+before Hydra composes anything: an override that names a key the schema does not have, or
+a group choice that has no preset (``loader=memmapp``), exits with one line, status 2, the
+valid names and the closest one ("did you mean").
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from runner.config import Config, config_dir
+
+EXIT_USAGE = 2
+
+
+def register_configs() -> None:
+    """Store the schema that conf/config.yaml extends, the ``--help`` page, and the
+    resolver that makes every run folder's name unique.
+
+    Each group's node is typed by its field in ``Config`` (``loader: LoaderConfig``), so a
+    preset or an override with an unknown key or a value outside an enum fails at compose
+    time, before the job starts.
+    """
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    store.store(group="hydra/help", name="runner",
+                node={"app_name": "runner", "header": "", "footer": "", "template": help_text()})
+    # ${now:...} alone gives two runs started in the same second one folder; the process
+    # id makes the name unique on this machine (and the run folder's lock catches the rest)
+    OmegaConf.register_new_resolver("runner.pid", lambda: str(os.getpid()), use_cache=True,
+                                    replace=True)
+
+
+def first_sentence(path: Path) -> str:
+    """A preset's one-line description: the first sentence of its leading comment (up to
+    the first ". " or "; " outside parentheses)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            lines.append(line.lstrip("# ").strip())
+    text, depth = " ".join(lines), 0
+    for k, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0 and ch in ".;" and (k + 1 == len(text) or text[k + 1] == " "):
+            return text[:k]
+    return text.rstrip(".")
+
+
+def groups() -> dict[str, list[str]]:
+    """Every config group and its presets (conf/<group>/<preset>.yaml)."""
+    return {p.name: sorted(q.stem for q in p.glob("*.yaml"))
+            for p in sorted(config_dir().iterdir()) if p.is_dir() and p.name != "hydra"}
+
+
+def help_text() -> str:
+    """``python -m runner --help``: every group with each choice on one line, then Hydra's
+    flags and the composed config."""
+    fields = Config.__dataclass_fields__
+    lines = ["runner: get images into a model as fast as the hardware allows, and measure "
+             "what each switch buys.", "",
+             "Usage: python -m runner [group=choice ...] [key=value ...]   "
+             "(-m: run every combination)", "", "== Groups (group=choice) =="]
+    for group, presets in groups().items():
+        schema = typing.get_type_hints(Config).get(group) if group in fields else None
+        doc = (schema.__doc__ or "").split("\n")[0] if schema else "a named multirun matrix (with -m)"
+        lines.append(f"{group}: {doc.split(': ', 1)[-1].rstrip('.')}")
+        for preset in presets:
+            lines.append(f"  {preset:12s} {first_sentence(config_dir() / group / f'{preset}.yaml')}")
+    lines += ["", "Every key of the config below can be overridden (loader.batch_size=128); "
+              "README.md explains each.", "", "== Flags ==", "$FLAGS_HELP", "",
+              "== Config (with these overrides) ==", "$CONFIG"]
+    return "\n".join(lines) + "\n"
+
+
+# Hydra's flags that take a value (``-sc install=bash``): that value is not an override
+_VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
+                "-cd", "--config-dir", "-p", "--package", "--experimental-rerun", "-c", "--cfg",
+                "-i", "--info"}
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Exit with one line (status 2) when an override names a key the schema does not
+    have or a group choice there is no preset for; Hydra's own flags and their values pass
+    through untouched."""
+    after_flag = False
+    for arg in argv:
+        message = None
+        if not arg.startswith("-") and not after_flag:
+            message = unknown_key_message(arg) or unknown_choice_message(arg)
+        after_flag = arg in _VALUE_FLAGS
+        if message:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+
+
+def _did_you_mean(word: str, known: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" Did you mean {prefix}{close[0]}?" if close else ""
+
+
+def unknown_choice_message(override: str) -> str | None:
+    """For ``loader=memmapp``: the group's presets, with a suggestion (each value of a
+    sweep, ``loader=folder,memmapp``, is checked)."""
+    key, eq, value = override.partition("=")
+    group = key.lstrip("+")
+    presets = groups().get(group)
+    if not eq or presets is None or group.startswith("~"):
+        return None
+    if re.search(r"[()\[\]{}$]", value):  # a sweep function or an interpolation: Hydra's
+        return None
+    for choice in (v.strip() for v in value.split(",")):
+        if choice and choice != "null" and choice not in presets:
+            return (f"{group}={choice}: there is no {group} preset {choice!r}; the choices "
+                    f"are {', '.join(presets)}.{_did_you_mean(choice, presets, f'{group}=')}")
+    return None
+
+
+def unknown_key_message(override: str) -> str | None:
+    """For ``loader.batchsize=3``: a message listing the valid keys, with a suggestion.
+
+    Hydra rejects unknown keys too, but without naming the valid ones; this check runs on
+    the command line before Hydra composes anything. Appends (``+key``), deletions
+    (``~key``), Hydra's own keys and group choices are left to Hydra.
+    """
+    key = override.split("=", 1)[0].strip()
+    if "=" not in override or key[:1] in "+~" or key.startswith("hydra"):
+        return None
+    if (config_dir() / key).is_dir():  # a group choice: unknown_choice_message
+        return None
+    node: Any = Config
+    path: list[str] = []
+    for part in key.split("."):
+        fields = getattr(node, "__dataclass_fields__", None)
+        if fields is None:
+            return None  # below a leaf or a free-form mapping: Hydra decides
+        if part not in fields:
+            where = ".".join(path) or "the top level"
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" Did you mean {'.'.join([*path, close[0]])}?" if close else ""
+            return (f"unknown config key {key!r}: valid keys under {where} are "
+                    f"{', '.join(fields)}.{hint}")
+        path.append(part)
+        node = _field_type(node, part)
+    return None
+
+
+def _field_type(node: Any, name: str) -> Any:
+    hint = typing.get_type_hints(node)[name]
+    return hint if hasattr(hint, "__dataclass_fields__") else None
