@@ -16,7 +16,13 @@ from runner import sweep
 from runner.commandline import check_command_line, register_configs
 from runner.config import config_dir
 from runner.distributed import scratch_dirs_for_other_ranks
-from runner.outcome import EXIT_USER_ERROR, is_user_error, one_line
+from runner.outcome import (
+    EXIT_USER_ERROR,
+    RunDirInUse,
+    claim_given_run_dir,
+    is_user_error,
+    one_line,
+)
 from runner.run import run
 
 register_configs()
@@ -48,6 +54,11 @@ def cli() -> None:
     """The ``runner`` console script (and ``python -m runner``)."""
     check_command_line(sys.argv[1:])
     sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
+    try:
+        claim_given_run_dir(sys.argv[1:])  # held until the process ends
+    except RunDirInUse as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     try:
         main()
     except KeyboardInterrupt as e:

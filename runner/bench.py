@@ -552,6 +552,92 @@ def print_report(result: dict) -> None:
         print(f"  {'PASS' if met else 'FAIL'}  {what}: {shown} (target {wanted})")
 
 
+# --- contention: another process on the same cores ---------------------------------------
+
+BURNER = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(384, 384)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:  # bounded: it stops by itself
+    a = (a @ a).clamp_(-1, 1)
+"""
+
+
+class Burner:
+    """Another job on the same cores: a process running a ``threads``-thread torch matmul
+    loop, for ``seconds`` at most (it ends by itself; leaving the block stops it at once)."""
+
+    def __init__(self, threads: int = 2, seconds: float = 120.0):
+        self.threads, self.seconds, self.proc = threads, seconds, None
+
+    def __enter__(self) -> Burner:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", BURNER, str(self.threads),
+                                      str(self.seconds)])
+        time.sleep(1.0)  # torch imported, the loop running
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+CONTENTION_TARGET = 0.25  # of the quiet figure: a fair share of two busy cores is 50%
+
+
+def contention_rows() -> dict[str, list[str]]:
+    """What the contention bench measures: the decode-once store (a batched gather, the
+    path that collapsed beside another job) with centre and random crops, and the packed
+    store (decode threads)."""
+    rows = {f"{MEMMAP.value}/center": [loader(MEMMAP)],
+            f"{MEMMAP.value}/random": [loader(MEMMAP), "dataset.crop=random"]}
+    rows[f"{PACKED.value}/center"] = [loader(PACKED), *STORAGES[PACKED].bench[_row(PACKED)][1:]]
+    return rows
+
+
+def bench_contention(args: argparse.Namespace) -> dict:
+    """Each row quiet and beside a ``--burner-threads`` matmul loop in another process, in
+    alternating rounds; the busy figure as a share of the quiet one, and the target."""
+    base = [*args.overrides, f"dataset.image_size=[{args.size},{args.size}]",
+            f"loader.batch_size={args.batch_size}", "model=none", "logger=none",
+            "run.progress=false"]
+    rows = contention_rows()
+    configs = {name: compose([*base, *extra]) for name, extra in rows.items()}
+    for config in configs.values():  # build every store first, outside the timing
+        build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
+    print(f"contention: {', '.join(rows)}, quiet and beside a {args.burner_threads}-thread "
+          f"matmul loop in another process; {args.rounds} alternating rounds", flush=True)
+    rounds = []
+    for k in range(args.rounds):
+        row = {f"{name}/quiet": runner_rate(cfg, args.seconds) for name, cfg in configs.items()}
+        with Burner(args.burner_threads, seconds=60 + 3 * args.seconds * len(configs)):
+            row.update({f"{name}/busy": runner_rate(cfg, args.seconds)
+                        for name, cfg in configs.items()})
+        rounds.append(row)
+        print(f"  round {k + 1}: " + "; ".join(
+            f"{name} {row[f'{name}/quiet']:,.0f} quiet, {row[f'{name}/busy']:,.0f} busy"
+            for name in configs), flush=True)
+    checks = []
+    print(f"\n  {'store / crop':18s} {'quiet':>18s} {'busy':>18s}  busy / quiet (target "
+          f">= {CONTENTION_TARGET:.0%})")
+    for name in configs:
+        quiet = [r[f"{name}/quiet"] for r in rounds]
+        busy = [r[f"{name}/busy"] for r in rounds]
+        shares = [b / q for b, q in zip(busy, quiet)]
+        met = median(shares) >= CONTENTION_TARGET
+        print(f"  {name:18s} {median(quiet):>9,.0f} ({min(quiet):,.0f}-{max(quiet):,.0f}) "
+              f"{median(busy):>9,.0f} ({min(busy):,.0f}-{max(busy):,.0f})  "
+              f"{'PASS' if met else 'FAIL'} {median(shares):.0%} "
+              f"({min(shares):.0%}-{max(shares):.0%})")
+        checks.append({"what": f"{name} busy / quiet", "ratio": median(shares),
+                       "target": CONTENTION_TARGET, "met": met,
+                       "spread": f"{min(shares):.2f}-{max(shares):.2f}"})
+    return {"rounds": rounds, "targets": checks}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -573,10 +659,29 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
     g.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     g.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    c = sub.add_parser("contention", help="each store quiet and beside another job's "
+                                          "threads on the same cores")
+    c.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    c.add_argument("--batch-size", type=int, default=64)
+    c.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    c.add_argument("--rounds", type=int, default=3, help="alternating quiet/busy rounds")
+    c.add_argument("--burner-threads", type=int, default=2)
+    c.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    c.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     args = parser.parse_args(argv)
     if args.command == "gil":
         bench_gil(args)
         return 0
+    if args.command == "contention":
+        print(f"runner.bench contention on {platform.machine()} ({torch.get_num_threads()} "
+              f"threads, torch {torch.__version__})", flush=True)
+        result = bench_contention(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = args.out / f"contention-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+        out.write_text(json.dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
+                                  indent=2))
+        print(f"\nwritten to {out}")
+        return 0 if all(c["met"] for c in result["targets"]) else 1
     torch.manual_seed(0)
     if args.command == "stores":
         print(f"runner.bench stores on {platform.machine()} ({torch.get_num_threads()} "

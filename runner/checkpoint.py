@@ -9,6 +9,7 @@ a kill mid-write leaves the previous checkpoint, never half of one.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -41,7 +42,7 @@ def network(model: nn.Module) -> nn.Module:
 def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
          losses: dict[str, float], extra: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint of a ``TrainStep`` after ``epoch`` epochs (``steps`` steps);
-    ``extra``: what else a resume needs (the wandb run's id)."""
+    ``extra``: what else a resume needs (the wandb run's id, the data's fingerprint)."""
     state = {
         **(extra or {}),
         "model": network(step.model).state_dict(),
@@ -135,10 +136,41 @@ def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
 
 
 # What a checkpoint must share with the run that resumes it: a different value would train
-# another model, on other data, or in another order.
+# another model, on other data, or in another order or crop.
 MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
               "dataset.num_images", "dataset.num_classes", "dataset.image_size",
-              "loader.batch_size", "loader.drop_last", "loader.shuffle", "seed")
+              "dataset.crop", "dataset.store_size", "dataset.store_side",
+              "loader.batch_size", "loader.drop_last", "loader.shuffle", "loader.shuffle_block",
+              "seed")
+
+
+def data_fingerprint(storage: Any) -> dict[str, Any]:
+    """What defines a run's data beyond its config: the images an epoch reads (their count,
+    names and labels, in storage order) and the classes. A file added, removed or renamed,
+    or a class renamed, changes it."""
+    digest = hashlib.sha256("\n".join(storage.classes).encode())
+    labels = storage.label_tensor().tolist()
+    for i in range(len(storage)):
+        digest.update(f"\n{storage.name_of(i)}\t{labels[i]}".encode(errors="backslashreplace"))
+    return {"images": len(storage), "classes": len(storage.classes),
+            "digest": digest.hexdigest()[:16]}
+
+
+def check_data(state: dict[str, Any], storage: Any, path: str | Path) -> None:
+    """Refuse a checkpoint made on other data (files added, removed, renamed or
+    relabelled), naming the difference: its batch order would not be this run's."""
+    saved = state.get("data")
+    if not saved:
+        return  # a checkpoint from before data fingerprints
+    now = data_fingerprint(storage)
+    if saved == now:
+        return
+    what = [f"{k}: checkpoint {saved.get(k)}, this run {now[k]}" for k in ("images", "classes")
+            if saved.get(k) != now[k]] or ["the same count, but files renamed, replaced or "
+                                           "relabelled"]
+    raise CheckpointError(f"resume={path} was made on other data ({'; '.join(what)}): its "
+                          "batch order would not be this run's. Resume on the same files, or "
+                          "start fresh (drop resume=)")
 
 
 def _value(config: dict[str, Any], key: str) -> Any:
@@ -162,7 +194,13 @@ def check_fits(state: dict[str, Any], config: Any, path: str | Path) -> None:
 
 
 def steps_left(total: int, done: int, resume: str | None) -> int:
-    """Steps of a ``total``-step plan left after ``done``; a plan already done is refused."""
+    """Steps of a ``total``-step plan left after ``done``. A plan already done is none left
+    for ``resume=auto`` (a requeued job that had finished its steps: it finishes ok) and
+    refused for a checkpoint named on purpose."""
+    if done >= total and resume == "auto":
+        log.info("resume=auto: the checkpoint has done all %d steps of the plan: nothing is "
+                 "left to run", total)
+        return 0
     if done >= total:
         raise CheckpointError(
             f"resume={resume}: the checkpoint has done {done} steps, the whole plan of "

@@ -10,6 +10,8 @@ valid names and the closest one ("did you mean").
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import os
 import re
 import sys
@@ -41,23 +43,94 @@ def register_configs() -> None:
     # id makes the name unique on this machine (and the run folder's lock catches the rest)
     OmegaConf.register_new_resolver("runner.pid", lambda: str(os.getpid()), use_cache=True,
                                     replace=True)
+    OmegaConf.register_new_resolver("runner.job_dir", job_dir, replace=True)
+
+
+SWEPT = ".swept.json"  # in a sweep folder: the keys its jobs differ in
+
+
+def job_dir(overrides: str, sweep_dir: str = "") -> str:
+    """A sweep job's folder, named by its overrides (Hydra's ``override_dirname``): the
+    same job always lands in the same folder, so a sweep started again with one more value
+    finds every job that finished, wherever it came in the list.
+
+    Only the swept keys name it when the sweep recorded them (``SWEPT``, written when the
+    sweep starts: ``loader=memmap,prefetch=cpu``), else every override. Characters a file
+    name cannot hold become ``_``; a long name is cut and ends with a hash of the whole."""
+    items = split_overrides(overrides)
+    try:
+        swept = set(json.loads((Path(sweep_dir) / SWEPT).read_text()))
+    except (OSError, ValueError, TypeError):
+        swept = set()
+    named = [i for i in items if i.split("=", 1)[0].lstrip("+~") in swept] or items
+    name = re.sub(r"[^\w=,.+\-\[\]@%:]", "_", ",".join(named)) or "defaults"
+    if len(name) > 150:
+        digest = hashlib.sha256(overrides.encode()).hexdigest()[:10]
+        name = f"{name[:130]}-{digest}"
+    return name
+
+
+def split_overrides(text: str) -> list[str]:
+    """``a=1,b=[2,3],c=x`` -> ``["a=1", "b=[2,3]", "c=x"]`` (commas inside brackets,
+    braces, parentheses or quotes belong to the value)."""
+    items, depth, quote, start = [], 0, "", 0
+    for k, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:k])
+            start = k + 1
+    items.append(text[start:])
+    return [i for i in items if i]
+
+
+def swept_keys(argv: list[str], params: dict | None) -> list[str]:
+    """The keys a multirun sweeps: overrides given several values on the command line
+    (``loader=folder,memmap``, ``range(...)``, ``choice(...)``) and a sweep preset's
+    ``hydra.sweeper.params``."""
+    keys = list(params or {})
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq or arg.startswith("-") or key.startswith("hydra"):
+            continue
+        if len(split_overrides(value)) > 1 or re.match(r"\s*(range|choice|interval|glob)\(",
+                                                       value):
+            keys.append(key.lstrip("+~"))
+    return sorted(set(keys))
 
 
 def first_sentence(path: Path) -> str:
-    """A preset's one-line description: the first sentence of its leading comment (up to
-    the first ". " or "; " outside parentheses)."""
+    """A preset's one-line description: its leading comment up to the first ". " or "; "
+    outside parentheses, or the end of a comment line that ends with "." or ":" (what
+    follows a colon at a line's end is a command or a list); at most ``HELP_WIDTH``
+    characters, cut at a word."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        if not line.startswith("# @package"):
-            lines.append(line.lstrip("# ").strip())
-    text, depth = " ".join(lines), 0
+        if line.startswith("# @package"):
+            continue
+        lines.append(line.lstrip("# ").strip())
+        if lines[-1].endswith((".", ":")):
+            break
+    text, depth = " ".join(lines).rstrip(".:"), 0
     for k, ch in enumerate(text):
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0 and ch in ".;" and (k + 1 == len(text) or text[k + 1] == " "):
-            return text[:k]
-    return text.rstrip(".")
+            text = text[:k]
+            break
+    if len(text) > HELP_WIDTH:
+        text = text[:HELP_WIDTH - 3].rsplit(" ", 1)[0] + "..."
+    return text
+
+
+HELP_WIDTH = 84  # a preset's line in --help: two spaces, its name in 12, then this
 
 
 def groups() -> dict[str, list[str]]:

@@ -320,9 +320,10 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks) ->
     if train and ranks.enabled and config.compile.name is CompileName.torchscript:
         raise Unavailable("compile=torchscript cannot trace a DistributedDataParallel "
                           "model: use compile=inductor or compile=eager under torchrun")
-    bs = config.loader.batch_size
+    per_rank = -(-len(storage) // ranks.world)
+    bs = min(config.loader.batch_size, per_rank)  # a batch never holds more than a shard
     shapes = [bs]
-    last = -(-len(storage) // ranks.world) % bs  # this rank's shard's last batch
+    last = per_rank % bs  # this rank's shard's last batch
     if last and not config.loader.drop_last:
         shapes.append(last)
     example = storage.example(bs).to(device)

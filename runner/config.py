@@ -10,6 +10,7 @@ decoder a storage takes) run in runner/compose.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -48,11 +49,18 @@ class Decoder(Enum):
 class Crop(Enum):
     center = "center"  # resize the shorter side, then center crop
     random = "random"  # random-resized-crop + horizontal flip (training augmentation)
+    whole = "whole"  # the whole image resized to image_size, no crop (dense outputs: masks)
 
 
 class StoreSide(Enum):  # which side of an image dataset.store_size sets
     shorter = "shorter"  # the shorter side, aspect kept (resize 256 for 224 crops)
     longer = "longer"  # the longer side at most (FFCV's max_resolution)
+
+
+class Labels(Enum):  # where dataset.path's labels come from
+    auto = "auto"  # class folders; a folder with images of its own: unlabelled
+    folders = "folders"  # one sub-folder per class (ImageFolder)
+    none = "none"  # every image under the folder, unlabelled (inference)
 
 
 class OnCorrupt(Enum):
@@ -77,6 +85,14 @@ class ModelSource(Enum):
 class TaskName(Enum):
     train = "train"
     infer = "infer"
+
+
+class Output(Enum):  # what task=infer keeps of each model's output
+    topk = "topk"  # predictions.csv: the top-k classes and their probabilities
+    probs = "probs"  # <model>.probs.npy: softmax, N x classes, in dataset order
+    logits = "logits"  # <model>.logits.npy
+    embeddings = "embeddings"  # <model>.embeddings.npy: the classifier's input
+    masks = "masks"  # masks/<model>/<file>.png: class per pixel at the source size
 
 
 class LoggerName(Enum):
@@ -130,7 +146,13 @@ class Device(Enum):
 class DatasetConfig:
     """``dataset.*``: where images come from and what size they are resized to."""
 
-    path: str | None = None  # an ImageFolder tree; unset = the generated default dataset
+    # a folder of images: one sub-folder per class, or the images themselves (unlabelled);
+    # unset (and no manifest): the generated default dataset
+    path: str | None = None
+    labels: Labels = Labels.auto
+    # a CSV (header: path[,label]) or JSON-lines file listing the images (paths relative to
+    # it) and their class index or name; in place of dataset.path
+    manifest: str | None = None
     # task=train: a validation ImageFolder (same classes); top-1 accuracy after each epoch
     val_path: str | None = None
     cache_dir: str = "${oc.env:RUNNER_CACHE,'~/.cache/runner'}"
@@ -164,6 +186,9 @@ class DatasetConfig:
         _require(1 <= self.quality <= 100, "dataset.quality", self.quality, "must be in 1..100")
         _require(1 <= self.store_quality <= 100, "dataset.store_quality", self.store_quality,
                  "must be in 1..100")
+        _require(self.manifest is None or self.path is None, "dataset.manifest",
+                 self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
+                 "paths are relative to its own folder)")
         if self.store_size is not None:
             side = (min if self.store_side is StoreSide.shorter else max)(self.image_size)
             _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,
@@ -232,6 +257,38 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     # a local state_dict (or a runner checkpoint.pt) for the network; never a download
     weights: str | None = None
+    # its classes: unset, the head is sized from model.weights when given, else by the
+    # dataset's classes (1000 for unlabelled images)
+    num_classes: int | None = None
+    classes: str | None = None  # a file with one class name per line (the *_name columns)
+    # its input normalization, per channel (R, G, B) in 0..1 pixel units, as torchvision
+    # and timm give them: ImageNet's by default
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    # (H, W) it takes when not dataset.image_size: the batch is decoded once at the largest
+    # size of the pass and resized on the device for the others
+    image_size: list[int] | None = None
+    alias: str | None = None  # its name in outputs and figures (unset: model.name)
+    # task=train from model.weights with another class count: a new head, said so
+    replace_head: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("mean", "std"):
+            value = list(getattr(self, key))
+            _require(len(value) == 3, f"model.{key}", value, "give 3 values (R, G, B) in 0..1 "
+                     "pixel units, e.g. model.mean=[0.485,0.456,0.406]")
+        _require(all(float(v) > 0 for v in self.std), "model.std", list(self.std),
+                 "must be > 0")
+        _require(self.num_classes is None or self.num_classes >= 1, "model.num_classes",
+                 self.num_classes, "must be >= 1 (unset: from the weights or the dataset)")
+        _require(self.image_size is None or (len(self.image_size) == 2 and all(
+            int(v) >= 1 for v in self.image_size)), "model.image_size", self.image_size,
+                 "give [height, width], both >= 1")
+
+    @property
+    def label(self) -> str:
+        """Its name in outputs and figures."""
+        return self.alias or self.name
 
 
 @dataclass
@@ -252,12 +309,23 @@ class TaskConfig:
     checkpoint_every_minutes: float = 0.0
     # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
     keep_checkpoints: bool = False
-    write_predictions: bool = True  # infer: predictions.csv in the run folder
+    write_predictions: bool = True  # infer: false writes no outputs (a speed run)
     writer_threads: int = 2
+    # infer: what each model's outputs are kept as (runner/outputs.py): topk
+    # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs)
+    outputs: list[Output] = field(default_factory=lambda: [Output.topk])
+    # infer: embeddings are the output of this module (a name from model.named_modules());
+    # unset: the classifier's input
+    embed_layer: str | None = None
+    # infer: your package.module:function(output, batch) -> {name: tensor per image}, called
+    # on the device with each model's output; what it returns is written like the outputs
+    postprocess: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
         _require(self.topk >= 1, "task.topk", self.topk, "must be >= 1")
+        _require(self.postprocess is None or ":" in self.postprocess, "task.postprocess",
+                 self.postprocess, "name your function as package.module:function")
         for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_minutes"):
             _require(getattr(self, key) >= 0, f"task.{key}", getattr(self, key),
                      "must be >= 0 (0: not by this measure)")
@@ -366,18 +434,20 @@ class Config:
     # CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner picking the fastest kernels
     # for each input shape on its first use (warmed before timing, every batch size)
     cudnn_benchmark: bool = True
-    # task=infer: several models over each batch in one pass, e.g. models=[resnet18,resnet50]
-    # (each with model.channels_last and the compile backend); empty: just model=
-    models: list[str] = field(default_factory=list)
+    # task=infer: several models over each batch in one pass: names (models=[resnet18,
+    # resnet50]) or mappings with the keys of model. (models=[{name:resnet18,weights:a.pt},
+    # ...]); what an entry leaves out is model='s. Empty: just model=
+    models: list[Any] = field(default_factory=list)
     # task=train: continue from this checkpoint.pt (model, optimizer, scaler, epoch)
     resume: str | None = None
 
     def __post_init__(self) -> None:
+        if self.models and not isinstance(self.model, str):
+            model_configs(self)  # every entry checked: its keys, values and name
         if self.models and not isinstance(self.task, str) and self.task.name is not TaskName.infer:
             raise ConfigError(f"models={list(self.models)} runs several models in one "
                               "inference pass: it needs task=infer")
-        if len(set(self.models)) != len(self.models):
-            raise ConfigError(f"models={list(self.models)} names a model twice")
+
         if not isinstance(self.loader, str) and not isinstance(self.task, str) \
                 and self.loader.shuffle is None:  # infer reads in dataset order unless asked
             self.loader.shuffle = self.task.name is TaskName.train
@@ -390,7 +460,7 @@ class Config:
                 or (not isinstance(self.model, str) and self.model.name == "none")):
             raise ConfigError(f"dataset.val_path={self.dataset.val_path} reports top-1 while "
                               "training: it needs task=train and a model (not model=none)")
-        if "none" in self.models:
+        if "none" in [m.name for m in model_configs(self)] and self.models:
             raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                               "model=none to measure the data path alone")
 
@@ -425,3 +495,39 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def model_configs(config: Config) -> list[ModelConfig]:
+    """The run's models: ``model=``, or each entry of ``models=[...]`` (a name, or a mapping
+    with the keys of ``model.``) over ``model=``'s values, each with a name of its own in
+    outputs and figures (``alias``; two entries of one architecture are told apart by
+    their weights' file names)."""
+    if not config.models:
+        return [config.model]
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    models = []
+    for entry in config.models:
+        fields = {"name": entry} if isinstance(entry, str) else dict(entry)
+        if "name" not in fields:
+            raise ConfigError(f"models entry {fields} has no name: give each entry a name, "
+                              "e.g. {name:resnet18,weights:/models/a.pt}")
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(config.model), fields)
+            models.append(OmegaConf.to_object(merged))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"models entry {fields}: {str(e).splitlines()[0]} (an entry "
+                              "takes the keys of model.: name, weights, num_classes, classes, "
+                              "mean, std, image_size, alias, ...)") from e
+    labels = [m.label for m in models]
+    for k, m in enumerate(models):
+        if labels.count(m.label) > 1 and m.alias is None and m.weights:
+            models[k] = dataclasses.replace(m, alias=f"{m.name}-{Path(m.weights).stem}")
+    labels = [m.label for m in models]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise ConfigError(f"models=[...] names {', '.join(twice)} more than once: give each "
+                          "entry its own weights or an alias (models=[{name:resnet18,alias:a},"
+                          "...])")
+    return models

@@ -165,22 +165,21 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
     return ceilings
 
 
-MODEL_BURST_STEPS = 3  # each burst of the model's probe times at least this many steps
-MODEL_BURST_SECONDS = 0.3
+MODEL_BURSTS = (3, 5)  # the model is timed in at least 3 bursts, at most 5
+MODEL_BURST_SECONDS = 0.3  # each burst lasts at least this long, or one step
 
 
 def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
-                  device: torch.device, in_loop: float | None = None) -> list[float]:
+                  device: torch.device, budget: float = 5.0) -> list[float]:
     """images/s of the task's step (the run's compiled model or models) on a device-resident
-    synthetic batch of the run's batch size, with the threads the loop's model had.
+    synthetic batch of the run's batch size, with the threads the loop's model had, in
+    several bursts (the spread) that fit ``budget`` seconds together.
 
-    A stage alone cannot be slower than the same stage inside the pipeline: ``in_loop`` (the
-    images the loop's steps handled per second of their compute time) is a floor. Bursts
-    last ``MODEL_BURST_STEPS`` steps and ``MODEL_BURST_SECONDS`` at least; a probe whose
-    median comes out below the floor was disturbed (another process, a busy core) and is
-    taken once more; if it is still below, the loop's own compute rate stands in for it.
-    In training it takes a few more optimizer steps on synthetic data, which nothing reads
-    afterwards (the checkpoint was written before).
+    One step is timed first; then 5 bursts of ``MODEL_BURST_SECONDS`` (or of one step, for
+    a model whose step is longer), fewer, down to 3, when the budget holds no more. Nothing
+    is clamped: a probe slower than the model was inside the loop is reported as disturbed
+    by the verdict, not replaced. In training it takes a few more optimizer steps on
+    synthetic data, which nothing reads afterwards (the checkpoint was written before).
     """
     bs = cfg.loader.batch_size
     batch = TensorDict({
@@ -194,18 +193,16 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
         step(batch)
         return bs
 
-    def bursts() -> list[float]:
-        one_step()
-        return [burst(one_step, seconds=MODEL_BURST_SECONDS, min_calls=MODEL_BURST_STEPS,
-                      sync=lambda: synchronize(device), warmup=0)
-                for _ in range(PROBE_REPEATS)]
-
-    rates = bursts()
-    if in_loop is not None and quantiles(rates)["median"] < in_loop:
-        rates = max(rates, bursts(), key=lambda r: quantiles(r)["median"])
-        if quantiles(rates)["median"] < in_loop:
-            rates = [max(r, in_loop) for r in rates]
-    return rates
+    synchronize(device)
+    start = time.perf_counter()
+    one_step()  # warm, and how long a step takes
+    synchronize(device)
+    step_seconds = time.perf_counter() - start
+    per_burst = max(step_seconds, MODEL_BURST_SECONDS)
+    bursts = int(min(MODEL_BURSTS[1], max(MODEL_BURSTS[0], (budget - step_seconds) // per_burst)))
+    seconds = max(0.0, min(MODEL_BURST_SECONDS, (budget - step_seconds) / bursts - step_seconds))
+    return [burst(one_step, seconds=seconds, min_calls=1, sync=lambda: synchronize(device),
+                  warmup=0) for _ in range(bursts)]
 
 
 def in_loop_rate(figures: dict[str, Any]) -> float | None:
@@ -215,25 +212,55 @@ def in_loop_rate(figures: dict[str, Any]) -> float | None:
     return rate / min(compute, 1.0) if compute and rate else None
 
 
+MIN_BUDGET = 5.0  # the verdict's seconds: a tenth of the run's, or this, whichever is more
+BUDGET_SHARE = 0.1
+FAR_BELOW = 0.25  # a pipeline under this share of its slowest stage alone was disturbed
+
+
+def budget_for(run_seconds: float) -> float:
+    """Seconds the verdict may take after a run of ``run_seconds``."""
+    return max(BUDGET_SHARE * run_seconds, MIN_BUDGET)
+
+
 def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
-             world: int = 1) -> dict[str, Any]:
-    """The verdict on a finished run (``bottleneck`` in metrics.json), logged: each stage
-    of its data path and its models timed alone, then named. The run itself is done: a
-    diagnosis that fails is reported, and never loses it."""
+             world: int = 1, budget: float = MIN_BUDGET) -> dict[str, Any]:
+    """The verdict on a finished run (``bottleneck`` in metrics.json), logged with the time
+    it took: each stage of its data path and its models timed alone, then named, within
+    about ``budget`` seconds. The run itself is done: a diagnosis that fails is reported,
+    and never loses it. A pipeline far below the slowest stage it has just been measured
+    against was disturbed: the run's ``flags`` say so."""
+    start = time.perf_counter()
     try:
-        result = measure(cfg, figures, data, models, world)
+        result = measure(cfg, figures, data, models, world, budget)
     except Exception as e:
         log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
         return {"error": f"{type(e).__name__}: {e}"}
+    seconds = time.perf_counter() - start
     log.info("%s", result.sentence)
-    return result.as_dict()
+    log.info("(the verdict took %.1f s; diagnose=false skips it)", seconds)
+    return {**result.as_dict(), "seconds": seconds}
+
+
+def far_below(figures: dict[str, Any], ceilings: Ceilings, world: int = 1) -> str | None:
+    """A flag when the pipeline ran far below the slowest of the stages it was just
+    measured against (each stage alone cannot be slower than the whole: another process
+    took the cores while it ran), else None."""
+    if not ceilings.median or not figures.get("images_per_sec"):
+        return None
+    stage = min(ceilings.median, key=ceilings.median.get)
+    pipeline = figures["images_per_sec"] / world
+    if pipeline >= FAR_BELOW * ceilings.median[stage]:
+        return None
+    return (f"disturbed: the pipeline ({pipeline:,.0f} img/s) ran at "
+            f"{pipeline / ceilings.median[stage]:.0%} of its slowest stage alone ({stage}, "
+            f"{ceilings.median[stage]:,.0f} img/s): something else held it back while it "
+            "was timed; run it again on idle cores to compare")
 
 
 def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
-            world: int = 1) -> Verdict:
+            world: int = 1, budget: float = MIN_BUDGET) -> Verdict:
     """Time each stage of the run's data path and its models alone, then the verdict."""
-    if world > 1:  # the stages below run in one process: compare per rank
-        figures = {**figures, "images_per_sec": figures["images_per_sec"] / world}
+    start = time.perf_counter()
     storage = data.storage
     read = storage_read(storage.files, storage.image_bytes)  # a short cold read: the disk
     cold = data.page_cache is not None and data.page_cache.state == "cold"
@@ -241,8 +268,15 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
     if models:  # every model of the pass, on device-resident synthetic batches
         local = {name: local_module(m) for name, m in models.items()}  # no collectives
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
+        left = budget - (time.perf_counter() - start)
         ceilings.add("model", model_ceiling(step, cfg, len(storage.classes), data.device,
-                                            in_loop_rate(figures)))
+                                            max(left, 1.0)))
+    flag = far_below(figures, ceilings, world)
+    if flag is not None:  # the run's own flags say it, and so does the verdict
+        figures.setdefault("flags", []).append(flag)
+        figures["disturbed"] = True
+    if world > 1:  # the stages below run in one process: compare per rank
+        figures = {**figures, "images_per_sec": figures["images_per_sec"] / world}
     result = verdict(cfg, figures, ceilings, world, data.device.type == "cpu",
                      decoders=_parallelism(cfg, storage) if storage.decodes_per_epoch else 0)
     result.storage = read
@@ -272,6 +306,8 @@ class Reading:
         slowest: the slowest credible data stage (the model-bound verdict names it too).
         model_tie: the model alone is within noise of ``slowest``.
         sharing: a CPU model sharing its cores with the decode threads or workers.
+        disturbed: why the run's figures are not this configuration's (another process
+            took the cores), or None.
     """
 
     bound: str
@@ -287,6 +323,7 @@ class Reading:
     slowest: str | None = None
     model_tie: bool = False
     sharing: bool = False
+    disturbed: str | None = None
 
 
 def classify(figures: dict[str, Any], ceilings: Ceilings, cpu: bool = False,
@@ -309,7 +346,9 @@ def classify(figures: dict[str, Any], ceilings: Ceilings, cpu: bool = False,
     if model is not None and model < pipeline * (1 - noise):
         below["model"] = model  # never named as the limit; reported as disturbed
     reading = Reading("data", "unknown", pipeline, model, wait, gpu_idle is not None,
-                      credible, below, slowest=slowest)
+                      credible, below, slowest=slowest,
+                      disturbed=next((f for f in figures.get("flags") or []
+                                      if f.startswith("disturbed")), None))
     if model is None or (wait >= DATA_BOUND_WAIT and data):
         if slowest is not None:
             reading.stage = slowest
@@ -322,7 +361,11 @@ def classify(figures: dict[str, Any], ceilings: Ceilings, cpu: bool = False,
                              and _overlap(spread["model"], spread[slowest]))
     if "model" not in below:
         reading.stage = "model"
-        reading.sharing = cpu and bool(decoders) and model > 1.3 * pipeline
+        # decoding takes the model's cores when the model alone is clearly faster: its
+        # slower quartile above the pipeline's fastest window, by 30% (a stable call)
+        fastest = ((figures.get("spread") or {}).get("images_per_sec") or {}).get("max",
+                                                                                  pipeline)
+        reading.sharing = cpu and bool(decoders) and spread["model"]["q1"] > 1.3 * fastest
     return reading
 
 
@@ -342,6 +385,9 @@ def word(cfg: Config, r: Reading, world: int = 1, decoders: int = 0) -> str:
     shared = (" (the stages share this machine's CPU cores)"
               if STORAGES[cfg.loader.name].decodes_per_epoch and r.model is not None
               and cores() <= 2 else "")
+    if r.disturbed is not None:  # too disturbed to advise on
+        return (f"no verdict: {figures}; {r.disturbed.removeprefix('disturbed: ')}. Its "
+                "stage figures are in ceilings; no advice is drawn from disturbed figures")
     if r.bound == "data":
         if r.stage == "unknown":
             return (f"data-bound: {figures}{disturbed}; no stage probe is a credible limit: "

@@ -42,6 +42,8 @@ class NullLogger:
     def close(self, status: str) -> None:
         pass
 
+    location: tuple[str, str] | None = None  # (mode, folder) of what it wrote, if anything
+
 
 class WandbLogger:
     """One wandb run per job, its config flat (``loader.batch_size``) for dashboard grouping.
@@ -61,6 +63,7 @@ class WandbLogger:
         except ImportError as e:
             raise RuntimeError("logger=wandb needs the wandb package; or use logger=none") from e
         self._wandb = wandb
+        self.mode = cfg.mode.value
         settings = wandb.Settings(disable_git=True, save_code=False, disable_code=True,
                                   console="off", silent=True)
         self.run = wandb.init(
@@ -77,6 +80,11 @@ class WandbLogger:
     @property
     def run_id(self) -> str:
         return self.run.id
+
+    @property
+    def location(self) -> tuple[str, str]:
+        """(mode, the wandb run's own folder: ``<run>/wandb/offline-run-<time>-<id>``)."""
+        return self.mode, str(Path(self.run.dir).parent)
 
     def log(self, figures: dict[str, Any], step: int) -> None:
         self.run.log({k: v for k, v in figures.items() if v is not None}, step=step)
@@ -104,6 +112,10 @@ class GuardedLogger:
     def run_id(self) -> str | None:
         """The wandb run's id (saved with checkpoints, so a resumed run continues it)."""
         return getattr(self.inner, "run_id", None)
+
+    @property
+    def location(self) -> tuple[str, str] | None:
+        return getattr(self.inner, "location", None)
 
     def _call(self, method: str, *args: Any) -> None:
         if self.inner is None:

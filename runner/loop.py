@@ -18,6 +18,7 @@ from runner.errors import Interrupted
 from runner.logger import MetricLogger
 from runner.metrics import StepClock, Window, repeat_split
 from runner.profile import stage_range
+from runner.stats import median
 from runner.task import Step
 
 
@@ -310,8 +311,14 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (runner.run's handler)
         result.interrupted = e
     finally:
-        bar.close()
         hooks.stop()
         if hasattr(batch_iter, "close"):
             batch_iter.close()  # stops loader workers now, also when stopping early
-    return windows.finish()
+        try:
+            windows.finish()
+            rates = [w.figures()["images_per_sec"] for w in result.repeats]
+            if rates:  # the bar ends on the figure the run reports
+                bar.set_postfix_str(f"{median(rates):,.0f} img/s (median of windows)")
+        finally:
+            bar.close()
+    return result

@@ -9,6 +9,7 @@ copy and compute are host time on CPU and CUDA events on a GPU (read back at log
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,6 +68,65 @@ def burst(fn: Callable[[], int], seconds: float = 0.4, min_calls: int = 2,
     return images / (time.perf_counter() - start)
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every process on this machine has run so far (/proc/stat; None where
+    there is no /proc)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def _own_seconds() -> float:
+    """CPU seconds this process (all its threads) and its live children have run."""
+    times = os.times()
+    total = times.user + times.system + times.children_user + times.children_system
+    try:
+        children = set()
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(f.read().split())
+        for pid in children:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    except OSError:
+        pass
+    return total
+
+
+class SharedCores:
+    """How many cores other processes used while a window was timed: the machine's busy
+    CPU time (/proc/stat) less this process's and its workers' own, over the window's wall
+    time. A figure measured while another job ran on the same cores is not this
+    configuration's figure (runner/results.py flags it)."""
+
+    def __init__(self) -> None:
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float | None, float]:
+        return time.perf_counter(), _busy_seconds(), _own_seconds()
+
+    def restart(self) -> None:
+        self.start = self._sample()
+
+    def others(self) -> float | None:
+        """Core-seconds other processes ran since the last (re)start: signed, since CPU
+        time is counted in 10 ms ticks and a short span's count is off by a tick either
+        way (sums over many spans cancel; a clamped one would not)."""
+        (_, busy0, own0), (_, busy1, own1) = self.start, self._sample()
+        if busy0 is None or busy1 is None:
+            return None
+        return (busy1 - busy0) - (own1 - own0)
+
+
 @dataclass
 class Window:
     """Totals over a span of steps."""
@@ -75,6 +135,9 @@ class Window:
     images: int = 0
     seconds: float = 0.0
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    # core-seconds other processes ran during the window, as counted (signed: off by a
+    # tick either way); None: unknown on this system
+    others_cpu: float | None = None
 
     def add(self, other: Window) -> None:
         self.steps += other.steps
@@ -82,6 +145,8 @@ class Window:
         self.seconds += other.seconds
         for k, v in other.stages.items():
             self.stages[k] = self.stages.get(k, 0.0) + v
+        if other.others_cpu is not None:
+            self.others_cpu = (self.others_cpu or 0.0) + other.others_cpu
 
     def figures(self) -> dict[str, float | None]:
         """images/s, ms/step and each stage's share of the wall time."""
@@ -94,6 +159,8 @@ class Window:
         for stage, total in self.stages.items():
             out[f"{stage}_frac"] = total / self.seconds
             out[f"{stage}_ms"] = 1000.0 * total / self.steps
+        if self.others_cpu is not None:  # cores other processes used, on average
+            out["others_cores"] = max(0.0, self.others_cpu / self.seconds)
         return out
 
 
@@ -126,6 +193,7 @@ class StepClock:
         self._start = time.perf_counter()
         self._owner = threading.get_ident()  # the loop's thread
         self._paused = 0.0  # paused time not yet taken out of a data-wait measurement
+        self._shared = SharedCores()  # what other processes ran meanwhile
 
     def _empty(self) -> Window:
         window = Window()
@@ -187,6 +255,7 @@ class StepClock:
         if sync:
             synchronize(self.device)
         self._window, self._events, self._last_end = self._empty(), [], None
+        self._shared.restart()  # before the clock starts: reading /proc is the runner's
         self._start = time.perf_counter()
 
     def close_window(self) -> Window:
@@ -198,6 +267,7 @@ class StepClock:
         synchronize(self.device)
         window = self._window
         window.seconds = time.perf_counter() - self._start
+        window.others_cpu = self._shared.others()  # after the clock stopped
         for stage, start, end in self._events:
             window.stages[stage] += self.clock.seconds(start, end)
         self.open_window(sync=False)

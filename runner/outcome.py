@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -73,15 +74,30 @@ def outcome(error: BaseException, interrupted_by: str | None = None) -> dict[str
             "traceback": traceback.format_exc()}
 
 
+# what metrics.json says about a run besides its figures
+ENVELOPE = ("status", "reason", "traceback", "user_error", "overrides", "config", "run_dir",
+            "pid", "started_at", "versions")
+
+
+def same_job(a: list[str], b: list[str]) -> bool:
+    """Two runs' overrides ask for the same job: the same set, in any order; ``resume=``
+    only says how to start it."""
+    def job(overrides: list[str]) -> set[str]:
+        return {o for o in overrides if not o.lstrip("+").startswith("resume=")}
+
+    return job(a) == job(b)
+
+
 def finished_record(run_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
     """The metrics of a run that finished ok in ``run_dir`` with the same overrides (a
-    requeued job, or a sweep started again into its own folder): its figures stand."""
+    requeued job, a finished run started again, or a sweep started again into its own
+    folder): its figures stand."""
     try:
         metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(metrics, dict) or metrics.get("status") != "ok" \
-            or list(metrics.get("overrides", [])) != list(overrides):
+            or not same_job(list(metrics.get("overrides", [])), list(overrides)):
         return None
     log.info("%s finished already with these overrides: its figures stand (delete the "
              "folder to run it again)", run_dir)
@@ -96,6 +112,19 @@ def keep_previous(run_dir: Path) -> None:
     if current.exists():
         k = 1 + sum(1 for _ in Path(run_dir).glob("metrics.*.json"))
         os.replace(current, current.with_name(f"metrics.{k}.json"))
+
+
+def previous_record(run_dir: Path) -> dict[str, Any]:
+    """The record ``keep_previous`` kept of the part that ran before (the latest
+    ``metrics.<k>.json``), or nothing."""
+    kept = sorted(Path(run_dir).glob("metrics.*.json"),
+                  key=lambda p: int(p.suffixes[0][1:]) if p.suffixes[0][1:].isdigit() else 0)
+    for path in reversed(kept):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return {}
 
 
 def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str, Any]:
@@ -143,7 +172,25 @@ def stopped_line(metrics: dict[str, Any], sweep_dir: str | None = None) -> str:
         argv = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir="))]
         again = [*argv, "resume=auto", f"hydra.run.dir={run_dir}"]
     return (f"stopped: {metrics.get('reason')} after {metrics.get('steps', 0)} steps; {where}; "
-            "continue with: python -m runner " + " ".join(again))
+            "continue with: " + shlex.join(["python", "-m", "runner", *again]))
+
+
+def where(run_dir: Path, metrics: dict[str, Any], logger: tuple[str, str] | None) -> list[str]:
+    """Where a run's results are, for the console: its folder and files, and its wandb
+    run with the command that uploads it."""
+    run_dir = Path(run_dir)
+    files = [name for name in ("metrics.json", "timeline.png", "trace.json", "checkpoint.pt")
+             if (run_dir / name).exists()]
+    files += sorted(p.name for p in run_dir.glob("predictions*.csv"))
+    lines = [f"results: {run_dir}/ ({', '.join(files)})"]
+    if logger is not None:
+        mode, folder = logger
+        if mode == "offline":
+            lines.append(f"wandb: the offline run {folder}; upload it with: wandb sync "
+                         f"{shlex.quote(folder)}  (a wandb account and `wandb login` first)")
+        elif mode == "online":
+            lines.append(f"wandb: uploaded as it ran (its local copy: {folder})")
+    return lines
 
 
 def log_traceback(text: str) -> None:
@@ -229,13 +276,25 @@ class Signals:
 class RunDirClaim:
     """An exclusive lock on the run folder for the run's lifetime: two runs never write
     into one folder (a second one fails at once, saying which folder and why). The lock is
-    the kernel's (``flock``), so a killed run releases it."""
+    the kernel's (``flock``), so a killed run releases it.
+
+    A folder this process holds already (``python -m runner`` claims a ``hydra.run.dir``
+    it was given before Hydra writes anything into it) is claimed again for free.
+    """
+
+    held: dict[str, RunDirClaim] = {}  # resolved lock path -> the claim that holds it
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / ".runner.lock"
         self.fd: int | None = None
+        self.nested = False
 
     def __enter__(self) -> RunDirClaim:
+        key = str(self.path.resolve())
+        if key in RunDirClaim.held:
+            self.nested = True
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -249,9 +308,25 @@ class RunDirClaim:
                 "each run its own") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        RunDirClaim.held[key] = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.fd is not None:
+            RunDirClaim.held.pop(str(self.path.resolve()), None)
             os.close(self.fd)  # releases the lock
             self.fd = None
+
+
+def claim_given_run_dir(argv: list[str]) -> RunDirClaim | None:
+    """Claim the ``hydra.run.dir=PATH`` a single run was given, before Hydra writes its
+    ``.hydra/`` files and ``runner.log`` there: a second run pointed at a folder a live run
+    holds is refused without touching that run's files (RunDirInUse). A folder named by an
+    interpolation (the default, with a time and a process id) is new anyway."""
+    if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i",
+                 "--info", "-sc", "--shell-completion") for a in argv):
+        return None
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if not given or "${" in given[-1]:
+        return None
+    return RunDirClaim(Path(given[-1])).__enter__()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from runner.config import TaskConfig, TaskName
-from runner.data.storage.folder import printable
+from runner.data.storage.listing import printable
 from runner.distributed import Ranks
 
 HEADER = ("index,file,label,label_name,pred,pred_name,prob,topk_classes,topk_names,"

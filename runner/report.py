@@ -57,6 +57,13 @@ class Run:
         return self.status == "ok" and self.rate is not None
 
     @property
+    def disturbed(self) -> bool:
+        """Its figures are a shared machine's (runner/results.py: other processes ran on
+        its cores, or the pipeline ran far below a stage it was measured against)."""
+        return bool(self.metrics.get("disturbed")) or any(
+            str(f).startswith("disturbed") for f in self.metrics.get("flags") or [])
+
+    @property
     def rate(self) -> float | None:
         return self.metrics.get("images_per_sec")
 
@@ -110,6 +117,9 @@ def find_runs(paths: list[Path]) -> tuple[Path, list[Run]]:
         flat = {k: _text(v) for k, v in flatten(metrics.get("config") or {}).items()
                 if not k.startswith(_NOT_OPTIONS)}
         runs.append(Run(name, metrics, flat))
+    # a sweep's jobs in their order (folders are named by their overrides); runs outside a
+    # sweep keep the order they were given in
+    runs.sort(key=lambda r: r.metrics["job"] if isinstance(r.metrics.get("job"), int) else -1)
     return root, runs
 
 
@@ -218,8 +228,9 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
 
 
 def ranking(runs: list[Run], options: list[str]) -> list[str]:
-    """Runs fastest first; a run within noise of the one above shares its place."""
-    ok = sorted((r for r in runs if r.ok), key=lambda r: -r.rate)
+    """Runs fastest first; a run within noise of the one above shares its place. Disturbed
+    runs are not ranked: they are listed after, said so."""
+    ok = sorted((r for r in runs if r.ok and not r.disturbed), key=lambda r: -r.rate)
     lines, place = [], 0
     for k, r in enumerate(ok):
         tied = k > 0 and within_noise(r, ok[k - 1])
@@ -227,6 +238,10 @@ def ranking(runs: list[Run], options: list[str]) -> list[str]:
         lines.append(f"{place}. {'≈ ' if tied else ''}{_label(r, options)}: "
                      f"{r.rate:,.0f} img/s ({spread_text(r) or 'one window'})"
                      + (" — within noise of the run above" if tied else ""))
+    for r in runs:
+        if r.ok and r.disturbed:
+            lines.append(f"- not ranked, disturbed: {_label(r, options)}: {r.rate:,.0f} img/s "
+                         "(other processes shared its cores: run it again to compare)")
     return lines
 
 
@@ -235,7 +250,8 @@ def switches(runs: list[Run], options: list[str], baseline: Run | None) -> list[
     that differ only in that option (the value against the reference value: the
     baseline's, else the first run's), the spread of the ratios, and whether every pair
     was within noise."""
-    ok = [r for r in runs if r.ok]
+    ok = [r for r in runs if r.ok and not r.disturbed]  # a disturbed run's ratio says nothing
+    left_out = sum(1 for r in runs if r.ok and r.disturbed)
     rows = []
     for option in options:
         reference = (baseline or (ok[0] if ok else runs[0])).options.get(option)
@@ -256,6 +272,7 @@ def switches(runs: list[Run], options: list[str], baseline: Run | None) -> list[
                 "median": median(ratios) if ratios else None,
                 "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
                 "noise": bool(pairs) and all(within_noise(a, b) for a, b in pairs),
+                "disturbed_left_out": left_out,
             })
     return rows
 
@@ -265,8 +282,9 @@ def switch_table(rows: list[dict[str, Any]]) -> list[str]:
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for s in rows:
         if not s["pairs"]:
-            out.append(f"| {s['option']} | {s['from']} | {s['to']} | 0 | | | no two runs "
-                       "differ only in this option |")
+            why = ("no two undisturbed runs differ only in this option"
+                   if s.get("disturbed_left_out") else "no two runs differ only in this option")
+            out.append(f"| {s['option']} | {s['from']} | {s['to']} | 0 | | | {why} |")
             continue
         spread = f"{s['min']:.2f}x–{s['max']:.2f}x" if s["pairs"] > 1 else "one pair"
         word = ("within noise" if s["noise"] else
@@ -434,9 +452,12 @@ def write_report(paths: list[Path], baseline: str | None = None,
         lines += ["", "## Ranking", ""] + rank
     bought = switches(runs, options, base)
     if bought:
+        left_out = bought[0].get("disturbed_left_out", 0)
         lines += ["", "## What each switch bought", "",
                   "Images/s of runs that differ only in one option, as the ratio to the "
-                  "reference value (the baseline's, else the first run's).", ""]
+                  "reference value (the baseline's, else the first run's)."
+                  + (f" {left_out} disturbed run(s) are left out of these ratios (other "
+                     "processes shared their cores)." if left_out else ""), ""]
         lines += switch_table(bought)
     verdicts = [(r.name, (r.metrics.get("bottleneck") or {}).get("sentence")) for r in runs]
     if any(v for _, v in verdicts):

@@ -7,17 +7,37 @@ figures, every rank's figures become the run's, and a config becomes its one-lin
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from runner.config import Config, TaskName
 from runner.data.storage import STORAGES
-from runner.data.storage.folder import printable
+from runner.data.storage.listing import printable
 from runner.loop import LoopResult
+from runner.metrics import Window
 from runner.stats import quantiles
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
 WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this: noisy
+# other processes running on this many cores (or a quarter of the machine, if more) while a
+# window was timed: the figure is that of a shared machine, not of the configuration
+SHARED_CORES = 0.5
+
+
+def shared_limit() -> float:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(SHARED_CORES, 0.25 * cores)
+
+
+def disturbance(figures: dict[str, Any]) -> str | None:
+    """Why the figures are a shared machine's rather than this configuration's, or None:
+    other processes ran on the cores while the windows were timed."""
+    others = figures.get("others_cores")
+    if others is not None and others >= shared_limit():
+        return (f"disturbed: other processes used {others:.1f} cores while it was timed, so "
+                "its figures are a shared machine's; run it again on idle cores to compare")
+    return None
 
 
 def describe(cfg: Config) -> str:
@@ -65,7 +85,27 @@ def flags(figures: dict[str, Any], repeats_asked: int, window_seconds: float = 0
                    f"={window_seconds:g}): about {steps_needed:,} timed steps would fill them")
     if (figures.get("spread_frac") or 0.0) > WIDE_SPREAD:
         out.append(f"wide spread (windows differ by {figures['spread_frac']:.0%})")
+    disturbed = disturbance(figures)
+    if disturbed:
+        out.append(disturbed)
     return out
+
+
+SHARED_MIN_SECONDS = 0.5  # CPU time is counted in 10 ms ticks: shorter spans are too coarse
+
+
+def others_cores(windows: list) -> float | None:
+    """Cores other processes used while the run was timed: the most of any repeat window
+    long enough to tell, or of all of them together (None: unknown here, or too short a
+    span to tell)."""
+    known = [w for w in windows if w.others_cpu is not None]
+    spans = [w for w in known if w.seconds >= SHARED_MIN_SECONDS]
+    seconds = sum(w.seconds for w in known)
+    if seconds >= SHARED_MIN_SECONDS:
+        spans.append(Window(seconds=seconds, others_cpu=sum(w.others_cpu for w in known)))
+    if not spans:
+        return None
+    return max(max(0.0, w.others_cpu / w.seconds) for w in spans)
 
 
 def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3,
@@ -87,7 +127,9 @@ def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3,
         "skipped_files": sorted(printable(f) for f in skipped),
         "skipped_count": len(skipped),
     }
+    figures["others_cores"] = others_cores(result.repeats)
     figures["flags"] = flags(figures, repeats_asked, window_seconds)
+    figures["disturbed"] = disturbance(figures) is not None
     return figures
 
 
@@ -156,6 +198,7 @@ def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: s
                         "replicas_in_sync": len(digests) == 1 if None not in digests else None},
     }
     merged["flags"] = flags(merged, repeats_asked)
+    merged["disturbed"] = disturbance(merged) is not None
     return merged
 
 
@@ -190,3 +233,6 @@ def announce(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
     if figures["skipped_files"]:
         log.warning("%d undecodable files skipped (listed in metrics.json)",
                     len(figures["skipped_files"]))
+    for flag in figures.get("flags") or []:
+        if flag.startswith("disturbed"):
+            log.warning("%s", flag)

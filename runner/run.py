@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from runner.compile import build_models, step_amp
 from runner.compose import to_config
 from runner.config import Config, TaskName, flatten, to_plain
 from runner.data import DataPath, build_data_path
-from runner.diagnose import diagnose
+from runner.diagnose import budget_for, diagnose
 from runner.distributed import (
     Ranks,
     agreed_stops,
@@ -39,12 +40,13 @@ from runner.distributed import (
     process_group,
     ranks_from_env,
 )
-from runner.errors import Interrupted
+from runner.errors import ConfigError, Interrupted
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.metrics import StepClock
 from runner.predictions import merge_rank_files, prediction_writers
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
+from runner.stats import plural
 from runner.task import Step, Validation, make_step
 
 log = logging.getLogger("runner")
@@ -66,6 +68,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             return done
     raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task), raw)
+    if sweep:  # its place in the sweep (folders are named by their overrides)
+        metrics["job"] = hydra_cfg.job.num
     signals = outcome.Signals()
     job: Job | None = None
     with contextlib.ExitStack() as stack:
@@ -98,6 +102,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 job.close(metrics)
             if ranks.main:
                 outcome.save_metrics(run_dir / "metrics.json", metrics)
+                if metrics["status"] in ("ok", "interrupted"):
+                    for line in outcome.where(run_dir, metrics, job and job.logger.location):
+                        log.info("%s", line)
             if ranks.enabled and metrics["status"] == "interrupted":
                 leave_together(ranks)  # none exits before rank 0 has saved all of this
     return metrics
@@ -118,6 +125,7 @@ class Job:
         self.resumed: dict[str, Any] | None = None  # the checkpoint run.resume names
         self.epoch_figures: list[dict[str, Any]] = []  # per epoch: validation top-1
         self.saves: checkpoint.Checkpointer | None = None
+        self.data_print: dict[str, Any] | None = None  # the data's fingerprint (checkpoints)
 
     def execute(self) -> dict[str, Any]:
         device = pick_device(self.config.device.value, self.ranks)
@@ -135,7 +143,18 @@ class Job:
         self.resumed = checkpoint.resumed(cfg, self.run_dir)
         self.data = data = build_data_path(cfg, device, ranks, start_step=self.start_step,
                                            progress=cfg.run.progress)
+        if cfg.task.name is TaskName.train and cfg.model.name != "none" and not data.classes:
+            raise ConfigError(f"task=train needs labelled images: {data.storage.root} holds "
+                              "unlabelled ones (a flat folder, dataset.labels=none, or a "
+                              "manifest without labels); give one sub-folder per class, or a "
+                              "manifest with a label column")
+        if self.resumed is not None or (cfg.task.name is TaskName.train and cfg.task.checkpoint):
+            self.data_print = checkpoint.data_fingerprint(data.storage)  # what it trains on
+        if self.resumed is not None:  # the same files, in the same order, or refused
+            checkpoint.check_data(self.resumed, data.storage, self.resumed["source"])
         total_steps, warmup = self._plan(data)
+        if total_steps == 0:  # resume=auto after the plan's last step: nothing is left
+            return self._finished_before()
         if cfg.run.timeline and ranks.main:  # before the loader's workers start
             timeline.enable(self.run_dir / ".timeline")
         step = self._setup_task(data, device, total_steps)
@@ -148,13 +167,15 @@ class Job:
             self.logger = build_logger(cfg.logger, self.run_dir, flatten(to_plain(cfg)),
                                        *run_identity(self.hydra_cfg),
                                        (self.resumed or {}).get("wandb_id"))
-        log.info("%s | dataset %s: %d images, %d classes | %d steps (%d warm-up) on %s%s",
-                 results.describe(cfg), data.storage.root, len(data.storage), len(data.classes),
-                 total_steps, warmup, device, f" x {ranks.world} ranks" if ranks.enabled else "")
+        log.info("%s | dataset %s: %s, %s | %s (%d warm-up) on %s%s",
+                 results.describe(cfg), data.storage.root, plural(len(data.storage), "image"),
+                 plural(len(data.classes), "class"), plural(total_steps, "step"), warmup,
+                 device, f" x {ranks.world} ranks" if ranks.enabled else "")
         profiler = build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
         clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         saves = self._checkpointer(clock, step)
+        started = time.perf_counter()
         with agreed_stops(ranks, self.signals, device) as (stop, each_step):
             result = run_loop(data, step, self.logger, LoopOptions(
                 total_steps=total_steps, warmup_steps=warmup, log_every=cfg.run.log_every,
@@ -166,6 +187,7 @@ class Job:
                 first_step=self.start_step, stop_requested=stop, stop_each_step=each_step,
                 on_epoch_end=lambda done: self._epoch_end(done, step), on_step=saves and (
                     lambda done: saves.after_step(step, done, data.steps_per_epoch))))
+        loop_seconds = time.perf_counter() - started
         figures = self._figures(result, step, profiler is not None)
         if result.interrupted is None and self.signals and self.signals.received:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
@@ -183,7 +205,8 @@ class Job:
         if ranks.main:
             results.announce(cfg, figures, ranks.world)
         if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
-            figures["bottleneck"] = diagnose(cfg, figures, data, self.models, ranks.world)
+            figures["bottleneck"] = diagnose(cfg, figures, data, self.models, ranks.world,
+                                             budget=budget_for(loop_seconds))
         self.figures = figures
         return figures
 
@@ -205,6 +228,16 @@ class Job:
         return int(self.resumed["steps"]) if self.resumed is not None else 0
 
     # --- setup ------------------------------------------------------------------------------
+
+    def _finished_before(self) -> dict[str, Any]:
+        """The figures of a run whose checkpoint holds every step of its plan (stopped after
+        its last step, before it could say so): those of the part that ran the steps."""
+        previous = outcome.previous_record(self.run_dir)
+        log.info("the checkpoint %s holds all the plan's steps: the run is finished; its "
+                 "figures are those of the part that ran them", self.resumed["source"])
+        return {**{k: v for k, v in previous.items() if k not in outcome.ENVELOPE},
+                "resumed_from": self.resumed["source"], "start_step": self.start_step,
+                "finished_before": True}
 
     def _plan(self, data: DataPath) -> tuple[int, int]:  # (steps, warm-up steps) of this run
         run = self.config.run
@@ -251,7 +284,8 @@ class Job:
             return None
         self.saves = checkpoint.Checkpointer(self.config.task, self.run_dir,
                                              to_plain(self.config), clock.paused,
-                                             lambda: {"wandb_id": self.logger.run_id})
+                                             lambda: {"wandb_id": self.logger.run_id,
+                                                      "data": self.data_print})
         return self.saves
 
     # --- results ----------------------------------------------------------------------------

@@ -38,20 +38,26 @@ def objective(metrics: dict[str, Any], key: str) -> float:
     return value if math.isfinite(value) else math.nan
 
 
-def job_number(path: Path) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in path.parent.parts)
+def job_order(job: tuple[str, dict[str, Any]]) -> tuple:
+    """A job's place in its sweep (``job`` in its metrics: folders are named by their
+    overrides), then its folder's name."""
+    name, metrics = job
+    number = metrics.get("job")
+    return (number if isinstance(number, int) else math.inf, name)
 
 
 def read_jobs(sweep_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     """(job folder, metrics) of every job under ``sweep_dir``, in job order."""
     jobs = []
-    for file in sorted(Path(sweep_dir).rglob("metrics.json"), key=job_number):
+    for file in Path(sweep_dir).rglob("metrics.json"):
+        if file.parent == Path(sweep_dir) or file.name != "metrics.json":
+            continue
         try:
             jobs.append((str(file.parent.relative_to(sweep_dir)), json.loads(file.read_text())))
         except (OSError, ValueError) as e:
             jobs.append((str(file.parent.relative_to(sweep_dir)),
                          {"status": "failed", "reason": f"unreadable metrics.json: {e}"}))
-    return jobs
+    return sorted(jobs, key=job_order)
 
 
 def summarize(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -69,12 +75,42 @@ def summarize(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def where_sweep(sweep_dir: Path) -> list[str]:
+    """Where a sweep's results are, for the console: its folder, the command that compares
+    its jobs, and how to upload its wandb runs."""
+    import shlex
+
+    folder = shlex.quote(str(sweep_dir))
+    lines = [f"sweep results: {sweep_dir}/ (one folder per job, named by its overrides); "
+             f"compare them: python -m runner.report {folder}"]
+    if any(Path(sweep_dir).glob("*/wandb/offline-run-*")):
+        lines.append(f"wandb: offline runs; upload them all with: wandb sync "
+                     f"{folder}/*/wandb/offline-run-*  (a wandb account and `wandb login` "
+                     "first)")
+    return lines
+
+
 class SweepSummary(Callback):
     """After a sweep: every job that did not succeed, with its reason (Hydra itself would
     show only the first failure's traceback)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if is_autotune(config):  # keep and continue the study (runner/autotune.py)
+        """Record the keys the sweep varies (its jobs' folders are named by them), and for
+        autotune keep and continue the study (runner/autotune.py)."""
+        import sys
+
+        from runner.atomic import write_json
+        from runner.commandline import SWEPT, swept_keys
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        params = OmegaConf.select(config, "hydra.sweeper.params")
+        params = OmegaConf.to_container(params) if params is not None else {}
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        keys = swept_keys(sys.argv[1:], params)
+        if is_autotune(config):  # the knobs its search space may set
+            keys = sorted({*keys, *autotune_choices(config, False, 1)})
+        write_json(sweep_dir / SWEPT, keys)
+        if is_autotune(config):
             from runner.autotune import continue_studies
 
             continue_studies()
@@ -98,6 +134,8 @@ class SweepSummary(Callback):
         if not jobs:
             return
         for line in summarize(jobs):
+            log.info("%s", line)
+        for line in where_sweep(sweep_dir):
             log.info("%s", line)
         if is_autotune(config):
             best = best_of(jobs, config.run.objective)
@@ -222,7 +260,7 @@ def best_of(jobs: list[tuple[str, dict[str, Any]]], key: str) -> dict[str, Any] 
     if not scored:
         return None
     value, name, m = max(scored, key=lambda s: s[0])
-    baseline = next((m0 for n0, m0 in jobs if n0 == "0"), None)
+    baseline = next((m0 for _, m0 in jobs if m0.get("job") == 0), None)
     base_value = objective(baseline, key) if baseline else math.nan
     overrides = [o for o in m.get("overrides", [])
                  if not o.startswith(("hydra.", "sweep=", "+sweep="))]

@@ -173,6 +173,17 @@ def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
 
 
 def draw(data: dict[str, Any], lanes: list[str], path: Path) -> None:
+    fig = figure(data, lanes)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def figure(data: dict[str, Any], lanes: list[str]):
+    """The timeline as a matplotlib figure: one lane per process or thread, the stages as
+    bars, the legend to the right of the axes (below them it covered the axis label of a
+    timeline with one lane)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,9 +208,7 @@ def draw(data: dict[str, Any], lanes: list[str], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms (a few consecutive steps after warm-up)")
     ax.set_title(data["title"], fontsize=8)
-    ax.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.18),
-              frameon=False)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    return fig

@@ -131,6 +131,25 @@ def read_metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+def job_dir(sweep: Path, *items: str) -> Path:
+    """The folder of the one sweep job whose overrides include ``items`` (a sweep's job
+    folders are named by their overrides: ``loader=memmap,model=none,...``)."""
+    import re
+
+    found = [d for d in Path(sweep).iterdir() if d.is_dir() and all(
+        re.search(rf"(^|,){re.escape(i)}(,|$)", d.name) for i in items)]
+    assert len(found) == 1, (items, sorted(d.name for d in Path(sweep).iterdir()))
+    return found[0]
+
+
+def numbered_job(sweep: Path, number: int) -> Path:
+    """The folder of a sweep's ``number``-th job (``job`` in its metrics.json)."""
+    for d in Path(sweep).iterdir():
+        if (d / "metrics.json").is_file() and read_metrics(d).get("job") == number:
+            return d
+    raise AssertionError(f"no job {number} in {sweep}")
+
+
 # A default dataset small enough for tests: 60 images of 96x128, 3 classes.
 SMALL_DATASET = [
     "dataset.num_images=60",

@@ -15,7 +15,8 @@ from runner.data.loader import BatchStream, InProcessBatches
 from runner.data.order import BatchOrder
 from runner.data.storage import ram
 from runner.data.storage.decode import ImageDecoder
-from runner.data.storage.folder import DatasetError, FolderStorage
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.listing import DatasetError
 from runner.data.storage.memmap import MemmapSpec, open_cache
 from tests.conftest import encode, make_loader, make_tree, photo
 

@@ -211,9 +211,12 @@ def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_
     proc = run_cli("loader.batch_size=0", "hydra.run.dir=run", cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert "loader.batch_size=0 is invalid: must be >= 1" in proc.stdout + proc.stderr
-    proc = run_cli("loader=nope", cwd=tmp_path, check=False)
-    assert proc.returncode != 0
-    assert "Available options in 'loader'" in proc.stdout + proc.stderr
+    proc = run_cli("loader=memmapp", cwd=tmp_path, check=False)  # a group choice: one line
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "the choices are dali, ffcv, folder, memmap" in proc.stderr
+    assert "Did you mean loader=memmap?" in proc.stderr
+    proc = run_cli("-m", "loader=folder,nope", cwd=tmp_path, check=False)  # each value of a sweep
+    assert proc.returncode == 2 and "there is no loader preset 'nope'" in proc.stderr
     assert not cache_dir.exists()  # failed before the default dataset was made
 
 
@@ -246,3 +249,16 @@ def test_a_loader_with_no_batches_is_a_users_mistake_not_a_bug(tmp_path: Path, i
                       "loader.drop_last=true", "dataset.image_size=[16,16]"])
     with pytest.raises(ConfigError, match="loader.drop_last=false"):
         build_data_path(config, torch.device("cpu"), progress=False)
+
+
+def test_help_gives_every_preset_one_whole_line():
+    """--help used to cut the packed, dali and ffcv lines at the first colon of their
+    comments, in the middle of a parenthesis."""
+    from runner.commandline import help_text
+
+    presets = [line for line in help_text().split("== Flags")[0].splitlines()
+               if line.startswith("  ")]
+    assert len(presets) >= 25
+    for line in presets:
+        assert len(line) <= 100 and line.count("(") == line.count(")"), line
+        assert not line.rstrip().endswith((":", ","))

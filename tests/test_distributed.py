@@ -105,11 +105,11 @@ def test_two_ranks_train_in_sync_and_only_rank_0_writes(tmp_path: Path, cache_di
     assert written == ["run"]  # nothing from rank 1 here
     assert len(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*"))) == 1
     output = proc.stdout + proc.stderr
-    assert output.count("memmap cache ready") == 1  # built once, by the local main rank
+    assert output.count("memmap store ready") == 1  # built once, by the local main rank
 
     second = torchrun(*UNEVEN, "loader=memmap", "run.steps=2", "logger=none",
                       "diagnose=false", "hydra.run.dir=again", cwd=tmp_path)
-    assert "memmap cache ready" not in second.stdout + second.stderr  # reused
+    assert "memmap store ready" not in second.stdout + second.stderr  # reused
     assert read_metrics(tmp_path / "again")["status"] == "ok"
 
 

@@ -9,6 +9,7 @@ import faulthandler
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from tests.conftest import (
     REPO,
     SMALL_DATASET,
     encode,
+    job_dir,
     make_tree,
     photo,
     read_metrics,
@@ -128,12 +130,13 @@ def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path
     proc = run_cli("-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
                    "run.steps=4", "loader.num_workers=1,0", "hydra.sweep.dir=sweep",
                    cwd=tmp_path, env=env, check=False)
-    first, second = read_metrics(tmp_path / "sweep" / "0"), read_metrics(tmp_path / "sweep" / "1")
+    first = read_metrics(job_dir(tmp_path / "sweep", "loader.num_workers=1"))
+    second = read_metrics(job_dir(tmp_path / "sweep", "loader.num_workers=0"))
     assert first["status"] == "failed"
     assert re.search("DataLoader worker .*(exited unexpectedly|killed by signal)", first["reason"])
     assert second["status"] == "ok" and second["steps"] == 4  # the sweep went on
     assert proc.returncode == 1  # and says, at the end, that a job failed
-    assert "job 0 (failed)" in proc.stdout + proc.stderr
+    assert re.search(r"job \S*loader.num_workers=1\S* \(failed\)", proc.stdout + proc.stderr)
 
 
 # --- 2. a full disk, a dying conversion worker ----------------------------------------------
@@ -201,8 +204,10 @@ def test_runs_started_together_get_their_own_folders(tmp_path: Path, cache_dir: 
 @pytest.mark.slow
 def test_a_run_folder_in_use_is_refused_and_its_results_kept(tmp_path: Path, cache_dir: Path):
     run_dir = tmp_path / "busy"
-    run_dir.mkdir()
+    (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / "metrics.json").write_text('{"status": "ok", "images_per_sec": 123.0}')
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- the live run's own\n")
+    (run_dir / "runner.log").write_text("the live run's log\n")
     with RunDirClaim(run_dir):  # a live run holds it
         proc = run_cli(*SMALL_DATASET, "model=none", "logger=none", f"hydra.run.dir={run_dir}",
                        cwd=tmp_path, check=False)
@@ -210,6 +215,9 @@ def test_a_run_folder_in_use_is_refused_and_its_results_kept(tmp_path: Path, cac
     out = proc.stdout + proc.stderr
     assert "in use by another run" in out and "Traceback" not in out
     assert read_metrics(run_dir)["images_per_sec"] == 123.0  # not overwritten
+    # refused before Hydra wrote anything there: the live run's files are as they were
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- the live run's own\n"
+    assert (run_dir / "runner.log").read_text() == "the live run's log\n"
 
 
 # --- 4. signals ---------------------------------------------------------------------------
@@ -444,7 +452,7 @@ def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
 
 def test_loader_ram_refuses_a_dataset_larger_than_dev_shm(monkeypatch):
     from runner.data.storage import ram
-    from runner.data.storage.folder import DatasetError
+    from runner.data.storage.listing import DatasetError
 
     monkeypatch.setattr(ram, "shm_free", lambda: 64 * 2**20)  # docker's default 64 MB
     with pytest.raises(DatasetError, match="--shm-size"):
@@ -468,6 +476,28 @@ def test_a_folder_link_that_loops_is_walked_once(tmp_path: Path):
                                          for k in range(3)})
     os.symlink("..", root / "a" / "loop")
     assert len(folder_of(root)) == 3
+
+
+@pytest.mark.parametrize("loader", ["folder", "packed", "memmap"])
+def test_a_folder_link_never_relabels_another_classs_images(tmp_path: Path, caplog,
+                                                            loader: str):
+    """``a/loop -> ..`` and ``a/alias -> ../b`` would list b's images again as class a."""
+    from runner.config import DatasetConfig, LoaderConfig, StorageName
+    from runner.data.storage import build_storage
+
+    root = make_tree(tmp_path / "tree", {f"{c}/{k}.jpg": encode(photo(16, 16, index=10 * i + k))
+                                         for i, c in enumerate("abc") for k in range(3)})
+    os.symlink("..", root / "a" / "loop")
+    os.symlink("../b", root / "a" / "alias")
+    os.symlink(tmp_path / "extra", root / "c" / "more")  # a link out of the tree is followed
+    make_tree(tmp_path / "extra", {"x.jpg": encode(photo(16, 16, index=99))})
+    storage = build_storage(LoaderConfig(name=StorageName(loader), decoder=Decoder.simplejpeg),
+                            DatasetConfig(image_size=[16, 16], store_size=16,
+                                          cache_dir=str(tmp_path / "cache")), root, False)
+    labels = [storage[i].label for i in range(len(storage))] if loader == "memmap" else \
+        [label for _, label in storage.samples]
+    assert sorted(labels) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert "not followed" in caplog.text and "loop" in caplog.text and "alias" in caplog.text
 
 
 def test_an_image_claiming_billions_of_pixels_is_skipped_not_decoded():
@@ -535,3 +565,56 @@ def test_a_killed_run_leaves_a_running_record_with_its_windows(tmp_path: Path,
     m = read_metrics(tmp_path / "killed")
     assert m["status"] == "running" and m["pid"] == proc.pid
     assert m["images_per_sec"] > 0 and m["steps"] > 0  # the windows timed before the kill
+
+
+def test_a_rebuild_survives_a_store_left_aside_by_a_killed_rebuild(source: Path,
+                                                                   tmp_path: Path):
+    """A kill during --rebuild's removal leaves ``<store>.old``: the next rebuild used to
+    convert everything, then fail to move the store aside (``Directory not empty``)."""
+    final, _ = build(source, tmp_path / "cache")
+    old = final.with_name(final.name + ".old")
+    shutil.copytree(final, old)  # what the kill left
+    path, meta = ensure_cache(folder_of(source), spec_for(source), tmp_path / "cache",
+                              progress=False, rebuild=True)
+    assert path == final and meta["count"] == 24 + 1
+    assert not old.exists() and not final.with_name(final.name + ".partial").exists()
+
+
+def test_a_batch_size_larger_than_the_dataset_is_a_batch_of_the_dataset(tmp_path: Path,
+                                                                        cache_dir: Path):
+    """loader.batch_size=1000000 allocated buffers for a million images (150 GB at 224)."""
+    from runner.compose import compose
+    from runner.data import build_data_path
+
+    config = compose([*SMALL_DATASET, "loader.batch_size=1000000", "model=none"])
+    data = build_data_path(config, torch.device("cpu"), epochs=1, progress=False)
+    batches = list(data)
+    assert [len(b["label"]) for b in batches] == [60]
+    assert batches[0]["image"].untyped_storage().nbytes() <= 60 * 3 * 48 * 48
+    data.close()
+
+
+def test_a_batch_whose_buffers_cannot_fit_in_memory_is_refused_in_one_line(
+        tmp_path: Path, cache_dir: Path, monkeypatch):
+    from runner.compose import compose
+    from runner.data import build_data_path, path
+    from runner.errors import ConfigError
+
+    monkeypatch.setattr(path, "memory_available", lambda: 10 * 3 * 48 * 48)
+    config = compose([*SMALL_DATASET, "loader.batch_size=50", "model=none"])
+    with pytest.raises(ConfigError, match=r"loader.batch_size=50 needs .* per batch of 50 "
+                                          r"images .* use a smaller loader.batch_size"):
+        build_data_path(config, torch.device("cpu"), epochs=1, progress=False)
+
+
+def test_the_continue_command_is_quoted_for_a_shell(monkeypatch):
+    import shlex
+
+    from runner.outcome import stopped_line
+
+    monkeypatch.setattr(sys, "argv", ["runner", "dataset.path=/data/my images", "run.epochs=3"])
+    line = stopped_line({"reason": "interrupted by SIGTERM", "steps": 5,
+                         "run_dir": "/runs/a run"})
+    argv = shlex.split(line.split("continue with: ", 1)[1])
+    assert argv == ["python", "-m", "runner", "dataset.path=/data/my images", "run.epochs=3",
+                    "resume=auto", "hydra.run.dir=/runs/a run"]

@@ -12,7 +12,8 @@ from torchvision.datasets import ImageFolder
 from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.loader import BatchStream, dataloader_kwargs
 from runner.data.storage.decode import CorruptImageError, ImageDecoder
-from runner.data.storage.folder import DatasetError, FolderStorage
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.listing import DatasetError
 from tests.conftest import encode, make_loader, make_tree, photo
 
 DECODE = ImageDecoder(Decoder.simplejpeg, (32, 32))
@@ -39,10 +40,10 @@ def test_missing_and_empty_paths_are_clear_errors(tmp_path: Path):
     with pytest.raises(DatasetError, match="does not exist"):
         FolderStorage(tmp_path / "nowhere", DECODE, OnCorrupt.skip)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DatasetError, match="has no class folders"):
+    with pytest.raises(DatasetError, match="holds no images"):
         FolderStorage(tmp_path / "empty", DECODE, OnCorrupt.skip)
     make_tree(tmp_path / "noimages", {"a/readme.txt": b"x", "b/data.csv": b"1,2"})
-    with pytest.raises(DatasetError, match=r"has no \.jpg/\.jpeg/\.png files"):
+    with pytest.raises(DatasetError, match=r"has no images in its class folders"):
         FolderStorage(tmp_path / "noimages", DECODE, OnCorrupt.skip)
 
 

@@ -367,3 +367,96 @@ def test_prepare_sizes_picks_packed_when_the_raw_store_does_not_fit(source: Path
     out = capsys.readouterr().out
     assert "pick: loader=packed: the fastest store that fits the page cache" in out
     assert not (tmp_path / "cache" / "packed").exists()  # sizes only measures
+
+
+# --- built the same way every time; damage named as the store's ---------------------------------
+
+def _first_chunk_last(chunk):
+    """packed's chunk encoder, the first chunk finishing last (module level: the worker
+    processes get it pickled by name)."""
+    if chunk[0] == 0:
+        import time
+
+        time.sleep(0.3)
+    return _ENCODE(chunk)
+
+
+_ENCODE = packed._encode_chunk
+
+
+def test_two_clean_builds_are_the_same_bytes(source: Path, tmp_path: Path, monkeypatch):
+    """Chunks finish in any order in the worker processes; they are written in index order."""
+    from runner.data.storage import cache as engine
+
+    monkeypatch.setattr(engine, "CHUNK", 4)  # several chunks, finishing out of order
+    monkeypatch.setattr(packed, "_encode_chunk", _first_chunk_last)
+    one, two = open_store(source, tmp_path / "one"), open_store(source, tmp_path / "two")
+    for name in (DATA, "index.bin"):
+        assert (one.cache / name).read_bytes() == (two.cache / name).read_bytes()
+    offsets = [one.offsets[i] for i in range(len(one))]
+    assert offsets == sorted(offsets)  # dataset order
+
+
+def test_damage_inside_the_store_names_the_store_not_the_source(source: Path, tmp_path: Path):
+    store = open_store(source, tmp_path / "cache")
+    k = 3
+    with open(store.path, "r+b") as f:  # the same size, image k's first bytes overwritten
+        f.seek(store.offsets[k])
+        f.write(bytes(16))
+    damaged = open_store(source, tmp_path / "cache")
+    with pytest.raises(CacheError, match=r"packed store .* damaged: the bytes of image 3 .*"
+                                         r"python -m runner.prepare packed --rebuild"):
+        damaged.gather(torch.tensor([k]))
+    ok = damaged.gather(torch.tensor([k + 1]))[0]  # the other images are fine
+    assert len(ok["label"]) == 1
+
+
+def test_a_full_disk_after_the_data_reservation_is_the_disk_full_error(source: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch):
+    """Free space just above the data file's reservation: the index's reservation fails
+    (it used to be a sparse mapping: SIGBUS in the middle of the packing)."""
+    real = os.posix_fallocate
+    sizes = []
+
+    def nearly_full(fd, offset, length):
+        sizes.append(length)
+        if len(sizes) > 1:  # the data file's reservation fit, nothing after it does
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", nearly_full)
+    with pytest.raises(DiskFull, match=r"index\.bin|not enough disk space"):
+        open_store(source, tmp_path / "cache")
+
+
+def test_enospc_while_writing_is_the_disk_full_error(source: Path, tmp_path: Path,
+                                                     monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(DiskFull, match="not enough disk space"):
+        open_store(source, tmp_path / "cache")
+
+
+def test_the_rebuild_command_of_a_damaged_store_is_accepted_when_pasted(source: Path,
+                                                                       tmp_path: Path):
+    """It names every override that selects the store (dataset.image_size included, or a
+    store_size below the default image size is refused) and is quoted for a shell."""
+    import shlex
+
+    from runner.compose import compose
+    from runner.data.storage.packed import packed_spec
+    from runner.prepare import main as prepare_main
+
+    spaced = tmp_path / "my images"
+    source.rename(spaced)
+    config = compose([f"dataset.path={spaced}", "dataset.image_size=[32,32]",
+                      "dataset.store_size=40", f"dataset.cache_dir={tmp_path / 'cache'}",
+                      "loader=packed"])
+    command = packed_spec(config.loader, config.dataset, spaced).rebuild_command()
+    argv = shlex.split(command)
+    assert argv[:5] == ["python", "-m", "runner.prepare", "packed", "--rebuild"]
+    assert f"dataset.path={spaced.resolve()}" in argv and "dataset.image_size=[32,32]" in argv
+    assert prepare_main([*argv[3:], f"dataset.cache_dir={tmp_path / 'cache'}"]) == 0

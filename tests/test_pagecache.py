@@ -114,8 +114,10 @@ def test_reencoded_copy_keeps_layout_classes_and_shapes_and_is_smaller(source: P
                                                                       tmp_path: Path):
     manifest = reencode.reencode_folder(source, tmp_path / "q60", reencode.Reencoding(60),
                                         progress=False)
-    src_classes, src_samples = open_image_folder(source)
-    dst_classes, dst_samples = open_image_folder(tmp_path / "q60")
+    src = open_image_folder(source)
+    dst = open_image_folder(tmp_path / "q60")
+    src_classes, src_samples, dst_classes, dst_samples = (src.classes, src.samples,
+                                                          dst.classes, dst.samples)
     assert dst_classes == src_classes
     rel = sorted(os.path.relpath(p, source) for p, _ in src_samples if "broken" not in p)
     assert sorted(os.path.relpath(p, tmp_path / "q60") for p, _ in dst_samples) == rel

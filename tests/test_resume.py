@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from runner.errors import Interrupted
-from tests.conftest import SMALL_DATASET, encode, make_tree, photo, read_metrics, run_in_process
+from tests.conftest import (
+    SMALL_DATASET,
+    encode,
+    job_dir,
+    make_tree,
+    photo,
+    read_metrics,
+    run_in_process,
+)
 
 COMMON = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false",
           "dataset.crop=random", "run.epochs=3"]  # 60 images, batch 8: 8 steps an epoch
@@ -235,12 +243,13 @@ def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_pat
     sweep = ["-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
              "run.steps=3", "loader=folder,memmap,ram", "hydra.sweep.dir=sweep"]
     run_cli(*sweep, cwd=tmp_path)
-    before = {k: read_metrics(tmp_path / "sweep" / str(k)) for k in range(3)}
-    (tmp_path / "sweep" / "1" / "metrics.json").unlink()  # as if stopped before job 1 ended
-    (tmp_path / "sweep" / "2" / "metrics.json").write_text(
+    jobs = [job_dir(tmp_path / "sweep", f"loader={name}") for name in ("folder", "memmap", "ram")]
+    before = {k: read_metrics(job) for k, job in enumerate(jobs)}
+    (jobs[1] / "metrics.json").unlink()  # as if stopped before job 1 ended
+    (jobs[2] / "metrics.json").write_text(
         '{"status": "interrupted", "overrides": []}')  # stopped halfway through job 2
     proc = run_cli(*sweep, cwd=tmp_path)
-    after = {k: read_metrics(tmp_path / "sweep" / str(k)) for k in range(3)}
+    after = {k: read_metrics(job) for k, job in enumerate(jobs)}
     assert after[0] == before[0]  # finished ok with the same overrides: kept as it was
     assert "finished already" in proc.stdout + proc.stderr
     for k in (1, 2):  # run again
@@ -408,7 +417,7 @@ def test_hydras_submitit_launcher_requeues_a_preempted_job_which_resumes_exactly
     assert len(jobs) == 1
     os.kill(int(jobs[0]), signal.SIGUSR2)  # the preemption warning
     assert sweep.wait(timeout=240) == 0
-    job = tmp_path / "sweep" / "0"
+    (job,) = [d for d in (tmp_path / "sweep").iterdir() if (d / "metrics.json").is_file()]
     first, final = read_metrics_file(job / "metrics.1.json"), read_metrics(job)
     assert first["status"] == "interrupted" and "SIGUSR2" in first["reason"]
     assert final["status"] == "ok" and final["start_step"] == first["steps"] > 0
@@ -428,24 +437,103 @@ def test_a_sweep_stopped_by_sigterm_keeps_its_finished_jobs_when_started_again(
     import time
 
     command = [sys.executable, "-m", "runner", "-m", *SMALL_DATASET, "model=none",
-               "logger=none", "diagnose=false", "run.steps=400", "run.window_seconds=0",
+               "logger=none", "diagnose=false", "run.steps=4000", "run.window_seconds=0",
                "loader=memmap,ram,folder", "hydra.sweep.dir=sweep"]
     env = {**os.environ, "WANDB_SILENT": "true"}
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    first = tmp_path / "sweep" / "0" / "metrics.json"
     deadline = time.monotonic() + 180
-    while not (first.exists() and read_metrics(first.parent)["status"] == "ok"
-               and (tmp_path / "sweep" / "1" / "metrics.json").exists()) \
+
+    def started(name: str) -> bool:
+        try:
+            return read_metrics(job_dir(tmp_path / "sweep", f"loader={name}")) is not None
+        except (AssertionError, FileNotFoundError, OSError, ValueError):
+            return False
+
+    while not (started("memmap") and started("ram") and read_metrics(
+            job_dir(tmp_path / "sweep", "loader=memmap"))["status"] == "ok") \
             and time.monotonic() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)  # during job 1
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "continue with: python -m runner -m" in out
-    kept = read_metrics(tmp_path / "sweep" / "0")
-    assert read_metrics(tmp_path / "sweep" / "1")["status"] == "interrupted"
+    jobs = {name: job_dir(tmp_path / "sweep", f"loader={name}") for name in ("memmap", "ram")}
+    kept = read_metrics(jobs["memmap"])
+    assert read_metrics(jobs["ram"])["status"] == "interrupted"
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0
-    assert read_metrics(tmp_path / "sweep" / "0") == kept  # finished: not run again
-    assert all(read_metrics(tmp_path / "sweep" / str(k))["status"] == "ok" for k in (1, 2))
+    assert read_metrics(jobs["memmap"]) == kept  # finished: not run again
+    assert all(read_metrics(job_dir(tmp_path / "sweep", f"loader={name}"))["status"] == "ok"
+               for name in ("ram", "folder"))
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_dataset_or_crop_naming_the_difference(tmp_path: Path,
+                                                                      cache_dir: Path):
+    from runner.checkpoint import CheckpointError
+
+    source = make_tree(tmp_path / "src", {f"c{c}/{k:02d}.jpg": encode(photo(48, 64, 10 * c + k))
+                                          for c in range(3) for k in range(10)})
+    common = [f"dataset.path={source}", "dataset.image_size=[32,32]", "loader.batch_size=8",
+              "loader.num_workers=0", "run.warmup_steps=1", "run.progress=false", "logger=none",
+              "diagnose=false", "run.timeline=false"]
+    run_in_process(*common, "run.epochs=1", run_dir=tmp_path / "first")
+    resume = f"resume={tmp_path / 'first'}"
+    for k in range(8):  # 8 images added: another permutation, another plan
+        (source / "c0" / f"new{k}.jpg").write_bytes(encode(photo(48, 64, 90 + k)))
+    with pytest.raises(CheckpointError, match=r"other data \(images: checkpoint 30, this run 38"):
+        run_in_process(*common, "run.epochs=2", resume, run_dir=tmp_path / "second")
+    for k in range(8):
+        (source / "c0" / f"new{k}.jpg").unlink()
+    (source / "c1" / "03.jpg").rename(source / "c1" / "03b.jpg")  # as many files, renamed
+    with pytest.raises(CheckpointError, match="renamed, replaced or relabelled"):
+        run_in_process(*common, "run.epochs=2", resume, run_dir=tmp_path / "third")
+    (source / "c1" / "03b.jpg").rename(source / "c1" / "03.jpg")
+    with pytest.raises(CheckpointError, match="dataset.crop: checkpoint 'center', this run "
+                                              "'random'"):
+        run_in_process(*common, "run.epochs=2", "dataset.crop=random", resume,
+                       run_dir=tmp_path / "fourth")
+    more = run_in_process(*common, "run.epochs=2", resume, run_dir=tmp_path / "fifth")
+    assert more["status"] == "ok" and more["start_step"] == 4  # the same data: it goes on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("left", ["running", "interrupted"],
+                         ids=["killed-after-the-last-checkpoint", "stopped-in-the-verdict"])
+def test_resume_auto_finishes_a_run_stopped_after_its_last_step(tmp_path: Path,
+                                                                cache_dir: Path, left: str):
+    import json
+
+    common = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false",
+              "dataset.crop=random", "run.epochs=1", "resume=auto"]
+    run_dir = tmp_path / "run"
+    done = run_in_process(*common, run_dir=run_dir)
+    record = read_metrics(run_dir)
+    record["status"] = left  # what a SIGKILL (or a SIGTERM in the verdict) left behind
+    (run_dir / "metrics.json").write_text(json.dumps(record))
+    again = run_in_process(*common, run_dir=run_dir)  # the requeue
+    assert again["status"] == "ok" and again["finished_before"] is True
+    assert again["images_per_sec"] == done["images_per_sec"]  # the part that ran the steps
+    assert read_metrics(run_dir)["status"] == "ok"
+    # a finished run restarted with its overrides in another order does nothing either
+    third = run_in_process(*reversed(common), run_dir=run_dir)
+    assert third == read_metrics(run_dir) == again
+
+
+@pytest.mark.slow
+def test_a_sweep_given_one_more_value_runs_only_the_new_job(tmp_path: Path, cache_dir: Path):
+    """Job folders are named by their overrides: a value added to a swept list does not
+    shift the others onto another job's folder (which re-ran and overwrote them)."""
+    from tests.conftest import run_cli
+
+    sweep = ["-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
+             "run.steps=3", "hydra.sweep.dir=sweep"]
+    run_cli(*sweep, "loader=folder,memmap", cwd=tmp_path)
+    before = {n: read_metrics(job_dir(tmp_path / "sweep", f"loader={n}"))
+              for n in ("folder", "memmap")}
+    run_cli(*sweep, "loader=folder,packed,memmap", cwd=tmp_path)
+    for name, record in before.items():
+        assert read_metrics(job_dir(tmp_path / "sweep", f"loader={name}")) == record
+    assert read_metrics(job_dir(tmp_path / "sweep", "loader=packed"))["status"] == "ok"
+    assert len(list((tmp_path / "sweep").glob("*/metrics.json"))) == 3

@@ -52,3 +52,21 @@ def test_a_run_draws_each_process_and_thread_as_a_lane(tmp_path: Path, cache_dir
     assert len(data["steps"]) == 4  # a few consecutive steps after warm-up
     assert Path(m["timeline"]).read_bytes()[:8] == PNG
     assert not (tmp_path / "run" / ".timeline").exists()  # the workers' scratch is gone
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_the_legend_never_covers_the_axis_label(lanes: int):
+    names = [f"lane {k}" for k in range(lanes)]
+    data = {"title": "test", "steps": [(0.0, 10.0), (10.0, 20.0)],
+            "spans": [{"lane": n, "stage": s, "start": 2.0 * k, "end": 2.0 * k + 1.5}
+                      for n in names for k, s in enumerate(("wait", "copy", "step", "decode"))]}
+    fig = timeline.figure(data, names)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent(renderer)
+    for text in (ax.xaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()):
+        assert not legend.overlaps(text.get_window_extent(renderer)), text.get_text()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -26,6 +26,7 @@ from runner.data.order import BatchOrder
 from runner.data.storage.base import Sample, SkippedFile, Storage
 from runner.data.storage.folder import UNREADABLE, batch_fields
 from runner.data.threads import (
+    RowPool,
     cores,
     main_thread_count,
     one_core_for_this_thread,
@@ -104,7 +105,7 @@ class ThreadedBatches:
     def __init__(self, storage: Storage, order: BatchOrder, *, pin_memory: bool, threads: int,
                  ahead: int = 2):
         self.storage, self.order, self.threads, self.ahead = storage, order, threads, ahead
-        self.pool = BufferPool((order.batch_size, *storage.item_shape), torch.uint8,
+        self.pool = BufferPool((order.largest_batch, *storage.item_shape), torch.uint8,
                                pin=pin_memory, capacity=ahead + 6)
 
     def __len__(self) -> int:
@@ -193,9 +194,10 @@ class InProcessBatches:
         self.storage = storage
         self.order = order
         self.pin = pin_memory
+        self.rows = RowPool()  # the gathers' threads (not torch's intra-op ones: threads.py)
         self.pool = None
         if storage.item_shape is not None:
-            self.pool = BufferPool((order.batch_size, *storage.item_shape), torch.uint8,
+            self.pool = BufferPool((order.largest_batch, *storage.item_shape), torch.uint8,
                                    pin=pin_memory)
 
     def __len__(self) -> int:
@@ -204,10 +206,13 @@ class InProcessBatches:
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
         for index in self.order.batches():
             out = self.pool.take(len(index)) if self.pool is not None else None
-            batch, skipped = self.storage.gather(index, out=out)
+            batch, skipped = self.storage.gather(index, out=out, rows=self.rows)
             if batch is not None and self.pin and out is not None:
                 batch = pin_small_fields(batch)
             yield batch, skipped
+
+    def close(self) -> None:
+        self.rows.close()
 
 
 def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:

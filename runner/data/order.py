@@ -106,6 +106,12 @@ class BatchOrder:
         real, _ = split_padding(index)
         return ((real + epoch_seed(self.seed, self.epoch)) % (2**62)).tolist()
 
+    @property
+    def largest_batch(self) -> int:
+        """The most images one batch holds: the batch size, or a rank's whole shard when
+        that is smaller (what batch buffers are sized by)."""
+        return min(self.batch_size, self.per_rank)
+
     def __len__(self) -> int:
         if self.drop_last:
             return self.per_rank // self.batch_size

@@ -22,12 +22,15 @@ from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig
 from runner.data.augment import BatchAugment, CenterCrop
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
-from runner.data.order import count_images, epoch_seed
+from runner.data.order import BatchOrder, count_images, epoch_seed
 from runner.data.pagecache import ColdPageCache
 from runner.data.prefetch import build_prefetcher
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
 from runner.data.storage.base import Storage, StorageKind
+from runner.data.storage.cache import human_bytes
 from runner.data.storage.decode import DECODERS
+from runner.data.storage.ram import memory_available
+from runner.data.threads import RowPool
 from runner.distributed import Ranks, barrier
 from runner.errors import ConfigError
 
@@ -44,6 +47,21 @@ def planned_epochs(run: RunConfig, steps_per_epoch: int) -> int:
     if run.steps is not None:
         return math.ceil(run.steps / steps_per_epoch)
     return run.epochs
+
+
+def check_batch_memory(cfg: LoaderConfig, order: BatchOrder, storage: Storage) -> None:
+    """Refuse, in one line, a batch whose buffers would not fit in memory (a batch size
+    with a few zeros too many), before any is allocated."""
+    if storage.item_shape is None:
+        return  # encoded bytes: sized by the files
+    nbytes = order.largest_batch * math.prod(storage.item_shape)
+    available = memory_available()
+    if 4 * nbytes > available:  # a few buffers are in flight at once (buffers.py)
+        raise ConfigError(
+            f"loader.batch_size={cfg.batch_size} needs {human_bytes(nbytes)} per batch of "
+            f"{order.largest_batch:,} images of {'x'.join(map(str, storage.item_shape))} "
+            f"uint8, and a few batches are in flight; {human_bytes(available)} of memory is "
+            "available: use a smaller loader.batch_size")
 
 
 def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
@@ -89,6 +107,8 @@ class DataPath:
         self.augment = augment
         self.page_cache = page_cache
         self.steps_per_epoch = len(stream.loader)
+        # crops on a CPU device: image by image on the runner's threads (threads.py)
+        self.rows = RowPool() if device.type == "cpu" and augment is not None else None
 
     @property
     def classes(self) -> list[str]:
@@ -113,7 +133,7 @@ class DataPath:
         from the draws the batch carries (``crop_draws``)."""
         if self.augment is not None:
             draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()}
-            batch["image"] = self.augment(batch["image"], draws or None)
+            batch["image"] = self.augment(batch["image"], draws or None, rows=self.rows)
         return batch
 
     def device_batches(self) -> Iterator[TensorDict]:
@@ -145,7 +165,7 @@ class DataPath:
         """Stop the loader's workers or threads (a rival's pipeline too) and whatever the
         storage started (a verdict's probe pipeline)."""
         shutdown_workers(self.stream.loader)
-        for part in (self.stream.loader, self.storage):
+        for part in (self.stream.loader, self.storage, self.rows):
             close = getattr(part, "close", None)
             if callable(close):
                 close()
@@ -207,6 +227,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         page_cache = ColdPageCache(storage.files, storage.reopen)
     pin = pin_memory(config.loader, device)
     order = batch_order(storage, config.loader, config.seed, ranks.rank, ranks.world)
+    check_batch_memory(config.loader, order, storage)
     kind = STORAGES[config.loader.name]
     if kind.own_loader:  # a rival's own pipeline in place of the runner's loaders
         loader = storage.own_loader(order, device)

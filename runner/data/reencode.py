@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from runner.atomic import write_atomic, write_json
 from runner.data.pool import parallel_imap
-from runner.data.storage.folder import open_image_folder
+from runner.data.storage.listing import open_image_folder
 from runner.data.threads import cores
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ def reencode_folder(src: Path, dst: Path, job: Reencoding, progress: bool = True
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if dst.resolve() == src.resolve():
         raise ValueError("the re-encoded copy needs its own folder: --dst equals the source")
-    classes, samples = open_image_folder(src)
+    listing = open_image_folder(src)
+    classes, samples = listing.classes, listing.samples
     for name in classes:  # every class folder, even an empty one: the same class indices
         (dst / name).mkdir(parents=True, exist_ok=True)
     jobs = [(p, str(dst / os.path.relpath(p, src)), job) for p, _ in samples]

@@ -41,7 +41,10 @@ STORAGES: dict[StorageName, StorageKind] = _registry()
 
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
-    """``dataset.path``, or the generated default dataset (made once, then reused)."""
+    """``dataset.manifest`` or ``dataset.path``, or the generated default dataset (made
+    once, then reused)."""
+    if cfg.manifest is not None:
+        return Path(cfg.manifest).expanduser()
     if cfg.path is not None:
         return Path(cfg.path).expanduser()
     spec = SyntheticSpec(cfg.num_images, cfg.num_classes, *cfg.source_size, quality=cfg.quality)

@@ -123,9 +123,10 @@ class Storage(Protocol):
         """Drop this process's own mappings of ``files`` so their pages can be evicted."""
         ...
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None, rows: Any = None
                ) -> tuple[dict | None, list[SkippedFile]]:
-        """One batch read at once (into ``out`` when given), and the files it skipped."""
+        """One batch read at once (into ``out`` when given; split over ``rows``, a
+        ``RowPool``, when the storage can), and the files it skipped."""
         ...
 
     def pack(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:

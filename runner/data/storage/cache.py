@@ -43,7 +43,8 @@ from runner.atomic import write_json
 from runner.config import OnCorrupt
 from runner.data.storage.base import SkippedFile
 from runner.data.storage.decode import CorruptFileStop
-from runner.data.storage.folder import FolderStorage, printable, read_file
+from runner.data.storage.folder import FolderStorage, read_file
+from runner.data.storage.listing import printable
 from runner.errors import UserError
 
 log = logging.getLogger(__name__)

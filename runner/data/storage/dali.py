@@ -36,7 +36,8 @@ from runner.config import Crop, DatasetConfig, LoaderConfig, StorageName
 from runner.data.order import BatchOrder
 from runner.data.storage.base import StorageKind
 from runner.data.storage.decode import CPU_DECODERS
-from runner.data.storage.folder import DatasetError, FolderStorage, open_folder, printable
+from runner.data.storage.folder import FolderStorage, open_folder
+from runner.data.storage.listing import DatasetError, printable
 from runner.data.storage.rival import (
     RivalStorage,
     RivalUnavailable,

@@ -121,6 +121,24 @@ def _exif_orientation(tiff: bytes) -> int:
     return 1
 
 
+# --- any image PIL reads, as 8-bit RGB ---------------------------------------------------------
+
+def upright_rgb(img: Image.Image) -> Image.Image:
+    """An image PIL opened (a JPEG, PNG, WebP, BMP, TIFF, the first frame of a GIF), upright
+    (EXIF orientation applied) and 8-bit RGB: 16- and 32-bit integer grayscale is scaled to
+    8 bits (PIL's own conversion would clip it at 255: a white image), a float image in
+    0..1 is scaled by 255, palettes and alpha are dropped as ``convert("RGB")`` does."""
+    img = ImageOps.exif_transpose(img)
+    if img.mode.startswith(("I;16", "I")) or img.mode == "F":
+        values = np.asarray(img, dtype=np.float64 if img.mode == "F" else np.int64)
+        if img.mode == "F":
+            scaled = np.clip(values * 255.0 if values.max(initial=0) <= 1.0 else values, 0, 255)
+        else:  # 16-bit data (the common case) to 8 bits; smaller values as they are
+            scaled = values >> 8 if values.max(initial=0) > 255 else values
+        img = Image.fromarray(np.ascontiguousarray(scaled.astype(np.uint8)), "L")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
 # --- orientation ----------------------------------------------------------------------------
 
 def apply_orientation(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -510,8 +528,7 @@ class ImageDecoder:
     def _decode_fallback(self, data: bytes, rng: torch.Generator | None) -> torch.Tensor:
         try:
             with Image.open(io.BytesIO(data)) as pil:
-                pil = ImageOps.exif_transpose(pil).convert("RGB")
-                img = _hwc(np.asarray(pil))
+                img = _hwc(np.asarray(upright_rgb(pil)))
         except Exception as e:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
         h, w = img.shape[-2:]

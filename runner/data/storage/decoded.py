@@ -25,6 +25,7 @@ from runner.data.storage.base import (
     shared_empty,
     stack_images,
 )
+from runner.data.threads import RowPool
 
 
 class DecodedStorage(Dataset):
@@ -49,6 +50,7 @@ class DecodedStorage(Dataset):
     # what the model gets (dataset.image_size): a store at dataset.store_size is cropped
     # to it on the device (runner/data/augment.py); None: images are stored at it
     output_size: tuple[int, int] | None = None
+    _probe_rows: RowPool | None = None  # the verdict's probe gathers with its own threads
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *,
                  skipped: list[SkippedFile], classes: list[str], names: list[str],
@@ -95,18 +97,30 @@ class DecodedStorage(Dataset):
     def name_of(self, index: int) -> str:
         return self.names[int(self.slots[index])]
 
+    def label_tensor(self) -> torch.Tensor:
+        """Every image's class index, in storage order."""
+        return self.labels.index_select(0, self.slots)
+
     def __getitem__(self, index: int) -> Sample:
         index, valid = unpad(index)
         slot = int(self.slots[index])
         return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid)
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None
-               ) -> tuple[dict, list[SkippedFile]]:
-        """One batch with one indexed read of the image tensor (into ``out`` if given)."""
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None,
+               rows: RowPool | None = None) -> tuple[dict, list[SkippedFile]]:
+        """One batch with one indexed read of the image tensor (into ``out`` if given),
+        split over ``rows``' threads when given (runner/data/threads.py: why not torch's
+        intra-op threads)."""
         index, valid = split_padding(index)
         slots = index if self.contiguous_slots else self.slots.index_select(0, index)
         with timeline.span("gather"):
-            image = torch.index_select(self.images, 0, slots, out=out)
+            if rows is None:
+                image = torch.index_select(self.images, 0, slots, out=out)
+            else:
+                image = out if out is not None else torch.empty(
+                    (len(slots), *self.image_shape), dtype=self.images.dtype)
+                rows.run(lambda a, b: torch.index_select(self.images, 0, slots[a:b],
+                                                         out=image[a:b]), len(slots))
         batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
         if valid is not None:
             batch["valid"] = valid
@@ -133,12 +147,21 @@ class DecodedStorage(Dataset):
         return cycle_rows(images.contiguous(), n)
 
     def probes(self, batch_size: int) -> dict[str, Probe]:
-        """The batched gather of a random batch into a preallocated buffer."""
+        """The batched gather of a random batch into a preallocated buffer, on the threads
+        the loader gathers with."""
         out = torch.empty((batch_size, *self.image_shape), dtype=self.images.dtype)
         generator = torch.Generator().manual_seed(0)
+        self._probe_rows = self._probe_rows or RowPool()
 
         def gather() -> int:
             index = torch.randperm(len(self), generator=generator)[:batch_size].sort().values
-            return len(self.gather(index, out=out[: len(index)])[0]["image"])
+            return len(self.gather(index, out=out[: len(index)],
+                                   rows=self._probe_rows)[0]["image"])
 
         return {"gather": gather}
+
+    def close(self) -> None:
+        """Stop the probe's threads, if the verdict started them."""
+        rows, self._probe_rows = self._probe_rows, None
+        if rows is not None:
+            rows.close()

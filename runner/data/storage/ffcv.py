@@ -137,11 +137,13 @@ class _Stored(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        from PIL import Image, ImageOps
+        from PIL import Image
+
+        from runner.data.storage.decode import upright_rgb
 
         path, label = self.samples[i]
         with Image.open(path) as img:
-            img = ImageOps.exif_transpose(img).convert("RGB")
+            img = upright_rgb(img)
         h, w = stored_hw(img.height, img.width, self.spec.store_size, self.spec.side)
         if (h, w) != (img.height, img.width):
             img = img.resize((w, h), Image.Resampling.BILINEAR)

@@ -1,4 +1,5 @@
-"""``loader=folder``: an ImageFolder tree, every image read and decoded on every epoch."""
+"""``loader=folder``: a folder of images (or a manifest), every image read and decoded on
+every epoch; which images and labels: runner/data/storage/listing.py."""
 
 from __future__ import annotations
 
@@ -29,90 +30,17 @@ from runner.data.storage.decode import (
     check_decoder,
 )
 from runner.data.storage.encoded import ReadBytes
-from runner.errors import UserError
+from runner.data.storage.listing import (
+    DatasetError,
+    Listing,
+    list_images,
+    open_image_folder,
+    printable,
+)
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = (".jpg", ".jpeg", ".png")
-
-
-class DatasetError(UserError):
-    """The dataset folder is missing, empty or unusable; the message says which and why."""
-
-
 UNREADABLE = "unreadable"  # how the error of a file that could not be read begins
-
-
-def find_classes(root: Path) -> list[str]:
-    """Class folder names in the order ``torchvision.datasets.ImageFolder`` indexes them;
-    a class folder that is a link to nothing is left out, and said so."""
-    entries = list(os.scandir(root))
-    broken = sorted(e.name for e in entries if e.is_symlink() and not os.path.exists(e.path))
-    if broken:
-        log.warning("class folders that are links to nothing (left out, as ImageFolder "
-                    "does): %s", ", ".join(broken))
-    return sorted(entry.name for entry in entries if entry.is_dir())
-
-
-def printable(path: str) -> str:
-    """``path`` as valid UTF-8 text: bytes that are not UTF-8 (a file name from another
-    system's encoding) appear as ``\\xNN`` escapes instead of failing a write."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
-
-
-def _walk(top: Path) -> list[tuple[str, list[str]]]:
-    """(folder, file names) below ``top``, following links to folders as ImageFolder does,
-    but entering each real folder once: a link that loops back (``ln -s .. loop``) would
-    otherwise be walked until the path is too long, listing every image again each time."""
-    seen: set[tuple[int, int]] = set()
-    found = []
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
-        st = os.stat(dirpath)
-        if (st.st_dev, st.st_ino) in seen:
-            dirnames[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        found.append((dirpath, filenames))
-    return found
-
-
-def scan_images(root: Path, classes: list[str]) -> list[tuple[str, int]]:
-    """(path, class index) for every image, in ImageFolder's order (sorted walk per class)."""
-    samples = []
-    for label, name in enumerate(classes):
-        for dirpath, filenames in sorted(_walk(root / name)):
-            for filename in sorted(filenames):
-                if filename.lower().endswith(EXTENSIONS):
-                    samples.append((os.path.join(dirpath, filename), label))
-    return samples
-
-
-def open_image_folder(path: str | Path | None) -> tuple[list[str], list[tuple[str, int]]]:
-    """Classes and samples of an ImageFolder tree, or a DatasetError naming what is wrong."""
-    if path is None:
-        raise DatasetError("dataset.path is not set")
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise DatasetError(
-            f"dataset.path={str(path)!r} does not exist or is not a folder; point it at an "
-            "ImageFolder tree (one sub-folder per class), or leave it unset for the default dataset"
-        )
-    classes = find_classes(root)
-    if not classes:
-        raise DatasetError(
-            f"dataset.path={str(path)!r} has no class folders; expected one sub-folder per class"
-        )
-    samples = scan_images(root, classes)
-    if not samples:
-        raise DatasetError(
-            f"dataset.path={str(path)!r} has no {'/'.join(EXTENSIONS)} files in its class folders"
-        )
-    present = {label for _, label in samples}
-    empty = [c for i, c in enumerate(classes) if i not in present]
-    if empty:
-        log.warning("class folders with no images (kept, so indices match ImageFolder): %s",
-                    ", ".join(empty))
-    return classes, samples
 
 
 def read_file(path: str) -> bytearray:
@@ -133,18 +61,20 @@ class FolderStorage(torch.utils.data.Dataset):
     """Reads and decodes one file per item (the ``Storage`` protocol, runner/data/storage/base.py).
 
     Args:
-        path: the ImageFolder root.
+        path: the folder (class folders, or unlabelled images) or a manifest.
         decode: bytes -> CHW uint8 tensor of the output size (an ``ImageDecoder``), or
             ``ReadBytes`` when the GPU decodes (loader.decoder=nvjpeg).
         on_corrupt: skip (return a SkippedFile, counted by the loop) or fail (raise with the path).
+        listing: the images, when listed already (else: ``path`` as class folders).
     """
 
     decodes_per_epoch = True
     image_bytes = None  # one file per image
 
-    def __init__(self, path: str | Path, decode: ImageDecoder | ReadBytes, on_corrupt: OnCorrupt):
-        self.root = Path(path).expanduser()
-        self.classes, self.samples = open_image_folder(path)
+    def __init__(self, path: str | Path, decode: ImageDecoder | ReadBytes, on_corrupt: OnCorrupt,
+                 listing: Listing | None = None):
+        listing = listing or open_image_folder(path)
+        self.root, self.classes, self.samples = listing.root, listing.classes, listing.samples
         self.decode = decode
         self.on_corrupt = on_corrupt
         self.known_skipped: list[SkippedFile] = []
@@ -246,9 +176,10 @@ class FolderStorage(torch.utils.data.Dataset):
     def pack(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.decode.pack(images)
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None, rows=None
                ) -> tuple[dict | None, list[SkippedFile]]:
-        """One batch decoded in this process, each image written into ``out`` (when given)."""
+        """One batch decoded in this process, each image written into ``out`` (when given);
+        decoding threads are the threaded loader's (``rows`` is for gathers)."""
         items = self.__getitems__(index.tolist())
         samples = [s for s in items if isinstance(s, Sample)]
         skipped = [s for s in items if isinstance(s, SkippedFile)]
@@ -327,7 +258,7 @@ def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
 
 def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True, decode: ImageDecoder | None = None) -> FolderStorage:
-    """The image folder at ``path``, each image decoded on every epoch with
+    """The images at ``path`` (a folder or a manifest), each decoded on every epoch with
     ``loader.decoder`` at ``dataset.image_size`` and ``dataset.crop`` (or with ``decode``:
     a store built from the folder decodes its own way)."""
     if decode is None:
@@ -336,7 +267,7 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                               loader.draft)
         if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
             decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop))
-    return FolderStorage(path, decode, dataset.on_corrupt)
+    return FolderStorage(path, decode, dataset.on_corrupt, list_images(dataset, path))
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:

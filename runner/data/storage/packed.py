@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import simplejpeg
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 from tqdm import tqdm
 
 from runner.config import DatasetConfig, LoaderConfig, StorageName, StoreSide
@@ -55,7 +55,12 @@ from runner.data.storage.cache import (
     reserve,
     skipped_files,
 )
-from runner.data.storage.decode import CPU_DECODERS, CorruptImageError, read_jpeg_header
+from runner.data.storage.decode import (
+    CPU_DECODERS,
+    CorruptImageError,
+    read_jpeg_header,
+    upright_rgb,
+)
 from runner.data.storage.folder import FolderStorage, open_folder
 
 log = logging.getLogger(__name__)
@@ -150,7 +155,7 @@ def encode_stored(data: bytes | bytearray, spec: PackedSpec) -> tuple[bytes, int
             w, h = img.size
             th, tw = stored_hw(*((w, h) if swap else (h, w)), spec.store_size, spec.side)
             img.draft("RGB", (th, tw) if swap else (tw, th))  # JPEG: the DCT scale >= target
-            img = ImageOps.exif_transpose(img).convert("RGB")
+            img = upright_rgb(img)
             if img.size != (tw, th):
                 img = img.resize((tw, th), Image.Resampling.BILINEAR)
             pixels = np.ascontiguousarray(np.asarray(img))

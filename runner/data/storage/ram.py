@@ -24,7 +24,8 @@ from runner.data.storage.base import StorageKind, image_nbytes, shared_empty
 from runner.data.storage.cache import check_skipped, chunk_ranges, skipped_files, valid_cache
 from runner.data.storage.decode import CPU_DECODERS
 from runner.data.storage.decoded import DecodedStorage
-from runner.data.storage.folder import DatasetError, FolderStorage
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.listing import DatasetError
 from runner.data.storage.memmap import (
     IMAGES,
     MemmapSpec,

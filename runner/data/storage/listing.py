@@ -1,0 +1,281 @@
+"""Which images a dataset holds, with their labels: class folders, a flat folder of unlabelled
+images, or a manifest (``dataset.path``, ``dataset.labels``, ``dataset.manifest``).
+
+- **class folders** (``torchvision.datasets.ImageFolder``'s layout and order): one sub-folder
+  per class, images found recursively in each; links are followed as ImageFolder follows
+  them, except a folder link that leads back to the root or into another class (its images
+  would be listed again under the wrong label), which is said and not entered.
+- **unlabelled**: every image under the folder, recursively, in sorted order, named by its
+  path relative to the folder. ``dataset.labels=auto`` (the default) takes a folder with
+  images of its own at the top as unlabelled; ``dataset.labels=none`` forces it for any
+  folder. Labels are ``-1``; training refuses such data, inference writes what it predicts.
+- **a manifest**: a CSV (a header row) or JSON-lines file with a ``path`` column (relative to
+  the manifest's folder, or absolute) and, optionally, a ``label`` column: a class index or a
+  class name (names are indexed in sorted order, as folders are).
+
+Images are the files PIL reads: JPEG, PNG, WebP, BMP, TIFF, GIF (the first frame), by their
+extension in a folder; anything a manifest lists. Files of other extensions are counted and
+said, never silently left out; a listed file that is no image is skipped at its first read
+with its reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.config import DatasetConfig, Labels
+from runner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".dib", ".tif",
+              ".tiff", ".gif")
+UNLABELLED = -1  # the label of an image that has none
+
+
+class DatasetError(UserError):
+    """The dataset folder is missing, empty or unusable; the message says which and why."""
+
+
+def printable(path: str) -> str:
+    """``path`` as valid UTF-8 text: bytes that are not UTF-8 (a file name from another
+    system's encoding) appear as ``\\xNN`` escapes instead of failing a write."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+@dataclass
+class Listing:
+    """A dataset's images in storage order.
+
+    Attributes:
+        root: what the images' names are relative to (the folder, or the manifest's folder).
+        classes: class names by index; empty for unlabelled images.
+        samples: (path, label) per image; the label is ``UNLABELLED`` (-1) when there is none.
+        how: "class folders", "unlabelled" or "manifest".
+    """
+
+    root: Path
+    classes: list[str]
+    samples: list[tuple[str, int]]
+    how: str
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.classes)
+
+
+def is_image_name(name: str) -> bool:
+    return name.lower().endswith(EXTENSIONS)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def walk(top: Path, refuse: list[str] = ()) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(folder, file names) below ``top``, following links to folders as ImageFolder does,
+    but entering each real folder once (a link that loops back, ``ln -s .. loop``, would
+    otherwise be walked until the path is too long), and never a folder whose real path is
+    inside one of ``refuse`` or holds ``refuse[0]`` (the dataset's root). Returns what was
+    walked and the links that were not."""
+    seen: set[tuple[int, int]] = set()
+    found, refused = [], []
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        real = os.path.realpath(dirpath)
+        if refuse and dirpath != str(top) and (
+                _inside(refuse[0], real) or any(_inside(real, r) for r in refuse[1:])):
+            refused.append(dirpath)
+            dirnames[:] = []
+            continue
+        found.append((dirpath, filenames))
+    return found, refused
+
+
+class Ignored:
+    """Files of a folder that are not images by their names: counted, said once."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def keep(self, dirpath: str, filename: str) -> bool:
+        if is_image_name(filename):
+            return True
+        if not filename.startswith("."):  # hidden files (.DS_Store) are nobody's images
+            self.names.append(os.path.join(dirpath, filename))
+        return False
+
+    def say(self, root: Path) -> None:
+        if self.names:
+            kinds = sorted({Path(n).suffix.lower() or "(none)" for n in self.names})
+            log.warning("%d files under %s are not images by their names (%s) and were left "
+                        "out, e.g. %s; images are %s", len(self.names), printable(str(root)),
+                        ", ".join(kinds[:8]), printable(self.names[0]), " ".join(EXTENSIONS))
+
+
+def find_classes(root: Path) -> list[str]:
+    """Class folder names in the order ``torchvision.datasets.ImageFolder`` indexes them;
+    a class folder that is a link to nothing is left out, and said so."""
+    entries = list(os.scandir(root))
+    broken = sorted(e.name for e in entries if e.is_symlink() and not os.path.exists(e.path))
+    if broken:
+        log.warning("class folders that are links to nothing (left out, as ImageFolder "
+                    "does): %s", ", ".join(broken))
+    return sorted(entry.name for entry in entries if entry.is_dir())
+
+
+def scan_images(root: Path, classes: list[str]) -> list[tuple[str, int]]:
+    """(path, class index) for every image, in ImageFolder's order (sorted walk per class).
+
+    Links are followed as ImageFolder follows them, with one exception, said in a warning:
+    a folder link that leads back to the root, or into another class's folder, is not
+    entered (its images would be listed again, under the wrong label).
+    """
+    real = {name: os.path.realpath(root / name) for name in classes}
+    samples, refused, ignored = [], [], Ignored()
+    for label, name in enumerate(classes):
+        if any(real[name] == real[other] for other in classes[:label]):
+            refused.append(str(root / name))  # a second name for a class folder listed already
+            continue
+        others = [r for other, r in real.items() if other != name and r != real[name]]
+        walked, links = walk(root / name, [os.path.realpath(root), *others])
+        refused += links
+        for dirpath, filenames in sorted(walked):
+            for filename in sorted(filenames):
+                if ignored.keep(dirpath, filename):
+                    samples.append((os.path.join(dirpath, filename), label))
+    if refused:
+        log.warning("%d folder link(s) lead back to the dataset's root or into another class "
+                    "and were not followed (their images would be listed again under another "
+                    "label): %s", len(refused), ", ".join(printable(p) for p in refused[:5]))
+    ignored.say(root)
+    return samples
+
+
+def scan_unlabelled(root: Path) -> list[tuple[str, int]]:
+    """Every image under ``root``, recursively, in sorted order, unlabelled."""
+    samples, ignored = [], Ignored()
+    walked, _ = walk(root, [os.path.realpath(root)])
+    for dirpath, filenames in sorted(walked):
+        for filename in sorted(filenames):
+            if ignored.keep(dirpath, filename):
+                samples.append((os.path.join(dirpath, filename), UNLABELLED))
+    ignored.say(root)
+    return samples
+
+
+def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> Listing:
+    """The images of a folder: class folders, or unlabelled (``labels``); a DatasetError
+    naming what is wrong."""
+    if path is None:
+        raise DatasetError("dataset.path is not set")
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise DatasetError(
+            f"dataset.path={str(path)!r} does not exist or is not a folder; point it at a "
+            "folder of images (one sub-folder per class, or the images themselves), or give "
+            "dataset.manifest=<file.csv>, or leave both unset for the default dataset")
+    top = [e.name for e in os.scandir(root) if e.is_file() and is_image_name(e.name)]
+    classes = [] if labels is Labels.none else find_classes(root)
+    if labels is Labels.none or (labels is Labels.auto and (top or not classes)):
+        samples = scan_unlabelled(root)
+        if not samples:
+            raise DatasetError(f"dataset.path={str(path)!r} holds no images "
+                               f"({' '.join(EXTENSIONS)})")
+        why = "dataset.labels=none" if labels is Labels.none else "it has images of its own"
+        log.info("dataset.path=%s: %d unlabelled images (%s; read recursively, in sorted "
+                 "order, named by their path in the folder)", printable(str(root)),
+                 len(samples), why)
+        return Listing(root, [], samples, "unlabelled")
+    if not classes:
+        raise DatasetError(f"dataset.path={str(path)!r} has no class folders (dataset.labels="
+                           "folders): one sub-folder per class, or dataset.labels=auto")
+    samples = scan_images(root, classes)
+    if not samples:
+        raise DatasetError(f"dataset.path={str(path)!r} has no images in its class folders "
+                           f"({' '.join(EXTENSIONS)})")
+    present = {label for _, label in samples}
+    empty = [c for i, c in enumerate(classes) if i not in present]
+    if empty:
+        log.warning("class folders with no images (kept, so indices match ImageFolder): %s",
+                    ", ".join(empty))
+    return Listing(root, classes, samples, "class folders")
+
+
+def _manifest_rows(path: Path) -> list[dict]:
+    """The rows of a CSV (with a header) or JSON-lines manifest."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"dataset.manifest={path} cannot be read: {e}") from e
+    if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
+        rows = []
+        for k, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DatasetError(f"dataset.manifest={path}, line {k}: not JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise DatasetError(f"dataset.manifest={path}, line {k}: not an object")
+            rows.append(row)
+        return rows
+    return list(csv.DictReader(text.splitlines()))
+
+
+def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
+    """The images a manifest lists, in its order, with their labels (a ``label`` column of
+    class indices or names; none, or ``dataset.labels=none``: unlabelled)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"dataset.manifest={path} does not exist or is not a file; give a "
+                           "CSV (header: path[,label]) or a JSON-lines file")
+    rows = _manifest_rows(path)
+    if not rows:
+        raise DatasetError(f"dataset.manifest={path} lists no images")
+    if "path" not in rows[0]:
+        raise DatasetError(f"dataset.manifest={path} has no 'path' column (its columns: "
+                           f"{', '.join(map(str, rows[0]))}); give each image's path, relative "
+                           "to the manifest's folder")
+    root = path.parent
+    files = []
+    for k, row in enumerate(rows, 1):
+        if not str(row.get("path") or "").strip():
+            raise DatasetError(f"dataset.manifest={path}: image {k} has an empty path")
+        files.append(str(root / str(row["path"]).strip()))
+    raw = [row.get("label") for row in rows]
+    given = [r not in (None, "") for r in raw]
+    if labels is Labels.none or not any(given):
+        return Listing(root, [], [(f, UNLABELLED) for f in files], "manifest")
+    if not all(given):
+        raise DatasetError(f"dataset.manifest={path}: image {given.index(False) + 1} has no "
+                           "label while others do; label every image, or none "
+                           "(dataset.labels=none)")
+    values = [str(r).strip() for r in raw]
+    if all(v.lstrip("-").isdigit() for v in values):
+        indices = [int(v) for v in values]
+        if min(indices) < 0:
+            raise DatasetError(f"dataset.manifest={path}: a label is negative ({min(indices)})")
+        classes = [str(i) for i in range(max(indices) + 1)]
+    else:
+        classes = sorted(set(values))
+        indices = [classes.index(v) for v in values]
+    return Listing(root, classes, list(zip(files, indices)), "manifest")
+
+
+def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
+    """What ``dataset.*`` lists at ``path``: a manifest file, or a folder."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return read_manifest(path, dataset.labels)
+    return open_image_folder(path, dataset.labels)
