@@ -23,6 +23,8 @@ ratios over alternating rounds.
 
 ``python -m runner.bench gil``: whether each decoder releases the GIL: the same files
 decoded by one thread and by one thread per core.
+
+``python -m runner.bench infer``: an inference job with three models (runner/bench_infer.py).
 """
 
 from __future__ import annotations
@@ -668,7 +670,28 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--burner-threads", type=int, default=2)
     c.add_argument("--out", type=Path, default=Path("outputs/bench"))
     c.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    i = sub.add_parser("infer", help="an inference job with three models: the runner's one "
+                                     "pass against the naive script and three separate runs")
+    i.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    i.add_argument("--batch-size", type=int, default=32)
+    i.add_argument("--steps", type=int, default=25, help="steps of each runner job")
+    i.add_argument("--seconds", type=float, default=8.0, help="of the naive script a round")
+    i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    i.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     args = parser.parse_args(argv)
+    if args.command == "infer":
+        from runner.bench_infer import bench_infer
+
+        print(f"runner.bench infer on {platform.machine()} ({torch.get_num_threads()} "
+              f"threads, torch {torch.__version__})", flush=True)
+        result = bench_infer(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = args.out / f"infer-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+        out.write_text(json.dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
+                                  indent=2))
+        print(f"\nwritten to {out}")
+        return 0 if all(c["met"] for c in result["targets"]) else 1
     if args.command == "gil":
         bench_gil(args)
         return 0

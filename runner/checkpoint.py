@@ -241,6 +241,16 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
         raise CheckpointError(f"the checkpoint does not fit this model: {e}".splitlines()[0]
                               + " (same model.name and dataset classes?)") from e
     step.optimizer.load_state_dict(state["optimizer"])
+    # load_state_dict restores the saved groups' implementation options too (a CPU run's
+    # fused=None on a CUDA run whose GradScaler then hands the foreach path grad_scale, or
+    # a CUDA run's fused=True on the CPU): this run's device decides them
+    from runner.task import optimizer_options
+
+    options = optimizer_options(next(network(step.model).parameters()).device)
+    for group in step.optimizer.param_groups:
+        for key in ("fused", "foreach"):
+            if key in group:
+                group[key] = options.get(key)
     if state.get("scaler"):
         step.scaler.load_state_dict(state["scaler"])
     log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,

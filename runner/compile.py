@@ -31,12 +31,14 @@ from runner.config import (
     CompileName,
     Config,
     EngineFormat,
+    ModelConfig,
     TaskName,
+    model_configs,
 )
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.metrics import synchronize
-from runner.model import build_model
+from runner.model import build_model, main_output
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,7 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
                                         max_shape=tuple(x.shape), dtype=dtype)
             engine = torch_tensorrt.compile(backbone_in(backbone, dtype), ir="dynamo",
                                             inputs=[spec], enabled_precisions={dtype})
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            tmp = temporary_of(path)
             torch_tensorrt.save(engine, str(tmp), output_format=fmt, arg_inputs=[x],
                                 dynamic_shapes=batch_dynamic_shapes(x.shape[0]), retrace=True)
             os.replace(tmp, path)  # published whole: a reader never sees half an engine
@@ -142,6 +144,13 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     engine = torch.jit.load(str(path)) if fmt == "torchscript" else \
         torch_tensorrt.load(str(path)).module()
     return _HeadThenEngine(head, engine, dtype)
+
+
+def temporary_of(path: Path) -> Path:
+    """Where an engine is written before it is published: hidden, this process's, and with
+    the engine's suffix (torch.export.save warns on a file without .pt2 and says it will
+    become an error)."""
+    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
 
 
 def engine_head(head: nn.Module) -> nn.Module:
@@ -249,7 +258,7 @@ def _warm(model: nn.Module, compiled: nn.Module, example: torch.Tensor, shapes: 
         if train:
             with context:
                 out = compiled(x)
-            out.float().sum().backward()
+            main_output(out).float().sum().backward()
         else:
             with torch.inference_mode(), context:
                 compiled(x)
@@ -264,10 +273,10 @@ def verify(model: nn.Module, compiled: nn.Module, example: torch.Tensor, cfg: Co
     saved = copy.deepcopy(model.state_dict()) if train else None
     dtype = DTYPES[amp.name]
     with torch.no_grad(), autocast(amp, example.device):
-        expected = model(example).float()
+        expected = main_output(model(example)).float()
     compiled_amp = amp if uses_autocast(cfg) else AmpConfig(AmpName.off)
     with torch.no_grad(), autocast(compiled_amp, example.device):
-        got = compiled(example).float()
+        got = main_output(compiled(example)).float()
     if saved is not None:
         model.load_state_dict(saved)  # two train-mode forwards moved the BN statistics
     scale = max(1.0, expected.abs().max().item())
@@ -291,11 +300,14 @@ def step_amp(config: Config) -> AmpConfig:
 
 @dataclasses.dataclass
 class RunModels:
-    """The models of a run, compiled and verified, and what that cost."""
+    """The models of a run, compiled and verified, and what that cost; ``configs`` and
+    ``networks`` (the eager ones) by the same names."""
 
     models: dict[str, nn.Module]
     compile_seconds: float = 0.0
     max_diff: dict[str, float] = dataclasses.field(default_factory=dict)
+    configs: dict[str, ModelConfig] = dataclasses.field(default_factory=dict)
+    networks: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
 
     def figures(self) -> dict[str, Any]:
         out: dict[str, Any] = {"compile_seconds": self.compile_seconds}
@@ -304,13 +316,15 @@ class RunModels:
         return out
 
 
-def build_models(config: Config, storage, device: torch.device, ranks: Ranks) -> RunModels:
-    """``model=`` (or every model of ``models=[...]``) on ``device``: built for the
-    storage's classes, a DDP replica when training under torch.distributed, compiled with
-    ``compile=`` on one real batch of the storage and every batch size the run will see, and
-    verified against eager (``compile.verify``). ``model=none``: no model."""
-    names = config.models or [config.model.name]
-    if names == ["none"]:
+def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
+                 before_compile: Callable[[str, nn.Module], None] | None = None) -> RunModels:
+    """``model=`` (or every model of ``models=[...]``, each with its own source, weights,
+    classes and normalization) on ``device``: a DDP replica when training under
+    torch.distributed, compiled with ``compile=`` on one real batch of the storage and every
+    batch size the run will see, and verified against eager (``compile.verify``).
+    ``before_compile(name, eager model)`` runs first (output taps). ``model=none``: none."""
+    configs = model_configs(config)
+    if [m.name for m in configs] == ["none"]:
         return RunModels({})
     train = config.task.name is TaskName.train
     if train and len(storage.classes) == 1:
@@ -329,10 +343,12 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks) ->
     example = storage.example(bs).to(device)
     cache = Path(config.dataset.cache_dir).expanduser() / "tensorrt"
     out = RunModels({})
-    for name in names:
-        model = build_model(dataclasses.replace(config.model, name=name), len(storage.classes),
-                            device)
+    for cfg in configs:
+        name = cfg.label
+        model = build_model(cfg, len(storage.classes), device, train)
         model.train(train)  # before tracing: BN mode is baked in
+        if before_compile is not None:
+            before_compile(name, model)
         model = replicate(model, ranks, device) if train else model
         compiled, seconds = compile_model(model, config.compile, config.amp, config.task.name,
                                           example, shapes, cache)
@@ -340,5 +356,5 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks) ->
         if config.compile.verify and compiled is not model:
             out.max_diff[name] = verify(model, compiled, example, config.compile, config.amp,
                                         train)
-        out.models[name] = compiled
+        out.models[name], out.configs[name], out.networks[name] = compiled, cfg, model
     return out

@@ -9,12 +9,10 @@ does, for commands and tests that run outside a Hydra job.
 
 from __future__ import annotations
 
-import dataclasses
-
 from omegaconf import DictConfig, OmegaConf
 
 from runner.commandline import register_configs
-from runner.config import Config, config_dir
+from runner.config import Config, config_dir, model_configs
 from runner.data.storage import check_loader
 from runner.errors import ConfigError
 from runner.model import check_model
@@ -22,8 +20,8 @@ from runner.model import check_model
 
 def check_models(config: Config) -> None:
     """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
-    for name in config.models or [config.model.name]:
-        check_model(dataclasses.replace(config.model, name=name))
+    for model in model_configs(config):
+        check_model(model)
 
 
 def to_config(cfg: DictConfig) -> Config:

@@ -444,6 +444,12 @@ class Config:
     def __post_init__(self) -> None:
         if self.models and not isinstance(self.model, str):
             model_configs(self)  # every entry checked: its keys, values and name
+        if not isinstance(self.model, str) and not isinstance(self.dataset, str):
+            # one decode feeds every model: at the largest size a model of the pass takes
+            sizes = [list(m.image_size) for m in model_configs(self) if m.image_size]
+            largest = max([list(self.dataset.image_size), *sizes], key=lambda hw: hw[0] * hw[1])
+            if largest != list(self.dataset.image_size):
+                self.dataset.image_size = largest
         if self.models and not isinstance(self.task, str) and self.task.name is not TaskName.infer:
             raise ConfigError(f"models={list(self.models)} runs several models in one "
                               "inference pass: it needs task=infer")
@@ -451,10 +457,12 @@ class Config:
         if not isinstance(self.loader, str) and not isinstance(self.task, str) \
                 and self.loader.shuffle is None:  # infer reads in dataset order unless asked
             self.loader.shuffle = self.task.name is TaskName.train
-        if self.resume is not None and not isinstance(self.task, str) \
+        if self.resume not in (None, "auto") and not isinstance(self.task, str) \
                 and self.task.name is not TaskName.train:
-            raise ConfigError(f"resume={self.resume} continues training: it needs task=train "
-                              "(to infer with trained weights, use model.weights=PATH)")
+            raise ConfigError(f"resume={self.resume} continues training from a checkpoint: it "
+                              "needs task=train (to infer with trained weights, use "
+                              "model.weights=PATH; resume=auto continues a stopped inference "
+                              "run in its folder)")
         if self.dataset.val_path is not None and not isinstance(self.task, str) and (
                 self.task.name is not TaskName.train
                 or (not isinstance(self.model, str) and self.model.name == "none")):

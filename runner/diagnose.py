@@ -150,7 +150,7 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
     scale = _parallelism(cfg, storage) if storage.decodes_per_epoch else 1
     # a DataLoader worker, or a decode thread, runs torch ops on one thread
     with torch_threads(1 if scale > 1 or cfg.loader.num_workers > 0 else None):
-        for stage, fn in storage.probes(bs).items():
+        for stage, fn in storage.probes(bs, device).items():
             ceilings.add(stage, [scale * rate for rate in probe(fn)])
     if device.type == "cuda":
         shape = (bs, 3, *cfg.dataset.image_size)

@@ -161,9 +161,10 @@ class Windows:
         if timed == 0:
             self.begin()
         elif timed > 0 and (timed % self.o.log_every == 0 or timed in self.ends):
+            first = self.repeat == 0  # before close(), which moves on at a repeat's end
             figures = self.close()
             self.bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
-            if self.repeat == 0 and self.o.extend is not None and self.o.min_window_seconds > 0:
+            if first and self.o.extend is not None and self.o.min_window_seconds > 0:
                 self.lengthen()
             self.clock.open_window(sync=False)  # logging is the runner's, not the pipeline's
 
@@ -190,6 +191,8 @@ class Windows:
         self.total = self.warmup + needed
         self.ends = [max(e, self.timed) for e in repeat_split(needed, o.repeats)]
         result.repeats += [Window() for _ in range(len(self.ends) - len(result.repeats))]
+        if self.timed < self.ends[0]:  # the first repeat, ended early, goes on
+            self.repeat = 0
         self.bar.total = self.total
         o.extend(self.total)
 

@@ -215,9 +215,10 @@ class StepClock:
             spent = time.perf_counter() - start
             self._start += spent
             self._paused += spent
-            # the device idles through this work too: the next step's gap is not the data
-            # path's (validation, a checkpoint, an eviction), so no gap spans it
-            self._last_end = None
+            # the device idles through this work too, which is not the data path's
+            # (validation, a checkpoint, an eviction): the next step's gap starts now, at
+            # its end (forgetting the moment would drop that gap while its data wait counts)
+            self._last_end = self.clock.now() if self.cuda else None
 
     def take_paused(self) -> float:
         spent, self._paused = self._paused, 0.0
@@ -254,9 +255,12 @@ class StepClock:
         synchronized), when nothing was queued on the device since: one sync per window."""
         if sync:
             synchronize(self.device)
-        self._window, self._events, self._last_end = self._empty(), [], None
+        self._window, self._events = self._empty(), []
         self._shared.restart()  # before the clock starts: reading /proc is the runner's
         self._start = time.perf_counter()
+        # the device is idle now (synchronized): the first step's gap is counted from here,
+        # as its data wait is from the window's start
+        self._last_end = self.clock.now() if self.cuda else None
 
     def close_window(self) -> Window:
         """Sync, resolve the events and return the window's totals.

@@ -1,13 +1,24 @@
-"""``model=``: tiny, none, any torchvision or timm classifier, or your own ``nn.Module``;
-every model takes uint8 NCHW.
+"""``model=``: tiny, none, any torchvision classifier or segmentation model, any timm
+classifier, or your own ``nn.Module``; every model takes uint8 NCHW.
 
-The first layer, ``UInt8Input``, converts to float and normalizes on whatever device the
-model lives on, so only uint8 bytes cross from the loader (4x fewer than float32).
+The first layer, ``UInt8Input``, converts to float and normalizes with the model's own
+``model.mean``/``model.std`` (0..1 pixel units, ImageNet's by default) on whatever device the
+model lives on, so only uint8 bytes cross from the loader (4x fewer than float32); with
+``model.image_size`` it also resizes the batch there (antialiased bilinear), so one decode
+feeds models that take different sizes.
+
+The class count: ``model.num_classes``; unset, the head is sized from ``model.weights``
+(the network is built once with a probe count and the weights' tensors whose first
+dimension differs exactly there give it), else the dataset's classes (1000 for
+unlabelled images, 21 for a segmentation model). Training from weights with another class
+count than the dataset's replaces the head only with ``model.replace_head=true``: every
+tensor whose shape differs is left at its new initialization, and the log names them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +30,15 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def main_output(out: Any) -> torch.Tensor:
+    """A model's prediction: the tensor, or the ``out`` of a segmentation model's dict."""
+    if isinstance(out, dict):
+        return out["out"]
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
 class UInt8Input(nn.Module):
     """uint8 [0, 255] NCHW -> normalized float, as the network's first layer.
 
@@ -26,20 +46,26 @@ class UInt8Input(nn.Module):
     never materializes a float32 copy of the batch.
     """
 
-    def __init__(self, channels_last: bool = False):
+    def __init__(self, channels_last: bool = False, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                 size: tuple[int, int] | None = None):
         super().__init__()
-        mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
-        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+        mean = torch.tensor([float(v) for v in mean]).view(1, 3, 1, 1) * 255
+        std = torch.tensor([float(v) for v in std]).view(1, 3, 1, 1) * 255
         # (x - mean) / std as one fused multiply-add: x * scale + shift
         self.register_buffer("scale", 1.0 / std, persistent=False)
         self.register_buffer("shift", -mean / std, persistent=False)
         self.channels_last = channels_last
+        self.size = tuple(int(v) for v in size) if size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.float32
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
         x = torch.addcmul(self.shift.to(dtype), x.to(dtype), self.scale.to(dtype))
+        if self.size is not None and tuple(x.shape[-2:]) != self.size:
+            # normalizing is affine, so resizing after it equals resizing the pixels first
+            x = nn.functional.interpolate(x, size=self.size, mode="bilinear",
+                                          align_corners=False, antialias=True)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
@@ -82,6 +108,17 @@ def torchvision_classifiers() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def torchvision_segmenters() -> list[str]:
+    """torchvision's segmentation builders (fcn_resnet50, deeplabv3_*, lraspp_*)."""
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models.segmentation))
+
+
+def is_segmenter(cfg: ModelConfig) -> bool:
+    return cfg.source is ModelSource.torchvision and cfg.name in torchvision_segmenters()
+
+
 def _closest(name: str, known: list[str]) -> str:
     import difflib
 
@@ -97,13 +134,13 @@ def check_model(cfg: ModelConfig) -> None:
     if cfg.source is ModelSource.torchvision:
         if cfg.name in ("none", *OWN):
             return
-        known = torchvision_classifiers()
+        known = torchvision_classifiers() + torchvision_segmenters()
         if cfg.name not in known:
             raise ConfigError(
-                f"model.name={cfg.name} is not a torchvision classification model"
-                f"{_closest(cfg.name, known)}; choose tiny, none or one of torchvision's "
-                f"{len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, convnext_tiny), "
-                "or model=timm / model=custom")
+                f"model.name={cfg.name} is not a torchvision classification or segmentation "
+                f"model{_closest(cfg.name, known)}; choose tiny, none or one of torchvision's "
+                f"{len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, convnext_tiny, "
+                "deeplabv3_mobilenet_v3_large), or model=timm / model=custom")
     elif cfg.source is ModelSource.custom:
         if not cfg.target or ":" not in cfg.target:
             raise ConfigError(
@@ -117,6 +154,11 @@ def _torchvision(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
     if name in OWN:
         return OWN[name](num_classes)
     # weights=None: random init, nothing is downloaded (model.weights loads a local file)
+    if name in torchvision_segmenters():  # nor the backbone's weights
+        aux = cfg.kwargs.get("aux_loss", name != "lraspp_mobilenet_v3_large" and None)
+        extra = {} if name.startswith("lraspp") else {"aux_loss": aux}
+        return torchvision.models.get_model(name, weights=None, weights_backbone=None,
+                                            num_classes=num_classes, **extra)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
@@ -177,8 +219,8 @@ def network_state(state: dict) -> dict:
     return state
 
 
-def load_weights(backbone: nn.Module, path: str) -> None:
-    """A local state_dict into the network, strictly: a mismatch names the keys."""
+def read_weights(path: str) -> dict:
+    """The state_dict in a local weights file; a ConfigError naming the fix."""
     from runner.config import ConfigError
 
     file = Path(path).expanduser()
@@ -186,9 +228,65 @@ def load_weights(backbone: nn.Module, path: str) -> None:
         raise ConfigError(f"model.weights={path}: no such file (a local state_dict saved "
                           "with torch.save(model.state_dict(), PATH), or a checkpoint.pt)")
     try:
-        state = network_state(torch.load(file, map_location="cpu", weights_only=True))
+        return network_state(torch.load(file, map_location="cpu", weights_only=True))
     except Exception as e:
         raise ConfigError(f"model.weights={path} cannot be read as a state_dict: {e}") from e
+
+
+PROBE_CLASSES = 7  # a class count no checkpoint has, to find the head's tensors by
+
+
+def classes_in_weights(cfg: ModelConfig, state: dict) -> int | None:
+    """The class count a state_dict was trained with: the first dimension of the tensors
+    that follow the class count (built with PROBE_CLASSES, they are the ones of that size
+    whose saved shape differs). None when nothing tells."""
+    probe = BACKBONES[cfg.source](cfg.name, PROBE_CLASSES, _with_aux(cfg, state))
+    counts = {int(state[k].shape[0]) for k, v in probe.state_dict().items()
+              if k in state and v.dim() >= 1 and v.shape[0] == PROBE_CLASSES
+              and tuple(state[k].shape) != tuple(v.shape)}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _with_aux(cfg: ModelConfig, state: dict | None) -> ModelConfig:
+    """A segmentation model whose weights hold an auxiliary head is built with one."""
+    if state is not None and any(k.startswith("aux_classifier.") for k in state) \
+            and "aux_loss" not in cfg.kwargs:
+        import dataclasses
+
+        return dataclasses.replace(cfg, kwargs={**cfg.kwargs, "aux_loss": True})
+    return cfg
+
+
+def class_count(cfg: ModelConfig, dataset_classes: int, state: dict | None, train: bool) -> int:
+    """How many classes the model's head has (the module docstring says how it is chosen)."""
+    from runner.config import ConfigError
+
+    if cfg.num_classes is not None:
+        return cfg.num_classes
+    from_weights = classes_in_weights(cfg, state) if state is not None else None
+    if train:
+        if from_weights is not None and from_weights != dataset_classes \
+                and not cfg.replace_head:
+            raise ConfigError(
+                f"model.weights={cfg.weights} has {from_weights} classes, the dataset "
+                f"{dataset_classes}: to fine-tune it on these classes set "
+                "model.replace_head=true (a new head), or train on the same classes")
+        return dataset_classes
+    if from_weights is not None:
+        return from_weights
+    if dataset_classes:
+        return dataset_classes
+    return 21 if is_segmenter(cfg) else 1000
+
+
+def load_weights(backbone: nn.Module, path: str, state: dict | None = None,
+                 replace_head: bool = False) -> None:
+    """A local state_dict into the network, strictly: a mismatch names the keys; with
+    ``replace_head`` the tensors whose shape differs (the head) keep their new values."""
+    from runner.config import ConfigError
+
+    if state is None:
+        state = read_weights(path)
     missing, unexpected = [], []
     own = backbone.state_dict()
     missing = [k for k in own if k not in state]
@@ -203,6 +301,15 @@ def load_weights(backbone: nn.Module, path: str) -> None:
             + (f"; unexpected keys: {some(unexpected)}" if unexpected else "")
             + " (same architecture and number of classes?)")
     shapes = [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
+    if shapes and replace_head:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "model.replace_head=true: %s from model.weights=%s not loaded (another class "
+            "count): a new head, trained from its initialization", ", ".join(shapes), path)
+        state = {k: v for k, v in state.items() if k not in shapes}
+        backbone.load_state_dict(state, strict=False)
+        return
     if shapes:
         k = shapes[0]
         raise ConfigError(f"model.weights={path}: {k} has shape {tuple(state[k].shape)}, the "
@@ -210,18 +317,25 @@ def load_weights(backbone: nn.Module, path: str) -> None:
     backbone.load_state_dict(state)
 
 
-def build_model(cfg: ModelConfig, num_classes: int, device: torch.device) -> nn.Module | None:
+def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
+                 train: bool = True) -> nn.Module | None:
     """The model on ``device`` with its uint8 input layer, or None for ``model=none``.
 
-    ``model[1]`` is the network itself (what checkpoints and ``model.weights`` hold).
+    ``num_classes`` is the dataset's class count (0: unlabelled); the head's own count is
+    ``class_count``'s. ``model[1]`` is the network itself (what checkpoints and
+    ``model.weights`` hold).
     """
     if cfg.name == "none" and cfg.source is ModelSource.torchvision:
         return None
-    backbone = BACKBONES[cfg.source](cfg.name, num_classes, cfg)
+    state = read_weights(cfg.weights) if cfg.weights else None
+    count = class_count(cfg, num_classes, state, train)
+    backbone = BACKBONES[cfg.source](cfg.name, count, _with_aux(cfg, state))
     backbone._runner_name = cfg.name
-    if cfg.weights:
-        load_weights(backbone, cfg.weights)
-    model = nn.Sequential(UInt8Input(cfg.channels_last), backbone)
+    if state is not None:
+        load_weights(backbone, cfg.weights, state, replace_head=cfg.replace_head)
+    model = nn.Sequential(UInt8Input(cfg.channels_last, cfg.mean, cfg.std,
+                                     cfg.image_size), backbone)
+    model.num_classes = count
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runner.config import Config, TaskName
+from runner.config import Config, TaskName, model_configs
 from runner.data.storage import STORAGES
 from runner.data.storage.listing import printable
 from runner.loop import LoopResult
@@ -50,7 +50,7 @@ def describe(cfg: Config) -> str:
               f"prefetch={cfg.prefetch.name.value}", f"amp={cfg.amp.name.value}",
               f"compile={cfg.compile.name.value}"]
     if cfg.models:
-        parts.append(f"models=[{','.join(cfg.models)}]")
+        parts.append(f"models=[{','.join(m.label for m in model_configs(cfg))}]")
     else:
         parts.append(f"model={cfg.model.name}")
     parts.append(f"task={cfg.task.name.value}")

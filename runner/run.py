@@ -21,8 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, outcome, results, timeline
-from runner.amp import check_amp
+from runner import checkpoint, outcome, outputs, results, timeline
+from runner.amp import autocast, check_amp
 from runner.compile import build_models, step_amp
 from runner.compose import to_config
 from runner.config import Config, TaskName, flatten, to_plain
@@ -44,7 +44,7 @@ from runner.errors import ConfigError, Interrupted
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.metrics import StepClock
-from runner.predictions import merge_rank_files, prediction_writers
+from runner.predictions import merge_rank_files
 from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
 from runner.stats import plural
 from runner.task import Step, Validation, make_step
@@ -141,6 +141,10 @@ class Job:
         self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
         # before the data path: the batch order goes on where the checkpoint stopped
         self.resumed = checkpoint.resumed(cfg, self.run_dir)
+        if cfg.task.name is TaskName.infer and cfg.resume == "auto":
+            self.resumed = outputs.load_state(self.run_dir)  # the outputs written so far
+            if self.resumed is not None:
+                checkpoint.check_fits(self.resumed, cfg, self.resumed["source"])
         self.data = data = build_data_path(cfg, device, ranks, start_step=self.start_step,
                                            progress=cfg.run.progress)
         if cfg.task.name is TaskName.train and cfg.model.name != "none" and not data.classes:
@@ -148,7 +152,7 @@ class Job:
                               "unlabelled ones (a flat folder, dataset.labels=none, or a "
                               "manifest without labels); give one sub-folder per class, or a "
                               "manifest with a label column")
-        if self.resumed is not None or (cfg.task.name is TaskName.train and cfg.task.checkpoint):
+        if self.resumed is not None or cfg.task.checkpoint or cfg.task.name is TaskName.infer:
             self.data_print = checkpoint.data_fingerprint(data.storage)  # what it trains on
         if self.resumed is not None:  # the same files, in the same order, or refused
             checkpoint.check_data(self.resumed, data.storage, self.resumed["source"])
@@ -193,10 +197,16 @@ class Job:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
         if self.resumed is not None:  # this run's own figures, and where it started
             figures.update(resumed_from=self.resumed["source"], start_step=self.start_step)
+        if cfg.task.name is TaskName.infer and cfg.task.write_predictions and self.models \
+                and ranks.main:  # every output of these steps is written: say how far
+            outputs.save_state(self.run_dir, self.start_step + result.steps, to_plain(cfg),
+                               self.data_print)
         if saves is not None:  # at the end, or where a signal stopped it (with its losses)
             losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
             path = saves.write(step, self.start_step + result.steps, data.steps_per_epoch, losses)
             figures["checkpoint"] = str(path) if path else None
+        if figures.get("write_wait_seconds") is not None and loop_seconds > 0:
+            figures["write_wait_frac"] = figures["write_wait_seconds"] / loop_seconds
         if timeline.enabled():
             figures.update(timeline.write(self.run_dir, result.step_spans, warmup,
                                           results.describe(cfg)))
@@ -254,14 +264,51 @@ class Job:
     def _setup_task(self, data: DataPath, device: torch.device, total_steps: int) -> Step:
         """The model or models (built, compiled, verified), then the task's step."""
         cfg = self.config
-        built = build_models(cfg, data.storage, device, self.ranks)
+        infer = cfg.task.name is TaskName.infer
+        reducers: dict[str, outputs.Reduce] = {}
+
+        def tap(name: str, model: torch.nn.Module) -> None:  # before compiling: its hooks
+            if infer:
+                reducers[name] = outputs.Reduce(cfg.task, model[1])
+
+        built = build_models(cfg, data.storage, device, self.ranks, before_compile=tap)
         self.models, self.compile_figures = built.models, built.figures()
-        writers = prediction_writers(cfg.task, list(self.models), self.run_dir, self.ranks,
-                                     data.storage.name_of, data.classes)
-        step = make_step(cfg.task, self.models, step_amp(cfg), device, total_steps, writers)
-        if self.resumed is not None:
+        writers = self._outputs(built, reducers, data, device) if infer else None
+        step = make_step(cfg.task, self.models, step_amp(cfg), device, total_steps,
+                         reducers, writers, self.start_step)
+        if self.resumed is not None and not infer:
             checkpoint.restore(step, self.resumed, self.resumed["source"])
         return step
+
+    def _outputs(self, built: Any, reducers: dict[str, outputs.Reduce], data: DataPath,
+                 device: torch.device) -> outputs.Outputs | None:
+        """task=infer: a writer per model, its files opened (created, or continued)."""
+        cfg, ranks, storage = self.config, self.ranks, data.storage
+        if not cfg.task.write_predictions or not self.models:
+            return None
+        example = storage.example(1).to(device)
+        amp = step_amp(cfg)
+        several = len(self.models) > 1
+        fresh = self.start_step == 0
+        if ranks.enabled and not ranks.main:
+            broadcast(ranks, "wait")  # for rank 0 to make the files every rank fills
+        writers = {}
+        for name, model in self.models.items():
+            shapes = outputs.output_shapes(reducers[name], model, example,
+                                           lambda: autocast(amp, device), cfg.task, name)
+            head = getattr(built.networks[name], "num_classes", len(storage.classes))
+            writers[name] = outputs.ModelWriter(
+                self.run_dir, name, len(storage), shapes, storage.name_of,
+                lambda i: str(Path(storage.root) / storage.name_of(i)),
+                outputs.model_classes(built.configs[name], head, storage.classes),
+                storage.classes, outputs.csv_name(name, several, ranks.rank if ranks.enabled
+                                                  else None),
+                create=fresh and ranks.main)
+            if ranks.main and fresh and writers[name].arrays:
+                outputs.write_files(self.run_dir, len(storage), storage.name_of)
+        if ranks.enabled and ranks.main:
+            broadcast(ranks, "made")
+        return outputs.Outputs(writers, cfg.task.writer_threads, device=device)
 
     # --- epochs: validation, checkpoints ------------------------------------------------------
 
@@ -303,8 +350,10 @@ class Job:
         device, run = self.data.device, self.config.run
         figures = self.figures = results.loop_figures(result, self.data.skipped, run.repeats,
                                                       run.window_seconds)
+        closed = step.close(complete=True) if result.interrupted is None and not (
+            self.signals and self.signals.received) else step.close(complete=False)
         figures.update(**results.device_figures(device), **self.compile_figures,
-                       **{k: v for k, v in step.close().items() if v is not None},
+                       **{k: v for k, v in closed.items() if v is not None},
                        **self.data.figures(result.steps), **results.epochs(self.epoch_figures))
         if profiled:
             figures["trace"] = results.trace_file(self.run_dir)

@@ -11,14 +11,16 @@ figure with its verdict:
 - uint8 vs float32 transfers (bytes and time), pinned vs pageable;
 - timing calibration: a batch source with a known host delay, an epoch-end pause and a
   step of known GPU time, under prefetch none and gpu: gpu_idle_frac as expected, never
-  above 1, the pause left out, every batch pinned before its copy;
+  above 1, the pause left out;
 - compile=tensorrt fp16 vs eager fp16 on resnet50 (>= 1.5x), verified, and a cached engine
-  reused on a short last batch;
+  reused on a short last batch without a second build;
 - ``python -m runner task=infer compile=tensorrt`` itself for fp16 and bf16, both engine
   formats, each run twice (the second reuses the engine), on a dataset whose last batch is
   short and one whose last batch is a single image;
 - loader.decoder=nvjpeg against the best CPU decoder with 2 workers, through the data path
-  a run builds (the GPU decode stage included);
+  a run builds (the GPU decode stage included), and loader=packed with nvjpeg against
+  packed on the CPU (images/s and the pixel difference);
+- every batch the folder, packed and memmap loaders hand over is pinned;
 - amp=fp16 training with no per-step sync (fused SGD, GradScaler), and its numbers: a first
   step that overflows, then 5 steps, against a reference SGD;
 - two DDP ranks through the project's own process group and replicas (torchrun).
@@ -97,8 +99,11 @@ def check_loop(size: int, batch: int) -> list[Row]:
     from runner.model import build_model
     from runner.task import TrainStep
 
+    # full batches only (drop_last): the model alone is timed on one full batch, so the
+    # loop's steps must be like it (a short last batch per epoch would flatter the loop)
     common = [f"loader={StorageName.memmap.value}", "prefetch=gpu", "amp=bf16", "model=resnet50",
-              f"loader.batch_size={batch}", f"dataset.image_size=[{size},{size}]"]
+              f"loader.batch_size={batch}", f"dataset.image_size=[{size},{size}]",
+              "loader.drop_last=true"]
     pipeline = _pipeline(*common)
     device = pipeline.device
     model = build_model(ModelConfig("resnet50"), len(pipeline.classes), device)
@@ -178,13 +183,26 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
                         e_ms / t_ms >= 1.5, f"{e_ms:.2f} vs {t_ms:.2f} ms ({e_ms / t_ms:.2f}x, "
                                             f"max diff {diff:.3g}, built in {seconds:.0f} s)"))
         short = batch // 2 + 1
-        reused, _ = compile_model(model, cfg, amp, TaskName.infer, x, [batch, short],
-                                  Path(cache))
+        import torch_tensorrt
+
+        built_again, build = [], torch_tensorrt.compile
+
+        def counting(*args, **kwargs):
+            built_again.append(1)
+            return build(*args, **kwargs)
+
+        torch_tensorrt.compile = counting  # a reuse calls no build
+        try:
+            reused, _ = compile_model(model, cfg, amp, TaskName.infer, x, [batch, short],
+                                      Path(cache))
+        finally:
+            torch_tensorrt.compile = build
         with torch.inference_mode():
             out = reused(x[:short])
-        rows.append(Row("cached TensorRT engine reused on a short last batch",
-                        tuple(out.shape) == (short, 1000), f"batch {short} of {batch}: "
-                                                           f"{tuple(out.shape)}"))
+        rows.append(Row("cached TensorRT engine reused on a short last batch (no build)",
+                        tuple(out.shape) == (short, 1000) and not built_again,
+                        f"batch {short} of {batch}: {tuple(out.shape)}; engines built the "
+                        f"second time: {len(built_again)}"))
     return rows
 
 
@@ -205,7 +223,39 @@ def check_nvjpeg(batch: int) -> list[Row]:
         rows.append(Row(f"loader.decoder={decoder.value} vs the CPU decoder "
                         f"{cpu.loader.decoder.value} with 2 workers", rate >= reference,
                         f"{rate:,.0f} vs {reference:,.0f} img/s ({rate / reference:.2f}x)"))
+    rows += check_packed_nvjpeg(batch)
     return rows
+
+
+def check_packed_nvjpeg(batch: int) -> list[Row]:
+    """``loader=packed loader.decoder=nvjpeg`` (the stored JPEGs decoded batched on the GPU)
+    against the CPU's packed path: faster, and the same pixels (centre crops, within the
+    decoders' rounding: mean |difference| < 2 of 255). Fails on either."""
+    from runner.bench import PACKED, loader, runner_rate
+    from runner.compose import compose
+    from runner.data import build_data_path
+    from runner.data.storage.decode import DECODERS
+
+    device = torch.device("cuda")
+    base = [loader(PACKED), "model=none", "logger=none", "device=cuda", "dataset.store_size=256",
+            f"loader.batch_size={batch}", "loader.num_workers=2", "loader.shuffle=false"]
+    gpu_decoder = next(d for d, k in DECODERS.items() if k.cuda)
+    cpu, gpu = compose(base), compose([*base, f"loader.decoder={gpu_decoder.value}"])
+    cpu_rate, gpu_rate = runner_rate(cpu, 3.0, device), runner_rate(gpu, 3.0, device)
+    first = []
+    for config in (cpu, gpu):
+        data = build_data_path(config, device, epochs=1, progress=False)
+        try:
+            first.append(next(iter(data.device_batches())))
+        finally:
+            data.close()
+    same = torch.equal(first[0]["index"].cpu(), first[1]["index"].cpu())
+    diff = (first[0]["image"].float() - first[1]["image"].float()).abs().mean().item()
+    return [Row(f"{loader(PACKED)} decoder={gpu_decoder.value} vs on the CPU: faster, same "
+                "pixels",
+                same and diff < 2.0 and gpu_rate >= cpu_rate,
+                f"{gpu_rate:,.0f} vs {cpu_rate:,.0f} img/s ({gpu_rate / cpu_rate:.2f}x); mean "
+                f"|pixel difference| {diff:.2f}{'' if same else '; different images'}")]
 
 
 def check_fp16_training(size: int, batch: int) -> list[Row]:
@@ -338,6 +388,36 @@ def check_timing(batch: int) -> list[Row]:
     return rows
 
 
+def check_pinned_storages(batch: int) -> list[Row]:
+    """Every batch the project's own loaders hand over on a CUDA run is in pinned memory
+    (what makes its copy asynchronous): the folder, packed and memmap storages, in process
+    and with worker processes. Fails on the first pageable batch."""
+    from runner.bench import FOLDER, MEMMAP, PACKED, loader
+    from runner.compose import compose
+    from runner.data import build_data_path
+
+    device = torch.device("cuda")
+    rows = []
+    for extra in ([loader(FOLDER)], [loader(FOLDER), "loader.num_workers=2"],
+                  [loader(PACKED), "dataset.store_size=256"], [loader(MEMMAP)]):
+        config = compose([*extra, "model=none", "logger=none", "device=cuda", "prefetch=none",
+                          f"loader.batch_size={batch}"])
+        data = build_data_path(config, device, epochs=1, progress=False)
+        seen = pageable = 0
+        try:
+            for host in data:  # the host batches, before their copy
+                seen += 1
+                pageable += sum(not t.is_pinned() for t in host.values(include_nested=True,
+                                                                        leaves_only=True))
+                if seen == 6:
+                    break
+        finally:
+            data.close()
+        rows.append(Row(f"every batch pinned: {' '.join(extra)}", seen > 0 and pageable == 0,
+                        f"{seen} batches, {pageable} pageable tensors"))
+    return rows
+
+
 def _timed_step(fn):
     """A data-only step that runs ``fn`` on each batch (the loop's Step protocol)."""
     from runner.task import DataOnlyStep
@@ -351,6 +431,8 @@ def _timed_step(fn):
 
 def _cycles_for(seconds: float) -> int:
     """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``seconds``."""
+    torch.cuda._sleep(1_000)  # its first launch loads the kernel (lazy loading): not timed
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(1_000_000)
@@ -425,7 +507,8 @@ def check_ddp() -> list[Row]:
     dist = m.get("distributed") or {}
     ok = proc.returncode == 0 and dist.get("world") == 2 and dist.get("replicas_in_sync")
     backend = dist.get("backend", "?")
-    return [Row(f"DDP: 2 ranks, the project's process group and replicas ({device})", ok,
+    what = "NCCL on 2 GPUs" if gpus >= 2 else "gloo: NCCL is tested only with 2 or more GPUs"
+    return [Row(f"DDP: 2 ranks, the project's process group and replicas ({what})", ok,
                 f"backend {backend}, replicas in sync: {dist.get('replicas_in_sync')}" if ok
                 else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:90]}")]
 
@@ -437,6 +520,7 @@ CHECKS = [
     ("tensorrt", lambda a: check_tensorrt(a.size, a.batch_size)),
     ("tensorrt-job", lambda a: check_tensorrt_job()),
     ("gpu-decode", lambda a: check_nvjpeg(min(a.batch_size, 64))),
+    ("pinned", lambda a: check_pinned_storages(min(a.batch_size, 64))),
     ("fp16", lambda a: check_fp16_training(a.size, min(a.batch_size, 64))),
     ("fp16-numbers", lambda a: check_fp16_numbers(64, 32)),
     ("ddp", lambda a: check_ddp()),

@@ -30,7 +30,7 @@ from runner.config import (
 from runner.data import DataPath, build_data_path
 from runner.errors import ConfigError
 from runner.metrics import DeviceClock
-from runner.predictions import PredictionWriter
+from runner.outputs import Outputs, Reduce
 
 MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones are folded
 
@@ -38,7 +38,7 @@ MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones
 class Step(Protocol):
     def __call__(self, batch: TensorDict) -> None: ...
     def read(self) -> dict[str, float]: ...
-    def close(self) -> dict[str, float]: ...
+    def close(self, complete: bool = True) -> dict[str, float]: ...
     def start_timing(self) -> None: ...  # warm-up is over: figures count from here
 
 
@@ -130,7 +130,7 @@ class TrainStep:
         self._read = end
         return {"loss": loss}
 
-    def close(self) -> dict[str, float]:
+    def close(self, complete: bool = True) -> dict[str, float]:
         n = min(self.steps, len(self.losses))
         if n == 0:
             return {}
@@ -142,24 +142,29 @@ class TrainStep:
 class InferStep:
     """Forward under inference_mode for one or several models on the same device batch.
 
-    Softmax and top-k stay on the device; only the small top-k tensors go to the writers.
+    Each model's output is reduced on the device (runner/outputs.py: top-k, probabilities,
+    embeddings, masks, the user's post-processing) and only that is handed to the writers.
     Each model's forward is timed on its own (CUDA events on a GPU, read at ``close``), so
     a multi-model pass reports images/s per model as well as for the whole pass.
 
     Args:
         models: name -> model (already compiled), all on one device.
-        cfg: top-k.
-        writers: name -> PredictionWriter (or None: predictions not written).
+        cfg: the task.
+        reducers: name -> what is kept of its output (``outputs.Reduce``).
+        outputs: the writers (None: nothing written).
         amp: autocast dtype.
         device: the models' device (a frozen TorchScript model cannot tell).
+        first_step: the plan's step of the first batch (a resumed run's parts go on there).
     """
 
     def __init__(self, models: dict[str, nn.Module], cfg: TaskConfig,
-                 writers: dict[str, PredictionWriter | None], amp: AmpConfig | None = None,
-                 device: torch.device | None = None):
+                 reducers: dict[str, Reduce] | None = None, outputs: Outputs | None = None,
+                 amp: AmpConfig | None = None, device: torch.device | None = None,
+                 first_step: int = 0):
         self.models = {name: m.eval() for name, m in models.items()}
-        self.topk = cfg.topk
-        self.writers = writers
+        self.reducers = reducers if reducers is not None else {
+            name: Reduce(cfg, None) for name in models}
+        self.outputs = outputs
         self.device = device or torch.device("cpu")
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, self.device)
@@ -167,6 +172,8 @@ class InferStep:
         self._spans: dict[str, list] = {name: [] for name in models}
         self._seconds = dict.fromkeys(models, 0.0)
         self.images = 0
+        self.step = first_step
+        self.first_step = first_step
         self._valid_rows = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def __call__(self, batch: TensorDict) -> None:
@@ -181,14 +188,14 @@ class InferStep:
         with torch.inference_mode(), self.autocast():
             for name, model in self.models.items():
                 start = self.clock.now()
-                logits = model(batch["image"])
-                probs = torch.softmax(logits.float(), dim=1)
-                top = probs.topk(min(self.topk, probs.shape[1]), dim=1)
+                reduce = self.reducers[name]
+                reduce.start()
+                kept = reduce(model(batch["image"]), batch)
                 self._spans[name].append((start, self.clock.now()))
-                writer = self.writers.get(name)
-                if writer is not None:
-                    writer.submit(batch["index"], batch["label"], top.values, top.indices,
-                                  valid)
+                if self.outputs is not None:
+                    self.outputs.submit(self.step, name, batch["index"], batch["label"], kept,
+                                        valid)
+        self.step += 1
         if not self.clock.cuda:  # host times are final already: keep no list
             self._resolve()
         elif sum(len(s) for s in self._spans.values()) > MAX_PENDING_EVENTS:
@@ -219,7 +226,9 @@ class InferStep:
             self._seconds[name] += sum(self.clock.seconds(s, e) for s, e in spans[:k])
             del spans[:k]
 
-    def close(self) -> dict[str, Any]:
+    def close(self, complete: bool = True) -> dict[str, Any]:
+        """The per-model figures, and the writers' (every write waited for; a ``complete``
+        run's CSV parts joined, an interrupted one's kept to go on from)."""
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
         self._resolve()
@@ -228,9 +237,8 @@ class InferStep:
             name: {"images_per_sec": self.images / sec if sec > 0 else None,
                    "ms_per_image": 1000.0 * sec / max(self.images, 1)}
             for name, sec in self._seconds.items()}}
-        rows = {name: w.close() for name, w in self.writers.items() if w is not None}
-        if rows:
-            out["predictions"] = rows if len(rows) > 1 else next(iter(rows.values()))
+        if self.outputs is not None:
+            out.update(self.outputs.close(complete, self.step))
         return out
 
 
@@ -246,21 +254,23 @@ class DataOnlyStep:
     def start_timing(self) -> None:
         pass
 
-    def close(self) -> dict[str, float]:
+    def close(self, complete: bool = True) -> dict[str, float]:
         return {}
 
 
 def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
               device: torch.device, total_steps: int,
-              writers: dict[str, PredictionWriter | None] | None = None) -> Step:
+              reducers: dict[str, Reduce] | None = None, outputs: Outputs | None = None,
+              first_step: int = 0) -> Step:
     """The step for ``task=``: training takes the one model there is, inference every
-    model of the pass (writing predictions through ``writers``), no model the data only."""
+    model of the pass (its outputs reduced by ``reducers``, written by ``outputs``), no
+    model the data only."""
     if not models:
         return DataOnlyStep()
     if cfg.name is TaskName.train:
         (model,) = models.values()
         return TrainStep(model, cfg, total_steps, amp, device)
-    return InferStep(models, cfg, writers or {}, amp, device)
+    return InferStep(models, cfg, reducers, outputs, amp, device, first_step)
 
 
 def validation_config(config: Config) -> Config:

@@ -138,9 +138,16 @@ def test_several_models_share_one_pass(tmp_path: Path, cache_dir: Path):
 @pytest.mark.slow
 def test_models_needs_infer_and_distinct_names(tmp_path: Path):
     for bad, why in [(["task=train", "models=[tiny,resnet18]"], "needs task=infer"),
-                     (["task=infer", "models=[tiny,tiny]"], "names a model twice")]:
+                     (["task=infer", "models=[tiny,tiny]"], "more than once")]:
         proc = run_cli(*bad, "hydra.run.dir=run", cwd=tmp_path, check=False)
         assert proc.returncode == 2 and why in proc.stdout + proc.stderr
+
+
+def test_an_engine_is_written_under_its_own_suffix_before_it_is_published(tmp_path: Path):
+    for _, suffix in compiling.ENGINE_FORMATS.values():
+        path = tmp_path / f"abc{suffix}"
+        tmp = compiling.temporary_of(path)
+        assert tmp.suffix == suffix and tmp.name.startswith(".") and tmp.parent == tmp_path
 
 
 @pytest.mark.cuda
@@ -151,7 +158,7 @@ def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path
     cfg, fp16 = CompileConfig(CompileName.tensorrt), AmpConfig(AmpName.fp16)
     compiled, _ = compiling.compile_model(model, cfg, fp16, TaskName.infer, x, [8, 3], tmp_path)
     compiling.verify(model, compiled, x, cfg, fp16, False)
-    assert len(list(tmp_path.glob("*.ep"))) == 1
+    assert len(list(tmp_path.glob("*.pt2"))) == 1  # the engine format's suffix
     import torch_tensorrt
 
     monkeypatch.setattr(torch_tensorrt, "compile", lambda *a, **k: pytest.fail("rebuilt"))
@@ -171,8 +178,8 @@ def test_an_exported_engine_module_survives_the_infer_steps_eval():
     with pytest.raises(NotImplementedError):
         engine.eval()  # the defect this guards against, as torch has it
     wrapped = compiling._HeadThenEngine(UInt8Input(), engine)
-    step = InferStep({"m": wrapped}, TaskConfig(TaskName.infer, topk=2), {},
-                     AmpConfig(AmpName.off), torch.device("cpu"))
+    step = InferStep({"m": wrapped}, TaskConfig(TaskName.infer, topk=2), amp=AmpConfig(AmpName.off),
+                     device=torch.device("cpu"))
     assert not step.models["m"].training and not wrapped.head.training
     batch = TensorDict({"image": torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8),
                         "label": torch.zeros(2, dtype=torch.long),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from runner.compose import compose
 from runner.config import AmpConfig, AmpName, CompileName, ModelConfig, TaskConfig, TaskName
 from runner.data.augment import BatchAugment
 from runner.model import build_model
-from runner.predictions import PredictionWriter
+from runner.outputs import ModelWriter, Outputs, Reduce
 from runner.task import InferStep, TrainStep, optimizer_options
 from tests.conftest import SMALL_DATASET, export_dynamic, run_in_process
 
@@ -129,8 +130,13 @@ def test_the_verdict_on_cuda_follows_the_gpus_idle_time_not_the_hosts_wait():
 
 def test_infer_drops_padding_rows_on_the_host_and_counts_after_warm_up(tmp_path: Path):
     model = build_model(ModelConfig("tiny"), 3, CPU).eval()
-    writer = PredictionWriter(tmp_path, name_of=lambda i: f"f{i}", classes=["a", "b", "c"])
-    step = InferStep({"tiny": model}, TaskConfig(TaskName.infer, topk=2), {"tiny": writer})
+    shapes = {"topk_probs": ((2,), np.dtype("float32")),
+              "topk_classes": ((2,), np.dtype("int64"))}
+    writer = ModelWriter(tmp_path, "tiny", 9, shapes, lambda i: f"f{i}", str, ["a", "b", "c"],
+                         ["a", "b", "c"], "predictions.csv", create=True)
+    task = TaskConfig(TaskName.infer, topk=2)
+    step = InferStep({"tiny": model}, task, {"tiny": Reduce(task, None)},
+                     Outputs({"tiny": writer}))
 
     def batch(start: int, valid: list[bool] | None = None) -> TensorDict:
         fields = {"image": torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8),
@@ -181,7 +187,7 @@ def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
     cfg, amp = CompileConfig(CompileName.tensorrt), AmpConfig(AmpName.fp16)
     compile_model(model, cfg, amp, TaskName.infer, x, [8], tmp_path)  # builds, caches
     reused, _ = compile_model(model, cfg, amp, TaskName.infer, x, [8, 3], tmp_path)
-    assert len(list(tmp_path.glob("*.ep"))) == 1
+    assert len(list(tmp_path.glob("*.pt2"))) == 1  # the engine format's suffix
     with torch.inference_mode():
         assert reused(x[:3]).shape == (3, 5)
 

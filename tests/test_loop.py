@@ -6,12 +6,13 @@ import csv
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
 from runner.loop import LoopOptions, OnDevice, run_loop
-from runner.predictions import PredictionWriter
+from runner.outputs import ModelWriter, Outputs
 from runner.task import DataOnlyStep
 
 
@@ -76,14 +77,23 @@ def test_a_short_stream_ends_the_loop():
     assert result.steps == 4 and result.timed.steps == 3
 
 
+def topk_writer(run_dir: Path, names, threads: int = 2, classes=()) -> Outputs:
+    """The top-k CSV writer of one model, as task=infer makes it."""
+    shapes = {"topk_probs": ((2,), np.dtype("float32")),
+              "topk_classes": ((2,), np.dtype("int64"))}
+    writer = ModelWriter(run_dir, "m", 9, shapes, names, str, list(classes), list(classes),
+                         "predictions.csv", create=True)
+    return Outputs({"m": writer}, threads)
+
+
 def test_predictions_are_written_in_batch_order(tmp_path: Path):
-    writer = PredictionWriter(tmp_path, name_of=lambda i: f"file{i}.jpg", threads=3,
-                              classes=["cat", "dog"])
-    for start in (0, 3, 6):
+    outputs = topk_writer(tmp_path, lambda i: f"file{i}.jpg", threads=3, classes=["cat", "dog"])
+    for step, start in enumerate((0, 3, 6)):
         index = torch.arange(start, start + 3)
-        probs = torch.tensor([[0.7, 0.2]] * 3)
-        writer.submit(index, index % 2, probs, torch.tensor([[1, 0]] * 3))
-    assert writer.close() == 9
+        kept = {"topk_probs": torch.tensor([[0.7, 0.2]] * 3),
+                "topk_classes": torch.tensor([[1, 0]] * 3)}
+        outputs.submit(step, "m", index, index % 2, kept, None)
+    assert outputs.close(complete=True, steps=3)["predictions"] == 9
     with open(tmp_path / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["index"]) for r in rows] == list(range(9))
@@ -97,11 +107,13 @@ def test_a_failing_write_is_raised_not_lost(tmp_path: Path):
     def bad_name(i: int) -> str:
         raise OSError("disk full")
 
-    writer = PredictionWriter(tmp_path, name_of=bad_name)
-    writer.submit(torch.arange(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 1),
-                  torch.zeros(2, 1, dtype=torch.long))
-    with pytest.raises(RuntimeError, match="writing predictions failed: disk full"):
-        writer.close()
+    outputs = topk_writer(tmp_path, bad_name)
+    outputs.submit(0, "m", torch.arange(2), torch.zeros(2, dtype=torch.long),
+                   {"topk_probs": torch.ones(2, 2), "topk_classes": torch.zeros(2, 2,
+                                                                                dtype=torch.long)},
+                   None)
+    with pytest.raises(RuntimeError, match="writing outputs failed: disk full"):
+        outputs.close(complete=True, steps=1)
 
 
 def endless(size: int = 4):
@@ -145,6 +157,26 @@ class HostEvents:
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
+
+
+def test_every_gap_before_a_step_is_device_idle_time_the_first_of_a_window_too():
+    """The gap before a window's first step and the one after a pause are idle time: with
+    stand-in events, gpu_idle is the sum of every data wait (within timer slack)."""
+    from runner.metrics import StepClock
+
+    clock = StepClock(torch.device("cpu"))
+    clock.clock, clock.cuda = HostEvents(), True  # as on CUDA: idle gaps from events
+    clock.open_window()
+    for k in range(4):
+        time.sleep(0.03)  # waiting for data: the device has nothing to do
+        first = clock.now()
+        time.sleep(0.01)  # the step's device work
+        clock.step_done(1, first, clock.now())
+        if k == 1:
+            with clock.paused():
+                time.sleep(0.1)
+    window = clock.close_window()
+    assert 0.11 <= window.stages["gpu_idle"] < 0.17  # 4 x 30 ms, the pause left out
 
 
 def test_work_paused_out_of_the_timing_is_no_device_idle_time_either():

@@ -74,11 +74,53 @@ def test_local_weights_load_and_a_mismatch_names_the_keys(tmp_path: Path):
     for a, b in zip(source.parameters(), loaded.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(ConfigError, match=r"head\.weight has shape \(3, 128\).*\(5, 128\)"):
+        build_model(ModelConfig("tiny", weights=str(tmp_path / "w.pt"), num_classes=5), 5, CPU)
+    # training on 5 classes from 3-class weights: a new head only when asked, and said
+    with pytest.raises(ConfigError, match="has 3 classes, the dataset 5.*replace_head=true"):
         build_model(ModelConfig("tiny", weights=str(tmp_path / "w.pt")), 5, CPU)
+    tuned = build_model(ModelConfig("tiny", weights=str(tmp_path / "w.pt"), replace_head=True),
+                        5, CPU)
+    assert tuned[1].head.out_features == 5
+    assert torch.equal(tuned[1].features[0][0].weight, source[1].features[0][0].weight)
     with pytest.raises(ConfigError, match=r"missing keys: .*unexpected keys: features"):
         build_model(ModelConfig("resnet18", weights=str(tmp_path / "w.pt")), 3, CPU)
     with pytest.raises(ConfigError, match="no such file"):
         build_model(ModelConfig("tiny", weights=str(tmp_path / "none.pt")), 3, CPU)
+
+
+@pytest.mark.parametrize("name", ["tiny", "resnet18", "mobilenet_v3_small"])
+def test_inference_sizes_the_head_from_the_weights(tmp_path: Path, name: str):
+    """A 1000-class (here 12-class) checkpoint runs on a 3-class or unlabelled folder."""
+    source = build_model(ModelConfig(name), 12, CPU).eval()
+    torch.save(source[1].state_dict(), tmp_path / "w.pt")
+    for dataset_classes in (3, 0):
+        model = build_model(ModelConfig(name, weights=str(tmp_path / "w.pt")),
+                            dataset_classes, CPU, train=False).eval()
+        assert model.num_classes == 12
+        x = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
+        with torch.no_grad():
+            assert torch.equal(model(x), source(x))
+
+
+def test_each_model_normalizes_and_resizes_on_its_own(tmp_path: Path):
+    """model.mean/std in 0..1 pixel units; model.image_size resizes on the device."""
+    from runner.model import UInt8Input
+
+    x = torch.randint(0, 256, (2, 3, 40, 40), dtype=torch.uint8)
+    layer = UInt8Input(mean=[0.5, 0.5, 0.5], std=[0.25, 0.5, 1.0])
+    expected = (x.float() / 255 - 0.5) / torch.tensor([0.25, 0.5, 1.0]).view(1, 3, 1, 1)
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+    resized = UInt8Input(size=(24, 32))(x)
+    assert resized.shape == (2, 3, 24, 32)
+    direct = torch.nn.functional.interpolate(UInt8Input()(x), size=(24, 32), mode="bilinear",
+                                             antialias=True, align_corners=False)
+    assert torch.allclose(resized, direct)
+
+
+def test_a_model_larger_than_the_decode_raises_the_decode_size():
+    cfg = compose(["task=infer", "dataset.image_size=[64,64]",
+                   "+models=[tiny,{name:tiny,alias:big,image_size:[96,80]}]"])
+    assert list(cfg.dataset.image_size) == [96, 80]
 
 
 def test_infer_reads_in_dataset_order_unless_asked():

@@ -460,3 +460,53 @@ def test_the_rebuild_command_of_a_damaged_store_is_accepted_when_pasted(source: 
     assert argv[:5] == ["python", "-m", "runner.prepare", "packed", "--rebuild"]
     assert f"dataset.path={spaced.resolve()}" in argv and "dataset.image_size=[32,32]" in argv
     assert prepare_main([*argv[3:], f"dataset.cache_dir={tmp_path / 'cache'}"]) == 0
+
+
+# --- loader=packed loader.decoder=nvjpeg: the plumbing, with torchvision's batched decoder on
+# the CPU standing in for the GPU (runner/data/nvjpeg.py) --------------------------------------
+
+def gpu_decoded_store(source: Path, cache: Path):
+    from runner.config import LoaderConfig, StorageName
+    from runner.data.nvjpeg import GpuDecodedBatches
+    from runner.data.storage.decode import FALLBACK
+    from runner.data.storage.encoded import ReadBytes
+    from tests.conftest import make_loader
+
+    folder = FolderStorage(source, ReadBytes(ImageDecoder(FALLBACK, SIZE, Crop.center)),
+                           OnCorrupt.skip)
+    store = open_packed_cache(folder, spec_for(source), cache, progress=False)
+    cfg = LoaderConfig(name=StorageName.packed, batch_size=8, num_workers=0, shuffle=False)
+    return store, GpuDecodedBatches(make_loader(store, cfg, seed=0), store, torch.device("cpu"))
+
+
+def test_packed_jpegs_decoded_batched_match_the_cpu_path(source: Path, tmp_path: Path,
+                                                         monkeypatch):
+    cpu = open_store(source, tmp_path / "cache", decoder=Decoder.pil)
+    store, batches = gpu_decoded_store(source, tmp_path / "cache")
+    assert store.cache == cpu.cache  # the same store: the decoder is not part of its key
+    real = batches._nvjpeg
+
+    def refuse_one(data):  # nvJPEG refuses an image now and then: the CPU decodes it
+        out = real(data)
+        return [None, *out[1:]] if out else out
+
+    monkeypatch.setattr(batches, "_nvjpeg", refuse_one)
+    got = {}
+    for batch, skipped in batches:
+        assert skipped == []  # the broken source was skipped when packing
+        for k, i in enumerate(batch["index"].tolist()):
+            got[i] = batch["image"][k]
+    assert sorted(got) == list(range(len(cpu)))
+    assert batches.cpu_fallbacks == -(-len(cpu) // 8)  # one per batch, counted
+    for i, image in got.items():  # the same centre boxes: equal up to the decoders' rounding
+        assert (image.int() - cpu[i].image.int()).abs().float().mean() < 1.0, i
+
+
+def test_damage_in_a_packed_store_decoded_on_the_gpu_names_the_store(source: Path,
+                                                                     tmp_path: Path):
+    store, batches = gpu_decoded_store(source, tmp_path / "cache")
+    with open(store.path, "r+b") as f:
+        f.seek(store.offsets[2])
+        f.write(b"\x00" * store.sizes[2])  # image 2's bytes gone, the file's size kept
+    with pytest.raises(CacheError, match="damaged.*image 2"):
+        list(batches)

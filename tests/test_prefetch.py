@@ -150,11 +150,90 @@ def test_gpu_decode_path_matches_cpu_decoding(tmp_path: Path):
 def test_encoded_batches_pack_into_one_buffer():
     from runner.data.storage.base import Sample
 
-    items = [Sample(torch.tensor([1, 2, 3], dtype=torch.uint8), 0, 0),
-             Sample(torch.tensor([4, 5], dtype=torch.uint8), 1, 1)]
+    read = ReadBytes(None)
+    items = [Sample(read(bytearray([1, 2, 3]), torch.Generator().manual_seed(2**40 + 7)), 0, 0),
+             Sample(read(bytearray([4, 5])), 1, 1)]
     batch, skipped = collate(items, ReadBytes.pack)
     assert batch["jpeg"].tolist() == [1, 2, 3, 4, 5] and batch["jpeg_offsets"].tolist() == [0, 3, 5]
     assert batch["label"].tolist() == [0, 1] and skipped == []
+    assert batch["crop_seed"].tolist() == [2**40 + 7, -1]  # each image's own crop seed
+
+
+def test_gpu_prefetch_advances_its_source_inside_the_side_stream(monkeypatch):
+    """nvjpeg's decode and DALI's copies run when the source is advanced: on the side
+    stream, so they overlap the step. Stand-in CUDA calls record where each batch was made."""
+    import contextlib
+
+    from runner.data import prefetch
+
+    inside = [False]
+
+    @contextlib.contextmanager
+    def stream(s):
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    class Event:
+        def __init__(self, **kwargs):
+            self.recorded_inside = None
+
+        def record(self, stream=None):
+            self.recorded_inside = inside[0]
+
+    made = []
+
+    class Batch:
+        def to(self, device, non_blocking=False):
+            return self
+
+    def source():
+        for _ in range(3):
+            made.append(inside[0])
+            yield Batch()
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(prefetch, "count_images", lambda batch: 4)
+    prefetcher = object.__new__(prefetch.CudaStreamPrefetcher)
+    prefetcher.source, prefetcher.device, prefetcher.stream = source(), "cuda", "side"
+    out = list(prefetcher._copies(None))
+    assert len(out) == 3 and made == [True, True, True]
+    assert all(start.recorded_inside and done.recorded_inside for _, (start, done), _ in out)
+
+
+def test_gpu_decoded_random_crops_are_the_cpu_paths_boxes(tmp_path: Path):
+    """dataset.crop=random: each image's crop comes from its own seed on either path, so
+    the GPU decode gives the CPU decode's pixels (within the decoders' rounding)."""
+    tree = make_tree(tmp_path / "t", {f"a/{k}.jpg": encode(photo(48, 64, index=k))
+                                      for k in range(4)})
+    cpu = FolderStorage(tree, ImageDecoder(Decoder.pil, (24, 24), Crop.random), OnCorrupt.skip)
+    gpu = FolderStorage(tree, ReadBytes(ImageDecoder(Decoder.pil, (24, 24), Crop.random)),
+                        OnCorrupt.skip)
+    wrapped = GpuDecodedBatches([], gpu, torch.device("cpu"))
+    items = [gpu[(i, 1000 + i)] for i in range(4)]
+    batch, _ = collate(items, ReadBytes.pack)
+    out, _ = wrapped.decode_batch(batch, [])
+    for i in range(4):
+        expected = cpu[(i, 1000 + i)].image
+        assert (out["image"][i].int() - expected.int()).abs().float().mean() < 1.0, i
+    other = cpu[(0, 5)].image  # another seed: another crop
+    assert (out["image"][0].int() - other.int()).abs().float().mean() > 3.0
+
+
+def test_nvjpeg_keeps_the_padding_mask_on_the_host(tmp_path: Path):
+    """Counting a padded batch's images reads ``valid``: on the host, not a device sync."""
+    tree = make_tree(tmp_path / "t", {f"a/{k}.jpg": encode(photo(48, 64, index=k))
+                                      for k in range(3)})
+    storage, stream = gpu_decoded(tree, torch.device("cpu"))
+    wrapped = stream.loader
+    batch = next(iter(wrapped.loader))[0]
+    batch["valid"] = torch.tensor([True, True, False])
+    out, _ = wrapped.decode_batch(batch, [])
+    assert out["valid"].device.type == "cpu" and out["valid"].tolist() == [True, True, False]
 
 
 # --- CUDA (skipped without a GPU, never left to fail) -----------------------------------

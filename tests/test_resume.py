@@ -537,3 +537,28 @@ def test_a_sweep_given_one_more_value_runs_only_the_new_job(tmp_path: Path, cach
         assert read_metrics(job_dir(tmp_path / "sweep", f"loader={name}")) == record
     assert read_metrics(job_dir(tmp_path / "sweep", "loader=packed"))["status"] == "ok"
     assert len(list((tmp_path / "sweep").glob("*/metrics.json"))) == 3
+
+
+def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
+    """A CUDA run's checkpoint holds fused=True in its param groups, a CPU run's
+    fused=None: after loading, the groups carry this run's device options (a CPU
+    checkpoint resumed under fp16 on CUDA crashed at its first step otherwise)."""
+    import torch
+
+    from runner import checkpoint
+    from runner.config import ModelConfig, TaskConfig, TaskName
+    from runner.model import build_model
+    from runner.task import TrainStep, optimizer_options
+
+    step = TrainStep(build_model(ModelConfig("tiny"), 3, torch.device("cpu")),
+                     TaskConfig(TaskName.train), total_steps=2)
+    saved = step.optimizer.state_dict()
+    for group in saved["param_groups"]:
+        group["fused"], group["foreach"] = True, False  # as a CUDA run saved them
+    state = {"model": checkpoint.network(step.model).state_dict(), "optimizer": saved,
+             "epoch": 1, "steps": 2}
+    checkpoint.restore(step, state, "elsewhere.pt")
+    expected = optimizer_options(torch.device("cpu"))
+    for group in step.optimizer.param_groups:
+        assert group["fused"] == expected.get("fused") and group["foreach"] == \
+            expected.get("foreach")

@@ -54,7 +54,8 @@ def dali_or_skip():
 def common(tree: Path, tmp_path: Path) -> list[str]:
     return [f"dataset.path={tree}", "dataset.image_size=[32,32]",
             f"dataset.cache_dir={tmp_path / 'cache'}", "loader=dali", "loader.batch_size=8",
-            "logger=none", "run.progress=false", "run.warmup_steps=0", "run.epochs=1"]
+            "logger=none", "run.progress=false", "run.warmup_steps=0", "run.epochs=1",
+            "run.window_seconds=0"]  # one epoch: no lengthened windows
 
 
 @pytest.mark.parametrize("crop", ["center", "random"])
@@ -242,3 +243,22 @@ def test_a_closed_rival_leaves_no_threads_behind(tree: Path, tmp_path: Path, riv
             break
         time.sleep(0.1)
     assert os_threads() <= before + 1, (before, running, os_threads())
+
+
+def test_a_rivals_verdict_probe_runs_on_the_runs_device():
+    """On a GPU run the probe is DALI's GPU pipeline, not its CPU decoder."""
+    from runner.data.storage.rival import RivalStorage
+
+    asked = []
+
+    class Rival(RivalStorage):
+        def __init__(self):
+            self.samples = [("x.jpg", 0)] * 16
+
+        def own_loader(self, order, device):
+            asked.append(device)
+            return []
+
+    Rival().probes(8, torch.device("cuda"))
+    Rival().probes(8)
+    assert [d.type for d in asked] == ["cuda", "cpu"]

@@ -42,6 +42,7 @@ class GpuDecodedBatches:
         self.storage = storage
         self.device = device
         self.decoder = storage.decode.image_decoder
+        self.cpu_fallbacks = 0  # images nvJPEG refused, decoded on the CPU instead
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -60,23 +61,27 @@ class GpuDecodedBatches:
     def decode_batch(self, batch: dict, skipped: list[SkippedFile]):
         offsets = batch["jpeg_offsets"].tolist()
         data = [batch["jpeg"][offsets[k] : offsets[k + 1]] for k in range(len(offsets) - 1)]
+        seeds = batch["crop_seed"].tolist() if "crop_seed" in batch else [-1] * len(data)
         headers = [read_jpeg_header(memoryview(d.numpy())) for d in data]
         on_gpu = [k for k, h in enumerate(headers) if h is not None and h.components in (1, 3)]
         images: list[torch.Tensor | None] = [None] * len(data)
         for k, img in zip(on_gpu, self._nvjpeg([data[k] for k in on_gpu])):
             if img is not None:
-                images[k] = self._finish(img, headers[k])
+                images[k] = self._finish(img, headers[k], _rng(seeds[k]))
         for k in range(len(data)):
             if images[k] is None:  # nvjpeg could not: PIL on the CPU, or skip
-                images[k] = self._cpu_fallback(data[k], int(batch["index"][k]), skipped)
+                images[k] = self._cpu_fallback(data[k], int(batch["index"][k]), skipped,
+                                               _rng(seeds[k]))
         keep = [k for k, img in enumerate(images) if img is not None]
         if not keep:
             return None, skipped
         index = torch.tensor(keep)
         out = {"image": torch.stack([images[k] for k in keep])}
-        for key in ("label", "index", "valid"):
+        for key in ("label", "index"):
             if key in batch:
                 out[key] = self._to_device(batch[key][index])
+        if "valid" in batch:  # stays on the host: counted there (no sync), moved with the
+            out["valid"] = batch["valid"][index]  # batch's other host tensors afterwards
         return out, skipped
 
     def _nvjpeg(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -95,9 +100,12 @@ class GpuDecodedBatches:
                     out.append(None)
             return out
 
-    def _finish(self, img: torch.Tensor, header: JpegHeader) -> torch.Tensor:
+    def _finish(self, img: torch.Tensor, header: JpegHeader,
+                rng: torch.Generator | None = None) -> torch.Tensor:
+        """Upright, then the CPU path's crop: the same box (a random one from the image's
+        own seed, drawn in the same order) and resize, on the device."""
         img = apply_orientation(img, header.orientation)
-        return self.decoder.finish(img, self.decoder.box_for(*img.shape[-2:]))
+        return self.decoder.finish(img, self.decoder.box_for(*img.shape[-2:], rng), rng)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """To the device from pinned memory: an asynchronous copy, not a sync each."""
@@ -105,10 +113,19 @@ class GpuDecodedBatches:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
-    def _cpu_fallback(self, data: torch.Tensor, index: int,
-                      skipped: list[SkippedFile]) -> torch.Tensor | None:
+    def _cpu_fallback(self, data: torch.Tensor, index: int, skipped: list[SkippedFile],
+                      rng: torch.Generator | None = None) -> torch.Tensor | None:
+        raw = bytearray(data.numpy().tobytes())
         try:
-            return self._to_device(self.decoder(bytearray(data.numpy().tobytes())))
+            image = self._to_device(self.decoder(raw, rng))
         except CorruptImageError as e:
+            self.storage.check_stored(index, raw)  # a store's own damage is not a skip
             skipped.append(self.storage.undecodable(self.storage.samples[index][0], e, index))
             return None
+        self.cpu_fallbacks += 1
+        return image
+
+
+def _rng(seed: int) -> torch.Generator | None:
+    """The generator an image's random crop is drawn from (-1: a centre crop, none)."""
+    return torch.Generator().manual_seed(seed) if seed >= 0 else None

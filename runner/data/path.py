@@ -159,7 +159,11 @@ class DataPath:
         """What the data path measured about itself over ``steps`` steps."""
         page_cache = {"page_cache": "warm"} if self.page_cache is None \
             else self.page_cache.figures()
-        return {"pin_memory": self.pin_memory, **self.batches.figures(steps), **page_cache}
+        out = {"pin_memory": self.pin_memory, **self.batches.figures(steps), **page_cache}
+        fallbacks = getattr(self.stream.loader, "cpu_fallbacks", None)  # a GPU decoder's
+        if fallbacks is not None:
+            out["gpu_decode_cpu_fallbacks"] = fallbacks
+        return out
 
     def close(self) -> None:
         """Stop the loader's workers or threads (a rival's pipeline too) and whatever the

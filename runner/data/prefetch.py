@@ -175,17 +175,24 @@ class CudaStreamPrefetcher:
     def _copies(self, compute: torch.cuda.Stream) -> Iterator[tuple[TensorDict, Any, int]]:
         """Runs on the prefetch thread: each batch gathered, then copied on the side stream."""
         torch.cuda.set_device(self.device)
-        for batch in self.source:
-            images = count_images(batch)  # on the host, before the copy: no device sync
+        batches = iter(self.source)
+        while True:
             start = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.stream):
-                # No wait for the compute stream here: that would queue each copy behind
-                # the step before it (no overlap at depth 1). Memory is safe without it:
-                # every tensor that crosses to the compute stream is record_stream-ed there
-                # (``__iter__``), so the allocator does not hand its block to a later copy
-                # until the compute work that reads it has finished.
+                # The source is advanced on the side stream too: its own GPU work (nvjpeg's
+                # decode and crops, DALI's copy into torch tensors, made on the current
+                # stream) then overlaps the step instead of queueing on the compute stream,
+                # and the copy time counts it. No wait for the compute stream here: that
+                # would queue each copy behind the step before it (no overlap at depth 1).
+                # Memory is safe without it: every tensor that crosses to the compute
+                # stream is record_stream-ed there (``__iter__``), so the allocator does not
+                # hand its block to a later copy until the compute work that reads it ends.
                 start.record(self.stream)
+                batch = next(batches, None)
+                if batch is None:
+                    return
+                images = count_images(batch)  # on the host (nvjpeg keeps "valid" there)
                 moved = batch.to(self.device, non_blocking=True)
                 done.record(self.stream)
             yield moved, (start, done), images

@@ -137,8 +137,10 @@ class Storage(Protocol):
         """``n`` real images, uint8 NCHW (to trace, warm up and verify compiled models)."""
         ...
 
-    def probes(self, batch_size: int) -> dict[str, Probe]:
-        """Each data stage of this storage alone, as a probe the verdict can time."""
+    def probes(self, batch_size: int, device: torch.device | None = None
+               ) -> dict[str, Probe]:
+        """Each data stage of this storage alone, as a probe the verdict can time (on the
+        run's ``device`` where the stage runs there: a rival's own pipeline)."""
         ...
 
 

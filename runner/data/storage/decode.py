@@ -495,6 +495,8 @@ class ImageDecoder:
         """The crop, on an upright image of this size: center, or random-resized."""
         if self.crop is Crop.random:
             return random_box(h, w, rng=rng)
+        if self.crop is Crop.whole:
+            return Box(0, 0, h, w)
         return center_box(h, w, *self.size)
 
     def finish(self, img: torch.Tensor, box: Box, rng: torch.Generator | None = None

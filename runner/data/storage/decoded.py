@@ -146,7 +146,8 @@ class DecodedStorage(Dataset):
             images = center_crop(images, self.output_size)
         return cycle_rows(images.contiguous(), n)
 
-    def probes(self, batch_size: int) -> dict[str, Probe]:
+    def probes(self, batch_size: int, device: torch.device | None = None
+               ) -> dict[str, Probe]:
         """The batched gather of a random batch into a preallocated buffer, on the threads
         the loader gathers with."""
         out = torch.empty((batch_size, *self.image_shape), dtype=self.images.dtype)

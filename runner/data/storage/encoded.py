@@ -25,12 +25,24 @@ class ReadBytes:
         self.image_decoder = image_decoder
 
     def __call__(self, data: bytearray, rng: torch.Generator | None = None) -> torch.Tensor:
-        return torch.frombuffer(data, dtype=torch.uint8)
+        """The bytes, then 8 bytes of the image's random-crop seed (-1: none): the GPU draws
+        its crop from the same seed as a CPU decode would (``pack`` splits them off)."""
+        seed = rng.initial_seed() if rng is not None else -1
+        tail = torch.frombuffer(bytearray(seed.to_bytes(SEED_BYTES, "little", signed=True)),
+                                dtype=torch.uint8)
+        return torch.cat([torch.frombuffer(data, dtype=torch.uint8), tail])
 
     @staticmethod
     def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Variable-length byte tensors -> one tensor plus offsets (one buffer to move)."""
+        """Variable-length byte tensors -> one tensor plus offsets (one buffer to move), and
+        each image's crop seed."""
+        seeds = torch.tensor([int.from_bytes(b[-SEED_BYTES:].numpy().tobytes(), "little",
+                                             signed=True) for b in images], dtype=torch.int64)
+        images = [b[:-SEED_BYTES] for b in images]
         lengths = torch.tensor([len(b) for b in images], dtype=torch.int64)
         offsets = torch.zeros(len(images) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        return {"jpeg": torch.cat(images), "jpeg_offsets": offsets}
+        return {"jpeg": torch.cat(images), "jpeg_offsets": offsets, "crop_seed": seeds}
+
+
+SEED_BYTES = 8

@@ -149,6 +149,9 @@ class FolderStorage(torch.utils.data.Dataset):
         """The encoded bytes of item ``index``: its file, read whole."""
         return read_file(self.samples[index][0])
 
+    def check_stored(self, index: int, data: bytes | bytearray) -> None:
+        """Nothing to check for a folder's own file (a store checks its copy's checksum)."""
+
     def decode_data(self, index: int, data: bytearray | None, valid: bool = True,
                     rng: torch.Generator | None = None) -> Sample | SkippedFile:
         """Item ``index`` from its file's bytes (None: the file could not be read)."""
@@ -206,7 +209,8 @@ class FolderStorage(torch.utils.data.Dataset):
             raise DatasetError(f"none of the first {2 * n} files of {self.root} can be decoded")
         return cycle_rows(torch.stack(images), n)
 
-    def probes(self, batch_size: int) -> dict[str, Probe]:
+    def probes(self, batch_size: int, device: torch.device | None = None
+               ) -> dict[str, Probe]:
         """Reading one file, decoding one image, collating one batch (each on one core)."""
         items = list(range(min(len(self), max(batch_size, 32))))
         data = self._decodable(items)

@@ -170,7 +170,7 @@ def scan_unlabelled(root: Path) -> list[tuple[str, int]]:
             if ignored.keep(dirpath, filename):
                 samples.append((os.path.join(dirpath, filename), UNLABELLED))
     ignored.say(root)
-    return samples
+    return sorted(samples, key=lambda s: os.path.relpath(s[0], root).split(os.sep))
 
 
 def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> Listing:

@@ -81,17 +81,20 @@ class MemmapSpec(StoreSpec):
     decoder: str
     draft: bool
     selected_by: tuple[str, ...] = field(default=(), compare=False)
+    whole: bool = False  # dataset.crop=whole: the whole image resized, not centre-cropped
 
     kind = StorageName.memmap.value
     version = CACHE_VERSION
 
     def settings(self) -> dict[str, Any]:
         return {"source": str(self.source), "image_size": list(self.image_size),
-                "decoder": self.decoder, "draft": self.draft}
+                "decoder": self.decoder, "draft": self.draft, **({"crop": "whole"} if
+                                                                  self.whole else {})}
 
     def label(self) -> str:
         h, w = self.image_size
-        return f"{h}x{w}-{self.decoder}{'-draft' if self.draft else ''}"
+        return (f"{h}x{w}-{self.decoder}{'-draft' if self.draft else ''}"
+                f"{'-whole' if self.whole else ''}")
 
     def overrides(self) -> list[str]:
         h, w = self.image_size
@@ -125,8 +128,11 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Mem
     if dataset.store_size is not None:
         picked += [f"dataset.store_size={dataset.store_size}",
                    f"dataset.store_side={dataset.store_side.value}"]
+    whole = dataset.crop is Crop.whole
+    if whole:
+        picked.append("dataset.crop=whole")
     return MemmapSpec(source, stored_size(dataset), loader.decoder.value, loader.draft,
-                      selected_by=tuple(picked))
+                      selected_by=tuple(picked), whole=whole)
 
 
 def image_shape(count: int, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -152,7 +158,8 @@ def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     deterministic centre crop (random crops of training batches happen on the device,
     runner/data/augment.py)."""
     check_decoder(loader.decoder)
-    decode = ImageDecoder(loader.decoder, stored_size(dataset), Crop.center, loader.draft)
+    crop = Crop.whole if dataset.crop is Crop.whole else Crop.center
+    decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft)
     return open_folder(loader, dataset, path, progress, decode=decode)
 
 

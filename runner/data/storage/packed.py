@@ -56,7 +56,7 @@ from runner.data.storage.cache import (
     skipped_files,
 )
 from runner.data.storage.decode import (
-    CPU_DECODERS,
+    DECODERS,
     CorruptImageError,
     read_jpeg_header,
     upright_rgb,
@@ -344,11 +344,16 @@ class PackedStorage(FolderStorage):
         longer matches: a CacheError naming the store and its rebuild) or a source that was
         already undecodable as stored (reported as a skipped file, as a folder would)."""
         item = super().decode_data(index, data, valid, rng)
-        if isinstance(item, SkippedFile) and data is not None \
-                and zlib.crc32(data) != self.crcs[index]:
+        if isinstance(item, SkippedFile) and data is not None:
+            self.check_stored(index, data)
+        return item
+
+    def check_stored(self, index: int, data: bytes | bytearray) -> None:
+        """A CacheError naming the store when image ``index``'s bytes are not those
+        stored (damage since packing), not a skip blamed on a healthy source."""
+        if zlib.crc32(data) != self.crcs[index]:
             raise self.damaged(f"the bytes of image {index} ({self.name_of(index)}) no "
                                "longer match their checksum")
-        return item
 
     def damaged(self, what: str) -> CacheError:
         if self.spec is not None:
@@ -397,7 +402,9 @@ KIND = StorageKind(
     open=open_packed,
     storage=PackedStorage,
     summary="JPEGs re-encoded once at dataset.store_size into one file, decoded every epoch",
-    decoders=CPU_DECODERS,
+    # nvjpeg: each batch's stored JPEGs (one pread each) decoded batched on the GPU
+    # (runner/data/nvjpeg.py), cropped there with the CPU path's boxes
+    decoders=frozenset(DECODERS),
     knobs=("loader.decoder", "loader.draft", "loader.num_workers"),
     advice={"decode": "a smaller dataset.store_size (fewer pixels to decode per image)"},
     bench={"packed": ("loader=packed", "dataset.store_size=256")},

@@ -81,10 +81,13 @@ class RivalStorage(FolderStorage):
     def own_loader(self, order: BatchOrder, device: torch.device) -> Any:
         raise NotImplementedError
 
-    def probes(self, batch_size: int) -> dict[str, Probe]:
+    def probes(self, batch_size: int, device: torch.device | None = None
+               ) -> dict[str, Probe]:
+        # on the run's device: a GPU run's rival decodes on the GPU (DALI's mixed decoder),
+        # and probing its CPU decoder instead would measure another pipeline
         batches = self.own_loader(BatchOrder(len(self), batch_size, shuffle=True, drop_last=True,
                                                     seed=0),
-                                  torch.device("cpu"))
+                                  device or torch.device("cpu"))
         stream = None
 
         def pipeline() -> int:

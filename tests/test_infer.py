@@ -1,0 +1,282 @@
+"""task=infer as users run it: unlabelled folders and manifests, every image format, several
+models with their own weights, classes and normalization, every output checked against the
+model run directly, masks at the source size, and a stopped run resumed byte for byte."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import encode, make_tree, photo, read_metrics, run_in_process
+from PIL import Image
+
+from runner.compose import compose
+from runner.config import ModelConfig
+from runner.data.storage import STORAGES
+from runner.data.storage.listing import UNLABELLED, list_images
+from runner.errors import Interrupted
+from runner.model import build_model
+
+CPU = torch.device("cpu")
+BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
+        "dataset.image_size=[32,32]", "loader.batch_size=4", "run.warmup_steps=0"]
+
+
+def sixteen_bit_png(index: int) -> bytes:
+    gray = (photo(40, 52, index=index)[..., 0].astype(np.uint16) * 257)
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(gray).save(buf, "PNG")  # mode I;16
+    return buf.getvalue()
+
+
+@pytest.fixture
+def flat(tmp_path: Path) -> Path:
+    """A flat folder of unlabelled images in every format PIL reads, a sub-folder, a broken
+    file and a file that is not an image."""
+    return make_tree(tmp_path / "flat", {
+        "a.jpg": encode(photo(40, 52, 0)), "b.png": encode(photo(44, 50, 1), "PNG"),
+        "c.webp": encode(photo(40, 60, 2), "WEBP"), "d.bmp": encode(photo(36, 48, 3), "BMP"),
+        "e.tiff": encode(photo(40, 40, 4), "TIFF"), "f.gif": encode(photo(40, 52, 5), "GIF"),
+        "g_gray.jpg": encode(photo(40, 52, 6), mode="L"), "h16.png": sixteen_bit_png(7),
+        "sub/i.jpg": encode(photo(48, 64, 8)), "zz_broken.jpg": b"\xff\xd8\xff not really",
+        "notes.txt": b"not an image",
+    })
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_flat_folder_is_read_unlabelled_in_sorted_order_with_every_format(flat: Path,
+                                                                               caplog):
+    listing = list_images(compose(BASE).dataset, flat)
+    names = [str(Path(p).relative_to(flat)) for p, _ in listing.samples]
+    assert names == ["a.jpg", "b.png", "c.webp", "d.bmp", "e.tiff", "f.gif", "g_gray.jpg",
+                     "h16.png", "sub/i.jpg", "zz_broken.jpg"]
+    assert {label for _, label in listing.samples} == {UNLABELLED} and not listing.classes
+    assert "notes.txt" in caplog.text  # said, not silently left out
+
+
+def test_inference_on_a_flat_folder_decodes_every_format_and_skips_the_broken(flat: Path,
+                                                                              tmp_path: Path):
+    m = run_in_process(*BASE, f"dataset.path={flat}", "run.epochs=1", run_dir=tmp_path / "run")
+    assert m["status"] == "ok"
+    got = rows(tmp_path / "run" / "predictions.csv")
+    assert [r["file"] for r in got] == ["a.jpg", "b.png", "c.webp", "d.bmp", "e.tiff",
+                                        "f.gif", "g_gray.jpg", "h16.png", "sub/i.jpg"]
+    assert all(r["label"] == "-1" and r["label_name"] == "" for r in got)
+    assert len(m["skipped_files"]) == 1 and "zz_broken.jpg" in str(m["skipped_files"][0])
+
+
+def test_a_sixteen_bit_image_becomes_eight_bit_rgb(flat: Path):
+    cfg = compose([*BASE, f"dataset.path={flat}"])
+    storage = STORAGES[cfg.loader.name].open(cfg.loader, cfg.dataset, flat, False)
+    k = storage.names().index("h16.png")
+    image = storage[k].image
+    assert image.dtype == torch.uint8 and image.shape == (3, 32, 32)
+    assert torch.equal(image[0], image[1]) and int(image.max()) > 100  # not all-255 or 0
+
+
+@pytest.mark.parametrize("form", ["csv-names", "csv-indices", "jsonl", "csv-unlabelled"])
+def test_a_manifest_lists_files_with_or_without_labels(tmp_path: Path, form: str):
+    files = {f"imgs/{k}.jpg": encode(photo(40, 52, k)) for k in range(6)}
+    make_tree(tmp_path / "data", files)
+    labels = ["cat", "dog", "cat", "bird", "dog", "cat"]
+    manifest = tmp_path / "data" / ("list.jsonl" if form == "jsonl" else "list.csv")
+    order = [3, 0, 5, 1, 4, 2]  # the manifest's order, not sorted
+    if form == "jsonl":
+        manifest.write_text("".join(json.dumps({"path": f"imgs/{k}.jpg", "label": labels[k]})
+                                    + "\n" for k in order))
+    elif form == "csv-unlabelled":
+        manifest.write_text("path\n" + "".join(f"imgs/{k}.jpg\n" for k in order))
+    else:
+        classes = sorted(set(labels))
+        value = (lambda k: labels[k]) if form == "csv-names" else \
+            (lambda k: classes.index(labels[k]))
+        manifest.write_text("path,label\n" + "".join(f"imgs/{k}.jpg,{value(k)}\n"
+                                                    for k in order))
+    listing = list_images(compose(BASE).dataset, manifest)
+    assert [Path(p).name for p, _ in listing.samples] == [f"{k}.jpg" for k in order]
+    if form == "csv-unlabelled":
+        assert not listing.classes and {y for _, y in listing.samples} == {UNLABELLED}
+        return
+    names = listing.classes if form != "csv-indices" else ["bird", "cat", "dog"]
+    assert [names[y] for _, y in listing.samples] == [labels[k] for k in order]
+
+
+def test_train_and_infer_on_a_manifest_on_every_storage(tmp_path: Path, cache_dir: Path):
+    files = {f"imgs/{k}.jpg": encode(photo(40, 52, k)) for k in range(8)}
+    make_tree(tmp_path / "data", files)
+    manifest = tmp_path / "data" / "list.csv"
+    manifest.write_text("path,label\n" + "".join(f"imgs/{k}.jpg,{'ab'[k % 2]}\n"
+                                                for k in range(8)))
+    m = run_in_process(*[b for b in BASE if b != "task=infer"], "task=train",
+                       f"dataset.manifest={manifest}", "run.steps=2",
+                       run_dir=tmp_path / "train")
+    assert m["status"] == "ok" and m["loss_last"] is not None
+    for loader in ("folder", "packed", "memmap", "ram"):
+        run = tmp_path / f"infer-{loader}"
+        m = run_in_process(*BASE, f"loader={loader}", f"dataset.manifest={manifest}",
+                           "run.epochs=1", run_dir=run)
+        assert m["status"] == "ok", (loader, m.get("error"))
+        got = rows(run / "predictions.csv")
+        assert [r["file"] for r in got] == [f"imgs/{k}.jpg" for k in range(8)], loader
+        assert [r["label_name"] for r in got] == ["ab"[k % 2] for k in range(8)]
+
+
+def test_training_refuses_unlabelled_images(flat: Path, tmp_path: Path):
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs labelled images"):
+        run_in_process(*[b for b in BASE if b != "task=infer"], "task=train",
+                       f"dataset.path={flat}", "run.steps=1", run_dir=tmp_path / "run")
+
+
+@pytest.fixture
+def labelled(tmp_path: Path) -> Path:
+    files = {f"{c}/{k}.jpg": encode(photo(40, 52, 10 * i + k))
+             for i, c in enumerate(["cat", "dog", "owl"]) for k in range(5)}
+    return make_tree(tmp_path / "labelled", files)
+
+
+def direct(cfg_overrides: list[str], path: Path, model: torch.nn.Module) -> tuple:
+    """Every image of ``path`` decoded as the run decodes it, and the model's logits and
+    classifier inputs on them, computed here."""
+    cfg = compose(cfg_overrides)
+    storage = STORAGES[cfg.loader.name].open(cfg.loader, cfg.dataset, path, False)
+    images = torch.stack([storage[i].image for i in range(len(storage))])
+    seen = {}
+    network = model[1]
+    linear = [m for m in network.modules() if isinstance(m, torch.nn.Linear)][-1]
+    handle = linear.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0]))
+    with torch.inference_mode():
+        logits = model(images).float()
+    handle.remove()
+    return logits, seen["x"].flatten(1)
+
+
+def test_every_output_matches_the_model_run_directly(labelled: Path, tmp_path: Path):
+    """Two models in one pass, each with its own weights, class count, class names and
+    normalization; probs, logits, embeddings and top-k equal the models run directly."""
+    torch.manual_seed(1)
+    a = build_model(ModelConfig("tiny"), 12, CPU).eval()  # a 12-class checkpoint
+    b = build_model(ModelConfig("tiny"), 3, CPU).eval()
+    torch.save(a[1].state_dict(), tmp_path / "a.pt")
+    torch.save(b[1].state_dict(), tmp_path / "b.pt")
+    (tmp_path / "a.txt").write_text("".join(f"thing{k}\n" for k in range(12)))
+    models = (f"+models=[{{name:tiny,weights:{tmp_path / 'a.pt'},alias:a,"
+              f"classes:{tmp_path / 'a.txt'}}},{{name:tiny,weights:{tmp_path / 'b.pt'},"
+              "alias:b,mean:[0.5,0.5,0.5],std:[0.25,0.25,0.25]}]")
+    over = [*BASE, f"dataset.path={labelled}", "run.epochs=1", "task.topk=3",
+            "task.outputs=[topk,probs,logits,embeddings]", models]
+    m = run_in_process(*over, run_dir=tmp_path / "run")
+    assert m["status"] == "ok"
+    run = tmp_path / "run"
+    names = (run / "files.txt").read_text().splitlines()
+    assert names == [f"{c}/{k}.jpg" for c in ["cat", "dog", "owl"] for k in range(5)]
+    b_norm = build_model(ModelConfig("tiny", weights=str(tmp_path / "b.pt"),
+                                     mean=[0.5] * 3, std=[0.25] * 3), 3, CPU).eval()
+    for label, model, count in (("a", a, 12), ("b", b_norm, 3)):
+        logits, embeddings = direct(over, labelled, model)
+        got = np.load(run / f"{label}.logits.npy", mmap_mode="r")
+        assert got.shape == (15, count)
+        np.testing.assert_allclose(got, logits.numpy(), atol=1e-5)
+        np.testing.assert_allclose(np.load(run / f"{label}.probs.npy"),
+                                   torch.softmax(logits, 1).numpy(), atol=1e-6)
+        np.testing.assert_allclose(np.load(run / f"{label}.embeddings.npy"),
+                                   embeddings.numpy(), atol=1e-5)
+        csv_rows = rows(run / f"predictions_{label}.csv")
+        assert [int(r["pred"]) for r in csv_rows] == logits.argmax(1).tolist()
+        assert [r["label_name"] for r in csv_rows] == [n.split("/")[0] for n in names]
+        first = csv_rows[0]
+        pred_names = [f"thing{k}" for k in range(12)] if label == "a" else ["cat", "dog", "owl"]
+        assert first["pred_name"] == pred_names[int(first["pred"])]
+    # normalization is the model's own: b with ImageNet's would give other logits
+    b_imagenet, _ = direct(over, labelled, b)
+    assert not np.allclose(np.load(run / "b.logits.npy"), b_imagenet.numpy(), atol=1e-3)
+
+
+def test_an_embedding_layer_and_a_postprocess_are_written(labelled: Path, tmp_path: Path):
+    over = [*BASE, f"dataset.path={labelled}", "run.epochs=1",
+            "task.outputs=[embeddings]", "task.embed_layer=features.2",
+            "task.postprocess=nets:top_logit"]
+    m = run_in_process(*over, run_dir=tmp_path / "run")
+    assert m["status"] == "ok"
+    emb = np.load(tmp_path / "run" / "tiny.embeddings.npy")
+    assert emb.shape == (15, 64)  # features.2's 64 channels, averaged over the image
+    top = np.load(tmp_path / "run" / "tiny.top_logit.npy")
+    logits = np.load(tmp_path / "run" / "tiny.embeddings.npy")  # written beside
+    assert top.shape == (15,) and logits.shape[0] == 15
+    assert not (tmp_path / "run" / "predictions.csv").exists()  # topk was not asked
+
+
+def test_masks_are_written_at_the_source_size(tmp_path: Path):
+    sizes = [(40, 52), (60, 36), (33, 47)]
+    src = make_tree(tmp_path / "scenes", {f"s{k}.jpg": encode(photo(h, w, k))
+                                          for k, (h, w) in enumerate(sizes)})
+    torch.manual_seed(0)
+    cfg = ModelConfig("lraspp_mobilenet_v3_large", num_classes=4)
+    model = build_model(cfg, 0, CPU, train=False).eval()
+    torch.save(model[1].state_dict(), tmp_path / "seg.pt")
+    over = [*BASE, f"dataset.path={src}", "run.epochs=1", "dataset.crop=whole",
+            "dataset.image_size=[64,64]", "model.name=lraspp_mobilenet_v3_large",
+            f"model.weights={tmp_path / 'seg.pt'}", "task.outputs=[masks]"]
+    m = run_in_process(*over, run_dir=tmp_path / "run")
+    assert m["status"] == "ok"
+    cfgc = compose(over)
+    storage = STORAGES[cfgc.loader.name].open(cfgc.loader, cfgc.dataset, src, False)
+    images = torch.stack([storage[i].image for i in range(len(storage))])
+    with torch.inference_mode():
+        classes = model(images)["out"].argmax(1).to(torch.uint8).numpy()
+    for k, (h, w) in enumerate(sizes):
+        mask = Image.open(tmp_path / "run" / "masks" / "lraspp_mobilenet_v3_large" /
+                          f"s{k}.png")
+        assert mask.size == (w, h) and mask.mode == "L"
+        expected = Image.fromarray(classes[k]).resize((w, h), Image.NEAREST)
+        assert np.array_equal(np.asarray(mask), np.asarray(expected))
+
+
+def test_masks_of_a_classifier_are_refused_in_one_line(labelled: Path, tmp_path: Path):
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="masks need a segmentation model"):
+        run_in_process(*BASE, f"dataset.path={labelled}", "run.epochs=1",
+                       "task.outputs=[masks]", run_dir=tmp_path / "run")
+
+
+def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_path: Path,
+                                                          monkeypatch):
+    import runner.task
+
+    over = [*BASE, f"dataset.path={labelled}", "run.epochs=1",
+            "task.outputs=[topk,probs,embeddings]"]
+    whole = run_in_process(*over, run_dir=tmp_path / "whole")
+    assert whole["status"] == "ok"
+    real = runner.task.InferStep.__call__
+    calls = []
+
+    def stop_at_two(self, batch):
+        if len(calls) == 2:
+            raise Interrupted("SIGTERM")
+        calls.append(1)
+        real(self, batch)
+
+    monkeypatch.setattr(runner.task.InferStep, "__call__", stop_at_two)
+    with pytest.raises(Interrupted):
+        run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
+    state = json.loads((tmp_path / "parts" / "infer-state.json").read_text())
+    assert state["steps"] == 2 and not (tmp_path / "parts" / "predictions.csv").exists()
+    monkeypatch.setattr(runner.task.InferStep, "__call__", real)
+    m = run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
+    assert m["status"] == "ok" and m["start_step"] == 2
+    for name in ("predictions.csv", "tiny.probs.npy", "tiny.embeddings.npy", "files.txt"):
+        assert (tmp_path / "parts" / name).read_bytes() == \
+            (tmp_path / "whole" / name).read_bytes(), name
+    assert read_metrics(tmp_path / "parts")["status"] == "ok"
