@@ -48,6 +48,9 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         "model": network(step.model).state_dict(),
         "optimizer": step.optimizer.state_dict(),
         "scaler": step.scaler.state_dict(),
+        "schedule": step.schedule.state_dict(),
+        "ema": step.ema.state_dict() if step.ema is not None else None,
+        "micro": step.micro,  # batches whose gradients wait for an optimizer step
         "epoch": epoch,
         "steps": steps,
         "losses": losses,
@@ -100,12 +103,15 @@ class Checkpointer:
             self.write(step, epoch * per_epoch, per_epoch)
 
     def write(self, step: Any, done: int, per_epoch: int,
-              losses: dict[str, float] | None = None) -> Path | None:
-        """The checkpoint after ``done`` steps of the run (none with checkpoint=false)."""
+              losses: dict[str, float] | None = None, name: str = NAME) -> Path | None:
+        """The checkpoint after ``done`` steps of the run (none with checkpoint=false);
+        ``name``: another file than the run's own (checkpoint-best.pt)."""
         if not self.task.checkpoint:
             return None
-        path = save(self.run_dir / NAME, step, done / per_epoch, done, self.config,
+        path = save(self.run_dir / name, step, done / per_epoch, done, self.config,
                     losses or {}, self.extra())
+        if name != NAME:
+            return path
         if self.task.keep_checkpoints:
             shutil.copyfile(path, self.run_dir / f"checkpoint-{done:08d}.pt")
         self.last_write = time.monotonic()
@@ -141,7 +147,7 @@ MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
               "dataset.num_images", "dataset.num_classes", "dataset.image_size",
               "dataset.crop", "dataset.store_size", "dataset.store_side",
               "loader.batch_size", "loader.drop_last", "loader.shuffle", "loader.shuffle_block",
-              "seed")
+              "seed", "task.optimizer", "task.schedule", "task.accumulate")
 
 
 def data_fingerprint(storage: Any) -> dict[str, Any]:
@@ -244,7 +250,7 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
     # load_state_dict restores the saved groups' implementation options too (a CPU run's
     # fused=None on a CUDA run whose GradScaler then hands the foreach path grad_scale, or
     # a CUDA run's fused=True on the CPU): this run's device decides them
-    from runner.task import optimizer_options
+    from runner.optim import optimizer_options
 
     options = optimizer_options(next(network(step.model).parameters()).device)
     for group in step.optimizer.param_groups:
@@ -253,6 +259,17 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
                 group[key] = options.get(key)
     if state.get("scaler"):
         step.scaler.load_state_dict(state["scaler"])
+    if state.get("schedule"):
+        step.schedule.load_state_dict(state["schedule"])
+    if state.get("ema") and step.ema is not None:
+        step.ema.load_state_dict(state["ema"])
+    elif step.ema is not None:
+        log.warning("the checkpoint holds no EMA of the weights (task.ema_decay was 0): the "
+                    "EMA starts from this run's first update")
+    if state.get("micro"):  # stopped mid-accumulation: those gradients are not kept
+        log.warning("the checkpoint was written %d batches into a task.accumulate=%d "
+                    "accumulation; their gradients were not saved and are left out",
+                    state["micro"], step.cfg.accumulate)
     log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,
              f"{state['epoch']:g}", state.get("steps", 0),
              (state.get("losses") or {}).get("loss_last"))

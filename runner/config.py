@@ -63,6 +63,11 @@ class Labels(Enum):  # where dataset.path's labels come from
     none = "none"  # every image under the folder, unlabelled (inference)
 
 
+class Split(Enum):  # dataset.split: the two sides of dataset.val_fraction's split
+    train = "train"  # the images trained on (all of them without a split)
+    val = "val"  # the held-out share
+
+
 class OnCorrupt(Enum):
     skip = "skip"
     fail = "fail"
@@ -93,6 +98,18 @@ class Output(Enum):  # what task=infer keeps of each model's output
     logits = "logits"  # <model>.logits.npy
     embeddings = "embeddings"  # <model>.embeddings.npy: the classifier's input
     masks = "masks"  # masks/<model>/<file>.png: class per pixel at the source size
+
+
+class OptimizerName(Enum):  # task.optimizer
+    sgd = "sgd"  # with momentum (nesterov optional)
+    adamw = "adamw"
+
+
+class ScheduleName(Enum):  # task.schedule: the learning rate over the run's optimizer steps
+    constant = "constant"
+    cosine = "cosine"  # cosine from task.lr to task.min_lr
+    step = "step"  # times task.step_gamma every task.step_epochs epochs
+    onecycle = "onecycle"  # up to task.lr and down (torch.optim.lr_scheduler.OneCycleLR)
 
 
 class LoggerName(Enum):
@@ -153,8 +170,14 @@ class DatasetConfig:
     # a CSV (header: path[,label]) or JSON-lines file listing the images (paths relative to
     # it) and their class index or name; in place of dataset.path
     manifest: str | None = None
-    # task=train: a validation ImageFolder (same classes); top-1 accuracy after each epoch
+    # task=train: a validation ImageFolder (same classes); loss, top-1 and top-5 after each
+    # epoch
     val_path: str | None = None
+    # task=train: this share of the images held out for validation by a seeded split
+    # (dataset.split_seed), never trained on; in place of dataset.val_path
+    val_fraction: float = 0.0
+    split_seed: int = 0
+    split: Split = Split.train  # which side of the split a data path reads (set by the runner)
     cache_dir: str = "${oc.env:RUNNER_CACHE,'~/.cache/runner'}"
     num_images: int = 2000  # generated default dataset only
     num_classes: int = 10  # generated default dataset only
@@ -186,6 +209,8 @@ class DatasetConfig:
         _require(1 <= self.quality <= 100, "dataset.quality", self.quality, "must be in 1..100")
         _require(1 <= self.store_quality <= 100, "dataset.store_quality", self.store_quality,
                  "must be in 1..100")
+        _require(0 <= self.val_fraction < 1, "dataset.val_fraction", self.val_fraction,
+                 "must be in [0, 1) (0: no split; 0.1 holds out a tenth)")
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
@@ -291,14 +316,75 @@ class ModelConfig:
         return self.alias or self.name
 
 
+class AutoAugmentName(Enum):  # task.augment.auto: a policy of image operations per image
+    none = "none"
+    randaugment = "randaugment"  # task.augment.ops operations at task.augment.magnitude
+    trivialaugment = "trivialaugment"  # one operation at a random magnitude
+
+
+@dataclass
+class AugmentConfig:
+    """``task.augment.*``: training augmentation beyond the random-resized crop and flip,
+    each with its own random draw per image, on the run's device (runner/data/transforms.py).
+    Every strength at 0 (the default): none."""
+
+    color_jitter: float = 0.0  # brightness, contrast, saturation within +-this; hue +-this/4
+    auto: AutoAugmentName = AutoAugmentName.none
+    ops: int = 2  # randaugment: operations per image
+    magnitude: int = 9  # randaugment: of 31 (torchvision's scale)
+    erasing: float = 0.0  # probability of erasing a random rectangle of an image
+    mixup: float = 0.0  # > 0: MixUp, its weights drawn per image from Beta(this, this)
+    cutmix: float = 0.0  # > 0: CutMix, its box per image from Beta(this, this)
+    mix_prob: float = 1.0  # of an image being mixed at all (MixUp or CutMix, per image)
+
+    def __post_init__(self) -> None:
+        for key in ("color_jitter", "erasing", "mixup", "cutmix", "mix_prob"):
+            _require(getattr(self, key) >= 0, f"task.augment.{key}", getattr(self, key),
+                     "must be >= 0 (0: off)")
+        _require(self.erasing <= 1 and self.mix_prob <= 1, "task.augment.erasing",
+                 self.erasing, "probabilities are at most 1")
+        _require(0 <= self.magnitude <= 30 and self.ops >= 1, "task.augment.magnitude",
+                 self.magnitude, "must be in 0..30, with task.augment.ops >= 1")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.color_jitter or self.erasing or self.mixup or self.cutmix
+                    or self.auto is not AutoAugmentName.none)
+
+
 @dataclass
 class TaskConfig:
-    """``task=``: train (SGD, cross-entropy) or infer (predictions written by threads)."""
+    """``task=``: train (runner/optim.py: optimizer, schedule, EMA; cross-entropy) or infer
+    (outputs written by threads)."""
 
     name: TaskName = MISSING
+    optimizer: OptimizerName = OptimizerName.sgd
     lr: float = 0.05
-    momentum: float = 0.9
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    eps: float = 1e-8  # adamw
     weight_decay: float = 5e-4
+    # weight decay on normalization layers' weights and on biases too (usually not)
+    decay_norm_and_bias: bool = False
+    # true: the learning rate is task.lr * global batch / 256 (the linear scaling rule)
+    scale_lr: bool = False
+    schedule: ScheduleName = ScheduleName.constant
+    warmup_steps: int = 0  # a linear warm-up over this many optimizer steps, or
+    warmup_epochs: float = 0.0  # over this many epochs' worth of them
+    min_lr: float = 0.0  # cosine: where it ends
+    step_epochs: float = 30.0  # step: every this many epochs
+    step_gamma: float = 0.1  # step: times this
+    accumulate: int = 1  # batches whose gradients add up before each optimizer step
+    clip_grad_norm: float = 0.0  # > 0: gradients clipped to this global norm
+    label_smoothing: float = 0.0
+    # > 0: an exponential moving average of the weights (decay warmed up from 0), updated
+    # on the device after each optimizer step, validated beside them and kept in checkpoints
+    ema_decay: float = 0.0
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    # with validation: checkpoint-best.pt holds the epoch best by this figure (val_top1,
+    # val_top5, val_loss, val_ema_top1, ...)
+    best_metric: str = "val_top1"
     topk: int = 5  # infer: how many classes each prediction keeps
     # task=train: checkpoint.pt in the run folder at the end, when a signal stops the run,
     # and every this many epochs, steps or minutes (0: not by that measure); a SIGKILL
@@ -323,6 +409,17 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
+        _require(self.accumulate >= 1, "task.accumulate", self.accumulate, "must be >= 1")
+        _require(0 <= self.ema_decay < 1, "task.ema_decay", self.ema_decay,
+                 "must be in [0, 1) (0: no EMA; 0.9999 is usual)")
+        _require(0 <= self.label_smoothing < 1, "task.label_smoothing", self.label_smoothing,
+                 "must be in [0, 1)")
+        _require(self.clip_grad_norm >= 0, "task.clip_grad_norm", self.clip_grad_norm,
+                 "must be >= 0 (0: no clipping)")
+        _require(self.warmup_steps >= 0 and self.warmup_epochs >= 0, "task.warmup_steps",
+                 self.warmup_steps, "warm-up steps and epochs must be >= 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "task.betas",
+                 list(self.betas), "give two values in [0, 1), e.g. [0.9,0.999]")
         _require(self.topk >= 1, "task.topk", self.topk, "must be >= 1")
         _require(self.postprocess is None or ":" in self.postprocess, "task.postprocess",
                  self.postprocess, "name your function as package.module:function")
@@ -463,6 +560,14 @@ class Config:
                               "needs task=train (to infer with trained weights, use "
                               "model.weights=PATH; resume=auto continues a stopped inference "
                               "run in its folder)")
+        if self.dataset.val_path is not None and self.dataset.val_fraction > 0:
+            raise ConfigError(f"dataset.val_fraction={self.dataset.val_fraction} and "
+                              f"dataset.val_path={self.dataset.val_path}: give one place to "
+                              "validate on")
+        if self.dataset.val_fraction > 0 and not isinstance(self.task, str) and \
+                self.task.name is not TaskName.train:
+            raise ConfigError(f"dataset.val_fraction={self.dataset.val_fraction} holds images "
+                              "out of training: it needs task=train")
         if self.dataset.val_path is not None and not isinstance(self.task, str) and (
                 self.task.name is not TaskName.train
                 or (not isinstance(self.model, str) and self.model.name == "none")):

@@ -229,6 +229,9 @@ class StepHooks:
         if o.on_epoch_end is not None and done % o.steps_per_epoch == 0:
             with self.clock.paused():
                 o.on_epoch_end(done // o.steps_per_epoch)
+        # what was paused here (a checkpoint, validation) left the window, and falls in no
+        # data wait: the next wait must not have it taken out (it would come out negative)
+        self.clock.take_paused()
         if o.profiler is not None:
             o.profiler.step()
         timed = steps - o.warmup_steps

@@ -145,11 +145,12 @@ def device_figures(device) -> dict[str, str]:
 
 
 def epochs(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-epoch figures (validation top-1), and the last epoch's top-1 as the run's."""
+    """Per-epoch figures (validation loss, top-1, top-5; the EMA's too), and the last
+    epoch's as the run's."""
     if not rows:
         return {}
-    tops = [e["val_top1"] for e in rows if "val_top1" in e]
-    return {"epochs": rows, **({"val_top1": tops[-1]} if tops else {})}
+    last = next((e for e in reversed(rows) if "val_top1" in e), {})
+    return {"epochs": rows, **{k: v for k, v in last.items() if k.startswith("val_")}}
 
 
 def rank_figures(rank: int, figures: dict[str, Any], result: LoopResult,

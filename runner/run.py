@@ -126,6 +126,7 @@ class Job:
         self.epoch_figures: list[dict[str, Any]] = []  # per epoch: validation top-1
         self.saves: checkpoint.Checkpointer | None = None
         self.data_print: dict[str, Any] | None = None  # the data's fingerprint (checkpoints)
+        self.best: float | None = None  # the best validation figure so far (checkpoint-best)
 
     def execute(self) -> dict[str, Any]:
         device = pick_device(self.config.device.value, self.ranks)
@@ -162,7 +163,7 @@ class Job:
         if cfg.run.timeline and ranks.main:  # before the loader's workers start
             timeline.enable(self.run_dir / ".timeline")
         step = self._setup_task(data, device, total_steps)
-        if cfg.dataset.val_path:
+        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0:
             self.validation = Validation.for_run(cfg, next(iter(self.models.values())),
                                                  step_amp(cfg), device, data.classes,
                                                  cfg.run.progress and ranks.main)
@@ -275,7 +276,8 @@ class Job:
         self.models, self.compile_figures = built.models, built.figures()
         writers = self._outputs(built, reducers, data, device) if infer else None
         step = make_step(cfg.task, self.models, step_amp(cfg), device, total_steps,
-                         reducers, writers, self.start_step)
+                         reducers, writers, self.start_step, data.steps_per_epoch,
+                         cfg.loader.batch_size * self.ranks.world)
         if self.resumed is not None and not infer:
             checkpoint.restore(step, self.resumed, self.resumed["source"])
         return step
@@ -318,12 +320,34 @@ class Job:
         epoch = done
         row: dict[str, Any] = {"epoch": epoch}
         if self.validation is not None:
-            row["val_top1"] = self.validation()
-            log.info("epoch %d: validation top-1 %.1f%%", epoch, 100 * row["val_top1"])
-            self.logger.log({"val/top1": row["val_top1"], "epoch": epoch}, step=None)
+            got = {f"val_{k}": v for k, v in self.validation().items()}
+            ema = getattr(step, "ema", None)
+            if ema is not None:  # the averaged weights behind the same uint8 input layer
+                averaged = torch.nn.Sequential(step.model[0] if isinstance(
+                    step.model, torch.nn.Sequential) else torch.nn.Identity(), ema.model)
+                got.update({f"val_ema_{k}": v for k, v in self.validation(averaged).items()})
+            row.update(got)
+            log.info("epoch %d: validation top-1 %.1f%%, top-5 %.1f%%, loss %.4f%s", epoch,
+                     100 * got["val_top1"], 100 * got["val_top5"], got["val_loss"],
+                     f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)" if ema else "")
+            self.logger.log({**{k.replace("val_", "val/", 1): v for k, v in got.items()},
+                             "epoch": epoch}, step=None)
+            self._keep_best(step, epoch, row)
         self.epoch_figures.append(row)
         if self.saves is not None:
             self.saves.after_epoch(step, epoch, self.data.steps_per_epoch)
+
+    def _keep_best(self, step: Step, epoch: int, row: dict[str, Any]) -> None:
+        """checkpoint-best.pt: the weights of the epoch with the best ``task.best_metric``."""
+        key = self.config.task.best_metric
+        if self.saves is None or key not in row:
+            return
+        better = (lambda a, b: a < b) if key.endswith("loss") else (lambda a, b: a > b)
+        if self.best is None or better(row[key], self.best):
+            self.best = row[key]
+            path = self.saves.write(step, epoch * self.data.steps_per_epoch,
+                                    self.data.steps_per_epoch, {}, name="checkpoint-best.pt")
+            log.info("epoch %d: best %s so far (%.4g): %s", epoch, key, row[key], path)
 
     def _checkpointer(self, clock: StepClock, step: Step) -> checkpoint.Checkpointer | None:
         """task=train on rank 0 (the replicas are equal): the checkpoints' schedule."""

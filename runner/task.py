@@ -15,14 +15,17 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner.amp import autocast, grad_scaler
+from runner.checkpoint import network
 from runner.config import (
     AmpConfig,
     AmpName,
+    AugmentConfig,
     Config,
     Crop,
     PageCache,
     PrefetchConfig,
     PrefetchName,
+    Split,
     StorageName,
     TaskConfig,
     TaskName,
@@ -30,6 +33,7 @@ from runner.config import (
 from runner.data import DataPath, build_data_path
 from runner.errors import ConfigError
 from runner.metrics import DeviceClock
+from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.outputs import Outputs, Reduce
 
 MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones are folded
@@ -42,81 +46,95 @@ class Step(Protocol):
     def start_timing(self) -> None: ...  # warm-up is over: figures count from here
 
 
-def optimizer_options(device: torch.device) -> dict[str, Any]:
-    """SGD's implementation for the device: the fused kernel on CUDA, one launch for every
-    parameter, and the path on which a GradScaler's step needs no ``.item()`` sync (the
-    scaler hands the fused kernel its inf check on the device)."""
-    return {"fused": True} if device.type == "cuda" else {}
-
-
-def build_optimizer(model: nn.Module, cfg: TaskConfig, options: dict[str, Any]
-                    ) -> torch.optim.SGD:
-    """SGD with momentum for ``model``, its momentum buffers at zero (``zero_momentum``)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay, **options)
-    zero_momentum(optimizer)
-    return optimizer
-
-
-def zero_momentum(optimizer: torch.optim.SGD) -> None:
-    """Momentum buffers that start at zero, before the first step.
-
-    Fused SGD makes them with ``empty_like`` on its first step and fills them inside the
-    kernel, which returns at once when the GradScaler found an overflow: a first step that
-    overflows (common at the scaler's initial scale) would leave garbage that the second
-    step reads, and the weights would turn to NaN. Starting from zeros is exactly the first
-    step's ``buf = grad`` when dampening is 0 (``buf = momentum * 0 + grad``), so nothing
-    else changes.
-    """
-    for group in optimizer.param_groups:
-        if group["momentum"] == 0:
-            continue
-        if group["dampening"] != 0:
-            raise ValueError("zero_momentum is exact only with dampening=0")
-        for p in group["params"]:
-            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-
-
 class TrainStep:
-    """SGD with momentum on cross-entropy; losses stay on the device until read.
+    """One training step: cross-entropy (``task.label_smoothing``), gradients accumulated
+    over ``task.accumulate`` batches, clipped (``task.clip_grad_norm``), an optimizer step
+    with its learning-rate schedule and the EMA's update (runner/optim.py); losses stay on
+    the device until read.
 
     Args:
         model: the network (its first layer takes uint8).
-        cfg: learning rate, momentum, weight decay.
-        total_steps: the run's length; every step's loss is kept (one scalar each) so the
-            figures compare the first and last tenth of the run, not single noisy steps.
+        cfg: the task's optimizer, schedule and the rest.
+        total_steps: the batches this run trains on; every step's loss is kept (one scalar
+            each) so the figures compare the first and last tenth of the run.
         amp: autocast dtype (a GradScaler for fp16).
         device: the model's device.
+        plan_steps: the whole plan's batches (a resumed run's included): the schedule's
+            length. Unset: ``total_steps``.
+        steps_per_epoch: batches per epoch (warm-up and step schedules in epochs).
+        global_batch: images per step over every rank (``task.scale_lr``).
     """
 
     def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int,
-                 amp: AmpConfig | None = None, device: torch.device | None = None):
+                 amp: AmpConfig | None = None, device: torch.device | None = None,
+                 plan_steps: int | None = None, steps_per_epoch: int = 1,
+                 global_batch: int | None = None):
         self.model = model.train()
+        self.cfg = cfg
         device = device or next(model.parameters()).device
-        self.optimizer = build_optimizer(model, cfg, optimizer_options(device))
+        self.optimizer = build_optimizer(model, cfg, device, learning_rate(cfg, global_batch))
+        self.schedule = build_schedule(
+            self.optimizer, cfg, updates_in(plan_steps or total_steps, cfg.accumulate),
+            max(1, steps_per_epoch // cfg.accumulate))
+        self.ema = Ema(network(model), cfg.ema_decay) if cfg.ema_decay > 0 else None
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, device)
         self.scaler = grad_scaler(amp, device)
         self.losses = torch.zeros(max(total_steps, 1), device=device)
         self.steps = 0
+        self.micro = 0  # batches whose gradients wait for the next optimizer step
         self._read = 0  # losses before this index were already read
 
     def __call__(self, batch: TensorDict) -> None:
         with self.autocast():
             logits = self.model(batch["image"])
-        if "valid" in batch.keys():  # padding rows of a distributed shard weigh nothing
-            valid = batch["valid"].float()
-            losses = F.cross_entropy(logits.float(), batch["label"], reduction="none")
-            loss = (losses * valid).sum() / valid.sum().clamp(min=1.0)
-        else:
-            loss = F.cross_entropy(logits.float(), batch["label"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        loss = self.loss(logits.float(), batch)
+        if self.micro == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss / self.cfg.accumulate).backward()
+        self.micro += 1
+        if self.micro == self.cfg.accumulate:
+            self.update()
         if self.steps < len(self.losses):
             self.losses[self.steps] = loss.detach()  # stays on the device: no sync
         self.steps += 1
+
+    def loss(self, logits: torch.Tensor, batch: TensorDict) -> torch.Tensor:
+        """Cross-entropy (label smoothing); a mixed image's is ``(1 - mix) * CE(label) +
+        mix * CE(label_b)`` (task.augment); padding rows of a distributed shard weigh
+        nothing."""
+        keys = batch.keys()
+        smoothing = self.cfg.label_smoothing
+        losses = F.cross_entropy(logits, batch["label"], reduction="none",
+                                 label_smoothing=smoothing)
+        if "mix" in keys:
+            mix = batch["mix"].float()
+            other = F.cross_entropy(logits, batch["label_b"], reduction="none",
+                                    label_smoothing=smoothing)
+            losses = (1 - mix) * losses + mix * other
+        if "valid" in keys:
+            valid = batch["valid"].float()
+            return (losses * valid).sum() / valid.sum().clamp(min=1.0)
+        return losses.mean()
+
+    def update(self) -> None:
+        """The optimizer step of the gradients gathered so far (clipped), the schedule's
+        step and the EMA's update; nothing here syncs with the device."""
+        if self.cfg.clip_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm,
+                                           foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.schedule.step()
+        if self.ema is not None:
+            self.ema.update(network(self.model))
+        self.micro = 0
+
+    @property
+    def lr(self) -> float:
+        """The learning rate in force (a host value: no sync)."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def start_timing(self) -> None:
         pass
@@ -128,7 +146,7 @@ class TrainStep:
             return {}
         loss = self.losses[self._read : end].mean().item()
         self._read = end
-        return {"loss": loss}
+        return {"loss": loss, "lr": self.lr}
 
     def close(self, complete: bool = True) -> dict[str, float]:
         n = min(self.steps, len(self.losses))
@@ -136,7 +154,7 @@ class TrainStep:
             return {}
         tenth = max(1, n // 10)
         return {"loss_first": self.losses[:tenth].mean().item(),
-                "loss_last": self.losses[n - tenth : n].mean().item()}
+                "loss_last": self.losses[n - tenth : n].mean().item(), "lr_last": self.lr}
 
 
 class InferStep:
@@ -261,7 +279,8 @@ class DataOnlyStep:
 def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
               device: torch.device, total_steps: int,
               reducers: dict[str, Reduce] | None = None, outputs: Outputs | None = None,
-              first_step: int = 0) -> Step:
+              first_step: int = 0, steps_per_epoch: int = 1,
+              global_batch: int | None = None) -> Step:
     """The step for ``task=``: training takes the one model there is, inference every
     model of the pass (its outputs reduced by ``reducers``, written by ``outputs``), no
     model the data only."""
@@ -269,18 +288,25 @@ def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
         return DataOnlyStep()
     if cfg.name is TaskName.train:
         (model,) = models.values()
-        return TrainStep(model, cfg, total_steps, amp, device)
+        return TrainStep(model, cfg, total_steps, amp, device, first_step + total_steps,
+                         steps_per_epoch, global_batch)
     return InferStep(models, cfg, reducers, outputs, amp, device, first_step)
 
 
 def validation_config(config: Config) -> Config:
-    """The data path of ``dataset.val_path``: the folder decoded with the run's decoder,
-    center crops, in order, every image once, from a warm page cache."""
-    dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path, crop=Crop.center,
-                                  page_cache=PageCache.warm)
+    """The data path of ``dataset.val_path`` (or of the images ``dataset.val_fraction``
+    holds out): decoded with the run's decoder, center crops, in order, every image once,
+    from a warm page cache."""
+    if config.dataset.val_path is not None:
+        dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path,
+                                      manifest=None, val_fraction=0.0)
+    else:  # the held-out side of dataset.val_fraction's split of the training images
+        dataset = dataclasses.replace(config.dataset, split=Split.val)
+    dataset = dataclasses.replace(dataset, crop=Crop.center, page_cache=PageCache.warm)
+    task = dataclasses.replace(config.task, augment=AugmentConfig())  # images as they are
     loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,
                                  drop_last=False)
-    return dataclasses.replace(config, dataset=dataset, loader=loader,
+    return dataclasses.replace(config, dataset=dataset, loader=loader, task=task,
                                prefetch=PrefetchConfig(PrefetchName.none))
 
 
@@ -307,18 +333,29 @@ class Validation:
         data = build_data_path(validation_config(config), device, epochs=1, progress=progress)
         return cls(data, model, amp, classes)
 
-    def __call__(self) -> float:
-        correct = torch.zeros((), dtype=torch.int64, device=self.data.device)
+    def __call__(self, model: nn.Module | None = None) -> dict[str, float]:
+        """Loss, top-1 and top-5 of ``model`` (default: the model being trained; an EMA's
+        network is given with the same uint8 input layer) over the validation images."""
+        model = model if model is not None else self.model
+        device = self.data.device
+        correct1 = torch.zeros((), dtype=torch.int64, device=device)
+        correct5 = torch.zeros((), dtype=torch.int64, device=device)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
         total = 0
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad(), autocast(self.amp, self.data.device):
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), autocast(self.amp, device):
             for batch in self.data.device_batches():
-                pred = self.model(batch["image"]).argmax(dim=1)
-                correct += (pred == batch["label"]).sum()
+                logits = model(batch["image"]).float()
+                top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+                hit = top == batch["label"][:, None]
+                correct1 += hit[:, 0].sum()
+                correct5 += hit.any(dim=1).sum()
+                loss += F.cross_entropy(logits, batch["label"], reduction="sum")
                 total += batch.batch_size[0]
-        self.model.train(was_training)
-        return int(correct) / max(total, 1)
+        model.train(was_training)
+        n = max(total, 1)
+        return {"top1": int(correct1) / n, "top5": int(correct5) / n, "loss": float(loss) / n}
 
     def close(self) -> None:
         self.data.close()

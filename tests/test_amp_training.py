@@ -10,9 +10,12 @@ import torch
 from torch import nn
 
 from runner.config import TaskConfig, TaskName
-from runner.task import build_optimizer
+from runner.optim import build_optimizer
 
-CFG = TaskConfig(TaskName.train, lr=0.1, momentum=0.9, weight_decay=5e-4)
+# weight decay on every parameter, as the reference SGD below has it
+CFG = TaskConfig(TaskName.train, lr=0.1, momentum=0.9, weight_decay=5e-4,
+                 decay_norm_and_bias=True)
+CPU = torch.device("cpu")
 
 
 def poison_the_allocator(model: nn.Module) -> None:
@@ -49,7 +52,8 @@ def test_an_overflowing_first_step_is_skipped_and_the_next_steps_match_a_referen
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     reference = copy.deepcopy(model)
-    ours = build_optimizer(model, CFG, {"fused": fused} if fused else {"foreach": False})
+    ours = build_optimizer(model, CFG, CPU, options={"fused": fused} if fused else
+                           {"foreach": False})
     theirs = torch.optim.SGD(reference.parameters(), lr=CFG.lr, momentum=CFG.momentum,
                              weight_decay=CFG.weight_decay, foreach=False)
     ours_losses = train(model, ours, 5, overflow_at={0})
@@ -62,6 +66,6 @@ def test_an_overflowing_first_step_is_skipped_and_the_next_steps_match_a_referen
 
 def test_momentum_buffers_start_at_zero():
     model = nn.Linear(3, 2)
-    optimizer = build_optimizer(model, CFG, {})
+    optimizer = build_optimizer(model, CFG, CPU)
     buffers = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
     assert all(b is not None and not b.any() for b in buffers)

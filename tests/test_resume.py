@@ -548,7 +548,8 @@ def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
     from runner import checkpoint
     from runner.config import ModelConfig, TaskConfig, TaskName
     from runner.model import build_model
-    from runner.task import TrainStep, optimizer_options
+    from runner.optim import optimizer_options
+    from runner.task import TrainStep
 
     step = TrainStep(build_model(ModelConfig("tiny"), 3, torch.device("cpu")),
                      TaskConfig(TaskName.train), total_steps=2)

@@ -10,6 +10,7 @@ added in one place.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig
+from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig, TaskName
 from runner.data.augment import BatchAugment, CenterCrop
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
@@ -33,6 +34,8 @@ from runner.data.storage.ram import memory_available
 from runner.data.threads import RowPool
 from runner.distributed import Ranks, barrier
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def pin_memory(cfg: LoaderConfig, device: torch.device) -> bool:
@@ -107,6 +110,7 @@ class DataPath:
         self.augment = augment
         self.page_cache = page_cache
         self.steps_per_epoch = len(stream.loader)
+        self.train_augment = None  # task.augment (runner/data/transforms.py), training only
         # crops on a CPU device: image by image on the runner's threads (threads.py)
         self.rows = RowPool() if device.type == "cpu" and augment is not None else None
 
@@ -134,6 +138,8 @@ class DataPath:
         if self.augment is not None:
             draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()}
             batch["image"] = self.augment(batch["image"], draws or None, rows=self.rows)
+        if self.train_augment is not None:  # task.augment: after the crop, per image
+            self.train_augment(batch)
         return batch
 
     def device_batches(self) -> Iterator[TensorDict]:
@@ -252,5 +258,12 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
                          on_epoch=page_cache, known_skipped=storage.known_skipped,
                          start_batch=start_batch, per_batch=per_batch)
     batches = build_prefetcher(config.prefetch, stream, device)
-    return DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
+    data = DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
                     augment=augment, page_cache=page_cache)
+    if config.task.name is TaskName.train and config.task.augment.active:
+        from runner.data.transforms import TrainAugment
+
+        data.train_augment = TrainAugment(config.task.augment, config.seed, ranks.rank,
+                                          start_step)
+        log.info("task.augment: %s", data.train_augment.describe(device))
+    return data

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.config import DatasetConfig, Labels
+from runner.config import DatasetConfig, Labels, Split
 from runner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -274,8 +274,27 @@ def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
 
 
 def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
-    """What ``dataset.*`` lists at ``path``: a manifest file, or a folder."""
+    """What ``dataset.*`` lists at ``path``: a manifest file, or a folder; with
+    ``dataset.val_fraction``, the side of its split that ``dataset.split`` names."""
     path = Path(path).expanduser()
-    if path.is_file():
-        return read_manifest(path, dataset.labels)
-    return open_image_folder(path, dataset.labels)
+    listing = read_manifest(path, dataset.labels) if path.is_file() else \
+        open_image_folder(path, dataset.labels)
+    if dataset.val_fraction > 0:
+        listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
+                                dataset.split is Split.val)
+    return listing
+
+
+def split_listing(listing: Listing, fraction: float, seed: int, held_out: bool) -> Listing:
+    """The held-out share of ``listing`` (``held_out``) or the rest, by a permutation seeded
+    with ``seed``: the same split on every run and storage; each side in listing order."""
+    import numpy as np
+
+    n = len(listing.samples)
+    count = min(max(1, round(fraction * n)), n - 1)
+    chosen = set(np.random.default_rng(seed).permutation(n)[:count].tolist())
+    samples = [s for k, s in enumerate(listing.samples) if (k in chosen) == held_out]
+    log.info("dataset.val_fraction=%g: %d of %d images %s", fraction, len(samples), n,
+             "held out for validation" if held_out else "trained on")
+    return Listing(listing.root, listing.classes, samples, f"{listing.how}, "
+                   f"{'validation' if held_out else 'training'} split")

@@ -1,0 +1,175 @@
+"""``task=train``'s optimizer, learning-rate schedule and EMA, from torch.optim.
+
+- **optimizer** (``task.optimizer``): SGD with momentum (``task.nesterov``) or AdamW
+  (``task.betas``, ``task.eps``); the fused kernel on CUDA (one launch for every parameter,
+  and a GradScaler step without a sync), torch's default elsewhere. Normalization layers'
+  weights and every bias get no weight decay unless ``task.decay_norm_and_bias=true`` (the
+  usual practice: decaying them only hurts). ``task.scale_lr=true`` sets the learning rate
+  to ``task.lr * global batch / 256`` (Goyal et al., 2017), said in the log.
+- **schedule** (``task.schedule``): constant, cosine (to ``task.min_lr``), step (times
+  ``task.step_gamma`` every ``task.step_epochs``), or one-cycle, after a linear warm-up of
+  ``task.warmup_steps`` optimizer steps (or ``task.warmup_epochs``' worth), stepped once per
+  optimizer step over the whole plan (``run.epochs`` or ``run.steps``, a resumed run's
+  steps included): torch.optim.lr_scheduler's, chained with SequentialLR.
+- **EMA** (``task.ema_decay``): torch.optim.swa_utils.AveragedModel over the network's
+  parameters and buffers, updated on the device after each optimizer step with a decay
+  warmed up as ``min(decay, (1 + n) / (10 + n))`` (n: updates so far, counted on the host,
+  so no sync), as timm's ModelEmaV2 and TF's ExponentialMovingAverage do.
+
+Gradient accumulation (``task.accumulate``), clipping (``task.clip_grad_norm``, after the
+GradScaler unscales) and label smoothing live in runner/task.py's TrainStep.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.config import OptimizerName, ScheduleName, TaskConfig
+
+log = logging.getLogger(__name__)
+
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+         nn.modules.normalization.RMSNorm)
+
+
+def optimizer_options(device: torch.device) -> dict[str, Any]:
+    """The optimizer's implementation for the device: the fused kernel on CUDA, one launch
+    for every parameter, and the path on which a GradScaler's step needs no ``.item()``
+    sync (the scaler hands the fused kernel its inf check on the device)."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:
+    """The parameters with weight decay, and (unless ``decay_all``) the normalization
+    weights and biases without."""
+    decay, plain, seen = [], [], set()
+    for module in model.modules():
+        for _, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (plain if not decay_all and (isinstance(module, NORMS) or p.ndim <= 1)
+             else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if plain:
+        groups.append({"params": plain, "weight_decay": 0.0})
+    return groups
+
+
+def learning_rate(cfg: TaskConfig, global_batch: int | None) -> float:
+    """``task.lr``, scaled by the global batch over 256 with ``task.scale_lr``."""
+    if not cfg.scale_lr or not global_batch:
+        return cfg.lr
+    lr = cfg.lr * global_batch / 256
+    log.info("task.scale_lr: learning rate %.4g = task.lr %.4g x global batch %d / 256", lr,
+             cfg.lr, global_batch)
+    return lr
+
+
+def build_optimizer(model: nn.Module, cfg: TaskConfig, device: torch.device,
+                    lr: float | None = None, options: dict[str, Any] | None = None
+                    ) -> torch.optim.Optimizer:
+    """``task.optimizer`` over ``model``'s parameter groups; ``options``: the
+    implementation (default: the device's, ``optimizer_options``)."""
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
+    options = optimizer_options(device) if options is None else options
+    lr = cfg.lr if lr is None else lr
+    if cfg.optimizer is OptimizerName.adamw:
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **options)
+    optimizer = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                                **options)
+    zero_momentum(optimizer)
+    return optimizer
+
+
+def zero_momentum(optimizer: torch.optim.SGD) -> None:
+    """Momentum buffers that start at zero, before the first step.
+
+    Fused SGD makes them with ``empty_like`` on its first step and fills them inside the
+    kernel, which returns at once when the GradScaler found an overflow: a first step that
+    overflows (common at the scaler's initial scale) would leave garbage that the second
+    step reads, and the weights would turn to NaN. Starting from zeros is exactly the first
+    step's ``buf = grad`` when dampening is 0 (``buf = momentum * 0 + grad``), so nothing
+    else changes.
+    """
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        if group["dampening"] != 0:
+            raise ValueError("zero_momentum is exact only with dampening=0")
+        for p in group["params"]:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def warmup_updates(cfg: TaskConfig, updates_per_epoch: int) -> int:
+    return int(cfg.warmup_steps or round(cfg.warmup_epochs * updates_per_epoch))
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_updates: int,
+                   updates_per_epoch: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate per optimizer step over ``total_updates`` of them."""
+    sched = torch.optim.lr_scheduler
+    total = max(int(total_updates), 1)
+    warmup = min(warmup_updates(cfg, max(updates_per_epoch, 1)), total - 1)
+    if cfg.schedule is ScheduleName.onecycle:  # its own warm-up: the first 30%, or warmup
+        return sched.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
+                                total_steps=total, pct_start=(warmup / total) if warmup
+                                else 0.3, cycle_momentum=cfg.optimizer is OptimizerName.sgd)
+    if cfg.schedule is ScheduleName.cosine:
+        main = sched.CosineAnnealingLR(optimizer, T_max=max(total - warmup, 1),
+                                       eta_min=cfg.min_lr)
+    elif cfg.schedule is ScheduleName.step:
+        main = sched.StepLR(optimizer, step_size=max(1, round(cfg.step_epochs *
+                                                              updates_per_epoch)),
+                            gamma=cfg.step_gamma)
+    else:
+        main = sched.LambdaLR(optimizer, lambda step: 1.0)
+    if warmup <= 0:
+        return main
+    ramp = sched.LinearLR(optimizer, start_factor=1.0 / (warmup + 1), end_factor=1.0,
+                          total_iters=warmup)
+    return sched.SequentialLR(optimizer, [ramp, main], milestones=[warmup])
+
+
+class Ema:
+    """An exponential moving average of a network's weights (AveragedModel), its decay
+    warmed up from 0 by a host-side count of its updates."""
+
+    def __init__(self, network: nn.Module, decay: float):
+        from torch.optim.swa_utils import AveragedModel
+
+        self.decay, self.updates = decay, 0
+        self.model = AveragedModel(network, multi_avg_fn=self._average, use_buffers=True)
+
+    def current_decay(self) -> float:
+        n = self.updates
+        return min(self.decay, (1 + n) / (10 + n))
+
+    def _average(self, ema: list[torch.Tensor], current: list[torch.Tensor], _n: Any) -> None:
+        decay = self.current_decay()
+        if ema[0].is_floating_point():
+            torch._foreach_lerp_(ema, current, 1 - decay)
+        else:  # an integer buffer (batch norm's count): the same average, rounded
+            for e, c in zip(ema, current):
+                e.copy_(e * decay + c * (1 - decay))
+
+    def update(self, network: nn.Module) -> None:
+        self.model.update_parameters(network)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.updates = int(state["updates"])
+
+
+def updates_in(steps: int, accumulate: int) -> int:
+    """Optimizer steps in ``steps`` batches (the last, partial accumulation steps too)."""
+    return math.ceil(steps / max(accumulate, 1))
