@@ -51,6 +51,12 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         "schedule": step.schedule.state_dict(),
         "ema": step.ema.state_dict() if step.ema is not None else None,
         "micro": step.micro,  # batches whose gradients wait for an optimizer step
+        # their gradients (as the GradScaler scaled them), so a stop mid-accumulation
+        # resumes the same optimizer step
+        "grads": [p.grad for p in step.model.parameters()] if step.micro else None,
+        # the random state dropout and stochastic depth draw from (this process's: under
+        # torchrun, rank 0's; the other ranks reseed)
+        "rng": rng_state(),
         "epoch": epoch,
         "steps": steps,
         "losses": losses,
@@ -238,6 +244,27 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
     return state
 
 
+def rng_state() -> dict[str, Any]:
+    """torch's random states: the CPU generator's, and each CUDA device's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """The random states a checkpoint saved, set again right before the loop goes on, so
+    a resumed run draws what the uninterrupted one drew (dropout, stochastic depth)."""
+    saved = state.get("rng")
+    if not saved:
+        log.warning("the checkpoint holds no random state (written by an older runner): "
+                    "dropout draws after the resume differ from an uninterrupted run's")
+        return
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+
+
 def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
     """Model, optimizer and scaler of a ``TrainStep`` as the checkpoint (from ``source``)
     left them."""
@@ -246,13 +273,17 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
     except RuntimeError as e:
         raise CheckpointError(f"the checkpoint does not fit this model: {e}".splitlines()[0]
                               + " (same model.name and dataset classes?)") from e
-    step.optimizer.load_state_dict(state["optimizer"])
-    # load_state_dict restores the saved groups' implementation options too (a CPU run's
-    # fused=None on a CUDA run whose GradScaler then hands the foreach path grad_scale, or
-    # a CUDA run's fused=True on the CPU): this run's device decides them
+    # The saved groups carry their run's implementation options (a CPU run's fused=None on
+    # a CUDA run whose GradScaler then hands the foreach path grad_scale; a CUDA run's
+    # fused=True on the CPU): this run's device decides them, set before loading, since
+    # load_state_dict places state by them (AdamW's step counts go to the device for fused)
     from runner.optim import optimizer_options
 
     options = optimizer_options(next(network(step.model).parameters()).device)
+    saved = dict(state["optimizer"])
+    saved["param_groups"] = [{**group, **{key: options.get(key) for key in ("fused", "foreach")
+                                          if key in group}} for group in saved["param_groups"]]
+    step.optimizer.load_state_dict(saved)
     for group in step.optimizer.param_groups:
         for key in ("fused", "foreach"):
             if key in group:
@@ -266,10 +297,10 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
     elif step.ema is not None:
         log.warning("the checkpoint holds no EMA of the weights (task.ema_decay was 0): the "
                     "EMA starts from this run's first update")
-    if state.get("micro"):  # stopped mid-accumulation: those gradients are not kept
-        log.warning("the checkpoint was written %d batches into a task.accumulate=%d "
-                    "accumulation; their gradients were not saved and are left out",
-                    state["micro"], step.cfg.accumulate)
+    if state.get("micro") and state.get("grads") is not None:  # stopped mid-accumulation
+        for p, grad in zip(step.model.parameters(), state["grads"]):
+            p.grad = None if grad is None else grad.to(p.device)
+        step.micro = int(state["micro"])
     log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,
              f"{state['epoch']:g}", state.get("steps", 0),
              (state.get("losses") or {}).get("loss_last"))

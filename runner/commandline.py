@@ -49,15 +49,20 @@ def register_configs() -> None:
 SWEPT = ".swept.json"  # in a sweep folder: the keys its jobs differ in
 
 
-def job_dir(overrides: str, sweep_dir: str = "") -> str:
+def job_dir(overrides: str, sweep_dir: str = "", number: str = "") -> str:
     """A sweep job's folder, named by its overrides (Hydra's ``override_dirname``): the
     same job always lands in the same folder, so a sweep started again with one more value
     finds every job that finished, wherever it came in the list.
 
     Only the swept keys name it when the sweep recorded them (``SWEPT``, written when the
-    sweep starts: ``loader=memmap,prefetch=cpu``), else every override. Characters a file
+    sweep starts: ``loader=memmap,prefetch=cpu``), else every override; an autotune's
+    trials are named by their ``number``. Characters a file
     name cannot hold become ``_``; a long name is cut and ends with a hash of the whole."""
     items = split_overrides(overrides)
+    if "sweep=autotune" in items and str(number):
+        # an autotune's trials are numbered: Optuna may sample one configuration twice, and
+        # each trial is its own measurement (the study, not the folders, says what is done)
+        return str(number)
     try:
         swept = set(json.loads((Path(sweep_dir) / SWEPT).read_text()))
     except (OSError, ValueError, TypeError):

@@ -410,6 +410,8 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
         _require(self.accumulate >= 1, "task.accumulate", self.accumulate, "must be >= 1")
+        _require(not self.nesterov or self.momentum > 0, "task.nesterov", self.nesterov,
+                 "needs task.momentum > 0")
         _require(0 <= self.ema_decay < 1, "task.ema_decay", self.ema_decay,
                  "must be in [0, 1) (0: no EMA; 0.9999 is usual)")
         _require(0 <= self.label_smoothing < 1, "task.label_smoothing", self.label_smoothing,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,6 +21,8 @@ from runner.metrics import StepClock, Window, repeat_split
 from runner.profile import stage_range
 from runner.stats import median
 from runner.task import Step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,6 +191,9 @@ class Windows:
                                    o.min_window_seconds)
         if needed <= self.total - self.warmup:
             return
+        log.info("the data path alone runs %d steps, not %d: each of its %d windows lasts "
+                 "run.window_seconds=%g (run.window_seconds=0 keeps the steps asked)",
+                 self.warmup + needed, self.total, o.repeats, o.min_window_seconds)
         self.total = self.warmup + needed
         self.ends = [max(e, self.timed) for e in repeat_split(needed, o.repeats)]
         result.repeats += [Window() for _ in range(len(self.ends) - len(result.repeats))]
@@ -277,7 +283,9 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     bar = tqdm(total=o.total_steps, unit="step", disable=not o.progress, dynamic_ncols=True)
     windows, hooks = Windows(o, clock, step, logger, bar), StepHooks(o, clock)
     result = windows.result
-    augments = getattr(batches, "augment", None) is not None
+    # a device-side stage: crops of pre-decoded images, task.augment (timed on its own)
+    augments = any(getattr(batches, name, None) is not None
+                   for name in ("augment", "train_augment"))
     trace = StepTrace(result, augments)
     stage = stage_range(o.profiler is not None)
     batch_iter = iter(batches)
@@ -298,16 +306,20 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             with stage("copy"):
                 batch = batches.to_device(batch)
             c1, h2 = clock.now(), time.perf_counter()
+            ca = c1
             if augments:
                 with stage("augment"):
                     batch = batches.finish(batch)
+                ca = clock.now()
             h3 = time.perf_counter()
             with stage("compute"):
                 step(batch)
             c2 = clock.now()
             trace.record(t0, h1, h2, h3)
             clock.add("copy", c0, c1)
-            clock.add("compute", c1, c2)
+            if augments:
+                clock.add("augment", c1, ca)
+            clock.add("compute", ca, c2)
             clock.step_done(n, c0, c2)
             result.steps += 1
             result.images += n

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-STAGES = ("data_wait", "copy", "compute")
+STAGES = ("data_wait", "copy", "augment", "compute")  # augment: the device-side stage
 
 
 def synchronize(device: torch.device) -> None:

@@ -8,7 +8,7 @@ model lives on, so only uint8 bytes cross from the loader (4x fewer than float32
 feeds models that take different sizes.
 
 The class count: ``model.num_classes``; unset, the head is sized from ``model.weights``
-(the network is built once with a probe count and the weights' tensors whose first
+(the network is built with a probe count and the weights' tensors whose first
 dimension differs exactly there give it), else the dataset's classes (1000 for
 unlabelled images, 21 for a segmentation model). Training from weights with another class
 count than the dataset's replaces the head only with ``model.replace_head=true``: every
@@ -64,8 +64,9 @@ class UInt8Input(nn.Module):
         x = torch.addcmul(self.shift.to(dtype), x.to(dtype), self.scale.to(dtype))
         if self.size is not None and tuple(x.shape[-2:]) != self.size:
             # normalizing is affine, so resizing after it equals resizing the pixels first
-            x = nn.functional.interpolate(x, size=self.size, mode="bilinear",
-                                          align_corners=False, antialias=True)
+            # in float32: antialiased bilinear has no half-precision CPU kernel
+            x = nn.functional.interpolate(x.float(), size=self.size, mode="bilinear",
+                                          align_corners=False, antialias=True).to(dtype)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
@@ -233,18 +234,23 @@ def read_weights(path: str) -> dict:
         raise ConfigError(f"model.weights={path} cannot be read as a state_dict: {e}") from e
 
 
-PROBE_CLASSES = 7  # a class count no checkpoint has, to find the head's tensors by
+# class counts to build a probe with: the head's tensors are those of that size whose saved
+# shape differs (a checkpoint of one of them is found by the other)
+PROBE_CLASSES = (7, 11)
 
 
 def classes_in_weights(cfg: ModelConfig, state: dict) -> int | None:
     """The class count a state_dict was trained with: the first dimension of the tensors
     that follow the class count (built with PROBE_CLASSES, they are the ones of that size
     whose saved shape differs). None when nothing tells."""
-    probe = BACKBONES[cfg.source](cfg.name, PROBE_CLASSES, _with_aux(cfg, state))
-    counts = {int(state[k].shape[0]) for k, v in probe.state_dict().items()
-              if k in state and v.dim() >= 1 and v.shape[0] == PROBE_CLASSES
-              and tuple(state[k].shape) != tuple(v.shape)}
-    return counts.pop() if len(counts) == 1 else None
+    for probe_classes in PROBE_CLASSES:  # a checkpoint of exactly 7 classes: the second
+        probe = BACKBONES[cfg.source](cfg.name, probe_classes, _with_aux(cfg, state))
+        counts = {int(state[k].shape[0]) for k, v in probe.state_dict().items()
+                  if k in state and v.dim() >= 1 and v.shape[0] == probe_classes
+                  and tuple(state[k].shape) != tuple(v.shape)}
+        if len(counts) == 1:
+            return counts.pop()
+    return None
 
 
 def _with_aux(cfg: ModelConfig, state: dict | None) -> ModelConfig:

@@ -116,10 +116,14 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_upda
     sched = torch.optim.lr_scheduler
     total = max(int(total_updates), 1)
     warmup = min(warmup_updates(cfg, max(updates_per_epoch, 1)), total - 1)
-    if cfg.schedule is ScheduleName.onecycle:  # its own warm-up: the first 30%, or warmup
+    if cfg.schedule is ScheduleName.onecycle and total >= 4:
+        # its own warm-up: the first 30%, or the warm-up asked (two steps at least: a
+        # one-step phase divides by zero inside OneCycleLR)
         return sched.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
-                                total_steps=total, pct_start=(warmup / total) if warmup
-                                else 0.3, cycle_momentum=cfg.optimizer is OptimizerName.sgd)
+                                total_steps=total, pct_start=(max(warmup, 2) / total)
+                                if warmup else 0.3,
+                                cycle_momentum=cfg.optimizer is OptimizerName.sgd
+                                and cfg.momentum > 0)
     if cfg.schedule is ScheduleName.cosine:
         main = sched.CosineAnnealingLR(optimizer, T_max=max(total - warmup, 1),
                                        eta_min=cfg.min_lr)
@@ -154,9 +158,8 @@ class Ema:
         decay = self.current_decay()
         if ema[0].is_floating_point():
             torch._foreach_lerp_(ema, current, 1 - decay)
-        else:  # an integer buffer (batch norm's count): the same average, rounded
-            for e, c in zip(ema, current):
-                e.copy_(e * decay + c * (1 - decay))
+        else:  # an integer buffer (batch norm's count): a count, not a weight: copied
+            torch._foreach_copy_(ema, current)
 
     def update(self, network: nn.Module) -> None:
         self.model.update_parameters(network)

@@ -253,6 +253,7 @@ class ModelWriter:
             path = Path(run_dir) / f"{label}.{name.removeprefix('post.')}.npy"
             self.arrays[name] = open_rows(path, (count, *row), dtype, create)
         self.rows = 0
+        self.lock = threading.Lock()
 
     def write(self, step: int, index: np.ndarray, label: np.ndarray,
               kept: dict[str, np.ndarray]) -> int:
@@ -269,7 +270,8 @@ class ModelWriter:
             os.replace(tmp, part)
         if self.masks is not None:
             self._write_masks(index, kept["masks"])
-        self.rows += len(index)
+        with self.lock:  # two writer threads may finish at once
+            self.rows += len(index)
         return len(index)
 
     def _write_masks(self, index: np.ndarray, masks: np.ndarray) -> None:
@@ -302,10 +304,9 @@ class ModelWriter:
     def finish(self, steps: int) -> None:
         """The run is complete: join the CSV parts of every step, in order."""
         self.flush()
-        if self.topk:
+        if self.topk:  # the parts stay until the run's state says it is done
             parts = [self.parts / f"{k:08d}.csv" for k in range(steps)]
             join_csv(self.csv, [p for p in parts if p.exists()], header=HEADER)
-            shutil.rmtree(self.parts, ignore_errors=True)
 
     def files(self) -> list[str]:
         out = [str(self.csv)] if self.topk else []
@@ -395,9 +396,11 @@ class Outputs:
         """Wait for every write; a complete run joins its CSV parts. Returns the figures."""
         self.pool.shutdown(wait=True)
         self._raise_failed()
-        if complete:
-            for writer in self.writers.values():
+        for writer in self.writers.values():
+            if complete:
                 writer.finish(steps)
+            else:  # what landed is on disk before the state says so
+                writer.flush()
         rows = {name: w.rows for name, w in self.writers.items()}
         return {"predictions": rows if len(rows) > 1 else next(iter(rows.values())),
                 "write_wait_seconds": self.wait_seconds,
@@ -451,6 +454,12 @@ def save_state(run_dir: Path, steps: int, config: dict[str, Any], data: dict[str
     path = Path(run_dir) / STATE
     write_json(path, {"steps": steps, "config": config, "data": data, "epoch": 0})
     return path
+
+
+def remove_parts(run_dir: Path) -> None:
+    """The CSV parts of a finished run (joined, and the state saved): gone."""
+    for parts in Path(run_dir).glob(".predictions*.parts"):
+        shutil.rmtree(parts, ignore_errors=True)
 
 
 def load_state(run_dir: Path) -> dict[str, Any] | None:

@@ -204,8 +204,12 @@ def spread_text(run: Run) -> str:
 def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
     ok = [r for r in runs if r.ok]
     slowest = min(ok, key=lambda r: r.rate) if ok else None
+    # what a training recipe costs: the device augmentation, the optimizer step, the EMA
+    parts = [(key, name) for key, name in (("augment_ms", "augment ms"),
+                                           ("optimizer_ms", "optimizer ms"), ("ema_ms", "EMA ms"))
+             if any(r.metrics.get(key) for r in runs)]
     head = ["run", *options, "status", "images/s", "spread (windows)", "ms/step", "data wait",
-            "vs slowest"]
+            *(name for _, name in parts), "vs slowest"]
     if baseline is not None:
         head.append(f"vs run {baseline.name}")
     head += ["flags", "bottleneck"]
@@ -216,6 +220,7 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
         row = [r.name, *(r.options.get(k, "") for k in options), r.status,
                _fmt(r.rate, ",.0f"), spread_text(r), _fmt(m.get("ms_per_step"), ".1f"),
                "" if wait is None else f"{wait:.0%}",
+               *(_fmt(m.get(key), ".2f") for key, _ in parts),
                ratio_text(r, slowest) if slowest else ""]
         if baseline is not None:
             row.append(ratio_text(r, baseline))
@@ -395,7 +400,7 @@ def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | Non
         return None
     plt = _pyplot()
     stages = [("data_wait_ms", "data wait"), ("copy_ms", "host-to-device copy"),
-              ("compute_ms", "compute")]
+              ("augment_ms", "augmentation"), ("compute_ms", "compute")]
     totals = [max(r.metrics["ms_per_step"], sum(r.metrics.get(k) or 0.0 for k, _ in stages))
               for r in ok]
     shares = _spans(totals)

@@ -220,6 +220,11 @@ def summary_line(cfg: Config, figures: dict[str, Any], world: int = 1) -> str | 
             f"({figures['timed_steps']} timed steps)")
     if cfg.task.name is TaskName.train and "loss_first" in figures:
         line += f"; loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f}"
+    parts = [f"{name} {figures[key]:.2f} ms" for key, name in (
+        ("augment_ms", "augmentation"), ("optimizer_ms", "optimizer step"),
+        ("ema_ms", "EMA update")) if figures.get(key)]
+    if parts:  # what a recipe costs, per step
+        line += f"; of each step: {', '.join(parts)}"
     return line
 
 

@@ -35,6 +35,7 @@ from runner.distributed import (
     first_failure,
     gather,
     leave_together,
+    local_module,
     parameter_digest,
     pick_device,
     process_group,
@@ -127,6 +128,7 @@ class Job:
         self.saves: checkpoint.Checkpointer | None = None
         self.data_print: dict[str, Any] | None = None  # the data's fingerprint (checkpoints)
         self.best: float | None = None  # the best validation figure so far (checkpoint-best)
+        self.total_steps = 0  # this run's steps (a resumed run's: what was left)
 
     def execute(self) -> dict[str, Any]:
         device = pick_device(self.config.device.value, self.ranks)
@@ -142,6 +144,8 @@ class Job:
         self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
         # before the data path: the batch order goes on where the checkpoint stopped
         self.resumed = checkpoint.resumed(cfg, self.run_dir)
+        if self.resumed is not None:  # checkpoint-best.pt is beaten only by a better epoch
+            self.best = self.resumed.get("best")
         if cfg.task.name is TaskName.infer and cfg.resume == "auto":
             self.resumed = outputs.load_state(self.run_dir)  # the outputs written so far
             if self.resumed is not None:
@@ -158,6 +162,7 @@ class Job:
         if self.resumed is not None:  # the same files, in the same order, or refused
             checkpoint.check_data(self.resumed, data.storage, self.resumed["source"])
         total_steps, warmup = self._plan(data)
+        self.total_steps = total_steps
         if total_steps == 0:  # resume=auto after the plan's last step: nothing is left
             return self._finished_before()
         if cfg.run.timeline and ranks.main:  # before the loader's workers start
@@ -168,6 +173,8 @@ class Job:
                                                  step_amp(cfg), device, data.classes,
                                                  cfg.run.progress and ranks.main)
         torch.manual_seed(cfg.seed + ranks.rank)  # random crops differ between ranks
+        if self.resumed is not None and cfg.task.name is TaskName.train and self.models:
+            checkpoint.restore_rng(self.resumed)  # dropout goes on drawing where it stopped
         if ranks.main:
             self.logger = build_logger(cfg.logger, self.run_dir, flatten(to_plain(cfg)),
                                        *run_identity(self.hydra_cfg),
@@ -202,6 +209,8 @@ class Job:
                 and ranks.main:  # every output of these steps is written: say how far
             outputs.save_state(self.run_dir, self.start_step + result.steps, to_plain(cfg),
                                self.data_print)
+            if result.steps >= self.total_steps:  # joined, and the state says so: parts go
+                outputs.remove_parts(self.run_dir)
         if saves is not None:  # at the end, or where a signal stopped it (with its losses)
             losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
             path = saves.write(step, self.start_step + result.steps, data.steps_per_epoch, losses)
@@ -277,7 +286,7 @@ class Job:
         writers = self._outputs(built, reducers, data, device) if infer else None
         step = make_step(cfg.task, self.models, step_amp(cfg), device, total_steps,
                          reducers, writers, self.start_step, data.steps_per_epoch,
-                         cfg.loader.batch_size * self.ranks.world)
+                         cfg.loader.batch_size * self.ranks.world * cfg.task.accumulate)
         if self.resumed is not None and not infer:
             checkpoint.restore(step, self.resumed, self.resumed["source"])
         return step
@@ -292,15 +301,16 @@ class Job:
         amp = step_amp(cfg)
         several = len(self.models) > 1
         fresh = self.start_step == 0
+        shapes = {name: outputs.output_shapes(reducers[name], model, example,
+                                              lambda: autocast(amp, device), cfg.task, name)
+                  for name, model in self.models.items()}  # every rank: errors before waits
         if ranks.enabled and not ranks.main:
             broadcast(ranks, "wait")  # for rank 0 to make the files every rank fills
         writers = {}
-        for name, model in self.models.items():
-            shapes = outputs.output_shapes(reducers[name], model, example,
-                                           lambda: autocast(amp, device), cfg.task, name)
+        for name in self.models:
             head = getattr(built.networks[name], "num_classes", len(storage.classes))
             writers[name] = outputs.ModelWriter(
-                self.run_dir, name, len(storage), shapes, storage.name_of,
+                self.run_dir, name, len(storage), shapes[name], storage.name_of,
                 lambda i: str(Path(storage.root) / storage.name_of(i)),
                 outputs.model_classes(built.configs[name], head, storage.classes),
                 storage.classes, outputs.csv_name(name, several, ranks.rank if ranks.enabled
@@ -323,8 +333,9 @@ class Job:
             got = {f"val_{k}": v for k, v in self.validation().items()}
             ema = getattr(step, "ema", None)
             if ema is not None:  # the averaged weights behind the same uint8 input layer
-                averaged = torch.nn.Sequential(step.model[0] if isinstance(
-                    step.model, torch.nn.Sequential) else torch.nn.Identity(), ema.model)
+                inner = local_module(step.model)  # DDP and torch.compile unwrapped
+                averaged = torch.nn.Sequential(inner[0] if isinstance(
+                    inner, torch.nn.Sequential) else torch.nn.Identity(), ema.model)
                 got.update({f"val_ema_{k}": v for k, v in self.validation(averaged).items()})
             row.update(got)
             log.info("epoch %d: validation top-1 %.1f%%, top-5 %.1f%%, loss %.4f%s", epoch,
@@ -356,7 +367,8 @@ class Job:
         self.saves = checkpoint.Checkpointer(self.config.task, self.run_dir,
                                              to_plain(self.config), clock.paused,
                                              lambda: {"wandb_id": self.logger.run_id,
-                                                      "data": self.data_print})
+                                                      "data": self.data_print,
+                                                      "best": self.best})
         return self.saves
 
     # --- results ----------------------------------------------------------------------------
@@ -374,8 +386,10 @@ class Job:
         device, run = self.data.device, self.config.run
         figures = self.figures = results.loop_figures(result, self.data.skipped, run.repeats,
                                                       run.window_seconds)
-        closed = step.close(complete=True) if result.interrupted is None and not (
-            self.signals and self.signals.received) else step.close(complete=False)
+        # complete: every step of the plan ran (a signal after the last one changes nothing)
+        closed = step.close(complete=result.steps >= self.total_steps)
+        if self.ranks.enabled and self.config.task.name is TaskName.infer:
+            broadcast(self.ranks, "closed")  # every rank's outputs written before the state
         figures.update(**results.device_figures(device), **self.compile_figures,
                        **{k: v for k, v in closed.items() if v is not None},
                        **self.data.figures(result.steps), **results.epochs(self.epoch_figures))

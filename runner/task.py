@@ -84,6 +84,12 @@ class TrainStep:
         self.steps = 0
         self.micro = 0  # batches whose gradients wait for the next optimizer step
         self._read = 0  # losses before this index were already read
+        # what a recipe costs: the optimizer step (clipping included) and the EMA update,
+        # timed on the device (events on CUDA, resolved where the loop syncs anyway)
+        self.clock = DeviceClock(device)
+        self._spans: dict[str, list] = {"optimizer": [], "ema": []}
+        self._seconds = {"optimizer": 0.0, "ema": 0.0}
+        self._updates = 0
 
     def __call__(self, batch: TensorDict) -> None:
         with self.autocast():
@@ -120,6 +126,7 @@ class TrainStep:
     def update(self) -> None:
         """The optimizer step of the gradients gathered so far (clipped), the schedule's
         step and the EMA's update; nothing here syncs with the device."""
+        start = self.clock.now()
         if self.cfg.clip_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm,
@@ -127,9 +134,37 @@ class TrainStep:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.schedule.step()
+        stepped = self.clock.now()
+        self._spans["optimizer"].append((start, stepped))
         if self.ema is not None:
             self.ema.update(network(self.model))
+            self._spans["ema"].append((stepped, self.clock.now()))
+        self._updates += 1
+        if not self.clock.cuda or len(self._spans["optimizer"]) > MAX_PENDING_EVENTS:
+            self._fold(done_only=self.clock.cuda)
         self.micro = 0
+
+    def _fold(self, done_only: bool = False) -> None:
+        """Timed spans into seconds: all (after a sync) or those completed (no sync)."""
+        for name, spans in self._spans.items():
+            k = len(spans)
+            if done_only:
+                k = 0
+                while k < len(spans) and self.clock.done(spans[k][1]):
+                    k += 1
+            self._seconds[name] += sum(self.clock.seconds(a, b) for a, b in spans[:k])
+            del spans[:k]
+
+    def costs(self) -> dict[str, float]:
+        """ms per optimizer step of the step itself and of the EMA update (after a sync)."""
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        self._fold()
+        n = max(self._updates, 1)
+        out = {"optimizer_ms": 1000 * self._seconds["optimizer"] / n}
+        if self.ema is not None:
+            out["ema_ms"] = 1000 * self._seconds["ema"] / n
+        return out
 
     @property
     def lr(self) -> float:
@@ -137,7 +172,12 @@ class TrainStep:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def start_timing(self) -> None:
-        pass
+        """Warm-up is over: the optimizer and EMA times count from the next step."""
+        if self.clock.cuda:
+            torch.cuda.synchronize()  # once, where the loop syncs anyway
+        self._fold()
+        self._seconds = dict.fromkeys(self._seconds, 0.0)
+        self._updates = 0
 
     def read(self) -> dict[str, float]:
         """Mean loss since the last read (a sync point: call only at log points)."""
@@ -149,12 +189,17 @@ class TrainStep:
         return {"loss": loss, "lr": self.lr}
 
     def close(self, complete: bool = True) -> dict[str, float]:
+        """The run's loss figures; a complete run's last, partial accumulation is applied
+        (an interrupted one's waits in the checkpoint)."""
+        if complete and self.micro:
+            self.update()
         n = min(self.steps, len(self.losses))
         if n == 0:
             return {}
         tenth = max(1, n // 10)
         return {"loss_first": self.losses[:tenth].mean().item(),
-                "loss_last": self.losses[n - tenth : n].mean().item(), "lr_last": self.lr}
+                "loss_last": self.losses[n - tenth : n].mean().item(), "lr_last": self.lr,
+                **self.costs()}
 
 
 class InferStep:

@@ -128,7 +128,8 @@ def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path
         decode.ImageDecoder.__call__ = crashing
     """)
     proc = run_cli("-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
-                   "run.steps=4", "loader.num_workers=1,0", "hydra.sweep.dir=sweep",
+                   "run.steps=4", "run.window_seconds=0", "loader.num_workers=1,0",
+                   "hydra.sweep.dir=sweep",
                    cwd=tmp_path, env=env, check=False)
     first = read_metrics(job_dir(tmp_path / "sweep", "loader.num_workers=1"))
     second = read_metrics(job_dir(tmp_path / "sweep", "loader.num_workers=0"))

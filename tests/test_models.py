@@ -230,3 +230,23 @@ def test_training_on_a_single_class_is_warned_about(tmp_path: Path, cache_dir: P
                        "loader.batch_size=2", "logger=none", "diagnose=false",
                        "run.progress=false", run_dir=tmp_path / "run")
     assert "the dataset has one class (only)" in caplog.text
+
+
+def test_a_checkpoint_of_exactly_the_probe_class_count_is_sized_right(tmp_path: Path):
+    from runner.model import PROBE_CLASSES
+
+    for count in PROBE_CLASSES:
+        source = build_model(ModelConfig("tiny"), count, CPU)
+        torch.save(source[1].state_dict(), tmp_path / "w.pt")
+        model = build_model(ModelConfig("tiny", weights=str(tmp_path / "w.pt")), 0, CPU,
+                            train=False)
+        assert model.num_classes == count
+
+
+def test_a_model_resize_runs_under_cpu_bfloat16():
+    from runner.model import UInt8Input
+
+    x = torch.randint(0, 256, (2, 3, 40, 40), dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = UInt8Input(size=(24, 24))(x)
+    assert y.shape == (2, 3, 24, 24) and y.dtype == torch.bfloat16

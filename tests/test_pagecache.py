@@ -88,7 +88,8 @@ def test_when_eviction_does_not_take_the_run_says_unknown(files, monkeypatch):
 @pytest.mark.parametrize("loader", ["folder", "memmap"])
 def test_a_cold_run_records_it_and_measures_the_disk(tmp_path: Path, cache_dir: Path, loader):
     run_cli(*SMALL_DATASET, f"loader={loader}", "model=none", "logger=none",
-            "dataset.page_cache=cold", "run.epochs=2", "hydra.run.dir=run", cwd=tmp_path)
+            "dataset.page_cache=cold", "run.epochs=2", "run.window_seconds=0",
+            "hydra.run.dir=run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m["status"] == "ok" and m["page_cache"] == "cold" and m["evictions"] == 2
     storage = m["bottleneck"]["storage"]

@@ -563,3 +563,29 @@ def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
     for group in step.optimizer.param_groups:
         assert group["fused"] == expected.get("fused") and group["foreach"] == \
             expected.get("foreach")
+
+
+@pytest.mark.slow
+def test_a_recipe_with_adamw_cosine_mixup_ema_and_dropout_resumes_exactly(
+        tmp_path: Path, cache_dir: Path, monkeypatch):
+    """Optimizer, schedule, EMA, scaler, augmentation draws and dropout's random state all
+    continue where they stopped: the resumed run ends with the uninterrupted run's weights."""
+    import torch
+
+    recipe = ["model=custom", "model.target=tests.nets:Dropping", "task.optimizer=adamw",
+              "task.lr=0.01", "task.schedule=cosine", "task.warmup_steps=3",
+              "task.augment.mixup=0.4", "task.augment.color_jitter=0.2",
+              "task.ema_decay=0.9", "run.epochs=2"]
+    straight = run(monkeypatch, tmp_path / "straight", *recipe)
+    run(monkeypatch, tmp_path / "run", *recipe, stop_at=5)
+    second = run(monkeypatch, tmp_path / "run", *recipe, "resume=auto")
+    assert len(second.steps) == 16 - 5
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    for key in a["model"]:
+        assert torch.allclose(a["model"][key], b["model"][key], atol=1e-6), key
+    for key in a["ema"]["model"]:
+        assert torch.allclose(a["ema"]["model"][key].float(), b["ema"]["model"][key].float(),
+                              atol=1e-6), key
+    assert [s[2] for s in straight.steps][5:] == pytest.approx([s[2] for s in second.steps],
+                                                               abs=1e-6)

@@ -68,7 +68,8 @@ def test_data_only_run_and_corrupt_files_are_reported(tmp_path: Path):
     })
     proc = run_cli("model=none", f"dataset.path={tree}", "dataset.image_size=[32,32]",
                    "loader.batch_size=2", "loader.decoder=simplejpeg", "logger=none",
-                   "run.progress=false", "run.warmup_steps=0", "hydra.run.dir=run", cwd=tmp_path)
+                   "run.progress=false", "run.warmup_steps=0", "run.window_seconds=0",
+                   "hydra.run.dir=run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m["status"] == "ok" and m["images"] == 4
     assert [Path(p).name for p in m["skipped_files"]] == ["broken.jpg", "empty.jpeg"]
@@ -145,8 +146,8 @@ def test_memmap_converts_once_then_reuses(tmp_path: Path, cache_dir: Path):
 
 @pytest.mark.slow
 def test_ram_run_and_its_defaults(tmp_path: Path, cache_dir: Path):
-    run_cli(*SMALL_DATASET, "loader=ram", "model=none", "logger=none", "hydra.run.dir=run",
-            cwd=tmp_path)
+    run_cli(*SMALL_DATASET, "loader=ram", "model=none", "logger=none", "run.window_seconds=0",
+            "hydra.run.dir=run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m["status"] == "ok" and m["images"] == 60
     assert m["config"]["loader"]["batched"] is True and m["config"]["loader"]["num_workers"] == 0

@@ -288,5 +288,73 @@ def test_a_run_with_augmentation_trains_and_validates_without_it(tmp_path: Path,
             "task.augment.mixup=0.2", "task.augment.cutmix=1.0", "task.augment.erasing=0.25",
             "task.augment.auto=trivialaugment"]
     assert not validation_config(compose(over)).task.augment.active
-    m = run_in_process(*over, run_dir=tmp_path / "run")
+    import runner.data.transforms
+
+    calls = []
+    real = runner.data.transforms.TrainAugment.__call__
+
+    def counted(self, batch):
+        calls.append(batch["image"].shape[0])
+        real(self, batch)
+
+    runner.data.transforms.TrainAugment.__call__ = counted
+    try:
+        m = run_in_process(*over, "task.ema_decay=0.9", run_dir=tmp_path / "run")
+    finally:
+        runner.data.transforms.TrainAugment.__call__ = real
     assert m["status"] == "ok" and m["loss_last"] is not None
+    assert len(calls) == m["steps"]  # every training batch, on every storage
+    # what the recipe costs, timed on its own: the augmentation, the optimizer, the EMA
+    assert m["augment_ms"] > 0 and m["optimizer_ms"] > 0 and m["ema_ms"] > 0
+
+
+def test_one_cycle_takes_any_warm_up_and_short_plans():
+    for warmup, total in ((1, 10), (1, 100), (0, 3), (5, 6)):
+        step = TrainStep(small_model(), task(schedule=ScheduleName.onecycle,
+                                             warmup_steps=warmup), total_steps=total)
+        for batch in batches(total):
+            step(batch)
+        assert math.isfinite(step.lr)
+
+
+def test_a_stop_in_the_middle_of_an_accumulation_resumes_the_same_update(tmp_path: Path):
+    cfg = task(lr=0.1, accumulate=2, schedule=ScheduleName.cosine)
+    data = batches(6)
+    straight = TrainStep(small_model(), cfg, total_steps=6)
+    for batch in data:
+        straight(batch)
+    first = TrainStep(small_model(), cfg, total_steps=3, plan_steps=6)
+    for batch in data[:3]:  # stopped with one batch's gradients waiting
+        first(batch)
+    assert first.micro == 1
+    path = checkpoint.save(tmp_path / "c.pt", first, 0.5, 3, {}, {})
+    second = TrainStep(small_model(seed=9), cfg, total_steps=3, plan_steps=6)
+    checkpoint.restore(second, torch.load(path, weights_only=True))
+    for batch in data[3:]:
+        second(batch)
+    for p, q in zip(second.model.parameters(), straight.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_a_runs_last_partial_accumulation_is_applied():
+    step = TrainStep(small_model(), task(lr=0.1, accumulate=4), total_steps=3)
+    before = [p.detach().clone() for p in step.model.parameters()]
+    for batch in batches(3):
+        step(batch)
+    assert all(torch.equal(p, b) for p, b in zip(step.model.parameters(), before))
+    step.close(complete=True)
+    assert not all(torch.equal(p, b) for p, b in zip(step.model.parameters(), before))
+
+
+def test_an_adamw_checkpoint_of_another_device_loads_with_this_devices_options(tmp_path: Path):
+    step = TrainStep(small_model(), task(optimizer=OptimizerName.adamw), total_steps=2)
+    for batch in batches(2):
+        step(batch)
+    state = torch.load(checkpoint.save(tmp_path / "c.pt", step, 1, 2, {}, {}),
+                       weights_only=True)
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = True  # as a CUDA run wrote it
+    again = TrainStep(small_model(), task(optimizer=OptimizerName.adamw), total_steps=2)
+    checkpoint.restore(again, state)
+    assert all(g["fused"] is None for g in again.optimizer.param_groups)
+    again(batches(1)[0])  # and it steps

@@ -106,10 +106,11 @@ class TrainAugment:
         use_up = mixed & ~use_cut
         partner = torch.randperm(n, device=device)
         weight = torch.zeros(n, device=device)
+        original = x  # CutMix pastes from images as they were, not from MixUp's blends
         if self.cfg.mixup > 0:
             beta = torch.distributions.Beta(torch.tensor(self.cfg.mixup),
                                             torch.tensor(self.cfg.mixup))
-            lam = beta.sample((n,)).to(device)
+            lam = beta.sample((n,)).to(device, non_blocking=True)
             lam = torch.where(use_up, lam, torch.zeros_like(lam))
             x = x * (1 - lam.view(-1, 1, 1, 1)) + x[partner] * lam.view(-1, 1, 1, 1)
             weight = weight + lam
@@ -117,7 +118,7 @@ class TrainAugment:
         if self.cutmix is not None:
             # rows: (1, n, 3) = (label, the pasted image's label, lambda), lambda being the
             # share of the image left (use_correct_lambda: CutMix's definition)
-            cut, rows = self.cutmix(x, label)
+            cut, rows = self.cutmix(original, label)
             x = torch.where(use_cut.view(-1, 1, 1, 1), cut, x)
             area = 1 - rows[0, :, 2].to(device)
             weight = torch.where(use_cut, area, weight)
