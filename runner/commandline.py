@@ -46,6 +46,10 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("runner.job_dir", job_dir, replace=True)
 
 
+# groups whose presets set keys all over the config (not one schema's)
+WHOLE_PRESETS = {"sweep": "a named multirun matrix (with -m)",
+                 "recipe": "a whole training recipe (optimizer, schedule, augmentation, epochs)"}
+
 SWEPT = ".swept.json"  # in a sweep folder: the keys its jobs differ in
 
 
@@ -154,7 +158,8 @@ def help_text() -> str:
              "(-m: run every combination)", "", "== Groups (group=choice) =="]
     for group, presets in groups().items():
         schema = typing.get_type_hints(Config).get(group) if group in fields else None
-        doc = (schema.__doc__ or "").split("\n")[0] if schema else "a named multirun matrix (with -m)"
+        doc = (schema.__doc__ or "").split("\n")[0] if schema else \
+            WHOLE_PRESETS.get(group, "a preset of the whole config")
         lines.append(f"{group}: {doc.split(': ', 1)[-1].rstrip('.')}")
         for preset in presets:
             lines.append(f"  {preset:12s} {first_sentence(config_dir() / group / f'{preset}.yaml')}")
