@@ -52,7 +52,18 @@ ADVICE = {
     "copy": "try loader.pin_memory=true and prefetch=gpu; batches already cross as uint8",
     "model": "try amp=bf16 (or fp16 on CUDA), model.channels_last=true, a larger batch, or a "
              "smaller model",
+    "augment": "the device-side crops and task.augment: on a GPU they are batched kernels; on "
+               "the CPU, store at the output size (no dataset.store_size) or augment less",
 }
+
+
+def in_loop_stages(figures: dict[str, Any], world: int = 1) -> dict[str, float]:
+    """Stages only the loop itself measures (images/s each could sustain alone): the
+    device-side crops and augmentation, from their share of the step."""
+    rate, share = figures.get("images_per_sec"), figures.get("augment_frac")
+    if not rate or not share or share <= 0:
+        return {}
+    return {"augment": rate / world / min(share, 1.0)}
 
 
 def advice_for(cfg: Config, stage: str) -> str:
@@ -265,6 +276,8 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
     read = storage_read(storage.files, storage.image_bytes)  # a short cold read: the disk
     cold = data.page_cache is not None and data.page_cache.state == "cold"
     ceilings = data_ceilings(cfg, storage, data.device, data.pin_memory, read if cold else None)
+    for stage, rate in in_loop_stages(figures, world).items():  # the device crops' own rate
+        ceilings.add(stage, [rate])
     if models:  # every model of the pass, on device-resident synthetic batches
         local = {name: local_module(m) for name, m in models.items()}  # no collectives
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)

@@ -168,3 +168,18 @@ def test_a_sweep_measures_memmap_after_folder_and_packed_as_memmap_alone(tmp_pat
     alone = read_metrics(tmp_path / "alone")
     low = alone["spread"]["images_per_sec"]["min"]
     assert in_sweep["images_per_sec"] >= 0.7 * low, (in_sweep["images_per_sec"], low)
+
+
+def test_device_crops_are_a_stage_and_no_disturbance():
+    """memmap with random crops on the CPU: the device crop is the limit the loop measured
+    (augment_frac), not a gather 25x faster: the run is not flagged disturbed."""
+    from runner.diagnose import Ceilings, far_below, in_loop_stages
+
+    figures = {"images_per_sec": 2_900.0, "augment_frac": 0.93}
+    ceilings = Ceilings({}, {})
+    ceilings.add("gather", [74_000.0])
+    assert far_below(figures, ceilings) is not None  # without the loop's own stage
+    for stage, rate in in_loop_stages(figures).items():
+        ceilings.add(stage, [rate])
+    assert far_below(figures, ceilings) is None
+    assert in_loop_stages({"images_per_sec": 100.0}) == {}
