@@ -640,6 +640,21 @@ def bench_contention(args: argparse.Namespace) -> dict:
     return {"rounds": rounds, "targets": checks}
 
 
+def run_with_targets(name: str, bench: Callable[[argparse.Namespace], dict],
+                     args: argparse.Namespace) -> int:
+    """One bench that returns its rounds and targets: the header, the JSON under
+    ``args.out``, exit status 0 when every target holds."""
+    print(f"runner.bench {name} on {platform.machine()} ({torch.get_num_threads()} "
+          f"threads, torch {torch.__version__})", flush=True)
+    result = bench(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"{name}-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+    out.write_text(json.dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
+                              indent=2))
+    print(f"\nwritten to {out}")
+    return 0 if all(c["met"] for c in result["targets"]) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -683,28 +698,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "infer":
         from runner.bench_infer import bench_infer
 
-        print(f"runner.bench infer on {platform.machine()} ({torch.get_num_threads()} "
-              f"threads, torch {torch.__version__})", flush=True)
-        result = bench_infer(args)
-        args.out.mkdir(parents=True, exist_ok=True)
-        out = args.out / f"infer-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-        out.write_text(json.dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
-                                  indent=2))
-        print(f"\nwritten to {out}")
-        return 0 if all(c["met"] for c in result["targets"]) else 1
+        return run_with_targets("infer", bench_infer, args)
     if args.command == "gil":
         bench_gil(args)
         return 0
     if args.command == "contention":
-        print(f"runner.bench contention on {platform.machine()} ({torch.get_num_threads()} "
-              f"threads, torch {torch.__version__})", flush=True)
-        result = bench_contention(args)
-        args.out.mkdir(parents=True, exist_ok=True)
-        out = args.out / f"contention-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-        out.write_text(json.dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
-                                  indent=2))
-        print(f"\nwritten to {out}")
-        return 0 if all(c["met"] for c in result["targets"]) else 1
+        return run_with_targets("contention", bench_contention, args)
     torch.manual_seed(0)
     if args.command == "stores":
         print(f"runner.bench stores on {platform.machine()} ({torch.get_num_threads()} "
