@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from runner.compose import compose
+from runner.config import DatasetConfig
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
 from runner.stats import median
@@ -71,6 +72,9 @@ def runner_job(overrides: list[str], run_dir: Path) -> dict:
     return metrics
 
 
+CROP_FRACTION = DatasetConfig.crop_fraction  # the default the runner jobs run with
+
+
 def naive_rate(files: list[str], weights: list[Path], size: int, out: Path,
                seconds: float) -> float:
     """images/s of the naive script over ``files`` (as many as ``seconds`` allow)."""
@@ -96,7 +100,8 @@ def naive_rate(files: list[str], weights: list[Path], size: int, out: Path,
             if k == 5:  # after a warm-up, as the runner's figures are
                 start, done = time.perf_counter(), 0
             img = Image.open(file).convert("RGB")
-            img = TF.center_crop(TF.resize(img, size), size)
+            # the runner's centre crop: dataset.crop_fraction (0.875) of the shorter side
+            img = TF.center_crop(TF.resize(img, round(size / CROP_FRACTION)), size)
             x = TF.normalize(TF.to_tensor(img), mean, std)[None]
             for j, (model, seen) in enumerate(zip(models, taps)):
                 probs = torch.softmax(model(x), 1)

@@ -44,10 +44,14 @@ class Decoder(Enum):
     # libjpeg-turbo through the runner's own binding: only the crop's window is decoded,
     # at the smallest power-of-two DCT scale that keeps it at least the output size
     region = "region"
+    # the fastest the machine has (loader=folder's default): region when its binding is
+    # built (equal on centre crops, faster on random ones), else simplejpeg with
+    # loader.draft; the run's config and metrics.json name the one that ran
+    auto = "auto"
 
 
 class Crop(Enum):
-    center = "center"  # resize the shorter side, then center crop
+    center = "center"  # the centred dataset.crop_fraction of the shorter side, resized
     random = "random"  # random-resized-crop + horizontal flip (training augmentation)
     whole = "whole"  # the whole image resized to image_size, no crop (dense outputs: masks)
 
@@ -185,10 +189,17 @@ class DatasetConfig:
     quality: int = 90  # JPEG quality of the generated default dataset
     image_size: list[int] = field(default_factory=lambda: [224, 224])  # (H, W) fed to the model
     crop: Crop = Crop.center
+    # The share of the shorter side a centre crop keeps, on every storage alike (folder,
+    # packed, memmap/ram, dali, ffcv). 0.875 is what ImageNet models are evaluated with
+    # ("resize 256, crop 224": torchvision's references, timm's default crop_pct) and what
+    # their published accuracies assume; 1.0 keeps the whole shorter side ("resize 224,
+    # crop 224"), the runner's meaning before this key existed.
+    crop_fraction: float = 0.875
     # The size images are stored at, in pixels along dataset.store_side: loader=packed
-    # re-encodes each image at it (unset: 8/7 of image_size's larger side, 256 for 224);
-    # memmap/ram store image_size scaled to it and crop to image_size on the device per
-    # batch (unset: stored at image_size, as before)
+    # re-encodes each image at it (unset: image_size's larger side / crop_fraction, 256 for
+    # 224, so a centre crop is a window of the stored image with no resize); memmap/ram
+    # store image_size scaled to it and take the centre crop (or random ones) from it on
+    # the device per batch (unset: the centre crop is stored at image_size)
     store_size: int | None = None
     store_side: StoreSide = StoreSide.shorter
     store_quality: int = 90  # JPEG quality of loader=packed's re-encoded images
@@ -209,6 +220,9 @@ class DatasetConfig:
         _require(1 <= self.quality <= 100, "dataset.quality", self.quality, "must be in 1..100")
         _require(1 <= self.store_quality <= 100, "dataset.store_quality", self.store_quality,
                  "must be in 1..100")
+        _require(0 < self.crop_fraction <= 1, "dataset.crop_fraction", self.crop_fraction,
+                 "must be in (0, 1]: 0.875 for resize-256-crop-224, 1.0 for the whole "
+                 "shorter side")
         _require(0 <= self.val_fraction < 1, "dataset.val_fraction", self.val_fraction,
                  "must be in [0, 1) (0: no split; 0.1 holds out a tenth)")
         _require(self.manifest is None or self.path is None, "dataset.manifest",

@@ -227,14 +227,14 @@ def autotune_space(cfg: DictConfig, trial: Any) -> None:
 
     from runner.config import Decoder, StorageName
     from runner.data.storage import STORAGES
-    from runner.data.storage.decode import DECODERS
+    from runner.data.storage.decode import DECODERS, concrete_decoder
 
     # (a parameter's choices must be the same in every trial: a decoder a storage does not
     # take would be a failed trial, and every storage that has the knob takes them all)
     kind = STORAGES[StorageName(pick("loader"))]
     if "loader.decoder" in kind.knobs:
         decoder = pick("loader.decoder")
-        if "loader.draft" in kind.knobs and DECODERS[Decoder(decoder)].scales:
+        if "loader.draft" in kind.knobs and DECODERS[concrete_decoder(Decoder(decoder))].scales:
             pick("loader.draft")
     if "loader.num_workers" in kind.knobs:
         pick("loader.num_workers")

@@ -125,7 +125,8 @@ def test_pools_are_sized_by_the_cores_this_process_may_use():
 
 # --- each storage carries its own facts ------------------------------------------------------
 
-NAMES = {s.value for s in StorageName} | {d.value for d in Decoder}
+# (loader.decoder=auto is a choice among decoders, and "auto" a word every config uses)
+NAMES = {s.value for s in StorageName} | {d.value for d in Decoder if d is not Decoder.auto}
 CHOICE = re.compile(r"(?:loader|loader\.name|loader\.decoder)=(\w+)")
 
 

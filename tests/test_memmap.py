@@ -30,7 +30,7 @@ def decode() -> ImageDecoder:
 
 
 def spec_for(root: Path) -> MemmapSpec:
-    return MemmapSpec(root.resolve(), SIZE, "simplejpeg", False)
+    return MemmapSpec(root.resolve(), SIZE, "simplejpeg", False, fraction=0.875)
 
 
 @pytest.fixture

@@ -281,7 +281,8 @@ def test_a_cache_at_a_stored_size_is_cropped_to_the_image_size_on_the_device(
 
     def data_path(*extra: str):
         config = compose([f"dataset.path={source}", "dataset.image_size=[32,32]",
-                          "dataset.store_size=40", f"dataset.cache_dir={tmp_path / 'cache'}",
+                          "dataset.store_size=40", "dataset.crop_fraction=0.8",
+                          f"dataset.cache_dir={tmp_path / 'cache'}",
                           f"loader={loader}", "loader.batch_size=10", "loader.shuffle=false",
                           "run.progress=false", *extra])
         return config, build_data_path(config, torch.device("cpu"), epochs=1, progress=False)
@@ -293,16 +294,16 @@ def test_a_cache_at_a_stored_size_is_cropped_to_the_image_size_on_the_device(
     batches = list(center.device_batches())
     images = torch.cat([b["image"] for b in batches])
     assert images.shape == (30, 3, 32, 32)
-    # "resize 40, center crop 32": the centred 32x32 window of each stored 40x40 image
+    # 0.8 of the stored 40: the centred 32x32 window of each stored 40x40 image, no resize
     whole = stored.gather(torch.arange(30))[0]["image"]
     assert torch.equal(images, whole[:, :, 4:36, 4:36])
     assert center.storage.example(3).shape == (3, 3, 32, 32)  # what models are built with
 
     seen = []
-    real = BatchAugment.boxes
-    monkeypatch.setattr(BatchAugment, "boxes",
-                        lambda self, n, h, w, *a, **k: seen.append((h, w)) or real(self, n, h, w,
-                                                                                   *a, **k))
+    real = BatchAugment.per_image  # the CPU device's crops, image by image
+    monkeypatch.setattr(BatchAugment, "per_image",
+                        lambda self, images, *a: seen.append(tuple(images.shape[-2:])) or
+                        real(self, images, *a))
     _, randomly = data_path("dataset.crop=random")
     out = torch.cat([b["image"] for b in randomly.device_batches()])
     assert out.shape == (30, 3, 32, 32)

@@ -140,16 +140,30 @@ def test_an_epoch_resumed_at_a_batch_continues_the_same_permutation():
         assert [b.tolist() for b in part.batches()] == rows[skip:]
 
 
-def test_device_crops_are_drawn_from_the_batchs_place():
+def test_device_crops_are_drawn_from_each_images_crop_seed():
     from runner.data.augment import BatchAugment
+    from runner.data.order import BatchOrder
     from runner.data.path import crop_draws
+    from runner.data.storage.decode import crop_uniforms
 
-    draws = crop_draws(BatchAugment((8, 8)), seed=0, rank=0, pin=False)
-    again = crop_draws(BatchAugment((8, 8)), seed=0, rank=0, pin=False)
-    assert all(torch.equal(draws(3, 5, 4)[k], again(3, 5, 4)[k]) for k in draws(3, 5, 4))
-    assert not torch.equal(draws(3, 5, 4)["crop_area"], draws(3, 6, 4)["crop_area"])
-    other_rank = crop_draws(BatchAugment((8, 8)), seed=0, rank=1, pin=False)
-    assert not torch.equal(draws(3, 5, 4)["crop_area"], other_rank(3, 5, 4)["crop_area"])
+    def draws_of(seed: int, epoch: int, index: list[int]) -> torch.Tensor:
+        order = BatchOrder(100, 4, shuffle=True, drop_last=False, seed=seed)
+        order.set_epoch(epoch)
+        next(iter(order.batches()))  # the order is in that epoch now
+        draw = crop_draws(BatchAugment((8, 8)), order, pin=False)
+        return draw(epoch, 0, torch.tensor(index))["crop_uniforms"]
+
+    first = draws_of(0, 3, [5, 9, 2])
+    assert torch.equal(first, draws_of(0, 3, [5, 9, 2]))  # a resumed run draws the same
+    assert torch.equal(first[1], draws_of(0, 3, [9])[0])  # per image, not per position
+    assert not torch.equal(first, draws_of(0, 4, [5, 9, 2]))  # a new epoch, new crops
+    assert not torch.equal(first, draws_of(1, 3, [5, 9, 2]))  # another run seed
+    # what a folder or packed decode of image 9 in that epoch draws (the order's seed)
+    order = BatchOrder(100, 4, shuffle=True, drop_last=False, seed=0)
+    order.set_epoch(3)
+    next(iter(order.batches()))
+    seed = order.seeds_for(torch.tensor([9]))[0]
+    assert torch.equal(first[1], torch.tensor(crop_uniforms(seed), dtype=torch.float64))
 
 
 @pytest.mark.slow

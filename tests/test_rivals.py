@@ -82,7 +82,7 @@ def test_dali_batches_are_the_runners_batches(tree: Path, tmp_path: Path):
     storage = pipe.storage
     index = torch.cat([b["index"] for b in batches])
     assert sorted(index.tolist()) == list(range(21))
-    ours = ImageDecoder(Decoder.simplejpeg, SIZE, Crop.center)
+    ours = ImageDecoder(Decoder.simplejpeg, SIZE, Crop.center)  # crop_fraction 0.875, as DALI
     references = [ours(bytearray(Path(p).read_bytes())) for p, _ in storage.samples]
     same, other = [], []
     for b in batches:

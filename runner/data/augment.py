@@ -2,12 +2,16 @@
 applied to a whole uint8 batch on the device it was moved to (``dataset.crop=random`` with
 ``loader=memmap`` or ``loader=ram``, whose caches hold deterministic center crops).
 
-Each image gets its own crop (torchvision's RandomResizedCrop parameters) and flip, all
-drawn on the device and applied with one ``grid_sample`` for the whole batch: a constant
-number of kernels per batch, no host round trip, no sync. The sampling grid reproduces a
-bilinear resize of each crop (``align_corners=False``, source coordinates clamped to the
-crop, as ``interpolate`` does); crops of a cached image are never larger than the output,
-so the resize only upsamples and antialiasing has nothing to do.
+Each image gets its own crop (torchvision's RandomResizedCrop parameters) and flip, decided
+by the same per-image uniforms as a folder's or packed store's decode of that image
+(``runner/data/storage/decode.py``: ``crop_uniforms``, ``random_box``), carried to the
+device with the batch; on a GPU they are applied with one ``grid_sample`` for the whole
+batch: a constant number of kernels per batch, no host round trip, no sync. On a CPU
+device each image is cut and resized alone, split over the runner's row threads
+(``BatchAugment.per_image``). The GPU's sampling grid reproduces a bilinear resize of
+each crop (``align_corners=False``, source coordinates clamped to the crop, as
+``interpolate`` does), without antialiasing: exact for the enlargements nearly every crop
+is, not for the few crops larger than the output of a store at ``dataset.store_size``.
 """
 
 from __future__ import annotations
@@ -18,9 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runner.data.storage.decode import ATTEMPTS, CROP_UNIFORMS, fallback_box
 from runner.data.threads import RowPool
-
-ATTEMPTS = 10  # torchvision's: tries per image before the fallback crop
 
 
 @dataclass
@@ -34,23 +37,30 @@ class Boxes:
     flip: torch.Tensor  # bool
 
 
-def center_crop(images: torch.Tensor, size: tuple[int, int] | list[int]) -> torch.Tensor:
-    """The centred ``size`` window of every image of an (N, C, H, W) batch (a view)."""
-    h, w = images.shape[-2:]
-    top, left = (h - int(size[0])) // 2, (w - int(size[1])) // 2
-    return images[..., top : top + int(size[0]), left : left + int(size[1])]
-
-
 class CenterCrop:
     """The device-side stage of ``dataset.crop=center`` over a store larger than the
-    output (``dataset.store_size``): the centred window, as "resize 256, crop 224" does."""
+    output (``dataset.store_size``): the centred ``fraction`` of the stored shorter side
+    (``dataset.crop_fraction``, as every storage crops), a window with no resize when that
+    is the output size (a store at 256, 224 at 0.875), else resized to it."""
 
-    def __init__(self, size: tuple[int, int]):
-        self.size = tuple(size)
+    def __init__(self, size: tuple[int, int], fraction: float = 1.0):
+        self.size, self.fraction = tuple(int(v) for v in size), fraction
 
     def __call__(self, images: torch.Tensor, draws: dict | None = None,
                  rows: RowPool | None = None) -> torch.Tensor:
-        return center_crop(images, self.size)
+        from runner.data.storage.decode import center_box, pixel_window
+
+        h, w = images.shape[-2:]
+        top, left, ch, cw = pixel_window(center_box(h, w, *self.size, self.fraction), h, w)
+        window = images[..., top : top + ch, left : left + cw]
+        if (ch, cw) == self.size:
+            return window
+        if images.device.type == "cpu":  # the antialiased uint8 resize
+            return F.interpolate(window, size=list(self.size), mode="bilinear",
+                                 antialias=True, align_corners=False)
+        out = F.interpolate(window.float(), size=list(self.size), mode="bilinear",
+                            antialias=True, align_corners=False)
+        return out.round_().clamp_(0, 255).to(images.dtype)
 
 
 class BatchAugment:
@@ -66,55 +76,45 @@ class BatchAugment:
         self.size, self.scale, self.ratio = list(size), scale, ratio
 
     @staticmethod
-    def draws(n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """The uniform draws that decide ``n`` images' crops and flips, made on the host
-        from ``generator``: a batch carries them to the device (no sync, and a resumed run
-        replays them exactly when the generator is seeded by the batch's place)."""
-        return {"crop_area": torch.rand(n, ATTEMPTS, generator=generator),
-                "crop_aspect": torch.rand(n, ATTEMPTS, generator=generator),
-                "crop_place": torch.rand(n, 3, generator=generator)}
+    def draws(seeds: list[int]) -> dict[str, torch.Tensor]:
+        """The uniforms that decide each image's crop and flip, from its crop seed (the batch
+        order's, a function of the run's seed, the epoch and the image: the draws a folder
+        or packed decode takes for the same image), made on the host: a batch carries them
+        to the device (no sync; a resumed run replays them exactly)."""
+        from runner.data.storage.decode import crop_uniforms
+
+        return {"crop_uniforms": torch.tensor([crop_uniforms(s) for s in seeds],
+                                              dtype=torch.float64)}
 
     def boxes(self, n: int, h: int, w: int, device: torch.device,
               generator: torch.Generator | None = None,
               draws: dict[str, torch.Tensor] | None = None) -> Boxes:
-        """RandomResizedCrop.get_params for ``n`` images at once: ``ATTEMPTS`` draws each,
-        the first that fits, else the whole image clipped to the ratio range. ``draws``
-        (``BatchAugment.draws``, on ``device``) replace the device's own random numbers."""
-        def rand(key: str, cols: int) -> torch.Tensor:
-            if draws is not None:
-                return draws[key]
-            return torch.rand(n, cols, device=device, generator=generator)
-
-        def uniform(u: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-            return u * (hi - lo) + lo
-
-        area = h * w
-        target = area * uniform(rand("crop_area", ATTEMPTS), *self.scale)
-        aspect = torch.exp(uniform(rand("crop_aspect", ATTEMPTS), math.log(self.ratio[0]),
-                                   math.log(self.ratio[1])))
-        cw = torch.round(torch.sqrt(target * aspect))
-        ch = torch.round(torch.sqrt(target / aspect))
-        fits = (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
+        """``random_box`` (runner/data/storage/decode.py) for ``n`` images at once:
+        ``ATTEMPTS`` tries each, the first that fits, else the whole image clipped to the
+        ratio range; continuous, as there. ``draws`` (``BatchAugment.draws``, on
+        ``device``) replace the device's own random numbers."""
+        u = draws["crop_uniforms"] if draws is not None else torch.rand(
+            n, 2 * ATTEMPTS + 3, device=device, generator=generator)
+        u = u.to(torch.float32)
+        scale, (lo, hi) = self.scale, (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        target = (h * w) * (scale[0] + u[:, :ATTEMPTS] * (scale[1] - scale[0]))
+        aspect = torch.exp(lo + u[:, ATTEMPTS : 2 * ATTEMPTS] * (hi - lo))
+        cw, ch = torch.sqrt(target * aspect), torch.sqrt(target / aspect)
+        fits = (cw <= w) & (ch <= h)
         first = torch.argmax(fits.int(), dim=1, keepdim=True)  # first fitting attempt
         any_fit = fits.any(dim=1)
-        cw = cw.gather(1, first).squeeze(1)
-        ch = ch.gather(1, first).squeeze(1)
-        # the fallback: the whole image, clipped to the ratio range (a constant per batch)
-        in_ratio = w / h
-        if in_ratio < min(self.ratio):
-            fw, fh = w, int(round(w / min(self.ratio)))
-        elif in_ratio > max(self.ratio):
-            fw, fh = int(round(h * max(self.ratio))), h
-        else:
-            fw, fh = w, h
-        cw = torch.where(any_fit, cw, torch.full_like(cw, fw))
-        ch = torch.where(any_fit, ch, torch.full_like(ch, fh))
-        r = rand("crop_place", 3)
-        top = torch.floor(r[:, 0] * (h - ch + 1))
-        left = torch.floor(r[:, 1] * (w - cw + 1))
-        top = torch.where(any_fit, top, torch.full_like(top, (h - fh) // 2))
-        left = torch.where(any_fit, left, torch.full_like(left, (w - fw) // 2))
-        return Boxes(top, left, ch, cw, r[:, 2] < 0.5)
+        cw, ch = cw.gather(1, first).squeeze(1), ch.gather(1, first).squeeze(1)
+        fallback = fallback_box(h, w, self.ratio)  # a constant per batch
+        cw = torch.where(any_fit, cw, torch.full_like(cw, fallback.width))
+        ch = torch.where(any_fit, ch, torch.full_like(ch, fallback.height))
+        place = u[:, 2 * ATTEMPTS :]
+        top = torch.where(any_fit, place[:, 0] * (h - ch), torch.full_like(ch, fallback.top))
+        left = torch.where(any_fit, place[:, 1] * (w - cw), torch.full_like(cw, fallback.left))
+        # integer windows, rounded as resize_crop rounds a box (pixel_window)
+        top, left = torch.round(top), torch.round(left)
+        ch = torch.clamp(torch.minimum(torch.round(ch), h - top), min=1)
+        cw = torch.clamp(torch.minimum(torch.round(cw), w - left), min=1)
+        return Boxes(top, left, ch, cw, place[:, 2] < 0.5)
 
     def apply(self, images: torch.Tensor, boxes: Boxes) -> torch.Tensor:
         """Crop, resize and flip every image by its box, in one grid_sample."""
@@ -138,22 +138,41 @@ class BatchAugment:
                             align_corners=False)
         return out.round_().clamp_(0, 255).to(images.dtype)
 
-    def per_image(self, images: torch.Tensor, boxes: Boxes, rows: RowPool) -> torch.Tensor:
-        """The same crops on the CPU, image by image with the antialiased uint8 resize (no
-        float batch), split over ``rows``' threads: measured here 5x the batched
-        ``grid_sample``, whose float conversion and sampling dominate on a CPU."""
-        n = images.shape[0]
+    def per_image(self, images: torch.Tensor, uniforms: torch.Tensor, rows: RowPool
+                  ) -> torch.Tensor:
+        """The crops on a CPU device, image by image, everything per image on ``rows``'
+        threads (the main thread only hands out slices: no batch-wide box computation
+        between the gather and the crops): each image's box from its uniforms by the
+        decoders' own ``random_box`` (the same float64 arithmetic: a store holding the
+        whole image gives a folder decode's crop exactly), its window enlarged by the
+        libjpeg binding's bilinear in one call per slice without the GIL, or reduced (a
+        store at ``dataset.store_size``) by torch's antialiased uint8 resize
+        (runner/data/storage/decode.py: ``resize_into``). Measured against the batched
+        float ``grid_sample``, whose float conversion and sampling dominate on a CPU:
+        ``python -m runner.bench stores`` prints both."""
+        from runner.data.storage.decode import (
+            pixel_window,
+            random_box,
+            resize_into,
+            upsample,
+            upsample_job,
+        )
+
+        n, _, h, w = images.shape
         out = torch.empty((n, images.shape[1], *self.size), dtype=images.dtype)
-        top, left = boxes.top.tolist(), boxes.left.tolist()
-        height, width, flip = boxes.height.tolist(), boxes.width.tolist(), boxes.flip.tolist()
 
         def crop(a: int, b: int) -> None:
-            for i in range(a, b):
-                t, l_, h, w = int(top[i]), int(left[i]), int(height[i]), int(width[i])
-                window = images[i : i + 1, :, t : t + h, l_ : l_ + w]
-                resized = F.interpolate(window, size=self.size, mode="bilinear",
-                                        antialias=True, align_corners=False)[0]
-                out[i].copy_(resized.flip(2) if flip[i] else resized)
+            jobs = []
+            for i, u in zip(range(a, b), uniforms[a:b].tolist()):
+                box, flip = random_box(h, w, u, self.scale, self.ratio)
+                t, l_, ch, cw = pixel_window(box, h, w)
+                window = images[i, :, t : t + ch, l_ : l_ + cw]
+                job = upsample_job(out[i], window, flip)
+                if job is None:
+                    resize_into(out[i], window, flip)
+                else:
+                    jobs.append(job)
+            upsample(jobs)
 
         rows.run(crop, n)
         return out
@@ -161,7 +180,8 @@ class BatchAugment:
     def __call__(self, images: torch.Tensor, draws: dict[str, torch.Tensor] | None = None,
                  rows: RowPool | None = None) -> torch.Tensor:
         n, _, h, w = images.shape
-        boxes = self.boxes(n, h, w, images.device, draws=draws)
         if rows is not None and images.device.type == "cpu":
-            return self.per_image(images, boxes, rows)
-        return self.apply(images, boxes)
+            uniforms = draws["crop_uniforms"] if draws is not None else torch.rand(
+                n, CROP_UNIFORMS, dtype=torch.float64)
+            return self.per_image(images, uniforms, rows)
+        return self.apply(images, self.boxes(n, h, w, images.device, draws=draws))

@@ -111,17 +111,6 @@ class ThreadedBatches:
     def __len__(self) -> int:
         return len(self.order)
 
-    def _decode_into(self, out: torch.Tensor, positions: range, indices: list[int]
-                     ) -> list[Sample | SkippedFile]:
-        items = []
-        for k in positions:
-            item = self.storage[indices[k]]
-            if isinstance(item, Sample):
-                out[k].copy_(item.image)
-                item = Sample(None, item.label, item.index, item.valid)
-            items.append(item)
-        return items
-
     def _submit(self, executor: ThreadPoolExecutor, index: torch.Tensor) -> tuple:
         self.storage.will_need(index)  # a cold page cache: reading starts before decoding
         indices = index.tolist()
@@ -131,8 +120,9 @@ class ThreadedBatches:
             out = self.pool.take(len(indices))  # inference_mode the caller may be in
         # a few slices per thread: balanced when one image is slow, few tasks per batch
         step = max(1, -(-len(indices) // (2 * self.threads)))
-        futures = [executor.submit(self._decode_into, out, range(a, min(a + step, len(indices))),
-                                   indices) for a in range(0, len(indices), step)]
+        futures = [executor.submit(self.storage.decode_slice, out,
+                                   range(a, min(a + step, len(indices))), indices)
+                   for a in range(0, len(indices), step)]
         return out, futures
 
     @staticmethod
@@ -303,8 +293,8 @@ class BatchStream:
         order: the loader's batch order, told each epoch's number (None: it counts itself).
         start_epoch: the first epoch's number (a resumed run's epochs done).
         start_batch: batches of that epoch already done: it continues with the next one.
-        per_batch: ``(epoch, batch number, rows) -> tensors`` added to each batch (the
-            random draws of device-side crops, a function of the batch's place).
+        per_batch: ``(epoch, batch number, index) -> tensors`` added to each batch (the
+            random draws of device-side crops, from its images' crop seeds).
         on_epoch: called with the epoch number before each epoch starts (page-cache
             eviction for ``dataset.page_cache=cold``).
         known_skipped: files the storage already knew to be undecodable (a decode-once
@@ -314,7 +304,7 @@ class BatchStream:
     def __init__(self, loader, epochs: int, *, order: BatchOrder | None = None,
                  start_epoch: int = 0, on_epoch: Callable[[int], None] | None = None,
                  known_skipped: list[SkippedFile] = (), start_batch: int = 0,
-                 per_batch: Callable[[int, int, int], dict] | None = None):
+                 per_batch: Callable[[int, int, torch.Tensor], dict] | None = None):
         self.loader = loader
         self.epochs = epochs
         self.order = order
@@ -344,7 +334,8 @@ class BatchStream:
                     if batch is not None:
                         n = len(batch["label"])
                         if self.per_batch is not None:  # e.g. the random draws of its crops
-                            batch = {**batch, **self.per_batch(self.epoch, position, n)}
+                            batch = {**batch, **self.per_batch(self.epoch, position,
+                                                               batch["index"])}
                         yield TensorDict(batch, batch_size=[n])
                 done += 1
                 self.epoch += 1

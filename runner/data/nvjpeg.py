@@ -67,11 +67,11 @@ class GpuDecodedBatches:
         images: list[torch.Tensor | None] = [None] * len(data)
         for k, img in zip(on_gpu, self._nvjpeg([data[k] for k in on_gpu])):
             if img is not None:
-                images[k] = self._finish(img, headers[k], _rng(seeds[k]))
+                images[k] = self._finish(img, headers[k], _seed(seeds[k]))
         for k in range(len(data)):
             if images[k] is None:  # nvjpeg could not: PIL on the CPU, or skip
                 images[k] = self._cpu_fallback(data[k], int(batch["index"][k]), skipped,
-                                               _rng(seeds[k]))
+                                               _seed(seeds[k]))
         keep = [k for k, img in enumerate(images) if img is not None]
         if not keep:
             return None, skipped
@@ -101,11 +101,11 @@ class GpuDecodedBatches:
             return out
 
     def _finish(self, img: torch.Tensor, header: JpegHeader,
-                rng: torch.Generator | None = None) -> torch.Tensor:
+                seed: int | None = None) -> torch.Tensor:
         """Upright, then the CPU path's crop: the same box (a random one from the image's
         own seed, drawn in the same order) and resize, on the device."""
         img = apply_orientation(img, header.orientation)
-        return self.decoder.finish(img, self.decoder.box_for(*img.shape[-2:], rng), rng)
+        return self.decoder.finish(img, *self.decoder.box_for(*img.shape[-2:], seed))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """To the device from pinned memory: an asynchronous copy, not a sync each."""
@@ -114,10 +114,10 @@ class GpuDecodedBatches:
         return tensor.to(self.device, non_blocking=True)
 
     def _cpu_fallback(self, data: torch.Tensor, index: int, skipped: list[SkippedFile],
-                      rng: torch.Generator | None = None) -> torch.Tensor | None:
+                      seed: int | None = None) -> torch.Tensor | None:
         raw = bytearray(data.numpy().tobytes())
         try:
-            image = self._to_device(self.decoder(raw, rng))
+            image = self._to_device(self.decoder(raw, seed))
         except CorruptImageError as e:
             self.storage.check_stored(index, raw)  # a store's own damage is not a skip
             skipped.append(self.storage.undecodable(self.storage.samples[index][0], e, index))
@@ -126,6 +126,6 @@ class GpuDecodedBatches:
         return image
 
 
-def _rng(seed: int) -> torch.Generator | None:
-    """The generator an image's random crop is drawn from (-1: a centre crop, none)."""
-    return torch.Generator().manual_seed(seed) if seed >= 0 else None
+def _seed(seed: int) -> int | None:
+    """An image's crop seed as the decoders take it (-1 in a batch: a centre crop, none)."""
+    return seed if seed >= 0 else None

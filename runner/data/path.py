@@ -23,7 +23,7 @@ from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig, Task
 from runner.data.augment import BatchAugment, CenterCrop
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
 from runner.data.nvjpeg import GpuDecodedBatches
-from runner.data.order import BatchOrder, count_images, epoch_seed
+from runner.data.order import BatchOrder, count_images
 from runner.data.pagecache import ColdPageCache
 from runner.data.prefetch import build_prefetcher
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
@@ -181,23 +181,22 @@ class DataPath:
                 close()
 
 
-CROP_DRAWS = ("crop_area", "crop_aspect", "crop_place")
+CROP_DRAWS = ("crop_uniforms",)
 
 
-def crop_draws(augment: BatchAugment, seed: int, rank: int, pin: bool
-               ) -> Callable[[int, int, int], dict]:
-    """Each batch's crop draws from a generator seeded by its place (seed, rank, epoch,
-    batch number): the same crops on every run, and after a resume."""
-    def draws(epoch: int, position: int, n: int) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(
-            epoch_seed(seed * 65_537 + rank, epoch) + 7_919 * position)
-        out = augment.draws(n, generator)
+def crop_draws(augment: BatchAugment, order: BatchOrder, pin: bool
+               ) -> Callable[[int, int, torch.Tensor], dict]:
+    """Each batch's crop draws from its images' crop seeds (the batch order's: a function of
+    the run's seed, the epoch and the image), as a folder or packed decode draws them: the
+    same crops on every run, after a resume, and on every storage."""
+    def draws(epoch: int, position: int, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = augment.draws(order.seeds_for(index))
         return {k: v.pin_memory() for k, v in out.items()} if pin else out
 
     return draws
 
 
-def device_crop(storage: Storage, config: Config, rank: int, pin: bool
+def device_crop(storage: Storage, config: Config, order: BatchOrder, pin: bool
                 ) -> tuple[BatchAugment | CenterCrop | None, Callable | None]:
     """The device-side crop of images decoded once (and the per-batch draws it needs):
     random-resized crops of the whole stored image (``dataset.crop=random``), or the centre
@@ -208,9 +207,9 @@ def device_crop(storage: Storage, config: Config, rank: int, pin: bool
     size = tuple(int(v) for v in config.dataset.image_size)
     if config.dataset.crop is Crop.random:
         augment = BatchAugment(size)
-        return augment, crop_draws(augment, config.seed, rank, pin)
+        return augment, crop_draws(augment, order, pin)
     if storage.item_shape is not None and tuple(storage.item_shape[1:]) != size:
-        return CenterCrop(size), None
+        return CenterCrop(size, config.dataset.crop_fraction), None
     return None, None
 
 
@@ -253,7 +252,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     start_epoch, start_batch = divmod(start_step, len(loader))
     if epochs is None:
         epochs = max(planned_epochs(config.run, len(loader)) - start_epoch, 1)
-    augment, per_batch = device_crop(storage, config, ranks.rank, pin)
+    augment, per_batch = device_crop(storage, config, order, pin)
     stream = BatchStream(loader, epochs, order=order, start_epoch=start_epoch,
                          on_epoch=page_cache, known_skipped=storage.known_skipped,
                          start_batch=start_batch, per_batch=per_batch)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from runner.config import DatasetConfig, LoaderConfig, StorageName
+from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.storage.base import Storage, StorageKind
-from runner.data.storage.decode import DECODERS
+from runner.data.storage.decode import DECODERS, concrete_decoder
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 from runner.errors import ConfigError
 
@@ -52,7 +52,11 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
 
 
 def check_loader(loader: LoaderConfig) -> None:
-    """A ConfigError naming the fix when ``loader.decoder`` is not one ``loader=`` takes."""
+    """``loader.decoder=auto`` made the decoder it runs (so the run's config and metrics name
+    it); a ConfigError naming the fix when ``loader.decoder`` is not one ``loader=`` takes."""
+    if loader.decoder is Decoder.auto:
+        loader.decoder = concrete_decoder(loader.decoder)
+        loader.draft = loader.draft or loader.decoder is Decoder.simplejpeg
     kind = STORAGES[loader.name]
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))

@@ -6,8 +6,11 @@ The pipeline is what a DALI user writes: ``fn.readers.file`` (DALI's reader, its
 seeded shuffle: a full permutation after every epoch, ``shuffle_after_epoch``; disjoint
 shards under torchrun), the image decoder (``decoders.image`` for center crops,
 ``decoders.image_random_crop`` for random-resized crops, which decodes only the crop's
-window), a resize to ``dataset.image_size`` and ``crop_mirror_normalize`` to uint8 CHW (the
-runner's batch: uint8 NCHW, labels, indices; the random flip a coin per image). On CUDA
+window), a resize (for centre crops: the shorter side to ``dataset.image_size`` /
+``dataset.crop_fraction``, so the crop is the share every storage takes) and
+``crop_mirror_normalize`` to uint8 CHW (the runner's batch: uint8 NCHW, labels, indices;
+random crops and flips from DALI's own random numbers, not the runner's per-image crop
+seeds). On CUDA
 the decoder is DALI's mixed (nvJPEG) one and the images arrive on the GPU, handed over
 without a copy; on the CPU, its CPU decoders. It runs with one thread per core (or
 ``loader.decode_threads``), like the runner's decode threads.
@@ -92,7 +95,7 @@ class DaliStorage(RivalStorage):
 def _pipeline(storage: DaliStorage, order: BatchOrder, device: torch.device):
     from nvidia.dali import fn, pipeline_def, types
 
-    crop = storage.dataset.crop
+    crop, fraction = storage.dataset.crop, storage.dataset.crop_fraction
     h, w = (int(v) for v in storage.dataset.image_size)
     cuda = device.type == "cuda"
 
@@ -112,7 +115,10 @@ def _pipeline(storage: DaliStorage, order: BatchOrder, device: torch.device):
             mirror = fn.random.coin_flip()
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
-            images = fn.resize(images, mode="not_smaller", size=[h, w], antialias=True)
+            # resize so the output is dataset.crop_fraction of the shorter side, then crop:
+            # the centre crop every storage takes (256 then 224 at 0.875)
+            images = fn.resize(images, mode="not_smaller", size=[h / fraction, w / fraction],
+                               antialias=True)
             mirror = 0
         images = fn.crop_mirror_normalize(images, crop=[h, w], dtype=types.UINT8,
                                           output_layout="CHW", mirror=mirror)

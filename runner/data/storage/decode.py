@@ -3,12 +3,17 @@
 Every decoder goes through the same steps so they return the same pixels:
 1. one pass over the JPEG markers reads the frame size, the channel count and the EXIF
    orientation (``read_jpeg_header``);
-2. the crop box is chosen on the oriented full-size image (center or random-resized);
+2. the crop box is chosen on the oriented full-size image: the centred
+   ``dataset.crop_fraction`` of the shorter side, or a random-resized crop decided by the
+   image's crop seed (``crop_uniforms``, ``random_box``: the same box, as a share of the
+   image, on every storage and device);
 3. the decoder decodes, at a reduced DCT scale when ``loader.draft`` allows it; ``region``
    decodes only the crop's window, always at the smallest power-of-two scale that keeps
    it at least the output size (``decode_region``);
 4. the EXIF orientation is applied as tensor flips/transposes;
-5. the crop is resized to ``dataset.image_size`` (antialiased bilinear on uint8).
+5. the crop is resized to ``dataset.image_size`` (antialiased bilinear on uint8; none when
+   the window is that size already; enlargements by the binding's bilinear,
+   ``upsample_job``).
 
 Anything the chosen decoder cannot read (a PNG, a PNG named .JPEG, a CMYK JPEG, a decoder
 error) falls back to PIL, which decodes nearly everything to RGB. Images stay uint8 (CHW)
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from runner.config import Crop, Decoder
+from runner.config import Crop, DatasetConfig, Decoder
 from runner.data.storage.base import stack_images
 from runner.errors import Unavailable, UserError
 
@@ -175,56 +180,83 @@ class Box:
         return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx)
 
 
-def center_box(h: int, w: int, out_h: int, out_w: int) -> Box:
-    """The region that "resize the shorter side, then center crop to out_h x out_w" keeps."""
-    scale = max(out_h / h, out_w / w)
+def center_box(h: int, w: int, out_h: int, out_w: int, fraction: float = 1.0) -> Box:
+    """The region a centre crop keeps: ``fraction`` of the image along the side that
+    limits it (for a square output: that share of the shorter side), centred. 0.875 is
+    "resize 256, crop 224"; 1.0 keeps the whole shorter side ("resize 224, crop 224")."""
+    scale = max(out_h / h, out_w / w) / fraction
     ch, cw = min(h, out_h / scale), min(w, out_w / scale)
     return Box((h - ch) / 2, (w - cw) / 2, ch, cw)
 
 
-def random_box(
-    h: int,
-    w: int,
-    scale: tuple[float, float] = (0.08, 1.0),
-    ratio: tuple[float, float] = (3 / 4, 4 / 3),
-    rng: torch.Generator | None = None,
-) -> Box:
-    """torchvision's RandomResizedCrop.get_params, drawn from ``rng`` (a per-image
-    generator: the same crop on every loading path), else torch's global RNG."""
+ATTEMPTS = 10  # torchvision's RandomResizedCrop: tries per image before the fallback crop
+# the uniforms that decide one image's random crop: an area and an aspect per attempt, then
+# the window's place (top, left) and the horizontal flip
+CROP_UNIFORMS = 2 * ATTEMPTS + 3
+SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # RandomResizedCrop's defaults
+
+
+def crop_uniforms(seed: int) -> list[float]:
+    """The ``CROP_UNIFORMS`` draws of the image whose crop seed is ``seed`` (the batch order
+    gives each image of each epoch one): every storage and device crops from these."""
+    return torch.rand(CROP_UNIFORMS, generator=torch.Generator().manual_seed(seed),
+                      dtype=torch.float64).tolist()
+
+
+def random_box(h: int, w: int, u: list[float], scale: tuple[float, float] = SCALE,
+               ratio: tuple[float, float] = RATIO) -> tuple[Box, bool]:
+    """torchvision's RandomResizedCrop.get_params decided by the uniforms ``u``
+    (``crop_uniforms``), and the flip: ``(box, flip)``.
+
+    Kept continuous (no rounding of the window until it is cut): the same uniforms give
+    the same box, as a share of the image, on an image of any size with the same aspect;
+    so the folder, its packed store at 256 and the GPU decoders crop the same region of
+    the same picture for the same seed."""
     area = h * w
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=rng).item()
-        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1],
-                                                  generator=rng).item())
-        cw = int(round(math.sqrt(target * aspect)))
-        ch = int(round(math.sqrt(target / aspect)))
-        if 0 < cw <= w and 0 < ch <= h:
-            top = torch.randint(0, h - ch + 1, size=(1,), generator=rng).item()
-            left = torch.randint(0, w - cw + 1, size=(1,), generator=rng).item()
-            return Box(top, left, ch, cw)
-    in_ratio = w / h  # fallback: the whole image, clipped to the ratio range
-    if in_ratio < min(ratio):
-        cw, ch = w, int(round(w / min(ratio)))
-    elif in_ratio > max(ratio):
-        ch, cw = h, int(round(h * max(ratio)))
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    for k in range(ATTEMPTS):
+        target = area * (scale[0] + u[k] * (scale[1] - scale[0]))
+        aspect = math.exp(lo + u[ATTEMPTS + k] * (hi - lo))
+        cw, ch = math.sqrt(target * aspect), math.sqrt(target / aspect)
+        if cw <= w and ch <= h:
+            top, left = u[2 * ATTEMPTS] * (h - ch), u[2 * ATTEMPTS + 1] * (w - cw)
+            return Box(top, left, ch, cw), u[2 * ATTEMPTS + 2] < 0.5
+    return fallback_box(h, w, ratio), u[2 * ATTEMPTS + 2] < 0.5
+
+
+def fallback_box(h: int, w: int, ratio: tuple[float, float] = RATIO) -> Box:
+    """RandomResizedCrop's crop when no attempt fits: the whole image, clipped to the
+    ratio range, centred."""
+    if w / h < min(ratio):
+        cw, ch = w, w / min(ratio)
+    elif w / h > max(ratio):
+        cw, ch = h * max(ratio), h
     else:
         cw, ch = w, h
-    return Box((h - ch) // 2, (w - cw) // 2, ch, cw)
+    return Box((h - ch) / 2, (w - cw) / 2, ch, cw)
+
+
+def pixel_window(box: Box, h: int, w: int) -> tuple[int, int, int, int]:
+    """The integer window (top, left, height, width) a box cuts from an h x w image."""
+    top, left = int(round(box.top)), int(round(box.left))
+    ch = max(1, min(int(round(box.height)), h - top))
+    cw = max(1, min(int(round(box.width)), w - left))
+    return top, left, ch, cw
 
 
 def resize_crop(img: torch.Tensor, box: Box, size: tuple[int, int]) -> torch.Tensor:
-    """Crop ``box`` and resize it to ``size`` (antialiased bilinear), as a contiguous CHW.
+    """Crop ``box`` and resize it to ``size`` (antialiased bilinear), as a contiguous CHW;
+    a window of the output size already is only copied (a centre crop of 224 from a store at
+    256 with ``dataset.crop_fraction=0.875``).
 
     Calls the interpolation kernel directly: the same kernel torchvision's resized_crop
     uses, without its wrapper (about 100 us per 224x224 image less on this CPU). Its uint8
     fast path is CPU-only; elsewhere (nvjpeg's CUDA images) the resize runs in float.
     """
-    h, w = img.shape[-2:]
-    top, left = int(round(box.top)), int(round(box.left))
-    ch = max(1, min(int(round(box.height)), h - top))
-    cw = max(1, min(int(round(box.width)), w - left))
+    top, left, ch, cw = pixel_window(box, *img.shape[-2:])
     crop = img[None, :, top : top + ch, left : left + cw]
+    if (ch, cw) == tuple(size):  # the crop is the output size already: no resize
+        return crop[0].contiguous()
     if img.device.type == "cpu":
         out = F.interpolate(crop, size=list(size), mode="bilinear", antialias=True,
                             align_corners=False)
@@ -232,6 +264,60 @@ def resize_crop(img: torch.Tensor, box: Box, size: tuple[int, int]) -> torch.Ten
         out = F.interpolate(crop.float(), size=list(size), mode="bilinear", antialias=True,
                             align_corners=False).round_().clamp_(0, 255).to(img.dtype)
     return out[0].contiguous()
+
+
+def upsample_job(dst: torch.Tensor, img: torch.Tensor, flip: bool = False) -> tuple | None:
+    """The libjpeg binding's job that enlarges ``img`` (3 x h x w uint8 on the CPU, any
+    strides) into ``dst`` (a contiguous CHW uint8 slot) and flips it when asked; None when
+    it is not an enlargement on both axes, or its rows are not contiguous pixels of one
+    channel (or the binding is not built): ``resize_into``'s torch path then. Bilinear with
+    half-pixel centres and clamped edges, which is what the antialiased resize computes
+    when it enlarges. Measured here on one core, 150x150 -> 224x224: 197 us for a CHW
+    window against torch's 294 us (its channels-last kernel: 217 us on an HWC buffer, so an
+    HWC window goes to torch)."""
+    h, w = img.shape[-2:]
+    oh, ow = dst.shape[-2:]
+    if (_UPSAMPLE is None or h > oh or w > ow or img.dtype != torch.uint8
+            or dst.dtype != torch.uint8 or img.device.type != "cpu" or img.shape[0] != 3
+            or not dst.is_contiguous() or img.stride(-1) != 1):
+        return None  # (an HWC buffer's view: torch's channels-last kernel is faster there)
+    sc, sy, sx = img.stride()
+    return (img.data_ptr(), sc, sy, sx, h, w, dst.data_ptr(), oh, ow, flip)
+
+
+def upsample(jobs: list[tuple]) -> None:
+    """``upsample_job``'s jobs, run in one call without the GIL (the tensors behind the
+    addresses are the caller's, held while it runs)."""
+    if jobs:
+        _UPSAMPLE(jobs)
+
+
+def _binding_upsample() -> Callable[[list], None] | None:
+    try:
+        from runner.data.storage import _jpegregion
+    except ImportError:
+        return None
+    return getattr(_jpegregion, "upsample_batch", None)
+
+
+def resize_into(dst: torch.Tensor, img: torch.Tensor, flip: bool = False) -> None:
+    """A CPU image (CHW, any strides) resized to ``dst``'s size, flipped when asked, written
+    into ``dst`` (a CHW slot of a batch): an enlargement by the binding's bilinear
+    (``upsample_job``), anything else by torch's antialiased uint8 resize (an HWC buffer's
+    permuted view is its fast channels-last path), with one copy and no intermediate
+    contiguous image."""
+    job = upsample_job(dst, img, flip)
+    if job is not None:
+        upsample([job])
+        return
+    size = list(dst.shape[-2:])
+    if list(img.shape[-2:]) != size:
+        img = F.interpolate(img[None], size=size, mode="bilinear", antialias=True,
+                            align_corners=False)[0]
+    dst.copy_(img.flip(2) if flip else img)
+
+
+_UPSAMPLE = _binding_upsample()
 
 
 # --- decoders -------------------------------------------------------------------------------
@@ -373,6 +459,14 @@ CPU_DECODERS = frozenset(d for d, k in DECODERS.items() if not k.cuda)
 FALLBACK = Decoder.pil
 
 
+def concrete_decoder(decoder: Decoder) -> Decoder:
+    """``loader.decoder=auto`` as the decoder it runs: region when its binding is built,
+    else simplejpeg (which ``LoaderConfig`` pairs with ``loader.draft``)."""
+    if decoder is not Decoder.auto:
+        return decoder
+    return Decoder.region if DECODERS[Decoder.region].available() else Decoder.simplejpeg
+
+
 def check_decoder(decoder: Decoder) -> None:
     """Raise DecoderUnavailable, naming the fix, if ``decoder`` cannot run here."""
     check = DECODERS[decoder].check
@@ -381,12 +475,6 @@ def check_decoder(decoder: Decoder) -> None:
 
 
 # --- region decoding ------------------------------------------------------------------------
-
-# A window at least this share of the image's width is decoded in whole rows (cropped
-# after): libjpeg's column crop costs more than it saves there (measured: a 256x256 centre
-# window of a 341x256 JPEG, 0.31 ms cropped against 0.30 ms for the whole image).
-WHOLE_ROWS_FROM = 0.7
-
 
 def region_scale(box: Box, size: tuple[int, int]) -> int:
     """The largest DCT scale denominator (1, 2, 4, 8) that keeps ``box`` at least ``size``."""
@@ -433,11 +521,10 @@ def decode_region(data: bytes, header: JpegHeader, box: Box, size: tuple[int, in
     h = max(1, min(int(round(scaled.height)), uh - top))
     w = max(1, min(int(round(scaled.width)), uw - left))
     st, sl, sh, sw = stored_window(top, left, h, w, height, width, header.orientation)
-    whole = sw >= WHOLE_ROWS_FROM * width
-    pixels = _jpegregion.decode(data, denom, st, 0 if whole else sl, sh, width if whole else sw)
-    img = torch.frombuffer(pixels, dtype=torch.uint8).view(sh, width if whole else sw, 3)
-    if whole:
-        img = img[:, sl : sl + sw]
+    # a window of most of the width is decoded in whole rows and cut after (the binding
+    # decides: libjpeg's column crop costs more than it saves there)
+    pixels = _jpegregion.decode(data, denom, st, sl, sh, sw)
+    img = torch.frombuffer(pixels, dtype=torch.uint8).view(sh, sw, 3)
     img = apply_orientation(img.permute(2, 0, 1), header.orientation)
     return img, Box(0, 0, h, w)
 
@@ -449,17 +536,22 @@ class ImageDecoder:
     Args:
         decoder: which JPEG decoder to try first.
         size: output (height, width).
-        crop: center (deterministic) or random (random-resized-crop + horizontal flip).
+        crop: center (deterministic), random (random-resized-crop + horizontal flip) or
+            whole (no crop).
         draft: allow a reduced-scale DCT decode when the crop is at most half-size.
+        fraction: the share of the shorter side a centre crop keeps
+            (``dataset.crop_fraction``).
     """
 
     decoder: Decoder
     size: tuple[int, int]
     crop: Crop = Crop.center
     draft: bool = False
+    fraction: float = DatasetConfig.crop_fraction
 
-    def __call__(self, data: bytes, rng: torch.Generator | None = None) -> torch.Tensor:
-        """Decode ``data``; random crops draw from ``rng`` (per image) when given."""
+    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor:
+        """Decode ``data``; a random crop draws from the image's crop ``seed`` (None: from
+        torch's global RNG)."""
         header = read_jpeg_header(data)
         if header is not None and header.height * header.width > MAX_PIXELS:
             raise CorruptImageError(
@@ -470,12 +562,12 @@ class ImageDecoder:
         # does it right, so they go straight to the fallback.
         if header is not None and header.components in (1, 3):
             try:
-                img = self._decode_jpeg(data, header, rng)
+                img = self._decode_jpeg(data, header, seed)
             except Exception:  # any decoder error: let PIL try before calling it corrupt
                 img = None
             if img is not None:
                 return img
-        return self._decode_fallback(data, rng)
+        return self._decode_fallback(data, seed)
 
     @property
     def item_shape(self) -> tuple[int, int, int]:
@@ -491,29 +583,35 @@ class ImageDecoder:
         """Decoded images as one batch tensor (in shared memory inside a worker)."""
         return stack_images(images)
 
-    def box_for(self, h: int, w: int, rng: torch.Generator | None = None) -> Box:
-        """The crop, on an upright image of this size: center, or random-resized."""
+    def box_for(self, h: int, w: int, seed: int | None = None) -> tuple[Box, bool]:
+        """The crop on an upright image of this size, and whether to flip it: the centre
+        (``fraction`` of the shorter side), the whole image, or a random-resized crop
+        decided by the image's crop ``seed``."""
         if self.crop is Crop.random:
-            return random_box(h, w, rng=rng)
+            u = crop_uniforms(seed) if seed is not None else torch.rand(
+                CROP_UNIFORMS, dtype=torch.float64).tolist()
+            return random_box(h, w, u)
         if self.crop is Crop.whole:
-            return Box(0, 0, h, w)
-        return center_box(h, w, *self.size)
+            return Box(0, 0, h, w), False
+        return center_box(h, w, *self.size, self.fraction), False
 
-    def finish(self, img: torch.Tensor, box: Box, rng: torch.Generator | None = None
-               ) -> torch.Tensor:
-        """Crop, resize and (random crops) maybe flip an upright CHW image, on its device."""
-        out = resize_crop(img, box, self.size)
-        if self.crop is Crop.random and torch.rand(1, generator=rng).item() < 0.5:
-            out = out.flip(2).contiguous()
+    def finish(self, img: torch.Tensor, box: Box, flip: bool = False) -> torch.Tensor:
+        """Crop, resize and maybe flip an upright CHW image, on its device (on the CPU with
+        ``resize_into``, as a packed store's batch decode does: the same pixels)."""
+        if img.device.type != "cpu":
+            out = resize_crop(img, box, self.size)
+            return out.flip(2).contiguous() if flip else out
+        top, left, ch, cw = pixel_window(box, *img.shape[-2:])
+        out = torch.empty((img.shape[0], *self.size), dtype=img.dtype)
+        resize_into(out, img[:, top : top + ch, left : left + cw], flip)
         return out
 
-    def _decode_jpeg(self, data: bytes, header: JpegHeader, rng: torch.Generator | None
-                     ) -> torch.Tensor:
+    def _decode_jpeg(self, data: bytes, header: JpegHeader, seed: int | None) -> torch.Tensor:
         oh, ow = header.oriented_hw
-        box = self.box_for(oh, ow, rng)
+        box, flip = self.box_for(oh, ow, seed)
         kind = DECODERS[self.decoder]
         if kind.region:
-            return self.finish(*decode_region(data, header, box, self.size), rng)
+            return self.finish(*decode_region(data, header, box, self.size), flip)
         min_hw = None
         if self.draft and kind.scales:
             # The decode only needs to be as large as the crop will be after resizing.
@@ -525,13 +623,12 @@ class ImageDecoder:
             raise ValueError(f"decoder returned {img.shape[0]} channels")
         img = apply_orientation(img, header.orientation)
         dh, dw = img.shape[-2:]
-        return self.finish(img, box.scaled(dh / oh, dw / ow), rng)
+        return self.finish(img, box.scaled(dh / oh, dw / ow), flip)
 
-    def _decode_fallback(self, data: bytes, rng: torch.Generator | None) -> torch.Tensor:
+    def _decode_fallback(self, data: bytes, seed: int | None) -> torch.Tensor:
         try:
             with Image.open(io.BytesIO(data)) as pil:
                 img = _hwc(np.asarray(upright_rgb(pil)))
         except Exception as e:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
-        h, w = img.shape[-2:]
-        return self.finish(img, self.box_for(h, w, rng), rng)
+        return self.finish(img, *self.box_for(*img.shape[-2:], seed))

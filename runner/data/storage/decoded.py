@@ -15,7 +15,6 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from runner import timeline
-from runner.data.augment import center_crop
 from runner.data.order import split_padding, unpad
 from runner.data.storage.base import (
     Probe,
@@ -50,6 +49,7 @@ class DecodedStorage(Dataset):
     # what the model gets (dataset.image_size): a store at dataset.store_size is cropped
     # to it on the device (runner/data/augment.py); None: images are stored at it
     output_size: tuple[int, int] | None = None
+    crop_fraction = 1.0  # the share of the stored shorter side a centre crop keeps
     _probe_rows: RowPool | None = None  # the verdict's probe gathers with its own threads
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *,
@@ -142,8 +142,10 @@ class DecodedStorage(Dataset):
     def example(self, n: int) -> torch.Tensor:
         """``n`` images as the model gets them (center crops of a larger store)."""
         images = self.gather(torch.arange(min(n, len(self))))[0]["image"]
-        if self.output_size is not None:
-            images = center_crop(images, self.output_size)
+        if self.output_size is not None and tuple(self.image_shape[1:]) != self.output_size:
+            from runner.data.augment import CenterCrop  # the loader's device stage
+
+            images = CenterCrop(self.output_size, self.crop_fraction)(images)
         return cycle_rows(images.contiguous(), n)
 
     def probes(self, batch_size: int, device: torch.device | None = None

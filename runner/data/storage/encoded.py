@@ -24,10 +24,10 @@ class ReadBytes:
     def __init__(self, image_decoder: ImageDecoder):
         self.image_decoder = image_decoder
 
-    def __call__(self, data: bytearray, rng: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(self, data: bytearray, seed: int | None = None) -> torch.Tensor:
         """The bytes, then 8 bytes of the image's random-crop seed (-1: none): the GPU draws
         its crop from the same seed as a CPU decode would (``pack`` splits them off)."""
-        seed = rng.initial_seed() if rng is not None else -1
+        seed = -1 if seed is None else seed
         tail = torch.frombuffer(bytearray(seed.to_bytes(SEED_BYTES, "little", signed=True)),
                                 dtype=torch.uint8)
         return torch.cat([torch.frombuffer(data, dtype=torch.uint8), tail])

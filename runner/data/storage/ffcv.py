@@ -12,9 +12,10 @@ along ``dataset.store_side``; FFCV's own ``max_resolution`` caps only the longer
 the runner hands it images already at the stored size: both rivals hold the same pixels).
 A conversion killed halfway is started again (FFCV's writer cannot resume).
 
-Reading: FFCV's ``Loader`` with its decoders (``CenterCropRGBImageDecoder`` with the ratio
-of the output to the stored size, or ``RandomResizedCropRGBImageDecoder`` and a random
-flip), ``ToTensor`` and ``ToTorchImage``, one worker thread per core, FFCV's seeded random
+Reading: FFCV's ``Loader`` with its decoders (``CenterCropRGBImageDecoder`` with
+``dataset.crop_fraction`` as its ratio: the centre crop every storage takes; or
+``RandomResizedCropRGBImageDecoder`` and a random flip, drawn from FFCV's own random
+numbers, not the runner's per-image crop seeds), ``ToTensor`` and ``ToTorchImage``, one worker thread per core, FFCV's seeded random
 order (``OrderOption.RANDOM``) or dataset order, FFCV's own sharding under torchrun
 (``distributed=True``). Batches stay on the host: the runner's copy and prefetch move them.
 """
@@ -221,8 +222,8 @@ class FfcvBatches:
         h, w = (int(v) for v in storage.dataset.image_size)
         if storage.dataset.crop is Crop.random:
             image = [RandomResizedCropRGBImageDecoder((h, w)), RandomHorizontalFlip()]
-        else:  # the runner's centre crop of the stored image: output / stored shorter side
-            image = [CenterCropRGBImageDecoder((h, w), ratio=1.0)]
+        else:  # the centre crop every storage takes: that share of the shorter side
+            image = [CenterCropRGBImageDecoder((h, w), ratio=storage.dataset.crop_fraction)]
         ints = [IntDecoder(), ToTensor(), Squeeze()]
         self.order = order
         self.loader = Loader(

@@ -123,10 +123,9 @@ class FolderStorage(torch.utils.data.Dataset):
     def __getitem__(self, index: int | tuple[int, int]) -> Sample | SkippedFile:
         """Item ``index``; ``(index, crop_seed)`` draws its random crop from that seed (the
         batch order gives each image of each epoch one, so every path crops alike)."""
-        rng = None
+        seed = None
         if isinstance(index, tuple):
             index, seed = index
-            rng = torch.Generator().manual_seed(seed)
         index, valid = unpad(index)
         t0 = time.perf_counter()
         try:
@@ -135,7 +134,7 @@ class FolderStorage(torch.utils.data.Dataset):
             return self.undecodable(self.samples[index][0],
                                     OSError(f"{UNREADABLE}: {e.strerror or e}"), index)
         t1 = time.perf_counter()
-        item = self.decode_data(index, data, valid, rng)
+        item = self.decode_data(index, data, valid, seed)
         if timeline.enabled():
             timeline.record("read", t0, t1)
             timeline.record("decode", t1, time.perf_counter())
@@ -153,13 +152,14 @@ class FolderStorage(torch.utils.data.Dataset):
         """Nothing to check for a folder's own file (a store checks its copy's checksum)."""
 
     def decode_data(self, index: int, data: bytearray | None, valid: bool = True,
-                    rng: torch.Generator | None = None) -> Sample | SkippedFile:
-        """Item ``index`` from its file's bytes (None: the file could not be read)."""
+                    seed: int | None = None) -> Sample | SkippedFile:
+        """Item ``index`` from its file's bytes (None: the file could not be read); a
+        random crop from the image's crop ``seed``."""
         path, label = self.samples[index]
         try:
             if not data:
                 raise CorruptImageError("empty file" if data is not None else "unreadable")
-            image = self.decode(data, rng)
+            image = self.decode(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
         return Sample(image, label, index, valid)
@@ -175,6 +175,19 @@ class FolderStorage(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[Sample | SkippedFile]:
         return [self[i] for i in indices]
+
+    def decode_slice(self, out: torch.Tensor, positions: range, indices: list
+                    ) -> list[Sample | SkippedFile]:
+        """Items ``indices[k]`` for ``k`` in ``positions`` decoded into ``out[k]`` (the
+        decode threads' unit of work, ``ThreadedBatches``); the Samples carry no image."""
+        items = []
+        for k in positions:
+            item = self[indices[k]]
+            if isinstance(item, Sample):
+                out[k].copy_(item.image)
+                item = Sample(None, item.label, item.index, item.valid)
+            items.append(item)
+        return items
 
     def pack(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.decode.pack(images)
@@ -268,9 +281,10 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     if decode is None:
         check_decoder(loader.decoder)
         decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
-                              loader.draft)
+                              loader.draft, dataset.crop_fraction)
         if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
-            decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop))
+            decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
+                                                fraction=decode.fraction))
     return FolderStorage(path, decode, dataset.on_corrupt, list_images(dataset, path))
 
 

@@ -82,19 +82,25 @@ class MemmapSpec(StoreSpec):
     draft: bool
     selected_by: tuple[str, ...] = field(default=(), compare=False)
     whole: bool = False  # dataset.crop=whole: the whole image resized, not centre-cropped
+    # the share of the shorter side the stored centre crop keeps: dataset.crop_fraction when
+    # stored at the output size; 1.0 (the whole shorter side) at dataset.store_size, whose
+    # centre crop is then cut on the device
+    fraction: float = 1.0
 
     kind = StorageName.memmap.value
     version = CACHE_VERSION
 
     def settings(self) -> dict[str, Any]:
         return {"source": str(self.source), "image_size": list(self.image_size),
-                "decoder": self.decoder, "draft": self.draft, **({"crop": "whole"} if
-                                                                  self.whole else {})}
+                "decoder": self.decoder, "draft": self.draft,
+                **({"crop": "whole"} if self.whole else {}),
+                **({"crop_fraction": self.fraction} if self.fraction != 1.0 else {})}
 
     def label(self) -> str:
         h, w = self.image_size
         return (f"{h}x{w}-{self.decoder}{'-draft' if self.draft else ''}"
-                f"{'-whole' if self.whole else ''}")
+                f"{'-whole' if self.whole else ''}"
+                f"{f'-crop{self.fraction:g}' if self.fraction != 1.0 else ''}")
 
     def overrides(self) -> list[str]:
         h, w = self.image_size
@@ -131,8 +137,20 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Mem
     whole = dataset.crop is Crop.whole
     if whole:
         picked.append("dataset.crop=whole")
+    fraction = stored_fraction(dataset)
+    if fraction != 1.0:
+        picked.append(f"dataset.crop_fraction={fraction:g}")
     return MemmapSpec(source, stored_size(dataset), loader.decoder.value, loader.draft,
-                      selected_by=tuple(picked), whole=whole)
+                      selected_by=tuple(picked), whole=whole, fraction=fraction)
+
+
+def stored_fraction(dataset: DatasetConfig) -> float:
+    """The share of the shorter side memmap/ram store: ``dataset.crop_fraction`` when stored
+    at the output size (the centre crop itself), the whole side at ``dataset.store_size``
+    (the centre and random crops are cut from it on the device)."""
+    if dataset.store_size is not None or dataset.crop is Crop.whole:
+        return 1.0
+    return float(dataset.crop_fraction)
 
 
 def image_shape(count: int, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -159,7 +177,8 @@ def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     runner/data/augment.py)."""
     check_decoder(loader.decoder)
     crop = Crop.whole if dataset.crop is Crop.whole else Crop.center
-    decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft)
+    decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft,
+                          stored_fraction(dataset))
     return open_folder(loader, dataset, path, progress, decode=decode)
 
 
@@ -169,7 +188,8 @@ def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     one)."""
     folder = decoding_folder(loader, dataset, path, progress)
     return open_cache(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                      progress, output_size=tuple(dataset.image_size))
+                      progress, output_size=tuple(dataset.image_size),
+                      crop_fraction=dataset.crop_fraction)
 
 
 def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
@@ -181,17 +201,18 @@ def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 
 
 def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
-               progress: bool = True, output_size: tuple[int, int] | None = None
-               ) -> DecodedStorage:
+               progress: bool = True, output_size: tuple[int, int] | None = None,
+               crop_fraction: float = 1.0) -> DecodedStorage:
     """The memmap store of ``folder`` as a storage (converted first if there is no valid
-    one); ``output_size``: what the model gets, when the store is larger."""
+    one); ``output_size``: what the model gets, when the store is larger, its centre crop
+    ``crop_fraction`` of the stored shorter side."""
     cache, meta = ensure_cache(folder, spec, cache_root, progress)
     storage = DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
                              skipped=skipped_files(meta), classes=folder.classes,
                              names=folder.names(), root=folder.root,
                              files=[str(cache / IMAGES)],
                              reopen=lambda: open_images(cache, meta))
-    storage.output_size = output_size
+    storage.output_size, storage.crop_fraction = output_size, crop_fraction
     return storage
 
 

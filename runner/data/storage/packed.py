@@ -2,11 +2,17 @@
 
 For datasets too big to keep decoded: ``dataset.store_size`` (the shorter side, or with
 ``dataset.store_side=longer`` the longer side at most; never enlarged) keeps what a crop
-to ``dataset.image_size`` needs, at ``dataset.store_quality``. Each epoch decodes the
-stored JPEGs again (random crops are real random-resized crops of the whole stored image),
-with the in-process decode threads, one ``pread`` per image from one open file: no file
-opened per image. With ``loader.decoder=region`` (the default) only the crop's window is
-decoded.
+to ``dataset.image_size`` needs, at ``dataset.store_quality`` (unset: 256 for 224 at
+``dataset.crop_fraction=0.875``, so the centre crop is a 224 window of the stored image).
+Each epoch decodes the stored JPEGs again (random crops are real random-resized crops of
+the whole stored image), with the in-process decode threads, one ``pread`` per image from
+one open file: no file opened per image. With ``loader.decoder=region`` (the default) each
+thread hands a slice of the batch to the runner's libjpeg binding in one call, without
+the GIL: each crop's window decoded at its DCT scale straight into its slot of the batch
+(CHW), enlarged there when it is smaller than the output (``PackedStorage.decode_slice``).
+The batch stays NCHW: the binding writes the planes as it decodes each row, so an NHWC
+hand-over would save no copy, and every storage and ``runner.pipeline`` user keeps one
+layout.
 
 A store holds ``images.bin`` (the JPEGs back to back, in dataset order), ``index.bin`` (per
 source file: offset, size, stored height and width, label and a CRC-32 of its bytes; size 0
@@ -27,6 +33,7 @@ import io
 import logging
 import math
 import os
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +45,11 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from runner import timeline
 from runner.config import DatasetConfig, LoaderConfig, StorageName, StoreSide
-from runner.data.order import split_padding
+from runner.data.order import split_padding, unpad
 from runner.data.pool import parallel_imap
-from runner.data.storage.base import Sample, SkippedFile, StorageKind, StoreFootprint
+from runner.data.storage.base import Probe, Sample, SkippedFile, StorageKind, StoreFootprint
 from runner.data.storage.cache import (
     META,
     SOURCE_DTYPE,
@@ -58,10 +66,14 @@ from runner.data.storage.cache import (
 from runner.data.storage.decode import (
     DECODERS,
     CorruptImageError,
+    ImageDecoder,
+    pixel_window,
     read_jpeg_header,
+    region_scale,
+    resize_into,
     upright_rgb,
 )
-from runner.data.storage.folder import FolderStorage, open_folder
+from runner.data.storage.folder import UNREADABLE, FolderStorage, open_folder
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +85,11 @@ SAMPLE = 32  # images encoded up front to estimate the store's size
 
 
 def default_store_size(dataset: DatasetConfig) -> int:
-    """``dataset.store_size``, else 8/7 of ``image_size``'s larger side (the usual
-    resize-256-crop-224 ratio)."""
-    return int(dataset.store_size or math.ceil(max(dataset.image_size) * 8 / 7))
+    """``dataset.store_size``, else ``image_size``'s larger side / ``dataset.crop_fraction``
+    (256 for 224 at 0.875): a centre crop is then a window of the stored image, cut without a
+    resize."""
+    return int(dataset.store_size or
+               math.ceil(round(max(dataset.image_size) / dataset.crop_fraction, 6)))
 
 
 def stored_hw(height: int, width: int, size: int, side: StoreSide) -> tuple[int, int]:
@@ -126,8 +140,8 @@ class PackedSpec(StoreSpec):
 
 
 def packed_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> PackedSpec:
-    """What ``loader=packed`` stores: ``dataset.store_size`` (unset: 8/7 of the larger side
-    of ``image_size``, the usual resize-256-crop-224 ratio) at ``dataset.store_quality``."""
+    """What ``loader=packed`` stores: ``dataset.store_size`` (unset:
+    ``default_store_size``) at ``dataset.store_quality``."""
     source = Path(path).expanduser().resolve()
     size = default_store_size(dataset)
     picked = (f"dataset.path={source}",
@@ -291,6 +305,7 @@ class PackedStorage(FolderStorage):
         self._serve(folder, keep.tolist(), skipped_files(meta))
         self.offsets = table["offset"][keep].tolist()
         self.sizes = table["size"][keep].tolist()
+        self.heights, self.widths = table["height"][keep].tolist(), table["width"][keep].tolist()
         self.crcs = table["crc"][keep].tolist()
         self.path, self.cache, self.spec = cache / DATA, cache, spec
         self.data_bytes = meta["data_bytes"]
@@ -338,12 +353,100 @@ class PackedStorage(FolderStorage):
             raise OSError(errno.EIO, f"{self.path} ends before image {index}'s {size} bytes")
         return data
 
+    @property
+    def native_batches(self) -> bool:
+        """Whether slices of a batch are decoded by the libjpeg binding in one call each
+        (``decode_slice``): ``loader.decoder=region`` (packed's default), when built."""
+        decoder = self.decode
+        return (isinstance(decoder, ImageDecoder) and DECODERS[decoder.decoder].region
+                and DECODERS[decoder.decoder].available())
+
+    def decode_slice(self, out: torch.Tensor, positions: range, indices: list
+                     ) -> list[Sample | SkippedFile]:
+        """Items ``indices[k]`` for ``k`` in ``positions`` decoded into ``out[k]``: with the
+        libjpeg binding (``native_batches``), the whole slice in one call without the GIL.
+
+        What the per-image path does in Python under the GIL, done once per slice or not
+        at all: no header parse (the stored size is in the index; packed images are
+        stored upright), the window of each crop at its DCT scale, a window of the output
+        size decoded straight into its slot of the batch as CHW planes (the centre crop of
+        a store at 256 for 224 at crop fraction 0.875: no resize, no copy), any other
+        window (random crops) into its own buffer, then resized (and flipped) into the
+        slot. A stored image the binding cannot decode goes through the per-image path:
+        PIL's fallback, the checksum that names damage to the store, the skip."""
+        if not self.native_batches:
+            return super().decode_slice(out, positions, indices)
+        from runner.data.storage import _jpegregion
+
+        decoder: ImageDecoder = self.decode
+        size = tuple(decoder.size)
+        t0 = time.perf_counter()
+        items: list[Sample | SkippedFile | None] = []
+        jobs, todo = [], []
+        for k in positions:
+            index, seed = indices[k] if isinstance(indices[k], tuple) else (indices[k], None)
+            index, valid = unpad(index)
+            try:
+                data = self.read(index)
+            except OSError as e:
+                items.append(self.undecodable(self.samples[index][0],
+                                              OSError(f"{UNREADABLE}: {e.strerror or e}"), index))
+                continue
+            h, w = self.heights[index], self.widths[index]
+            box, flip = decoder.box_for(h, w, seed)
+            denom = region_scale(box, size)
+            sh, sw = -(-h // denom), -(-w // denom)  # libjpeg's scaled size
+            top, left, ch, cw = pixel_window(box.scaled(sh / h, sw / w), sh, sw)
+            planar = (ch, cw) == size and not flip
+            dest = memoryview(out[k].numpy()).cast("B") if planar else bytearray(ch * cw * 3)
+            jobs.append((data, denom, top, left, ch, cw, dest, planar))
+            todo.append((len(items), k, index, valid, seed, flip))
+            items.append(None)
+        t1 = time.perf_counter()
+        errors = _jpegregion.decode_batch(jobs)
+        for error, job, (slot, k, index, valid, seed, flip) in zip(errors, jobs, todo):
+            data, ch, cw, dest, planar = job[0], job[4], job[5], job[6], job[7]
+            if error is not None:  # PIL's fallback, the checksum, or a skip
+                item = self.decode_data(index, data, valid, seed)
+                if isinstance(item, Sample):
+                    out[k].copy_(item.image)
+                    item = Sample(None, item.label, index, valid)
+            else:
+                if not planar:
+                    img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
+                    resize_into(out[k], img.permute(2, 0, 1), flip)
+                item = Sample(None, self.samples[index][1], index, valid)
+            items[slot] = item
+        if timeline.enabled():
+            timeline.record("read", t0, t1)
+            timeline.record("decode", t1, time.perf_counter())
+        return items
+
+    def probes(self, batch_size: int, device: torch.device | None = None
+               ) -> dict[str, Probe]:
+        """The folder's probes, with the decode the threads really run: a slice of stored
+        images through ``decode_slice`` (the binding's batch decode, when it is used)."""
+        probes = super().probes(batch_size, device)
+        if "decode" in probes and self.native_batches:
+            n = min(len(self), 16)
+            out = torch.empty((n, *self.item_shape), dtype=torch.uint8)
+            counter = iter(range(10**12))
+
+            def decode() -> int:
+                first = next(counter) * n
+                indices = [(first + k) % len(self) for k in range(n)]
+                return sum(isinstance(item, Sample)
+                           for item in self.decode_slice(out, range(n), indices)) or 1
+
+            probes["decode"] = decode
+        return probes
+
     def decode_data(self, index: int, data: bytes | None, valid: bool = True,
-                    rng: torch.Generator | None = None) -> Sample | SkippedFile:
+                    seed: int | None = None) -> Sample | SkippedFile:
         """A stored image that does not decode is either damage to the store (its CRC no
         longer matches: a CacheError naming the store and its rebuild) or a source that was
         already undecodable as stored (reported as a skipped file, as a folder would)."""
-        item = super().decode_data(index, data, valid, rng)
+        item = super().decode_data(index, data, valid, seed)
         if isinstance(item, SkippedFile) and data is not None:
             self.check_stored(index, data)
         return item

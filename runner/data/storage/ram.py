@@ -93,6 +93,7 @@ def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     storage = load_ram(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
                        progress)
     storage.output_size = tuple(dataset.image_size)
+    storage.crop_fraction = dataset.crop_fraction
     return storage
 
 
