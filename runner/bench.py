@@ -135,13 +135,16 @@ class PerItemMemmap(Dataset):
 
 
 class NaiveFolder(Dataset):
-    """PIL decode, resize and crop in PIL, float tensor on the CPU: the slow path."""
+    """PIL decode, resize and crop in PIL, float tensor on the CPU: the slow path (the
+    runner's centre crop: ``crop_fraction`` of the shorter side, "resize 256, crop 224")."""
 
-    def __init__(self, samples: list[tuple[str, int]], size: tuple[int, int]):
+    def __init__(self, samples: list[tuple[str, int]], size: tuple[int, int],
+                 crop_fraction: float = 0.875):
         import torchvision.transforms as T
 
         self.samples = samples
-        self.transform = T.Compose([T.Resize(min(size)), T.CenterCrop(size), T.ToTensor()])
+        self.transform = T.Compose([T.Resize(round(min(size) / crop_fraction)),
+                                    T.CenterCrop(size), T.ToTensor()])
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -298,7 +301,8 @@ def bench_loaders(args: argparse.Namespace) -> dict:
     print("3. naive folder path (PIL, float on the CPU, per item, 2 workers)")
 
     def naive_rate() -> float:
-        naive = DataLoader(NaiveFolder(folder.samples, (args.size, args.size)),
+        naive = DataLoader(NaiveFolder(folder.samples, (args.size, args.size),
+                                       memmap_cfg.dataset.crop_fraction),
                            batch_size=args.batch_size, shuffle=True, num_workers=2,
                            persistent_workers=True)
         try:
@@ -427,12 +431,16 @@ def decode_limit(jpegs: list[bytes], size: tuple[int, int], batch_size: int, sec
     of a batch (each running torch ops on one core, as the decode threads do)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from runner.data.threads import one_core_for_this_thread
+    from runner.data.threads import (
+        main_thread_count,
+        one_core_for_this_thread,
+        restore_thread_count,
+    )
 
     out = torch.empty((batch_size, 3, *size), dtype=torch.uint8)
     counter = iter(range(10**12))
     rates = {}
-    torch.get_num_threads()
+    main_threads = main_thread_count()  # the helpers' one core must not become the default
     with ThreadPoolExecutor(threads, initializer=one_core_for_this_thread) as pool:
         for name, decode in full_decoders().items():
             def part(k: int, first: int, decode=decode) -> None:
@@ -449,6 +457,7 @@ def decode_limit(jpegs: list[bytes], size: tuple[int, int], batch_size: int, sec
                 return batch_size
 
             rates[name] = burst(batch, seconds=seconds, min_calls=2, warmup=1)
+    restore_thread_count(main_threads)
     return rates
 
 
@@ -460,8 +469,8 @@ def grid_crop_rate(storage: DecodedStorage, size: tuple[int, int], batch_size: i
     from runner.data.augment import BatchAugment
 
     augment = BatchAugment(size)
-    order = BatchOrder(len(storage), batch_size, shuffle=True, drop_last=True, seed=0,
-                       crop_seeds=True)
+    order = BatchOrder(len(storage), min(batch_size, len(storage)), shuffle=True,
+                       drop_last=True, seed=0, crop_seeds=True)
     batches = iter(())
 
     def batch() -> int:

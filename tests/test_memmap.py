@@ -143,7 +143,7 @@ KILLED_CONVERSION = textwrap.dedent("""
 
     memmap._decode_chunk = dying
     folder = FolderStorage(source, ImageDecoder(Decoder.simplejpeg, (24, 32)), OnCorrupt.skip)
-    spec = memmap.MemmapSpec(source.resolve(), (24, 32), "simplejpeg", False)
+    spec = memmap.MemmapSpec(source.resolve(), (24, 32), "simplejpeg", False, fraction=0.875)
     engine.ensure_cache(folder, spec, cache, progress=False)
 """)
 

@@ -100,11 +100,13 @@ class BatchOrder:
         resumed mid-epoch continues with the next batch of the same permutation)."""
         self._next, self._skip = epoch, skip
 
-    def seeds_for(self, index: torch.Tensor) -> list[int]:
-        """One random-crop seed per image of this epoch: a function of (seed, epoch, image),
-        so a path that decodes in threads, in workers or per item crops each image alike."""
+    def seeds_for(self, index: torch.Tensor, epoch: int | None = None) -> list[int]:
+        """One random-crop seed per image of ``epoch`` (unset: the epoch being read): a
+        function of (seed, epoch, image), so a path that decodes in threads, in workers or
+        per item crops each image alike."""
         real, _ = split_padding(index)
-        return ((real + epoch_seed(self.seed, self.epoch)) % (2**62)).tolist()
+        epoch = self.epoch if epoch is None else epoch
+        return ((real + epoch_seed(self.seed, epoch)) % (2**62)).tolist()
 
     @property
     def largest_batch(self) -> int:

@@ -190,7 +190,7 @@ def crop_draws(augment: BatchAugment, order: BatchOrder, pin: bool
     the run's seed, the epoch and the image), as a folder or packed decode draws them: the
     same crops on every run, after a resume, and on every storage."""
     def draws(epoch: int, position: int, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = augment.draws(order.seeds_for(index))
+        out = augment.draws(order.seeds_for(index, epoch))
         return {k: v.pin_memory() for k, v in out.items()} if pin else out
 
     return draws

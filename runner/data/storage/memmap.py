@@ -145,10 +145,12 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Mem
 
 
 def stored_fraction(dataset: DatasetConfig) -> float:
-    """The share of the shorter side memmap/ram store: ``dataset.crop_fraction`` when stored
-    at the output size (the centre crop itself), the whole side at ``dataset.store_size``
-    (the centre and random crops are cut from it on the device)."""
-    if dataset.store_size is not None or dataset.crop is Crop.whole:
+    """The share of the shorter side memmap/ram store: for centre crops stored at the output
+    size, ``dataset.crop_fraction`` (the centre crop itself); otherwise the whole side (a
+    store larger than the output, whose centre crop is cut on the device; random crops,
+    cut from the whole stored side as a folder's decode cuts them from the whole image)."""
+    size = tuple(int(v) for v in dataset.image_size)
+    if dataset.crop is not Crop.center or stored_size(dataset) != size:
         return 1.0
     return float(dataset.crop_fraction)
 
