@@ -55,9 +55,20 @@ class CenterCrop:
         window = images[..., top : top + ch, left : left + cw]
         if (ch, cw) == self.size:
             return window
-        if images.device.type == "cpu":  # the antialiased uint8 resize
-            return F.interpolate(window, size=list(self.size), mode="bilinear",
-                                 antialias=True, align_corners=False)
+        if images.device.type == "cpu":  # image by image on the row threads (uint8)
+            from runner.data.storage.decode import resize_into
+
+            out = torch.empty((*images.shape[:-2], *self.size), dtype=images.dtype)
+
+            def resize(a: int, b: int) -> None:
+                for i in range(a, b):
+                    resize_into(out[i], window[i])
+
+            if rows is None:
+                resize(0, len(out))
+            else:
+                rows.run(resize, len(out))
+            return out
         out = F.interpolate(window.float(), size=list(self.size), mode="bilinear",
                             antialias=True, align_corners=False)
         return out.round_().clamp_(0, 255).to(images.dtype)
