@@ -132,11 +132,13 @@ def test_wandb_offline_run_holds_the_config_and_no_secret(tmp_path: Path, image_
 
 @pytest.mark.slow
 def test_memmap_converts_once_then_reuses(tmp_path: Path, cache_dir: Path):
-    first = run_cli(*SMALL_DATASET, "loader=memmap", "logger=none", "hydra.run.dir=a",
-                    cwd=tmp_path)
+    # a store larger than the output serves centre crops (a window of it) and random ones
+    # (of the whole stored side) alike: one conversion for a training and a validation run
+    larger = ("loader=memmap", "logger=none", "dataset.store_size=56")
+    first = run_cli(*SMALL_DATASET, *larger, "hydra.run.dir=a", cwd=tmp_path)
     assert "memmap store ready" in first.stdout + first.stderr
-    second = run_cli(*SMALL_DATASET, "loader=memmap", "logger=none", "dataset.crop=random",
-                     "hydra.run.dir=b", cwd=tmp_path)
+    second = run_cli(*SMALL_DATASET, *larger, "dataset.crop=random", "hydra.run.dir=b",
+                     cwd=tmp_path)
     assert "memmap store ready" not in second.stdout + second.stderr  # reused
     for run in ("a", "b"):
         m = read_metrics(tmp_path / run)
