@@ -156,7 +156,9 @@ def test_the_verdict_names_decode_for_a_slow_folder_decoder(tmp_path: Path, cach
 
 @pytest.mark.slow
 def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_dir: Path):
-    run_cli(*SMALL_DATASET, "loader=ram", "model=resnet18", "logger=none", "run.steps=6",
+    # 16 steps, not 6: the pipeline's figure is a median over windows of a few steps, and
+    # with 5 timed steps one fast window put it 12% over the model's own probe here
+    run_cli(*SMALL_DATASET, "loader=ram", "model=resnet18", "logger=none", "run.steps=16",
             "hydra.run.dir=run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     b = m["bottleneck"]
