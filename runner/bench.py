@@ -173,9 +173,7 @@ def limits(storage: DecodedStorage, batch_size: int, seconds: float) -> dict[str
 def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) -> float:
     """images/s of read + decode + resize of ``storage``'s first files (page cache warm),
     by ``threads`` threads, each running torch ops on one core."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from runner.data.threads import one_core_for_this_thread
+    from runner.data.threads import one_core_pool
 
     indices = list(range(min(files, len(storage))))
     for i in indices:
@@ -186,8 +184,7 @@ def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) 
             storage[i]
         return len(part)
 
-    torch.get_num_threads()
-    with ThreadPoolExecutor(threads, initializer=one_core_for_this_thread) as pool:
+    with one_core_pool(threads) as pool:
         def all_files() -> int:
             return sum(pool.map(chunk, [indices[k::threads] for k in range(threads)]))
 
@@ -429,19 +426,12 @@ def decode_limit(jpegs: list[bytes], size: tuple[int, int], batch_size: int, sec
     """images/s of each full decoder of ``jpegs`` plus the copy of each image's centre
     ``size`` window into a CHW batch buffer, by ``threads`` threads each filling its share
     of a batch (each running torch ops on one core, as the decode threads do)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from runner.data.threads import (
-        main_thread_count,
-        one_core_for_this_thread,
-        restore_thread_count,
-    )
+    from runner.data.threads import one_core_pool
 
     out = torch.empty((batch_size, 3, *size), dtype=torch.uint8)
     counter = iter(range(10**12))
     rates = {}
-    main_threads = main_thread_count()  # the helpers' one core must not become the default
-    with ThreadPoolExecutor(threads, initializer=one_core_for_this_thread) as pool:
+    with one_core_pool(threads) as pool:
         for name, decode in full_decoders().items():
             def part(k: int, first: int, decode=decode) -> None:
                 for slot in range(k, batch_size, threads):
@@ -457,7 +447,6 @@ def decode_limit(jpegs: list[bytes], size: tuple[int, int], batch_size: int, sec
                 return batch_size
 
             rates[name] = burst(batch, seconds=seconds, min_calls=2, warmup=1)
-    restore_thread_count(main_threads)
     return rates
 
 

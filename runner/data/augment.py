@@ -105,7 +105,7 @@ class BatchAugment:
         ratio range; continuous, as there. ``draws`` (``BatchAugment.draws``, on
         ``device``) replace the device's own random numbers."""
         u = draws["crop_uniforms"] if draws is not None else torch.rand(
-            n, 2 * ATTEMPTS + 3, device=device, generator=generator)
+            n, CROP_UNIFORMS, device=device, generator=generator)
         u = u.to(torch.float32)
         scale, (lo, hi) = self.scale, (math.log(self.ratio[0]), math.log(self.ratio[1]))
         target = (h * w) * (scale[0] + u[:, :ATTEMPTS] * (scale[1] - scale[0]))

@@ -25,13 +25,7 @@ from runner.data.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.storage.base import Sample, SkippedFile, Storage
 from runner.data.storage.folder import UNREADABLE, batch_fields
-from runner.data.threads import (
-    RowPool,
-    cores,
-    main_thread_count,
-    one_core_for_this_thread,
-    restore_thread_count,
-)
+from runner.data.threads import RowPool, cores, one_core_pool
 
 log = logging.getLogger(__name__)
 
@@ -141,30 +135,26 @@ class ThreadedBatches:
             return {"image": image, **batch_fields(samples)}, skipped
 
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
-        main_threads = main_thread_count()
-        executor = ThreadPoolExecutor(self.threads, thread_name_prefix="runner-decode",
-                                      initializer=one_core_for_this_thread)
         pending: collections.deque = collections.deque()
         batches = self.order.batches()
-        try:
-            for index in itertools.islice(batches, self.ahead + 1):
-                pending.append(self._submit(executor, index))
-            while pending:
-                out, futures = pending.popleft()
-                items = [item for f in futures for item in f.result()]
-                index = next(batches, None)
-                if index is not None:  # keep the pool busy while the loop uses this batch
+        with one_core_pool(self.threads, "runner-decode") as executor:
+            try:
+                for index in itertools.islice(batches, self.ahead + 1):
                     pending.append(self._submit(executor, index))
-                batch, skipped = self._assemble(out, items)
-                if batch is not None and self.pool.pin:
-                    batch = pin_small_fields(batch)
-                yield batch, skipped
-        finally:
-            for _, futures in pending:
-                for f in futures:
-                    f.cancel()
-            executor.shutdown(wait=True, cancel_futures=True)
-            restore_thread_count(main_threads)
+                while pending:
+                    out, futures = pending.popleft()
+                    items = [item for f in futures for item in f.result()]
+                    index = next(batches, None)
+                    if index is not None:  # keep the pool busy while the loop uses this one
+                        pending.append(self._submit(executor, index))
+                    batch, skipped = self._assemble(out, items)
+                    if batch is not None and self.pool.pin:
+                        batch = pin_small_fields(batch)
+                    yield batch, skipped
+            finally:
+                for _, futures in pending:
+                    for f in futures:
+                        f.cancel()
 
 
 class InProcessBatches:

@@ -56,6 +56,20 @@ def restore_thread_count(count: int) -> None:
 
 
 @contextlib.contextmanager
+def one_core_pool(threads: int, name: str = "runner") -> Iterator[ThreadPoolExecutor]:
+    """A pool of ``threads`` helper threads, each running torch ops on one core; when it
+    ends (its pending work cancelled), later threads get the main thread's count again."""
+    count = main_thread_count()
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=name,
+                              initializer=one_core_for_this_thread)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        restore_thread_count(count)
+
+
+@contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     """Run the block with ``n`` intra-op threads (None: as it is)."""
     before = torch.get_num_threads()

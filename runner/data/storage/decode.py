@@ -502,31 +502,34 @@ def stored_window(top: int, left: int, h: int, w: int, height: int, width: int,
     return rows[0], cols[0], rows[1] - rows[0], cols[1] - cols[0]
 
 
-def decode_region(data: bytes, header: JpegHeader, box: Box, size: tuple[int, int]
-                  ) -> tuple[torch.Tensor, Box]:
-    """The upright pixels of ``box`` (and the box within them), decoded alone.
-
-    The scale and the integer window are those the full decode at that scale would crop
-    (``resize_crop``'s rounding), so the result is the full decode's crop, up to libjpeg's
-    upsampling at the window's edges.
-    """
-    from runner.data.storage import _jpegregion
-
+def region_window(header: JpegHeader, box: Box, size: tuple[int, int]
+                  ) -> tuple[int, int, int, int, int]:
+    """Where the binding decodes ``box`` of an image: ``(denom, top, left, height,
+    width)``, the largest DCT scale that keeps the box at least ``size`` and the integer
+    window at that scale, in the image's stored orientation. The window is the one the full
+    decode at that scale would crop (``pixel_window``'s rounding)."""
     denom = region_scale(box, size)
     height, width = -(-header.height // denom), -(-header.width // denom)  # libjpeg's sizes
     uh, uw = (width, height) if header.orientation >= 5 else (height, width)
     oh, ow = header.oriented_hw
-    scaled = box.scaled(uh / oh, uw / ow)
-    top, left = int(round(scaled.top)), int(round(scaled.left))
-    h = max(1, min(int(round(scaled.height)), uh - top))
-    w = max(1, min(int(round(scaled.width)), uw - left))
-    st, sl, sh, sw = stored_window(top, left, h, w, height, width, header.orientation)
+    top, left, h, w = pixel_window(box.scaled(uh / oh, uw / ow), uh, uw)
+    return (denom, *stored_window(top, left, h, w, height, width, header.orientation))
+
+
+def decode_region(data: bytes, header: JpegHeader, box: Box, size: tuple[int, int]
+                  ) -> tuple[torch.Tensor, Box]:
+    """The upright pixels of ``box`` (and the box within them), decoded alone
+    (``region_window``): the full decode's crop, up to libjpeg's upsampling at the
+    window's edges."""
+    from runner.data.storage import _jpegregion
+
+    denom, st, sl, sh, sw = region_window(header, box, size)
     # a window of most of the width is decoded in whole rows and cut after (the binding
     # decides: libjpeg's column crop costs more than it saves there)
     pixels = _jpegregion.decode(data, denom, st, sl, sh, sw)
     img = torch.frombuffer(pixels, dtype=torch.uint8).view(sh, sw, 3)
     img = apply_orientation(img.permute(2, 0, 1), header.orientation)
-    return img, Box(0, 0, h, w)
+    return img, Box(0, 0, *img.shape[-2:])
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,7 @@ class FolderStorage(torch.utils.data.Dataset):
         try:
             data = self.read(index)
         except OSError as e:  # deleted, moved or unreadable since the folder was listed
-            return self.undecodable(self.samples[index][0],
-                                    OSError(f"{UNREADABLE}: {e.strerror or e}"), index)
+            return self.unreadable(index, e)
         t1 = time.perf_counter()
         item = self.decode_data(index, data, valid, seed)
         if timeline.enabled():
@@ -163,6 +162,12 @@ class FolderStorage(torch.utils.data.Dataset):
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
         return Sample(image, label, index, valid)
+
+    def unreadable(self, index: int, error: OSError) -> SkippedFile:
+        """Item ``index``'s file could not be read (deleted, moved, no permission): a skip
+        (or, with on_corrupt=fail, an error) that says so."""
+        return self.undecodable(self.samples[index][0],
+                                OSError(f"{UNREADABLE}: {error.strerror or error}"), index)
 
     def undecodable(self, path: str, error: Exception, index: int) -> SkippedFile:
         """A file nothing could decode: a SkippedFile to count, or (on_corrupt=fail) an error
