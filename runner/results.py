@@ -35,8 +35,9 @@ def disturbance(figures: dict[str, Any]) -> str | None:
     other processes ran on the cores while the windows were timed."""
     others = figures.get("others_cores")
     if others is not None and others >= shared_limit():
-        return (f"disturbed: other processes used {others:.1f} cores while it was timed, so "
-                "its figures are a shared machine's; run it again on idle cores to compare")
+        return (f"disturbed: other processes used {others:.1f} cores while it was timed (a "
+                "virtual machine's steal time counts too), so its figures are a shared "
+                "machine's; run it again on idle cores to compare")
     return None
 
 

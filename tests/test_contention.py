@@ -142,14 +142,25 @@ def test_a_run_beside_another_job_says_its_figures_are_disturbed(tmp_path: Path,
 
     common = [*SMALL_DATASET, "loader=memmap", "model=none", "logger=none", "diagnose=false",
               "run.window_seconds=0.5"]
-    run_cli(*common, "hydra.run.dir=quiet", cwd=tmp_path)
+    shown = ("others_cores", "timed_seconds", "flags", "images_per_sec")
     with Burner(threads=2, seconds=60):
         proc = run_cli(*common, "hydra.run.dir=busy", cwd=tmp_path)
-    quiet, busy = read_metrics(tmp_path / "quiet"), read_metrics(tmp_path / "busy")
-    assert busy["disturbed"] is True and busy["others_cores"] >= 1.0, {k: busy.get(k) for k in ("others_cores", "timed_seconds", "flags", "images_per_sec")}
+    busy = read_metrics(tmp_path / "busy")
+    assert busy["disturbed"] is True and busy["others_cores"] >= 1.0, {k: busy.get(k) for k in shown}
     assert any(f.startswith("disturbed") for f in busy["flags"])
     assert "disturbed" in proc.stdout + proc.stderr  # said on the console
-    assert quiet["disturbed"] is False
+    # with the burner gone the run is not flagged. The test cannot idle the machine it runs
+    # on (a CI host's other jobs, or its hypervisor's steal, count as other processes too),
+    # so a quiet run flagged disturbed is run again, three times at most: a detector that
+    # flags every run still fails here
+    tries = []
+    for attempt in range(3):
+        run_cli(*common, f"hydra.run.dir=quiet{attempt}", cwd=tmp_path)
+        quiet = read_metrics(tmp_path / f"quiet{attempt}")
+        tries.append({k: quiet.get(k) for k in shown})
+        if quiet["disturbed"] is False:
+            break
+    assert quiet["disturbed"] is False, tries
     # the data path's own work does not collapse: a fair share of two busy cores is half
     assert busy["images_per_sec"] >= 0.25 * quiet["images_per_sec"]
 
