@@ -242,8 +242,10 @@ class LoaderConfig:
     name: StorageName = MISSING
     decoder: Decoder = Decoder.pil
     # Decode JPEGs at a reduced scale in the DCT domain when the target is much smaller
-    # than the source (pil: Image.draft, simplejpeg: min_height/min_width).
-    draft: bool = False
+    # than the source (pil: Image.draft, simplejpeg: min_height/min_width). Unset (folder's
+    # default): on where loader.decoder=auto falls back to simplejpeg, else off; a value the
+    # user gives is kept as given.
+    draft: bool | None = None
     batch_size: int = 64
     num_workers: int = 2
     pin_memory: bool | None = None  # unset: on when the run's device is CUDA

@@ -175,6 +175,32 @@ def test_defaults_are_the_small_cpu_job():
     assert config.dataset.path is None and config.dataset.num_images == 2000
 
 
+@pytest.mark.parametrize(("override", "draft"), [((), True), (("loader.draft=false",), False),
+                                               (("loader.draft=true",), True)])
+def test_auto_falling_back_to_simplejpeg_pairs_it_with_draft_unless_told(monkeypatch, override,
+                                                                        draft):
+    """Without the region binding, loader.decoder=auto is simplejpeg with draft; a draft
+    the user sets is kept (an explicit false is not turned on)."""
+    from runner.data.storage import decode
+
+    def unbuilt() -> None:
+        raise decode.DecoderUnavailable("no binding here")
+
+    monkeypatch.setitem(decode.DECODERS, Decoder.region,
+                        decode.DecoderKind(Decoder.region, region=True, check=unbuilt))
+    config = to_config(compose_config(*override))
+    assert (config.loader.decoder, config.loader.draft) == (Decoder.simplejpeg, draft)
+
+
+@pytest.mark.parametrize("decoder", ["pil", "region"])
+def test_draft_left_unset_is_off_for_a_decoder_the_user_names(decoder):
+    if not DECODERS[Decoder(decoder)].available():
+        pytest.skip(f"loader.decoder={decoder} is not built here")
+    config = to_config(compose_config(f"loader.decoder={decoder}"))
+    assert config.loader.draft is False
+    assert to_config(compose_config("loader=memmap")).loader.draft is False
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

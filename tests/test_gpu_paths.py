@@ -46,6 +46,31 @@ def test_batched_augmentation_matches_a_per_image_reference():
     assert len({(int(a), int(b)) for a, b in zip(boxes.height, boxes.width)}) > 8
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("size", [(375, 500), (3000, 4000)])
+def test_batched_boxes_are_the_decoders_boxes_pixel_for_pixel(size, device):
+    """The device's batched boxes (memmap/ram random crops on a GPU) are the integer windows
+    the decoders cut for the same seeds (``random_box`` + ``pixel_window``): float64 like
+    them, so no box rounds to a neighbouring pixel (in float32, 1 and 6 of these 20,000
+    boxes did)."""
+    from runner.data.storage.decode import pixel_window, random_box
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    h, w = size
+    aug = BatchAugment((24, 24))
+    draws = aug.draws(list(range(20_000)))
+    on_device = {k: v.to(device) for k, v in draws.items()}
+    boxes = aug.boxes(20_000, h, w, torch.device(device), draws=on_device)
+    got = torch.stack([boxes.top, boxes.left, boxes.height, boxes.width], 1).long().tolist()
+    want, flips = [], []
+    for u in draws["crop_uniforms"].tolist():
+        box, flip = random_box(h, w, u)
+        want.append(list(pixel_window(box, h, w)))
+        flips.append(flip)
+    assert got == want and boxes.flip.tolist() == flips
+
+
 def test_augmentation_draws_on_the_device_with_no_host_round_trip(monkeypatch):
     aug = BatchAugment((24, 24))
     calls = []

@@ -103,10 +103,13 @@ class BatchAugment:
         """``random_box`` (runner/data/storage/decode.py) for ``n`` images at once:
         ``ATTEMPTS`` tries each, the first that fits, else the whole image clipped to the
         ratio range; continuous, as there. ``draws`` (``BatchAugment.draws``, on
-        ``device``) replace the device's own random numbers."""
+        ``device``) replace the device's own random numbers. Worked out in float64, as
+        ``random_box`` is (a float32 box could round to a pixel another storage does not
+        cut for the same seed; n values, so the cost is nothing even on a GPU's slow
+        float64), and handed to ``apply`` in float32."""
         u = draws["crop_uniforms"] if draws is not None else torch.rand(
-            n, CROP_UNIFORMS, device=device, generator=generator)
-        u = u.to(torch.float32)
+            n, CROP_UNIFORMS, device=device, generator=generator, dtype=torch.float64)
+        u = u.to(torch.float64)
         scale, (lo, hi) = self.scale, (math.log(self.ratio[0]), math.log(self.ratio[1]))
         target = (h * w) * (scale[0] + u[:, :ATTEMPTS] * (scale[1] - scale[0]))
         aspect = torch.exp(lo + u[:, ATTEMPTS : 2 * ATTEMPTS] * (hi - lo))
@@ -125,7 +128,7 @@ class BatchAugment:
         top, left = torch.round(top), torch.round(left)
         ch = torch.clamp(torch.minimum(torch.round(ch), h - top), min=1)
         cw = torch.clamp(torch.minimum(torch.round(cw), w - left), min=1)
-        return Boxes(top, left, ch, cw, place[:, 2] < 0.5)
+        return Boxes(*(v.to(torch.float32) for v in (top, left, ch, cw)), place[:, 2] < 0.5)
 
     def apply(self, images: torch.Tensor, boxes: Boxes) -> torch.Tensor:
         """Crop, resize and flip every image by its box, in one grid_sample."""

@@ -53,10 +53,12 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
 
 def check_loader(loader: LoaderConfig) -> None:
     """``loader.decoder=auto`` made the decoder it runs (so the run's config and metrics name
-    it); a ConfigError naming the fix when ``loader.decoder`` is not one ``loader=`` takes."""
-    if loader.decoder is Decoder.auto:
-        loader.decoder = concrete_decoder(loader.decoder)
-        loader.draft = loader.draft or loader.decoder is Decoder.simplejpeg
+    it), an unset ``loader.draft`` made true or false; a ConfigError naming the fix when
+    ``loader.decoder`` is not one ``loader=`` takes."""
+    auto = loader.decoder is Decoder.auto
+    loader.decoder = concrete_decoder(loader.decoder)
+    if loader.draft is None:  # unset: what auto's simplejpeg fallback is paired with
+        loader.draft = auto and loader.decoder is Decoder.simplejpeg
     kind = STORAGES[loader.name]
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from runner import timeline
+from runner.config import DatasetConfig
 from runner.data.order import split_padding, unpad
 from runner.data.storage.base import (
     Probe,
@@ -138,6 +139,14 @@ class DecodedStorage(Dataset):
     @staticmethod
     def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return stack_images(images)
+
+    def serving(self, dataset: DatasetConfig) -> DecodedStorage:
+        """This store for a run of ``dataset``: what the model gets (``image_size``) and the
+        share of the stored shorter side its centre crop keeps (``crop_fraction``), for a
+        store larger than that (``dataset.store_size``)."""
+        self.output_size = tuple(int(v) for v in dataset.image_size)
+        self.crop_fraction = float(dataset.crop_fraction)
+        return self
 
     def example(self, n: int) -> torch.Tensor:
         """``n`` images as the model gets them (center crops of a larger store)."""

@@ -130,7 +130,7 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Mem
     picked = [f"dataset.path={source}",
               f"dataset.image_size=[{','.join(str(int(v)) for v in dataset.image_size)}]",
               f"loader.decoder={loader.decoder.value}",
-              f"loader.draft={str(loader.draft).lower()}"]
+              f"loader.draft={str(bool(loader.draft)).lower()}"]
     if dataset.store_size is not None:
         picked += [f"dataset.store_size={dataset.store_size}",
                    f"dataset.store_side={dataset.store_side.value}"]
@@ -140,7 +140,7 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Mem
     fraction = stored_fraction(dataset)
     if fraction != 1.0:
         picked.append(f"dataset.crop_fraction={fraction:g}")
-    return MemmapSpec(source, stored_size(dataset), loader.decoder.value, loader.draft,
+    return MemmapSpec(source, stored_size(dataset), loader.decoder.value, bool(loader.draft),
                       selected_by=tuple(picked), whole=whole, fraction=fraction)
 
 
@@ -190,8 +190,7 @@ def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     one)."""
     folder = decoding_folder(loader, dataset, path, progress)
     return open_cache(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                      progress, output_size=tuple(dataset.image_size),
-                      crop_fraction=dataset.crop_fraction)
+                      progress).serving(dataset)
 
 
 def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
@@ -203,18 +202,15 @@ def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 
 
 def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
-               progress: bool = True, output_size: tuple[int, int] | None = None,
-               crop_fraction: float = 1.0) -> DecodedStorage:
+               progress: bool = True) -> DecodedStorage:
     """The memmap store of ``folder`` as a storage (converted first if there is no valid
-    one); ``output_size``: what the model gets, when the store is larger, its centre crop
-    ``crop_fraction`` of the stored shorter side."""
+    one)."""
     cache, meta = ensure_cache(folder, spec, cache_root, progress)
     storage = DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
                              skipped=skipped_files(meta), classes=folder.classes,
                              names=folder.names(), root=folder.root,
                              files=[str(cache / IMAGES)],
                              reopen=lambda: open_images(cache, meta))
-    storage.output_size, storage.crop_fraction = output_size, crop_fraction
     return storage
 
 

@@ -90,11 +90,8 @@ def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The folder at ``path`` decoded once into memory (read from its memmap store if
     valid)."""
     folder = decoding_folder(loader, dataset, path, progress)
-    storage = load_ram(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                       progress)
-    storage.output_size = tuple(dataset.image_size)
-    storage.crop_fraction = dataset.crop_fraction
-    return storage
+    return load_ram(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
+                    progress).serving(dataset)
 
 
 def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
