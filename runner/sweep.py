@@ -164,6 +164,11 @@ def _available_decoders(gpu: bool) -> list[str]:
 def _value(cfg: DictConfig, key: str) -> Any:
     """The config's value for an autotune knob (``loader`` is ``loader.name``), plain."""
     value = OmegaConf.select(cfg, key if "." in key else f"{key}.name")
+    if key == "loader.draft" and value is None:  # unset: what the config check makes it
+        from runner.config import Decoder
+        from runner.data.storage import unset_draft
+
+        return unset_draft(Decoder(_value(cfg, "loader.decoder")))
     return value.value if hasattr(value, "value") else value
 
 

@@ -336,6 +336,28 @@ def test_autotune_searches_what_this_machine_runs_and_starts_from_the_config_as_
     assert seen == {"folder", "packed", "memmap", "ram"}
 
 
+@pytest.mark.parametrize("decoder", ["simplejpeg", "pil", "auto"])
+def test_autotunes_first_trial_takes_an_unset_draft_as_the_run_would(monkeypatch, decoder):
+    """loader.draft left unset (folder's default) is a value in trial 0's fixed parameters:
+    what the config check makes it (auto without the region binding: simplejpeg with draft)."""
+    optuna = pytest.importorskip("optuna")
+    from runner.config import Decoder
+    from runner.data.storage import decode
+    from runner.sweep import autotune_space
+    from tests.conftest import compose_config
+
+    def unbuilt() -> None:
+        raise decode.DecoderUnavailable("no binding here")
+
+    monkeypatch.setitem(decode.DECODERS, Decoder.region,
+                        decode.DecoderKind(Decoder.region, region=True, check=unbuilt))
+    cfg = compose_config("sweep=autotune", f"loader.decoder={decoder}", hydra=True)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(0))
+    first = study.ask()
+    autotune_space(cfg, first)
+    assert first.params["loader.draft"] is (decoder == "auto")
+
+
 @pytest.mark.slow
 def test_any_hydra_sweeper_can_optimize_the_runner(tmp_path: Path, cache_dir: Path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
@@ -431,7 +453,7 @@ def test_an_autotune_stopped_by_ctrl_c_mid_trial_continues_where_it_stopped(tmp_
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)  # Ctrl-C during trial 1
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "continue with: python -m runner -m" in out
+    assert proc.returncode == 130 and "continue with: python -m runner -m" in out, out[-3000:]
     assert (tmp_path / "sweep" / "best.yaml").is_file()  # trial 0's answer, kept
     run_cli(*command[3:], cwd=tmp_path)
     study = optuna.load_study(study_name="autotune",

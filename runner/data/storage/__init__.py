@@ -51,14 +51,19 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 
 
+def unset_draft(decoder: Decoder) -> bool:
+    """What an unset ``loader.draft`` means with ``loader.decoder=decoder``: on only where
+    ``auto`` falls back to simplejpeg (the pair auto stands for), off for a decoder named."""
+    return decoder is Decoder.auto and concrete_decoder(decoder) is Decoder.simplejpeg
+
+
 def check_loader(loader: LoaderConfig) -> None:
     """``loader.decoder=auto`` made the decoder it runs (so the run's config and metrics name
     it), an unset ``loader.draft`` made true or false; a ConfigError naming the fix when
     ``loader.decoder`` is not one ``loader=`` takes."""
-    auto = loader.decoder is Decoder.auto
+    if loader.draft is None:
+        loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
-    if loader.draft is None:  # unset: what auto's simplejpeg fallback is paired with
-        loader.draft = auto and loader.decoder is Decoder.simplejpeg
     kind = STORAGES[loader.name]
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))
