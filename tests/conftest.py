@@ -80,6 +80,20 @@ def cache_dir(tmp_path: Path, monkeypatch) -> Path:
     return path
 
 
+@pytest.fixture
+def no_region_binding(monkeypatch) -> None:
+    """The region decoder as on a machine where its libjpeg binding is not built
+    (loader.decoder=auto then falls back to simplejpeg)."""
+    from runner.config import Decoder
+    from runner.data.storage import decode
+
+    def unbuilt() -> None:
+        raise decode.DecoderUnavailable("no binding here")
+
+    monkeypatch.setitem(decode.DECODERS, Decoder.region,
+                        decode.DecoderKind(Decoder.region, region=True, check=unbuilt))
+
+
 def run_cli(*overrides: str, cwd: Path, env: dict[str, str] | None = None,
             check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m runner`` in a subprocess, as a user runs it."""

@@ -177,17 +177,10 @@ def test_defaults_are_the_small_cpu_job():
 
 @pytest.mark.parametrize(("override", "draft"), [((), True), (("loader.draft=false",), False),
                                                (("loader.draft=true",), True)])
-def test_auto_falling_back_to_simplejpeg_pairs_it_with_draft_unless_told(monkeypatch, override,
-                                                                        draft):
+def test_auto_falling_back_to_simplejpeg_pairs_it_with_draft_unless_told(no_region_binding,
+                                                                        override, draft):
     """Without the region binding, loader.decoder=auto is simplejpeg with draft; a draft
     the user sets is kept (an explicit false is not turned on)."""
-    from runner.data.storage import decode
-
-    def unbuilt() -> None:
-        raise decode.DecoderUnavailable("no binding here")
-
-    monkeypatch.setitem(decode.DECODERS, Decoder.region,
-                        decode.DecoderKind(Decoder.region, region=True, check=unbuilt))
     config = to_config(compose_config(*override))
     assert (config.loader.decoder, config.loader.draft) == (Decoder.simplejpeg, draft)
 

@@ -337,20 +337,14 @@ def test_autotune_searches_what_this_machine_runs_and_starts_from_the_config_as_
 
 
 @pytest.mark.parametrize("decoder", ["simplejpeg", "pil", "auto"])
-def test_autotunes_first_trial_takes_an_unset_draft_as_the_run_would(monkeypatch, decoder):
+def test_autotunes_first_trial_takes_an_unset_draft_as_the_run_would(no_region_binding,
+                                                                      decoder):
     """loader.draft left unset (folder's default) is a value in trial 0's fixed parameters:
     what the config check makes it (auto without the region binding: simplejpeg with draft)."""
     optuna = pytest.importorskip("optuna")
-    from runner.config import Decoder
-    from runner.data.storage import decode
     from runner.sweep import autotune_space
     from tests.conftest import compose_config
 
-    def unbuilt() -> None:
-        raise decode.DecoderUnavailable("no binding here")
-
-    monkeypatch.setitem(decode.DECODERS, Decoder.region,
-                        decode.DecoderKind(Decoder.region, region=True, check=unbuilt))
     cfg = compose_config("sweep=autotune", f"loader.decoder={decoder}", hydra=True)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(0))
     first = study.ask()

@@ -108,7 +108,7 @@ class BatchAugment:
         cut for the same seed; n values, so the cost is nothing even on a GPU's slow
         float64), and handed to ``apply`` in float32."""
         u = draws["crop_uniforms"] if draws is not None else torch.rand(
-            n, CROP_UNIFORMS, device=device, generator=generator, dtype=torch.float64)
+            n, CROP_UNIFORMS, device=device, generator=generator)
         u = u.to(torch.float64)
         scale, (lo, hi) = self.scale, (math.log(self.ratio[0]), math.log(self.ratio[1]))
         target = (h * w) * (scale[0] + u[:, :ATTEMPTS] * (scale[1] - scale[0]))
