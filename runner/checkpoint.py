@@ -3,8 +3,13 @@
 A checkpoint holds the network's state_dict (``model``: the network alone, without the
 runner's uint8 input layer, so ``model.weights=PATH`` loads it into the same network
 anywhere), the optimizer's and the GradScaler's state, the epochs and steps done, the
-last losses and the run's config. It is written whole to a temporary name and renamed:
-a kill mid-write leaves the previous checkpoint, never half of one.
+last losses and the run's config, and the random states of the process that wrote it:
+the CPU generator's and its own CUDA device's (one GPU per rank), kept under its rank, so
+a resume restores them only in the same rank of a world of the same size, on whatever
+device that rank now drives (a node with fewer GPUs included). Under torch.distributed
+rank 0 alone writes it: the other ranks go on from their own seeds. It is written whole to
+a temporary name and renamed: a kill mid-write leaves the previous checkpoint, never half
+of one.
 """
 
 from __future__ import annotations
@@ -54,9 +59,11 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         # their gradients (as the GradScaler scaled them), so a stop mid-accumulation
         # resumes the same optimizer step
         "grads": [p.grad for p in step.model.parameters()] if step.micro else None,
-        # the random state dropout and stochastic depth draw from (this process's: under
-        # torchrun, rank 0's; the other ranks reseed)
-        "rng": rng_state(),
+        # ... this rank's alone, under DDP (accumulated under no_sync, not all-reduced)
+        "local_grads": bool(step.micro and getattr(step, "local_grads", False)),
+        # the random states dropout and stochastic depth draw from (this process's, under
+        # its rank: under torchrun, rank 0's; the other ranks go on from their own seeds)
+        "rng": rng_state(_device_of(step.model)),
         "epoch": epoch,
         "steps": steps,
         "losses": losses,
@@ -244,25 +251,69 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
     return state
 
 
-def rng_state() -> dict[str, Any]:
-    """torch's random states: the CPU generator's, and each CUDA device's."""
-    state = {"cpu": torch.get_rng_state()}
+def _device_of(model: nn.Module) -> torch.device | None:
+    return next((p.device for p in network(model).parameters()), None)
+
+
+def _rank_world() -> tuple[int, int]:
+    """This process's rank and the world's size (0 of 1 without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _cuda_index(device: torch.device | None) -> int:
+    """The run's CUDA device: ``device``'s, else the current one (pick_device sets it)."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's random states, under its rank: the CPU generator's and, once CUDA is
+    in use, the run's CUDA device's (``device``; default the current one) alone, not every
+    visible GPU's."""
+    rank, world = _rank_world()
+    state: dict[str, Any] = {"rank": rank, "world": world, "cpu": {rank: torch.get_rng_state()}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = {rank: torch.cuda.get_rng_state(_cuda_index(device))}
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
     """The random states a checkpoint saved, set again right before the loop goes on, so
-    a resumed run draws what the uninterrupted one drew (dropout, stochastic depth)."""
+    a resumed run draws what the uninterrupted one drew (dropout, stochastic depth): this
+    rank's own, in a world of the same size, its CUDA state on the run's CUDA device
+    (``device``; default the current one). A rank whose state the checkpoint lacks (under
+    torchrun rank 0 alone writes it), or a world of another size, keeps its own seed's."""
     saved = state.get("rng")
     if not saved:
         log.warning("the checkpoint holds no random state (written by an older runner): "
                     "dropout draws after the resume differ from an uninterrupted run's")
         return
-    torch.set_rng_state(saved["cpu"])
-    if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
+    if "rank" not in saved:  # an older runner's: one process's, every device's CUDA state
+        torch.set_rng_state(saved["cpu"])
+        cuda = saved.get("cuda")
+        if cuda and torch.cuda.is_available():  # this device's, else the first
+            index = _cuda_index(device)
+            torch.cuda.set_rng_state(cuda[index] if index < len(cuda) else cuda[0], index)
+        return
+    rank, world = _rank_world()
+    if saved["world"] != world:
+        log.warning("the checkpoint's random states are those of %d process(es), this run "
+                    "has %d: each rank draws from its own seed, so dropout after the resume "
+                    "differs from an uninterrupted run's", saved["world"], world)
+        return
+    cpu, cuda = saved["cpu"].get(rank), (saved.get("cuda") or {}).get(rank)
+    if cpu is None:
+        log.info("rank %d draws from its own seed: the checkpoint holds rank %d's random "
+                 "states only", rank, saved["rank"])
+        return
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda, _cuda_index(device))
 
 
 def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
@@ -301,6 +352,10 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
         for p, grad in zip(step.model.parameters(), state["grads"]):
             p.grad = None if grad is None else grad.to(p.device)
         step.micro = int(state["micro"])
+        if state.get("local_grads"):
+            log.warning("the checkpoint stopped mid-accumulation under DDP: the gradients "
+                        "it holds are rank 0's alone (not all-reduced yet), so the first "
+                        "optimizer step after the resume takes them for every rank's")
     log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,
              f"{state['epoch']:g}", state.get("steps", 0),
              (state.get("losses") or {}).get("loss_last"))

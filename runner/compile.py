@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from runner.amp import DTYPES, autocast
 from runner.config import (
@@ -178,8 +179,11 @@ class _HeadThenEngine(nn.Module):
         self.head.train(mode)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.engine(self.head(x).to(self.dtype)).float()
+    def forward(self, x: torch.Tensor) -> Any:
+        # a segmentation network's engine gives a dict ({"out": ..., "aux": ...}): every
+        # tensor of the output is read back in float32, whatever its container
+        return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) else t,
+                        self.engine(self.head(x).to(self.dtype)))
 
 
 def _engine_key(backbone: nn.Module, shape, dtype, cfg: CompileConfig) -> str:

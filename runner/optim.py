@@ -11,10 +11,16 @@
   ``task.warmup_steps`` optimizer steps (or ``task.warmup_epochs``' worth), stepped once per
   optimizer step over the whole plan (``run.epochs`` or ``run.steps``, a resumed run's
   steps included): torch.optim.lr_scheduler's, chained with SequentialLR.
-- **EMA** (``task.ema_decay``): torch.optim.swa_utils.AveragedModel over the network's
-  parameters and buffers, updated on the device after each optimizer step with a decay
-  warmed up as ``min(decay, (1 + n) / (10 + n))`` (n: updates so far, counted on the host,
-  so no sync), as timm's ModelEmaV2 and TF's ExponentialMovingAverage do.
+- **EMA** (``task.ema_decay``): an averaged copy of the network (``Ema.model.module``: its
+  parameters and buffers), updated on the device after each optimizer step by foreach
+  kernels, one per dtype (floating tensors lerped toward the network's, integer buffers
+  such as batch norm's count copied), with a decay warmed up as
+  ``min(decay, (1 + n) / (10 + n))`` (n: updates so far, counted on the host; the first
+  update copies), as timm's ModelEmaV2 and TF's ExponentialMovingAverage do. Not
+  torch.optim.swa_utils.AveragedModel: built without ``device``, it keeps its update count
+  ``n_averaged`` as a CPU buffer that every update compares and copies to the network's
+  device, a blocking copy per optimizer step on CUDA. An update here reads nothing back
+  and makes no tensor: the decay is a host float handed to the kernel.
 
 Gradient accumulation (``task.accumulate``), clipping (``task.clip_grad_norm``, after the
 GradScaler unscales) and label smoothing live in runner/task.py's TrainStep.
@@ -22,6 +28,7 @@ GradScaler unscales) and label smoothing live in runner/task.py's TrainStep.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any
@@ -140,36 +147,71 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_upda
     return sched.SequentialLR(optimizer, [ramp, main], milestones=[warmup])
 
 
+class AveragedNetwork(nn.Module):
+    """The EMA's averaged copy of a network (``module``), called like it; its state_dict's
+    keys are ``module.<name>``, as AveragedModel's were (without ``n_averaged``)."""
+
+    def __init__(self, network: nn.Module):
+        super().__init__()
+        self.module = copy.deepcopy(network)
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def averaged_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """What an EMA averages, in a fixed order: every parameter, then every buffer."""
+    return [*module.parameters(), *module.buffers()]
+
+
 class Ema:
-    """An exponential moving average of a network's weights (AveragedModel), its decay
-    warmed up from 0 by a host-side count of its updates."""
+    """An exponential moving average of a network's weights and buffers (``model``, an
+    ``AveragedNetwork``), its decay warmed up from 0 by a host-side count of its updates.
+
+    An update is one foreach kernel per device and dtype, whatever the number of tensors:
+    nothing is read back from the device, moved to it or created on the host.
+    """
 
     def __init__(self, network: nn.Module, decay: float):
-        from torch.optim.swa_utils import AveragedModel
-
         self.decay, self.updates = decay, 0
-        self.model = AveragedModel(network, multi_avg_fn=self._average, use_buffers=True)
+        self.model = AveragedNetwork(network)
 
     def current_decay(self) -> float:
         n = self.updates
         return min(self.decay, (1 + n) / (10 + n))
 
-    def _average(self, ema: list[torch.Tensor], current: list[torch.Tensor], _n: Any) -> None:
-        decay = self.current_decay()
-        if ema[0].is_floating_point():
-            torch._foreach_lerp_(ema, current, 1 - decay)
-        else:  # an integer buffer (batch norm's count): a count, not a weight: copied
-            torch._foreach_copy_(ema, current)
-
+    @torch.no_grad()
     def update(self, network: nn.Module) -> None:
-        self.model.update_parameters(network)
+        """Average ``network``'s current parameters and buffers in (the first update copies
+        them); the decay is a host float, so nothing syncs."""
+        ema, current = averaged_tensors(self.model.module), averaged_tensors(network)
+        if len(current) != len(ema):
+            raise ValueError(f"the EMA averages {len(ema)} tensors, the network has "
+                             f"{len(current)}: not the network it was made from")
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
+        for e, c in zip(ema, current):
+            mine, theirs = groups.setdefault((e.device, e.dtype), ([], []))
+            mine.append(e)
+            theirs.append(c)
+        weight = 1.0 - self.current_decay()
+        for (_, dtype), (mine, theirs) in groups.items():
+            if self.updates > 0 and (dtype.is_floating_point or dtype.is_complex):
+                torch._foreach_lerp_(mine, theirs, weight)
+            else:  # the first update, or a count (not a weight): copied
+                torch._foreach_copy_(mine, theirs)
         self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        """This EMA's state, or an older runner's (AveragedModel's: ``module.<name>`` keys
+        and an ``n_averaged`` count, which ``updates`` repeats)."""
+        saved = dict(state["model"])
+        saved.pop("n_averaged", None)
+        self.model.load_state_dict(saved)
         self.updates = int(state["updates"])
 
 

@@ -53,6 +53,7 @@ from torch import nn
 from runner.atomic import write_json
 from runner.config import ConfigError, ModelConfig, Output, TaskConfig
 from runner.data.storage.listing import printable
+from runner.data.threads import bind_cuda, cuda_index
 from runner.model import main_output
 from runner.predictions import HEADER, csv_rows, join_csv, rank_file
 
@@ -335,7 +336,12 @@ class Outputs:
     def __init__(self, writers: dict[str, ModelWriter], threads: int = 2,
                  max_pending: int = 16, device: torch.device | None = None):
         self.writers = writers
-        self.pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="outputs")
+        # each writer thread binds to the run's GPU before it waits on a copy's event:
+        # under torchrun on several GPUs a thread left on device 0 opens a context there
+        cuda = device is not None and device.type == "cuda"
+        self.pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="outputs",
+                                       initializer=bind_cuda,
+                                       initargs=(cuda_index(device) if cuda else None,))
         self.slots = threading.Semaphore(max_pending)
         self.pin = device is not None and device.type == "cuda"
         self.futures: list[Future] = []

@@ -6,6 +6,7 @@ log points (where the loop has already synchronized) and returns the figures to 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from runner.config import (
     AugmentConfig,
     Config,
     Crop,
+    Output,
     PageCache,
     PrefetchConfig,
     PrefetchName,
@@ -52,6 +54,11 @@ class TrainStep:
     with its learning-rate schedule and the EMA's update (runner/optim.py); losses stay on
     the device until read.
 
+    Under DistributedDataParallel the gradients are all-reduced once per optimizer step:
+    each batch runs (forward and backward) under the DDP model's ``no_sync()`` except an
+    accumulation's last, which the optimizer step follows, and the run's last, whose
+    partial accumulation ``close`` applies.
+
     Args:
         model: the network (its first layer takes uint8).
         cfg: the task's optimizer, schedule and the rest.
@@ -81,7 +88,13 @@ class TrainStep:
         self.autocast = lambda: autocast(amp, device)
         self.scaler = grad_scaler(amp, device)
         self.losses = torch.zeros(max(total_steps, 1), device=device)
+        self.total_steps = total_steps
         self.steps = 0
+        # DDP's (also behind torch.compile): gradients kept local, not all-reduced
+        self._no_sync = getattr(getattr(model, "_orig_mod", model), "no_sync", None)
+        # the gradients waiting for an optimizer step are this rank's alone (accumulated
+        # under no_sync, not all-reduced yet): a checkpoint says so
+        self.local_grads = False
         self.micro = 0  # batches whose gradients wait for the next optimizer step
         self._read = 0  # losses before this index were already read
         # what a recipe costs: the optimizer step (clipping included) and the EMA update,
@@ -92,18 +105,29 @@ class TrainStep:
         self._updates = 0
 
     def __call__(self, batch: TensorDict) -> None:
-        with self.autocast():
-            logits = self.model(batch["image"])
-        loss = self.loss(logits.float(), batch)
-        if self.micro == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss / self.cfg.accumulate).backward()
+        local = self._keeps_gradients_local()
+        # DDP decides at the forward whether the backward all-reduces: both inside
+        with self._no_sync() if local else contextlib.nullcontext():
+            with self.autocast():
+                logits = self.model(batch["image"])
+            loss = self.loss(logits.float(), batch)
+            if self.micro == 0:
+                self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss / self.cfg.accumulate).backward()
+        self.local_grads = local
         self.micro += 1
         if self.micro == self.cfg.accumulate:
             self.update()
         if self.steps < len(self.losses):
             self.losses[self.steps] = loss.detach()  # stays on the device: no sync
         self.steps += 1
+
+    def _keeps_gradients_local(self) -> bool:
+        """Whether this batch's backward skips DDP's all-reduce: a DDP model, and neither
+        the accumulation's last batch (the optimizer step follows) nor the run's last (its
+        partial accumulation is applied at ``close``)."""
+        return (self._no_sync is not None and self.micro + 1 < self.cfg.accumulate
+                and self.steps + 1 < self.total_steps)
 
     def loss(self, logits: torch.Tensor, batch: TensorDict) -> torch.Tensor:
         """Cross-entropy (label smoothing); a mixed image's is ``(1 - mix) * CE(label) +
@@ -225,8 +249,13 @@ class InferStep:
                  amp: AmpConfig | None = None, device: torch.device | None = None,
                  first_step: int = 0):
         self.models = {name: m.eval() for name, m in models.items()}
-        self.reducers = reducers if reducers is not None else {
-            name: Reduce(cfg, None) for name in models}
+        if reducers is None:  # the forward timed with its reduction, nothing to write
+            # (the verdict's probe): without the eager network there is no layer to tap
+            # for embeddings, and no writer to take them
+            kept = [o for o in cfg.outputs if o is not Output.embeddings]
+            reducers = {name: Reduce(dataclasses.replace(cfg, outputs=kept), None)
+                        for name in models}
+        self.reducers = reducers
         self.outputs = outputs
         self.device = device or torch.device("cpu")
         amp = amp or AmpConfig(AmpName.off)

@@ -29,6 +29,8 @@ from tensordict import TensorDict
 from runner.config import PrefetchConfig, PrefetchName
 from runner.data.order import count_images
 from runner.data.threads import (
+    bind_cuda,
+    cuda_index,
     main_thread_count,
     one_core_for_this_thread,
     restore_thread_count,
@@ -168,13 +170,14 @@ class CudaStreamPrefetcher:
         self.device = device
         self.depth = depth
         self.stream = torch.cuda.Stream(device=device)  # once per prefetcher, not per epoch
+        self.index = cuda_index(device)  # the prefetch thread binds to it
         self._copy_events: collections.deque = collections.deque()
         self._copy_seconds = 0.0
         self._images = 0
 
     def _copies(self, compute: torch.cuda.Stream) -> Iterator[tuple[TensorDict, Any, int]]:
         """Runs on the prefetch thread: each batch gathered, then copied on the side stream."""
-        torch.cuda.set_device(self.device)
+        bind_cuda(self.index)
         batches = iter(self.source)
         while True:
             start = torch.cuda.Event(enable_timing=True)
@@ -182,17 +185,20 @@ class CudaStreamPrefetcher:
             with torch.cuda.stream(self.stream):
                 # The source is advanced on the side stream too: its own GPU work (nvjpeg's
                 # decode and crops, DALI's copy into torch tensors, made on the current
-                # stream) then overlaps the step instead of queueing on the compute stream,
-                # and the copy time counts it. No wait for the compute stream here: that
-                # would queue each copy behind the step before it (no overlap at depth 1).
-                # Memory is safe without it: every tensor that crosses to the compute
-                # stream is record_stream-ed there (``__iter__``), so the allocator does not
-                # hand its block to a later copy until the compute work that reads it ends.
-                start.record(self.stream)
+                # stream) then overlaps the step instead of queueing on the compute stream.
+                # No wait for the compute stream here: that would queue each copy behind
+                # the step before it (no overlap at depth 1). Memory is safe without it:
+                # every tensor that crosses to the compute stream is record_stream-ed there
+                # (``__iter__``), so the allocator does not hand its block to a later copy
+                # until the compute work that reads it ends.
                 batch = next(batches, None)
                 if batch is None:
                     return
                 images = count_images(batch)  # on the host (nvjpeg keeps "valid" there)
+                # recorded after the host's gather: an event recorded on an idle stream
+                # completes at once, so one recorded before ``next`` would time the gather
+                # on the host as if it were the copy
+                start.record(self.stream)
                 moved = batch.to(self.device, non_blocking=True)
                 done.record(self.stream)
             yield moved, (start, done), images

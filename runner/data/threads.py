@@ -43,6 +43,20 @@ def one_core_for_this_thread() -> None:
         torch.set_num_threads(1)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device: an index-less ``cuda`` is the current device of the
+    thread that asks (ask on the main thread, before helper threads start)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def bind_cuda(index: int | None) -> None:
+    """Make CUDA device ``index`` this helper thread's current device (None: nothing to
+    bind). A new thread starts on device 0: without this, a thread that launches copies or
+    records events under torchrun on several GPUs would open a context on GPU 0."""
+    if index is not None:
+        torch.cuda.set_device(index)  # an int: torch refuses an index-less device here
+
+
 def main_thread_count() -> int:
     """The main thread's intra-op thread count, fixed now (before helper threads start and
     change the default they copy); hand it to ``restore_thread_count`` afterwards."""

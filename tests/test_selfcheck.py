@@ -1,0 +1,134 @@
+"""``python -m runner.selfcheck``: what it says without a GPU, what it refuses, and its rows'
+code run on the CPU (their speed claims mean nothing there; their code paths do)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import runner.selfcheck as selfcheck
+from runner.selfcheck import CHECKS, Row, main
+
+ROOT = Path(__file__).resolve().parent.parent
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="checks the behaviour without CUDA")
+
+
+def quick_ddp(monkeypatch) -> list[str]:
+    """The one row that runs without CUDA, replaced by a quick one that records its call
+    (its own torchrun run is exercised by tests/test_distributed.py)."""
+    ran: list[str] = []
+    for check in CHECKS:
+        if check.name == "ddp":
+            monkeypatch.setattr(check, "run", lambda a: ran.append("ddp") or [
+                Row("ddp row", True, "ran")])
+    return ran
+
+
+@no_cuda
+def test_without_cuda_every_gpu_row_is_untested_and_listed_apart(monkeypatch, capsys):
+    ran = quick_ddp(monkeypatch)
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("runner.selfcheck certifies torch ")
+    assert "no CUDA device" in lines[0] and "pins torch==" in lines[0]
+    assert ran == ["ddp"]  # the rows that need no GPU still run
+    summary = next(line for line in lines if " passed, " in line)
+    assert summary.startswith("1 passed, 0 failed, ")
+    untested = out.split("untested here:")[1].splitlines()
+    gpu_rows = [c.name for c in CHECKS if c.cuda]
+    for name in gpu_rows:
+        assert any(line.startswith("UNTESTED") and f" {name} " in line for line in untested)
+    assert int(summary.split(", ")[2].split()[0]) == len(gpu_rows)
+
+
+def test_a_missing_package_is_named_once_with_the_rows_it_leaves_untested(monkeypatch,
+                                                                          capsys):
+    quick_ddp(monkeypatch)
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_tensorrt" else object())
+    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")  # every row may run: none is asked
+    main(["--only", "ddp"])
+    missing = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("missing:")]
+    assert missing == ["missing: torch_tensorrt (untested: tensorrt, tensorrt-job)"]
+
+
+def test_an_asked_row_that_cannot_run_fails(monkeypatch, capsys):
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_tensorrt" else object())
+    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")  # past the GPU's absence: the package
+    assert main(["--only", "tensorrt"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "torch_tensorrt not installed" in out
+
+
+def test_missing_project_dependencies_stop_it_with_one_line(monkeypatch, capsys):
+    real = selfcheck.importlib.util.find_spec
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensordict" else real(name, *a))
+    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")
+    assert main([]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("missing the project's dependencies tensordict:")
+
+
+def test_list_names_every_row_and_what_fails_it(capsys):
+    assert main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [c.name for c in CHECKS]
+    assert all(len(line) > 40 for line in lines)  # each says its claim
+
+
+@pytest.mark.slow
+def test_the_rows_code_runs_on_the_cpu(tmp_path: Path):
+    """The resume and infer rows end to end on the CPU (RUNNER_SELFCHECK_DEVICE=cpu):
+    their code paths work, and the resume row's claim holds there too."""
+    env = {**os.environ, "RUNNER_SELFCHECK_DEVICE": "cpu", "RUNNER_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "runner.selfcheck", "--only", "resume",
+                           "infer"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    out = proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    rows = out.split(" untested in ")[1].splitlines()[1:]
+    assert len(rows) == 3 and all(row.startswith("PASS") for row in rows), out
+
+
+def test_a_sync_says_whether_the_data_path_or_the_step_made_it_and_where(monkeypatch):
+    from runner.selfcheck import SyncError, _steps
+
+    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")
+    sync = "called a synchronizing CUDA operation"
+
+    class Batches:
+        def __iter__(self):
+            for k in range(20):
+                if k == 5:
+                    raise RuntimeError(sync)
+                yield k
+
+    with pytest.raises(SyncError, match=r"data path, .*test_selfcheck.py:\d+ \(__iter__\)"):
+        _steps(Batches(), lambda batch: None, 8, sync_check=True)
+
+    calls = []
+
+    def step(batch) -> None:
+        calls.append(batch)
+        if batch == 4:
+            raise RuntimeError(sync)
+
+    with pytest.raises(SyncError, match=r"step, .*test_selfcheck.py:\d+ \(step\)"):
+        _steps(list(range(20)), step, 8, sync_check=True)
+    assert len(calls) == 11  # the steps after the sync still ran
+
+    def other(batch) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):  # not a sync: raised as it is
+        _steps(list(range(20)), other, 8, sync_check=True)
