@@ -31,7 +31,7 @@ prints every row and what makes it fail, without running anything.
   an accumulation) resumed gives the weights an uninterrupted run gives.
 - **tensorrt**, **tensorrt-job**: ``compile=tensorrt`` fp16 >= 1.5x eager fp16, verified,
   and the engine reused; ``python -m runner task=infer compile=tensorrt`` run twice.
-- **dali**: ``loader=dali`` decodes on the GPU into the run's batches.
+- **dali-gpu**: ``loader=dali`` decodes on the GPU into the run's batches.
 - **ddp**: two ranks through the project's process group; NCCL needs two GPUs, so on one
   GPU the row says so and runs the ranks on gloo.
 
@@ -49,6 +49,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,21 @@ _events_ms = _ms
 def _sync() -> None:
     if on_cuda():
         torch.cuda.synchronize()
+
+
+def _loader(member: str) -> str:
+    """``loader=<name>`` for a StorageName member (the names live in the registry, not
+    here; the project is imported only when a row runs)."""
+    from runner.config import StorageName
+
+    return f"loader={getattr(StorageName, member.lower()).value}"
+
+
+def _gpu_decoder() -> str:
+    """The decoder that decodes on the GPU, by its registry record."""
+    from runner.data.storage.decode import DECODERS
+
+    return next(d for d, k in DECODERS.items() if k.cuda).value
 
 
 def _pipeline(*overrides: str):
@@ -235,7 +251,7 @@ RECIPES: list[tuple[str, list[str]]] = [
     ("task.augment.cutmix=1.0", ["task.augment.cutmix=1.0"]),
     ("task.augment mixup + cutmix, mix_prob 0.8",
      ["task.augment.mixup=0.2", "task.augment.cutmix=1.0", "task.augment.mix_prob=0.8"]),
-    ("loader=memmap dataset.crop=random (device crops)", ["dataset.crop=random"]),
+    ("memmap dataset.crop=random (device crops)", ["dataset.crop=random"]),
 ]
 
 
@@ -245,7 +261,8 @@ def check_sync(args: argparse.Namespace) -> list[Row]:
     model = "resnet18" if on_cuda() else "tiny"
     rows = []
     for what, overrides in RECIPES:
-        pipeline = _pipeline("loader=memmap", f"prefetch={'gpu' if on_cuda() else 'cpu'}",
+        pipeline = _pipeline(_loader("MEMMAP"),
+                             f"prefetch={'gpu' if on_cuda() else 'cpu'}",
                              "amp=bf16", f"model={model}", f"loader.batch_size={batch}",
                              f"dataset.image_size=[{size},{size}]", *overrides)
         try:
@@ -271,7 +288,7 @@ def check_prefetch(args: argparse.Namespace) -> list[Row]:
     alone: plain, channels_last, random crops; then channels_last against not."""
     size, batch = (args.size, args.batch_size) if on_cuda() else (64, 16)
     model = "resnet50" if on_cuda() else "tiny"
-    common = ["loader=memmap", f"prefetch={'gpu' if on_cuda() else 'cpu'}", "amp=bf16",
+    common = [_loader("MEMMAP"), f"prefetch={'gpu' if on_cuda() else 'cpu'}", "amp=bf16",
               f"model={model}", f"loader.batch_size={batch}",
               f"dataset.image_size=[{size},{size}]",
               # full batches only: the model alone is timed on one full batch
@@ -386,16 +403,17 @@ def check_nvjpeg(args: argparse.Namespace) -> list[Row]:
     for name, overrides in _fast_cpu_decoders():
         rates[name] = runner_rate(compose([*base, *overrides]), seconds, device)
     best = max(rates, key=rates.get)
-    gpu = runner_rate(compose([*base, "loader.decoder=nvjpeg"]), seconds, device)
+    gpu = runner_rate(compose([*base, f"loader.decoder={_gpu_decoder()}"]), seconds, device)
     shown = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(rates.items(), key=lambda kv: -kv[1]))
-    rows = [Row(f"loader.decoder=nvjpeg >= 5x the best CPU decoder, folder, {workers} workers",
+    rows = [Row(f"loader.decoder={_gpu_decoder()} >= 5x the best CPU decoder, folder, "
+                f"{workers} workers",
                 gpu >= 5 * rates[best], f"{gpu:,.0f} vs {best} {rates[best]:,.0f} img/s "
                                         f"({gpu / rates[best]:.2f}x); CPU: {shown}")]
     from runner.data.storage.decode import DECODERS, Decoder
 
     if not DECODERS[Decoder.region].available():
         rows.append(Row(f"{loader(PACKED)} decoder=nvjpeg vs on the CPU", None,
-                        "untested: loader=packed decodes on the CPU with the region decoder's "
+                        f"untested: {loader(PACKED)} decodes on the CPU with the region decoder's "
                         "binding, not built here (see the README's selfcheck section)"))
         return rows
     rows += check_packed_nvjpeg(batch, workers, seconds)
@@ -417,7 +435,7 @@ def check_packed_nvjpeg(batch: int, workers: int, seconds: float) -> list[Row]:
     if not on_cuda():
         base += ["dataset.num_images=64", "dataset.image_size=[64,64]",
                  "dataset.store_size=72"]
-    cpu, gpu = compose(base), compose([*base, "loader.decoder=nvjpeg"])
+    cpu, gpu = compose(base), compose([*base, f"loader.decoder={_gpu_decoder()}"])
     cpu_rate, gpu_rate = runner_rate(cpu, seconds, device), runner_rate(gpu, seconds, device)
     first = []
     for config in (cpu, gpu):  # one batch each: two workers start far sooner than a node's
@@ -593,7 +611,7 @@ def check_resume(args: argparse.Namespace) -> list[Row]:
 
 def check_dali(args: argparse.Namespace) -> list[Row]:
     """loader=dali decodes on the GPU: batches of the run's shape on the device."""
-    pipeline = _pipeline("loader=dali", "prefetch=none", "model=none",
+    pipeline = _pipeline(_loader("DALI"), "prefetch=none", "model=none",
                          f"loader.batch_size={min(args.batch_size, 64)}")
     try:
         start, images, shape = time.perf_counter(), 0, None
@@ -606,7 +624,7 @@ def check_dali(args: argparse.Namespace) -> list[Row]:
     finally:
         pipeline.close()
     ok = shape is not None and shape[1] == DEVICE and shape[0][1:] == (3, 224, 224)
-    return [Row("loader=dali decodes into device batches", ok,
+    return [Row(f"{_loader('DALI')} decodes into device batches", ok,
                 f"{images} images, batches {shape}, {rate:,.0f} img/s (first batches)")]
 
 def check_transfers(size: int, batch: int) -> list[Row]:
@@ -832,7 +850,7 @@ def check_pinned_storages(batch: int) -> list[Row]:
                   [loader(PACKED), "dataset.store_size=256"], [loader(MEMMAP)]):
         if extra[0] == loader(PACKED) and not DECODERS[Decoder.region].available():
             rows.append(Row(f"every batch pinned: {' '.join(extra)}", None, "untested: "
-                            "loader=packed needs the region decoder's binding, not built here"))
+                            f"{loader(PACKED)} needs the region decoder's binding, not built here"))
             continue
         config = compose([*extra, "model=none", "logger=none", "device=cuda", "prefetch=none",
                           f"loader.batch_size={batch}"])
@@ -983,7 +1001,7 @@ CHECKS: list[Check] = [
     Check("tensorrt-job", "python -m runner task=infer compile=tensorrt (fp16, bf16, both "
           "engine formats) runs, and its second run reuses the engine",
           lambda a: check_tensorrt_job(), packages=("torch_tensorrt",)),
-    Check("dali", "loader=dali decodes into device batches of the run's shape", check_dali,
+    Check("dali-gpu", "the DALI loader decodes into device batches of the run's shape", check_dali,
           packages=("nvidia.dali",)),
     Check("ddp", "2 ranks through the project's process group end with replicas in sync "
           "(NCCL on 2 GPUs; on fewer, gloo, and the row says NCCL is untested)",
@@ -1005,16 +1023,27 @@ def missing(check: Check) -> list[str]:
     return out
 
 
-# what the project imports beyond torch and torchvision (pyproject.toml's dependencies,
-# by module name): a node without them gets one line naming them, and the README's
-# wheelhouse brings them
-NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime",
-          "tensordict": "tensordict", "simplejpeg": "simplejpeg", "kornia": "kornia",
-          "PIL": "pillow", "numpy": "numpy", "filelock": "filelock", "tqdm": "tqdm"}
+# pyproject.toml's dependencies the selfcheck needs beyond torch and torchvision (wandb and
+# matplotlib are imported only by the logger and the report), by import name where it
+# differs; omegaconf's parser runtime beside them
+ODD_IMPORT_NAMES = {"hydra-core": "hydra", "pillow": "PIL"}
+NOT_NEEDED = {"wandb", "matplotlib"}
+
+
+def needed() -> dict[str, str]:
+    """import name -> distribution name of what a node must bring (the README's
+    wheelhouse): pyproject.toml's dependencies, and omegaconf's antlr4 runtime."""
+    text = (ROOT / "pyproject.toml").read_text() if (ROOT / "pyproject.toml").is_file() else ""
+    block = text.split("dependencies = [", 1)[-1].split("]", 1)[0]
+    names = [re.split(r"[<>=!~\[ ]", entry.strip())[0] for entry in re.findall(r'"([^"]+)"',
+                                                                               block)]
+    out = {ODD_IMPORT_NAMES.get(n, n): n for n in names
+           if n and n not in NOT_NEEDED and not n.startswith("torch")}
+    return {**out, "antlr4": "antlr4-python3-runtime"}
 
 
 def missing_dependencies() -> list[str]:
-    return [package for module, package in NEEDED.items()
+    return [package for module, package in needed().items()
             if importlib.util.find_spec(module) is None]
 
 
@@ -1062,12 +1091,14 @@ def pinned_torch() -> str:
 def header() -> str:
     import torchvision
 
+    from runner.data.threads import cores
+
     gpu = (f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, CUDA "
            f"{torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
            if torch.cuda.is_available() else "no CUDA device")
     return (f"runner.selfcheck certifies torch {torch.__version__} + torchvision "
             f"{torchvision.__version__} on {gpu}, Python {platform.python_version()}, "
-            f"{os.cpu_count()} cores (the project pins {pinned_torch()})")
+            f"{cores()} cores (the project pins {pinned_torch()})")
 
 
 def table(rows: list[Row]) -> str:
