@@ -200,6 +200,7 @@ def test_gpu_prefetch_advances_its_source_inside_the_side_stream(monkeypatch):
     monkeypatch.setattr(prefetch, "count_images", lambda batch: 4)
     prefetcher = object.__new__(prefetch.CudaStreamPrefetcher)
     prefetcher.source, prefetcher.device, prefetcher.stream = source(), "cuda", "side"
+    prefetcher.index = None  # the thread binds to no device (nothing real here)
     out = list(prefetcher._copies(None))
     assert len(out) == 3 and made == [True, True, True]
     assert all(start.recorded_inside and done.recorded_inside for _, (start, done), _ in out)
