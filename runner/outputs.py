@@ -6,16 +6,19 @@
   ``task.topk`` classes and probabilities per image; ``label_name`` is the dataset's class
   name, ``pred_name`` and ``topk_names`` the model's (``model.classes``, else the
   dataset's when the counts agree, else the index).
-- ``probs``, ``logits``, ``embeddings``: ``<model>.<output>.npy``, float32, one row per image in
-  dataset order (``numpy.load(path, mmap_mode="r")``), beside ``files.txt``, the images' names
-  in the same order. The rows of files that could not be decoded stay zero (the skipped
-  files are listed in metrics.json). Embeddings are the input of the classifier: timm's
+- ``probs``, ``logits``, ``embeddings``: ``<model>.<output>.npy``, float32, one row per
+  decoded image in dataset order (``numpy.load(path, mmap_mode="r")``), beside
+  ``files.txt``, their names in the same order: row i is line i. Files that could not be
+  decoded have neither a row nor a line (they are listed under ``skipped_files`` in
+  metrics.json). Embeddings are the input of the classifier: timm's
   ``get_classifier()``, otherwise the last ``nn.Linear`` of the network (torchvision's
   ``fc``, ``classifier[-1]``, ``heads.head``); or the output of ``task.embed_layer`` (a name
   from ``model.named_modules()``), feature maps averaged over their height and width.
 - ``masks``: segmentation models (torchvision's fcn, deeplabv3, lraspp): the class of each
-  pixel (argmax on the device), written as uint8 PNGs under ``masks/<model>/``, named like
-  the inputs, resized (nearest) to the source image's upright size. ``dataset.crop=whole``
+  pixel (argmax on the device), written as uint8 PNGs under ``masks/<model>/``, named by the
+  input's name with ``.png`` added (``photo.jpg`` -> ``photo.jpg.png``, so ``photo.jpg`` and
+  ``photo.png`` of one folder keep a mask each), resized (nearest) to the source image's
+  upright size. ``dataset.crop=whole``
   keeps the whole image (resized, not cropped), so the mask maps back onto it.
 - ``task.postprocess=package.module:function``: called on the device as
   ``function(output, batch)``; the tensors it returns (``{name: tensor with one row per
@@ -27,9 +30,15 @@ and write, so the loop never waits on a disk. ``submit`` blocks only when ``max_
 batches are still being written; that wait is the ``write_wait_seconds`` figure.
 
 Resumable: CSV rows go to one part file per batch, named by the batch's step in the plan,
-and ``.npy`` rows are written in place by dataset index, so a run stopped and continued with
-``resume=auto`` writes exactly the bytes an uninterrupted run writes. ``InferState`` records,
-after every pending write has landed, how many steps are done.
+and ``.npy`` rows are written in place by dataset index (a row per listed image while the
+run goes on, and ``.written.npy`` marks the rows written), so a run stopped and continued
+with ``resume=auto`` writes exactly the bytes an uninterrupted run writes. When the run
+completes, the parts are joined and the arrays and ``files.txt`` keep the written rows only
+(``finalize``). ``infer-state.json`` records, after every pending write has landed, how many
+steps are done and everything that shaped the outputs (``identity``: the models, their
+weights files by path, size and time, normalization, sizes and crop, the outputs asked,
+amp, compile, the decoder): a resume with any of them changed is refused in one line
+naming each difference (``check_state``), as is a finished run asked for other outputs.
 """
 
 from __future__ import annotations
@@ -51,7 +60,16 @@ import torch
 from torch import nn
 
 from runner.atomic import write_json
-from runner.config import ConfigError, ModelConfig, Output, TaskConfig
+from runner.checkpoint import CheckpointError
+from runner.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    Output,
+    TaskConfig,
+    model_configs,
+    to_plain,
+)
 from runner.data.storage.listing import printable
 from runner.data.threads import bind_cuda, cuda_index
 from runner.model import main_output
@@ -62,6 +80,7 @@ log = logging.getLogger(__name__)
 ARRAYS = (Output.probs, Output.logits, Output.embeddings)
 FILES = "files.txt"
 STATE = "infer-state.json"
+WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
 
 # --- on the device ---------------------------------------------------------------------------
@@ -227,7 +246,7 @@ class ModelWriter:
     Args:
         run_dir: where the files go.
         label: the model's name in file names.
-        count: images in the dataset (rows of each ``.npy``).
+        count: images in the dataset (rows of each ``.npy`` until ``finalize``).
         shapes: output name -> (shape of one image's row, dtype), from a probe batch.
         names: dataset index -> file name; ``source``: index -> source file path.
         classes, dataset_classes: the model's and the dataset's class names.
@@ -279,7 +298,7 @@ class ModelWriter:
         from PIL import Image
 
         for i, mask in zip(index.tolist(), masks):
-            name = Path(self.names(i)).with_suffix(".png")
+            name = Path(self.names(i) + ".png")  # photo.jpg and photo.png: a mask each
             target = (self.masks / name).resolve()
             if not str(target).startswith(str(self.masks.resolve())):  # a manifest's ../ path
                 target = self.masks / (printable(str(name)).replace(os.sep, "__").lstrip("."))
@@ -334,8 +353,10 @@ class Outputs:
     """
 
     def __init__(self, writers: dict[str, ModelWriter], threads: int = 2,
-                 max_pending: int = 16, device: torch.device | None = None):
+                 max_pending: int = 16, device: torch.device | None = None,
+                 written: np.memmap | None = None):
         self.writers = writers
+        self.written = written  # the rows written so far (``open_written``), when arrays are
         # each writer thread binds to the run's GPU before it waits on a copy's event:
         # under torchrun on several GPUs a thread left on device 0 opens a context there
         cuda = device is not None and device.type == "cuda"
@@ -379,7 +400,10 @@ class Outputs:
             if keep is not None:
                 arrays = {k: v[keep] for k, v in arrays.items()}
             index, label = arrays.pop("index"), arrays.pop("label")
-            return self.writers[name].write(step, index, label, arrays)
+            count = self.writers[name].write(step, index, label, arrays)
+            if self.written is not None:  # after the rows themselves
+                self.written[index] = 1
+            return count
         except BaseException as e:
             self.error = e
             raise
@@ -397,6 +421,8 @@ class Outputs:
         self._raise_failed()
         for writer in self.writers.values():
             writer.flush()
+        if self.written is not None:
+            self.written.flush()
 
     def close(self, complete: bool, steps: int) -> dict[str, Any]:
         """Wait for every write; a complete run joins its CSV parts. Returns the figures."""
@@ -407,10 +433,16 @@ class Outputs:
                 writer.finish(steps)
             else:  # what landed is on disk before the state says so
                 writer.flush()
+        if self.written is not None:
+            self.written.flush()
         rows = {name: w.rows for name, w in self.writers.items()}
         return {"predictions": rows if len(rows) > 1 else next(iter(rows.values())),
                 "write_wait_seconds": self.wait_seconds,
                 "outputs": {name: w.files() for name, w in self.writers.items()}}
+
+    def array_files(self) -> list[str]:
+        """The ``.npy`` files of every model, by name in the run folder."""
+        return [Path(a.filename).name for w in self.writers.values() for a in w.arrays.values()]
 
 
 def output_shapes(reduce: Reduce, model: nn.Module, example: torch.Tensor, amp_context,
@@ -444,6 +476,18 @@ def csv_name(label: str, several: bool, rank: int | None) -> str:
     return rank_file(name, rank) if rank is not None else name
 
 
+def open_written(run_dir: Path, count: int, create: bool) -> np.memmap | None:
+    """``.written.npy``: a byte per listed image, set once its rows are written; created
+    (zeros) for a fresh run, the one there when continuing. None when continuing a run that
+    has none (an older runner's): its undecodable files' rows then stay zero."""
+    path = Path(run_dir) / WRITTEN
+    if not create and not path.is_file():
+        log.warning("%s has no %s (the stopped run was written by an older runner): the "
+                    "rows of files that cannot be decoded stay zero", run_dir, WRITTEN)
+        return None
+    return open_rows(path, (count,), np.dtype("uint8"), create)
+
+
 def write_files(run_dir: Path, count: int, names: Callable[[int], str]) -> None:
     """``files.txt``: every image's name, in dataset order (the rows of the ``.npy``)."""
     tmp = Path(run_dir) / f".{FILES}.tmp"
@@ -455,11 +499,155 @@ def write_files(run_dir: Path, count: int, names: Callable[[int], str]) -> None:
 
 # --- resume ----------------------------------------------------------------------------------
 
-def save_state(run_dir: Path, steps: int, config: dict[str, Any], data: dict[str, Any]) -> Path:
-    """How many steps of an inference run have every output written (after a drain)."""
+def save_state(run_dir: Path, steps: int, config: dict[str, Any], data: dict[str, Any],
+               identity: dict[str, Any] | None = None, arrays: list[str] = (),
+               complete: bool = False) -> Path:
+    """How many steps of an inference run have every output written (after a drain), what
+    shaped them (``identity``), its ``.npy`` files, and whether the run is complete."""
     path = Path(run_dir) / STATE
-    write_json(path, {"steps": steps, "config": config, "data": data, "epoch": 0})
+    write_json(path, {"steps": steps, "config": config, "data": data, "epoch": 0,
+                      "identity": identity, "arrays": list(arrays), "complete": complete})
     return path
+
+
+def finalize(run_dir: Path) -> None:
+    """A complete run's arrays and ``files.txt`` keep the rows of the images written (the
+    decoded ones): the rows of files that could not be decoded go, so row i is line i of
+    ``files.txt``. Called after the state says the run is complete; done again (it is
+    idempotent) when a resume finds it was cut short."""
+    run_dir = Path(run_dir)
+    state, mark = load_state(run_dir), run_dir / WRITTEN
+    if state is None or not state.get("complete") or not mark.is_file():
+        return
+    written = np.load(mark).astype(bool)
+    keep = np.flatnonzero(written)
+    if len(keep) < len(written):
+        for name in state.get("arrays") or []:
+            _keep_rows(run_dir / name, keep, len(written))
+        files = run_dir / FILES
+        if files.is_file():
+            lines = files.read_bytes().split(b"\n")[:-1]
+            if len(lines) == len(written):  # not kept yet
+                tmp = run_dir / f".{FILES}.tmp"
+                tmp.write_bytes(b"".join(lines[i] + b"\n" for i in keep.tolist()))
+                os.replace(tmp, files)
+    mark.unlink()
+
+
+def _keep_rows(path: Path, keep: np.ndarray, count: int, chunk: int = 1 << 14) -> None:
+    """``path``'s rows ``keep`` (of ``count``), written whole to a new file, then renamed."""
+    if not path.is_file():
+        return
+    array = np.load(path, mmap_mode="r")
+    if array.shape[0] != count:  # kept already
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype,
+                                    shape=(len(keep), *array.shape[1:]))
+    for a in range(0, len(keep), chunk):
+        out[a : a + chunk] = array[keep[a : a + chunk]]
+    out.flush()
+    del out, array
+    os.replace(tmp, path)
+
+
+# What shapes an inference run's outputs beyond each model (and beyond checkpoint.MUST_MATCH,
+# checked too): another value at a resume would put rows of two settings into one output
+SHAPING = ("amp.name", "compile.name", "compile.mode", "compile.freeze", "dataset.manifest",
+           "dataset.labels", "dataset.crop_fraction", "dataset.store_side",
+           "dataset.store_quality", "dataset.source_size", "dataset.quality", "loader.name",
+           "loader.decoder", "loader.draft")
+MODEL_SHAPING = ("source", "target", "kwargs", "weights", "num_classes", "classes", "mean",
+                 "std", "image_size", "channels_last")
+FILE = " (file)"  # a file's size and time, beside its path
+
+
+def file_print(path: str | None) -> str | None:
+    """A file's size and modification time: a file rewritten in place (new weights saved
+    over the old) changes it."""
+    if path is None:
+        return None
+    try:
+        st = Path(path).expanduser().stat()
+    except OSError:
+        return "missing"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(st.st_mtime_ns // 10**9))
+    return f"{st.st_size} bytes, modified {stamp}.{st.st_mtime_ns % 10**9:09d}Z"
+
+
+def identity(config: Config) -> dict[str, Any]:
+    """Everything that shapes what an inference run writes, as JSON values, by the key a
+    user sets: the pass's models (by name in outputs), each one's weights and class names
+    (path, and the file's size and time), normalization, size and layout; the outputs
+    asked (task.topk for topk, task.embed_layer for embeddings, task.postprocess); amp and
+    compile (they change the numbers); the images and how they are decoded and cropped."""
+    plain = to_plain(config)
+    models = model_configs(config)
+    out: dict[str, Any] = {"models": [m.label for m in models]}
+    for m in models:
+        prefix = f"models[{m.label}]." if len(models) > 1 else "model."
+        out[prefix + "name"] = m.name
+        for key in MODEL_SHAPING:
+            value = to_plain(getattr(m, key))
+            if key in ("weights", "classes") and value is not None:
+                out[prefix + key] = str(Path(value).expanduser().resolve())
+                out[prefix + key + FILE] = file_print(value)
+            else:
+                out[prefix + key] = value
+    asked = set(config.task.outputs)
+    out["task.outputs"] = [o.name for o in config.task.outputs]
+    if Output.topk in asked:
+        out["task.topk"] = config.task.topk
+    if Output.embeddings in asked:
+        out["task.embed_layer"] = config.task.embed_layer
+    out["task.postprocess"] = config.task.postprocess
+    for key in SHAPING:
+        value: Any = plain
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[key] = value
+    return json.loads(json.dumps(out))  # as the state will read it back
+
+
+def check_state(state: dict[str, Any], now: dict[str, Any], run_dir: Path) -> None:
+    """Refuse, in one line naming each key and both values, to continue a stopped inference
+    run with settings that shape its outputs otherwise (its rows and this run's would mix
+    in one output), or to continue a finished one asked for other outputs (nothing would
+    be written, yet the run would say ok)."""
+    saved = state.get("identity")
+    if saved is None:
+        log.warning("%s was written by an older runner: it does not record what shaped "
+                    "the outputs written so far, so this resume cannot check them against "
+                    "these settings", state.get("source", run_dir))
+        return
+    how = "finished" if state.get("complete") else "stopped"
+    keys = [key for key in dict.fromkeys([*saved, *now]) if saved.get(key) != now.get(key)]
+    if "models" in keys:  # other models: their own keys differ with them
+        keys = ["models"]
+    if not keys:
+        return
+    differ = "; ".join(f"{key}: the {how} run's {saved.get(key)!r}, this run's "
+                       f"{now.get(key)!r}" for key in keys)
+    if how == "finished":
+        raise CheckpointError(
+            f"resume=auto: {run_dir} holds a finished inference run made with other settings "
+            f"({differ}): a finished run is not made again or extended, so these settings "
+            "would write nothing there and say ok. Give them a fresh run folder (another "
+            "hydra.run.dir, or drop resume=auto)")
+    raise CheckpointError(
+        f"resume=auto: {run_dir} holds a stopped inference run made with other settings "
+        f"({differ}): its outputs would mix rows of both. Resume with the "
+        "stopped run's settings, or start fresh in another run folder (another "
+        "hydra.run.dir, or drop resume=auto)")
+
+
+def files_changed(run_dir: Path) -> bool:
+    """Whether a file the inference run in ``run_dir`` read (weights, class names) has
+    another size or time now: the run, even finished, no longer stands for these settings."""
+    state = load_state(run_dir)
+    saved = (state or {}).get("identity") or {}
+    return any(file_print(saved.get(key.removesuffix(FILE))) != value
+               for key, value in saved.items() if key.endswith(FILE))
 
 
 def remove_parts(run_dir: Path) -> None:
