@@ -302,7 +302,7 @@ class Job:
                          reducers, writers, self.start_step, data.steps_per_epoch,
                          cfg.loader.batch_size * self.ranks.world * cfg.task.accumulate)
         if self.resumed is not None and not infer:
-            checkpoint.restore(step, self.resumed, self.resumed["source"])
+            checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
         return step
 
     def _outputs(self, built: Any, reducers: dict[str, outputs.Reduce], data: DataPath,
