@@ -8,7 +8,12 @@
   dataset's when the counts agree, else the index).
 - ``probs``, ``logits``, ``embeddings``: ``<model>.<output>.npy``, float32, one row per
   decoded image in dataset order (``numpy.load(path, mmap_mode="r")``), beside
-  ``files.txt``, their names in the same order: row i is line i. Files that could not be
+  ``files.txt``, their names in the same order: row i is line i (lines end in ``\\n``; a
+  name with a control character such as a newline or carriage return, U+0085, U+2028 or
+  U+2029, or one that begins with ``"``, is written as a JSON string: read each line as
+  ``json.loads(line) if line.startswith('"') else line``, ``read_file_line``; bytes that
+  are not UTF-8 appear as ``\\xNN``). The ``file`` column of ``predictions.csv`` holds the
+  name itself (the csv module quotes it; read it with ``newline=""``). Files that could not be
   decoded have neither a row nor a line (they are listed under ``skipped_files`` in
   metrics.json). Embeddings are the input of the classifier: timm's
   ``get_classifier()``, otherwise the last ``nn.Linear`` of the network (torchvision's
@@ -22,7 +27,12 @@
   keeps the whole image (resized, not cropped), so the mask maps back onto it.
 - ``task.postprocess=package.module:function``: called on the device as
   ``function(output, batch)``; the tensors it returns (``{name: tensor with one row per
-  image}``) are written as ``<model>.<name>.npy``.
+  image}``) are written as ``<model>.<name>.npy``. Every batch's result is checked (shapes
+  only, no sync): a dict of tensors, as many rows as the batch, the same names and row
+  shapes as for the probe batch (two images, in ``output_shapes``, before any file is
+  made); names of letters, digits, ``_`` and ``-``, none a built-in output's (``BUILT_IN``:
+  ``probs`` would take ``<model>.probs.npy``). Anything else, or an error it raises, is a
+  ConfigError in one line naming ``task.postprocess``.
 
 Everything is reduced on the device; only the reduced tensors are copied to the host
 (non-blocking, into pinned memory on CUDA) and the writer threads wait for that copy, format
@@ -47,6 +57,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -147,6 +158,12 @@ def load_postprocess(target: str | None) -> Callable | None:
                           "package on PYTHONPATH (or installed)?") from e
 
 
+# what the built-in outputs are kept as: a task.postprocess name among them would take
+# their files (``<model>.probs.npy``) or their columns
+BUILT_IN = ("topk", "topk_probs", "topk_classes", "probs", "logits", "embeddings", "masks")
+POST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+
+
 class Reduce:
     """One model's output reduced on the device to what ``task.outputs`` keeps.
 
@@ -158,7 +175,11 @@ class Reduce:
     def __init__(self, cfg: TaskConfig, network: nn.Module | None):
         self.outputs, self.topk = list(cfg.outputs), cfg.topk
         self.tap = Tap(network, cfg.embed_layer) if Output.embeddings in self.outputs else None
+        self.target = cfg.postprocess
         self.postprocess = load_postprocess(cfg.postprocess)
+        # name -> (row shape, floating) of what the postprocess returned first (the probe):
+        # every later batch must return the same names, rows shaped alike
+        self.post_rows: dict[str, tuple[tuple[int, ...], bool]] | None = None
 
     def start(self) -> None:
         """Before the model's forward: what the tap kept from another forward is gone."""
@@ -182,13 +203,56 @@ class Reduce:
         if Output.masks in self.outputs and dense:
             kept["masks"] = logits.argmax(dim=1).to(torch.uint8)
         if self.postprocess is not None:
-            extra = self.postprocess(out, batch)
-            if not isinstance(extra, dict):
-                raise TypeError(f"task.postprocess returned a {type(extra).__name__}, not a "
-                                "dict of tensors with one row per image")
-            for name, value in extra.items():
+            for name, value in self._post(out, batch, logits.shape[0]).items():
                 kept[f"post.{name}"] = value
         return kept
+
+    def _post(self, out: Any, batch: Any, rows: int) -> dict[str, torch.Tensor]:
+        """What ``task.postprocess`` returns for a batch of ``rows`` images, checked (shapes
+        only: no sync with the device); a ConfigError in one line naming it otherwise."""
+        where = f"task.postprocess={self.target}"
+        try:
+            extra = self.postprocess(out, batch)
+        except Exception as e:  # the user's code: its error, said as the config's
+            raise ConfigError(f"{where} raised {type(e).__name__}: {e}".replace("\n", " ")
+                              + "; it is called as function(output, batch) and returns "
+                              "{name: tensor with one row per image}") from e
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{where} returned a {type(extra).__name__}, not a dict of "
+                              "tensors ({name: tensor with one row per image})")
+        for name, value in extra.items():
+            if not isinstance(name, str) or not POST_NAME.fullmatch(name):
+                raise ConfigError(f"{where} returned the name {name!r}: names are written as "
+                                  "<model>.<name>.npy, so use letters, digits, _ and -")
+            if name in BUILT_IN:
+                raise ConfigError(f"{where} returned {name!r}, the name of a built-in output "
+                                  f"(<model>.{name}.npy or its columns would be overwritten): "
+                                  f"rename it (built-in: {', '.join(BUILT_IN)})")
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(f"{where} returned {name!r} as a {type(value).__name__}, "
+                                  "not a torch.Tensor: return tensors (one row per image)")
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ConfigError(f"{where} returned {name!r} of shape {tuple(value.shape)} "
+                                  f"for a batch of {rows} images: return one row per image "
+                                  f"(shape ({rows}, ...))")
+        got = {name: (tuple(v.shape[1:]), v.is_floating_point()) for name, v in extra.items()}
+        if self.post_rows is None:
+            self.post_rows = got
+        elif got != self.post_rows:
+            keys = sorted(set(got) | set(self.post_rows))
+            differ = "; ".join(f"{k}: first {self._row(self.post_rows.get(k))}, now "
+                               f"{self._row(got.get(k))}" for k in keys
+                               if got.get(k) != self.post_rows.get(k))
+            raise ConfigError(f"{where} returned other names or row shapes than for the "
+                              f"first batch ({differ}): every batch must return the same "
+                              "names, each row of the same shape and kind")
+        return extra
+
+    @staticmethod
+    def _row(row: tuple[tuple[int, ...], bool] | None) -> str:
+        if row is None:
+            return "none"
+        return f"rows of shape {row[0]} ({'float' if row[1] else 'integer'})"
 
 
 def check_outputs(cfg: TaskConfig, dense: bool, model: str) -> None:
@@ -446,25 +510,25 @@ class Outputs:
 
 
 def output_shapes(reduce: Reduce, model: nn.Module, example: torch.Tensor, amp_context,
-                  task: TaskConfig, name: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """What ``reduce`` keeps of one image, from one forward of ``example[:1]``; a
-    ConfigError for an output this model cannot give."""
+                  task: TaskConfig, name: str, rows: int = 2
+                  ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """What ``reduce`` keeps of one image, from one forward of ``example[:1]`` repeated
+    ``rows`` times (two, so a postprocess that always returns one row is seen; one where the
+    batch is one image, as a compiled model may take no more); a ConfigError for an output
+    this model cannot give, or for what ``task.postprocess`` returns (``Reduce``), before
+    any file is made."""
     from tensordict import TensorDict
 
-    x = example[:1]
-    batch = TensorDict({"image": x, "index": torch.zeros(1, dtype=torch.int64),
-                        "label": torch.zeros(1, dtype=torch.int64)}, batch_size=[1])
+    x = torch.cat([example[:1]] * rows)
+    batch = TensorDict({"image": x, "index": torch.zeros(rows, dtype=torch.int64),
+                        "label": torch.zeros(rows, dtype=torch.int64)}, batch_size=[rows])
     with torch.inference_mode(), amp_context():
         reduce.start()
         out = model(x)
         check_outputs(task, main_output(out).dim() == 4, name)
-        kept = reduce(out, batch)
+        kept = reduce(out, batch)  # task.postprocess's result checked there
     shapes = {}
     for key, value in kept.items():
-        if value.dim() == 0 or value.shape[0] != 1:
-            raise ConfigError(f"task.postprocess returned {key} of shape "
-                              f"{tuple(value.shape)} for a batch of 1: return one row per "
-                              "image")
         dtype = np.dtype("float32") if value.is_floating_point() else \
             torch.empty(0, dtype=value.dtype).numpy().dtype
         shapes[key] = (tuple(value.shape[1:]), dtype)
@@ -488,12 +552,34 @@ def open_written(run_dir: Path, count: int, create: bool) -> np.memmap | None:
     return open_rows(path, (count,), np.dtype("uint8"), create)
 
 
+# characters that end a line for some reader (str.splitlines splits on all of them): a name
+# holding one is written to files.txt as a JSON string
+LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def file_line(name: str) -> str:
+    """A name as its line of ``files.txt``: as it is, unless it holds a control character
+    (a newline, a carriage return, a tab...), U+0085, U+2028 or U+2029, or begins with
+    ``"``: then as a JSON string (``json.dumps``, ASCII only), so line i is always row i.
+    ``read_file_line`` undoes it."""
+    name = printable(name)
+    if name.startswith('"') or LINE_BREAKS.search(name):
+        return json.dumps(name)
+    return name
+
+
+def read_file_line(line: str) -> str:
+    """A line of ``files.txt`` (without its ``\\n``) back to the name (``file_line``)."""
+    return json.loads(line) if line.startswith('"') else line
+
+
 def write_files(run_dir: Path, count: int, names: Callable[[int], str]) -> None:
-    """``files.txt``: every image's name, in dataset order (the rows of the ``.npy``)."""
+    """``files.txt``: every image's name, in dataset order (the rows of the ``.npy``), one
+    line each (``file_line``)."""
     tmp = Path(run_dir) / f".{FILES}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for i in range(count):
-            f.write(printable(names(i)) + "\n")
+            f.write(file_line(names(i)) + "\n")
     os.replace(tmp, Path(run_dir) / FILES)
 
 

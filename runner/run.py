@@ -316,7 +316,8 @@ class Job:
         several = len(self.models) > 1
         fresh = self.start_step == 0
         shapes = {name: outputs.output_shapes(reducers[name], model, example,
-                                              lambda: autocast(amp, device), cfg.task, name)
+                                              lambda: autocast(amp, device), cfg.task, name,
+                                              rows=min(2, cfg.loader.batch_size))
                   for name, model in self.models.items()}  # every rank: errors before waits
         if ranks.enabled and not ranks.main:
             broadcast(ranks, "wait")  # for rank 0 to make the files every rank fills
