@@ -30,7 +30,6 @@ decoded by one thread and by one thread per core.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from runner.atomic import dumps
 from runner.compose import compose
 from runner.config import Config, StorageName
 from runner.data import build_data_path
@@ -773,7 +773,7 @@ def run_with_targets(name: str, bench: Callable[[argparse.Namespace], dict],
     result = bench(args)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"{name}-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-    out.write_text(json.dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
+    out.write_text(dumps({**result, "args": {k: str(v) for k, v in vars(args).items()}},
                               indent=2))
     print(f"\nwritten to {out}")
     return 0 if all(c["met"] for c in result["targets"]) else 1
@@ -838,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = print_store_targets(stores)
         args.out.mkdir(parents=True, exist_ok=True)
         out = args.out / f"stores-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-        out.write_text(json.dumps({"stores": stores, "targets": checks, "args": {
+        out.write_text(dumps({"stores": stores, "targets": checks, "args": {
             k: str(v) for k, v in vars(args).items()}}, indent=2))
         print(f"\nwritten to {out}")
         return 0 if all(c["met"] for c in checks) else 1
@@ -851,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / f"loaders-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
     checks = [dict(zip(("what", "ratio", "target", "met"), c)) for c in loader_targets(result)]
     checks += store_checks
-    out.write_text(json.dumps({**result, "targets": checks, "args": {
+    out.write_text(dumps({**result, "targets": checks, "args": {
         k: str(v) for k, v in vars(args).items()}}, indent=2))
     print(f"\nwritten to {out}")
     return 0 if all(c["met"] for c in checks) else 1

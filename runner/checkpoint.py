@@ -9,7 +9,24 @@ a resume restores them only in the same rank of a world of the same size, on wha
 device that rank now drives (a node with fewer GPUs included). Under torch.distributed
 rank 0 alone writes it: the other ranks go on from their own seeds. It is written whole to
 a temporary name and renamed: a kill mid-write leaves the previous checkpoint, never half
-of one.
+of one. It is never written from a run whose loss or weights went non-finite (NaN, an
+infinity): the run fails there (``Diverged``) and the last good checkpoint stays.
+
+A resume trains with this run's settings, never silently the checkpoint's:
+
+- what would make it another run (``MUST_MATCH``: the model, the data and its order and
+  crops, the batch, the optimizer's type, the accumulation, the seed) must be the same, or
+  the resume is refused in one line naming each key with both values;
+- the learning rate and its schedule (``task.lr``, ``task.scale_lr``, ``task.schedule``,
+  its warm-up, ``task.min_lr``, ``task.step_*``) and the plan's length (``run.steps`` or
+  ``run.epochs``, which count the whole run, the checkpoint's steps included) are applied:
+  when any of them differs from the checkpoint's, the schedule is built afresh over the new
+  plan with the new base rate and stepped to the optimizer step the checkpoint reached, so
+  the rate goes on where the new schedule is at that step (not from its start, and not
+  the old one); the optimizer's other hyperparameters (weight decay, momentum, Nesterov,
+  betas, eps) take this run's values too. The log says in one line what changed and that
+  it was applied. Unchanged, the checkpoint's schedule state is loaded as it was saved, so
+  a stopped run resumes exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +43,7 @@ import torch
 from torch import nn
 
 from runner.distributed import local_module
-from runner.errors import UserError
+from runner.errors import Diverged, UserError
 
 log = logging.getLogger("runner")
 
@@ -68,12 +85,32 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         "steps": steps,
         "losses": losses,
         "config": config,
+        # what the schedule was built from: a resume with another one rebuilds it
+        "plan": {"steps": getattr(step, "plan_steps", None),
+                 "base_lr": getattr(step, "base_lr", None)},
     }
     path = Path(path)
+    check_finite_weights(state["model"], steps, path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     torch.save(state, tmp)
     os.replace(tmp, path)
     return path
+
+
+def check_finite_weights(weights: dict[str, torch.Tensor], steps: int, path: Path) -> None:
+    """Refuse (``Diverged``) to write weights holding a NaN or an infinity over ``path``:
+    one sync for all of them (a checkpoint syncs anyway)."""
+    floats = [(name, t) for name, t in weights.items() if t.is_floating_point()]
+    if not floats:
+        return
+    ok = torch.stack([torch.isfinite(t).all() for _, t in floats])
+    if bool(ok.all()):
+        return
+    name = floats[int((~ok).nonzero()[0])][0]
+    raise Diverged(f"the weights hold non-finite values ({name}) after step {steps}: "
+                   f"training diverged, and {path.name} is not written over with them (the "
+                   "last good checkpoint stays). Lower task.lr, set task.clip_grad_norm, or "
+                   "warm up (task.warmup_steps)")
 
 
 class Checkpointer:
@@ -121,6 +158,9 @@ class Checkpointer:
         ``name``: another file than the run's own (checkpoint-best.pt)."""
         if not self.task.checkpoint:
             return None
+        check = getattr(step, "check_finite", None)
+        if check is not None:  # the losses no log point read yet: none of them NaN
+            check()
         path = save(self.run_dir / name, step, done / per_epoch, done, self.config,
                     losses or {}, self.extra())
         if name != NAME:
@@ -155,12 +195,22 @@ def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
 
 
 # What a checkpoint must share with the run that resumes it: a different value would train
-# another model, on other data, or in another order or crop.
+# another model, on other data, in another order or crop, or with another optimizer (or
+# other parameter groups) whose state the checkpoint's cannot be.
 MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
               "dataset.num_images", "dataset.num_classes", "dataset.image_size",
               "dataset.crop", "dataset.store_size", "dataset.store_side",
               "loader.batch_size", "loader.drop_last", "loader.shuffle", "loader.shuffle_block",
-              "seed", "task.optimizer", "task.schedule", "task.accumulate")
+              "seed", "task.optimizer", "task.decay_norm_and_bias", "task.accumulate")
+
+# What a resume applies when it differs from the checkpoint's (said in the log): the
+# learning rate, its schedule and the plan's length (the schedule is rebuilt over them)...
+SCHEDULE_KEYS = ("task.lr", "task.scale_lr", "task.schedule", "task.warmup_steps",
+                 "task.warmup_epochs", "task.min_lr", "task.step_epochs", "task.step_gamma",
+                 "run.steps", "run.epochs")
+# ... and the optimizer's other hyperparameters (set on its parameter groups)
+OPTIMIZER_KEYS = ("task.weight_decay", "task.momentum", "task.nesterov", "task.betas",
+                  "task.eps")
 
 
 def data_fingerprint(storage: Any) -> dict[str, Any]:
@@ -209,7 +259,8 @@ def check_fits(state: dict[str, Any], config: Any, path: str | Path) -> None:
     if differ:
         raise CheckpointError(f"resume={path} is a checkpoint of another run ("
                               + "; ".join(differ) + "): resume it with the same settings, "
-                              "or start fresh (drop resume=)")
+                              "or start fresh (drop resume=). The learning rate, its "
+                              "schedule and run.steps/run.epochs may change: they are applied")
 
 
 def steps_left(total: int, done: int, resume: str | None) -> int:
@@ -224,7 +275,8 @@ def steps_left(total: int, done: int, resume: str | None) -> int:
         raise CheckpointError(
             f"resume={resume}: the checkpoint has done {done} steps, the whole plan of "
             f"{total}: nothing is left. To train longer on purpose, raise run.epochs or "
-            "run.steps (they count the whole run, the checkpoint's steps included)")
+            "run.steps (they count the whole run, the checkpoint's steps included; the "
+            "learning-rate schedule is rebuilt over the longer plan)")
     log.info("resuming: %d of the plan's %d steps done, %d left", done, total, total - done)
     return total - done
 
@@ -316,9 +368,75 @@ def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> No
         torch.cuda.set_rng_state(cuda, _cuda_index(device))
 
 
-def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
+def _saved_plan(step: Any, state: dict[str, Any]) -> tuple[int | None, float | None]:
+    """The plan's length (batches) and base learning rate the checkpoint's schedule was
+    built over (None: not known, from a runner that did not save them)."""
+    plan = state.get("plan") or {}
+    steps, base_lr = plan.get("steps"), plan.get("base_lr")
+    run = (state.get("config") or {}).get("run") or {}
+    if steps is None and run:  # an older checkpoint: its config's plan
+        per_epoch = getattr(step, "steps_per_epoch", None)
+        if run.get("steps") is not None:
+            steps = int(run["steps"])
+        elif run.get("epochs") is not None and per_epoch:
+            steps = int(run["epochs"]) * per_epoch
+    if base_lr is None:  # the groups' peak: one-cycle keeps it as max_lr
+        groups = state["optimizer"].get("param_groups") or [{}]
+        base_lr = groups[0].get("max_lr", groups[0].get("initial_lr"))
+    return steps, base_lr
+
+
+def _updates_done(step: Any, state: dict[str, Any]) -> int:
+    """Optimizer steps (schedule steps) the checkpoint's run had taken."""
+    schedule = state.get("schedule") or {}
+    if "last_epoch" in schedule:
+        return int(schedule["last_epoch"])
+    accumulate = max(int(getattr(getattr(step, "cfg", None), "accumulate", 1) or 1), 1)
+    batches = int(state.get("steps", 0)) - int(state.get("micro") or 0)
+    return -(-batches // accumulate)
+
+
+def settings_changed(step: Any, state: dict[str, Any], config: Any = None
+                     ) -> tuple[list[str], bool]:
+    """What this run sets otherwise than the checkpoint (one ``key old -> new`` each), and
+    whether the schedule must be rebuilt: its base rate, its keys or the plan's length
+    differ (or the checkpoint holds no schedule state)."""
+    saved_plan, saved_lr = _saved_plan(step, state)
+    plan, base_lr = getattr(step, "plan_steps", None), getattr(step, "base_lr", None)
+    changes: list[str] = []
+    rebuild = not state.get("schedule")
+    saved = state.get("config") or {}
+    if config is not None and saved:
+        from runner.config import to_plain
+
+        mine = to_plain(config)
+        for key in SCHEDULE_KEYS + OPTIMIZER_KEYS:
+            *parents, leaf = key.split(".")
+            if leaf not in (_value(saved, ".".join(parents)) or {}):
+                continue  # a key the checkpoint's runner did not have: nothing to compare
+            old, new = _value(saved, key), _value(mine, key)
+            if old != new:
+                changes.append(f"{key} {old} -> {new}")
+                rebuild = rebuild or (key in SCHEDULE_KEYS and not key.startswith("run."))
+    if saved_plan is not None and plan is not None and saved_plan != plan:
+        said = [i for i, c in enumerate(changes) if c.startswith("run.")]
+        if said:  # run.steps 6 -> 12: the plan's steps, said beside
+            changes[said[-1]] += f" (a plan of {plan} steps, was {saved_plan})"
+        else:
+            changes.append(f"the plan {saved_plan} -> {plan} steps")
+        rebuild = True
+    if saved_lr is not None and base_lr is not None and saved_lr != base_lr:
+        if not any(c.startswith("task.lr ") for c in changes):
+            changes.append(f"the base learning rate {saved_lr:g} -> {base_lr:g}")
+        rebuild = True
+    return changes, rebuild
+
+
+def restore(step: Any, state: dict[str, Any], source: str | Path = "",
+            config: Any = None) -> None:
     """Model, optimizer and scaler of a ``TrainStep`` as the checkpoint (from ``source``)
-    left them."""
+    left them, with this run's settings (``config``: its learning rate, schedule, plan and
+    optimizer hyperparameters) applied over the checkpoint's, as the module says."""
     try:
         network(step.model).load_state_dict(state["model"])
     except RuntimeError as e:
@@ -341,8 +459,17 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "") -> None:
                 group[key] = options.get(key)
     if state.get("scaler"):
         step.scaler.load_state_dict(state["scaler"])
-    if state.get("schedule"):
+    changes, rebuild = settings_changed(step, state, config)
+    if state.get("schedule") and not rebuild:
         step.schedule.load_state_dict(state["schedule"])
+    if hasattr(step, "apply_config"):
+        updates = _updates_done(step, state)
+        step.apply_config(rebuild, updates)
+        if changes:
+            log.info("resume: this run's settings applied over the checkpoint's: %s%s",
+                     ", ".join(changes), f"; the learning-rate schedule is rebuilt over the "
+                     f"plan and goes on from its optimizer step {updates} (rate now "
+                     f"{step.lr:.6g})" if rebuild else "")
     if state.get("ema") and step.ema is not None:
         step.ema.load_state_dict(state["ema"])
     elif step.ema is not None:

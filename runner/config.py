@@ -11,6 +11,7 @@ decoder a storage takes) run in runner/compose.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any
 from omegaconf import MISSING
 
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -255,6 +258,8 @@ class LoaderConfig:
     # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
     # reads a memmap cache in longer contiguous stretches
     shuffle_block: int = 1
+    # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
+    # once in the log, and false in the run's config): every image gets its outputs
     drop_last: bool = False
     batched: bool = False  # one __getitems__ call per batch instead of one call per image
     # loader=folder with num_workers=0: decode with this many threads in the main process,
@@ -309,7 +314,9 @@ class ModelConfig:
     # (H, W) it takes when not dataset.image_size: the batch is decoded once at the largest
     # size of the pass and resized on the device for the others
     image_size: list[int] | None = None
-    alias: str | None = None  # its name in outputs and figures (unset: model.name)
+    # its name in outputs and figures (unset: model.name): a plain name, since it names
+    # its files in the run folder (<alias>.probs.npy, masks/<alias>/)
+    alias: str | None = None
     # task=train from model.weights with another class count: a new head, said so
     replace_head: bool = False
 
@@ -325,11 +332,21 @@ class ModelConfig:
         _require(self.image_size is None or (len(self.image_size) == 2 and all(
             int(v) >= 1 for v in self.image_size)), "model.image_size", self.image_size,
                  "give [height, width], both >= 1")
+        _require(self.alias is None or plain_name(self.alias), "model.alias", self.alias,
+                 "must be a plain name (no / or \\, not starting with a dot): it names the "
+                 "model's files in the run folder")
 
     @property
     def label(self) -> str:
         """Its name in outputs and figures."""
         return self.alias or self.name
+
+
+def plain_name(name: str) -> bool:
+    """A name that is one file name in a folder: not empty, no path separator (``/``,
+    ``\\``), no control character, not ``.``, ``..`` or another name starting with a dot."""
+    return bool(name) and not name.startswith(".") and not any(
+        c in "/\\" or ord(c) < 32 for c in name)
 
 
 class AutoAugmentName(Enum):  # task.augment.auto: a policy of image operations per image
@@ -572,6 +589,17 @@ class Config:
         if not isinstance(self.loader, str) and not isinstance(self.task, str) \
                 and self.loader.shuffle is None:  # infer reads in dataset order unless asked
             self.loader.shuffle = self.task.name is TaskName.train
+        if not isinstance(self.loader, str) and not isinstance(self.task, str) \
+                and self.task.name is TaskName.infer and self.loader.drop_last:
+            log.warning("loader.drop_last=true is ignored by task=infer: every image gets "
+                        "its outputs, the last, partial batch's too")
+            self.loader.drop_last = False
+        if not isinstance(self.task, str) and self.task.name is TaskName.infer \
+                and not isinstance(self.model, str):
+            for m in model_configs(self):  # its name is a file name in the run folder
+                _require(plain_name(m.label), "model.name", m.name, "names the model's "
+                         "files in the run folder, and is not a plain file name: give it "
+                         "a plain model.alias")
         if self.resume not in (None, "auto") and not isinstance(self.task, str) \
                 and self.task.name is not TaskName.train:
             raise ConfigError(f"resume={self.resume} continues training from a checkpoint: it "

@@ -25,3 +25,9 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signal_name: str = "SIGINT"):
         super().__init__(signal_name)
         self.signal_name = signal_name
+
+
+class Diverged(UserError):
+    """Training went non-finite: a loss that is NaN or infinite (or weights that are, where
+    a checkpoint would hold them). The run fails there, naming the first such step, and
+    writes no checkpoint after it: the last one written before stays."""

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runner.atomic import write_json
-from runner.errors import Interrupted, Unavailable, UserError
+from runner.atomic import dumps, write_json
+from runner.errors import Diverged, Interrupted, Unavailable, UserError
 
 log = logging.getLogger("runner")
 
@@ -66,7 +66,9 @@ def outcome(error: BaseException, interrupted_by: str | None = None) -> dict[str
     """status, reason and traceback for a run that ended with ``error``."""
     if isinstance(error, Unavailable):
         return {"status": "skipped", "reason": str(error)}
-    if isinstance(error, KeyboardInterrupt) or interrupted_by:
+    # a divergence found while a stop was handled is the run's end, not the signal
+    if isinstance(error, KeyboardInterrupt) or (interrupted_by
+                                                and not isinstance(error, Diverged)):
         name = getattr(error, "signal_name", None) or interrupted_by or "SIGINT"
         return {"status": "interrupted", "reason": f"interrupted by {name}",
                 "traceback": traceback.format_exc()}
@@ -182,7 +184,7 @@ def where(run_dir: Path, metrics: dict[str, Any], logger: tuple[str, str] | None
     files = [name for name in ("metrics.json", "timeline.png", "trace.json", "checkpoint.pt")
              if (run_dir / name).exists()]
     files += sorted(p.name for p in run_dir.glob("predictions*.csv"))
-    files += sorted(p.name for p in run_dir.glob("*.npy"))
+    files += sorted(p.name for p in run_dir.glob("*.npy") if not p.name.startswith("."))
     files += [name for name in ("files.txt", "masks/") if (run_dir / name).exists()]
     lines = [f"results: {run_dir}/ ({', '.join(files)})"]
     if logger is not None:
@@ -211,7 +213,7 @@ def save_metrics(path: Path, metrics: dict[str, Any]) -> None:
     except OSError as e:
         log.error("could not write %s (%s); the run's metrics follow on one line", path,
                   one_line(e))
-        print(json.dumps(metrics, default=str), file=sys.stderr, flush=True)
+        print(dumps(metrics), file=sys.stderr, flush=True)
         raise
 
 

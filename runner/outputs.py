@@ -6,20 +6,33 @@
   ``task.topk`` classes and probabilities per image; ``label_name`` is the dataset's class
   name, ``pred_name`` and ``topk_names`` the model's (``model.classes``, else the
   dataset's when the counts agree, else the index).
-- ``probs``, ``logits``, ``embeddings``: ``<model>.<output>.npy``, float32, one row per image in
-  dataset order (``numpy.load(path, mmap_mode="r")``), beside ``files.txt``, the images' names
-  in the same order. The rows of files that could not be decoded stay zero (the skipped
-  files are listed in metrics.json). Embeddings are the input of the classifier: timm's
+- ``probs``, ``logits``, ``embeddings``: ``<model>.<output>.npy``, float32, one row per
+  decoded image in dataset order (``numpy.load(path, mmap_mode="r")``), beside
+  ``files.txt``, their names in the same order: row i is line i (lines end in ``\\n``; a
+  name with a control character such as a newline or carriage return, U+0085, U+2028 or
+  U+2029, or one that begins with ``"``, is written as a JSON string: read each line as
+  ``json.loads(line) if line.startswith('"') else line``, ``read_file_line``; bytes that
+  are not UTF-8 appear as ``\\xNN``). The ``file`` column of ``predictions.csv`` holds the
+  name itself (the csv module quotes it; read it with ``newline=""``). Files that could not be
+  decoded have neither a row nor a line (they are listed under ``skipped_files`` in
+  metrics.json). Embeddings are the input of the classifier: timm's
   ``get_classifier()``, otherwise the last ``nn.Linear`` of the network (torchvision's
   ``fc``, ``classifier[-1]``, ``heads.head``); or the output of ``task.embed_layer`` (a name
   from ``model.named_modules()``), feature maps averaged over their height and width.
 - ``masks``: segmentation models (torchvision's fcn, deeplabv3, lraspp): the class of each
-  pixel (argmax on the device), written as uint8 PNGs under ``masks/<model>/``, named like
-  the inputs, resized (nearest) to the source image's upright size. ``dataset.crop=whole``
+  pixel (argmax on the device), written as uint8 PNGs under ``masks/<model>/``, named by the
+  input's name with ``.png`` added (``photo.jpg`` -> ``photo.jpg.png``, so ``photo.jpg`` and
+  ``photo.png`` of one folder keep a mask each), resized (nearest) to the source image's
+  upright size. ``dataset.crop=whole``
   keeps the whole image (resized, not cropped), so the mask maps back onto it.
 - ``task.postprocess=package.module:function``: called on the device as
   ``function(output, batch)``; the tensors it returns (``{name: tensor with one row per
-  image}``) are written as ``<model>.<name>.npy``.
+  image}``) are written as ``<model>.<name>.npy``. Every batch's result is checked (shapes
+  only, no sync): a dict of tensors, as many rows as the batch, the same names and row
+  shapes as for the probe batch (two images, in ``output_shapes``, before any file is
+  made); names of letters, digits, ``_`` and ``-``, none a built-in output's (``BUILT_IN``:
+  ``probs`` would take ``<model>.probs.npy``). Anything else, or an error it raises, is a
+  ConfigError in one line naming ``task.postprocess``.
 
 Everything is reduced on the device; only the reduced tensors are copied to the host
 (non-blocking, into pinned memory on CUDA) and the writer threads wait for that copy, format
@@ -27,9 +40,15 @@ and write, so the loop never waits on a disk. ``submit`` blocks only when ``max_
 batches are still being written; that wait is the ``write_wait_seconds`` figure.
 
 Resumable: CSV rows go to one part file per batch, named by the batch's step in the plan,
-and ``.npy`` rows are written in place by dataset index, so a run stopped and continued with
-``resume=auto`` writes exactly the bytes an uninterrupted run writes. ``InferState`` records,
-after every pending write has landed, how many steps are done.
+and ``.npy`` rows are written in place by dataset index (a row per listed image while the
+run goes on, and ``.written.npy`` marks the rows written), so a run stopped and continued
+with ``resume=auto`` writes exactly the bytes an uninterrupted run writes. When the run
+completes, the parts are joined and the arrays and ``files.txt`` keep the written rows only
+(``finalize``). ``infer-state.json`` records, after every pending write has landed, how many
+steps are done and everything that shaped the outputs (``identity``: the models, their
+weights files by path, size and time, normalization, sizes and crop, the outputs asked,
+amp, compile, the decoder): a resume with any of them changed is refused in one line
+naming each difference (``check_state``), as is a finished run asked for other outputs.
 """
 
 from __future__ import annotations
@@ -38,6 +57,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -51,7 +71,16 @@ import torch
 from torch import nn
 
 from runner.atomic import write_json
-from runner.config import ConfigError, ModelConfig, Output, TaskConfig
+from runner.checkpoint import CheckpointError
+from runner.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    Output,
+    TaskConfig,
+    model_configs,
+    to_plain,
+)
 from runner.data.storage.listing import printable
 from runner.data.threads import bind_cuda, cuda_index
 from runner.model import main_output
@@ -62,6 +91,7 @@ log = logging.getLogger(__name__)
 ARRAYS = (Output.probs, Output.logits, Output.embeddings)
 FILES = "files.txt"
 STATE = "infer-state.json"
+WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
 
 # --- on the device ---------------------------------------------------------------------------
@@ -128,6 +158,12 @@ def load_postprocess(target: str | None) -> Callable | None:
                           "package on PYTHONPATH (or installed)?") from e
 
 
+# what the built-in outputs are kept as: a task.postprocess name among them would take
+# their files (``<model>.probs.npy``) or their columns
+BUILT_IN = ("topk", "topk_probs", "topk_classes", "probs", "logits", "embeddings", "masks")
+POST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+
+
 class Reduce:
     """One model's output reduced on the device to what ``task.outputs`` keeps.
 
@@ -139,7 +175,11 @@ class Reduce:
     def __init__(self, cfg: TaskConfig, network: nn.Module | None):
         self.outputs, self.topk = list(cfg.outputs), cfg.topk
         self.tap = Tap(network, cfg.embed_layer) if Output.embeddings in self.outputs else None
+        self.target = cfg.postprocess
         self.postprocess = load_postprocess(cfg.postprocess)
+        # name -> (row shape, floating) of what the postprocess returned first (the probe):
+        # every later batch must return the same names, rows shaped alike
+        self.post_rows: dict[str, tuple[tuple[int, ...], bool]] | None = None
 
     def start(self) -> None:
         """Before the model's forward: what the tap kept from another forward is gone."""
@@ -163,13 +203,56 @@ class Reduce:
         if Output.masks in self.outputs and dense:
             kept["masks"] = logits.argmax(dim=1).to(torch.uint8)
         if self.postprocess is not None:
-            extra = self.postprocess(out, batch)
-            if not isinstance(extra, dict):
-                raise TypeError(f"task.postprocess returned a {type(extra).__name__}, not a "
-                                "dict of tensors with one row per image")
-            for name, value in extra.items():
+            for name, value in self._post(out, batch, logits.shape[0]).items():
                 kept[f"post.{name}"] = value
         return kept
+
+    def _post(self, out: Any, batch: Any, rows: int) -> dict[str, torch.Tensor]:
+        """What ``task.postprocess`` returns for a batch of ``rows`` images, checked (shapes
+        only: no sync with the device); a ConfigError in one line naming it otherwise."""
+        where = f"task.postprocess={self.target}"
+        try:
+            extra = self.postprocess(out, batch)
+        except Exception as e:  # the user's code: its error, said as the config's
+            raise ConfigError(f"{where} raised {type(e).__name__}: {e}".replace("\n", " ")
+                              + "; it is called as function(output, batch) and returns "
+                              "{name: tensor with one row per image}") from e
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{where} returned a {type(extra).__name__}, not a dict of "
+                              "tensors ({name: tensor with one row per image})")
+        for name, value in extra.items():
+            if not isinstance(name, str) or not POST_NAME.fullmatch(name):
+                raise ConfigError(f"{where} returned the name {name!r}: names are written as "
+                                  "<model>.<name>.npy, so use letters, digits, _ and -")
+            if name in BUILT_IN:
+                raise ConfigError(f"{where} returned {name!r}, the name of a built-in output "
+                                  f"(<model>.{name}.npy or its columns would be overwritten): "
+                                  f"rename it (built-in: {', '.join(BUILT_IN)})")
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(f"{where} returned {name!r} as a {type(value).__name__}, "
+                                  "not a torch.Tensor: return tensors (one row per image)")
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ConfigError(f"{where} returned {name!r} of shape {tuple(value.shape)} "
+                                  f"for a batch of {rows} images: return one row per image "
+                                  f"(shape ({rows}, ...))")
+        got = {name: (tuple(v.shape[1:]), v.is_floating_point()) for name, v in extra.items()}
+        if self.post_rows is None:
+            self.post_rows = got
+        elif got != self.post_rows:
+            keys = sorted(set(got) | set(self.post_rows))
+            differ = "; ".join(f"{k}: first {self._row(self.post_rows.get(k))}, now "
+                               f"{self._row(got.get(k))}" for k in keys
+                               if got.get(k) != self.post_rows.get(k))
+            raise ConfigError(f"{where} returned other names or row shapes than for the "
+                              f"first batch ({differ}): every batch must return the same "
+                              "names, each row of the same shape and kind")
+        return extra
+
+    @staticmethod
+    def _row(row: tuple[tuple[int, ...], bool] | None) -> str:
+        if row is None:
+            return "none"
+        return f"rows of shape {row[0]} ({'float' if row[1] else 'integer'})"
 
 
 def check_outputs(cfg: TaskConfig, dense: bool, model: str) -> None:
@@ -227,7 +310,7 @@ class ModelWriter:
     Args:
         run_dir: where the files go.
         label: the model's name in file names.
-        count: images in the dataset (rows of each ``.npy``).
+        count: images in the dataset (rows of each ``.npy`` until ``finalize``).
         shapes: output name -> (shape of one image's row, dtype), from a probe batch.
         names: dataset index -> file name; ``source``: index -> source file path.
         classes, dataset_classes: the model's and the dataset's class names.
@@ -279,7 +362,7 @@ class ModelWriter:
         from PIL import Image
 
         for i, mask in zip(index.tolist(), masks):
-            name = Path(self.names(i)).with_suffix(".png")
+            name = Path(self.names(i) + ".png")  # photo.jpg and photo.png: a mask each
             target = (self.masks / name).resolve()
             if not str(target).startswith(str(self.masks.resolve())):  # a manifest's ../ path
                 target = self.masks / (printable(str(name)).replace(os.sep, "__").lstrip("."))
@@ -334,8 +417,10 @@ class Outputs:
     """
 
     def __init__(self, writers: dict[str, ModelWriter], threads: int = 2,
-                 max_pending: int = 16, device: torch.device | None = None):
+                 max_pending: int = 16, device: torch.device | None = None,
+                 written: np.memmap | None = None):
         self.writers = writers
+        self.written = written  # the rows written so far (``open_written``), when arrays are
         # each writer thread binds to the run's GPU before it waits on a copy's event:
         # under torchrun on several GPUs a thread left on device 0 opens a context there
         cuda = device is not None and device.type == "cuda"
@@ -379,7 +464,10 @@ class Outputs:
             if keep is not None:
                 arrays = {k: v[keep] for k, v in arrays.items()}
             index, label = arrays.pop("index"), arrays.pop("label")
-            return self.writers[name].write(step, index, label, arrays)
+            count = self.writers[name].write(step, index, label, arrays)
+            if self.written is not None:  # after the rows themselves
+                self.written[index] = 1
+            return count
         except BaseException as e:
             self.error = e
             raise
@@ -397,6 +485,8 @@ class Outputs:
         self._raise_failed()
         for writer in self.writers.values():
             writer.flush()
+        if self.written is not None:
+            self.written.flush()
 
     def close(self, complete: bool, steps: int) -> dict[str, Any]:
         """Wait for every write; a complete run joins its CSV parts. Returns the figures."""
@@ -407,32 +497,38 @@ class Outputs:
                 writer.finish(steps)
             else:  # what landed is on disk before the state says so
                 writer.flush()
+        if self.written is not None:
+            self.written.flush()
         rows = {name: w.rows for name, w in self.writers.items()}
         return {"predictions": rows if len(rows) > 1 else next(iter(rows.values())),
                 "write_wait_seconds": self.wait_seconds,
                 "outputs": {name: w.files() for name, w in self.writers.items()}}
 
+    def array_files(self) -> list[str]:
+        """The ``.npy`` files of every model, by name in the run folder."""
+        return [Path(a.filename).name for w in self.writers.values() for a in w.arrays.values()]
+
 
 def output_shapes(reduce: Reduce, model: nn.Module, example: torch.Tensor, amp_context,
-                  task: TaskConfig, name: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """What ``reduce`` keeps of one image, from one forward of ``example[:1]``; a
-    ConfigError for an output this model cannot give."""
+                  task: TaskConfig, name: str, rows: int = 2
+                  ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """What ``reduce`` keeps of one image, from one forward of ``example[:1]`` repeated
+    ``rows`` times (two, so a postprocess that always returns one row is seen; one where the
+    batch is one image, as a compiled model may take no more); a ConfigError for an output
+    this model cannot give, or for what ``task.postprocess`` returns (``Reduce``), before
+    any file is made."""
     from tensordict import TensorDict
 
-    x = example[:1]
-    batch = TensorDict({"image": x, "index": torch.zeros(1, dtype=torch.int64),
-                        "label": torch.zeros(1, dtype=torch.int64)}, batch_size=[1])
+    x = torch.cat([example[:1]] * rows)
+    batch = TensorDict({"image": x, "index": torch.zeros(rows, dtype=torch.int64),
+                        "label": torch.zeros(rows, dtype=torch.int64)}, batch_size=[rows])
     with torch.inference_mode(), amp_context():
         reduce.start()
         out = model(x)
         check_outputs(task, main_output(out).dim() == 4, name)
-        kept = reduce(out, batch)
+        kept = reduce(out, batch)  # task.postprocess's result checked there
     shapes = {}
     for key, value in kept.items():
-        if value.dim() == 0 or value.shape[0] != 1:
-            raise ConfigError(f"task.postprocess returned {key} of shape "
-                              f"{tuple(value.shape)} for a batch of 1: return one row per "
-                              "image")
         dtype = np.dtype("float32") if value.is_floating_point() else \
             torch.empty(0, dtype=value.dtype).numpy().dtype
         shapes[key] = (tuple(value.shape[1:]), dtype)
@@ -444,22 +540,200 @@ def csv_name(label: str, several: bool, rank: int | None) -> str:
     return rank_file(name, rank) if rank is not None else name
 
 
+def open_written(run_dir: Path, count: int, create: bool) -> np.memmap | None:
+    """``.written.npy``: a byte per listed image, set once its rows are written; created
+    (zeros) for a fresh run, the one there when continuing. None when continuing a run that
+    has none (an older runner's): its undecodable files' rows then stay zero."""
+    path = Path(run_dir) / WRITTEN
+    if not create and not path.is_file():
+        log.warning("%s has no %s (the stopped run was written by an older runner): the "
+                    "rows of files that cannot be decoded stay zero", run_dir, WRITTEN)
+        return None
+    return open_rows(path, (count,), np.dtype("uint8"), create)
+
+
+# characters that end a line for some reader (str.splitlines splits on all of them): a name
+# holding one is written to files.txt as a JSON string
+LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def file_line(name: str) -> str:
+    """A name as its line of ``files.txt``: as it is, unless it holds a control character
+    (a newline, a carriage return, a tab...), U+0085, U+2028 or U+2029, or begins with
+    ``"``: then as a JSON string (``json.dumps``, ASCII only), so line i is always row i.
+    ``read_file_line`` undoes it."""
+    name = printable(name)
+    if name.startswith('"') or LINE_BREAKS.search(name):
+        return json.dumps(name)
+    return name
+
+
+def read_file_line(line: str) -> str:
+    """A line of ``files.txt`` (without its ``\\n``) back to the name (``file_line``)."""
+    return json.loads(line) if line.startswith('"') else line
+
+
 def write_files(run_dir: Path, count: int, names: Callable[[int], str]) -> None:
-    """``files.txt``: every image's name, in dataset order (the rows of the ``.npy``)."""
+    """``files.txt``: every image's name, in dataset order (the rows of the ``.npy``), one
+    line each (``file_line``)."""
     tmp = Path(run_dir) / f".{FILES}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for i in range(count):
-            f.write(printable(names(i)) + "\n")
+            f.write(file_line(names(i)) + "\n")
     os.replace(tmp, Path(run_dir) / FILES)
 
 
 # --- resume ----------------------------------------------------------------------------------
 
-def save_state(run_dir: Path, steps: int, config: dict[str, Any], data: dict[str, Any]) -> Path:
-    """How many steps of an inference run have every output written (after a drain)."""
+def save_state(run_dir: Path, steps: int, config: dict[str, Any], data: dict[str, Any],
+               identity: dict[str, Any] | None = None, arrays: list[str] = (),
+               complete: bool = False) -> Path:
+    """How many steps of an inference run have every output written (after a drain), what
+    shaped them (``identity``), its ``.npy`` files, and whether the run is complete."""
     path = Path(run_dir) / STATE
-    write_json(path, {"steps": steps, "config": config, "data": data, "epoch": 0})
+    write_json(path, {"steps": steps, "config": config, "data": data, "epoch": 0,
+                      "identity": identity, "arrays": list(arrays), "complete": complete})
     return path
+
+
+def finalize(run_dir: Path) -> None:
+    """A complete run's arrays and ``files.txt`` keep the rows of the images written (the
+    decoded ones): the rows of files that could not be decoded go, so row i is line i of
+    ``files.txt``. Called after the state says the run is complete; done again (it is
+    idempotent) when a resume finds it was cut short."""
+    run_dir = Path(run_dir)
+    state, mark = load_state(run_dir), run_dir / WRITTEN
+    if state is None or not state.get("complete") or not mark.is_file():
+        return
+    written = np.load(mark).astype(bool)
+    keep = np.flatnonzero(written)
+    if len(keep) < len(written):
+        for name in state.get("arrays") or []:
+            _keep_rows(run_dir / name, keep, len(written))
+        files = run_dir / FILES
+        if files.is_file():
+            lines = files.read_bytes().split(b"\n")[:-1]
+            if len(lines) == len(written):  # not kept yet
+                tmp = run_dir / f".{FILES}.tmp"
+                tmp.write_bytes(b"".join(lines[i] + b"\n" for i in keep.tolist()))
+                os.replace(tmp, files)
+    mark.unlink()
+
+
+def _keep_rows(path: Path, keep: np.ndarray, count: int, chunk: int = 1 << 14) -> None:
+    """``path``'s rows ``keep`` (of ``count``), written whole to a new file, then renamed."""
+    if not path.is_file():
+        return
+    array = np.load(path, mmap_mode="r")
+    if array.shape[0] != count:  # kept already
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype,
+                                    shape=(len(keep), *array.shape[1:]))
+    for a in range(0, len(keep), chunk):
+        out[a : a + chunk] = array[keep[a : a + chunk]]
+    out.flush()
+    del out, array
+    os.replace(tmp, path)
+
+
+# What shapes an inference run's outputs beyond each model (and beyond checkpoint.MUST_MATCH,
+# checked too): another value at a resume would put rows of two settings into one output
+SHAPING = ("amp.name", "compile.name", "compile.mode", "compile.freeze", "dataset.manifest",
+           "dataset.labels", "dataset.crop_fraction", "dataset.store_side",
+           "dataset.store_quality", "dataset.source_size", "dataset.quality", "loader.name",
+           "loader.decoder", "loader.draft")
+MODEL_SHAPING = ("source", "target", "kwargs", "weights", "num_classes", "classes", "mean",
+                 "std", "image_size", "channels_last")
+FILE = " (file)"  # a file's size and time, beside its path
+
+
+def file_print(path: str | None) -> str | None:
+    """A file's size and modification time: a file rewritten in place (new weights saved
+    over the old) changes it."""
+    if path is None:
+        return None
+    try:
+        st = Path(path).expanduser().stat()
+    except OSError:
+        return "missing"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(st.st_mtime_ns // 10**9))
+    return f"{st.st_size} bytes, modified {stamp}.{st.st_mtime_ns % 10**9:09d}Z"
+
+
+def identity(config: Config) -> dict[str, Any]:
+    """Everything that shapes what an inference run writes, as JSON values, by the key a
+    user sets: the pass's models (by name in outputs), each one's weights and class names
+    (path, and the file's size and time), normalization, size and layout; the outputs
+    asked (task.topk for topk, task.embed_layer for embeddings, task.postprocess); amp and
+    compile (they change the numbers); the images and how they are decoded and cropped."""
+    plain = to_plain(config)
+    models = model_configs(config)
+    out: dict[str, Any] = {"models": [m.label for m in models]}
+    for m in models:
+        prefix = f"models[{m.label}]." if len(models) > 1 else "model."
+        out[prefix + "name"] = m.name
+        for key in MODEL_SHAPING:
+            value = to_plain(getattr(m, key))
+            if key in ("weights", "classes") and value is not None:
+                out[prefix + key] = str(Path(value).expanduser().resolve())
+                out[prefix + key + FILE] = file_print(value)
+            else:
+                out[prefix + key] = value
+    asked = set(config.task.outputs)
+    out["task.outputs"] = [o.name for o in config.task.outputs]
+    if Output.topk in asked:
+        out["task.topk"] = config.task.topk
+    if Output.embeddings in asked:
+        out["task.embed_layer"] = config.task.embed_layer
+    out["task.postprocess"] = config.task.postprocess
+    for key in SHAPING:
+        value: Any = plain
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[key] = value
+    return json.loads(json.dumps(out))  # as the state will read it back
+
+
+def check_state(state: dict[str, Any], now: dict[str, Any], run_dir: Path) -> None:
+    """Refuse, in one line naming each key and both values, to continue a stopped inference
+    run with settings that shape its outputs otherwise (its rows and this run's would mix
+    in one output), or to continue a finished one asked for other outputs (nothing would
+    be written, yet the run would say ok)."""
+    saved = state.get("identity")
+    if saved is None:
+        log.warning("%s was written by an older runner: it does not record what shaped "
+                    "the outputs written so far, so this resume cannot check them against "
+                    "these settings", state.get("source", run_dir))
+        return
+    how = "finished" if state.get("complete") else "stopped"
+    keys = [key for key in dict.fromkeys([*saved, *now]) if saved.get(key) != now.get(key)]
+    if "models" in keys:  # other models: their own keys differ with them
+        keys = ["models"]
+    if not keys:
+        return
+    differ = "; ".join(f"{key}: the {how} run's {saved.get(key)!r}, this run's "
+                       f"{now.get(key)!r}" for key in keys)
+    if how == "finished":
+        raise CheckpointError(
+            f"resume=auto: {run_dir} holds a finished inference run made with other settings "
+            f"({differ}): a finished run is not made again or extended, so these settings "
+            "would write nothing there and say ok. Give them a fresh run folder (another "
+            "hydra.run.dir, or drop resume=auto)")
+    raise CheckpointError(
+        f"resume=auto: {run_dir} holds a stopped inference run made with other settings "
+        f"({differ}): its outputs would mix rows of both. Resume with the "
+        "stopped run's settings, or start fresh in another run folder (another "
+        "hydra.run.dir, or drop resume=auto)")
+
+
+def files_changed(run_dir: Path) -> bool:
+    """Whether a file the inference run in ``run_dir`` read (weights, class names) has
+    another size or time now: the run, even finished, no longer stands for these settings."""
+    state = load_state(run_dir)
+    saved = (state or {}).get("identity") or {}
+    return any(file_print(saved.get(key.removesuffix(FILE))) != value
+               for key, value in saved.items() if key.endswith(FILE))
 
 
 def remove_parts(run_dir: Path) -> None:

@@ -5,6 +5,7 @@ What is written and when is runner/outputs.py's; this module is the CSV format."
 from __future__ import annotations
 
 import csv
+import io
 import os
 import shutil
 from collections.abc import Callable
@@ -21,13 +22,19 @@ def csv_rows(f: Any, index: list[int], label: list[int], probs: list[list[float]
              classes: list[list[int]], name_of: Callable[[int], str],
              model_name: Callable[[int], str], dataset_name: Callable[[int], str]) -> None:
     """One batch's rows (HEADER's columns) into the open text file ``f``: ``label_name`` is
-    the dataset's name of the label, ``pred_name``/``topk_names`` the model's."""
-    rows = csv.writer(f)
+    the dataset's name of the label, ``pred_name``/``topk_names`` the model's. Rows end in
+    ``\\n``; a name with a newline, a carriage return, a comma or a quote is quoted (the csv
+    module's rule), so it is read back whole by a CSV reader (opened with ``newline=""``)."""
+    buf = io.StringIO()
+    rows = csv.writer(buf)  # its "\r\n" terminator: fields with \r or \n are quoted
     for i, y, p, c in zip(index, label, probs, classes):
+        buf.seek(0)
+        buf.truncate()
         rows.writerow([i, printable(name_of(i)), y, printable(dataset_name(y)), c[0],
                        printable(model_name(c[0])), f"{p[0]:.6f}", " ".join(map(str, c)),
                        " ".join(printable(model_name(k)) for k in c),
                        " ".join(f"{v:.6f}" for v in p)])
+        f.write(buf.getvalue()[:-2] + "\n")
 
 
 def rank_file(file_name: str, rank: int) -> str:
@@ -41,7 +48,7 @@ def merge_rank_files(run_dir: Path, world: int) -> None:
     for first in sorted(Path(run_dir).glob("*.rank0.csv")):
         base = first.name.replace(".rank0.csv", ".csv")
         parts = [first.with_name(base.replace(".csv", f".rank{r}.csv")) for r in range(world)]
-        with open(first, encoding="utf-8") as f:
+        with open(first, encoding="utf-8", newline="") as f:
             header = f.readline()
         join_csv(first.with_name(base), parts, header=header, skip_header=True)
         for part in parts:
@@ -49,12 +56,13 @@ def merge_rank_files(run_dir: Path, world: int) -> None:
 
 
 def join_csv(target: Path, parts: list[Path], header: str, skip_header: bool = False) -> None:
-    """``header`` and then every part, in order, written whole into ``target``."""
+    """``header`` and then every part, in order, written whole into ``target``: byte for
+    byte (``newline=""``: a carriage return inside a quoted name stays one)."""
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as out:
+    with open(tmp, "w", encoding="utf-8", newline="") as out:
         out.write(header)
         for part in parts:
-            with open(part, encoding="utf-8") as f:
+            with open(part, encoding="utf-8", newline="") as f:
                 if skip_header:
                     f.readline()
                 shutil.copyfileobj(f, out)

@@ -65,6 +65,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.setLevel(logging.WARNING)  # one voice: rank 0 reports, the others only warn
     if cfg.get("resume") == "auto" or sweep:
         done = outcome.finished_record(run_dir, list(hydra_cfg.overrides.task))
+        if done is not None and outputs.files_changed(run_dir):
+            done = None  # the same overrides, other weights in the same file: checked below
         if done is not None:  # a requeued job, or a sweep run again: nothing is redone
             return done
     raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
@@ -129,6 +131,8 @@ class Job:
         self.data_print: dict[str, Any] | None = None  # the data's fingerprint (checkpoints)
         self.best: float | None = None  # the best validation figure so far (checkpoint-best)
         self.total_steps = 0  # this run's steps (a resumed run's: what was left)
+        self.identity: dict[str, Any] | None = None  # task=infer: what shapes its outputs
+        self.writers: outputs.Outputs | None = None  # task=infer: the outputs' writers
 
     def execute(self) -> dict[str, Any]:
         device = pick_device(self.config.device.value, self.ranks)
@@ -146,9 +150,12 @@ class Job:
         self.resumed = checkpoint.resumed(cfg, self.run_dir)
         if self.resumed is not None:  # checkpoint-best.pt is beaten only by a better epoch
             self.best = self.resumed.get("best")
+        if cfg.task.name is TaskName.infer:
+            self.identity = outputs.identity(cfg)
         if cfg.task.name is TaskName.infer and cfg.resume == "auto":
             self.resumed = outputs.load_state(self.run_dir)  # the outputs written so far
-            if self.resumed is not None:
+            if self.resumed is not None:  # made with what shapes these outputs, or refused
+                outputs.check_state(self.resumed, self.identity, self.run_dir)
                 checkpoint.check_fits(self.resumed, cfg, self.resumed["source"])
         self.data = data = build_data_path(cfg, device, ranks, start_step=self.start_step,
                                            progress=cfg.run.progress)
@@ -207,10 +214,13 @@ class Job:
             figures.update(resumed_from=self.resumed["source"], start_step=self.start_step)
         if cfg.task.name is TaskName.infer and cfg.task.write_predictions and self.models \
                 and ranks.main:  # every output of these steps is written: say how far
+            complete = result.steps >= self.total_steps
             outputs.save_state(self.run_dir, self.start_step + result.steps, to_plain(cfg),
-                               self.data_print)
-            if result.steps >= self.total_steps:  # joined, and the state says so: parts go
+                               self.data_print, self.identity,
+                               self.writers.array_files() if self.writers else [], complete)
+            if complete:  # joined, and the state says so: parts go, undecodable rows too
                 outputs.remove_parts(self.run_dir)
+                outputs.finalize(self.run_dir)
         if saves is not None:  # at the end, or where a signal stopped it (with its losses)
             losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
             path = saves.write(step, self.start_step + result.steps, data.steps_per_epoch, losses)
@@ -253,6 +263,10 @@ class Job:
         """The figures of a run whose checkpoint holds every step of its plan (stopped after
         its last step, before it could say so): those of the part that ran the steps."""
         previous = outcome.previous_record(self.run_dir)
+        if self.config.task.name is TaskName.infer and self.ranks.main:
+            # what a stop between its last step and the end left: parts, undecodable rows
+            outputs.remove_parts(self.run_dir)
+            outputs.finalize(self.run_dir)
         log.info("the checkpoint %s holds all the plan's steps: the run is finished; its "
                  "figures are those of the part that ran them", self.resumed["source"])
         return {**{k: v for k, v in previous.items() if k not in outcome.ENVELOPE},
@@ -288,7 +302,7 @@ class Job:
                          reducers, writers, self.start_step, data.steps_per_epoch,
                          cfg.loader.batch_size * self.ranks.world * cfg.task.accumulate)
         if self.resumed is not None and not infer:
-            checkpoint.restore(step, self.resumed, self.resumed["source"])
+            checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
         return step
 
     def _outputs(self, built: Any, reducers: dict[str, outputs.Reduce], data: DataPath,
@@ -302,11 +316,13 @@ class Job:
         several = len(self.models) > 1
         fresh = self.start_step == 0
         shapes = {name: outputs.output_shapes(reducers[name], model, example,
-                                              lambda: autocast(amp, device), cfg.task, name)
+                                              lambda: autocast(amp, device), cfg.task, name,
+                                              rows=min(2, cfg.loader.batch_size))
                   for name, model in self.models.items()}  # every rank: errors before waits
         if ranks.enabled and not ranks.main:
             broadcast(ranks, "wait")  # for rank 0 to make the files every rank fills
         writers = {}
+        arrays = False
         for name in self.models:
             head = getattr(built.networks[name], "num_classes", len(storage.classes))
             writers[name] = outputs.ModelWriter(
@@ -316,11 +332,18 @@ class Job:
                 storage.classes, outputs.csv_name(name, several, ranks.rank if ranks.enabled
                                                   else None),
                 create=fresh and ranks.main)
-            if ranks.main and fresh and writers[name].arrays:
-                outputs.write_files(self.run_dir, len(storage), storage.name_of)
+            arrays = arrays or bool(writers[name].arrays)
+        if ranks.main and fresh and arrays:
+            outputs.write_files(self.run_dir, len(storage), storage.name_of)
+        written = outputs.open_written(self.run_dir, len(storage), fresh) if arrays and \
+            ranks.main else None
         if ranks.enabled and ranks.main:
             broadcast(ranks, "made")
-        return outputs.Outputs(writers, cfg.task.writer_threads, device=device)
+        if ranks.enabled and not ranks.main and arrays:  # rank 0 made it (or has none)
+            written = outputs.open_written(self.run_dir, len(storage), False)
+        self.writers = outputs.Outputs(writers, cfg.task.writer_threads, device=device,
+                                       written=written)
+        return self.writers
 
     # --- epochs: validation, checkpoints ------------------------------------------------------
 

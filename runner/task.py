@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +35,7 @@ from runner.config import (
     TaskName,
 )
 from runner.data import DataPath, build_data_path
-from runner.errors import ConfigError
+from runner.errors import ConfigError, Diverged
 from runner.metrics import DeviceClock
 from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.outputs import Outputs, Reduce
@@ -70,19 +72,29 @@ class TrainStep:
             length. Unset: ``total_steps``.
         steps_per_epoch: batches per epoch (warm-up and step schedules in epochs).
         global_batch: images per step over every rank (``task.scale_lr``).
+        first_step: the plan's steps done before this run (a resume): a non-finite loss
+            is named by its step of the plan.
+
+    The losses are checked where the loop syncs anyway (``read`` at log points,
+    ``check_finite`` before a checkpoint is written, ``close``), never per step: the first
+    non-finite one raises ``Diverged`` naming its step of the plan.
     """
 
     def __init__(self, model: nn.Module, cfg: TaskConfig, total_steps: int,
                  amp: AmpConfig | None = None, device: torch.device | None = None,
                  plan_steps: int | None = None, steps_per_epoch: int = 1,
-                 global_batch: int | None = None):
+                 global_batch: int | None = None, first_step: int = 0):
         self.model = model.train()
         self.cfg = cfg
         device = device or next(model.parameters()).device
-        self.optimizer = build_optimizer(model, cfg, device, learning_rate(cfg, global_batch))
-        self.schedule = build_schedule(
-            self.optimizer, cfg, updates_in(plan_steps or total_steps, cfg.accumulate),
-            max(1, steps_per_epoch // cfg.accumulate))
+        self.base_lr = learning_rate(cfg, global_batch)  # the schedule's peak
+        self.plan_steps = plan_steps or total_steps  # the schedule's length, in batches
+        self.steps_per_epoch = steps_per_epoch
+        self.first_step = first_step
+        self.optimizer = build_optimizer(model, cfg, device, self.base_lr)
+        # the configured hyperparameters of each group, as a resume sets them again
+        self._weight_decay = [g["weight_decay"] for g in self.optimizer.param_groups]
+        self.schedule = self._build_schedule()
         self.ema = Ema(network(model), cfg.ema_decay) if cfg.ema_decay > 0 else None
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, device)
@@ -97,12 +109,60 @@ class TrainStep:
         self.local_grads = False
         self.micro = 0  # batches whose gradients wait for the next optimizer step
         self._read = 0  # losses before this index were already read
+        self._checked = 0  # losses before this index are known to be finite
+        self.diverged: Diverged | None = None  # the first non-finite loss, once found
         # what a recipe costs: the optimizer step (clipping included) and the EMA update,
         # timed on the device (events on CUDA, resolved where the loop syncs anyway)
         self.clock = DeviceClock(device)
         self._spans: dict[str, list] = {"optimizer": [], "ema": []}
         self._seconds = {"optimizer": 0.0, "ema": 0.0}
         self._updates = 0
+
+    def _build_schedule(self) -> torch.optim.lr_scheduler.LRScheduler:
+        """The schedule of ``task.*`` over the plan, from the groups' current ``lr``."""
+        return build_schedule(self.optimizer, self.cfg,
+                              updates_in(self.plan_steps, self.cfg.accumulate),
+                              max(1, self.steps_per_epoch // self.cfg.accumulate))
+
+    def apply_config(self, rebuild_schedule: bool, updates: int) -> None:
+        """After a checkpoint's optimizer state is loaded: this run's hyperparameters over
+        the checkpoint's (weight decay, momentum, Nesterov, betas, eps), and, with
+        ``rebuild_schedule``, this run's schedule (base learning rate, ``task.schedule``
+        and its keys, the plan's length) built afresh and stepped through the ``updates``
+        optimizer steps done: the rate in force is the new schedule's at that step.
+        Without it the checkpoint's schedule state (loaded already) stands, and with it
+        the rates the groups hold."""
+        cfg = self.cfg
+        # one-cycle with momentum cycling owns the groups' momentum (or betas) too
+        cycles = bool(getattr(self.schedule, "cycle_momentum", False))
+        for group, decay in zip(self.optimizer.param_groups, self._weight_decay):
+            group["weight_decay"] = decay
+            if "nesterov" in group:
+                group["nesterov"] = cfg.nesterov
+            if "eps" in group:
+                group["eps"] = cfg.eps
+            if rebuild_schedule or not cycles:
+                if "momentum" in group:
+                    group["momentum"] = cfg.momentum
+                if "betas" in group:
+                    group["betas"] = tuple(cfg.betas)
+        for group in self.optimizer.param_groups:  # a checkpoint trained without momentum
+            if not group.get("momentum"):          # has no buffers: zeros, as a fresh run's
+                continue                           # (runner/optim.py's zero_momentum)
+            for p in group["params"]:
+                if self.optimizer.state[p].get("momentum_buffer") is None:
+                    self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        if not rebuild_schedule:
+            return
+        for group in self.optimizer.param_groups:  # as a fresh optimizer's: the base rate
+            group["lr"] = self.base_lr
+            for key in ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"):
+                group.pop(key, None)
+        self.schedule = self._build_schedule()
+        with warnings.catch_warnings():  # "scheduler stepped before the optimizer": on purpose
+            warnings.simplefilter("ignore")
+            for _ in range(updates):
+                self.schedule.step()
 
     def __call__(self, batch: TensorDict) -> None:
         local = self._keeps_gradients_local()
@@ -204,17 +264,50 @@ class TrainStep:
         self._updates = 0
 
     def read(self) -> dict[str, float]:
-        """Mean loss since the last read (a sync point: call only at log points)."""
+        """Mean loss since the last read (a sync point: call only at log points). A
+        non-finite mean (a NaN or an infinity among those losses) raises ``Diverged``
+        naming the first such step; once raised, reads return nothing."""
         end = min(self.steps, len(self.losses))
-        if end <= self._read:
+        if end <= self._read or self.diverged is not None:
             return {}
-        loss = self.losses[self._read : end].mean().item()
-        self._read = end
+        start, self._read = self._read, end
+        loss = self.losses[start:end].mean().item()  # the one sync, as before
+        if not math.isfinite(loss):
+            raise self._diverged(start, end)
+        self._checked = max(self._checked, end)
         return {"loss": loss, "lr": self.lr}
+
+    def check_finite(self) -> None:
+        """Raise ``Diverged`` if a loss not checked yet is non-finite: before a checkpoint
+        is written (which syncs anyway) and at ``close``; one sync when there are any."""
+        if self.diverged is not None:
+            raise self.diverged
+        end = min(self.steps, len(self.losses))
+        if end <= self._checked:
+            return
+        if not bool(torch.isfinite(self.losses[self._checked : end]).all()):
+            raise self._diverged(self._checked, end)
+        self._checked = end
+
+    def _diverged(self, start: int, end: int) -> Diverged:
+        """The error for the first non-finite loss among steps ``start:end`` (indices of
+        this run's losses), kept so it is raised once."""
+        bad = (~torch.isfinite(self.losses[start:end])).nonzero()
+        index = start + (int(bad[0]) if len(bad) else 0)
+        value = float(self.losses[index])
+        step = self.first_step + index + 1
+        self.diverged = Diverged(
+            f"the loss is {value} at step {step} (the first non-finite one: training "
+            f"diverged); the run stops here and writes no checkpoint from step {step} on. "
+            f"Lower task.lr (now {self.base_lr:g}), set task.clip_grad_norm, warm up "
+            "(task.warmup_steps), or train under amp=bf16 rather than fp16")
+        return self.diverged
 
     def close(self, complete: bool = True) -> dict[str, float]:
         """The run's loss figures; a complete run's last, partial accumulation is applied
-        (an interrupted one's waits in the checkpoint)."""
+        (an interrupted one's waits in the checkpoint). ``Diverged`` if a loss the log
+        points did not read is non-finite."""
+        self.check_finite()
         if complete and self.micro:
             self.update()
         n = min(self.steps, len(self.losses))
@@ -363,7 +456,7 @@ def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
     if cfg.name is TaskName.train:
         (model,) = models.values()
         return TrainStep(model, cfg, total_steps, amp, device, first_step + total_steps,
-                         steps_per_epoch, global_batch)
+                         steps_per_epoch, global_batch, first_step)
     return InferStep(models, cfg, reducers, outputs, amp, device, first_step)
 
 

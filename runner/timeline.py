@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from runner.atomic import dumps
+
 LIMIT = 200_000  # spans kept per process
 STEPS_SHOWN = 4  # consecutive steps drawn after warm-up
 
@@ -104,7 +106,7 @@ def flush() -> None:
     _written = len(_spans)
     try:
         with open(folder / f"{os.getpid()}.jsonl", "a") as f:
-            f.write("".join(json.dumps(s) + "\n" for s in new))
+            f.write("".join(dumps(s) + "\n" for s in new))
     except OSError:
         pass  # a timeline is never worth a failed batch
 
@@ -159,7 +161,7 @@ def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
                    "end": (min(s[3], end) - start) * 1e3} for s in spans],
     }
     json_path = run_dir / "timeline.json"
-    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    json_path.write_text(dumps(data, indent=1) + "\n")
     png = run_dir / "timeline.png"
     try:
         draw(data, lanes, png)

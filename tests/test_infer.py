@@ -237,7 +237,7 @@ def test_masks_are_written_at_the_source_size(tmp_path: Path):
         classes = model(images)["out"].argmax(1).to(torch.uint8).numpy()
     for k, (h, w) in enumerate(sizes):
         mask = Image.open(tmp_path / "run" / "masks" / "lraspp_mobilenet_v3_large" /
-                          f"s{k}.png")
+                          f"s{k}.jpg.png")  # the source name, .png added
         assert mask.size == (w, h) and mask.mode == "L"
         expected = Image.fromarray(classes[k]).resize((w, h), Image.NEAREST)
         assert np.array_equal(np.asarray(mask), np.asarray(expected))

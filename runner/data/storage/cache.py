@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 from filelock import FileLock
 
-from runner.atomic import write_json
+from runner.atomic import dumps, write_json
 from runner.config import OnCorrupt
 from runner.data.storage.base import SkippedFile
 from runner.data.storage.decode import CorruptFileStop
@@ -377,7 +377,7 @@ class Journal:
         entry = {"start": start, **fields,
                  "skipped": [[s.index, s.path, s.error] for s in skipped]}
         with open(self.folder / DONE, "a") as record:
-            record.write(json.dumps(entry) + "\n")
+            record.write(dumps(entry) + "\n")
             record.flush()
             os.fsync(record.fileno())
         entry["skipped"] = [tuple(s) for s in entry["skipped"]]

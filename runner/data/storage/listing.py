@@ -10,8 +10,13 @@ images, or a manifest (``dataset.path``, ``dataset.labels``, ``dataset.manifest`
   images of its own at the top as unlabelled; ``dataset.labels=none`` forces it for any
   folder. Labels are ``-1``; training refuses such data, inference writes what it predicts.
 - **a manifest**: a CSV (a header row) or JSON-lines file with a ``path`` column (relative to
-  the manifest's folder, or absolute) and, optionally, a ``label`` column: a class index or a
-  class name (names are indexed in sorted order, as folders are).
+  the manifest's folder, or absolute) and, optionally, a ``label`` column. A CSV is read by
+  the csv module: quote a value that holds a comma, a quote or a newline (``"a,b.jpg"``);
+  every row has the header's number of columns. A JSON-lines file is one object per line.
+  Labels are all class indices (whole numbers from 0: classes ``0..max``) or all class
+  names (indexed in sorted order, as folders are); a label that is a number but not a whole
+  one (``10.0``, ``1e3``, ``-1``), a row with an index among rows with names (or the other
+  way), or a row with no label among labelled rows is refused in one line naming the row.
 
 Images are the files PIL reads: JPEG, PNG, WebP, BMP, TIFF, GIF (the first frame), by their
 extension in a folder; anything a manifest lists. Files of other extensions are counted and
@@ -22,9 +27,11 @@ with its reason.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,26 +218,97 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
     return Listing(root, classes, samples, "class folders")
 
 
-def _manifest_rows(path: Path) -> list[dict]:
-    """The rows of a CSV (with a header) or JSON-lines manifest."""
+def _manifest_rows(path: Path) -> list[tuple[str, dict]]:
+    """The rows of a CSV (with a header) or JSON-lines manifest, each with where it is
+    (``row k, line n``). A CSV is read by the csv module (a quoted value may hold a comma, a
+    newline or U+2028); every row must have the header's number of columns. A JSON-lines
+    file is one object per ``\\n``-ended line (json.loads on each)."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"dataset.manifest={path} cannot be read: {e}") from e
+    rows: list[tuple[str, dict]] = []
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
-        rows = []
-        for k, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise DatasetError(f"dataset.manifest={path}, line {k}: not JSON ({e})") from e
+                raise DatasetError(f"dataset.manifest={path}, line {n}: not JSON ({e}); one "
+                                   "object per line") from e
             if not isinstance(row, dict):
-                raise DatasetError(f"dataset.manifest={path}, line {k}: not an object")
-            rows.append(row)
+                raise DatasetError(f"dataset.manifest={path}, line {n}: not an object; one "
+                                   'object per line ({"path": ..., "label": ...})')
+            rows.append((f"row {len(rows) + 1} (line {n})", row))
         return rows
-    return list(csv.DictReader(text.splitlines()))
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+        if header is None:
+            return []
+        header = [h.strip() for h in header]
+        for values in reader:
+            if not values or (len(values) == 1 and not values[0].strip()):
+                continue  # a blank line
+            where = f"row {len(rows) + 1} (line {reader.line_num})"
+            if len(values) != len(header):
+                raise DatasetError(
+                    f"dataset.manifest={path}, {where}: {len(values)} columns, the header has "
+                    f"{len(header)} ({','.join(header)}); quote a value that holds a comma "
+                    '(e.g. "a,b.jpg")')
+            rows.append((where, dict(zip(header, values))))
+    except csv.Error as e:
+        raise DatasetError(f"dataset.manifest={path}, line {reader.line_num}: not CSV ({e})"
+                           ) from e
+    return rows
+
+
+INDEX = re.compile(r"\d+")
+NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _label(path: Path, where: str, value: object) -> str | int:
+    """One manifest label: a class index (an int) or a class name (a str); a DatasetError
+    naming the row for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise DatasetError(f"dataset.manifest={path}, {where}: label {value!r} is neither a "
+                           "class index (0, 1, 2...) nor a class name (text)")
+    if isinstance(value, int):
+        text = str(value)
+    elif isinstance(value, float):
+        text = repr(value)
+    else:
+        text = value.strip()
+    if INDEX.fullmatch(text) and not isinstance(value, float):
+        return int(text)
+    if NUMBER.fullmatch(text) or isinstance(value, float):
+        raise DatasetError(f"dataset.manifest={path}, {where}: label {text!r} is a number but "
+                           "not a class index: indices are whole numbers from 0 (10, not "
+                           "10.0), and class names are not numbers; fix the label")
+    return text
+
+
+def _labels(path: Path, rows: list[tuple[str, dict]]) -> tuple[list[str], list[int]]:
+    """The classes and each row's index: every label an index (classes ``0..max``) or every
+    label a name (classes sorted, as folders are); a DatasetError naming the first row that
+    breaks the rule."""
+    values = [_label(path, where, row["label"]) for where, row in rows]
+    kind = type(values[0])
+    for (where, _), value in zip(rows, values):
+        if type(value) is not kind:
+            first = "a class index" if kind is int else "a class name"
+            raise DatasetError(
+                f"dataset.manifest={path}, {where}: label {value!r} is "
+                f"{'a class index' if kind is str else 'a class name'} while row 1's "
+                f"({values[0]!r}) is {first}: give every label as an index or every label as "
+                "a name")
+    if kind is int:
+        return [str(i) for i in range(max(values) + 1)], values  # type: ignore[arg-type]
+    classes = sorted(set(values))  # type: ignore[arg-type]
+    position = {name: k for k, name in enumerate(classes)}
+    return classes, [position[v] for v in values]  # type: ignore[index]
 
 
 def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
@@ -243,33 +321,29 @@ def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
     rows = _manifest_rows(path)
     if not rows:
         raise DatasetError(f"dataset.manifest={path} lists no images")
-    if "path" not in rows[0]:
+    if "path" not in rows[0][1]:
         raise DatasetError(f"dataset.manifest={path} has no 'path' column (its columns: "
-                           f"{', '.join(map(str, rows[0]))}); give each image's path, relative "
-                           "to the manifest's folder")
+                           f"{', '.join(map(str, rows[0][1]))}); give each image's path, "
+                           "relative to the manifest's folder")
     root = path.parent
     files = []
-    for k, row in enumerate(rows, 1):
-        if not str(row.get("path") or "").strip():
-            raise DatasetError(f"dataset.manifest={path}: image {k} has an empty path")
-        files.append(str(root / str(row["path"]).strip()))
-    raw = [row.get("label") for row in rows]
-    given = [r not in (None, "") for r in raw]
+    for where, row in rows:
+        value = row.get("path")
+        if not isinstance(value, str) or not value.strip():
+            raise DatasetError(f"dataset.manifest={path}, {where}: the path is empty or not "
+                               "text; give each image's path, relative to the manifest's "
+                               "folder")
+        files.append(str(root / value.strip()))
+    given = [not (row.get("label") is None or (isinstance(row["label"], str)
+                                               and not row["label"].strip()))
+             for _, row in rows]
     if labels is Labels.none or not any(given):
         return Listing(root, [], [(f, UNLABELLED) for f in files], "manifest")
     if not all(given):
-        raise DatasetError(f"dataset.manifest={path}: image {given.index(False) + 1} has no "
-                           "label while others do; label every image, or none "
+        raise DatasetError(f"dataset.manifest={path}, {rows[given.index(False)][0]}: no "
+                           "label while others have one; label every image, or none "
                            "(dataset.labels=none)")
-    values = [str(r).strip() for r in raw]
-    if all(v.lstrip("-").isdigit() for v in values):
-        indices = [int(v) for v in values]
-        if min(indices) < 0:
-            raise DatasetError(f"dataset.manifest={path}: a label is negative ({min(indices)})")
-        classes = [str(i) for i in range(max(indices) + 1)]
-    else:
-        classes = sorted(set(values))
-        indices = [classes.index(v) for v in values]
+    classes, indices = _labels(path, rows)
     return Listing(root, classes, list(zip(files, indices)), "manifest")
 
 
