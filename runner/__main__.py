@@ -19,6 +19,8 @@ from runner.distributed import scratch_dirs_for_other_ranks
 from runner.outcome import (
     EXIT_USER_ERROR,
     RunDirInUse,
+    RunDirUnusable,
+    check_run_folder,
     claim_given_run_dir,
     is_user_error,
     one_line,
@@ -55,8 +57,9 @@ def cli() -> None:
     check_command_line(sys.argv[1:])
     sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
     try:
+        check_run_folder(sys.argv[1:])  # one line, not Hydra's traceback, when unusable
         claim_given_run_dir(sys.argv[1:])  # held until the process ends
-    except RunDirInUse as e:
+    except (RunDirInUse, RunDirUnusable) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     try:

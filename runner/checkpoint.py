@@ -97,6 +97,38 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
     return path
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Remove the half-written checkpoints (``.checkpoint.pt.tmp<pid>``, as ``save`` writes
+    them) that a run killed mid-write (kill -9, an OOM kill) left in ``folder``: those whose
+    process is gone; said in one line. Returns what was removed."""
+    removed = []
+    for tmp in Path(folder).glob(".*.pt.tmp*"):
+        pid = tmp.name.rpartition(".tmp")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            size = tmp.stat().st_size
+            tmp.unlink()
+        except OSError:
+            continue
+        removed.append((tmp, size))
+    if removed:
+        log.info("removed %d half-written checkpoint file(s) left by a run killed while "
+                 "writing one (%.1f MB): %s", len(removed), sum(n for _, n in removed) / 1e6,
+                 ", ".join(t.name for t, _ in removed))
+    return [t for t, _ in removed]
+
+
 def check_finite_weights(weights: dict[str, torch.Tensor], steps: int, path: Path) -> None:
     """Refuse (``Diverged``) to write weights holding a NaN or an infinity over ``path``:
     one sync for all of them (a checkpoint syncs anyway)."""
@@ -132,6 +164,8 @@ class Checkpointer:
         self.task, self.run_dir, self.config, self.paused = task, Path(run_dir), config, paused
         self.extra = extra
         self.last_write = time.monotonic()
+        if task.checkpoint:
+            remove_stale_partials(self.run_dir)
 
     def _due(self, done: int, epoch_end: int | None) -> bool:
         t = self.task

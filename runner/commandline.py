@@ -207,8 +207,28 @@ def unknown_choice_message(override: str) -> str | None:
         return None
     for choice in (v.strip() for v in value.split(",")):
         if choice and choice != "null" and choice not in presets:
+            hint = model_name_hint(choice) if group == "model" else None
             return (f"{group}={choice}: there is no {group} preset {choice!r}; the choices "
-                    f"are {', '.join(presets)}.{_did_you_mean(choice, presets, f'{group}=')}")
+                    f"are {', '.join(presets)}."
+                    f"{hint or _did_you_mean(choice, presets, f'{group}=')}")
+    return None
+
+
+def model_name_hint(name: str) -> str | None:
+    """For ``model=mobilenet_v3_small``: a model's name given as a preset of ``model``; what
+    was meant (``model.name=mobilenet_v3_small``), when torchvision (or timm) has it."""
+    from runner.model import torchvision_classifiers, torchvision_segmenters
+
+    if name in torchvision_classifiers() or name in torchvision_segmenters():
+        return (f" {name} is a torchvision model: give model.name={name} "
+                f"(not model={name}).")
+    try:
+        import timm
+    except ImportError:
+        return None
+    if timm.is_model(name):
+        return (f" {name} is a timm model: give model=timm model.name={name} "
+                f"(not model={name}).")
     return None
 
 

@@ -21,6 +21,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,10 @@ EXIT_USER_ERROR = 2
 
 class RunDirInUse(UserError):
     """Another live run holds this run folder."""
+
+
+class RunDirUnusable(UserError):
+    """The run folder cannot be made or written: a read-only place, or a file's name."""
 
 
 def is_user_error(error: BaseException) -> bool:
@@ -333,4 +338,62 @@ def claim_given_run_dir(argv: list[str]) -> RunDirClaim | None:
     given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
     if not given or "${" in given[-1]:
         return None
-    return RunDirClaim(Path(given[-1])).__enter__()
+    try:
+        return RunDirClaim(Path(given[-1])).__enter__()
+    except OSError as e:  # not BlockingIOError: that is RunDirInUse
+        raise RunDirUnusable(_unusable("hydra.run.dir", given[-1], Path(given[-1]), e)
+                             ) from None
+
+
+_INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
+               "--shell-completion")
+
+
+def _default_dir(kind: str) -> str:
+    from omegaconf import OmegaConf
+
+    from runner.config import config_dir
+
+    conf = OmegaConf.load(config_dir() / "config.yaml")
+    return str(OmegaConf.to_container(conf, resolve=False)["hydra"][kind]["dir"])
+
+
+def _unusable(key: str, given: str, folder: Path, e: OSError) -> str:
+    """One line: why the run folder ``folder`` (from ``key=given``) cannot be made."""
+    if e.errno in (errno.EEXIST, errno.ENOTDIR):
+        return (f"{key}={given} names a file, not a folder ({e.strerror}: {e.filename}): "
+                f"give {key}=<a folder> (a new one is made)")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"cannot write the run folder {key}={given}: {e.strerror} ({e.filename}); "
+        if given == _default_dir(key.split(".")[1]):
+            return (f"{why}the working folder {os.getcwd()} is read-only: run from a folder "
+                    f"you can write, or give {key}=<a folder you can write>")
+        return f"{why}give {key}=<a folder you can write>"
+    return f"cannot make the run folder {key}={given}: {e.strerror or e} ({e.filename})"
+
+
+def check_run_folder(argv: list[str]) -> None:
+    """Before Hydra writes anything: a run (``-m``: sweep) folder that cannot be made (a
+    read-only working or output folder, ``hydra.run.dir`` naming a file) is refused with
+    RunDirUnusable, in one line, instead of Hydra's traceback. A folder named with an
+    interpolation (the default: a time and a process id) is checked at its fixed part:
+    there, a folder must be creatable."""
+    if any(a in _INFO_FLAGS for a in argv):
+        return
+    kind = "sweep" if any(a in ("-m", "--multirun") for a in argv) else "run"
+    key = f"hydra.{kind}.dir"
+    given = [a.split("=", 1)[1] for a in argv if a.startswith(f"{key}=")]
+    text = given[-1] if given else _default_dir(kind)
+    static, interpolated, _ = text.partition("${")
+    if not interpolated:
+        folder = Path(text)
+    else:
+        folder = Path(static) if static.endswith("/") or not static else Path(static).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():  # mkdir(exist_ok) says nothing of a file by that name
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+        if interpolated:  # the run's own folder is made in here: can it be?
+            os.rmdir(tempfile.mkdtemp(prefix=".runner-probe-", dir=folder))
+    except OSError as e:
+        raise RunDirUnusable(_unusable(key, text, folder, e)) from None

@@ -21,6 +21,7 @@ from pathlib import Path
 from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.storage.base import Storage, StorageKind
 from runner.data.storage.decode import DECODERS, concrete_decoder
+from runner.data.storage.listing import check_no_loop
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 from runner.errors import ConfigError
 
@@ -44,8 +45,10 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
     """``dataset.manifest`` or ``dataset.path``, or the generated default dataset (made
     once, then reused)."""
     if cfg.manifest is not None:
+        check_no_loop(Path(cfg.manifest).expanduser(), "dataset.manifest")
         return Path(cfg.manifest).expanduser()
     if cfg.path is not None:
+        check_no_loop(Path(cfg.path).expanduser(), "dataset.path")
         return Path(cfg.path).expanduser()
     spec = SyntheticSpec(cfg.num_images, cfg.num_classes, *cfg.source_size, quality=cfg.quality)
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)

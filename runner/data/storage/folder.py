@@ -77,7 +77,9 @@ class FolderStorage(torch.utils.data.Dataset):
         self.root, self.classes, self.samples = listing.root, listing.classes, listing.samples
         self.decode = decode
         self.on_corrupt = on_corrupt
-        self.known_skipped: list[SkippedFile] = []
+        # files the listing left out (a FIFO, a socket: a read would wait forever)
+        self.known_skipped: list[SkippedFile] = [SkippedFile(p, f"{UNREADABLE}: {why}")
+                                                 for p, why in listing.skipped]
 
     def _serve(self, folder: FolderStorage, keep: list[int], skipped: list[SkippedFile]
                ) -> None:

@@ -21,18 +21,22 @@ images, or a manifest (``dataset.path``, ``dataset.labels``, ``dataset.manifest`
 Images are the files PIL reads: JPEG, PNG, WebP, BMP, TIFF, GIF (the first frame), by their
 extension in a folder; anything a manifest lists. Files of other extensions are counted and
 said, never silently left out; a listed file that is no image is skipped at its first read
-with its reason.
+with its reason. A file that is not a regular file (a FIFO, a socket, a device: a read would
+wait forever) is left out while listing, counted and said, and reported as skipped; a
+``dataset.path`` that is a symbolic link loop is refused in one line.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.config import DatasetConfig, Labels, Split
@@ -64,12 +68,15 @@ class Listing:
         classes: class names by index; empty for unlabelled images.
         samples: (path, label) per image; the label is ``UNLABELLED`` (-1) when there is none.
         how: "class folders", "unlabelled" or "manifest".
+        skipped: (path, why) of the files left out while listing: not regular files (a
+            FIFO, a socket, a device), which a read would wait on forever.
     """
 
     root: Path
     classes: list[str]
     samples: list[tuple[str, int]]
     how: str
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def labelled(self) -> bool:
@@ -84,28 +91,67 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def walk(top: Path, refuse: list[str] = ()) -> tuple[list[tuple[str, list[str]]], list[str]]:
+def special_kind(mode: int) -> str:
+    """What a file that is neither a regular file nor a folder is (by its ``st_mode``)."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def walk(top: Path, refuse: list[str] = ()
+         ) -> tuple[list[tuple[str, list[str]]], list[str], list[tuple[str, str]]]:
     """(folder, file names) below ``top``, following links to folders as ImageFolder does,
     but entering each real folder once (a link that loops back, ``ln -s .. loop``, would
     otherwise be walked until the path is too long), and never a folder whose real path is
     inside one of ``refuse`` or holds ``refuse[0]`` (the dataset's root). Returns what was
-    walked and the links that were not."""
+    walked, the links that were not, and (path, why) of the files that are not regular
+    files (a FIFO, a socket, a device: reading one would wait forever), left out of the
+    file names. A link to nothing stays a file name: its first read says so."""
     seen: set[tuple[int, int]] = set()
-    found, refused = [], []
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
-        st = os.stat(dirpath)
+    found, refused, special = [], [], []
+    stack = [str(top)]
+    while stack:
+        dirpath = stack.pop()
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            continue
         if (st.st_dev, st.st_ino) in seen:
-            dirnames[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
         real = os.path.realpath(dirpath)
         if refuse and dirpath != str(top) and (
                 _inside(refuse[0], real) or any(_inside(real, r) for r in refuse[1:])):
             refused.append(dirpath)
-            dirnames[:] = []
             continue
-        found.append((dirpath, filenames))
-    return found, refused
+        try:
+            with os.scandir(dirpath) as it:
+                entries = list(it)
+        except OSError:  # unreadable folder: os.walk's default, too
+            continue
+        files, dirs = [], []
+        for entry in entries:
+            try:
+                if entry.is_dir():
+                    dirs.append(entry.name)
+                elif entry.is_file() or not os.path.exists(entry.path):
+                    files.append(entry.name)  # a regular file, or a link to nothing
+                elif not entry.name.startswith("."):
+                    special.append((entry.path, special_kind(entry.stat().st_mode)))
+            except OSError:
+                files.append(entry.name)  # its first read says what is wrong
+        found.append((dirpath, files))
+        stack.extend(os.path.join(dirpath, d) for d in sorted(dirs, reverse=True))
+    return found, refused, special
+
+
+def say_special(root: Path, special: list[tuple[str, str]]) -> None:
+    if special:
+        log.warning("%d files under %s are not regular files and were skipped (reading one "
+                    "would wait forever), e.g. %s (%s)", len(special), printable(str(root)),
+                    printable(special[0][0]), special[0][1])
 
 
 class Ignored:
@@ -140,22 +186,25 @@ def find_classes(root: Path) -> list[str]:
     return sorted(entry.name for entry in entries if entry.is_dir())
 
 
-def scan_images(root: Path, classes: list[str]) -> list[tuple[str, int]]:
+def scan_images(root: Path, classes: list[str], special: list | None = None
+                ) -> list[tuple[str, int]]:
     """(path, class index) for every image, in ImageFolder's order (sorted walk per class).
 
     Links are followed as ImageFolder follows them, with one exception, said in a warning:
     a folder link that leads back to the root, or into another class's folder, is not
-    entered (its images would be listed again, under the wrong label).
+    entered (its images would be listed again, under the wrong label). Files that are not
+    regular files are left out, said, and added to ``special`` as (path, why).
     """
     real = {name: os.path.realpath(root / name) for name in classes}
-    samples, refused, ignored = [], [], Ignored()
+    samples, refused, ignored, found_special = [], [], Ignored(), []
     for label, name in enumerate(classes):
         if any(real[name] == real[other] for other in classes[:label]):
             refused.append(str(root / name))  # a second name for a class folder listed already
             continue
         others = [r for other, r in real.items() if other != name and r != real[name]]
-        walked, links = walk(root / name, [os.path.realpath(root), *others])
+        walked, links, odd = walk(root / name, [os.path.realpath(root), *others])
         refused += links
+        found_special += odd
         for dirpath, filenames in sorted(walked):
             for filename in sorted(filenames):
                 if ignored.keep(dirpath, filename):
@@ -165,18 +214,25 @@ def scan_images(root: Path, classes: list[str]) -> list[tuple[str, int]]:
                     "and were not followed (their images would be listed again under another "
                     "label): %s", len(refused), ", ".join(printable(p) for p in refused[:5]))
     ignored.say(root)
+    say_special(root, found_special)
+    if special is not None:
+        special += found_special
     return samples
 
 
-def scan_unlabelled(root: Path) -> list[tuple[str, int]]:
-    """Every image under ``root``, recursively, in sorted order, unlabelled."""
+def scan_unlabelled(root: Path, special: list | None = None) -> list[tuple[str, int]]:
+    """Every image under ``root``, recursively, in sorted order, unlabelled (files that are
+    not regular files left out, said, and added to ``special``)."""
     samples, ignored = [], Ignored()
-    walked, _ = walk(root, [os.path.realpath(root)])
+    walked, _, odd = walk(root, [os.path.realpath(root)])
     for dirpath, filenames in sorted(walked):
         for filename in sorted(filenames):
             if ignored.keep(dirpath, filename):
                 samples.append((os.path.join(dirpath, filename), UNLABELLED))
     ignored.say(root)
+    say_special(root, odd)
+    if special is not None:
+        special += odd
     return sorted(samples, key=lambda s: os.path.relpath(s[0], root).split(os.sep))
 
 
@@ -186,6 +242,7 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
     if path is None:
         raise DatasetError("dataset.path is not set")
     root = Path(path).expanduser()
+    check_no_loop(root, "dataset.path")
     if not root.is_dir():
         raise DatasetError(
             f"dataset.path={str(path)!r} does not exist or is not a folder; point it at a "
@@ -193,8 +250,9 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
             "dataset.manifest=<file.csv>, or leave both unset for the default dataset")
     top = [e.name for e in os.scandir(root) if e.is_file() and is_image_name(e.name)]
     classes = [] if labels is Labels.none else find_classes(root)
+    special: list[tuple[str, str]] = []
     if labels is Labels.none or (labels is Labels.auto and (top or not classes)):
-        samples = scan_unlabelled(root)
+        samples = scan_unlabelled(root, special)
         if not samples:
             raise DatasetError(f"dataset.path={str(path)!r} holds no images "
                                f"({' '.join(EXTENSIONS)})")
@@ -202,11 +260,11 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
         log.info("dataset.path=%s: %d unlabelled images (%s; read recursively, in sorted "
                  "order, named by their path in the folder)", printable(str(root)),
                  len(samples), why)
-        return Listing(root, [], samples, "unlabelled")
+        return Listing(root, [], samples, "unlabelled", special)
     if not classes:
         raise DatasetError(f"dataset.path={str(path)!r} has no class folders (dataset.labels="
                            "folders): one sub-folder per class, or dataset.labels=auto")
-    samples = scan_images(root, classes)
+    samples = scan_images(root, classes, special)
     if not samples:
         raise DatasetError(f"dataset.path={str(path)!r} has no images in its class folders "
                            f"({' '.join(EXTENSIONS)})")
@@ -215,7 +273,19 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
     if empty:
         log.warning("class folders with no images (kept, so indices match ImageFolder): %s",
                     ", ".join(empty))
-    return Listing(root, classes, samples, "class folders")
+    return Listing(root, classes, samples, "class folders", special)
+
+
+def check_no_loop(path: Path, key: str) -> None:
+    """A DatasetError, in one line, when ``path`` is a link that leads back to itself
+    (``ln -s loop loop``): nothing could be read through it."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DatasetError(f"{key}={printable(str(path))} is a symbolic link loop (it "
+                               "leads back to itself); point it at the real folder or file"
+                               ) from None
 
 
 def _manifest_rows(path: Path) -> list[tuple[str, dict]]:
@@ -315,6 +385,7 @@ def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
     """The images a manifest lists, in its order, with their labels (a ``label`` column of
     class indices or names; none, or ``dataset.labels=none``: unlabelled)."""
     path = Path(path).expanduser()
+    check_no_loop(path, "dataset.manifest")
     if not path.is_file():
         raise DatasetError(f"dataset.manifest={path} does not exist or is not a file; give a "
                            "CSV (header: path[,label]) or a JSON-lines file")
@@ -351,6 +422,7 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
     """What ``dataset.*`` lists at ``path``: a manifest file, or a folder; with
     ``dataset.val_fraction``, the side of its split that ``dataset.split`` names."""
     path = Path(path).expanduser()
+    check_no_loop(path, "dataset.path")
     listing = read_manifest(path, dataset.labels) if path.is_file() else \
         open_image_folder(path, dataset.labels)
     if dataset.val_fraction > 0:
@@ -371,4 +443,4 @@ def split_listing(listing: Listing, fraction: float, seed: int, held_out: bool) 
     log.info("dataset.val_fraction=%g: %d of %d images %s", fraction, len(samples), n,
              "held out for validation" if held_out else "trained on")
     return Listing(listing.root, listing.classes, samples, f"{listing.how}, "
-                   f"{'validation' if held_out else 'training'} split")
+                   f"{'validation' if held_out else 'training'} split", listing.skipped)
