@@ -169,11 +169,15 @@ class Reduce:
 
     Args:
         cfg: the task (outputs, topk, embed_layer, postprocess).
-        network: the eager network (for the embedding tap), before it is compiled.
+        network: the eager network (for the embedding tap), before it is compiled. None:
+            no network to tap, and so no embeddings kept (the verdict's timed forward,
+            which writes nothing).
     """
 
     def __init__(self, cfg: TaskConfig, network: nn.Module | None):
         self.outputs, self.topk = list(cfg.outputs), cfg.topk
+        if network is None and Output.embeddings in self.outputs:
+            self.outputs.remove(Output.embeddings)
         self.tap = Tap(network, cfg.embed_layer) if Output.embeddings in self.outputs else None
         self.target = cfg.postprocess
         self.postprocess = load_postprocess(cfg.postprocess)

@@ -25,7 +25,6 @@ from runner.config import (
     AugmentConfig,
     Config,
     Crop,
-    Output,
     PageCache,
     PrefetchConfig,
     PrefetchName,
@@ -342,13 +341,10 @@ class InferStep:
                  amp: AmpConfig | None = None, device: torch.device | None = None,
                  first_step: int = 0):
         self.models = {name: m.eval() for name, m in models.items()}
-        if reducers is None:  # the forward timed with its reduction, nothing to write
-            # (the verdict's probe): without the eager network there is no layer to tap
-            # for embeddings, and no writer to take them
-            kept = [o for o in cfg.outputs if o is not Output.embeddings]
-            reducers = {name: Reduce(dataclasses.replace(cfg, outputs=kept), None)
-                        for name in models}
-        self.reducers = reducers
+        # no reducers: the forward timed with its reduction, nothing written (the
+        # verdict's probe; with no network to tap, no embeddings)
+        self.reducers = reducers if reducers is not None else {
+            name: Reduce(cfg, None) for name in models}
         self.outputs = outputs
         self.device = device or torch.device("cpu")
         amp = amp or AmpConfig(AmpName.off)

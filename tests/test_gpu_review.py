@@ -32,13 +32,18 @@ def test_a_tensorrt_engine_giving_a_dict_is_read_back_in_float32():
         out["out"], 2.0))
 
 
-def test_the_verdicts_infer_step_takes_a_task_with_embeddings():
-    """The verdict builds its InferStep without reducers: a task keeping embeddings must
-    still give a step that runs (it used to fail building a Tap of no network)."""
+@pytest.mark.parametrize("task", [
+    {"outputs": [Output.topk, Output.embeddings]},
+    {"outputs": [Output.embeddings], "embed_layer": "features.2"},
+], ids=["topk-embeddings", "embeddings-of-a-layer"])
+def test_the_verdicts_infer_step_takes_a_task_with_embeddings(task):
+    """The verdict builds its InferStep without reducers: a task keeping embeddings (of
+    a named layer too, or nothing else) must still give a step that runs (it used to fail
+    building a Tap of no network)."""
     from runner.task import make_step
 
     model = build_model(ModelConfig("tiny"), 4, CPU)
-    task = TaskConfig(TaskName.infer, outputs=[Output.topk, Output.embeddings])
+    task = TaskConfig(TaskName.infer, **task)
     step = make_step(task, {"tiny": model}, AmpConfig(AmpName.off), CPU, total_steps=2)
     batch = TensorDict({"image": torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8),
                         "label": torch.zeros(3, dtype=torch.long),
