@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.data.threads import cuda_index
 from runner.distributed import local_module
 from runner.errors import Diverged, UserError
 
@@ -352,8 +353,8 @@ def _rank_world() -> tuple[int, int]:
 
 def _cuda_index(device: torch.device | None) -> int:
     """The run's CUDA device: ``device``'s, else the current one (pick_device sets it)."""
-    if device is not None and device.type == "cuda" and device.index is not None:
-        return device.index
+    if device is not None and device.type == "cuda":
+        return cuda_index(device)
     return torch.cuda.current_device()
 
 

@@ -56,7 +56,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,7 +84,6 @@ class Check:
     run: Callable[[argparse.Namespace], list[Row]]
     packages: tuple[str, ...] = ()  # importable modules it needs beyond the project's
     cuda: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def on_cuda() -> bool:
@@ -112,8 +111,6 @@ def _ms(fn: Callable[[], None], repeats: int) -> float:
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
 
-
-_events_ms = _ms
 
 
 def _sync() -> None:
@@ -635,7 +632,7 @@ def check_transfers(size: int, batch: int) -> list[Row]:
     for dtype in (torch.uint8, torch.float32):
         for pinned in (True, False):
             host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
-            times[dtype, pinned] = _events_ms(lambda h=host: h.to(device, non_blocking=True), 10)
+            times[dtype, pinned] = _ms(lambda h=host: h.to(device, non_blocking=True), 10)
     u8, f32 = times[torch.uint8, True], times[torch.float32, True]
     nbytes = batch * 3 * size * size
     rows.append(Row("uint8 vs float32 transfer (pinned)", f32 / u8 > 3.0,
@@ -676,7 +673,7 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
             with torch.inference_mode():
                 engine(x)
 
-        e_ms, t_ms = _events_ms(eager, 20), _events_ms(trt, 20)
+        e_ms, t_ms = _ms(eager, 20), _ms(trt, 20)
         rows.append(Row("compile=tensorrt fp16 vs eager fp16, resnet50 (>= 1.5x), verified",
                         e_ms / t_ms >= 1.5, f"{e_ms:.2f} vs {t_ms:.2f} ms ({e_ms / t_ms:.2f}x, "
                                             f"max diff {diff:.3g}, built in {seconds:.0f} s)"))

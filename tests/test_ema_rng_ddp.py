@@ -11,15 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner import checkpoint
-from runner.config import TaskConfig, TaskName
-from runner.model import UInt8Input
 from runner.optim import AveragedNetwork, Ema
 from runner.task import TrainStep
+from tests.test_training import batches, small_model, task
 
 # --- the EMA ----------------------------------------------------------------------------
 
@@ -201,24 +199,6 @@ def keep_cpu_rng():
     state = torch.get_rng_state()
     yield
     torch.set_rng_state(state)
-
-
-def small_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(UInt8Input(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 8),
-                                                     nn.ReLU(), nn.Linear(8, 3)))
-
-
-def batches(n: int, size: int = 4, seed: int = 0) -> list[TensorDict]:
-    g = torch.Generator().manual_seed(seed)
-    return [TensorDict({"image": torch.randint(0, 256, (size, 3, 4, 4), generator=g,
-                                               dtype=torch.uint8),
-                        "label": torch.randint(0, 3, (size,), generator=g)},
-                       batch_size=[size]) for _ in range(n)]
-
-
-def task(**kwargs) -> TaskConfig:
-    return TaskConfig(TaskName.train, **kwargs)
 
 
 def test_a_checkpoint_from_an_8_gpu_node_resumes_on_a_1_gpu_node(tmp_path: Path, monkeypatch):
