@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runner.atomic import write_json
+from runner.atomic import write_atomic, write_json
 from runner.checkpoint import CheckpointError
 from runner.config import (
     Config,
@@ -618,9 +618,7 @@ def finalize(run_dir: Path) -> None:
         if files.is_file():
             lines = files.read_bytes().split(b"\n")[:-1]
             if len(lines) == len(written):  # not kept yet
-                tmp = run_dir / f".{FILES}.tmp"
-                tmp.write_bytes(b"".join(lines[i] + b"\n" for i in keep.tolist()))
-                os.replace(tmp, files)
+                write_atomic(files, b"".join(lines[i] + b"\n" for i in keep.tolist()))
     mark.unlink()
 
 
