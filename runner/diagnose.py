@@ -79,11 +79,13 @@ class Verdict:
     ceilings: dict[str, float]  # images/s of each stage alone (median of its bursts)
     storage: dict[str, float] | None = None  # a cold sequential read: MB/s, files/s
     spread: dict[str, dict[str, float]] | None = None  # each ceiling's min/q1/median/q3/max
+    # several models in one pass: each model alone, images/s (median and spread of its bursts)
+    models: dict[str, dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"bound": self.bound, "stage": self.stage, "sentence": self.sentence,
                 "ceilings": self.ceilings, "ceiling_spread": self.spread,
-                "storage": self.storage}
+                "storage": self.storage, "models": self.models}
 
 
 @dataclass
@@ -278,12 +280,24 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
     ceilings = data_ceilings(cfg, storage, data.device, data.pin_memory, read if cold else None)
     for stage, rate in in_loop_stages(figures, world).items():  # the device crops' own rate
         ceilings.add(stage, [rate])
+    alone: dict[str, dict[str, Any]] | None = None
     if models:  # every model of the pass, on device-resident synthetic batches
         local = {name: local_module(m) for name, m in models.items()}  # no collectives
+        # an unlabelled dataset has no classes: its synthetic labels are drawn from one
+        classes = max(1, len(storage.classes))
+        left = max(budget - (time.perf_counter() - start), 1.0)
+        # several models: the pass as a whole gets half the budget, each model alone a share
+        # of the other half (which one holds the pass back)
+        share = left / 2 if len(local) > 1 else left
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
-        left = budget - (time.perf_counter() - start)
-        ceilings.add("model", model_ceiling(step, cfg, len(storage.classes), data.device,
-                                            max(left, 1.0)))
+        ceilings.add("model", model_ceiling(step, cfg, classes, data.device, share))
+        if len(local) > 1:
+            alone = {}
+            for name, module in local.items():
+                one = make_step(cfg.task, {name: module}, step_amp(cfg), data.device, 64)
+                q = quantiles(model_ceiling(one, cfg, classes, data.device,
+                                            max(share / len(local), 0.5)))
+                alone[name] = {"images_per_sec": q["median"], "spread": q}
     flag = far_below(figures, ceilings, world)
     if flag is not None:  # the run's own flags say it, and so does the verdict
         figures.setdefault("flags", []).append(flag)
@@ -293,6 +307,10 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
     result = verdict(cfg, figures, ceilings, world, data.device.type == "cpu",
                      decoders=_parallelism(cfg, storage) if storage.decodes_per_epoch else 0)
     result.storage = read
+    result.models = alone
+    if alone:  # which model holds the pass back
+        each = ", ".join(f"{name} {m['images_per_sec']:,.0f}" for name, m in alone.items())
+        result.sentence += f" Each model alone (img/s): {each}."
     return result
 
 

@@ -35,6 +35,7 @@ from runner.config import (
 )
 from runner.data import DataPath, build_data_path
 from runner.errors import ConfigError, Diverged
+from runner import timeline
 from runner.metrics import DeviceClock
 from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.outputs import Outputs, Reduce
@@ -351,6 +352,10 @@ class InferStep:
         self.autocast = lambda: autocast(amp, self.device)
         self.clock = DeviceClock(self.device)
         self._spans: dict[str, list] = {name: [] for name in models}
+        # the loop's pass (not the verdict's probe, which has no reducers) draws each model
+        # on a lane; host times are the models' own times on the CPU only
+        self._lanes = (len(models) > 1 and reducers is not None and not self.clock.cuda
+                       and timeline.enabled())
         self._seconds = dict.fromkeys(models, 0.0)
         self.images = 0
         self.step = first_step
@@ -372,7 +377,10 @@ class InferStep:
                 reduce = self.reducers[name]
                 reduce.start()
                 kept = reduce(model(batch["image"]), batch)
-                self._spans[name].append((start, self.clock.now()))
+                end = self.clock.now()
+                self._spans[name].append((start, end))
+                if self._lanes:  # each model its own lane of the timeline
+                    timeline.record("model", start, end, sub=f"model {name}")
                 if self.outputs is not None:
                     self.outputs.submit(self.step, name, batch["index"], batch["label"], kept,
                                         valid)

@@ -7,7 +7,9 @@ next batch, gathers, the copy to the device, augmentation and the model step. Wo
 append their spans to a file per process in the run folder after each batch. After the
 loop, the spans of a few consecutive steps after warm-up are drawn as one lane per
 process/thread: ``timeline.png``, with the data in ``timeline.json``. Overlap, or its
-absence, shows at a glance.
+absence, shows at a glance. A pass of several models draws each model's forward (with its
+reduction) on a lane of its own under the main thread's (on the CPU, where host time is
+the model's time).
 
 Recording costs two clock reads and one append per span; each process keeps at most
 ``LIMIT`` spans, so a long run records its beginning only (which is where the window is).
@@ -78,9 +80,11 @@ def lane() -> str:
     return name
 
 
-def record(stage: str, start: float, end: float) -> None:
+def record(stage: str, start: float, end: float, sub: str | None = None) -> None:
+    """A span of ``stage`` on this thread's lane (``sub``: a lane of its own under it, as
+    each model of a multi-model pass has)."""
     if _state["dir"] is not None and len(_spans) < LIMIT:
-        _spans.append((lane(), stage, start, end))
+        _spans.append((lane() if sub is None else f"{lane()}/{sub}", stage, start, end))
 
 
 @contextlib.contextmanager
@@ -126,7 +130,8 @@ def collect(start: float, end: float) -> list[tuple[str, str, float, float]]:
 
 
 COLORS = {"read": "#8c564b", "decode": "#d62728", "gather": "#9467bd", "collate": "#e377c2",
-          "wait": "#bbbbbb", "copy": "#ff7f0e", "augment": "#bcbd22", "step": "#2ca02c"}
+          "wait": "#bbbbbb", "copy": "#ff7f0e", "augment": "#bcbd22", "step": "#2ca02c",
+          "model": "#17becf"}
 
 
 def _lane_order(name: str) -> tuple:

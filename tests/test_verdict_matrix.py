@@ -1,0 +1,83 @@
+"""The bottleneck verdict works on every job: training and inference, labelled and
+unlabelled images, every output kind, one model or several (each model then timed alone in
+metrics.json and drawn on its own lane of the timeline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import encode, make_tree, photo, run_in_process
+
+from runner.config import ModelConfig
+from runner.model import build_model
+
+BASE = ["logger=none", "diagnose=true", "dataset.image_size=[32,32]", "loader.batch_size=4",
+        "run.warmup_steps=1", "run.window_seconds=0.05"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("verdict")
+    labelled = make_tree(root / "labelled", {
+        f"{c}/{k}.jpg": encode(photo(40, 52, 10 * i + k))
+        for i, c in enumerate(["cat", "dog", "owl"]) for k in range(8)})
+    flat = make_tree(root / "flat", {f"{k:02d}.jpg": encode(photo(40, 52, k)) for k in range(24)})
+    torch.manual_seed(0)
+    for name, classes in (("a", 3), ("b", 5)):
+        torch.save(build_model(ModelConfig("tiny"), classes, torch.device("cpu"))[1].state_dict(),
+                   root / f"{name}.pt")
+    return {"labelled": labelled, "flat": flat, "root": root}
+
+
+def two_models(root: Path) -> str:
+    return (f"+models=[{{name:tiny,weights:{root / 'a.pt'},alias:a}},"
+            f"{{name:tiny,weights:{root / 'b.pt'},alias:b}}]")
+
+
+CASES = {
+    "train": ("labelled", ["task=train", "model=tiny", "run.steps=8"], False),
+    "infer-labelled-classes": ("labelled", ["task=infer", "model=tiny", "task.outputs=[topk]"],
+                               False),
+    "infer-unlabelled-classes": ("flat", ["task=infer", "model=tiny", "model.weights={a}",
+                                          "task.outputs=[topk]"], False),
+    "infer-unlabelled-every-output": ("flat", ["task=infer", "model=tiny", "model.weights={a}",
+                                               "task.outputs=[topk,probs,logits,embeddings]"],
+                                      False),
+    "infer-labelled-two-models-embeddings": ("labelled", ["task=infer",
+                                                          "task.outputs=[topk,embeddings]"],
+                                             True),
+    "infer-unlabelled-two-models": ("flat", ["task=infer", "task.outputs=[probs,embeddings]"],
+                                    True),
+    "data-only": ("flat", ["task=infer", "model=none"], False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_verdict_works_on_every_job(case: str, data: dict[str, Path], tmp_path: Path):
+    source, over, several = CASES[case]
+    over = [o.replace("{a}", str(data["root"] / "a.pt")) for o in over]
+    if several:
+        over.append(two_models(data["root"]))
+    run = tmp_path / "run"
+    m = run_in_process(*BASE, f"dataset.path={data[source]}", *over, run_dir=run)
+    assert m["status"] == "ok"
+    b = m["bottleneck"]
+    assert "error" not in b, b
+    assert b["bound"] in ("data", "model") and b["sentence"]
+    if "model=none" in over:
+        assert "model" not in b["ceilings"]
+    else:
+        assert b["ceilings"]["model"] > 0
+    if not several:
+        assert b["models"] is None
+        return
+    # several models: each timed alone, named in the sentence, drawn on its own lane
+    assert set(b["models"]) == {"a", "b"}
+    assert all(v["images_per_sec"] > 0 for v in b["models"].values())
+    assert "Each model alone" in b["sentence"]
+    lanes = {s["lane"] for s in json.loads((run / "timeline.json").read_text())["spans"]}
+    assert {"main/model a", "main/model b"} <= lanes, lanes
