@@ -44,7 +44,10 @@ and ``.npy`` rows are written in place by dataset index (a row per listed image 
 run goes on, and ``.written.npy`` marks the rows written), so a run stopped and continued
 with ``resume=auto`` writes exactly the bytes an uninterrupted run writes. When the run
 completes, the parts are joined and the arrays and ``files.txt`` keep the written rows only
-(``finalize``). ``infer-state.json`` records, after every pending write has landed, how many
+(``finalize``). Until then the arrays and ``files.txt`` carry ``.partial`` after their names
+(``a.probs.npy.partial``, ``files.txt.partial``): a stopped run's rows that were never
+written are zeros, and no reader looking for ``*.npy`` takes them for a finished output;
+``finalize`` renames them. ``infer-state.json`` records, after every pending write has landed, how many
 steps are done and everything that shaped the outputs (``identity``: the models, their
 weights files by path, size and time, normalization, sizes and crop, the outputs asked,
 amp, compile, the decoder): a resume with any of them changed is refused in one line
@@ -91,6 +94,7 @@ log = logging.getLogger(__name__)
 ARRAYS = (Output.probs, Output.logits, Output.embeddings)
 FILES = "files.txt"
 STATE = "infer-state.json"
+PARTIAL = ".partial"  # after the name of an array or files.txt until the run completes
 WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
 
@@ -339,7 +343,8 @@ class ModelWriter:
             if name.startswith("topk_") or name == "masks":
                 continue
             path = Path(run_dir) / f"{label}.{name.removeprefix('post.')}.npy"
-            self.arrays[name] = open_rows(path, (count, *row), dtype, create)
+            self.arrays[name] = open_rows(unfinished(path, create), (count, *row), dtype,
+                                          create)
         self.rows = 0
         self.lock = threading.Lock()
 
@@ -396,10 +401,23 @@ class ModelWriter:
             parts = [self.parts / f"{k:08d}.csv" for k in range(steps)]
             join_csv(self.csv, [p for p in parts if p.exists()], header=HEADER)
 
-    def files(self) -> list[str]:
+    def files(self, complete: bool = True) -> list[str]:
+        """Its files: the names they have once the run completes (``finalize``), or, for a
+        run stopped short, the ``.partial`` names they keep until then."""
         out = [str(self.csv)] if self.topk else []
-        out += [str(a.filename) for a in self.arrays.values()]
+        out += [str(a.filename).removesuffix(PARTIAL) if complete else str(a.filename)
+                for a in self.arrays.values()]
         return out + ([str(self.masks)] if self.masks is not None else [])
+
+
+def unfinished(path: Path, create: bool = True) -> Path:
+    """Where ``path`` (an array, ``files.txt``) is written until the run completes: with
+    ``.partial`` after its name. Continuing a run (``create`` False) that an older runner
+    wrote under the final name, that file is moved there first, rows and all."""
+    partial = path.with_name(path.name + PARTIAL)
+    if not create and not partial.exists() and path.is_file():
+        os.replace(path, partial)
+    return partial
 
 
 def open_rows(path: Path, shape: tuple[int, ...], dtype: np.dtype, create: bool) -> np.memmap:
@@ -506,11 +524,12 @@ class Outputs:
         rows = {name: w.rows for name, w in self.writers.items()}
         return {"predictions": rows if len(rows) > 1 else next(iter(rows.values())),
                 "write_wait_seconds": self.wait_seconds,
-                "outputs": {name: w.files() for name, w in self.writers.items()}}
+                "outputs": {name: w.files(complete) for name, w in self.writers.items()}}
 
     def array_files(self) -> list[str]:
-        """The ``.npy`` files of every model, by name in the run folder."""
-        return [Path(a.filename).name for w in self.writers.values() for a in w.arrays.values()]
+        """The ``.npy`` files of every model, by their final names in the run folder."""
+        return [Path(a.filename).name.removesuffix(PARTIAL) for w in self.writers.values()
+                for a in w.arrays.values()]
 
 
 def output_shapes(reduce: Reduce, model: nn.Module, example: torch.Tensor, amp_context,
@@ -578,13 +597,13 @@ def read_file_line(line: str) -> str:
 
 
 def write_files(run_dir: Path, count: int, names: Callable[[int], str]) -> None:
-    """``files.txt``: every image's name, in dataset order (the rows of the ``.npy``), one
-    line each (``file_line``)."""
+    """``files.txt.partial`` (``files.txt`` once the run completes): every image's name, in
+    dataset order (the rows of the ``.npy``), one line each (``file_line``)."""
     tmp = Path(run_dir) / f".{FILES}.tmp"
     with open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for i in range(count):
             f.write(file_line(names(i)) + "\n")
-    os.replace(tmp, Path(run_dir) / FILES)
+    os.replace(tmp, unfinished(Path(run_dir) / FILES))
 
 
 # --- resume ----------------------------------------------------------------------------------
@@ -603,23 +622,29 @@ def save_state(run_dir: Path, steps: int, config: dict[str, Any], data: dict[str
 def finalize(run_dir: Path) -> None:
     """A complete run's arrays and ``files.txt`` keep the rows of the images written (the
     decoded ones): the rows of files that could not be decoded go, so row i is line i of
-    ``files.txt``. Called after the state says the run is complete; done again (it is
-    idempotent) when a resume finds it was cut short."""
+    ``files.txt``; then they lose ``.partial``. Called after the state says the run is
+    complete; done again (it is idempotent) when a resume finds it was cut short."""
     run_dir = Path(run_dir)
     state, mark = load_state(run_dir), run_dir / WRITTEN
-    if state is None or not state.get("complete") or not mark.is_file():
+    if state is None or not state.get("complete"):
         return
-    written = np.load(mark).astype(bool)
-    keep = np.flatnonzero(written)
-    if len(keep) < len(written):
-        for name in state.get("arrays") or []:
-            _keep_rows(run_dir / name, keep, len(written))
-        files = run_dir / FILES
-        if files.is_file():
-            lines = files.read_bytes().split(b"\n")[:-1]
-            if len(lines) == len(written):  # not kept yet
-                write_atomic(files, b"".join(lines[i] + b"\n" for i in keep.tolist()))
-    mark.unlink()
+    keep, count = None, 0
+    if mark.is_file():
+        written = np.load(mark).astype(bool)
+        if not written.all():
+            keep, count = np.flatnonzero(written), len(written)
+    for name in [*(state.get("arrays") or []), FILES]:
+        partial = unfinished(run_dir / name)
+        if not partial.is_file():  # renamed already
+            continue
+        if keep is not None and name == FILES:
+            lines = partial.read_bytes().split(b"\n")[:-1]
+            if len(lines) == count:  # not kept yet
+                write_atomic(partial, b"".join(lines[i] + b"\n" for i in keep.tolist()))
+        elif keep is not None:
+            _keep_rows(partial, keep, count)
+        os.replace(partial, run_dir / name)
+    mark.unlink(missing_ok=True)
 
 
 def _keep_rows(path: Path, keep: np.ndarray, count: int, chunk: int = 1 << 14) -> None:

@@ -335,6 +335,8 @@ class Job:
             arrays = arrays or bool(writers[name].arrays)
         if ranks.main and fresh and arrays:
             outputs.write_files(self.run_dir, len(storage), storage.name_of)
+        elif ranks.main and arrays:  # an older runner's files.txt goes on under .partial
+            outputs.unfinished(self.run_dir / outputs.FILES, create=False)
         written = outputs.open_written(self.run_dir, len(storage), fresh) if arrays and \
             ranks.main else None
         if ranks.enabled and ranks.main:

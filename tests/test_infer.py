@@ -251,8 +251,12 @@ def test_masks_of_a_classifier_are_refused_in_one_line(labelled: Path, tmp_path:
                        "task.outputs=[masks]", run_dir=tmp_path / "run")
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["partial", "older-runner-names"])
 def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_path: Path,
-                                                          monkeypatch):
+                                                          monkeypatch, older: bool):
+    """A stopped run's arrays and files.txt carry .partial (no reader takes them for whole
+    ones); a resume finishes them to the bytes of an uninterrupted run, also from a run
+    an older runner wrote under the final names."""
     import runner.task
 
     over = [*BASE, f"dataset.path={labelled}", "run.epochs=1",
@@ -273,6 +277,15 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
         run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
     state = json.loads((tmp_path / "parts" / "infer-state.json").read_text())
     assert state["steps"] == 2 and not (tmp_path / "parts" / "predictions.csv").exists()
+    finals = ("tiny.probs.npy", "tiny.embeddings.npy", "files.txt")
+    parts = tmp_path / "parts"
+    assert not any((parts / name).exists() for name in finals)
+    assert all((parts / f"{name}.partial").is_file() for name in finals)
+    assert {Path(f).name for f in read_metrics(parts)["outputs"]["tiny"]} >= \
+        {"tiny.probs.npy.partial", "tiny.embeddings.npy.partial"}
+    if older:  # an older runner kept the final names while the run went on
+        for name in finals:
+            (parts / f"{name}.partial").rename(parts / name)
     monkeypatch.setattr(runner.task.InferStep, "__call__", real)
     m = run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
     assert m["status"] == "ok" and m["start_step"] == 2
@@ -280,3 +293,4 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
         assert (tmp_path / "parts" / name).read_bytes() == \
             (tmp_path / "whole" / name).read_bytes(), name
     assert read_metrics(tmp_path / "parts")["status"] == "ok"
+    assert not list(parts.glob("*.partial"))
