@@ -94,6 +94,7 @@ log = logging.getLogger(__name__)
 ARRAYS = (Output.probs, Output.logits, Output.embeddings)
 FILES = "files.txt"
 STATE = "infer-state.json"
+STATE_SECONDS = 5.0  # a running inference saves its state this often (run.py)
 PARTIAL = ".partial"  # after the name of an array or files.txt until the run completes
 WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
@@ -436,12 +437,18 @@ class Outputs:
 
     ``submit`` starts the copies to the host and returns; a writer thread waits for them,
     drops padding rows and writes. ``max_pending`` bounds the batches in flight.
+    ``written_through`` is how many steps of the plan have every model's output written
+    (steps finish out of order on the pool: the count stops at the first one still going),
+    which the run saves in its state every few seconds (a SIGKILL loses no more).
     """
 
     def __init__(self, writers: dict[str, ModelWriter], threads: int = 2,
                  max_pending: int = 16, device: torch.device | None = None,
-                 written: np.memmap | None = None):
+                 written: np.memmap | None = None, first_step: int = 0):
         self.writers = writers
+        self._finished: dict[int, int] = {}  # step -> models whose write landed
+        self._through = first_step  # steps before this one: every output written
+        self._count_lock = threading.Lock()
         self.written = written  # the rows written so far (``open_written``), when arrays are
         # each writer thread binds to the run's GPU before it waits on a copy's event:
         # under torchrun on several GPUs a thread left on device 0 opens a context there
@@ -489,12 +496,26 @@ class Outputs:
             count = self.writers[name].write(step, index, label, arrays)
             if self.written is not None:  # after the rows themselves
                 self.written[index] = 1
+            self._landed(step)
             return count
         except BaseException as e:
             self.error = e
             raise
         finally:
             self.slots.release()
+
+    def _landed(self, step: int) -> None:
+        with self._count_lock:
+            self._finished[step] = self._finished.get(step, 0) + 1
+            while self._finished.get(self._through) == len(self.writers):
+                del self._finished[self._through]
+                self._through += 1
+
+    def written_through(self) -> int:
+        """Steps of the plan (from its start) whose outputs are all in the files: a state
+        saying so resumes from there, rewriting later rows with the same bytes."""
+        with self._count_lock:
+            return self._through
 
     def _raise_failed(self) -> None:
         if self.error is not None:

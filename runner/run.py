@@ -204,8 +204,10 @@ class Job:
                 progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
                 on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
                 first_step=self.start_step, stop_requested=stop, stop_each_step=each_step,
-                on_epoch_end=lambda done: self._epoch_end(done, step), on_step=saves and (
-                    lambda done: saves.after_step(step, done, data.steps_per_epoch))))
+                on_epoch_end=lambda done: self._epoch_end(done, step),
+                on_step=saves and (
+                    lambda done: saves.after_step(step, done, data.steps_per_epoch))
+                or self._state_saver()))
         loop_seconds = time.perf_counter() - started
         figures = self._figures(result, step, profiler is not None)
         if result.interrupted is None and self.signals and self.signals.received:
@@ -344,7 +346,7 @@ class Job:
         if ranks.enabled and not ranks.main and arrays:  # rank 0 made it (or has none)
             written = outputs.open_written(self.run_dir, len(storage), False)
         self.writers = outputs.Outputs(writers, cfg.task.writer_threads, device=device,
-                                       written=written)
+                                       written=written, first_step=self.start_step)
         return self.writers
 
     # --- epochs: validation, checkpoints ------------------------------------------------------
@@ -395,6 +397,23 @@ class Job:
                                                       "data": self.data_print,
                                                       "best": self.best})
         return self.saves
+
+    def _state_saver(self) -> Callable[[int], None] | None:
+        """task=infer in one process: ``infer-state.json`` saved every ``outputs.STATE_SECONDS``
+        with the steps whose outputs have all landed, so a SIGKILL (the OOM killer, a lost
+        node) loses seconds of work, not the run. Under torch.distributed only the end
+        (or a signal) saves it: the ranks' writes are not counted together."""
+        if self.writers is None or self.ranks.enabled:
+            return None
+        cfg, last = self.config, [time.monotonic()]
+
+        def save(done: int) -> None:
+            if time.monotonic() - last[0] < outputs.STATE_SECONDS:
+                return
+            last[0] = time.monotonic()
+            outputs.save_state(self.run_dir, self.writers.written_through(), to_plain(cfg),
+                               self.data_print, self.identity, self.writers.array_files())
+        return save
 
     # --- results ----------------------------------------------------------------------------
 

@@ -294,3 +294,55 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
             (tmp_path / "whole" / name).read_bytes(), name
     assert read_metrics(tmp_path / "parts")["status"] == "ok"
     assert not list(parts.glob("*.partial"))
+
+
+KILLED_RUN = """
+import sys, time
+import runner.outputs, runner.task
+runner.outputs.STATE_SECONDS = 0.0
+call = runner.task.InferStep.__call__
+def slow(self, batch):
+    time.sleep(0.05)
+    call(self, batch)
+runner.task.InferStep.__call__ = slow
+sys.argv = ["runner", *sys.argv[1:]]
+import runpy
+runpy.run_module("runner", run_name="__main__")
+"""
+
+
+def test_inference_killed_with_sigkill_resumes_from_its_saved_state(tmp_path: Path):
+    """SIGKILL leaves no time to save: the state saved every few seconds of work (every
+    step here) lets resume=auto go on from there, to the bytes of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    files = {f"{c}/{k:02d}.jpg": encode(photo(40, 52, 10 * i + k))
+             for i, c in enumerate(["cat", "dog"]) for k in range(20)}
+    data = make_tree(tmp_path / "data", files)
+    over = [*BASE, f"dataset.path={data}", "loader.batch_size=2", "run.epochs=1",
+            "task.outputs=[topk,probs,embeddings]", "run.progress=false"]
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, *over, f"hydra.run.dir={killed}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    state, steps = killed / "infer-state.json", 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if state.is_file():
+            steps = json.loads(state.read_text())["steps"]
+            if steps >= 4:
+                break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 4 <= steps < 20, steps  # killed mid-run with progress saved
+    m = run_in_process(*over, "resume=auto", run_dir=killed)
+    assert m["status"] == "ok" and m["start_step"] >= 4
+    whole = run_in_process(*over, run_dir=tmp_path / "whole")
+    for name in ("predictions.csv", "tiny.probs.npy", "tiny.embeddings.npy", "files.txt"):
+        assert (killed / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
