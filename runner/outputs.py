@@ -47,8 +47,9 @@ completes, the parts are joined and the arrays and ``files.txt`` keep the writte
 (``finalize``). Until then the arrays and ``files.txt`` carry ``.partial`` after their names
 (``a.probs.npy.partial``, ``files.txt.partial``): a stopped run's rows that were never
 written are zeros, and no reader looking for ``*.npy`` takes them for a finished output;
-``finalize`` renames them. ``infer-state.json`` records, after every pending write has landed, how many
-steps are done and everything that shaped the outputs (``identity``: the models, their
+``finalize`` renames them. ``infer-state.json`` records how many steps are done (every
+``STATE_SECONDS`` while the run goes on, the steps whose writes have all landed, so a SIGKILL
+loses seconds; and at the end, after every pending write) and everything that shaped the outputs (``identity``: the models, their
 weights files by path, size and time, normalization, sizes and crop, the outputs asked,
 amp, compile, the decoder): a resume with any of them changed is refused in one line
 naming each difference (``check_state``), as is a finished run asked for other outputs.

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
+from runner import timeline
 from runner.amp import autocast, grad_scaler
 from runner.checkpoint import network
 from runner.config import (
@@ -35,7 +36,6 @@ from runner.config import (
 )
 from runner.data import DataPath, build_data_path
 from runner.errors import ConfigError, Diverged
-from runner import timeline
 from runner.metrics import DeviceClock
 from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.outputs import Outputs, Reduce

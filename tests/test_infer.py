@@ -343,6 +343,6 @@ def test_inference_killed_with_sigkill_resumes_from_its_saved_state(tmp_path: Pa
     assert 4 <= steps < 20, steps  # killed mid-run with progress saved
     m = run_in_process(*over, "resume=auto", run_dir=killed)
     assert m["status"] == "ok" and m["start_step"] >= 4
-    whole = run_in_process(*over, run_dir=tmp_path / "whole")
+    assert run_in_process(*over, run_dir=tmp_path / "whole")["status"] == "ok"
     for name in ("predictions.csv", "tiny.probs.npy", "tiny.embeddings.npy", "files.txt"):
         assert (killed / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
