@@ -537,7 +537,8 @@ class RunConfig:
     log_every: int = 10
     progress: bool = True
     # each timed window should last at least this many seconds: a data-only run
-    # (model=none) is lengthened until they do; other runs say so in their flags
+    # (model=none) with no run.epochs or run.steps on the command line is lengthened until
+    # they do; other runs say so in their flags
     window_seconds: float = 1.0
     # the figure of metrics.json the job returns to a Hydra sweeper (an optimizer
     # maximizes or minimizes it); failed and skipped runs return NaN

@@ -200,7 +200,8 @@ class Job:
                 total_steps=total_steps, warmup_steps=warmup, log_every=cfg.run.log_every,
                 repeats=cfg.run.repeats, min_window_seconds=cfg.run.window_seconds,
                 # only a data-only run of one process goes on (ranks keep one schedule)
-                extend=data.extend if not self.models and not ranks.enabled else None,
+                extend=data.extend if not self.models and not ranks.enabled
+                and not self._length_asked() else None,
                 progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
                 on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
                 first_step=self.start_step, stop_requested=stop, stop_each_step=each_step,
@@ -397,6 +398,13 @@ class Job:
                                                       "data": self.data_print,
                                                       "best": self.best})
         return self.saves
+
+    def _length_asked(self) -> bool:
+        """``run.epochs`` or ``run.steps`` given on the command line: what the user sets is
+        what runs (a data-only run is lengthened only when no length was asked; short
+        windows are then flagged)."""
+        asked = getattr(getattr(self.hydra_cfg, "overrides", None), "task", None) or []
+        return any(o.lstrip("+~").split("=")[0] in ("run.epochs", "run.steps") for o in asked)
 
     def _state_saver(self) -> Callable[[int], None] | None:
         """task=infer in one process: ``infer-state.json`` saved every ``outputs.STATE_SECONDS``
