@@ -39,7 +39,7 @@ from runner.config import (
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.metrics import synchronize
-from runner.model import build_model, main_output
+from runner.model import build_model, check_input_size, main_output
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +351,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
         name = cfg.label
         model = build_model(cfg, len(storage.classes), device, train)
         model.train(train)  # before tracing: BN mode is baked in
+        check_input_size(model, example, cfg)  # a size it cannot take: named, not a traceback
         if before_compile is not None:
             before_compile(name, model)
         model = replicate(model, ranks, device) if train else model

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from runner.config import ModelConfig, ModelSource
-from runner.errors import Unavailable
+from runner.errors import ConfigError, Unavailable
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -346,3 +346,47 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+# square sizes tried, smallest first, to tell a user which size a model needs
+TRIED_SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 299, 384, 512)
+
+
+def check_input_size(model: nn.Module, example: torch.Tensor, cfg: ModelConfig,
+                     key: str = "dataset.image_size") -> None:
+    """One forward of one image of the run's size (eval mode, no gradients): a model that
+    cannot take it (a kernel larger than its feature map, a ViT's fixed patch grid) is a
+    ConfigError naming the setting (``key``, or ``model.image_size`` when the model resizes
+    to its own) and the smallest square size it does take, instead of a conv traceback.
+    Anything else the forward raises is left to the run to report."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                model(example[:1])
+                return
+            except RuntimeError as e:
+                error = str(e).splitlines()[0]
+            size = tuple(cfg.image_size or example.shape[-2:])
+            for side in TRIED_SIZES:
+                if side <= min(size):
+                    continue
+                probe = torch.zeros((1, 3, side, side), dtype=example.dtype,
+                                    device=example.device)
+                if cfg.image_size:  # the model resizes to its own size: try that
+                    model[0].size = (side, side)
+                try:
+                    model(probe)
+                except RuntimeError:
+                    continue
+                finally:
+                    if cfg.image_size:
+                        model[0].size = tuple(cfg.image_size)
+                setting = ("model.image_size" if cfg.image_size else key)
+                raise ConfigError(
+                    f"{setting}={list(size)} is too small for model {cfg.label} ({error}): "
+                    f"the smallest square size it takes is {side}: set "
+                    f"{setting}=[{side},{side}] or larger")
+    finally:
+        model.train(was)

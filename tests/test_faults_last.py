@@ -35,3 +35,23 @@ def test_a_data_only_run_with_no_length_asked_is_still_lengthened(twelve: Path, 
                        run_dir=tmp_path / "run")
     assert m["status"] == "ok" and m["steps"] > 3
     assert read_metrics(tmp_path / "run")["steps"] == m["steps"]
+
+
+@pytest.mark.parametrize("task", ["train", "infer"])
+def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
+        twelve: Path, tmp_path: Path, task: str):
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        run_in_process("model=tiny", f"task={task}", "logger=none", "diagnose=false",
+                       f"dataset.path={twelve}", "dataset.image_size=[1,1]", "run.steps=2",
+                       run_dir=tmp_path / "run")
+    message = str(e.value)
+    assert "dataset.image_size=[1, 1] is too small for model tiny" in message
+    side = int(message.split("the smallest square size it takes is ")[1].split(":")[0])
+    assert f"dataset.image_size=[{side},{side}]" in message
+    # the size it names works
+    m = run_in_process("model=tiny", f"task={task}", "logger=none", "diagnose=false",
+                       f"dataset.path={twelve}", f"dataset.image_size=[{side},{side}]",
+                       "run.steps=2", run_dir=tmp_path / "ok")
+    assert m["status"] == "ok"
