@@ -236,7 +236,8 @@ def scratch_dirs_for_other_ranks(argv: list[str]) -> list[str]:
         return argv
     scratch = tempfile.mkdtemp(prefix=f"runner-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    kept = [a for a in argv if a.split("=", 1)[0].lstrip("+")
+            not in ("hydra.run.dir", "hydra.sweep.dir")]
     return [*kept, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}"]
 
 

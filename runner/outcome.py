@@ -173,10 +173,11 @@ def stopped_line(metrics: dict[str, Any], sweep_dir: str | None = None) -> str:
     if metrics.get("checkpoint"):
         where += f", checkpoint {metrics['checkpoint']}"
     if sweep_dir is not None:
-        argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
+        argv = [a for a in sys.argv[1:] if not given_values([a], "hydra.sweep.dir")]
         again = [*argv, f"hydra.sweep.dir={sweep_dir}"]
     else:
-        argv = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.run.dir="))]
+        argv = [a for a in sys.argv[1:]
+                if not given_values([a], "resume") and not given_values([a], "hydra.run.dir")]
         again = [*argv, "resume=auto", f"hydra.run.dir={run_dir}"]
     return (f"stopped: {metrics.get('reason')} after {metrics.get('steps', 0)} steps; {where}; "
             "continue with: " + shlex.join(["python", "-m", "runner", *again]))
@@ -327,6 +328,13 @@ class RunDirClaim:
             self.fd = None
 
 
+def given_values(argv: list[str], key: str) -> list[str]:
+    """The values ``argv`` gives ``key``, in order: ``key=v``, ``+key=v`` and ``++key=v``
+    alike (Hydra takes all three)."""
+    return [a.split("=", 1)[1] for a in argv
+            if "=" in a and a.split("=", 1)[0].lstrip("+") == key]
+
+
 def claim_given_run_dir(argv: list[str]) -> RunDirClaim | None:
     """Claim the ``hydra.run.dir=PATH`` a single run was given, before Hydra writes its
     ``.hydra/`` files and ``runner.log`` there: a second run pointed at a folder a live run
@@ -335,7 +343,7 @@ def claim_given_run_dir(argv: list[str]) -> RunDirClaim | None:
     if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i",
                  "--info", "-sc", "--shell-completion") for a in argv):
         return None
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    given = given_values(argv, "hydra.run.dir")
     if not given or "${" in given[-1]:
         return None
     try:
@@ -382,7 +390,7 @@ def check_run_folder(argv: list[str]) -> None:
         return
     kind = "sweep" if any(a in ("-m", "--multirun") for a in argv) else "run"
     key = f"hydra.{kind}.dir"
-    given = [a.split("=", 1)[1] for a in argv if a.startswith(f"{key}=")]
+    given = given_values(argv, key)
     text = given[-1] if given else _default_dir(kind)
     static, interpolated, _ = text.partition("${")
     if not interpolated:

@@ -203,15 +203,17 @@ def test_runs_started_together_get_their_own_folders(tmp_path: Path, cache_dir: 
 
 
 @pytest.mark.slow
-def test_a_run_folder_in_use_is_refused_and_its_results_kept(tmp_path: Path, cache_dir: Path):
+@pytest.mark.parametrize("prefix", ["", "+", "++"])
+def test_a_run_folder_in_use_is_refused_and_its_results_kept(tmp_path: Path, cache_dir: Path,
+                                                            prefix: str):
     run_dir = tmp_path / "busy"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / "metrics.json").write_text('{"status": "ok", "images_per_sec": 123.0}')
     (run_dir / ".hydra" / "overrides.yaml").write_text("- the live run's own\n")
     (run_dir / "runner.log").write_text("the live run's log\n")
     with RunDirClaim(run_dir):  # a live run holds it
-        proc = run_cli(*SMALL_DATASET, "model=none", "logger=none", f"hydra.run.dir={run_dir}",
-                       cwd=tmp_path, check=False)
+        proc = run_cli(*SMALL_DATASET, "model=none", "logger=none",
+                       f"{prefix}hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
     assert proc.returncode == 2
     out = proc.stdout + proc.stderr
     assert "in use by another run" in out and "Traceback" not in out
