@@ -692,13 +692,25 @@ def model_configs(config: Config) -> list[ModelConfig]:
                               "takes the keys of model.: name, weights, num_classes, classes, "
                               "mean, std, image_size, alias, ...)") from e
     labels = [m.label for m in models]
-    for k, m in enumerate(models):
-        if labels.count(m.label) > 1 and m.alias is None and m.weights:
-            models[k] = dataclasses.replace(m, alias=f"{m.name}-{Path(m.weights).stem}")
+    named = [k for k, m in enumerate(models)
+             if labels.count(m.label) > 1 and m.alias is None and m.weights]
+    for k in named:
+        m = models[k]
+        models[k] = dataclasses.replace(m, alias=f"{m.name}-{Path(m.weights).stem}")
+    labels = [m.label for m in models]
+    for k in named:  # weights files of one name in other folders: the folder too
+        m = models[k]
+        if labels.count(m.label) > 1:
+            where = Path(m.weights).expanduser().parent.name
+            models[k] = dataclasses.replace(m, alias=f"{m.name}-{where}-{Path(m.weights).stem}")
     labels = [m.label for m in models]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
-        raise ConfigError(f"models=[...] names {', '.join(twice)} more than once: give each "
-                          "entry its own weights or an alias (models=[{name:resnet18,alias:a},"
+        weights = sorted({str(m.weights) for m in models if m.label in twice and m.weights})
+        why = (f" (their weights files {', '.join(weights)} cannot tell them apart)"
+               if len(weights) > 1 else
+               f" (one weights file {weights[0]})" if weights else "")
+        raise ConfigError(f"models=[...] names {', '.join(twice)} more than once{why}: give "
+                          "each entry an alias (models=[{name:resnet18,weights:...,alias:a},"
                           "...])")
     return models

@@ -55,3 +55,53 @@ def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
                        f"dataset.path={twelve}", f"dataset.image_size=[{side},{side}]",
                        "run.steps=2", run_dir=tmp_path / "ok")
     assert m["status"] == "ok"
+
+
+def test_weights_files_of_one_name_in_two_folders_get_their_folders_in_the_names(tmp_path: Path):
+    from runner.compose import compose
+    from runner.config import model_configs
+
+    cfg = compose(["task=infer", "+models=[{name:tiny,weights:/x/a/best.pt},"
+                   "{name:tiny,weights:/x/b/best.pt}]"])
+    assert [m.label for m in model_configs(cfg)] == ["tiny-a-best", "tiny-b-best"]
+
+
+def test_one_weights_file_twice_asks_for_an_alias_not_other_weights(tmp_path: Path):
+    from runner.compose import compose
+    from runner.config import model_configs
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="one weights file /x/best.pt.*give each entry an alias"):
+        model_configs(compose(["task=infer", "+models=[{name:tiny,weights:/x/best.pt},"
+                               "{name:tiny,weights:/x/best.pt}]"]))
+
+
+def test_one_image_as_dataset_path_is_named_as_one_image(tmp_path: Path):
+    from runner.data.storage.listing import DatasetError
+
+    image = tmp_path / "x.jpg"
+    image.write_bytes(encode(photo(40, 52)))
+    with pytest.raises(DatasetError, match=r"dataset.path=.*x.jpg is one image, not a dataset"):
+        run_in_process("model=tiny", "logger=none", f"dataset.path={image}",
+                       run_dir=tmp_path / "run")
+
+
+def test_a_binary_file_as_manifest_says_a_manifest_is_text(tmp_path: Path):
+    from runner.data.storage.listing import DatasetError
+
+    blob = tmp_path / "data.bin"
+    blob.write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)))
+    with pytest.raises(DatasetError, match="is not text .* a manifest is a UTF-8 CSV"):
+        run_in_process("model=tiny", "task=infer", "logger=none", f"dataset.manifest={blob}",
+                       run_dir=tmp_path / "run")
+
+
+def test_a_manifest_of_missing_files_says_they_do_not_exist(tmp_path: Path):
+    from runner.data.storage.listing import DatasetError
+
+    manifest = tmp_path / "m.csv"
+    manifest.write_text(f"path\n{tmp_path}/nope/a.jpg\n{tmp_path}/nope/b.jpg\n")
+    with pytest.raises(DatasetError) as e:
+        run_in_process("model=tiny", "task=infer", "logger=none", f"dataset.manifest={manifest}",
+                       run_dir=tmp_path / "run")
+    assert "2 do not exist" in str(e.value) and "decoded" not in str(e.value)

@@ -217,16 +217,24 @@ class FolderStorage(torch.utils.data.Dataset):
     def example(self, n: int) -> torch.Tensor:
         """``n`` decoded images (the first decodable files, repeated to fill ``n``)."""
         decoder = self.decode.image_decoder
-        images = []
-        for index in range(min(2 * n, len(self))):
+        images, missing, broken = [], [], []
+        tried = min(2 * n, len(self))
+        for index in range(tried):
             try:
                 images.append(decoder(self.read(index)))
-            except (CorruptImageError, OSError):
+            except FileNotFoundError:
+                missing.append(os.path.normpath(os.path.join(self.root, self.name_of(index))))
+                continue
+            except (CorruptImageError, OSError) as e:
+                broken.append(f"{self.name_of(index)}: {e}")
                 continue
             if len(images) == n:
                 break
-        if not images:
-            raise DatasetError(f"none of the first {2 * n} files of {self.root} can be decoded")
+        if not images:  # say why: files that are not there are not undecodable ones
+            why = [f"{len(missing)} do not exist (e.g. {missing[0]})" if missing else "",
+                   f"{len(broken)} cannot be decoded (e.g. {broken[0]})" if broken else ""]
+            raise DatasetError(f"none of the first {tried} images of {self.root} can be "
+                               f"read: {'; '.join(w for w in why if w)}")
         return cycle_rows(torch.stack(images), n)
 
     def probes(self, batch_size: int, device: torch.device | None = None

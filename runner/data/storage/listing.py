@@ -296,7 +296,11 @@ def _manifest_rows(path: Path) -> list[tuple[str, dict]]:
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"dataset.manifest={path} is not text ({e.reason} at byte "
+                           f"{e.start}): a manifest is a UTF-8 CSV or JSON-lines file listing "
+                           "images; a folder of images goes in dataset.path") from e
+    except OSError as e:
         raise DatasetError(f"dataset.manifest={path} cannot be read: {e}") from e
     rows: list[tuple[str, dict]] = []
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
@@ -423,6 +427,11 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
     ``dataset.val_fraction``, the side of its split that ``dataset.split`` names."""
     path = Path(path).expanduser()
     check_no_loop(path, "dataset.path")
+    if path.is_file() and is_image_name(path.name):  # not a manifest: one image
+        key = "dataset.manifest" if dataset.manifest is not None else "dataset.path"
+        raise DatasetError(f"{key}={path} is one image, not a dataset: give the folder that "
+                           f"holds the images (dataset.path={path.parent}), or list them in a "
+                           "manifest (dataset.manifest=<file.csv>)")
     listing = read_manifest(path, dataset.labels) if path.is_file() else \
         open_image_folder(path, dataset.labels)
     if dataset.val_fraction > 0:
