@@ -146,10 +146,6 @@ class Job:
         cfg, ranks = self.config, self.ranks
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.run_dir = Path(broadcast(ranks, str(self.run_dir)))  # rank 0's folder, for all
-        # before the data path: the batch order goes on where the checkpoint stopped
-        self.resumed = checkpoint.resumed(cfg, self.run_dir)
-        if self.resumed is not None:  # checkpoint-best.pt is beaten only by a better epoch
-            self.best = self.resumed.get("best")
         if cfg.task.name is TaskName.infer:
             self.identity = outputs.identity(cfg)
         if cfg.task.name is TaskName.infer and cfg.resume == "auto":
@@ -157,6 +153,13 @@ class Job:
             if self.resumed is not None:  # made with what shapes these outputs, or refused
                 outputs.check_state(self.resumed, self.identity, self.run_dir)
                 checkpoint.check_fits(self.resumed, cfg, self.resumed["source"])
+            else:
+                log.info("resume=auto: no inference state in %s yet: starting fresh",
+                         self.run_dir)
+        else:  # before the data path: the batch order goes on where the checkpoint stopped
+            self.resumed = checkpoint.resumed(cfg, self.run_dir)
+        if self.resumed is not None:  # checkpoint-best.pt is beaten only by a better epoch
+            self.best = self.resumed.get("best")
         self.data = data = build_data_path(cfg, device, ranks, start_step=self.start_step,
                                            progress=cfg.run.progress)
         if cfg.task.name is TaskName.train and cfg.model.name != "none" and not data.classes:
