@@ -315,9 +315,11 @@ def ensure_cache(folder_storage: FolderStorage, spec: StoreSpec, cache_root: Pat
             try:
                 meta = spec.convert(folder_storage, journal, progress)
             except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
-                        and not isinstance(e, DiskFull):
-                    raise disk_full(journal.folder / (e.filename or "?"), None) from e
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    full = e if isinstance(e, DiskFull) else \
+                        disk_full(journal.folder / (e.filename or "?"), None)
+                    journal.release()  # the space it reserved goes back to the disk
+                    raise full from e
                 raise
             journal.publish(final)
             log.info("%s store ready: %s (%d images, %d skipped)", spec.kind, final,
@@ -352,6 +354,18 @@ class Journal:
             self.start_over()
         else:
             self.done = done
+
+    def release(self) -> None:
+        """A conversion refused for want of space: give back what it reserved. Nothing
+        finished yet (a refused reservation is the first thing a conversion does): the
+        folder goes. Finished chunks are kept for a rerun with more space to resume, and
+        the log says where they are."""
+        if not self.done:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        log.warning("the store's conversion in %s keeps its %d finished chunks for a rerun "
+                    "with more space (delete the folder to free them)", self.folder,
+                    len(self.done))
 
     def start_over(self) -> None:
         """An empty folder (a converter that cannot resume calls this first)."""
