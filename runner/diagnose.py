@@ -159,7 +159,7 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
     ceilings = Ceilings({}, {})
     if cold_read is not None:
         ceilings.add("storage", [cold_read["images_per_sec"]])
-    bs = cfg.loader.batch_size
+    bs = probe_batch(cfg, len(storage))
     scale = _parallelism(cfg, storage) if storage.decodes_per_epoch else 1
     # a DataLoader worker, or a decode thread, runs torch ops on one thread
     with torch_threads(1 if scale > 1 or cfg.loader.num_workers > 0 else None):
@@ -182,8 +182,16 @@ MODEL_BURSTS = (3, 5)  # the model is timed in at least 3 bursts, at most 5
 MODEL_BURST_SECONDS = 0.3  # each burst lasts at least this long, or one step
 
 
+def probe_batch(cfg: Config, images: int) -> int:
+    """The batch the probes use: the loop's largest (``loader.batch_size``, or the whole
+    dataset when that is smaller), never more: a batch size of a million on 2,000 images
+    ran batches of 2,000, and a probe of a million took all the memory there was."""
+    return max(1, min(cfg.loader.batch_size, images))
+
+
 def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
-                  device: torch.device, budget: float = 5.0) -> list[float]:
+                  device: torch.device, budget: float = 5.0,
+                  images: int | None = None) -> list[float]:
     """images/s of the task's step (the run's compiled model or models) on a device-resident
     synthetic batch of the run's batch size, with the threads the loop's model had, in
     several bursts (the spread) that fit ``budget`` seconds together.
@@ -194,7 +202,7 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     by the verdict, not replaced. In training it takes a few more optimizer steps on
     synthetic data, which nothing reads afterwards (the checkpoint was written before).
     """
-    bs = cfg.loader.batch_size
+    bs = probe_batch(cfg, images or cfg.loader.batch_size)
     batch = TensorDict({
         "image": torch.randint(0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8,
                                device=device),
@@ -290,13 +298,14 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         # of the other half (which one holds the pass back)
         share = left / 2 if len(local) > 1 else left
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
-        ceilings.add("model", model_ceiling(step, cfg, classes, data.device, share))
+        ceilings.add("model", model_ceiling(step, cfg, classes, data.device, share,
+                                            len(storage)))
         if len(local) > 1:
             alone = {}
             for name, module in local.items():
                 one = make_step(cfg.task, {name: module}, step_amp(cfg), data.device, 64)
                 q = quantiles(model_ceiling(one, cfg, classes, data.device,
-                                            max(share / len(local), 0.5)))
+                                            max(share / len(local), 0.5), len(storage)))
                 alone[name] = {"images_per_sec": q["median"], "spread": q}
     flag = far_below(figures, ceilings, world)
     if flag is not None:  # the run's own flags say it, and so does the verdict

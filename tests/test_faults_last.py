@@ -135,3 +135,83 @@ def test_an_inference_resume_logs_one_story(twelve: Path, tmp_path: Path, caplog
         assert run_in_process(*over, run_dir=tmp_path / "run")["status"] == "ok"
     assert "resuming: 2 of the plan's 6 steps done" in caplog.text
     assert "starting fresh" not in caplog.text and "no checkpoint" not in caplog.text
+
+
+MEMORY_UNDER_ULIMIT = """
+import resource, sys
+from types import SimpleNamespace
+from runner.data.path import check_batch_memory
+from runner.data.storage.ram import memory_available
+from runner.errors import ConfigError
+soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+left = memory_available()
+assert left <= soft, (left, soft)
+image = (3, 1024, 1024)
+fits = SimpleNamespace(largest_batch=max(1, left // (8 * 3 * 1024 * 1024)))
+check_batch_memory(SimpleNamespace(batch_size=fits.largest_batch), fits,
+                   SimpleNamespace(item_shape=image))
+too_big = SimpleNamespace(largest_batch=left // (3 * 1024 * 1024))  # 1x: 4 in flight do not fit
+try:
+    check_batch_memory(SimpleNamespace(batch_size=too_big.largest_batch), too_big,
+                       SimpleNamespace(item_shape=image))
+except ConfigError as e:
+    print("refused:", e)
+print("left", left)
+"""
+
+
+def test_the_batch_memory_check_holds_to_ulimit_v(tmp_path: Path):
+    """A batch the machine holds but ``ulimit -v`` does not is refused in one line (it
+    passed the MemAvailable check and failed in the allocator)."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    def limit() -> None:  # 8 GiB of address space (importing torch takes about 3.4)
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    out = subprocess.run([sys.executable, "-c", MEMORY_UNDER_ULIMIT], preexec_fn=limit,
+                         capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    left = int(out.stdout.split("left ")[1])
+    assert left < 8 << 30  # the limit, less what the process already holds
+    assert "refused: loader.batch_size=" in out.stdout and "use a smaller" in out.stdout
+
+
+def test_the_memory_left_reads_a_cgroup_limit(tmp_path: Path):
+    from runner.data.storage.ram import _cgroup_left
+
+    (tmp_path / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "memory.current").write_text(f"{512 << 20}\n")
+    (tmp_path / "memory.stat").write_text(f"anon 1\ninactive_file {100 << 20}\n")
+    assert _cgroup_left(str(tmp_path)) == (1 << 30) - (512 << 20) + (100 << 20)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_left(str(tmp_path)) is None
+
+
+@pytest.mark.slow
+def test_the_verdict_probes_a_batch_no_larger_than_the_loops(tmp_path: Path, cache_dir: Path):
+    """loader.batch_size=1000000 on 64 images runs batches of 64; the verdict's probes did
+    a million (all the memory of the machine; here, a MemoryError under ulimit -v)."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (10 << 30, 10 << 30))
+
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "model=tiny", "logger=none", "run.progress=false",
+         "loader.batch_size=1000000", "dataset.num_images=64", "dataset.source_size=[64,64]",
+         "dataset.image_size=[64,64]", "run.steps=3", "hydra.run.dir=run"],
+        preexec_fn=limit, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "RUNNER_CACHE": str(cache_dir)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    bottleneck = json.loads((tmp_path / "run" / "metrics.json").read_text())["bottleneck"]
+    assert "error" not in bottleneck and bottleneck["ceilings"]["model"] > 0

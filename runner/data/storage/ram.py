@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -44,7 +45,16 @@ GiB = 1024**3
 
 
 def memory_available() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    """Bytes this process can still allocate: the least of what the kernel says can be
+    allocated without swapping (MemAvailable), what its cgroup's limit leaves (a container's
+    or a SLURM job's memory), and what ``ulimit -v`` (RLIMIT_AS) leaves of its address
+    space. Each limit is one an allocation fails against (a batch the machine holds but the
+    job may not fails in the allocator, or the OOM killer takes the job)."""
+    bounds = [_meminfo_available(), _cgroup_left(), _address_space_left()]
+    return min(b for b in bounds if b is not None)
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -53,6 +63,57 @@ def memory_available() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """The bytes this process's memory cgroup lets it add (None: no limit, or none found).
+    Page cache counts in a cgroup's usage but is given back under pressure: the inactive
+    file pages are added back (v2's ``inactive_file``, v1's ``total_inactive_file``)."""
+    v2 = ("memory.max", "memory.current", "inactive_file")
+    v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    candidates = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates.append((Path(root) / path.lstrip("/"), v2))
+        elif "memory" in controllers.split(","):
+            candidates.append((Path(root) / "memory" / path.lstrip("/"), v1))
+    # inside a container's cgroup namespace the mount's root is the process's own cgroup
+    candidates += [(Path(root), v2), (Path(root) / "memory", v1)]
+    for folder, (limit_name, usage_name, inactive) in candidates:
+        try:
+            limit = (folder / limit_name).read_text().strip()
+            usage = int((folder / usage_name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # "max", or v1's "no limit"
+            return None
+        reclaimable = _read_stat(folder / "memory.stat").get(inactive, 0)
+        return max(0, int(limit) - usage + reclaimable)
+    return None
+
+
+def _read_stat(path: Path) -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in (line.split() for line in path.read_text().splitlines())}
+    except (OSError, ValueError):
+        return {}
+
+
+def _address_space_left() -> int | None:
+    """What ``ulimit -v`` leaves of this process's address space (None: unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        size = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        size = 0
+    return max(0, soft - size)
 
 
 SHM = "/dev/shm"  # where torch's shared memory lives (shm_open)
