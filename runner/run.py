@@ -416,6 +416,7 @@ class Job:
         figures.update(**results.device_figures(device), **self.compile_figures,
                        **{k: v for k, v in closed.items() if v is not None},
                        **self.data.figures(result.steps), **results.epochs(self.epoch_figures))
+        results.step_shares(figures)  # the task's own parts (optimizer, EMA) of the step
         if profiled:
             figures["trace"] = results.trace_file(self.run_dir)
             if figures["trace"] is None:
