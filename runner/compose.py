@@ -97,7 +97,7 @@ def refusal(argv: list[str]) -> str | None:
     quiet = logging.root.manager.disable
     logging.disable(logging.WARNING)  # the job says its warnings (once) when it runs
     try:
-        if flags & {"-m", "--multirun"}:
+        if flags & {"-m", "--multirun"} or "hydra.mode=MULTIRUN" in overrides:
             return _sweep_refusal(overrides, runnable)
         return job_refusal(overrides, runnable)
     finally:

@@ -13,14 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
 
+from runner.logger import NullLogger
 from runner.loop import LoopOptions, OnDevice, run_loop
 from runner.task import DataOnlyStep
 from tests.conftest import REPO, SMALL_DATASET, run_in_process
-from tests.test_loop import RecordingLogger, endless
 
 LENGTHENED = "the data path alone runs"
 WARMUP = "leaves no step to time"
+
+
+def endless(size: int = 4):
+    while True:
+        yield TensorDict({"image": torch.zeros(size, 3, 8, 8, dtype=torch.uint8),
+                          "label": torch.zeros(size, dtype=torch.long)}, batch_size=[size])
 
 
 class SettlingStep(DataOnlyStep):
@@ -39,7 +46,7 @@ def test_a_lengthened_run_says_so_once_not_per_window(caplog):
     asked = []
     with caplog.at_level(logging.INFO, logger="runner.loop"):
         result = run_loop(OnDevice(endless(), torch.device("cpu")), SettlingStep(7),
-                          RecordingLogger(), LoopOptions(
+                          NullLogger(), LoopOptions(
                               total_steps=20, warmup_steps=2, log_every=5, repeats=3,
                               min_window_seconds=0.05, extend=asked.append))
     assert len(asked) > 1  # lengthened at several windows, as the pace settled
