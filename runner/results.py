@@ -154,21 +154,19 @@ def step_shares(figures: dict[str, Any]) -> dict[str, Any]:
     their time over the timed steps) become ``<name>_frac`` and ``<name>_ms`` the same way,
     never more than the compute they are part of."""
     step, seconds = figures.get("ms_per_step"), figures.get("timed_seconds")
-    for stage in (*STAGES, "gpu_idle"):
-        share = figures.get(f"{stage}_frac")
-        if share is not None:
-            figures[f"{stage}_ms"] = share * step if step is not None else None
     compute = figures.get("compute_frac")
     for part in STEP_PARTS:
         spent = figures.pop(f"{part}_seconds", None)
-        if spent is None:
-            continue
-        share = spent / seconds if seconds else None
-        if share is not None and compute is not None:
-            share = min(share, compute)  # a part of the step's compute, never more
-        figures[f"{part}_frac"] = share
-        figures[f"{part}_ms"] = share * step if share is not None and step is not None \
-            else None
+        if spent is not None:
+            share = spent / seconds if seconds else None
+            if share is not None and compute is not None:
+                share = min(share, compute)  # a part of the step's compute, never more
+            figures[f"{part}_frac"] = share
+    for stage in (*STAGES, "gpu_idle", *STEP_PARTS):
+        if f"{stage}_frac" in figures:
+            share = figures[f"{stage}_frac"]
+            figures[f"{stage}_ms"] = share * step if share is not None and step is not None \
+                else None
     return figures
 
 

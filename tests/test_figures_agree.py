@@ -102,3 +102,20 @@ def test_no_verdict_leaves_bound_and_stage_null():
     record = v.as_dict()
     assert record["bound"] is None and record["stage"] is None
     assert record["ceilings"] == q  # the stage figures are still there to read
+
+
+def test_merged_ranks_give_each_stage_as_a_share_of_the_runs_step():
+    """Under torch.distributed the run's step is its slowest rank's: every stage (the
+    optimizer's too) is recomputed as a share of that step."""
+    from runner.results import merge_ranks, rank_figures
+
+    fast = result_of([window(1.0, 0.2), window(1.0, 0.2), window(1.0, 0.2)])
+    slow = result_of([window(2.0, 0.2), window(2.0, 0.2), window(2.0, 0.2)])
+    figures = step_shares({**loop_figures(fast, []), "optimizer_seconds": 0.3})
+    every = [rank_figures(0, figures, fast, None),
+             rank_figures(1, loop_figures(slow, []), slow, None)]
+    merged = merge_ranks(figures, every, "gloo")
+    assert merged["ms_per_step"] == pytest.approx(200.0)  # the slowest rank's step
+    for part in (*STAGES, "optimizer"):
+        assert merged[f"{part}_ms"] == pytest.approx(merged[f"{part}_frac"] * 200.0)
+    assert sum(merged[f"{s}_ms"] for s in STAGES) <= merged["ms_per_step"] + 1e-9
