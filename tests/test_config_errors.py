@@ -145,3 +145,31 @@ def test_the_message_of_a_bad_value_names_what_the_key_takes():
         "dataset.crop_fraction=0.875")
     assert bad_value_message("amp=fp8", "amp", "fp8", "it fails") == (
         "amp=fp8 is invalid: it fails")  # not a leaf of the schema: the reason as given
+
+
+@pytest.mark.parametrize(("command", "says", "suggestion"), [
+    (["runner.prepare", "sizes", "dataset.crop=centre"], "dataset.crop=centre is invalid",
+     "Did you mean dataset.crop=center?"),
+    (["runner.prepare", "memmap", "loader.batchsize=3"], "unknown config key",
+     "Did you mean loader.batch_size?"),
+    (["runner.prepare", "packed", "loader.batch_size=0"], "loader.batch_size=0 is invalid",
+     None),
+    (["runner.bench", "stores", "loader.batch_size=abc"], "takes a whole number", None),
+    (["runner.bench", "infer", "dataset.crop=centre"], "dataset.crop=centre is invalid",
+     "Did you mean dataset.crop=center?"),
+])
+def test_prepare_and_bench_refuse_bad_overrides_in_the_same_style(
+        command: list[str], says: str, suggestion: str | None, capsys, tmp_path: Path,
+        monkeypatch):
+    """Their overrides are the runner's: the same one line, status 2, before any work."""
+    import importlib
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(command[0]).main
+    assert main(command[1:]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
+    assert suggestion is None or suggestion in lines[0]
+    assert list(tmp_path.iterdir()) == []  # no store, no dataset, no bench output
