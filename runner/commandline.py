@@ -313,37 +313,33 @@ def composition_message(error: BaseException) -> str | None:
 
 def bad_value_message(override: str, full_key: str, value: Any, reason: str) -> str:
     """For ``dataset.crop=centre`` or ``loader.batch_size=abc``: what the key takes (the
-    choices of an enum, with the closest; a whole number, with an example)."""
+    choices of an enum, with the closest; a whole number, with an example). ``full_key``
+    is OmegaConf's (``task.outputs[0]`` for an entry of a list); ``reason`` its own words,
+    used where the schema says nothing better."""
     key = re.sub(r"\[\d+\]$", "", full_key)
-    element = key != full_key  # one entry of a list (task.outputs=[topx])
+    entry = key != full_key  # one entry of a list (task.outputs=[topx])
     hint, default = _schema_field(key)
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if element or typing.get_origin(hint) is list:
-        inner = args[0] if args else None
-    else:
-        inner = args[0] if typing.get_origin(hint) is not None and len(args) == 1 else hint
+    nullable = type(None) in typing.get_args(hint)
+    if nullable:  # X | None: what X takes
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    listed = typing.get_origin(hint) is list
     head = f"{override} is invalid:"
-    if isinstance(inner, type) and issubclass(inner, Enum) and (element or typing.get_origin(
-            hint) is not list):
-        choices = [m.value for m in inner]
-        close = difflib.get_close_matches(str(value), choices, n=1)
-        where = f"an entry of {key}" if element else key
-        suggestion = ""
-        if close:
-            suggestion = (f" Did you mean {close[0]}?" if element
-                          else f" Did you mean {key}={close[0]}?")
-        return f"{head} {where} is one of {', '.join(choices)}.{suggestion}"
-    if typing.get_origin(hint) is list and not element:
+    if listed and not entry:
         example = f", e.g. {key}={_plain_value(default)}" if default else ""
         return f"{head} {key} takes a list{example}"
+    kind = typing.get_args(hint)[0] if listed else hint
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        choices = [m.value for m in kind]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        meant = f" Did you mean {close[0] if entry else f'{key}={close[0]}'}?" if close else ""
+        where = f"an entry of {key}" if entry else key
+        return f"{head} {where} is one of {', '.join(choices)}.{meant}"
     kinds = {bool: "true or false", int: "a whole number", float: "a number"}
-    if inner in kinds:
-        where = f"each entry of {key}" if element else key
-        nullable = " (or null)" if type(None) in typing.get_args(hint) else ""
-        example = (f", e.g. {key}={_plain_value(default)}"
-                   if default is not None and not element and not isinstance(default, list)
-                   else "")
-        return f"{head} {where} takes {kinds[inner]}{nullable}{example}"
+    if kind in kinds:
+        if entry:
+            return f"{head} each entry of {key} takes {kinds[kind]}"
+        example = f", e.g. {key}={_plain_value(default)}" if default is not None else ""
+        return f"{head} {key} takes {kinds[kind]}{' (or null)' if nullable else ''}{example}"
     return f"{head} {reason}"
 
 
