@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from runner import sweep
 from runner.commandline import check_command_line, register_configs
+from runner.compose import refusal
 from runner.config import config_dir
 from runner.distributed import scratch_dirs_for_other_ranks
 from runner.outcome import (
@@ -55,6 +56,10 @@ def main(cfg: DictConfig) -> float:
 def cli() -> None:
     """The ``runner`` console script (and ``python -m runner``)."""
     check_command_line(sys.argv[1:])
+    why = refusal(sys.argv[1:])  # every config error, before Hydra makes a run folder
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
     try:
         check_run_folder(sys.argv[1:])  # one line, not Hydra's traceback, when unusable

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from runner.atomic import dumps
-from runner.compose import compose
+from runner.compose import compose, job_refusal
 from runner.config import Config, StorageName
 from runner.data import build_data_path
 from runner.data.loader import BatchStream, InProcessBatches, shutdown_workers
@@ -49,6 +50,7 @@ from runner.data.order import BatchOrder
 from runner.data.storage import STORAGES, build_storage, decoded_once, resolve_dataset
 from runner.data.storage.decode import DECODERS, DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
+from runner.errors import ConfigError
 from runner.logger import NullLogger
 from runner.loop import LoopOptions, run_loop
 from runner.metrics import burst
@@ -819,6 +821,19 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--out", type=Path, default=Path("outputs/bench"))
     i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     args = parser.parse_args(argv)
+    why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    try:
+        return run_bench(args)
+    except ConfigError as e:  # a value these benches' configs cannot take
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The bench ``args.command`` names; its exit status."""
     if args.command == "infer":
         from runner.bench_infer import bench_infer
 

@@ -4,11 +4,16 @@
 and the resolver that makes every run folder's name unique. ``check_command_line`` runs
 before Hydra composes anything: an override that names a key the schema does not have, or
 a group choice that has no preset (``loader=memmapp``), exits with one line, status 2, the
-valid names and the closest one ("did you mean").
+valid names and the closest one ("did you mean"). ``composition_message`` turns what
+Hydra and OmegaConf raise while composing (a value of the wrong type, ``loader.batch_size
+=abc``; a value outside an enum, ``dataset.crop=centre``; an override that does not parse)
+into the same one line; runner/compose.py's ``refusal`` uses both to refuse a bad command
+line before Hydra makes a run folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -16,6 +21,7 @@ import os
 import re
 import sys
 import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +176,7 @@ def help_text() -> str:
 
 
 # Hydra's flags that take a value (``-sc install=bash``): that value is not an override
-_VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
+VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
                 "-cd", "--config-dir", "-p", "--package", "--experimental-rerun", "-c", "--cfg",
                 "-i", "--info"}
 
@@ -184,7 +190,7 @@ def check_command_line(argv: list[str]) -> None:
         message = None
         if not arg.startswith("-") and not after_flag:
             message = unknown_key_message(arg) or unknown_choice_message(arg)
-        after_flag = arg in _VALUE_FLAGS
+        after_flag = arg in VALUE_FLAGS
         if message:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(EXIT_USAGE)
@@ -259,6 +265,110 @@ def unknown_key_message(override: str) -> str | None:
         path.append(part)
         node = _field_type(node, part)
     return None
+
+
+def composition_message(error: BaseException) -> str | None:
+    """One line, in the runner's words, for what Hydra or OmegaConf raised while composing
+    a command line: a value of the wrong type or outside an enum (the valid values, the
+    closest one), an unknown key or group choice, an override that does not parse, several
+    values without ``-m``; None for anything else (Hydra's own message stands)."""
+    from hydra.errors import (
+        ConfigCompositionException,
+        MissingConfigException,
+        OverrideParseException,
+    )
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    text = str(error)
+    first = text.splitlines()[0] if text else type(error).__name__
+    cause = error.__cause__
+    if isinstance(error, OverrideParseException):
+        override = getattr(error, "override", "") or "an override"
+        return (f"{override} does not parse ({first}): write key=value, and quote a value "
+                "that holds spaces, commas or brackets ('key=\"a b\"')")
+    if isinstance(error, MissingConfigException):
+        match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+        if match and match.group(1) in groups():
+            return unknown_choice_message(f"{match.group(1)}={match.group(2)}")
+        return None
+    if not isinstance(error, ConfigCompositionException):
+        return None
+    if first.startswith("Ambiguous value for argument"):
+        override = first.split("'", 1)[-1].rstrip("'")
+        key = override.split("=", 1)[0]
+        return (f"{override} gives several values: add -m to run one job per value, or "
+                f"write a list as {key}=[...] (a string with commas: quote it)")
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        override = re.search(r"Could not override '([^']+)'", first)
+        if override:
+            return unknown_key_message(f"{override.group(1)}=") or None
+        return None
+    if isinstance(cause, ValidationError):
+        match = re.match(r"Error merging override (.*)$", first)
+        override = match.group(1) if match else f"{cause.full_key}={cause.value}"
+        return bad_value_message(override, str(cause.full_key), cause.value,
+                                 str(cause).splitlines()[0])
+    return None
+
+
+def bad_value_message(override: str, full_key: str, value: Any, reason: str) -> str:
+    """For ``dataset.crop=centre`` or ``loader.batch_size=abc``: what the key takes (the
+    choices of an enum, with the closest; a whole number, with an example). ``full_key``
+    is OmegaConf's (``task.outputs[0]`` for an entry of a list); ``reason`` its own words,
+    used where the schema says nothing better."""
+    key = re.sub(r"\[\d+\]$", "", full_key)
+    entry = key != full_key  # one entry of a list (task.outputs=[topx])
+    hint, default = _schema_field(key)
+    nullable = type(None) in typing.get_args(hint)
+    if nullable:  # X | None: what X takes
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    listed = typing.get_origin(hint) is list
+    head = f"{override} is invalid:"
+    if listed and not entry:
+        example = f", e.g. {key}={_plain_value(default)}" if default else ""
+        return f"{head} {key} takes a list{example}"
+    kind = typing.get_args(hint)[0] if listed else hint
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        choices = [m.value for m in kind]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        meant = f" Did you mean {close[0] if entry else f'{key}={close[0]}'}?" if close else ""
+        where = f"an entry of {key}" if entry else key
+        return f"{head} {where} is one of {', '.join(choices)}.{meant}"
+    kinds = {bool: "true or false", int: "a whole number", float: "a number"}
+    if kind in kinds:
+        if entry:
+            return f"{head} each entry of {key} takes {kinds[kind]}"
+        example = f", e.g. {key}={_plain_value(default)}" if default is not None else ""
+        return f"{head} {key} takes {kinds[kind]}{' (or null)' if nullable else ''}{example}"
+    return f"{head} {reason}"
+
+
+def _schema_field(key: str) -> tuple[Any, Any]:
+    """The type hint and default of ``key`` (``loader.batch_size``) in the schema; (None,
+    None) below a free-form mapping."""
+    node: Any = Config
+    hint, default = None, None
+    for part in key.split("."):
+        fields = getattr(node, "__dataclass_fields__", None)
+        if fields is None or part not in fields:
+            return None, None
+        hint = typing.get_type_hints(node)[part]
+        f = fields[part]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+        node = hint
+    return hint, default
+
+
+def _plain_value(value: Any) -> str:
+    """A default as a command line writes it: ``[0.485,0.456,0.406]``, ``64``, ``true``."""
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_plain_value(v) for v in value) + "]"
+    return str(value)
 
 
 def _field_type(node: Any, name: str) -> Any:

@@ -4,14 +4,26 @@ converted).
 
 ``to_config`` turns a composed DictConfig into the validated ``Config`` (``python -m
 runner`` calls it first thing); ``compose`` composes overrides exactly as the command line
-does, for commands and tests that run outside a Hydra job.
+does, for commands and tests that run outside a Hydra job; a config Hydra refuses to
+compose (``loader.batch_size=abc``, ``dataset.crop=centre``) is a ConfigError in one line.
+
+``refusal`` is ``python -m runner``'s check of its own command line, before ``hydra.main``
+makes the run folder: every config error (a typo, a type, a choice, a range, two keys that
+contradict each other) is one line, status 2, and no folder. A multirun is refused when a
+value of one of its sweeps cannot be composed, or when none of its jobs could run; a
+sweep whose jobs fail only in some combinations still runs the others (each failed job is
+recorded in its folder and named at the end, runner/sweep.py).
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+import itertools
+import logging
+from collections.abc import Iterator
 
-from runner.commandline import register_configs
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from runner.commandline import VALUE_FLAGS, composition_message, register_configs
 from runner.config import Config, config_dir, model_configs
 from runner.data.storage import check_loader
 from runner.errors import ConfigError
@@ -46,4 +58,116 @@ def compose(overrides: list[str]) -> Config:
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return to_config(hydra_compose("config", overrides=overrides))
+        try:
+            cfg = hydra_compose("config", overrides=overrides)
+        except Exception as e:
+            message = composition_message(e)
+            if message is None:
+                raise
+            raise ConfigError(message) from e
+        return to_config(cfg)
+
+
+# Hydra's flags after which nothing runs (help, completion, --info): nothing to check
+_NOTHING_RUNS = {"-h", "--help", "--hydra-help", "-sc", "--shell-completion", "-i", "--info",
+                 "--version"}
+# flags that point Hydra at another config: this check would compose the wrong one
+_OTHER_CONFIG = {"-cp", "--config-path", "-cd", "--config-dir", "-cn", "--config-name",
+                 "--experimental-rerun"}
+# flags that print the config instead of running it: it must compose, not be runnable
+_PRINT_ONLY = {"-c", "--cfg", "--resolve", "-p", "--package"}
+MAX_JOBS_CHECKED = 64  # of a sweep's jobs, looking for one that can run
+
+
+def refusal(argv: list[str]) -> str | None:
+    """Why ``python -m runner argv`` must not start (one line), or None: the config composed
+    and validated exactly as the job will be, before Hydra makes any folder.
+
+    What only the job can find (a missing folder, a decoder this machine lacks) is left to
+    it; so is anything this check does not recognize (Hydra's own message then stands)."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if flags & (_NOTHING_RUNS | _OTHER_CONFIG):
+        return None
+    overrides, after_flag = [], False
+    for arg in argv:
+        if not arg.startswith("-") and not after_flag:
+            overrides.append(arg)
+        after_flag = arg in VALUE_FLAGS
+    runnable = not flags & _PRINT_ONLY
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the job says its warnings (once) when it runs
+    try:
+        if flags & {"-m", "--multirun"} or "hydra.mode=MULTIRUN" in overrides:
+            return _sweep_refusal(overrides, runnable)
+        return job_refusal(overrides, runnable)
+    finally:
+        logging.disable(quiet)
+
+
+def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
+    """Why one job of these overrides cannot run, or None."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        try:
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+        except Exception as e:  # Hydra's refusal, in one line where it is the user's
+            return composition_message(e)
+    if not runnable:
+        return None
+    HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in the job
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        to_config(cfg)
+    except ConfigError as e:
+        return str(e).splitlines()[0]
+    except Exception:  # skipped (Unavailable) or failed by the job itself, as before
+        return None
+    return None
+
+
+def _sweep_refusal(overrides: list[str], runnable: bool) -> str | None:
+    """Why a multirun of these overrides must not start: a value of a sweep that does not
+    compose, or no job (of the first ``MAX_JOBS_CHECKED``) that could run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        return composition_message(e)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    sweeps: list[list[str]] = []
+    for o in parsed:
+        if o.is_sweep_override():
+            try:
+                key = o.get_key_element()
+                sweeps.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+            except Exception:  # interval(...) and the like: the sweeper draws the values
+                continue
+    for values in sweeps:  # each value alone: a type, choice or key it cannot take
+        for value in values:
+            why = job_refusal([*fixed, value], runnable=False)
+            if why:
+                return why
+    if not runnable:
+        return None
+    jobs = list(itertools.islice(_jobs(fixed, sweeps), MAX_JOBS_CHECKED + 1))
+    first = None
+    for job in jobs[:MAX_JOBS_CHECKED]:
+        why = job_refusal(job)
+        if why is None:
+            return None  # one job can run: the sweep goes on (a failed job is recorded)
+        first = first or why
+    if len(jobs) > MAX_JOBS_CHECKED:
+        return None  # the rest were not checked: the jobs say it themselves
+    return f"{first} (every job of this sweep would stop there)" if len(jobs) > 1 else first
+
+
+def _jobs(fixed: list[str], sweeps: list[list[str]]) -> Iterator[list[str]]:
+    """The sweep's jobs in Hydra's order: the fixed overrides and one value of each sweep."""
+    for combination in itertools.product(*sweeps):
+        yield [*fixed, *combination]

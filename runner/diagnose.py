@@ -73,8 +73,10 @@ def advice_for(cfg: Config, stage: str) -> str:
 
 @dataclass
 class Verdict:
-    bound: str  # "data" or "model"
-    stage: str  # the limiting stage
+    # "data" or "model"; None when the sentence gives no verdict (disturbed figures): a
+    # field a script reads never says more than the sentence beside it
+    bound: str | None
+    stage: str | None  # the limiting stage ("unknown": none credible; None: no verdict)
     sentence: str
     ceilings: dict[str, float]  # images/s of each stage alone (median of its bursts)
     storage: dict[str, float] | None = None  # a cold sequential read: MB/s, files/s
@@ -468,5 +470,8 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
         ceilings = Ceilings(dict(ceilings), {k: dict.fromkeys(
             ("min", "q1", "median", "q3", "max"), v) for k, v in ceilings.items()})
     reading = classify(figures, ceilings, cpu, decoders)
-    return Verdict(reading.bound, reading.stage, word(cfg, reading, world, decoders),
-                   ceilings.median, spread=ceilings.spread)
+    sentence = word(cfg, reading, world, decoders)
+    if reading.disturbed is not None:  # "no verdict": neither field may name one
+        return Verdict(None, None, sentence, ceilings.median, spread=ceilings.spread)
+    return Verdict(reading.bound, reading.stage, sentence, ceilings.median,
+                   spread=ceilings.spread)

@@ -147,6 +147,7 @@ class Windows:
         self.result = LoopResult(timed=Window(), repeats=[Window() for _ in self.ends],
                                  steps=0, images=0, warmup_steps=self.warmup)
         self.repeat = 0
+        self.lengthened = False  # the run was lengthened (and said so) already
 
     @property
     def timed(self) -> int:
@@ -191,9 +192,13 @@ class Windows:
                                    o.min_window_seconds)
         if needed <= self.total - self.warmup:
             return
-        log.info("the data path alone runs %d steps, not %d: each of its %d windows lasts "
-                 "run.window_seconds=%g (run.window_seconds=0 keeps the steps asked)",
-                 self.warmup + needed, self.total, o.repeats, o.min_window_seconds)
+        # said once per run: later windows of the first repeat may lengthen it again (the
+        # pace settles), which the progress bar shows; the log is not told each time
+        (log.debug if self.lengthened else log.info)(
+            "the data path alone runs at least %d steps, not %d: each of its %d windows "
+            "lasts run.window_seconds=%g (run.window_seconds=0 keeps the steps asked)",
+            self.warmup + needed, self.total, o.repeats, o.min_window_seconds)
+        self.lengthened = True
         self.total = self.warmup + needed
         self.ends = [max(e, self.timed) for e in repeat_split(needed, o.repeats)]
         result.repeats += [Window() for _ in range(len(self.ends) - len(result.repeats))]

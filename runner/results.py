@@ -2,6 +2,12 @@
 
 Pure functions of their arguments (no device, no collectives): the loop's windows become
 figures, every rank's figures become the run's, and a config becomes its one-line name.
+
+``ms_per_step`` is the median of the repeat windows; each stage's ``<stage>_ms`` (data
+wait, copy, augmentation, compute, and a training step's optimizer step and EMA update) is
+that stage's share of the timed time (``<stage>_frac``) times that same step, so no
+stage is ever longer than the step it is part of (a stage's mean over all windows beside
+the windows' median could be: a slow first window lifts the one and not the other).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from runner.config import Config, TaskName, model_configs
 from runner.data.storage import STORAGES
 from runner.data.storage.listing import printable
 from runner.loop import LoopResult
-from runner.metrics import Window
+from runner.metrics import STAGES, Window
 from runner.stats import quantiles
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
@@ -129,8 +135,38 @@ def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3,
         "skipped_count": len(skipped),
     }
     figures["others_cores"] = others_cores(result.repeats)
+    step_shares(figures)
     figures["flags"] = flags(figures, repeats_asked, window_seconds)
     figures["disturbed"] = disturbance(figures) is not None
+    return figures
+
+
+# parts of the compute stage a training step times on its own (``<name>_seconds`` from
+# TrainStep.costs): each becomes its share of the step, as the loop's stages are
+STEP_PARTS = ("optimizer", "ema")
+
+
+def step_shares(figures: dict[str, Any]) -> dict[str, Any]:
+    """Each stage's ms as its share of the step ``ms_per_step`` reports (in place).
+
+    The loop's stages: ``<stage>_frac`` (its share of the timed time) times
+    ``ms_per_step``. A training step's own parts (``optimizer_seconds``, ``ema_seconds``:
+    their time over the timed steps) become ``<name>_frac`` and ``<name>_ms`` the same way,
+    never more than the compute they are part of."""
+    step, seconds = figures.get("ms_per_step"), figures.get("timed_seconds")
+    compute = figures.get("compute_frac")
+    for part in STEP_PARTS:
+        spent = figures.pop(f"{part}_seconds", None)
+        if spent is not None:
+            share = spent / seconds if seconds else None
+            if share is not None and compute is not None:
+                share = min(share, compute)  # a part of the step's compute, never more
+            figures[f"{part}_frac"] = share
+    for stage in (*STAGES, "gpu_idle", *STEP_PARTS):
+        if f"{stage}_frac" in figures:
+            share = figures[f"{stage}_frac"]
+            figures[f"{stage}_ms"] = share * step if share is not None and step is not None \
+                else None
     return figures
 
 
@@ -199,6 +235,7 @@ def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: s
         "distributed": {"world": len(every), "backend": backend, "ranks": every,
                         "replicas_in_sync": len(digests) == 1 if None not in digests else None},
     }
+    step_shares(merged)  # the run's step is its slowest rank's
     merged["flags"] = flags(merged, repeats_asked)
     merged["disturbed"] = disturbance(merged) is not None
     return merged
@@ -224,7 +261,7 @@ def summary_line(cfg: Config, figures: dict[str, Any], world: int = 1) -> str | 
     parts = [f"{name} {figures[key]:.2f} ms" for key, name in (
         ("augment_ms", "augmentation"), ("optimizer_ms", "optimizer step"),
         ("ema_ms", "EMA update")) if figures.get(key)]
-    if parts:  # what a recipe costs, per step
+    if parts:  # what a recipe costs, per step: each a share of the step above
         line += f"; of each step: {', '.join(parts)}"
     return line
 

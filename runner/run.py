@@ -106,7 +106,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if ranks.main:
                 outcome.save_metrics(run_dir / "metrics.json", metrics)
                 if metrics["status"] in ("ok", "interrupted"):
-                    for line in outcome.where(run_dir, metrics, job and job.logger.location):
+                    # a sweep's wandb runs are said once, at its end (runner/sweep.py),
+                    # unless this job stops the sweep
+                    said_once = sweep and metrics["status"] == "ok"
+                    wandb_run = job.logger.location if job and not said_once else None
+                    for line in outcome.where(run_dir, metrics, wandb_run):
                         log.info("%s", line)
             if ranks.enabled and metrics["status"] == "interrupted":
                 leave_together(ranks)  # none exits before rank 0 has saved all of this
@@ -287,9 +291,23 @@ class Job:
         warmup = run.warmup_steps
         if warmup >= total:
             warmup = max(total - 1, 0)
-            log.warning("run.warmup_steps=%d leaves no step to time in a %d-step run; using %d",
-                        run.warmup_steps, total, warmup)
+            # a short job whose point is its outputs (predictions of 100 images, a few
+            # epochs) need not hear it: its flags say "few timed steps" in metrics.json
+            (log.warning if self._speed_asked() else log.debug)(
+                "run.warmup_steps=%d leaves no step to time in a %d-step run; using %d: its "
+                "speed figures come from %d step(s) and are not to be trusted (give more "
+                "images or run.steps)", run.warmup_steps, total, warmup, total - warmup)
         return total, warmup
+
+    def _speed_asked(self) -> bool:
+        """Whether this run's point is a speed figure: a sweep (which compares them), the
+        data path alone (model=none), an inference that writes nothing, or a warm-up the
+        user set."""
+        cfg = self.config
+        overrides = [o.lstrip("+~") for o in self.hydra_cfg.overrides.task]
+        return (self.hydra_cfg.mode == RunMode.MULTIRUN or cfg.model.name == "none"
+                or (cfg.task.name is TaskName.infer and not cfg.task.write_predictions)
+                or any(o.startswith("run.warmup_steps=") for o in overrides))
 
     def _setup_task(self, data: DataPath, device: torch.device, total_steps: int) -> Step:
         """The model or models (built, compiled, verified), then the task's step."""
@@ -448,6 +466,7 @@ class Job:
         figures.update(**results.device_figures(device), **self.compile_figures,
                        **{k: v for k, v in closed.items() if v is not None},
                        **self.data.figures(result.steps), **results.epochs(self.epoch_figures))
+        results.step_shares(figures)  # the task's own parts (optimizer, EMA) of the step
         if profiled:
             figures["trace"] = results.trace_file(self.run_dir)
             if figures["trace"] is None:

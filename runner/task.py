@@ -116,7 +116,6 @@ class TrainStep:
         self.clock = DeviceClock(device)
         self._spans: dict[str, list] = {"optimizer": [], "ema": []}
         self._seconds = {"optimizer": 0.0, "ema": 0.0}
-        self._updates = 0
 
     def _build_schedule(self) -> torch.optim.lr_scheduler.LRScheduler:
         """The schedule of ``task.*`` over the plan, from the groups' current ``lr``."""
@@ -223,7 +222,6 @@ class TrainStep:
         if self.ema is not None:
             self.ema.update(network(self.model))
             self._spans["ema"].append((stepped, self.clock.now()))
-        self._updates += 1
         if not self.clock.cuda or len(self._spans["optimizer"]) > MAX_PENDING_EVENTS:
             self._fold(done_only=self.clock.cuda)
         self.micro = 0
@@ -240,14 +238,15 @@ class TrainStep:
             del spans[:k]
 
     def costs(self) -> dict[str, float]:
-        """ms per optimizer step of the step itself and of the EMA update (after a sync)."""
+        """Seconds the optimizer steps and the EMA updates took since warm-up (after a
+        sync); runner/results.py turns them into their share of the step
+        (``optimizer_ms``, ``ema_ms``), as the loop's stages."""
         if self.clock.cuda:
             torch.cuda.synchronize()
         self._fold()
-        n = max(self._updates, 1)
-        out = {"optimizer_ms": 1000 * self._seconds["optimizer"] / n}
+        out = {"optimizer_seconds": self._seconds["optimizer"]}
         if self.ema is not None:
-            out["ema_ms"] = 1000 * self._seconds["ema"] / n
+            out["ema_seconds"] = self._seconds["ema"]
         return out
 
     @property
@@ -261,7 +260,6 @@ class TrainStep:
             torch.cuda.synchronize()  # once, where the loop syncs anyway
         self._fold()
         self._seconds = dict.fromkeys(self._seconds, 0.0)
-        self._updates = 0
 
     def read(self) -> dict[str, float]:
         """Mean loss since the last read (a sync point: call only at log points). A
