@@ -215,3 +215,11 @@ def test_the_verdict_probes_a_batch_no_larger_than_the_loops(tmp_path: Path, cac
     assert out.returncode == 0, out.stderr[-2000:]
     bottleneck = json.loads((tmp_path / "run" / "metrics.json").read_text())["bottleneck"]
     assert "error" not in bottleneck and bottleneck["ceilings"]["model"] > 0
+
+
+def test_a_missing_manifest_is_named_as_the_manifest(tmp_path: Path):
+    from runner.data.storage.listing import DatasetError
+
+    with pytest.raises(DatasetError, match=r"^dataset.manifest=\S*nope.csv does not exist"):
+        run_in_process("model=tiny", "task=infer", "logger=none",
+                       f"dataset.manifest={tmp_path / 'nope.csv'}", run_dir=tmp_path / "run")

@@ -432,7 +432,8 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
         raise DatasetError(f"{key}={path} is one image, not a dataset: give the folder that "
                            f"holds the images (dataset.path={path.parent}), or list them in a "
                            "manifest (dataset.manifest=<file.csv>)")
-    listing = read_manifest(path, dataset.labels) if path.is_file() else \
+    manifest = dataset.manifest is not None or path.is_file()  # a missing manifest is one
+    listing = read_manifest(path, dataset.labels) if manifest else \
         open_image_folder(path, dataset.labels)
     if dataset.val_fraction > 0:
         listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
