@@ -253,6 +253,20 @@ class SkipLog:
                 log.warning("skipped %s file %s: %s", kind, s.path, s.error)
 
 
+def as_tensordict(batch: dict[str, torch.Tensor], n: int) -> TensorDict:
+    """A batch's fields as a TensorDict of batch size ``n``. The fields come from a storage
+    and its loader, one row per image by construction, so TensorDict's checks of every
+    field's leading size are skipped where this tensordict has the call that skips them
+    (``_new_unsafe``: 2 us a batch against 9 us, measured here; the loop's per-batch
+    overhead is ~60 us on small items, bench overhead)."""
+    if _NEW_UNSAFE is not None:
+        return _NEW_UNSAFE(batch, batch_size=torch.Size([n]))
+    return TensorDict(batch, batch_size=[n])
+
+
+_NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
+
+
 def shutdown_workers(loader: DataLoader, iterator=None) -> None:
     """Stop a DataLoader's worker processes now, not whenever garbage collection runs.
 
@@ -320,13 +334,14 @@ class BatchStream:
                     self.on_epoch(self.epoch)
                 iterator = iter(self.loader)
                 for position, (batch, skipped) in enumerate(iterator, start=skip):
-                    self.skips.add(skipped)
+                    if skipped:
+                        self.skips.add(skipped)
                     if batch is not None:
-                        n = len(batch["label"])
+                        n = batch["label"].shape[0]
                         if self.per_batch is not None:  # e.g. the random draws of its crops
                             batch = {**batch, **self.per_batch(self.epoch, position,
                                                                batch["index"])}
-                        yield TensorDict(batch, batch_size=[n])
+                        yield as_tensordict(batch, n)
                 done += 1
                 self.epoch += 1
         finally:
