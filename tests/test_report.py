@@ -132,3 +132,15 @@ def test_a_data_path_sweep_runs_with_the_users_model(sweep_preset: str, model: l
         assert config.model.name == model[0].split("=")[1] or (
             config.model.target == "tests.nets:TwoLayer")
     assert compose_config(f"sweep={sweep_preset}").model.name == "none"  # the default
+
+
+def test_the_tests_keep_their_datasets_out_of_the_users_cache(private_cache: Path,
+                                                              tmp_path_factory):
+    """tests/conftest.py's private_cache: a config composed in a test caches under the
+    session's temporary folder, not under $RUNNER_CACHE or ~/.cache/runner."""
+    import os
+
+    cache = Path(compose_config().dataset.cache_dir)
+    assert cache == private_cache == Path(os.environ["RUNNER_CACHE"])
+    assert cache.is_relative_to(tmp_path_factory.getbasetemp())
+    assert not cache.is_relative_to(Path.home() / ".cache")
