@@ -228,7 +228,7 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
         if baseline is not None:
             row.append(ratio_text(r, baseline))
         row.append("; ".join(m.get("flags") or []))
-        bottleneck = (m.get("bottleneck") or {}).get("stage", "")
+        bottleneck = (m.get("bottleneck") or {}).get("stage") or "none (disturbed)"
         row.append(bottleneck if r.ok else (m.get("reason") or "")[:60])
         rows.append(row)
     return "\n".join("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
