@@ -228,7 +228,8 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
         if baseline is not None:
             row.append(ratio_text(r, baseline))
         row.append("; ".join(m.get("flags") or []))
-        bottleneck = (m.get("bottleneck") or {}).get("stage") or "none (disturbed)"
+        verdict = m.get("bottleneck") or {}  # none asked (diagnose=false), or no stage named
+        bottleneck = verdict.get("stage") or ("none (disturbed)" if verdict else "")
         row.append(bottleneck if r.ok else (m.get("reason") or "")[:60])
         rows.append(row)
     return "\n".join("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
