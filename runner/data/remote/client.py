@@ -101,6 +101,11 @@ def _no_retries() -> dict[str, Any]:
 
 def open_store(url: RemoteURL, endpoint_url: str | None = None) -> Any:
     """The obstore store of ``url``'s bucket (or server)."""
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        raise RemoteError(f"{url}: reading URLs needs obstore: pip install -e '.[remote]'"
+                          ) from None
     options = {"connect_timeout": CONNECT_TIMEOUT, "timeout": REQUEST_TIMEOUT}
     if url.scheme == "s3":
         return _s3_store(url, endpoint_for(url, endpoint_url))

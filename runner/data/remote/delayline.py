@@ -12,7 +12,8 @@ shared link). Faults, per HTTP request (a chunk from the client that starts a re
   of its answer, so the client sees a body cut short;
 - ``burst_rate``: a burst of ``burst_len`` requests, this one and those after it, answered
   ``503 SlowDown`` by the proxy itself (an S3 error body), without reaching the server;
-- ``fail_next(n)``: the next ``n`` requests answered 503 (a test's deterministic burst).
+- ``fail_next(n)``: the next ``n`` requests answered 503 (a test's deterministic burst);
+- ``deny``: every request answered ``403 AccessDenied`` (a server refusing the credentials).
 
 One asyncio loop in one daemon thread runs it; ``bytes_down`` counts what reached the
 clients (the bytes an epoch fetched), ``requests``, ``resets`` and ``errors_503`` what it
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")
 SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
             b"<Message>Please reduce your request rate.</Message></Error>")
+DENIED = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>AccessDenied</Code>"
+          b"<Message>Access Denied</Message></Error>")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class DelayLine:
         self.upstream_port = upstream_port
         self.rtt, self.bandwidth = rtt, bandwidth
         self.reset_rate, self.burst_rate, self.burst_len = reset_rate, burst_rate, burst_len
+        self.deny = False
         self.stats = LinkStats()
         self._rng = random.Random(seed)
         self._forced = 0  # 503s still owed (a burst, or fail_next)
@@ -85,9 +89,10 @@ class DelayLine:
         return f"http://127.0.0.1:{self.port}"
 
     def set(self, **settings) -> None:
-        """Change ``rtt``, ``bandwidth``, ``reset_rate``, ``burst_rate`` or ``burst_len`` now."""
+        """Change ``rtt``, ``bandwidth``, ``reset_rate``, ``burst_rate``, ``burst_len`` or
+        ``deny`` now."""
         for key, value in settings.items():
-            if key not in ("rtt", "bandwidth", "reset_rate", "burst_rate", "burst_len"):
+            if key not in ("rtt", "bandwidth", "reset_rate", "burst_rate", "burst_len", "deny"):
                 raise TypeError(f"DelayLine has no setting {key!r}")
             setattr(self, key, value)
 
@@ -99,10 +104,18 @@ class DelayLine:
         self.stats = LinkStats()
 
     def close(self) -> None:
-        if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.stop()
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop)
+            self._thread.join(5)
 
     def __enter__(self) -> DelayLine:
         return self
@@ -126,6 +139,8 @@ class DelayLine:
     def _fault(self) -> str | None:
         """What to do to the request just seen: None, "503" or "reset"."""
         self.stats.requests += 1
+        if self.deny:
+            return "403"
         if self._forced > 0:
             self._forced -= 1
             return "503"
@@ -170,12 +185,16 @@ class DelayLine:
                 return
             if data.startswith(METHODS):
                 fault = self._fault()
-                if fault == "503":
-                    self.stats.errors_503 += 1
-                    head = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(SLOWDOWN))
+                if fault in ("503", "403"):
+                    if fault == "503":
+                        self.stats.errors_503 += 1
+                    body = SLOWDOWN if fault == "503" else DENIED
+                    status = b"503 Slow Down" if fault == "503" else b"403 Forbidden"
+                    head = (b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                            % (status, len(body)))
                     # the answer comes back after a full round trip, as the server's would
-                    await down.put((due + self.rtt / 2, head + SLOWDOWN))
+                    await down.put((due + self.rtt / 2, head + body))
                     await down.put((due + self.rtt / 2, None))
                     return
                 if fault == "reset":
