@@ -21,8 +21,9 @@ saturated, and a byte bound caps it (``max_bytes``: big ranges hold fewer in fli
 ``stats``. A 404 or 403 is not retried: it is the caller's to name.
 
 **Ranges.** ``get_ranges(key, ranges)`` merges runs of adjacent or nearly adjacent ranges
-(gaps under ``merge_gap``) into one request each and slices the answers, so a run of
-samples stored back to back costs one round trip.
+(gaps under ``merge_gap``, 4 KiB: a tar's member header and a ``.cls`` member lie between
+two samples' JPEGs) into one request each and slices the answers, so a run of samples
+stored back to back costs one round trip and no byte is read that is not needed.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class ReadEngine:
     """
 
     def __init__(self, store: ObjectStore, max_bytes: int = 256 << 20, attempts: int = 8,
-                 backoff: float = 0.05, merge_gap: int = 64 << 10):
+                 backoff: float = 0.05, merge_gap: int = 4 << 10):
         self.store = store
         self.max_bytes, self.attempts, self.backoff = max_bytes, attempts, backoff
         self.merge_gap = merge_gap

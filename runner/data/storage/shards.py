@@ -613,8 +613,9 @@ def build_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
     import dataclasses
 
     shard_bytes = int(float(shard_mb) * (1 << 20)) if shard_mb else DEFAULT_SHARD_BYTES
-    if shard_bytes < 1 << 16:
-        raise CacheError(f"shard_mb={shard_mb} is too small: give at least 0.0625 (64 KiB)")
+    if shard_bytes < 1 << 12:
+        raise CacheError(f"shard_mb={shard_mb} is too small: give at least 0.004 (4 KiB; "
+                         "64 is the usual size)")
     if is_url(path):
         path = stage_remote(dataset, str(path))
         dataset = dataclasses.replace(dataset, path=None, manifest=str(path))
