@@ -152,6 +152,12 @@ class DelayLine:
         return None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._proxy(reader, writer)
+        except asyncio.CancelledError:  # the line is closing
+            pass
+
+    async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)

