@@ -128,7 +128,8 @@ def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_
     runs = {}
     for name, path in (("local", local), ("remote", f"s3://{bucket}/train")):
         run_cli(*SMALL, f"dataset.path={path}", "model=tiny", "run.steps=6", "logger=none",
-                "loader=folder", f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, env=env)
+                "loader=folder", f"dataset.val_path={path}",
+                f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, env=env)
         runs[name] = read_metrics(tmp_path / name)
         run_cli(*SMALL, f"dataset.path={path}", "model=tiny", "task=infer", "logger=none",
                 "loader=folder", f"hydra.run.dir={tmp_path / (name + '-infer')}",
@@ -178,3 +179,25 @@ def test_a_local_only_storage_refuses_a_url_naming_what_reads_one(bucket, tmp_pa
     with pytest.raises(ConfigError, match=r"loader=memmap reads local folders only.*"
                                           r"loader=folder or loader=shards"):
         batches(f"dataset.path=s3://{bucket}/train", loader="memmap")
+
+
+def test_loader_workers_are_refused_with_a_url_naming_the_fix(bucket):
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loader.num_workers=2 forks.*loader.num_workers=0"):
+        batches(f"dataset.path=s3://{bucket}/train", "loader.num_workers=2", loader="folder")
+
+
+def test_a_manifest_and_a_validation_set_in_a_bucket(bucket, s3_server, cache_dir):
+    import runner
+
+    listed = runner.pipeline(*SMALL, f"dataset.path=s3://{bucket}/train", loader="folder")
+    names = [listed.storage.name_of(i) for i in range(len(listed.storage))]
+    labels = listed.storage.label_tensor().tolist()
+    listed.close()
+    rows = "path,label\n" + "".join(f"train/{n},{listed.classes[k]}\n"
+                                     for n, k in zip(names, labels))
+    s3_server.client().put_object(Bucket=bucket, Key="list.csv", Body=rows.encode())
+    got = batches(f"dataset.manifest=s3://{bucket}/list.csv", loader="folder")
+    want = batches(f"dataset.path=s3://{bucket}/train", loader="folder")
+    assert_same(want, got)

@@ -60,7 +60,14 @@ class ShardCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.peak_bytes = folder_bytes(self.folder)
         self.evictions = 0
-        self._lock = FileLock(str(self.folder / ("cache" + LOCK)))
+        self._locks: tuple[int, FileLock] | None = None
+
+    @property
+    def _lock(self) -> FileLock:
+        """The folder's lock, this process's own (a forked loader worker makes its own)."""
+        if self._locks is None or self._locks[0] != os.getpid():
+            self._locks = (os.getpid(), FileLock(str(self.folder / ("cache" + LOCK))))
+        return self._locks[1]
 
     def path(self, name: str) -> Path:
         return self.folder / name.replace("/", "__")

@@ -131,7 +131,15 @@ class ObjectStore:
     def __init__(self, url: RemoteURL, endpoint_url: str | None = None):
         self.url = url
         self.endpoint_url = endpoint_url
-        self.store = open_store(url, endpoint_url)
+        self._opened = (os.getpid(), open_store(url, endpoint_url))
+
+    @property
+    def store(self) -> Any:
+        """The obstore store, this process's own: its runtime's threads do not survive a
+        fork (a DataLoader worker), so a forked process opens the store again."""
+        if self._opened[0] != os.getpid():
+            self._opened = (os.getpid(), open_store(self.url, self.endpoint_url))
+        return self._opened[1]
 
     def __getstate__(self) -> dict:  # a worker process opens its own client
         return {"url": self.url, "endpoint_url": self.endpoint_url}

@@ -8,8 +8,8 @@ after it arrived (so a request and its answer cost one ``rtt`` more), and the by
 the client leave no faster than ``bandwidth`` bytes/s over all connections together (one
 shared link). Faults, per HTTP request (a chunk from the client that starts a request line):
 
-- ``reset_rate``: the connection is reset (``SO_LINGER 0``: an RST) after the first chunk
-  of its answer, so the client sees a body cut short;
+- ``reset_rate``: the connection is reset (``SO_LINGER 0``: an RST) after half the first
+  chunk of its answer, so the client sees an answer cut short;
 - ``burst_rate``: a burst of ``burst_len`` requests, this one and those after it, answered
   ``503 SlowDown`` by the proxy itself (an S3 error body), without reaching the server;
 - ``fail_next(n)``: the next ``n`` requests answered 503 (a test's deterministic burst);
@@ -227,13 +227,15 @@ class DelayLine:
                 await asyncio.sleep(due - now)
             if data is None:
                 return
+            if shaped and state["doomed"]:  # half of this chunk, then an RST
+                writer.write(data[: len(data) // 2])
+                self.stats.bytes_down += len(data) // 2
+                self.stats.resets += 1
+                _abort(writer)
+                return
             writer.write(data)
             if shaped:
                 self.stats.bytes_down += len(data)
-                if state["doomed"]:
-                    self.stats.resets += 1
-                    _abort(writer)
-                    return
             await writer.drain()
 
 

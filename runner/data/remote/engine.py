@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import random
 import threading
 import time
@@ -125,6 +126,7 @@ class ReadEngine:
         self._thread: threading.Thread | None = None
         self._window: Window | None = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict:  # a worker process starts its own loop
         return {k: v for k, v in self.__dict__.items()
@@ -136,6 +138,9 @@ class ReadEngine:
     # --- the loop ------------------------------------------------------------------------
 
     def _start(self) -> asyncio.AbstractEventLoop:
+        if self._pid != os.getpid():  # forked (a loader worker): the I/O thread stayed behind
+            self._pid, self._loop, self._thread = os.getpid(), None, None
+            self._lock = threading.Lock()
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()

@@ -296,12 +296,13 @@ class RemoteFolderStorage(FolderStorage):
         prefix = len(engine.store.url.store_url) + 1
         self.keys = [url[prefix:] for url, _ in self.samples]
         self._pending: dict[int, object] = {}
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict:  # a worker process fetches on its own
         return {k: v for k, v in self.__dict__.items() if k != "_pending"}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _pending={})
+        self.__dict__.update(state, _pending={}, _pid=os.getpid())
 
     @property
     def files(self) -> list[str]:
@@ -315,6 +316,7 @@ class RemoteFolderStorage(FolderStorage):
         """Start fetching a coming batch's images now, concurrently."""
         from runner.data.order import split_padding
 
+        self._forked()
         for i in split_padding(index)[0].tolist():
             if i not in self._pending:
                 self._pending[i] = self.engine.get(self.keys[i], 256 << 10)
@@ -324,12 +326,19 @@ class RemoteFolderStorage(FolderStorage):
 
     def read(self, index: int) -> bytearray:
         """Item ``index``'s object, fetched by the engine (started by ``will_need``)."""
+        self._forked()
         future = self._pending.pop(index, None) or self.engine.get(self.keys[index], 256 << 10)
         try:
             return bytearray(future.result())
         except Exception as e:  # the engine gave up: unreadable, named by its URL
             raise OSError(f"{self.samples[index][0]}: {type(e).__name__} after "
                           f"{self.engine.attempts} tries") from e
+
+    def _forked(self) -> None:
+        """A forked loader worker drops the parent's pending fetches (its I/O thread did
+        not come along)."""
+        if self._pid != os.getpid():
+            self._pid, self._pending = os.getpid(), {}
 
     def close(self) -> None:
         self.engine.close()

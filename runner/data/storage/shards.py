@@ -137,6 +137,7 @@ class RemoteShards:
         self._init_runtime()
 
     def _init_runtime(self) -> None:
+        self._pid = os.getpid()
         self._fds: dict[int, int] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}  # sample -> its bytes
         self._fetching: dict[int, concurrent.futures.Future] = {}  # shard -> its fetch
@@ -229,9 +230,16 @@ class RemoteShards:
                     continue
                 self._fetching[shard] = self._pool.submit(self._fetch, shard, set(busy))
 
+    def _forked(self) -> None:
+        """In a forked loader worker: its own pool, descriptors and pending reads (the
+        parent's threads did not come along)."""
+        if self._pid != os.getpid():
+            self._init_runtime()
+
     def will_need(self, index: list[int]) -> None:
         """A batch is queued: note where the epoch is, fetch ahead, and start range reads
         of its samples whose shards are not cached (neighbours merged into one request)."""
+        self._forked()
         if self.order is not None and index:
             shard = self.shard_of[index[0]]
             epoch = max(self.order.epoch, 0)
@@ -258,6 +266,7 @@ class RemoteShards:
                 self._pending.pop(stale, None)
 
     def read(self, shard: int, offset: int, size: int, index: int) -> bytes:
+        self._forked()
         future = self._pending.pop(index, None)
         if future is not None:
             self.uncached_reads += 1
