@@ -41,13 +41,15 @@ from typing import Any
 
 import torch
 
-from runner.config import StorageName
+from runner.config import Decoder, StorageName
 from runner.data.remote.delayline import DelayLine
 from runner.data.remote.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
+from runner.data.storage.tarshards import SHARD_LIST
 from runner.data.threads import cores
 from runner.stats import median
 
 SHARDS, FOLDER = StorageName.shards.value, StorageName.folder.value
+REGION = f"loader.decoder={Decoder.region.value}"  # the folder decodes as the shards do
 RTTS = (0.0, 0.010, 0.050)
 
 
@@ -80,7 +82,6 @@ def webdataset_rate(urls: list[str], size: list[int], batch_size: int) -> float:
     """images/s of one epoch of webdataset's own pipeline over ``urls`` (``pipe:curl``)."""
     import webdataset as wds
 
-    from runner.config import Decoder
     from runner.data.storage.decode import ImageDecoder
 
     decoder = ImageDecoder(Decoder.region, tuple(size), fraction=0.875)
@@ -106,7 +107,7 @@ def objects_folder(shards: Path, out: Path) -> Path:
 
     manifest = json.loads((shards / "manifest.json").read_text())
     classes = manifest["classes"]
-    for entry in manifest["shards"]:
+    for entry in manifest[SHARD_LIST]:
         index = json.loads((shards / entry["index"]).read_text())
         data = (shards / entry["name"]).read_bytes()
         for key, off, size, label in zip(index["keys"], index["offsets"], index["sizes"],
@@ -131,15 +132,15 @@ def bench_remote(args: argparse.Namespace) -> dict:
             "loader.num_workers=0"]
     from runner.prepare import main as prepare
 
-    shards = work / "shards"
-    assert prepare(["shards", *base, f"out={shards}", f"shard_mb={args.shard_mb}"]) == 0
+    shards = work / "shard-set"
+    assert prepare([SHARDS, *base, f"out={shards}", f"shard_mb={args.shard_mb}"]) == 0
     objects = objects_folder(shards, work / "served" / "objects")
     server, rclone = LoopbackS3(), LoopbackRclone(work / "served")
     line, object_line = DelayLine(server.port), DelayLine(rclone.port)
     try:
         os.environ.update(server.env(line.endpoint))
         server.make_bucket("bench")
-        server.upload(shards, "bench", "shards")
+        server.upload(shards, "bench", "set")
         return measure(args, base, size, shards, objects, (line, object_line), work, server)
     finally:
         for part in (line, object_line, server, rclone):
@@ -158,7 +159,7 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
     # the objects' server (rclone) is reached through its own delay line, named by
     # dataset.endpoint_url (the shards' through AWS_ENDPOINT_URL)
     objects_url = ["dataset.path=s3://objects", f"dataset.endpoint_url={object_line.endpoint}",
-                   "loader.decoder=region"]
+                   REGION]
     rows: dict[str, list[float]] = {}
     extra: dict[str, Any] = {"bytes": {}, "first_batch_s": []}
     total = sum(p.stat().st_size for p in shards.glob("*.tar"))
@@ -178,13 +179,13 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
         add("shards local", rates[0])
         add("shards local epoch 2", rates[1])
         add("objects local", epoch_rate([*base, f"dataset.path={objects}",
-                                         "loader.decoder=region"], FOLDER)[0][0])
+                                         REGION], FOLDER)[0][0])
         for rtt in RTTS:
             ms = round(rtt * 1000)
             line.set(rtt=rtt)
             line.reset_stats()
             rates, first, figures, _ = epoch_rate(
-                [*base, "dataset.path=s3://bench/shards", fresh_cache()], SHARDS, epochs=2)
+                [*base, "dataset.path=s3://bench/set", fresh_cache()], SHARDS, epochs=2)
             add(f"shards {ms} ms", rates[0])
             add(f"shards {ms} ms epoch 2", rates[1])
             if ms == 10:
@@ -199,7 +200,7 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
               flush=True)
     line.set(rtt=0.010)
     bound = max(total // 2, 1)
-    rates, _, figures, _ = epoch_rate([*base, "dataset.path=s3://bench/shards", fresh_cache(),
+    rates, _, figures, _ = epoch_rate([*base, "dataset.path=s3://bench/set", fresh_cache(),
                                        f"dataset.cache_bytes={bound}"], SHARDS, epochs=2)
     extra["cache"] = {"bound": bound, "peak": figures.get("cache_peak_bytes", 0),
                       "in_flight_peak": figures.get("remote_window", 0),
@@ -210,7 +211,7 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
     faults = []
     for _ in range(args.rounds):
         rates, _, figures, skipped = epoch_rate(
-            [*base, "dataset.path=s3://bench/shards", fresh_cache()], SHARDS)
+            [*base, "dataset.path=s3://bench/set", fresh_cache()], SHARDS)
         faults.append(rates[0])
         extra.setdefault("fault_images", []).append(figures["images"])
         extra.setdefault("fault_skipped", []).append(skipped)
@@ -222,8 +223,8 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
         import json
 
         manifest = json.loads((shards / "manifest.json").read_text())
-        urls = [f"pipe:curl -s --fail '{server.signed_url('bench', 'shards/' + s['name'], line.endpoint)}'"
-                for s in manifest["shards"]]
+        urls = [f"pipe:curl -s --fail '{server.signed_url('bench', 'set/' + s['name'], line.endpoint)}'"
+                for s in manifest[SHARD_LIST]]
         for _ in range(args.rounds):
             rows.setdefault("webdataset 10 ms", []).append(
                 webdataset_rate(urls, size, args.batch_size))

@@ -57,6 +57,7 @@ from runner.data.storage.packed import PackedStorage, build_packed, open_packed,
 from runner.data.storage.tarshards import (
     DEFAULT_SHARD_BYTES,
     MANIFEST,
+    SHARD_LIST,
     ShardIndex,
     ShardWriter,
     index_name,
@@ -423,7 +424,7 @@ def _local_set(folder: Path, dataset: DatasetConfig) -> tuple[list[ShardIndex], 
     if manifest.is_file():
         meta = load_json(manifest.read_text(), str(manifest))
         indexes = [ShardIndex.from_json(json.loads((folder / s["index"]).read_text()))
-                   for s in meta["shards"]]
+                   for s in meta[SHARD_LIST]]
         return indexes, list(meta.get("classes", []))
     tars = sorted(p.name for p in folder.glob("*.tar"))
     cache = _cache_folder(dataset, "index", str(folder.resolve()))
@@ -460,7 +461,7 @@ def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
     manifest_key = url.key(MANIFEST)
     if manifest_key in objects:
         meta = load_json(store.get(manifest_key), str(url.child(MANIFEST)))
-        futures = [engine.get(url.key(s["index"])) for s in meta["shards"]]
+        futures = [engine.get(url.key(s["index"])) for s in meta[SHARD_LIST]]
         indexes = [ShardIndex.from_json(json.loads(bytes(f.result()))) for f in futures]
         return indexes, list(meta.get("classes", []))
     tars = sorted(k for k in objects if k.endswith(".tar"))
@@ -654,7 +655,7 @@ def build_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
     store = check_bucket_writable(out, dataset.endpoint_url)
     with tempfile.TemporaryDirectory(dir=Path(dataset.cache_dir).expanduser()) as tmp:
         manifest = write_packed_as_shards(packed, Path(tmp), shard_bytes, facts)
-        for shard in manifest["shards"]:  # the manifest last: a reader sees all or none
+        for shard in manifest[SHARD_LIST]:  # the manifest last: a reader sees all or none
             store.put_file(url.key(shard["name"]), str(Path(tmp) / shard["name"]))
             store.put_file(url.key(shard["index"]), str(Path(tmp) / shard["index"]))
         store.put_file(url.key(MANIFEST), str(Path(tmp) / MANIFEST))

@@ -34,6 +34,7 @@ from runner.data.storage.decode import read_jpeg_header
 
 FORMAT, VERSION = "runner-shards", 1
 MANIFEST = "manifest.json"
+SHARD_LIST = "shards"  # the manifest's list of shards
 INDEX_SUFFIX = ".idx.json"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
 LABEL_EXTS = ("cls", "cls2", "label")
@@ -154,7 +155,7 @@ class ShardWriter:
 def write_manifest(folder: Path, entries: list[dict[str, Any]], classes: list[str],
                    **facts: Any) -> dict[str, Any]:
     manifest = {"format": FORMAT, "version": VERSION, "classes": classes,
-                "count": sum(e["count"] for e in entries), "shards": entries, **facts}
+                "count": sum(e["count"] for e in entries), SHARD_LIST: entries, **facts}
     write_json(Path(folder) / MANIFEST, manifest)
     return manifest
 
