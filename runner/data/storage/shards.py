@@ -271,23 +271,29 @@ class RemoteShards:
         future = self._pending.pop(index, None)
         if future is not None:
             self.uncached_reads += 1
-            return bytes(future.result())
+            try:
+                return bytes(future.result())
+            except Exception:  # retried already: once more alone, then unreadable
+                return self._range(shard, offset, size)
         fd = self._fds.get(shard)
         if fd is None:
             path = self.cache.path(self.names[shard])
             if not path.is_file():
                 with self._lock:
                     fetching = self._fetching.get(shard)
-                path = fetching.result() if fetching is not None else self._fetch(shard, set())
-            if path is None:  # no room in the cache: around it, one range
-                self.uncached_reads += 1
-                return bytes(self.engine.get_range(self.url.key(self.names[shard]), offset,
-                                                   offset + size).result())
+                try:
+                    path = fetching.result() if fetching is not None \
+                        else self._fetch(shard, set())
+                except Exception as e:  # the shard's fetch gave up: this sample alone
+                    log.warning("fetching %s failed (%s): reading its samples one by one",
+                                self.url.child(self.names[shard]), type(e).__name__)
+                    path = None
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY) if path is not None else None
             except FileNotFoundError:  # evicted meanwhile
-                return bytes(self.engine.get_range(self.url.key(self.names[shard]), offset,
-                                                   offset + size).result())
+                fd = None
+            if fd is None:  # no room in the cache (or no shard): around it, one range
+                return self._range(shard, offset, size)
             with self._lock:
                 old = self._fds.get(shard)
                 if old is not None:
@@ -297,6 +303,17 @@ class RemoteShards:
                     self._fds[shard] = fd
         self._drop_evicted()
         return os.pread(fd, size, offset)
+
+    def _range(self, shard: int, offset: int, size: int) -> bytes:
+        """One sample by a range request; an OSError naming it when the engine gives up
+        (an unreadable sample: skipped, or with on_corrupt=fail an error)."""
+        self.uncached_reads += 1
+        url = self.url.child(self.names[shard])
+        try:
+            return bytes(self.engine.get_range(url.prefix, offset, offset + size).result())
+        except Exception as e:
+            raise OSError(f"{url} bytes {offset}-{offset + size}: {type(e).__name__} after "
+                          f"{self.engine.attempts} tries") from e
 
     def _drop_evicted(self) -> None:
         """Close descriptors of shards evicted (by any process), so their space is freed;
