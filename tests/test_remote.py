@@ -201,3 +201,30 @@ def test_a_manifest_and_a_validation_set_in_a_bucket(bucket, s3_server, cache_di
     got = batches(f"dataset.manifest=s3://{bucket}/list.csv", loader="folder")
     want = batches(f"dataset.path=s3://{bucket}/train", loader="folder")
     assert_same(want, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["objects", "shards"])
+def test_a_run_on_a_bucket_stopped_mid_epoch_resumes_exactly(layout, bucket, s3_server,
+                                                            tmp_path):
+    """A SIGTERM mid-epoch (as the signal handler raises it), then resume=auto: the steps
+    together see the batches, crops and losses of an uninterrupted run."""
+    from tests.test_resume import run
+
+    url, loader = f"s3://{bucket}/train", "loader=folder"
+    if layout == "shards":
+        from runner.prepare import main
+
+        assert main(["shards", *SMALL, f"out=s3://{bucket}/shards", "shard_mb=0.05"]) == 0
+        url, loader = f"s3://{bucket}/shards", "loader=shards"
+    common = [loader, f"dataset.path={url}", "loader.num_workers=0"]
+    monkeypatch = pytest.MonkeyPatch()  # its own: run() undoes it, not the AWS variables
+    straight = run(monkeypatch, tmp_path / "straight", *common)
+    assert len(straight.steps) == 24
+    first = run(monkeypatch, tmp_path / "run", *common, stop_at=5)
+    assert read_metrics(tmp_path / "run")["status"] == "interrupted"
+    second = run(monkeypatch, tmp_path / "run", *common, "resume=auto")
+    assert read_metrics(tmp_path / "run")["start_step"] == 5
+    together = first.steps + second.steps
+    assert [s[:2] for s in together] == [s[:2] for s in straight.steps]
+    assert [s[2] for s in together] == pytest.approx([s[2] for s in straight.steps], abs=1e-6)
