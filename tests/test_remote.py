@@ -136,6 +136,7 @@ def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_
                 cwd=tmp_path, env=env)
     for key in ("loss_first", "loss_last"):
         assert runs["local"][key] == runs["remote"][key], key
+    assert runs["remote"]["remote_requests"] >= 60 and "remote_requests" not in runs["local"]
     assert (tmp_path / "local-infer" / "predictions.csv").read_text() == \
         (tmp_path / "remote-infer" / "predictions.csv").read_text()
     for secret in (s3_env["AWS_SECRET_ACCESS_KEY"],):

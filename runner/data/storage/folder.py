@@ -334,6 +334,10 @@ class RemoteFolderStorage(FolderStorage):
             raise OSError(f"{self.samples[index][0]}: {type(e).__name__} after "
                           f"{self.engine.attempts} tries") from e
 
+    def figures(self) -> dict:
+        """The read engine's requests, bytes, retries, window and round trip."""
+        return self.engine.stats.figures()
+
     def _forked(self) -> None:
         """A forked loader worker drops the parent's pending fetches (its I/O thread did
         not come along)."""
