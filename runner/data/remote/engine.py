@@ -11,9 +11,12 @@ fewer than ``max_bytes`` bytes are in flight. ``limit`` follows the measured lin
 Vegas does: the smallest latency seen is the base round trip; each completed fetch
 compares the expected rate (``limit / base``) with the actual one (``limit / latency``), and
 their difference times the base (the fetches queued at the server or on the link) moves the
-window: below 2 queued it grows by one, above 8 it shrinks by one, so the window settles
-near rate x round trip, grows when the link is longer and shrinks when the server is
-saturated, and a byte bound caps it (``max_bytes``: big ranges hold fewer in flight).
+window: while fewer than a quarter of the window is queued it grows by one, when more than
+half is it shrinks by one (never below ``MIN_WINDOW``), so the window settles near rate x
+round trip, grows when the link is longer and shrinks when the server is saturated, and a
+byte bound caps it (``max_bytes``: big ranges hold fewer in flight). The thresholds are
+wide because a busy host's own scheduling inflates latencies too (decode threads on every
+core): a narrow band would read that as a full link and starve the decoders.
 
 **Retries.** A reset, a timeout, a 5xx (S3's SlowDown is a 503), a 429: retried up to
 ``attempts`` times with full-jitter exponential back-off (a random wait in
@@ -29,6 +32,7 @@ stored back to back costs one round trip and no byte is read that is not needed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import os
 import random
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 
 from runner.data.remote.client import ObjectStore, transient
 
-MIN_WINDOW, MAX_WINDOW = 4, 256
+MIN_WINDOW, MAX_WINDOW = 16, 512
 
 
 @dataclass
@@ -65,41 +69,55 @@ class EngineStats:
 
 class Window:
     """Admits fetches while fewer than ``limit`` (moved by the measured queueing, see the
-    module's docstring) and fewer than ``max_bytes`` bytes are in flight."""
+    module's docstring) and fewer than ``max_bytes`` bytes are in flight, first come first
+    served (a release admits from the head of the queue: no herd of waiters woken to find
+    no room)."""
 
-    def __init__(self, stats: EngineStats, max_bytes: int, initial: int = 16):
+    def __init__(self, stats: EngineStats, max_bytes: int, initial: int = 32):
         self.stats = stats
         self.max_bytes = max_bytes
         self.limit = initial
         self.count = 0
         self.nbytes = 0
-        self.cond = asyncio.Condition()
+        self.waiting: collections.deque = collections.deque()
+
+    def _fits(self, nbytes: int) -> bool:
+        # one fetch larger than the byte bound is admitted alone
+        return self.count < self.limit and (self.nbytes + nbytes <= self.max_bytes
+                                            or self.count == 0)
+
+    def _take(self, nbytes: int) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+        self.stats.peak_in_flight_bytes = max(self.stats.peak_in_flight_bytes, self.nbytes)
 
     async def acquire(self, nbytes: int) -> None:
-        async with self.cond:
-            # one fetch larger than the byte bound is admitted alone
-            await self.cond.wait_for(lambda: self.count < self.limit and (
-                self.nbytes + nbytes <= self.max_bytes or self.count == 0))
-            self.count += 1
-            self.nbytes += nbytes
-            self.stats.peak_in_flight_bytes = max(self.stats.peak_in_flight_bytes, self.nbytes)
+        if not self.waiting and self._fits(nbytes):
+            self._take(nbytes)
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting.append((nbytes, turn))
+        await turn  # _admit took the slot for it
 
-    async def release(self, nbytes: int, latency: float | None) -> None:
-        async with self.cond:
-            self.count -= 1
-            self.nbytes -= nbytes
-            if latency is not None:
-                self._adapt(latency)
-            self.cond.notify_all()
+    def release(self, nbytes: int, latency: float | None) -> None:
+        self.count -= 1
+        self.nbytes -= nbytes
+        if latency is not None:
+            self._adapt(latency)
+        while self.waiting and self._fits(self.waiting[0][0]):
+            size, turn = self.waiting.popleft()
+            if not turn.done():  # not cancelled meanwhile
+                self._take(size)
+                turn.set_result(None)
 
     def _adapt(self, latency: float) -> None:
         s = self.stats
         s.base_rtt = min(s.base_rtt, latency)
         s.latency = latency if not s.latency else 0.9 * s.latency + 0.1 * latency
         queued = self.limit * (1 - s.base_rtt / max(s.latency, 1e-9))
-        if queued < 2:
+        if queued < self.limit / 4:
             self.limit = min(self.limit + 1, MAX_WINDOW)
-        elif queued > 8:
+        elif queued > self.limit / 2:
             self.limit = max(self.limit - 1, MIN_WINDOW)
         s.window = self.limit
 
@@ -171,7 +189,7 @@ class ReadEngine:
             try:
                 data = await make()
             except Exception as e:
-                await window.release(nbytes, None)
+                window.release(nbytes, None)
                 kind = type(e).__name__
                 self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
                 if not transient(e) or attempt == self.attempts - 1:
@@ -181,17 +199,37 @@ class ReadEngine:
                 cap = min(5.0, self.backoff * 2 ** attempt)
                 await asyncio.sleep(self._rng.uniform(0, cap))
                 continue
-            await window.release(nbytes, time.perf_counter() - t0)
+            window.release(nbytes, time.perf_counter() - t0)
             self.stats.requests += 1
             self.stats.bytes += len(data)
             return data
         raise AssertionError("unreachable")
+
+    def submit_many(self, makes: list[tuple[Callable[[], Awaitable], int]]
+                    ) -> list[concurrent.futures.Future]:
+        """``submit`` for many fetches with one wake-up of the I/O thread (a batch's worth:
+        one cross-thread call instead of one per image)."""
+        futures = [concurrent.futures.Future() for _ in makes]
+
+        async def run_all() -> None:
+            for (make, nbytes), future in zip(makes, futures):
+                task = asyncio.ensure_future(self._fetch(make, nbytes))
+                task.add_done_callback(lambda t, f=future: _settle(f, t))
+
+        self._start().call_soon_threadsafe(asyncio.ensure_future, run_all())
+        return futures
 
     # --- what callers ask ----------------------------------------------------------------
 
     def get(self, key: str, size_hint: int = 1 << 20) -> concurrent.futures.Future:
         """The whole object ``key`` (a Future of a memoryview)."""
         return self.submit(lambda: self.store.get_async(key), size_hint)
+
+    def get_many(self, keys: list[str], size_hint: int = 1 << 20
+                 ) -> list[concurrent.futures.Future]:
+        """Each whole object of ``keys`` (Futures of memoryviews), queued together."""
+        return self.submit_many([(lambda k=k: self.store.get_async(k), size_hint)
+                                 for k in keys])
 
     def get_range(self, key: str, start: int, end: int) -> concurrent.futures.Future:
         """Bytes ``[start, end)`` of ``key``."""
@@ -232,6 +270,16 @@ def merge_ranges(ranges: list[tuple[int, int]], gap: int) -> list[list[int]]:
             runs.append([k])
             end = stop
     return runs
+
+
+def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
+    """``future`` gets ``task``'s result or error."""
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())
+    else:
+        future.set_result(task.result())
 
 
 def _slice(whole: concurrent.futures.Future, a: int, b: int) -> concurrent.futures.Future:

@@ -317,9 +317,10 @@ class RemoteFolderStorage(FolderStorage):
         from runner.data.order import split_padding
 
         self._forked()
-        for i in split_padding(index)[0].tolist():
-            if i not in self._pending:
-                self._pending[i] = self.engine.get(self.keys[i], 256 << 10)
+        todo = [i for i in dict.fromkeys(split_padding(index)[0].tolist())
+                if i not in self._pending]
+        self._pending.update(zip(todo, self.engine.get_many([self.keys[i] for i in todo],
+                                                            256 << 10)))
         if len(self._pending) > 16 * len(index):  # fetched, never read (an epoch cut short)
             for stale in list(self._pending)[: len(self._pending) // 2]:
                 self._pending.pop(stale, None)
