@@ -10,7 +10,8 @@ several times more), each reached as a user would (``AWS_ENDPOINT_URL``, and
 ``dataset.endpoint_url`` for the second). The same layouts on local disk are the baseline,
 measured in the same rounds.
 Each measurement is one epoch through the runner's own data path (``model=none``,
-decode threads one per core), ``--rounds`` times, the layouts alternating within a round;
+decode threads one per core; images/s from the epoch's first batch on, its wait being the
+first-batch latency reported on its own), ``--rounds`` times, the layouts alternating within a round;
 images/s is the median over rounds with the range in brackets. Shards are read for two
 epochs from a freshly opened data path: remote ones with a cold cache (a fresh
 ``dataset.cache_dir``) in the first and from the cache in the second; each epoch is
@@ -55,21 +56,27 @@ RTTS = (0.0, 0.010, 0.050)
 
 def epoch_rate(overrides: list[str], loader: str, epochs: int = 1
                ) -> tuple[list[float], float, dict[str, Any], int]:
-    """images/s of each of ``epochs`` epochs through the runner's data path, the seconds to
-    the first batch (from opening), the storage's figures and the images skipped."""
+    """images/s of each of ``epochs`` epochs through the runner's data path (from each
+    epoch's first batch on: the first is its warm-up, as the runner's own figures skip
+    warm-up steps), the seconds to the very first batch (from opening: the cold start), the
+    storage's figures and the images skipped."""
     import runner
 
     t0 = time.perf_counter()
     pipe = runner.pipeline(*overrides, loader=loader)
-    first, rates, skipped = None, [], 0
+    first, rates, skipped, n = None, [], 0, 0
     try:
         for _ in range(epochs):
-            start, n = time.perf_counter(), 0
+            start, timed, n = None, 0, 0
             for batch in pipe:
                 if first is None:
                     first = time.perf_counter() - t0
+                if start is None:  # the epoch's first batch is its warm-up
+                    start = time.perf_counter()
+                else:
+                    timed += int(batch["label"].numel())
                 n += int(batch["label"].numel())
-            rates.append(n / (time.perf_counter() - start))
+            rates.append(timed / (time.perf_counter() - start))
         figures = getattr(pipe.storage, "figures", dict)()
         skipped = len(pipe.data.skipped)
         figures["images"] = n

@@ -74,6 +74,7 @@ DEFAULT_CACHE_BYTES = 10 * 10**9
 LOOKAHEAD_BLOCKS = 2  # blocks fetched ahead of the one being read (as the cache allows)
 # A cold start reads its first batches by range requests while their shards arrive whole
 # (a short first batch); later samples of a shard on its way wait for it (no byte twice).
+# A shard of at most two parts arrives about as soon as a batch's ranges would: waited for.
 RANGED_BATCHES = 2
 
 
@@ -254,8 +255,9 @@ class RemoteShards:
             shard = self.shard_of[i]
             if i in self._pending or self.cache.has(self.names[shard]):
                 continue
-            if shard in self._fetching and self._ranged >= RANGED_BATCHES:
-                continue  # its whole shard is on its way
+            if shard in self._fetching and (self._ranged >= RANGED_BATCHES
+                                            or self.nbytes[shard] <= 2 * PART_BYTES):
+                continue  # its whole shard is on its way (a small one: as soon as ranges)
             by_shard.setdefault(shard, []).append(i)
         self._ranged += bool(by_shard)
         for shard, items in by_shard.items():
