@@ -2,13 +2,13 @@
 
 One run, one machine, the same photos (the generated default dataset, packed at the stored
 size) in two layouts: tar shards (``loader=shards``) and one object per stored JPEG
-(``loader=folder`` over a URL). S3 servers on loopback serve them behind delay lines
-(runner/data/remote/delayline.py) at 0, 10 and 50 ms round trip: the shards from moto (it
-answers range requests), the objects from rclone's ``serve s3`` (moto's Python server
-answers ~250 small GETs/s on two cores, a limit of the server, not of the client; rclone's
-several times more), each reached as a user would (``AWS_ENDPOINT_URL``, and
-``dataset.endpoint_url`` for the second). The same layouts on local disk are the baseline,
-measured in the same rounds.
+(``loader=folder`` over a URL). rclone's ``serve s3`` (runner/data/remote/loopback.py)
+serves both on loopback behind a delay line (runner/data/remote/delayline.py) at 0, 10 and
+50 ms round trip, named by ``dataset.endpoint_url``; moto, which answers range requests
+(rclone does not), serves the run whose cache is too small for its shards (read around the
+cache by ranges), named by ``AWS_ENDPOINT_URL``. (moto's Python server answers ~250 small
+GETs/s and ~50 MB/s on two cores that also decode: it would measure itself, not the
+client.) The same layouts on local disk are the baseline, measured in the same rounds.
 Each measurement is one epoch through the runner's own data path (``model=none``,
 decode threads one per core; images/s from the epoch's first batch on, its wait being the
 first-batch latency reported on its own), ``--rounds`` times, the layouts alternating within a round;
@@ -139,10 +139,10 @@ def bench_remote(args: argparse.Namespace) -> dict:
             "loader.num_workers=0"]
     from runner.prepare import main as prepare
 
-    shards = work / "shard-set"
+    shards = work / "served" / "shardset"  # served by rclone, read locally as the baseline
     assert prepare([SHARDS, *base, f"out={shards}", f"shard_mb={args.shard_mb}"]) == 0
     objects = objects_folder(shards, work / "served" / "objects")
-    server, rclone = LoopbackS3(), LoopbackRclone(work / "served")
+    server, rclone = LoopbackS3(), LoopbackRclone(work / "served", auth=False)
     line, object_line = DelayLine(server.port), DelayLine(rclone.port)
     try:
         os.environ.update(server.env(line.endpoint))
@@ -162,11 +162,11 @@ def bench_remote(args: argparse.Namespace) -> dict:
 
 def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLine, DelayLine],
             work: Path, server: LoopbackS3) -> dict:
-    line, object_line = lines
-    # the objects' server (rclone) is reached through its own delay line, named by
-    # dataset.endpoint_url (the shards' through AWS_ENDPOINT_URL)
-    objects_url = ["dataset.path=s3://objects", f"dataset.endpoint_url={object_line.endpoint}",
-                   REGION]
+    line, fast = lines
+    # rclone (fast) is reached through its own delay line, named by dataset.endpoint_url;
+    # moto (for range reads: the cache-bound run) through AWS_ENDPOINT_URL
+    objects_url = ["dataset.path=s3://objects", f"dataset.endpoint_url={fast.endpoint}", REGION]
+    shards_url = ["dataset.path=s3://shardset", f"dataset.endpoint_url={fast.endpoint}"]
     rows: dict[str, list[float]] = {}
     extra: dict[str, Any] = {"bytes": {}, "first_batch_s": []}
     total = sum(p.stat().st_size for p in shards.glob("*.tar"))
@@ -189,20 +189,19 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
                                          REGION], FOLDER)[0][0])
         for rtt in RTTS:
             ms = round(rtt * 1000)
-            line.set(rtt=rtt)
-            line.reset_stats()
-            rates, first, figures, _ = epoch_rate(
-                [*base, "dataset.path=s3://bench/set", fresh_cache()], SHARDS, epochs=2)
+            fast.set(rtt=rtt)
+            fast.reset_stats()
+            rates, first, figures, _ = epoch_rate([*base, *shards_url, fresh_cache()], SHARDS,
+                                                  epochs=2)
             add(f"shards {ms} ms", rates[0])
             add(f"shards {ms} ms epoch 2", rates[1])
             if ms == 10:
                 extra["first_batch_s"].append(first)
-                extra["bytes"]["shards, 2 epochs"] = line.stats.bytes_down
-            object_line.set(rtt=rtt)
-            object_line.reset_stats()
+                extra["bytes"]["shards, 2 epochs"] = fast.stats.bytes_down
+            fast.reset_stats()
             add(f"objects {ms} ms", epoch_rate([*base, *objects_url], FOLDER)[0][0])
             if ms == 10:
-                extra["bytes"]["objects, 1 epoch"] = object_line.stats.bytes_down
+                extra["bytes"]["objects, 1 epoch"] = fast.stats.bytes_down
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rows.items()),
               flush=True)
     line.set(rtt=0.010)
@@ -213,24 +212,23 @@ def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLin
                       "in_flight_peak": figures.get("remote_window", 0),
                       "evictions": figures.get("cache_evictions", 0),
                       "images_per_sec": rates}
-    line.set(reset_rate=0.01, burst_rate=0.002, burst_len=5)
-    line.reset_stats()
+    fast.set(rtt=0.010, reset_rate=0.01, burst_rate=0.002, burst_len=5)
+    fast.reset_stats()
     faults = []
     for _ in range(args.rounds):
-        rates, _, figures, skipped = epoch_rate(
-            [*base, "dataset.path=s3://bench/set", fresh_cache()], SHARDS)
+        rates, _, figures, skipped = epoch_rate([*base, *shards_url, fresh_cache()], SHARDS)
         faults.append(rates[0])
         extra.setdefault("fault_images", []).append(figures["images"])
         extra.setdefault("fault_skipped", []).append(skipped)
-    extra["faults"] = {"resets": line.stats.resets, "503s": line.stats.errors_503,
-                       "requests": line.stats.requests}
+    extra["faults"] = {"resets": fast.stats.resets, "503s": fast.stats.errors_503,
+                       "requests": fast.stats.requests}
     rows["shards 10 ms, faults"] = faults
-    line.set(reset_rate=0.0, burst_rate=0.0)
+    fast.set(reset_rate=0.0, burst_rate=0.0)
     try:
         import json
 
         manifest = json.loads((shards / "manifest.json").read_text())
-        urls = [f"pipe:curl -s --fail '{server.signed_url('bench', 'set/' + s['name'], line.endpoint)}'"
+        urls = [f"pipe:curl -s --fail {fast.endpoint}/shardset/{s['name']}"
                 for s in manifest[SHARD_LIST]]
         for _ in range(args.rounds):
             rows.setdefault("webdataset 10 ms", []).append(

