@@ -7,6 +7,7 @@
 - engine.py: the read engine: fetches in flight off the decode threads, as many as the
   measured rate x round trip needs, bounded in bytes; retries with jittered back-off;
 - cache.py: the node-local shard cache with a hard bound in bytes;
+- stream.py: remote shards fetched ahead of need into that cache (``loader=shards``);
 - listing.py: an image folder (or manifest) that lives in a bucket, listed as a local one is;
 - delayline.py, loopback.py: a far link and an S3 server on loopback, for tests and the bench.
 """
