@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from runner.config import Decoder, StorageName
-from runner.data.remote.delayline import DelayLine
+from runner.data.remote.delayline import DelayLineProcess
 from runner.data.remote.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
 from runner.data.storage.tarshards import SHARD_LIST
 from runner.data.threads import cores
@@ -143,7 +143,8 @@ def bench_remote(args: argparse.Namespace) -> dict:
     assert prepare([SHARDS, *base, f"out={shards}", f"shard_mb={args.shard_mb}"]) == 0
     objects = objects_folder(shards, work / "served" / "objects")
     server, rclone = LoopbackS3(), LoopbackRclone(work / "served", auth=False)
-    line, object_line = DelayLine(server.port), DelayLine(rclone.port)
+    # each delay line in a process of its own: its proxying takes no GIL time from the decoders
+    line, object_line = DelayLineProcess(server.port), DelayLineProcess(rclone.port)
     try:
         os.environ.update(server.env(line.endpoint))
         server.make_bucket("bench")
@@ -160,7 +161,8 @@ def bench_remote(args: argparse.Namespace) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(args, base, size, shards: Path, objects: Path, lines: tuple[DelayLine, DelayLine],
+def measure(args, base, size, shards: Path, objects: Path,
+            lines: tuple[DelayLineProcess, DelayLineProcess],
             work: Path, server: LoopbackS3) -> dict:
     line, fast = lines
     # rclone (fast) is reached through its own delay line, named by dataset.endpoint_url;

@@ -248,3 +248,82 @@ def _abort(writer: asyncio.StreamWriter) -> None:
         except OSError:
             pass
     writer.transport.abort()
+
+
+class DelayLineProcess:
+    """A ``DelayLine`` in a child process of its own, with the same controls: its Python
+    proxying then takes no time from the GIL of the process it delays (a real link runs in
+    no client's interpreter). The bench uses it; tests use ``DelayLine`` directly.
+
+    Args:
+        upstream_port: the server's port on 127.0.0.1.
+        **settings: ``DelayLine``'s settings (rtt, bandwidth, reset_rate, ...).
+    """
+
+    def __init__(self, upstream_port: int, **settings):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")  # before any client thread starts
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_line, args=(upstream_port, settings, child),
+                                 daemon=True)
+        self._proc.start()
+        self.port = self._conn.recv()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _ask(self, *command):
+        self._conn.send(command)
+        return self._conn.recv()
+
+    def set(self, **settings) -> None:
+        self._ask("set", settings)
+
+    def fail_next(self, n: int) -> None:
+        self._ask("fail_next", n)
+
+    def reset_stats(self) -> None:
+        self._ask("reset_stats")
+
+    @property
+    def stats(self) -> LinkStats:
+        return self._ask("stats")
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._ask("close")
+            except (EOFError, OSError):
+                pass
+            self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.terminate()
+
+    def __enter__(self) -> DelayLineProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve_line(upstream_port: int, settings: dict, conn) -> None:
+    """The child: a DelayLine, and its controls over ``conn`` until told to close."""
+    line = DelayLine(upstream_port, **settings)
+    conn.send(line.port)
+    while True:
+        try:
+            command, *args = conn.recv()
+        except EOFError:  # the parent is gone
+            break
+        if command == "close":
+            conn.send(None)
+            break
+        if command == "stats":
+            conn.send(line.stats)
+            continue
+        getattr(line, command)(*(args[0:1] if command == "fail_next" else ()),
+                               **(args[0] if command == "set" else {}))
+        conn.send(None)
+    line.close()
