@@ -189,7 +189,7 @@ def test_loader_workers_are_refused_with_a_url_naming_the_fix(bucket):
         batches(f"dataset.path=s3://{bucket}/train", "loader.num_workers=2", loader="folder")
 
 
-def test_a_manifest_and_a_validation_set_in_a_bucket(bucket, s3_server, cache_dir):
+def test_a_manifest_in_a_bucket_gives_the_batches_of_its_folder(bucket, s3_server, cache_dir):
     import runner
 
     listed = runner.pipeline(*SMALL, f"dataset.path=s3://{bucket}/train", loader="folder")
