@@ -28,6 +28,10 @@ decoded by one thread and by one thread per core.
 
 ``python -m runner.bench overhead``: section 5 alone, in ``--rounds`` rounds: the loop's own
 cost per batch against a DataLoader's, the median ratio and its range, PASS/FAIL.
+
+``python -m runner.bench remote``: shards and one object per JPEG from an S3 server on
+loopback behind a delay line at 0/10/50 ms, against local disk, with faults injected and
+webdataset's pipeline as the rival (runner/bench_remote.py).
 """
 
 from __future__ import annotations
@@ -857,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     i.add_argument("--out", type=Path, default=Path("outputs/bench"))
     i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    from runner.bench_remote import add_parser as add_remote
+
+    add_remote(sub)
     args = parser.parse_args(argv)
     why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
     if why:
@@ -871,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """The bench ``args.command`` names; its exit status."""
+    if args.command == "remote":
+        from runner.bench_remote import bench_remote
+
+        return run_with_targets("remote", bench_remote, args)
     if args.command == "infer":
         from runner.bench_infer import bench_infer
 

@@ -34,6 +34,7 @@ class StorageName(Enum):
     memmap = "memmap"
     ram = "ram"
     packed = "packed"  # JPEGs re-encoded once at dataset.store_size into one file
+    shards = "shards"  # WebDataset tar shards (local or a URL), decoded every epoch
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
     ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
 
@@ -208,6 +209,12 @@ class DatasetConfig:
     store_quality: int = 90  # JPEG quality of loader=packed's re-encoded images
     on_corrupt: OnCorrupt = OnCorrupt.skip
     page_cache: PageCache = PageCache.warm
+    # dataset.path, val_path and manifest may be URLs (s3://, gs://, http(s)://;
+    # runner/data/remote/): an S3-compatible server's address (unset: AWS_ENDPOINT_URL)
+    endpoint_url: str | None = None
+    # the node-local cache of remote shards under dataset.cache_dir, at most this many
+    # bytes (unset: 10 GB)
+    cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -231,6 +238,8 @@ class DatasetConfig:
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
+        _require(self.cache_bytes is None or self.cache_bytes > 0, "dataset.cache_bytes",
+                 self.cache_bytes, "must be > 0 (unset: 10 GB)")
         if self.store_size is not None:
             side = (min if self.store_side is StoreSide.shorter else max)(self.image_size)
             _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,

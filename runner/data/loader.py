@@ -205,10 +205,17 @@ def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
 
 def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
                 world: int = 1) -> BatchOrder:
-    """The batch order of ``storage`` for this loader config and rank."""
-    return BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
-                      drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
-                      world=world, crop_seeds=storage.random_crops)
+    """The batch order of ``storage`` for this loader config and rank; a sharded storage
+    (``order_groups``: its shards' bounds) is read a block of shards at a time, and told
+    the order so it can fetch ahead (``follow``)."""
+    groups = getattr(storage, "order_groups", None)
+    order = BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
+                       drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
+                       world=world, crop_seeds=storage.random_crops, groups=groups,
+                       group_block=getattr(storage, "group_block", 1))
+    if groups is not None:
+        storage.follow(order)
+    return order
 
 
 def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_memory: bool):

@@ -169,6 +169,9 @@ class DataPath:
         fallbacks = getattr(self.stream.loader, "cpu_fallbacks", None)  # a GPU decoder's
         if fallbacks is not None:
             out["gpu_decode_cpu_fallbacks"] = fallbacks
+        remote = getattr(self.storage, "figures", None)  # data read from a URL: its fetches
+        if callable(remote):
+            out.update(remote())
         return out
 
     def close(self) -> None:
