@@ -2,7 +2,7 @@
 
 Reads every ``metrics.json`` under the paths (the runs of a sweep, or separate runs) and
 writes, next to the sweep (or in ``--out``):
-- ``report.md``: one row per run: the options that vary (read from each run's resolved
+- ``report.md``: the machine (its ``environment`` block); one row per run: the options that vary (read from each run's resolved
   config, so defaults count and separate runs compare), status, images/s as the median of
   its timed windows with their spread, ms/step, data-wait share, speed-up against the
   slowest run and against ``--baseline``, flags (too few steps, wide spread) and the
@@ -432,6 +432,20 @@ def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | Non
     return path
 
 
+def machines(runs: list[Run]) -> list[str]:
+    """The machines the runs ran on (their ``environment`` block, runner/environment.py),
+    one line each, with the runs of each when they differ."""
+    from runner.environment import summary
+
+    seen: dict[str, list[str]] = defaultdict(list)
+    for r in runs:
+        if r.metrics.get("environment"):
+            seen[summary(r.metrics["environment"])].append(r.name)
+    if len(seen) == 1:
+        return [f"Machine: {next(iter(seen))}"]
+    return [f"Machine: {line} ({', '.join(names)})" for line, names in seen.items()]
+
+
 def write_report(paths: list[Path], baseline: str | None = None,
                  out: Path | None = None) -> tuple[Path, str]:
     """Build the report; returns its folder and the table."""
@@ -449,8 +463,9 @@ def write_report(paths: list[Path], baseline: str | None = None,
         counts[r.status] += 1
     lines = [f"# runner report: {root}", "",
              f"{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-             "", "images/s is the median of each run's timed windows; the spread is their "
-             "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
+             ""] + machines(runs) + [
+        "", "images/s is the median of each run's timed windows; the spread is their "
+        "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
     rank = ranking(runs, options)
     if len(rank) > 1:

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, outcome, outputs, results, timeline
+from runner import checkpoint, environment, outcome, outputs, results, timeline
 from runner.amp import autocast, check_amp
 from runner.compile import build_models, step_amp
 from runner.compose import to_config
@@ -71,6 +71,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             return done
     raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task), raw)
+    metrics["environment"] = environment.collect()  # the machine and its libraries
     if sweep:  # its place in the sweep (folders are named by their overrides)
         metrics["job"] = hydra_cfg.job.num
     signals = outcome.Signals()
