@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -36,6 +37,7 @@ from runner.config import (
     TaskName,
     model_configs,
 )
+from runner.data.normalize import host_convert
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.metrics import synchronize
@@ -344,7 +346,10 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     last = per_rank % bs  # this rank's shard's last batch
     if last and not config.loader.drop_last:
         shapes.append(last)
-    example = storage.example(bs).to(device)
+    example = storage.example(bs)
+    convert = host_convert(config, pin=False)  # loader.host_dtype: as the batches will come
+    example = (convert(TensorDict({"image": example}, [len(example)]))["image"]
+               if convert else example).to(device)
     cache = Path(config.dataset.cache_dir).expanduser() / "tensorrt"
     out = RunModels({})
     for cfg in configs:
