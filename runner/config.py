@@ -147,6 +147,7 @@ class CompileName(Enum):
     torchscript = "torchscript"
     inductor = "inductor"
     tensorrt = "tensorrt"
+    onnxruntime = "onnxruntime"  # the exported ONNX graph (runner/export.py), task=infer
 
 
 class HostDtype(Enum):  # loader.host_dtype: what crosses to the device

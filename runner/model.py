@@ -76,6 +76,12 @@ class UInt8Input(nn.Module):
         return x
 
 
+def trace_batch(example: torch.Tensor) -> torch.Tensor:
+    """An example batch of at least 2: torch.export specializes a dimension whose example
+    is 1 (``loader.batch_size=1``), and could then not take a dynamic batch range."""
+    return example if example.shape[0] >= 2 else example.repeat(2, *[1] * (example.dim() - 1))
+
+
 def _conv_bn(cin: int, cout: int, kernel: int, stride: int) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(cin, cout, kernel, stride, padding=(kernel - 1) // 2 if kernel % 2 else 0,

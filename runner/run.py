@@ -27,6 +27,7 @@ from runner.compile import build_models, step_amp
 from runner.compose import to_config
 from runner.config import Config, TaskName, flatten, to_plain
 from runner.data import DataPath, build_data_path
+from runner.data.normalize import as_batches_come
 from runner.diagnose import budget_for, diagnose
 from runner.distributed import (
     Ranks,
@@ -336,7 +337,7 @@ class Job:
         cfg, ranks, storage = self.config, self.ranks, data.storage
         if not cfg.task.write_predictions or not self.models:
             return None
-        example = storage.example(1).to(device)
+        example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype
         amp = step_amp(cfg)
         several = len(self.models) > 1
         fresh = self.start_step == 0

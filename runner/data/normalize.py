@@ -165,6 +165,16 @@ class Converted:
         return self.convert.over(self.source)
 
 
+def as_batches_come(config: Config, images: torch.Tensor) -> torch.Tensor:
+    """uint8 ``images`` (a storage's example) as the run's batches bring them: converted on
+    the host with ``loader.host_dtype``, so what compiles, traces or probes a model sees the
+    dtype the loop will feed it."""
+    convert = host_convert(config, pin=False)
+    if convert is None:
+        return images
+    return convert(TensorDict({"image": images}, [len(images)]))["image"].clone()
+
+
 def host_convert(config: Config, pin: bool) -> HostConvert | None:
     """The host conversion ``loader.host_dtype`` asks for (None: uint8, nothing to do),
     with the normalization of the run's model(s)."""
