@@ -8,7 +8,7 @@ model and the cores this process may use, and the GPU's name and memory where CU
 Nothing here raises: a field that cannot be read (a package not installed, no GPU) is
 ``None``. The block is shown in ``python -m runner.report`` and sent to wandb as part of
 the run's config (runner/logger.py); it holds no environment variables, paths of the user's
-or secrets.
+or secrets. ``python -m runner.environment`` prints it without running anything.
 """
 
 from __future__ import annotations
@@ -174,3 +174,17 @@ def summary(env: dict[str, Any]) -> str:
             f"{env.get('cudnn') or '-'}); Pillow {env.get('pillow') or '?'} "
             f"{'with' if turbo else 'without' if turbo is False else '? (unknown)'} "
             f"libjpeg-turbo; libturbojpeg {env.get('libturbojpeg') or '-'}")
+
+
+def main() -> int:
+    """``python -m runner.environment``: the block a run records, printed."""
+    env = collect()
+    print(summary(env))
+    width = max(map(len, env))
+    for key, value in env.items():
+        print(f"  {key:<{width}}  {'-' if value is None else value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -96,3 +96,12 @@ def test_collected_once_per_process(monkeypatch, fresh_environment):
     first["cpu_cores"] = -1  # a caller's copy: the cached block is not changed
     assert environment.collect()["cpu_cores"] == cores()
     assert len(calls) == 1
+
+
+def test_python_m_runner_environment_prints_the_block(capsys):
+    assert environment.main() == 0
+    printed = capsys.readouterr().out.splitlines()
+    env = environment.collect()
+    assert printed[0] == environment.summary(env)
+    assert any(line.split() == ["pillow_libjpeg_turbo", str(env["pillow_libjpeg_turbo"])]
+               for line in printed)
