@@ -20,6 +20,17 @@ from runner.data.synthetic import SyntheticSpec, make_image
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Path:
+    """The session's datasets and stores go to a temporary cache, never the user's
+    ``$RUNNER_CACHE`` (or ``~/.cache/runner``): RUNNER_CACHE points at it for every test and
+    the runs they start in subprocesses (which inherit the environment). A test that needs
+    a cache of its own takes ``cache_dir``; one that names ``dataset.cache_dir`` keeps it."""
+    path = tmp_path_factory.mktemp("runner-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUNNER_CACHE", str(path))
+        yield path
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` (``pytest -m cuda`` selects them on a GPU machine) are skipped
