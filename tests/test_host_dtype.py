@@ -146,3 +146,11 @@ def test_a_sweep_over_host_dtype_composes(tmp_path: Path, cache_dir: Path):
     for j in jobs:
         assert j["status"] == "ok" and j["copy_ms"] is not None
         assert ("host_convert_ms" in j) == (j["config"]["loader"]["host_dtype"] != "uint8")
+
+
+def test_the_verdict_advises_uint8_when_a_float_copy_limits():
+    from runner.diagnose import advice_for
+
+    assert "already cross as uint8" in advice_for(compose(["loader.host_dtype=uint8"]), "copy")
+    advice = advice_for(compose(["loader.host_dtype=float32"]), "copy")
+    assert "loader.host_dtype=uint8" in advice and "4x the bytes" in advice

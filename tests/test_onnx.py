@@ -115,3 +115,15 @@ def test_cuda_without_its_execution_provider_is_unavailable(tmp_path: Path):
     onnx_model = export.export_onnx(model, torch.zeros((2, 3, 32, 32), dtype=torch.uint8))
     with pytest.raises(Unavailable, match="pip install onnxruntime-gpu"):
         export.session(onnx_model, torch.device("cuda"))
+
+
+def test_the_verdict_probes_onnxruntime_with_the_batches_it_takes(tmp_path: Path,
+                                                                  cache_dir: Path):
+    """The bottleneck verdict times the model alone on a synthetic batch: of the dtype the
+    run's batches have (float32 here), which is the one the exported graph takes."""
+    m = run_in_process(*SMALL_DATASET, "task=infer", "logger=none", "run.timeline=false",
+                       "compile=onnxruntime", "loader.host_dtype=float32", "run.steps=4",
+                       "diagnose=true", "task.write_predictions=false",
+                       run_dir=tmp_path / "run")
+    assert m["status"] == "ok", m.get("reason")
+    assert m["bottleneck"]["sentence"]
