@@ -19,7 +19,9 @@ from runner.data.normalize import affine, normalize
 from runner.distributed import Ranks
 from runner.errors import ConfigError
 from runner.model import build_model
+from runner.report import write_report
 from tests.conftest import SMALL_DATASET, read_metrics, run_cli, run_in_process
+from tests.test_sweep import fake_run
 
 CPU = torch.device("cpu")
 # in 0..1 units: a model of its own normalization, so the host must use the model's
@@ -135,17 +137,36 @@ def test_what_cannot_follow_a_float_batch_is_refused(overrides, said, cache_dir:
 
 
 @pytest.mark.slow
-def test_a_sweep_over_host_dtype_composes(tmp_path: Path, cache_dir: Path):
+def test_a_sweep_over_host_dtype_and_size_composes_and_draws_the_copy(tmp_path: Path,
+                                                                       cache_dir: Path):
     run_cli("-m", *SMALL_DATASET, "logger=none", "diagnose=false", "run.steps=3",
             "run.timeline=false", "loader.host_dtype=uint8,float16,float32",
-            "hydra.sweep.dir=sweep", cwd=tmp_path)
+            "dataset.image_size=[32,32],[48,48]", "hydra.sweep.dir=sweep", cwd=tmp_path)
     jobs = [json.loads(Path(j).read_text())
             for j in sorted(glob.glob(str(tmp_path / "sweep" / "*" / "metrics.json")))]
-    assert sorted(j["config"]["loader"]["host_dtype"] for j in jobs) == \
-        ["float16", "float32", "uint8"]
+    assert sorted((j["config"]["loader"]["host_dtype"], j["config"]["dataset"]["image_size"][0])
+                  for j in jobs) == [(d, s) for d in ("float16", "float32", "uint8")
+                                     for s in (32, 48)]
     for j in jobs:
         assert j["status"] == "ok" and j["copy_ms"] is not None
         assert ("host_convert_ms" in j) == (j["config"]["loader"]["host_dtype"] != "uint8")
+    out, _ = write_report([tmp_path / "sweep"])
+    assert (out / "copy.png").stat().st_size > 0
+    assert "![copy](copy.png)" in (out / "report.md").read_text()
+
+
+def test_the_copy_plot_is_drawn_only_when_the_size_varies(tmp_path: Path):
+    for k, (dtype, side) in enumerate([("uint8", 224), ("float32", 224), ("uint8", 512),
+                                       ("float32", 512)]):
+        fake_run(tmp_path / "s" / str(k), 100.0, {
+            "loader": {"host_dtype": dtype}, "dataset": {"image_size": [side, side]}},
+            job=k, **({"host_convert_ms": 3.0} if dtype == "float32" else {}))
+    out, _ = write_report([tmp_path / "s"])
+    assert (out / "copy.png").is_file()
+    for k, dtype in enumerate(["uint8", "float32"]):
+        fake_run(tmp_path / "t" / str(k), 100.0, {"loader": {"host_dtype": dtype}}, job=k)
+    out, _ = write_report([tmp_path / "t"])
+    assert not (out / "copy.png").exists()
 
 
 def test_the_verdict_advises_uint8_when_a_float_copy_limits():
