@@ -148,6 +148,13 @@ class CompileName(Enum):
     torchscript = "torchscript"
     inductor = "inductor"
     tensorrt = "tensorrt"
+    onnxruntime = "onnxruntime"  # the exported ONNX graph (runner/export.py), task=infer
+
+
+class HostDtype(Enum):  # loader.host_dtype: what crosses to the device
+    uint8 = "uint8"  # the bytes; the model's input layer converts and normalizes there
+    float16 = "float16"  # converted and normalized on the host, before the copy
+    float32 = "float32"
 
 
 class CompileMode(Enum):  # torch.compile's modes (inductor)
@@ -276,6 +283,10 @@ class LoaderConfig:
     decode_threads: int | None = None
     # loader=ffcv: how its .beton stores images: jpg (at dataset.store_quality) or raw
     ffcv_mode: str = "jpg"
+    # what crosses to the device: uint8 (the model's input layer converts and normalizes
+    # there), or float16/float32 converted and normalized (by model.mean/std) on the host
+    # before the copy, as most scripts do (runner/data/normalize.py)
+    host_dtype: HostDtype = HostDtype.uint8
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "loader.batch_size", self.batch_size, "must be >= 1")

@@ -2,7 +2,7 @@
 
 Reads every ``metrics.json`` under the paths (the runs of a sweep, or separate runs) and
 writes, next to the sweep (or in ``--out``):
-- ``report.md``: one row per run: the options that vary (read from each run's resolved
+- ``report.md``: the machine (its ``environment`` block); one row per run: the options that vary (read from each run's resolved
   config, so defaults count and separate runs compare), status, images/s as the median of
   its timed windows with their spread, ms/step, data-wait share, speed-up against the
   slowest run and against ``--baseline``, flags (too few steps, wide spread) and the
@@ -15,7 +15,9 @@ writes, next to the sweep (or in ``--out``):
 - ``results.csv``: the table's figures, one row per run;
 - ``throughput.png``: images/s per run (horizontal bars with the windows' spread, or
   against batch size when it varies), log axis when figures span more than 10x;
-- ``step_time.png``: each run's step split into data wait, host-to-device copy and compute.
+- ``step_time.png``: each run's step split into data wait, host-to-device copy and compute;
+- ``copy.png``: copy time per batch against the image size, when it varies (and the host's
+  conversion before the copy, ``loader.host_dtype``).
 The table is printed too.
 """
 
@@ -504,6 +506,55 @@ def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | Non
     return path
 
 
+def plot_copy(runs: list[Run], options: list[str], out: Path) -> Path | None:
+    """Copy time per batch against the image size, one line per value of the other options
+    (``-m loader.host_dtype=uint8,float16,float32 dataset.image_size=...``): the copy
+    (``prefetch_copy_ms`` with prefetch=gpu, else ``copy_ms``), and, dashed, the host's
+    conversion before it (``host_convert_ms``). Drawn when the image size varies."""
+    size = "dataset.image_size"
+    ok = [r for r in runs if r.ok and r.metrics.get("copy_ms") is not None]
+    if size not in options or len({r.flat.get(size) for r in ok}) < 2:
+        return None
+    plt = _pyplot()
+    others = [o for o in options if o != size]
+    lines: dict[str, list[Run]] = defaultdict(list)
+    for r in ok:
+        lines[_label(r, others) if others else "copy"].append(r)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, group in lines.items():
+        group.sort(key=lambda r: math.prod(r.config(size) or [0]))
+        pixels = [math.prod(r.config(size)) / 1e6 for r in group]
+        copy = [r.metrics.get("prefetch_copy_ms") or r.metrics["copy_ms"] for r in group]
+        line, = ax.plot(pixels, copy, marker="o", label=f"{name}: copy")
+        convert = [r.metrics.get("host_convert_ms") for r in group]
+        if any(v is not None for v in convert):
+            ax.plot(pixels, [v or 0.0 for v in convert], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{name}: convert on the host")
+    ax.set_xlabel("megapixels per image (dataset.image_size)")
+    ax.set_ylabel("ms per batch")
+    ax.legend(fontsize=7, frameon=False)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path = out / "copy.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def machines(runs: list[Run]) -> list[str]:
+    """The machines the runs ran on (their ``environment`` block, runner/environment.py),
+    one line each, with the runs of each when they differ."""
+    from runner.environment import summary
+
+    seen: dict[str, list[str]] = defaultdict(list)
+    for r in runs:
+        if r.metrics.get("environment"):
+            seen[summary(r.metrics["environment"])].append(r.name)
+    if len(seen) == 1:
+        return [f"Machine: {next(iter(seen))}"]
+    return [f"Machine: {line} ({', '.join(names)})" for line, names in seen.items()]
+
+
 def write_report(paths: list[Path], baseline: str | None = None,
                  out: Path | None = None) -> tuple[Path, str]:
     """Build the report; returns its folder and the table."""
@@ -513,8 +564,8 @@ def write_report(paths: list[Path], baseline: str | None = None,
     text = table(runs, options, base)
     out = out or root
     out.mkdir(parents=True, exist_ok=True)
-    figures = [p for p in (plot_throughput(runs, options, out), plot_step_time(runs, options, out))
-               if p is not None]
+    figures = [p for p in (plot_throughput(runs, options, out), plot_step_time(runs, options, out),
+                           plot_copy(runs, options, out)) if p is not None]
     write_csv(runs, options, out / "results.csv")
     counts: dict[str, int] = defaultdict(int)
     for r in runs:
@@ -522,8 +573,9 @@ def write_report(paths: list[Path], baseline: str | None = None,
     lines = [f"# runner report: {root}", "",
              *data_path_only(runs),
              f"{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-             "", "images/s is the median of each run's timed windows; the spread is their "
-             "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
+             ""] + machines(runs) + [
+        "", "images/s is the median of each run's timed windows; the spread is their "
+        "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
     rank = ranking(runs, options)
     if len(rank) > 1:

@@ -21,12 +21,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, outcome, outputs, results, timeline
+from runner import checkpoint, environment, outcome, outputs, results, timeline
 from runner.amp import autocast, check_amp
 from runner.compile import build_models, step_amp
 from runner.compose import to_config
 from runner.config import Config, TaskName, flatten, to_plain
 from runner.data import DataPath, build_data_path
+from runner.data.normalize import as_batches_come
 from runner.diagnose import budget_for, diagnose
 from runner.distributed import (
     Ranks,
@@ -71,6 +72,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             return done
     raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task), raw)
+    metrics["environment"] = environment.collect()  # the machine and its libraries
     if sweep:  # its place in the sweep (folders are named by their overrides)
         metrics["job"] = hydra_cfg.job.num
     signals = outcome.Signals()
@@ -335,7 +337,7 @@ class Job:
         cfg, ranks, storage = self.config, self.ranks, data.storage
         if not cfg.task.write_predictions or not self.models:
             return None
-        example = storage.example(1).to(device)
+        example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype
         amp = step_amp(cfg)
         several = len(self.models) > 1
         fresh = self.start_step == 0
