@@ -1,6 +1,8 @@
 """``task=infer``: what each model's output is reduced to on the device, and how it is kept.
 
-``task.outputs`` picks, per model (named by ``model.alias`` or its name):
+``task.outputs`` picks, per model (named by ``model.alias``, a plain file name with no
+``/``, or its name); every image is predicted (``loader.drop_last=true`` is ignored under
+``task=infer``, and the log says so):
 
 - ``topk``: ``predictions.csv`` (``predictions_<model>.csv`` with several models): the top
   ``task.topk`` classes and probabilities per image; ``label_name`` is the dataset's class

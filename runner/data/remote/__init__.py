@@ -10,4 +10,14 @@
 - stream.py: remote shards fetched ahead of need into that cache (``loader=shards``);
 - listing.py: an image folder (or manifest) that lives in a bucket, listed as a local one is;
 - delayline.py, loopback.py: a far link and an S3 server on loopback, for tests and the bench.
+
+A bucket is read in one of two layouts: one object per image (``loader=folder`` over a URL),
+a request per image; or shards
+(``python -m runner.prepare shards ... out=s3://...``, then ``loader=shards``): WebDataset
+tars of packed's JPEGs, 64 MiB each by default (``shard_mb=``), with an index per shard
+(runner/data/storage/tarshards.py), fetched whole on the I/O thread into the node-local
+cache and then read like local shards (a sample is one ``pread``), so a second epoch runs at
+local speed when the shards fit ``dataset.cache_bytes`` (10 GB unset). Both layouts are
+measured against local disk, at 0/10/50 ms round trip and with faults, by
+``python -m runner.bench remote`` (runner/bench_remote.py); why obstore: client.py.
 """

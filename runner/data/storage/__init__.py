@@ -10,7 +10,23 @@ value, its preset ``conf/loader/<name>.yaml`` and its module.
 folder decodes every image on every epoch; memmap and ram decode once (memmap.py, ram.py)
 and then serve batches by indexed reads of one uint8 tensor (decoded.py); packed re-encodes
 once at a stored size into one file and decodes per epoch (packed.py); dali and ffcv run
-the rivals' own pipelines (rival.py). The stores built once share one engine (cache.py).
+the rivals' own pipelines (rival.py); shards holds packed's JPEGs in WebDataset tars
+(shards.py). The stores built once share one engine (cache.py).
+
+**One crop, every storage.** ``dataset.crop=center`` takes the centred
+``dataset.crop_fraction`` of the shorter side (default 0.875, "resize 256, crop 224", what
+ImageNet models are evaluated with; 1.0 keeps the whole side) on every storage, rivals
+included. Packed stores at 256 for 224 by default, so its centre crop is a window of the
+stored JPEG with no resize. With ``dataset.crop=random`` the runner's own storages draw each
+image's crop from the same per-image seed (DALI and FFCV draw theirs): folder, packed and
+shards decode it; memmap and ram cut it from the stored image per batch on the device
+(runner/data/augment.py). ``dataset.store_size=256`` stores memmap and ram images larger
+than the output so those crops have pixels to choose from, and one store then serves
+centre and random crops; at the output size, the centre crop and the whole side are two
+stores. ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
+binding is built, else simplejpeg with DCT scaling; the run's ``metrics.json`` names the
+one that ran. How fast each storage is here: ``python -m runner.bench stores`` (figures
+depend on the machine, so they live in the bench's output, not in the docs).
 """
 
 from __future__ import annotations
