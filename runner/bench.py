@@ -55,7 +55,7 @@ from runner.logger import NullLogger
 from runner.loop import LoopOptions, run_loop
 from runner.metrics import burst
 from runner.stats import median
-from runner.task import DataOnlyStep
+from runner.tasks import DataOnlyStep
 
 CPU = torch.device("cpu")
 # what the bench compares against each other: the image folder as it is (decoded every

@@ -668,6 +668,11 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def data_path_alone(config: Config) -> bool:
+    """``model=none``: the data path alone, whatever the task (no model, nothing written)."""
+    return not config.models and config.model.name == "none"
+
+
 def model_configs(config: Config) -> list[ModelConfig]:
     """The run's models: ``model=``, or each entry of ``models=[...]`` (a name, or a mapping
     with the keys of ``model.``) over ``model=``'s values, each with a name of its own in

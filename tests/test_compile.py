@@ -170,7 +170,7 @@ def test_an_exported_engine_module_survives_the_infer_steps_eval():
     """``ExportedProgram.module()`` (what a cached TensorRT engine loads as) raises from
     train()/eval(); the infer step calls eval() on every model it runs."""
     from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
-    from runner.task import InferStep
+    from runner.tasks import InferStep
 
     backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)).eval()
     x = torch.rand(2, 3, 8, 8)
