@@ -134,6 +134,17 @@ def previous_record(run_dir: Path) -> dict[str, Any]:
     return {}
 
 
+def finished_before(run_dir: Path, source: str, start_step: int) -> dict[str, Any]:
+    """The figures of a run whose checkpoint (or inference state) ``source`` holds every
+    step of its plan (stopped after its last step, before it could say so): those of the
+    part that ran the steps."""
+    log.info("the checkpoint %s holds all the plan's steps: the run is finished; its "
+             "figures are those of the part that ran them", source)
+    previous = previous_record(run_dir)
+    return {**{k: v for k, v in previous.items() if k not in ENVELOPE},
+            "resumed_from": source, "start_step": start_step, "finished_before": True}
+
+
 def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str, Any]:
     """metrics.json as a run starts: ``running``, with what it was asked to do."""
     import platform

@@ -1,4 +1,7 @@
-"""One job, top to bottom: set up data, model and task, loop, hand back the figures.
+"""One job's envelope: claim the run folder, build its task and data path, loop, record the outcome.
+
+What the job does is its task's (runner/tasks/: train, infer, or the data path alone);
+this module runs every task the same way.
 
 Whatever happens, the job's outcome lands in ``metrics.json`` in its run folder:
 ``status=ok`` with the figures, ``status=skipped`` with the reason when this machine cannot
@@ -21,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, outcome, outputs, results, timeline
+from runner import outcome, outputs, results, timeline
 from runner.amp import check_amp
 from runner.compose import to_config
 from runner.config import Config, flatten, to_plain
@@ -42,8 +45,9 @@ from runner.errors import Interrupted
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.metrics import StepClock
+from runner.plan import plan_run
 from runner.predictions import merge_rank_files
-from runner.profile import ACTIVE, WAIT, WARMUP, build_profiler
+from runner.profile import build_profiler
 from runner.stats import plural
 from runner.tasks import RunContext, Task, task_for
 
@@ -141,13 +145,15 @@ class Job:
         ctx = RunContext(cfg, self.run_dir, ranks, device)
         self.task = task = task_for(ctx)
         task.resume()  # before the data path: the batch order goes on where it stopped
-        self.data = ctx.data = data = build_data_path(cfg, device, ranks,
-                                                      start_step=task.start_step,
-                                                      progress=cfg.run.progress)
+        self.data = ctx.data = data = build_data_path(
+            cfg, device, ranks, start_step=task.start_step, progress=cfg.run.progress)
         task.prepare(data)
-        total_steps, warmup = self._plan(data)
+        plan = plan_run(cfg, task, data, ranks, list(self.hydra_cfg.overrides.task),
+                        self.hydra_cfg.mode == RunMode.MULTIRUN)
+        total_steps, warmup = plan.total_steps, plan.warmup_steps
         if total_steps == 0:  # resume=auto after the plan's last step: nothing is left
-            return self._finished_before()
+            task.finished_before()
+            return outcome.finished_before(self.run_dir, task.resumed["source"], task.start_step)
         if cfg.run.timeline and ranks.main:  # before the loader's workers start
             timeline.enable(self.run_dir / ".timeline")
         step = task.build(total_steps)
@@ -170,9 +176,7 @@ class Job:
             result = run_loop(data, step, self.logger, LoopOptions(
                 total_steps=total_steps, warmup_steps=warmup, log_every=cfg.run.log_every,
                 repeats=cfg.run.repeats, min_window_seconds=cfg.run.window_seconds,
-                # only a data-only run of one process goes on (ranks keep one schedule)
-                extend=data.extend if task.extends and not ranks.enabled
-                and not self._length_asked() else None,
+                extend=data.extend if plan.extend else None,
                 progress=cfg.run.progress and ranks.main, profiler=profiler, clock=clock,
                 on_window=self._progress, steps_per_epoch=data.steps_per_epoch,
                 first_step=task.start_step, stop_requested=stop, stop_each_step=each_step,
@@ -215,51 +219,6 @@ class Job:
         except Exception as e:
             log.error("closing the logger failed: %s", e)
 
-    # --- the plan ---------------------------------------------------------------------------
-
-    def _finished_before(self) -> dict[str, Any]:
-        """The figures of a run whose checkpoint holds every step of its plan (stopped after
-        its last step, before it could say so): those of the part that ran the steps."""
-        previous = outcome.previous_record(self.run_dir)
-        self.task.finished_before()
-        log.info("the checkpoint %s holds all the plan's steps: the run is finished; its "
-                 "figures are those of the part that ran them", self.task.resumed["source"])
-        return {**{k: v for k, v in previous.items() if k not in outcome.ENVELOPE},
-                "resumed_from": self.task.resumed["source"], "start_step": self.task.start_step,
-                "finished_before": True}
-
-    def _plan(self, data: DataPath) -> tuple[int, int]:  # (steps, warm-up steps) of this run
-        run = self.config.run
-        total = run.steps if run.steps is not None else run.epochs * data.steps_per_epoch
-        if self.task.resumed is not None:  # the plan is the whole run's: do what is left
-            total = checkpoint.steps_left(total, self.task.start_step, self.config.resume)
-        warmup = run.warmup_steps
-        if warmup >= total:
-            warmup = max(total - 1, 0)
-            # a short job whose point is its outputs (predictions of 100 images, a few
-            # epochs) need not hear it: its flags say "few timed steps" in metrics.json
-            (log.warning if self._speed_asked() else log.debug)(
-                "run.warmup_steps=%d leaves no step to time in a %d-step run; using %d: its "
-                "speed figures come from %d step(s) and are not to be trusted (give more "
-                "images or run.steps)", run.warmup_steps, total, warmup, total - warmup)
-        return total, warmup
-
-    def _speed_asked(self) -> bool:
-        """Whether this run's point is a speed figure: a sweep (which compares them), a
-        task whose point it is (runner/tasks/), or a warm-up the user set."""
-        overrides = [o.lstrip("+~") for o in self.hydra_cfg.overrides.task]
-        return (self.hydra_cfg.mode == RunMode.MULTIRUN or self.task.speed_asked
-                or any(o.startswith("run.warmup_steps=") for o in overrides))
-
-    def _length_asked(self) -> bool:
-        """``run.epochs`` or ``run.steps`` given on the command line: what the user sets is
-        what runs (a data-only run is lengthened only when no length was asked; short
-        windows are then flagged)."""
-        asked = getattr(getattr(self.hydra_cfg, "overrides", None), "task", None) or []
-        return any(o.lstrip("+~").split("=")[0] in ("run.epochs", "run.steps") for o in asked)
-
-    # --- results ----------------------------------------------------------------------------
-
     def _progress(self, result: LoopResult) -> None:
         """After each window: the figures so far, kept (and saved) in case the run stops."""
         self.figures = results.loop_figures(result, self.data.skipped, self.config.run.repeats,
@@ -270,17 +229,11 @@ class Job:
     def _figures(self, result: LoopResult, complete: bool, profiled: bool) -> dict[str, Any]:
         """Every figure of the run: the loop's, the task's, the data path's, the setup's;
         under torch.distributed, every rank's merged on rank 0."""
-        device, run = self.data.device, self.config.run
+        run = self.config.run
         figures = self.figures = results.loop_figures(result, self.data.skipped, run.repeats,
                                                       run.window_seconds)
-        figures.update(**results.device_figures(device), **self.task.figures(complete),
-                       **self.data.figures(result.steps))
-        results.step_shares(figures)  # the task's own parts (optimizer, EMA) of the step
-        if profiled:
-            figures["trace"] = results.trace_file(self.run_dir)
-            if figures["trace"] is None:
-                log.warning("profile=true wrote no trace: the run had fewer than %d steps",
-                            WAIT + WARMUP + ACTIVE)
+        results.end_figures(figures, self.data.device, self.task.figures(complete),
+                            self.data.figures(result.steps), self.run_dir, profiled)
         if self.ranks.enabled and result.interrupted is None:
             figures = self._merge_ranks(figures, result)
         self.figures = figures
