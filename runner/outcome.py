@@ -38,7 +38,6 @@ USER_ERRNOS = {errno.ENOSPC: "no space left on the device",
                errno.EROFS: "the filesystem is read-only",
                errno.EACCES: "permission denied",
                errno.EPERM: "operation not permitted"}
-EXIT_USER_ERROR = 2
 
 
 class RunDirInUse(UserError):

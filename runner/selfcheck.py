@@ -1133,7 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
     if lacking_deps:
         print(f"missing the project's dependencies {', '.join(lacking_deps)}: bring them as "
               "wheels (README, 'Self-check on an offline GPU node') and run again")
-        return 2
+        from runner.errors import EXIT_USER_ERROR
+
+        return EXIT_USER_ERROR
     if cuda and not args.no_build:
         print(build_region(), flush=True)
     lacking = {c.name: missing(c) for c in CHECKS}

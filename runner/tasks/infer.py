@@ -27,6 +27,7 @@ from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
 from runner.distributed import broadcast
 from runner.loop import Step
 from runner.metrics import MAX_PENDING_EVENTS, DeviceClock
+from runner.model import split_input
 from runner.outputs import Outputs, Reduce
 from runner.tasks.base import RunContext, TaskBase
 
@@ -74,7 +75,7 @@ class InferTask(TaskBase):
         reducers: dict[str, Reduce] = {}
 
         def tap(name: str, model: nn.Module) -> None:
-            reducers[name] = Reduce(cfg.task, model[1])
+            reducers[name] = Reduce(cfg.task, split_input(model)[1])
 
         self.built = build_models(cfg, ctx.data.storage, ctx.device, ctx.ranks,
                                   before_compile=tap)

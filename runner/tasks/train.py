@@ -33,6 +33,7 @@ from runner.distributed import local_module, parameter_digest
 from runner.errors import ConfigError, Diverged
 from runner.loop import Step
 from runner.metrics import MAX_PENDING_EVENTS, DeviceClock
+from runner.model import split_input
 from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.tasks.base import RunContext, TaskBase
 from runner.tasks.validation import Validation
@@ -111,9 +112,8 @@ class TrainTask(TaskBase):
             got = {f"val_{k}": v for k, v in self.validation().items()}
             ema = getattr(self.step, "ema", None)
             if ema is not None:  # the averaged weights behind the same uint8 input layer
-                inner = local_module(self.step.model)  # DDP and torch.compile unwrapped
-                averaged = torch.nn.Sequential(inner[0] if isinstance(
-                    inner, torch.nn.Sequential) else torch.nn.Identity(), ema.model)
+                uint8_input, _ = split_input(local_module(self.step.model))
+                averaged = torch.nn.Sequential(uint8_input, ema.model)
                 got.update({f"val_ema_{k}": v for k, v in self.validation(averaged).items()})
             row.update(got)
             log.info("epoch %d: validation top-1 %.1f%%, top-5 %.1f%%, loss %.4f%s", epochs,
