@@ -12,6 +12,18 @@ from runner.errors import Unavailable
 
 DTYPES = {AmpName.off: None, AmpName.fp16: torch.float16, AmpName.bf16: torch.bfloat16}
 
+# max |compiled - eager| allowed, relative to max(1, max |eager|), by the dtype computed in
+TOLERANCE = {None: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+# float32 on CUDA: cuDNN's convolutions (and TensorRT's) use TF32 by default, a 10-bit
+# mantissa, so eager and compiled float32 differ as much as half precision does
+TF32_TOLERANCE = 2e-2
+
+
+def tolerance(dtype: torch.dtype | None, device: torch.device) -> float:
+    if dtype is None and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
+        return TF32_TOLERANCE
+    return TOLERANCE[dtype]
+
 
 def check_amp(cfg: AmpConfig, device: torch.device) -> None:
     """Raise Unavailable, naming the alternative, when ``device`` cannot run this dtype."""

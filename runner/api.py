@@ -16,6 +16,10 @@ Keyword options are config overrides: a group by name (``loader="memmap"``), any
 with its first ``_`` as the dot (``dataset_path=...`` is ``dataset.path``,
 ``loader_batch_size=128`` is ``loader.batch_size``); strings in Hydra's override syntax
 may be given as positional arguments too (``"loader.num_workers=4"``).
+
+Each epoch shows a progress bar of its steps on stderr (``tqdm``, as ``python -m runner``
+does), so a slow step is seen from the first batch rather than at the epoch's end;
+``run_progress=False`` turns it and the one-off bars (the default dataset, a conversion) off.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from tqdm import tqdm
 
 from runner.compose import compose
 from runner.data import build_data_path
@@ -73,9 +78,12 @@ class Pipeline:
 
     def __init__(self, *overrides: str, **options: Any):
         self.config = compose(overrides_for(*overrides, **options))
-        self.device = pick_device(self.config.device.value, Ranks())
+        ranks = Ranks()
+        self.device = pick_device(self.config.device.value, ranks)
+        self.progress = self.config.run.progress and ranks.main
         self.data = build_data_path(self.config, self.device, epochs=1,
                                     progress=self.config.run.progress)
+        self.epochs = 0  # epochs started
         self.storage = self.data.storage
         self.classes = list(self.data.classes)
         self.batches = 0
@@ -96,6 +104,9 @@ class Pipeline:
 
     def __iter__(self) -> Iterator[TensorDict]:
         batches = iter(self.data)
+        self.epochs += 1
+        bar = tqdm(total=len(self), unit="step", desc=f"epoch {self.epochs}", leave=False,
+                   disable=not self.progress, dynamic_ncols=True)
         try:
             last = time.perf_counter()
             while True:
@@ -108,6 +119,7 @@ class Pipeline:
                 self.batches += 1
                 timed = self.batches > self.warmup
                 yield batch
+                bar.update()
                 now = time.perf_counter()
                 if timed:  # this batch's wait, and everything until the next request
                     self.wait_seconds += got - last
@@ -115,6 +127,7 @@ class Pipeline:
                     self.images += n
                 last = now
         finally:
+            bar.close()
             if hasattr(batches, "close"):
                 batches.close()
 

@@ -25,6 +25,13 @@ ratios over alternating rounds.
 decoded by one thread and by one thread per core.
 
 ``python -m runner.bench infer``: an inference job with three models (runner/bench_infer.py).
+
+``python -m runner.bench overhead``: section 5 alone, in ``--rounds`` rounds: the loop's own
+cost per batch against a DataLoader's, the median ratio and its range, PASS/FAIL.
+
+``python -m runner.bench remote``: shards and one object per JPEG from an S3 server on
+loopback behind a delay line at 0/10/50 ms, against local disk, with faults injected and
+webdataset's pipeline as the rival (runner/bench_remote.py).
 """
 
 from __future__ import annotations
@@ -640,7 +647,7 @@ def loader_targets(result: dict) -> list[tuple[str, float, float, bool]]:
             checks.append((f"{name} / per-item DataLoader", r[name] / r["per_item_dataloader"], 4.0))
             checks.append((f"{name} / memcpy limit", r[name] / r["memcpy_limit"], 0.35))
     checks.append(("runner batched / DataLoader, per-batch overhead",
-                   o["dataloader_s"] / o["runner_s"], 20.0))
+                   o["dataloader_s"] / o["runner_s"], OVERHEAD_TARGET))
     rounds = result.get("folder_vs_naive_rounds") or [folder_best / r["naive_folder"]]
     checks.append(("folder (best decoder) / naive folder, median of rounds", median(rounds),
                    4.0))
@@ -766,6 +773,33 @@ def bench_contention(args: argparse.Namespace) -> dict:
     return {"rounds": rounds, "targets": checks}
 
 
+OVERHEAD_TARGET = 20.0  # runner batched / DataLoader, per-batch overhead (section 5)
+
+
+def bench_overhead(args: argparse.Namespace) -> dict:
+    """Section 5 of ``loaders`` alone, in rounds: each round's three epochs, the ratio's
+    median and range, the target."""
+    print(f"per-batch overhead: {args.items:,} in-memory items, batch {args.batch_size}, one "
+          f"epoch (the best of 3), {args.rounds} rounds", flush=True)
+    rounds = []
+    for k in range(args.rounds):
+        o = per_batch_overhead(args.items, args.batch_size)
+        rounds.append(o)
+        print(f"  round {k + 1}: DataLoader {o['dataloader_s']:.3f} s, runner "
+              f"{o['runner_s']:.3f} s, numpy loop {o['numpy_s']:.3f} s per epoch; runner "
+              f"{o['dataloader_s'] / o['runner_s']:.1f}x DataLoader", flush=True)
+    ratios = [o["dataloader_s"] / o["runner_s"] for o in rounds]
+    numpy = [o["dataloader_s"] / o["numpy_s"] for o in rounds]
+    met = median(ratios) >= OVERHEAD_TARGET
+    print(f"\n  numpy loop / DataLoader: {median(numpy):.1f}x ({min(numpy):.1f}-{max(numpy):.1f})")
+    print(f"  {'PASS' if met else 'FAIL'}  runner batched / DataLoader, per-batch overhead: "
+          f"{median(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f}; target >= "
+          f"{OVERHEAD_TARGET:g}x)")
+    return {"rounds": rounds, "targets": [{
+        "what": "runner batched / DataLoader, per-batch overhead", "median": median(ratios),
+        "min": min(ratios), "max": max(ratios), "target": OVERHEAD_TARGET, "met": met}]}
+
+
 def run_with_targets(name: str, bench: Callable[[argparse.Namespace], dict],
                      args: argparse.Namespace) -> int:
     """One bench that returns its rounds and targets: the header, the JSON under
@@ -811,6 +845,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--burner-threads", type=int, default=2)
     c.add_argument("--out", type=Path, default=Path("outputs/bench"))
     c.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    v = sub.add_parser("overhead", help="the loop's own cost per batch against a DataLoader's "
+                                        "(section 5 of loaders, in rounds)")
+    v.add_argument("--items", type=int, default=300_000)
+    v.add_argument("--batch-size", type=int, default=300)
+    v.add_argument("--rounds", type=int, default=5)
+    v.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    v.add_argument("overrides", nargs="*", help="(none used)")
     i = sub.add_parser("infer", help="an inference job with three models: the runner's one "
                                      "pass against the naive script and three separate runs")
     i.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
@@ -820,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     i.add_argument("--out", type=Path, default=Path("outputs/bench"))
     i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    from runner.bench_remote import add_parser as add_remote
+
+    add_remote(sub)
     args = parser.parse_args(argv)
     why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
     if why:
@@ -834,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """The bench ``args.command`` names; its exit status."""
+    if args.command == "remote":
+        from runner.bench_remote import bench_remote
+
+        return run_with_targets("remote", bench_remote, args)
     if args.command == "infer":
         from runner.bench_infer import bench_infer
 
@@ -843,6 +891,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.command == "contention":
         return run_with_targets("contention", bench_contention, args)
+    if args.command == "overhead":
+        return run_with_targets("overhead", bench_overhead, args)
     torch.manual_seed(0)
     if args.command == "stores":
         print(f"runner.bench stores on {platform.machine()} ({torch.get_num_threads()} "

@@ -1,4 +1,10 @@
-"""``compile=``: eager, torchscript, inductor or tensorrt, verified against eager.
+"""``compile=``: eager, torchscript, inductor, tensorrt or onnxruntime, verified against eager.
+
+``onnxruntime`` exports the whole model, uint8 input layer included, to ONNX
+(runner/export.py) and runs it in an onnxruntime session: the CPU execution provider, or
+CUDA's on a CUDA device (onnxruntime-gpu; else the run is skipped naming it). Its graph is
+float32: with ``amp`` other than off the run is skipped naming ``amp=off``, and training
+with it is skipped naming ``task=infer`` (as with tensorrt).
 
 ``compile_model`` compiles, then runs the compiled model on every batch shape the run will
 see (the full batch, and the last short one when there is one), so any recompilation
@@ -23,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from runner.amp import DTYPES, autocast
+from runner.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
 from runner.atomic import replacing
 from runner.config import (
     AmpConfig,
@@ -37,25 +43,13 @@ from runner.config import (
     data_path_alone,
     model_configs,
 )
+from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.metrics import synchronize
-from runner.model import build_model, check_input_size, main_output, split_input
+from runner.model import build_model, check_input_size, main_output, split_input, trace_batch
 
 log = logging.getLogger(__name__)
-
-# max |compiled - eager| allowed, relative to max(1, max |eager|), by the dtype computed in
-TOLERANCE = {None: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-# float32 on CUDA: cuDNN's convolutions (and TensorRT's) use TF32 by default, a 10-bit
-# mantissa, so eager and compiled float32 differ as much as half precision does
-TF32_TOLERANCE = 2e-2
-
-
-def tolerance(dtype: torch.dtype | None, device: torch.device) -> float:
-    if dtype is None and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
-        return TF32_TOLERANCE
-    return TOLERANCE[dtype]
-
 
 class CompileMismatch(RuntimeError):
     """A compiled model computes something different from eager."""
@@ -83,12 +77,6 @@ def batch_dynamic_shapes(max_batch: int) -> tuple[dict[int, Any]]:
     """The backbone's one input with a dynamic batch dimension, 1..max_batch: the spec an
     engine is exported with, so a cached engine takes the short last batch too."""
     return ({0: torch.export.Dim("batch", min=1, max=max(max_batch, 2))},)
-
-
-def trace_batch(example: torch.Tensor) -> torch.Tensor:
-    """An example batch of at least 2: torch.export specializes a dimension whose example
-    is 1 (``loader.batch_size=1``), and could then not take a dynamic batch range."""
-    return example if example.shape[0] >= 2 else example.repeat(2, *[1] * (example.dim() - 1))
 
 
 def backbone_in(backbone: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -150,6 +138,23 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     return _HeadThenEngine(head, engine, dtype)
 
 
+def _onnxruntime(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
+                 amp: AmpConfig, cache: Path) -> nn.Module:
+    from runner.data.threads import cores
+    from runner.export import OnnxRuntimeModel, export_onnx
+
+    if train:
+        raise Unavailable("compile=onnxruntime runs an exported inference graph and cannot "
+                          "train: use task=infer, or compile=inductor to train")
+    if amp.name is not AmpName.off:
+        raise Unavailable(f"compile=onnxruntime runs the exported float32 graph; "
+                          f"amp={amp.name.value} does not reach it: use amp=off")
+    onnx_model = export_onnx(model, example)
+    compiled = OnnxRuntimeModel(onnx_model, example.device, threads=cores())
+    log.info("compile=onnxruntime: %s", ", ".join(compiled.providers))
+    return compiled
+
+
 def engine_head(head: nn.Module) -> nn.Module:
     """The uint8 input layer for an engine: an engine picks its own layouts and takes a
     contiguous input, so a channels_last head would make it copy every batch back."""
@@ -200,12 +205,14 @@ BACKENDS: dict[CompileName, Callable[..., nn.Module] | None] = {
     CompileName.torchscript: _torchscript,
     CompileName.inductor: _inductor,
     CompileName.tensorrt: _tensorrt,
+    CompileName.onnxruntime: _onnxruntime,
 }
 
 
 def uses_autocast(cfg: CompileConfig) -> bool:
-    """TensorRT takes its precision from the engine; everything else runs under autocast."""
-    return cfg.name is not CompileName.tensorrt
+    """TensorRT and onnxruntime take their precision from the engine or graph; everything
+    else runs under autocast."""
+    return cfg.name not in (CompileName.tensorrt, CompileName.onnxruntime)
 
 
 def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: TaskName,
@@ -340,7 +347,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     last = per_rank % bs  # this rank's shard's last batch
     if last and not config.loader.drop_last:
         shapes.append(last)
-    example = storage.example(bs).to(device)
+    example = as_batches_come(config, storage.example(bs)).to(device)  # loader.host_dtype
     cache = Path(config.dataset.cache_dir).expanduser() / "tensorrt"
     out = RunModels({})
     for cfg in configs:

@@ -41,6 +41,7 @@ class StorageName(Enum):
     memmap = "memmap"
     ram = "ram"
     packed = "packed"  # JPEGs re-encoded once at dataset.store_size into one file
+    shards = "shards"  # WebDataset tar shards (local or a URL), decoded every epoch
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
     ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
 
@@ -154,6 +155,13 @@ class CompileName(Enum):
     torchscript = "torchscript"
     inductor = "inductor"
     tensorrt = "tensorrt"
+    onnxruntime = "onnxruntime"  # the exported ONNX graph (runner/export.py), task=infer
+
+
+class HostDtype(Enum):  # loader.host_dtype: what crosses to the device
+    uint8 = "uint8"  # the bytes; the model's input layer converts and normalizes there
+    float16 = "float16"  # converted and normalized on the host, before the copy
+    float32 = "float32"
 
 
 class CompileMode(Enum):  # torch.compile's modes (inductor)
@@ -215,6 +223,12 @@ class DatasetConfig:
     store_quality: int = 90  # JPEG quality of loader=packed's re-encoded images
     on_corrupt: OnCorrupt = OnCorrupt.skip
     page_cache: PageCache = PageCache.warm
+    # dataset.path, val_path and manifest may be URLs (s3://, gs://, http(s)://;
+    # runner/data/remote/): an S3-compatible server's address (unset: AWS_ENDPOINT_URL)
+    endpoint_url: str | None = None
+    # the node-local cache of remote shards under dataset.cache_dir, at most this many
+    # bytes (unset: 10 GB)
+    cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -238,6 +252,8 @@ class DatasetConfig:
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
+        _require(self.cache_bytes is None or self.cache_bytes > 0, "dataset.cache_bytes",
+                 self.cache_bytes, "must be > 0 (unset: 10 GB)")
         if self.store_size is not None:
             side = (min if self.store_side is StoreSide.shorter else max)(self.image_size)
             _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,
@@ -274,6 +290,10 @@ class LoaderConfig:
     decode_threads: int | None = None
     # loader=ffcv: how its .beton stores images: jpg (at dataset.store_quality) or raw
     ffcv_mode: str = "jpg"
+    # what crosses to the device: uint8 (the model's input layer converts and normalizes
+    # there), or float16/float32 converted and normalized (by model.mean/std) on the host
+    # before the copy, as most scripts do (runner/data/normalize.py)
+    host_dtype: HostDtype = HostDtype.uint8
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "loader.batch_size", self.batch_size, "must be >= 1")

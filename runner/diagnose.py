@@ -29,6 +29,7 @@ from runner.compile import step_amp
 from runner.config import Config
 from runner.data import DataPath
 from runner.data.loader import decode_threads
+from runner.data.normalize import HOST_DTYPES, as_batches_come
 from runner.data.pagecache import can_evict, evict
 from runner.data.storage import STORAGES, choices, decoded_once
 from runner.data.storage import advice as storage_advice
@@ -68,6 +69,10 @@ def in_loop_stages(figures: dict[str, Any], world: int = 1) -> dict[str, float]:
 
 def advice_for(cfg: Config, stage: str) -> str:
     """What to try for ``stage``, leaving out what this run already does."""
+    if stage == "copy" and HOST_DTYPES[cfg.loader.host_dtype] is not None:
+        return (f"try loader.host_dtype=uint8: batches cross as "
+                f"{cfg.loader.host_dtype.value}, {HOST_DTYPES[cfg.loader.host_dtype].itemsize}x "
+                "the bytes, and the model converts on the device; and prefetch=gpu")
     return storage_advice(stage, cfg.loader) or ADVICE.get(stage, "")
 
 
@@ -169,7 +174,8 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
             ceilings.add(stage, [scale * rate for rate in probe(fn)])
     if device.type == "cuda":
         shape = (bs, 3, *cfg.dataset.image_size)
-        host = torch.randint(0, 256, shape, dtype=torch.uint8)
+        # of the dtype the run's batches cross in (loader.host_dtype)
+        host = as_batches_come(cfg, torch.randint(0, 256, shape, dtype=torch.uint8))
         host = host.pin_memory() if pin else host
 
         def copy_batch() -> int:
@@ -206,8 +212,8 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     """
     bs = probe_batch(cfg, images or cfg.loader.batch_size)
     batch = TensorDict({
-        "image": torch.randint(0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8,
-                               device=device),
+        "image": as_batches_come(cfg, torch.randint(  # as the loop feeds it (host_dtype)
+            0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8)).to(device),
         "label": torch.randint(0, num_classes, (bs,), device=device),
         "index": torch.arange(bs, device=device),
     }, batch_size=[bs])

@@ -1,8 +1,10 @@
 """``logger=``: where figures go besides metrics.json: wandb (offline by default) or nowhere.
 
 A logger is anything with ``log(figures, step)``, ``summary(figures)`` and ``close(status)``.
-Only the run's own config and figures are sent: no environment, no git state, no code, so
-a wandb key (WANDB_API_KEY) can never end up in a run. The run's summary holds exactly the
+Only the run's own config and figures are sent, with the machine's ``environment`` block
+(runner/environment.py: library versions and hardware) in the config under
+``environment.*``: no environment variables, no git state, no code, so a wandb key
+(WANDB_API_KEY) can never end up in a run. The run's summary holds exactly the
 figures of metrics.json (flattened: ``spread.images_per_sec.median``); the per-window
 figures go to the history under ``window/`` and never into the summary. A logger that fails
 (wandb missing, a full disk) is reported once and then left out: it never costs the run.
@@ -14,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
+from runner import environment
 from runner.config import LoggerConfig, LoggerName, flatten
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,8 @@ class WandbLogger:
         self.run = wandb.init(
             project=cfg.project, entity=cfg.entity, group=cfg.group or group,
             tags=list(cfg.tags), name=name, dir=str(run_dir), mode=cfg.mode.value,
-            config=config, settings=settings, reinit="create_new",
+            config={**config, **flatten({"environment": environment.collect()})},
+            settings=settings, reinit="create_new",
             # a resumed run continues the wandb run its checkpoint names
             **({"id": run_id, "resume": "allow"} if run_id else {}),
         )
@@ -98,7 +102,7 @@ class WandbLogger:
 
 def summary_of(metrics: dict[str, Any]) -> dict[str, Any]:
     """metrics.json as a logger's summary: flat keys, the config left to the run's config."""
-    return flatten({k: v for k, v in metrics.items() if k != "config"})
+    return flatten({k: v for k, v in metrics.items() if k not in ("config", "environment")})
 
 
 class GuardedLogger:

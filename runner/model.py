@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from runner.config import IMAGENET_MEAN, IMAGENET_STD, NO_MODEL, ModelConfig, ModelSource
+from runner.data.normalize import affine, normalize
 from runner.errors import ConfigError, Unavailable
 
 
@@ -40,17 +41,17 @@ class UInt8Input(nn.Module):
     """uint8 [0, 255] NCHW -> normalized float, as the network's first layer.
 
     Under autocast the result is already in the autocast dtype, so a half-precision model
-    never materializes a float32 copy of the batch.
+    never materializes a float32 copy of the batch. A floating batch was normalized on the
+    host (``loader.host_dtype``, runner/data/normalize.py, the same ``normalize``): it is
+    only cast to that dtype.
     """
 
     def __init__(self, channels_last: bool = False, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                  size: tuple[int, int] | None = None):
         super().__init__()
-        mean = torch.tensor([float(v) for v in mean]).view(1, 3, 1, 1) * 255
-        std = torch.tensor([float(v) for v in std]).view(1, 3, 1, 1) * 255
-        # (x - mean) / std as one fused multiply-add: x * scale + shift
-        self.register_buffer("scale", 1.0 / std, persistent=False)
-        self.register_buffer("shift", -mean / std, persistent=False)
+        scale, shift = affine(mean, std)  # (x/255 - mean) / std as x * scale + shift
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("shift", shift, persistent=False)
         self.channels_last = channels_last
         self.size = tuple(int(v) for v in size) if size else None
 
@@ -58,7 +59,10 @@ class UInt8Input(nn.Module):
         dtype = torch.float32
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        x = torch.addcmul(self.shift.to(dtype), x.to(dtype), self.scale.to(dtype))
+        if x.is_floating_point():  # normalized on the host already (loader.host_dtype)
+            x = x.to(dtype)
+        else:
+            x = normalize(x, self.scale, self.shift, dtype)
         if self.size is not None and tuple(x.shape[-2:]) != self.size:
             # normalizing is affine, so resizing after it equals resizing the pixels first
             # in float32: antialiased bilinear has no half-precision CPU kernel
@@ -67,6 +71,12 @@ class UInt8Input(nn.Module):
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
+
+
+def trace_batch(example: torch.Tensor) -> torch.Tensor:
+    """An example batch of at least 2: torch.export specializes a dimension whose example
+    is 1 (``loader.batch_size=1``), and could then not take a dynamic batch range."""
+    return example if example.shape[0] >= 2 else example.repeat(2, *[1] * (example.dim() - 1))
 
 
 def _conv_bn(cin: int, cout: int, kernel: int, stride: int) -> nn.Sequential:

@@ -49,11 +49,15 @@ def prepare(name: str, overrides: list[str], rebuild: bool = False) -> Path:
         have = ", ".join(k.name.value for k in STORAGES.values() if with_store(k))
         raise ConfigError(f"loader={name} has no store to prepare (it reads the folder as it "
                           f"is); these do: {have}")
+    options = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides
+               if "=" in o and o.split("=", 1)[0] in kind.build_options}
+    overrides = [o for o in overrides if "=" not in o or o.split("=", 1)[0] not in options]
     config = compose([*[o for o in overrides if not o.startswith("loader=")],
                       f"loader={name}"])
     path = resolve_dataset(config.dataset)
-    print(describe_sizes(store_sizes(config)))
-    return kind.build(config.loader, config.dataset, path, True, rebuild)
+    if not isinstance(path, str):  # a URL is listed by the build itself
+        print(describe_sizes(store_sizes(config)))
+    return kind.build(config.loader, config.dataset, path, True, rebuild, **options)
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"nothing to build: loader={kind.name.value} reads the folder as it is")
         p = sub.add_parser(kind.name.value, help=f"{what} ({kind.summary})")
         p.add_argument("--rebuild", action="store_true", help="build again even if valid")
-        p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+        more = ", and " + ", ".join(f"{o}=..." for o in kind.build_options) \
+            if kind.build_options else ""
+        p.add_argument("overrides", nargs="*",
+                       help=f"runner overrides, e.g. dataset.path=/data{more}")
     z = sub.add_parser("sizes", help="the bytes each store would take, against disk and memory")
     z.add_argument("overrides", nargs="*", help="runner overrides that pick the dataset")
     r = sub.add_parser("reencode", help="a copy of an image folder at a lower JPEG quality")

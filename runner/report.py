@@ -2,17 +2,22 @@
 
 Reads every ``metrics.json`` under the paths (the runs of a sweep, or separate runs) and
 writes, next to the sweep (or in ``--out``):
-- ``report.md``: one row per run: the options that vary (read from each run's resolved
+- ``report.md``: the machine (its ``environment`` block); one row per run: the options that vary (read from each run's resolved
   config, so defaults count and separate runs compare), status, images/s as the median of
   its timed windows with their spread, ms/step, data-wait share, speed-up against the
   slowest run and against ``--baseline``, flags (too few steps, wide spread) and the
   bottleneck; a ranking where runs whose spreads overlap are "within noise" rather than
-  ranked; "what each switch bought": for each option, the median ratio between runs that
-  differ only in it; each run's verdict and timeline; each failure's reason;
+  ranked (``ranking``: a tie is against every run at its place, never chained); "what each
+  switch bought": for each option, the median ratio between runs that differ only in it,
+  per storage (``loader=``) when the storage varies (``switches``); each run's verdict and
+  timeline; each failure's reason. A sweep run with ``model=none`` says at the top that its
+  figures measure the data path alone;
 - ``results.csv``: the table's figures, one row per run;
 - ``throughput.png``: images/s per run (horizontal bars with the windows' spread, or
   against batch size when it varies), log axis when figures span more than 10x;
-- ``step_time.png``: each run's step split into data wait, host-to-device copy and compute.
+- ``step_time.png``: each run's step split into data wait, host-to-device copy and compute;
+- ``copy.png``: copy time per batch against the image size, when it varies (and the host's
+  conversion before the copy, ``loader.host_dtype``).
 The table is printed too.
 """
 
@@ -225,7 +230,8 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
         if baseline is not None:
             row.append(ratio_text(r, baseline))
         row.append("; ".join(m.get("flags") or []))
-        bottleneck = (m.get("bottleneck") or {}).get("stage", "")
+        verdict = m.get("bottleneck") or {}  # none asked (diagnose=false), or no stage named
+        bottleneck = verdict.get("stage") or ("none (disturbed)" if verdict else "")
         row.append(bottleneck if r.ok else (m.get("reason") or "")[:60])
         rows.append(row)
     return "\n".join("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
@@ -233,16 +239,35 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
 
 
 def ranking(runs: list[Run], options: list[str]) -> list[str]:
-    """Runs fastest first; a run within noise of the one above shares its place. Disturbed
-    runs are not ranked: they are listed after, said so."""
+    """Runs fastest first, in places; disturbed runs are not ranked (listed after, said so).
+
+    A run shares a place only when its windows overlap (``within_noise``) those of every
+    run already at that place, its fastest (the leader) included, so any two runs shown at
+    one place are within noise of each other, and ties never chain: with C at 127k, B at
+    110k and A at 96k, where B overlaps both and A overlaps B but not C, C and B share
+    place 1 and A is 3rd, its line naming B as within noise of it and C as not. A tied
+    run's line names its place's leader."""
     ok = sorted((r for r in runs if r.ok and not r.disturbed), key=lambda r: -r.rate)
-    lines, place = [], 0
+    lines: list[str] = []
+    places: list[list[Run]] = []  # the runs at each place, fastest first
     for k, r in enumerate(ok):
-        tied = k > 0 and within_noise(r, ok[k - 1])
-        place = place if tied else k + 1
-        lines.append(f"{place}. {'≈ ' if tied else ''}{_label(r, options)}: "
-                     f"{r.rate:,.0f} img/s ({spread_text(r) or 'one window'})"
-                     + (" — within noise of the run above" if tied else ""))
+        tied = bool(places) and all(within_noise(r, other) for other in places[-1])
+        if tied:
+            places[-1].append(r)
+        else:
+            places.append([r])
+        place = k + 1 - len(places[-1]) + 1
+        head = (f"{place}. {'≈ ' if tied else ''}{_label(r, options)}: {r.rate:,.0f} img/s "
+                f"({spread_text(r) or 'one window'})")
+        if tied:
+            leader = places[-1][0]
+            head += f" — within noise of {_label(leader, options)}, the fastest at place {place}"
+        else:
+            near = [o for o in ok[:k] if within_noise(r, o)]
+            if near:
+                head += (f" — below {_label(places[-2][0], options)} beyond noise; within "
+                         "noise of " + ", ".join(_label(o, options) for o in near))
+        lines.append(head)
     for r in runs:
         if r.ok and r.disturbed:
             lines.append(f"- not ranked, disturbed: {_label(r, options)}: {r.rate:,.0f} img/s "
@@ -250,53 +275,102 @@ def ranking(runs: list[Run], options: list[str]) -> list[str]:
     return lines
 
 
+STORAGE = "loader"  # the option that names the storage (loader.name, shown as loader)
+
+
 def switches(runs: list[Run], options: list[str], baseline: Run | None) -> list[dict[str, Any]]:
     """For each option and each of its values: the median ratio of images/s between runs
     that differ only in that option (the value against the reference value: the
     baseline's, else the first run's), the spread of the ratios, and whether every pair
-    was within noise."""
+    was within noise.
+
+    When the storage (``loader=``) varies, every other option's effect is given per
+    storage (``row["loader"]``): a switch buys different things on different storages
+    (prefetch=cpu speeds up memmap at 100k images/s and leaves folder, bound by its
+    decode, within noise), and one median across them would state the one storage's gain
+    for all. An option with no pair on any storage keeps one row saying so."""
     ok = [r for r in runs if r.ok and not r.disturbed]  # a disturbed run's ratio says nothing
     left_out = sum(1 for r in runs if r.ok and r.disturbed)
+    storages = _values(runs, STORAGE) if STORAGE in options else [None]
     rows = []
     for option in options:
         reference = (baseline or (ok[0] if ok else runs[0])).options.get(option)
         others = [k for k in options if k != option]
-        values = []
-        for r in runs:
-            if r.options.get(option) not in values:
-                values.append(r.options.get(option))
-        for value in values:
+        for value in _values(runs, option):
             if value == reference:
                 continue
             pairs = [(a, b) for a in ok for b in ok
                      if a.options.get(option) == reference and b.options.get(option) == value
                      and all(a.options.get(k) == b.options.get(k) for k in others)]
-            ratios = [b.rate / a.rate for a, b in pairs]
-            rows.append({
-                "option": option, "from": reference, "to": value, "pairs": len(pairs),
-                "median": median(ratios) if ratios else None,
-                "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
-                "noise": bool(pairs) and all(within_noise(a, b) for a, b in pairs),
-                "disturbed_left_out": left_out,
-            })
+            per = [None] if option == STORAGE else storages
+            found = [(s, [(a, b) for a, b in pairs if s is None or a.options.get(STORAGE) == s])
+                     for s in per]
+            if pairs:
+                found = [(s, p) for s, p in found if p]
+            else:
+                found = [(None, [])]
+            for storage, subset in found:
+                ratios = [b.rate / a.rate for a, b in subset]
+                rows.append({
+                    "option": option, STORAGE: storage, "from": reference, "to": value,
+                    "pairs": len(subset),
+                    "median": median(ratios) if ratios else None,
+                    "min": min(ratios) if ratios else None,
+                    "max": max(ratios) if ratios else None,
+                    "noise": bool(subset) and all(within_noise(a, b) for a, b in subset),
+                    "disturbed_left_out": left_out,
+                })
     return rows
 
 
+def _values(runs: list[Run], option: str) -> list[str]:
+    """The values ``option`` takes, in the runs' order."""
+    values: list[str] = []
+    for r in runs:
+        if r.options.get(option) not in values:
+            values.append(r.options.get(option))
+    return values
+
+
 def switch_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| option | from | to | pairs | median ratio | spread over pairs | |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    per_storage = any(s.get(STORAGE) is not None for s in rows)
+    where = [STORAGE] if per_storage else []
+    out = ["| " + " | ".join(["option", *(f"on {w}" for w in where), "from", "to", "pairs",
+                               "median ratio", "spread over pairs", ""]) + " |",
+           "| " + " | ".join(["---"] * (7 + len(where))) + " |"]
     for s in rows:
+        cells = [s["option"], *([s.get(STORAGE) or "—"] if per_storage else []),
+                 s["from"], s["to"], str(s["pairs"])]
         if not s["pairs"]:
             why = ("no two undisturbed runs differ only in this option"
                    if s.get("disturbed_left_out") else "no two runs differ only in this option")
-            out.append(f"| {s['option']} | {s['from']} | {s['to']} | 0 | | | {why} |")
+            out.append("| " + " | ".join([*cells, "", "", why]) + " |")
             continue
         spread = f"{s['min']:.2f}x–{s['max']:.2f}x" if s["pairs"] > 1 else "one pair"
         word = ("within noise" if s["noise"] else
                 "faster" if s["median"] > 1 else "slower")
-        out.append(f"| {s['option']} | {s['from']} | {s['to']} | {s['pairs']} | "
-                   f"{s['median']:.2f}x | {spread} | {word} |")
+        out.append("| " + " | ".join([*cells, f"{s['median']:.2f}x", spread, word]) + " |")
     return out
+
+
+def data_path_only(runs: list[Run]) -> list[str]:
+    """The report's opening warning when runs ran ``model=none`` (no model: the loop only
+    moves batches), whose figures say how fast the data path delivers, not how fast a model
+    trains on it; empty when every run ran a model."""
+    bare = [r for r in runs if r.config("model.name") == "none" and not r.config("models")]
+    if not bare:
+        return []
+    how = ("Run it again with your model to measure what it sees, e.g. "
+           "`python -m runner -m sweep=loaders model=resnet18` (or `model=custom "
+           "model.target=my_pkg.nets:MyNet`).")
+    if len(bare) == len(runs):
+        return ["**Data path only: every run here ran `model=none`.** The figures measure "
+                "storage, loader, prefetch and the copy to the device with no model behind "
+                "them; a model's compute lowers them and can hide the differences between "
+                "them. " + how, ""]
+    return [f"**{len(bare)} of {len(runs)} runs ran `model=none`** (the data path alone, no "
+            "model): compare their figures with each other, not with the runs of a model. "
+            + how, ""]
 
 
 def write_csv(runs: list[Run], options: list[str], path: Path) -> Path:
@@ -432,6 +506,55 @@ def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | Non
     return path
 
 
+def plot_copy(runs: list[Run], options: list[str], out: Path) -> Path | None:
+    """Copy time per batch against the image size, one line per value of the other options
+    (``-m loader.host_dtype=uint8,float16,float32 dataset.image_size=...``): the copy
+    (``prefetch_copy_ms`` with prefetch=gpu, else ``copy_ms``), and, dashed, the host's
+    conversion before it (``host_convert_ms``). Drawn when the image size varies."""
+    size = "dataset.image_size"
+    ok = [r for r in runs if r.ok and r.metrics.get("copy_ms") is not None]
+    if size not in options or len({r.flat.get(size) for r in ok}) < 2:
+        return None
+    plt = _pyplot()
+    others = [o for o in options if o != size]
+    lines: dict[str, list[Run]] = defaultdict(list)
+    for r in ok:
+        lines[_label(r, others) if others else "copy"].append(r)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, group in lines.items():
+        group.sort(key=lambda r: math.prod(r.config(size) or [0]))
+        pixels = [math.prod(r.config(size)) / 1e6 for r in group]
+        copy = [r.metrics.get("prefetch_copy_ms") or r.metrics["copy_ms"] for r in group]
+        line, = ax.plot(pixels, copy, marker="o", label=f"{name}: copy")
+        convert = [r.metrics.get("host_convert_ms") for r in group]
+        if any(v is not None for v in convert):
+            ax.plot(pixels, [v or 0.0 for v in convert], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{name}: convert on the host")
+    ax.set_xlabel("megapixels per image (dataset.image_size)")
+    ax.set_ylabel("ms per batch")
+    ax.legend(fontsize=7, frameon=False)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path = out / "copy.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def machines(runs: list[Run]) -> list[str]:
+    """The machines the runs ran on (their ``environment`` block, runner/environment.py),
+    one line each, with the runs of each when they differ."""
+    from runner.environment import summary
+
+    seen: dict[str, list[str]] = defaultdict(list)
+    for r in runs:
+        if r.metrics.get("environment"):
+            seen[summary(r.metrics["environment"])].append(r.name)
+    if len(seen) == 1:
+        return [f"Machine: {next(iter(seen))}"]
+    return [f"Machine: {line} ({', '.join(names)})" for line, names in seen.items()]
+
+
 def write_report(paths: list[Path], baseline: str | None = None,
                  out: Path | None = None) -> tuple[Path, str]:
     """Build the report; returns its folder and the table."""
@@ -441,16 +564,18 @@ def write_report(paths: list[Path], baseline: str | None = None,
     text = table(runs, options, base)
     out = out or root
     out.mkdir(parents=True, exist_ok=True)
-    figures = [p for p in (plot_throughput(runs, options, out), plot_step_time(runs, options, out))
-               if p is not None]
+    figures = [p for p in (plot_throughput(runs, options, out), plot_step_time(runs, options, out),
+                           plot_copy(runs, options, out)) if p is not None]
     write_csv(runs, options, out / "results.csv")
     counts: dict[str, int] = defaultdict(int)
     for r in runs:
         counts[r.status] += 1
     lines = [f"# runner report: {root}", "",
+             *data_path_only(runs),
              f"{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-             "", "images/s is the median of each run's timed windows; the spread is their "
-             "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
+             ""] + machines(runs) + [
+        "", "images/s is the median of each run's timed windows; the spread is their "
+        "min–max. Ratios whose spreads overlap are marked within noise.", "", text, ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
     rank = ranking(runs, options)
     if len(rank) > 1:
@@ -460,7 +585,8 @@ def write_report(paths: list[Path], baseline: str | None = None,
         left_out = bought[0].get("disturbed_left_out", 0)
         lines += ["", "## What each switch bought", "",
                   "Images/s of runs that differ only in one option, as the ratio to the "
-                  "reference value (the baseline's, else the first run's)."
+                  "reference value (the baseline's, else the first run's); when the storage "
+                  "varies, per storage, since a switch buys different things on each."
                   + (f" {left_out} disturbed run(s) are left out of these ratios (other "
                      "processes shared their cores)." if left_out else ""), ""]
         lines += switch_table(bought)

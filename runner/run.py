@@ -1,7 +1,6 @@
 """One job's envelope: claim the run folder, build its task and data path, loop, record the outcome.
 
-What the job does is its task's (runner/tasks/: train, infer, or the data path alone);
-this module runs every task the same way.
+What the job does is its task's (runner/tasks/); this module runs every task the same way.
 
 Whatever happens, the job's outcome lands in ``metrics.json`` in its run folder:
 ``status=ok`` with the figures, ``status=skipped`` with the reason when this machine cannot
@@ -24,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import outcome, outputs, results, timeline
+from runner import environment, outcome, outputs, results, timeline
 from runner.amp import check_amp
 from runner.compose import to_config
 from runner.config import Config, flatten, to_plain
@@ -72,6 +71,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             return done
     raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     metrics = outcome.running_record(run_dir, list(hydra_cfg.overrides.task), raw)
+    metrics["environment"] = environment.collect()  # the machine and its libraries
     if sweep:  # its place in the sweep (folders are named by their overrides)
         metrics["job"] = hydra_cfg.job.num
     signals = outcome.Signals()

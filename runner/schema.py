@@ -28,6 +28,7 @@ class Metrics(TypedDict, total=False):
     config: dict  # the resolved config (runner/config.py's schema)
     started_at: str  # local time the run started, ISO 8601
     versions: dict  # python and torch versions
+    environment: dict  # the machine and its libraries: CPU, GPU, torch/CUDA, decoders
     job: int  # in a sweep: its number in the sweep
     # --- the loop's timed steps (runner/results.py) ------------------------------------------
     images_per_sec: float | None  # median of the run.repeats timed windows, after warm-up

@@ -20,6 +20,17 @@ from runner.data.synthetic import SyntheticSpec, make_image
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Path:
+    """The session's datasets and stores go to a temporary cache, never the user's
+    ``$RUNNER_CACHE`` (or ``~/.cache/runner``): RUNNER_CACHE points at it for every test and
+    the runs they start in subprocesses (which inherit the environment). A test that needs
+    a cache of its own takes ``cache_dir``; one that names ``dataset.cache_dir`` keeps it."""
+    path = tmp_path_factory.mktemp("runner-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUNNER_CACHE", str(path))
+        yield path
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` (``pytest -m cuda`` selects them on a GPU machine) are skipped
@@ -228,3 +239,36 @@ def make_loader(storage, cfg, seed: int = 0, pin_memory: bool = False, rank: int
     from runner.data.loader import batch_order, build_loader
 
     return build_loader(storage, cfg, batch_order(storage, cfg, seed, rank, world), pin_memory)
+
+
+# --- data that lives elsewhere: an S3 server and a delay line on loopback -------------------
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server in a child process on 127.0.0.1 (runner/data/remote/loopback.py)."""
+    pytest.importorskip("moto", reason="pip install -e '.[dev]' (moto's S3 server)")
+    from runner.data.remote.loopback import LoopbackS3
+
+    with LoopbackS3() as server:
+        yield server
+
+
+@pytest.fixture
+def delay_line(s3_server):
+    """A delay line in front of ``s3_server`` (no delay until a test sets one)."""
+    from runner.data.remote.delayline import DelayLine
+
+    with DelayLine(s3_server.port) as line:
+        yield line
+
+
+@pytest.fixture
+def s3_env(s3_server, delay_line, monkeypatch):
+    """The AWS variables a user sets, pointing at the server through the delay line."""
+    from runner.data.remote.loopback import aws_env_keys
+
+    for key in aws_env_keys():
+        monkeypatch.delenv(key, raising=False)
+    for key, value in s3_server.env(delay_line.endpoint).items():
+        monkeypatch.setenv(key, value)
+    return s3_server.env(delay_line.endpoint)

@@ -170,6 +170,7 @@ def test_a_half_written_checkpoint_of_a_killed_run_is_removed(tmp_path: Path, ca
 
 # --- 14. run folders that cannot be made ------------------------------------------------------
 
+@pytest.mark.slow  # python -m runner in a subprocess
 def test_hydra_run_dir_naming_a_file_is_one_line(tmp_path: Path):
     (tmp_path / "afile").write_text("not a folder")
     proc = run_cli("hydra.run.dir=afile", "logger=none", cwd=tmp_path, check=False,
@@ -195,6 +196,7 @@ READ_ONLY = """
 """
 
 
+@pytest.mark.slow  # python -m runner in a subprocess, three times
 @pytest.mark.parametrize("where", ["working folder", "output folder", "existing output folder"])
 def test_a_read_only_run_folder_is_one_line(tmp_path: Path, where: str):
     """Tests run as root, where permission bits stop nothing: the run's process is made to

@@ -111,6 +111,7 @@ def test_a_manifest_lists_files_with_or_without_labels(tmp_path: Path, form: str
     assert [names[y] for _, y in listing.samples] == [labels[k] for k in order]
 
 
+@pytest.mark.slow  # eight runs: train and infer on four storages
 def test_train_and_infer_on_a_manifest_on_every_storage(tmp_path: Path, cache_dir: Path):
     files = {f"imgs/{k}.jpg": encode(photo(40, 52, k)) for k in range(8)}
     make_tree(tmp_path / "data", files)

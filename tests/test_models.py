@@ -214,6 +214,7 @@ def test_the_readme_training_script_runs_as_written(tmp_path: Path, cache_dir: P
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"epoch 1: loss \d", proc.stdout)
+    assert re.search(r"epoch 3: +\d+%\|", proc.stderr)  # the pipeline's bar of each epoch
     assert "images/s" in proc.stdout
 
 

@@ -335,7 +335,8 @@ def test_prepare_packed_builds_the_store_a_run_opens_and_prints_the_sizes(
     assert (printed / META).exists() and printed.parent.name == "packed"
     assert "31 images" in out and "pick: loader=memmap" in out  # a tiny dataset fits memory
     table = {line.split()[0]: line for line in out.splitlines() if line.startswith("loader=")}
-    assert set(table) == {"loader=folder", "loader=memmap", "loader=ram", "loader=packed"}
+    assert set(table) == {"loader=folder", "loader=memmap", "loader=ram", "loader=packed",
+                          "loader=shards"}
     assert "raw uint8 at 40x40" in table["loader=memmap"]  # the stored size, not the output
     # the estimate (from a sample) is near the bytes the store really holds
     estimate = packed.estimate_bytes(folder_of(source), spec_for(source))

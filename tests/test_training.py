@@ -167,6 +167,7 @@ def test_every_recipe_composes_into_a_training_run(recipe: str):
     assert cfg.task.name is TaskName.train and cfg.task.schedule is not ScheduleName.constant
 
 
+@pytest.mark.slow  # five epochs with validation
 def test_the_quick_recipe_trains_with_validation_and_keeps_the_best(tmp_path: Path,
                                                                     cache_dir: Path):
     from tests.conftest import SMALL_DATASET, run_in_process

@@ -205,10 +205,17 @@ def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
 
 def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
                 world: int = 1) -> BatchOrder:
-    """The batch order of ``storage`` for this loader config and rank."""
-    return BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
-                      drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
-                      world=world, crop_seeds=storage.random_crops)
+    """The batch order of ``storage`` for this loader config and rank; a sharded storage
+    (``order_groups``: its shards' bounds) is read a block of shards at a time, and told
+    the order so it can fetch ahead (``follow``)."""
+    groups = getattr(storage, "order_groups", None)
+    order = BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
+                       drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
+                       world=world, crop_seeds=storage.random_crops, groups=groups,
+                       group_block=getattr(storage, "group_block", 1))
+    if groups is not None:
+        storage.follow(order)
+    return order
 
 
 def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_memory: bool):
@@ -251,6 +258,20 @@ class SkipLog:
                 self.files[s.path] = s.error
                 kind = UNREADABLE if s.error.startswith(UNREADABLE) else "undecodable"
                 log.warning("skipped %s file %s: %s", kind, s.path, s.error)
+
+
+def as_tensordict(batch: dict[str, torch.Tensor], n: int) -> TensorDict:
+    """A batch's fields as a TensorDict of batch size ``n``. The fields come from a storage
+    and its loader, one row per image by construction, so TensorDict's checks of every
+    field's leading size are skipped where this tensordict has the call that skips them
+    (``_new_unsafe``: 2 us a batch against 9 us, measured here; the loop's per-batch
+    overhead is ~60 us on small items, bench overhead)."""
+    if _NEW_UNSAFE is not None:
+        return _NEW_UNSAFE(batch, batch_size=torch.Size([n]))
+    return TensorDict(batch, batch_size=[n])
+
+
+_NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
 
 
 def shutdown_workers(loader: DataLoader, iterator=None) -> None:
@@ -320,13 +341,14 @@ class BatchStream:
                     self.on_epoch(self.epoch)
                 iterator = iter(self.loader)
                 for position, (batch, skipped) in enumerate(iterator, start=skip):
-                    self.skips.add(skipped)
+                    if skipped:
+                        self.skips.add(skipped)
                     if batch is not None:
-                        n = len(batch["label"])
+                        n = batch["label"].shape[0]
                         if self.per_batch is not None:  # e.g. the random draws of its crops
                             batch = {**batch, **self.per_batch(self.epoch, position,
                                                                batch["index"])}
-                        yield TensorDict(batch, batch_size=[n])
+                        yield as_tensordict(batch, n)
                 done += 1
                 self.epoch += 1
         finally:

@@ -22,6 +22,13 @@ from tensordict import TensorDict
 from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig, TaskName
 from runner.data.augment import BatchAugment, CenterCrop
 from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
+from runner.data.normalize import (
+    HOST_DTYPES,
+    Converted,
+    HostConvert,
+    check_host_dtype,
+    host_convert,
+)
 from runner.data.nvjpeg import GpuDecodedBatches
 from runner.data.order import BatchOrder, count_images
 from runner.data.pagecache import ColdPageCache
@@ -57,14 +64,17 @@ def check_batch_memory(cfg: LoaderConfig, order: BatchOrder, storage: Storage) -
     with a few zeros too many), before any is allocated."""
     if storage.item_shape is None:
         return  # encoded bytes: sized by the files
-    nbytes = order.largest_batch * math.prod(storage.item_shape)
+    dtype = HOST_DTYPES[cfg.host_dtype] or torch.uint8  # a float batch, converted on the host
+    nbytes = order.largest_batch * math.prod(storage.item_shape) * dtype.itemsize
     available = memory_available()
     if 4 * nbytes > available:  # a few buffers are in flight at once (buffers.py)
         raise ConfigError(
             f"loader.batch_size={cfg.batch_size} needs {human_bytes(nbytes)} per batch of "
             f"{order.largest_batch:,} images of {'x'.join(map(str, storage.item_shape))} "
-            f"uint8, and a few batches are in flight; {human_bytes(available)} of memory is "
-            "available: use a smaller loader.batch_size")
+            f"{str(dtype).replace('torch.', '')}, and a few batches are in flight; "
+            f"{human_bytes(available)} of memory is available: use a smaller "
+            "loader.batch_size" + ("" if dtype is torch.uint8 else
+                                   " or loader.host_dtype=uint8"))
 
 
 def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
@@ -101,7 +111,7 @@ class DataPath:
 
     def __init__(self, storage: Storage, *, kind: StorageKind, stream: BatchStream, batches,
                  device: torch.device, pin: bool, augment: BatchAugment | None,
-                 page_cache: ColdPageCache | None):
+                 page_cache: ColdPageCache | None, convert: HostConvert | None = None):
         self.storage, self.kind = storage, kind
         self.stream = stream
         self.batches = batches
@@ -109,6 +119,7 @@ class DataPath:
         self.pin_memory = pin
         self.augment = augment
         self.page_cache = page_cache
+        self.convert = convert  # loader.host_dtype: float batches made on the host
         self.steps_per_epoch = len(stream.loader)
         self.train_augment = None  # task.augment (runner/data/transforms.py), training only
         # crops on a CPU device: image by image on the runner's threads (threads.py)
@@ -166,9 +177,14 @@ class DataPath:
         page_cache = {"page_cache": "warm"} if self.page_cache is None \
             else self.page_cache.figures()
         out = {"pin_memory": self.pin_memory, **self.batches.figures(steps), **page_cache}
+        if self.convert is not None:
+            out.update(self.convert.figures(steps))
         fallbacks = getattr(self.stream.loader, "cpu_fallbacks", None)  # a GPU decoder's
         if fallbacks is not None:
             out["gpu_decode_cpu_fallbacks"] = fallbacks
+        remote = getattr(self.storage, "figures", None)  # data read from a URL: its fetches
+        if callable(remote):
+            out.update(remote())
         return out
 
     def close(self) -> None:
@@ -230,6 +246,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         progress: progress bars for one-off work (the default dataset, a cache conversion).
     """
     ranks = ranks or Ranks()
+    check_host_dtype(config)  # before any work
     storage = open_storage(config, ranks, progress)
     page_cache = None
     if config.dataset.page_cache is PageCache.cold:
@@ -256,9 +273,17 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     stream = BatchStream(loader, epochs, order=order, start_epoch=start_epoch,
                          on_epoch=page_cache, known_skipped=storage.known_skipped,
                          start_batch=start_batch, per_batch=per_batch)
-    batches = build_prefetcher(config.prefetch, stream, device)
+    convert = host_convert(config, pin)
+    if convert is not None and augment is not None:
+        raise ConfigError(
+            f"loader.host_dtype={config.loader.host_dtype.value} converts on the host before "
+            f"the copy, but loader={config.loader.name.value} crops its decoded images on the "
+            "device after it (dataset.crop=random, or a store larger than dataset.image_size): "
+            "use loader.host_dtype=uint8, or a storage that decodes every epoch")
+    batches = build_prefetcher(config.prefetch, Converted(stream, convert) if convert else
+                               stream, device)
     data = DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
-                    augment=augment, page_cache=page_cache)
+                    augment=augment, page_cache=page_cache, convert=convert)
     if config.task.name is TaskName.train and config.task.augment.active:
         from runner.data.transforms import TrainAugment
 

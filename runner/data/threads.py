@@ -95,6 +95,15 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+# A copy (a gather) smaller than this runs in the caller's thread. Measured on the 2-core
+# CI machine (tests' neighbours busy): handing a gather to two threads and waiting costs
+# ~45 us; gathers of 0.01-4 MB took 4-110 us inline and 46-190 us through the threads
+# (1.7-12x slower); only past ~10 MB did the threads come within 10% (a copy is bound by
+# memory bandwidth, which a second core shares). Inline, the copy runs on one core, as
+# the threads' do, so a busy machine cannot stall it on an OpenMP team either.
+POOL_MIN_BYTES = 4 << 20
+
+
 class RowPool:
     """Row-wise work on a batch (a gather, crops) split over the cores by the runner's own
     threads, each running torch ops on one core.
@@ -129,10 +138,12 @@ class RowPool:
                 restore_thread_count(count)
             return self._executor
 
-    def run(self, fn: Callable[[int, int], object], rows: int) -> None:
-        """``fn(start, end)`` over ``rows`` rows, one contiguous slice per thread."""
+    def run(self, fn: Callable[[int, int], object], rows: int, nbytes: int | None = None) -> None:
+        """``fn(start, end)`` over ``rows`` rows, one contiguous slice per thread; in the
+        caller's thread when the work is a copy of fewer than ``POOL_MIN_BYTES`` bytes
+        (``nbytes``): a hand-off to the threads and back costs more than such a copy."""
         parts = min(self.threads, rows // self.min_rows)
-        if parts <= 1:
+        if parts <= 1 or (nbytes is not None and nbytes < POOL_MIN_BYTES):
             with torch_threads(1):  # the caller's thread, on one core too
                 fn(0, rows)
             return

@@ -24,6 +24,7 @@ from runner import checkpoint, outputs, timeline
 from runner.amp import autocast
 from runner.compile import build_models, step_amp
 from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
+from runner.data.normalize import as_batches_come
 from runner.distributed import broadcast
 from runner.loop import Step
 from runner.metrics import MAX_PENDING_EVENTS, DeviceClock
@@ -91,7 +92,7 @@ class InferTask(TaskBase):
         storage, built = self.ctx.data.storage, self.built
         if not cfg.task.write_predictions:
             return None
-        example = storage.example(1).to(device)
+        example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype
         amp = step_amp(cfg)
         several = len(self.models) > 1
         fresh = self.start_step == 0

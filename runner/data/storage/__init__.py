@@ -19,6 +19,7 @@ import importlib
 from pathlib import Path
 
 from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.data.remote.url import is_url
 from runner.data.storage.base import Storage, StorageKind
 from runner.data.storage.decode import DECODERS, concrete_decoder
 from runner.data.storage.listing import check_no_loop
@@ -41,9 +42,19 @@ def _registry() -> dict[StorageName, StorageKind]:
 STORAGES: dict[StorageName, StorageKind] = _registry()
 
 
-def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path:
+def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
     """``dataset.manifest`` or ``dataset.path``, or the generated default dataset (made
-    once, then reused)."""
+    once, then reused). A URL (runner/data/remote/) stays a string, checked readable now
+    with one request (a RemoteError naming it and what to set, before any work)."""
+    for key in ("manifest", "path"):
+        value = getattr(cfg, key)
+        if is_url(value):
+            from runner.data.remote.client import check_url
+            from runner.data.remote.listing import is_manifest
+            from runner.data.remote.url import RemoteURL
+
+            check_url(value, cfg.endpoint_url, is_file=is_manifest(RemoteURL.parse(value)))
+            return value
     if cfg.manifest is not None:
         check_no_loop(Path(cfg.manifest).expanduser(), "dataset.manifest")
         return Path(cfg.manifest).expanduser()
@@ -78,8 +89,22 @@ def check_loader(loader: LoaderConfig) -> None:
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                   progress: bool = True) -> Storage:
-    """The storage ``loader.name`` asks for, over the image folder at ``path``."""
-    return STORAGES[loader.name].open(loader, dataset, path, progress)
+    """The storage ``loader.name`` asks for, over the image folder at ``path`` (a URL:
+    only storages whose record says ``urls`` read one)."""
+    kind = STORAGES[loader.name]
+    if is_url(path) and not kind.urls:
+        readers = " or ".join(f"loader={k.name.value}" for k in STORAGES.values() if k.urls)
+        raise ConfigError(f"loader={loader.name.value} reads local folders only, and "
+                          f"dataset.path is the URL {path}: use {readers} (python -m "
+                          "runner.prepare shards ... out=<folder or URL> writes shards), or "
+                          "copy the data to a local folder")
+    if is_url(path) and loader.num_workers > 0:
+        # the client's runtime (obstore's, in Rust) does not survive a fork
+        raise ConfigError(f"loader.num_workers={loader.num_workers} forks DataLoader workers, "
+                          f"and reading dataset.path={path} does not survive a fork: use "
+                          "loader.num_workers=0 (decode threads, one per core; the fetches "
+                          "run on an I/O thread of their own)")
+    return kind.open(loader, dataset, path, progress)
 
 
 def decoded_once() -> list[StorageKind]:

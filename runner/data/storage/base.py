@@ -184,6 +184,10 @@ class StorageKind:
         footprint: ``(dataset config, folder storage) -> StoreFootprint``, or None.
         speed_rank: among stores that fit the page cache, ``prepare sizes`` picks the
             lowest (0 is fastest).
+        build_options: ``key=value`` arguments of ``python -m runner.prepare <name>`` that
+            are not runner overrides, passed to ``build`` as keywords (``out=``).
+        urls: ``open`` takes a URL (``dataset.path=s3://...``, runner/data/remote/) as well
+            as a local path.
     """
 
     name: StorageName
@@ -199,6 +203,8 @@ class StorageKind:
     build: Callable[[LoaderConfig, DatasetConfig, Path, bool, bool], Path] | None = None
     footprint: Callable[[DatasetConfig, Any], StoreFootprint] | None = None
     speed_rank: int = 10
+    build_options: tuple[str, ...] = ()
+    urls: bool = False
 
     @property
     def decodes_per_epoch(self) -> bool:

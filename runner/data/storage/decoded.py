@@ -121,7 +121,8 @@ class DecodedStorage(Dataset):
                 image = out if out is not None else torch.empty(
                     (len(slots), *self.image_shape), dtype=self.images.dtype)
                 rows.run(lambda a, b: torch.index_select(self.images, 0, slots[a:b],
-                                                         out=image[a:b]), len(slots))
+                                                         out=image[a:b]), len(slots),
+                         nbytes=image.numel() * image.element_size())
         batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
         if valid is not None:
             batch["valid"] = valid

@@ -13,6 +13,7 @@ import torch
 from runner import timeline
 from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.order import unpad
+from runner.data.remote.url import is_url
 from runner.data.storage.base import (
     Probe,
     Sample,
@@ -279,6 +280,96 @@ class FolderStorage(torch.utils.data.Dataset):
         return found
 
 
+class RemoteFolderStorage(FolderStorage):
+    """An image folder (or manifest) in a store, one object per image (``dataset.path=s3://
+    ...``): listed as a local folder is (runner/data/remote/listing.py), each image fetched
+    by the read engine (runner/data/remote/engine.py) and decoded like a local file.
+
+    ``will_need`` (the loader calls it for each batch it queues, a few ahead of the one it
+    decodes) starts the batch's fetches at once, all of them concurrently on the engine's
+    I/O thread; ``read`` then waits only for an image not fetched yet. A fetch that still
+    fails after the engine's retries reads as an unreadable file: skipped, or with
+    ``dataset.on_corrupt=fail`` an error naming its URL.
+
+    Args:
+        listing: the images, their URLs and labels.
+        decode, on_corrupt: as FolderStorage.
+        engine: the read engine of the images' store.
+    """
+
+    def __init__(self, listing: Listing, decode: ImageDecoder | ReadBytes,
+                 on_corrupt: OnCorrupt, engine):
+        super().__init__(listing.root, decode, on_corrupt, listing)
+        self.engine = engine
+        prefix = len(engine.store.url.store_url) + 1
+        self.keys = [url[prefix:] for url, _ in self.samples]
+        self._pending: dict[int, object] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict:  # a worker process fetches on its own
+        return {k: v for k, v in self.__dict__.items() if k != "_pending"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _pending={}, _pid=os.getpid())
+
+    @property
+    def files(self) -> list[str]:
+        """No local files: a cold page cache does not apply."""
+        return []
+
+    def name_of(self, index: int) -> str:
+        return self.samples[index][0][len(str(self.root)) + 1:]
+
+    def will_need(self, index: torch.Tensor) -> None:
+        """Start fetching a coming batch's images now, concurrently."""
+        from runner.data.order import split_padding
+
+        self._forked()
+        todo = [i for i in dict.fromkeys(split_padding(index)[0].tolist())
+                if i not in self._pending]
+        self._pending.update(zip(todo, self.engine.get_many([self.keys[i] for i in todo],
+                                                            256 << 10)))
+        if len(self._pending) > 16 * len(index):  # fetched, never read (an epoch cut short)
+            for stale in list(self._pending)[: len(self._pending) // 2]:
+                self._pending.pop(stale, None)
+
+    def read(self, index: int) -> bytearray:
+        """Item ``index``'s object, fetched by the engine (started by ``will_need``)."""
+        self._forked()
+        future = self._pending.pop(index, None) or self.engine.get(self.keys[index], 256 << 10)
+        try:
+            return bytearray(future.result())
+        except Exception as e:  # the engine gave up: unreadable, named by its URL
+            raise OSError(f"{self.samples[index][0]}: {type(e).__name__} after "
+                          f"{self.engine.attempts} tries") from e
+
+    def figures(self) -> dict:
+        """The read engine's requests, bytes, retries, window and round trip."""
+        return self.engine.stats.figures()
+
+    def _forked(self) -> None:
+        """A forked loader worker drops the parent's pending fetches (its I/O thread did
+        not come along)."""
+        if self._pid != os.getpid():
+            self._pid, self._pending = os.getpid(), {}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_remote_folder(loader: LoaderConfig, dataset: DatasetConfig, url: str,
+                       decode: ImageDecoder | ReadBytes) -> RemoteFolderStorage:
+    """The images at the URL ``url`` (checked readable already), one object each."""
+    from runner.data.remote.client import ObjectStore
+    from runner.data.remote.engine import ReadEngine
+    from runner.data.remote.listing import list_remote
+    from runner.data.remote.url import RemoteURL
+
+    store = ObjectStore(RemoteURL.parse(url), dataset.endpoint_url)
+    listing = list_remote(dataset, url, store)
+    return RemoteFolderStorage(listing, decode, dataset.on_corrupt, ReadEngine(store))
+
+
 def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """label, index and (for padded distributed shards) valid, for a list of samples."""
     fields = {"label": torch.tensor([s.label for s in samples], dtype=torch.int64),
@@ -300,10 +391,14 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
         if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
             decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
                                                 fraction=decode.fraction))
+    if is_url(path):  # one object per image, in a store (runner/data/remote/)
+        return open_remote_folder(loader, dataset, path, decode)
     return FolderStorage(path, decode, dataset.on_corrupt, list_images(dataset, path))
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
+    if isinstance(folder, RemoteFolderStorage):
+        return StoreFootprint("the source objects (remote)", 0, on_disk=False)
     total = sum(os.path.getsize(p) for p in folder.files if os.path.exists(p))
     return StoreFootprint("the source files", total, on_disk=False)
 
@@ -321,4 +416,5 @@ KIND = StorageKind(
            "folder_region": ("loader=folder", "loader.decoder=region")},
     footprint=source_footprint,
     speed_rank=3,
+    urls=True,
 )

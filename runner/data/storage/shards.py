@@ -1,0 +1,347 @@
+"""``loader=shards``: WebDataset tar shards, on local disk or in a store, decoded every epoch.
+
+``dataset.path`` is a shard set (a folder or URL prefix holding ``manifest.json`` or
+``*.tar``; or the ``manifest.json`` itself) or an image folder, which is converted once:
+packed at ``dataset.store_size`` (packed.py), then written as shards into the cache
+(``python -m runner.prepare shards ... out=<folder or URL>`` writes them anywhere). The
+format is WebDataset's, with an index per shard (tarshards.py); a tar set someone else
+wrote is indexed on first use, the index cached under ``dataset.cache_dir``.
+
+**Reading.** Samples are decoded as packed's are (the same decoders, crop, DCT-scaled and
+region decode: ``PackedStorage.decode_slice``); a sample is one ``pread`` from its shard.
+Every sample's bytes are checked against the CRC-32 in the index: a mismatch reads as an
+unreadable file named ``<shard>/<key>``, skipped or (``dataset.on_corrupt=fail``) an error.
+
+**Order.** Shards are shuffled in blocks of ``SHARDS_PER_BLOCK`` and the samples of a block
+among themselves (``BatchOrder`` with ``groups``): a function of (seed, epoch) and the shard
+set, so a resumed run reads exactly what an uninterrupted one does, on every rank.
+
+**Remote shards** (``dataset.path=s3://...``): fetched ahead of need, whole, into the
+node-local cache bounded by ``dataset.cache_bytes`` (runner/data/remote/stream.py, cache.py);
+a cold start's first batches, and samples the cache has no room for, by range requests.
+Writing shards: shardwrite.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.config import DatasetConfig, LoaderConfig, StorageName
+from runner.data.order import BatchOrder, split_padding
+from runner.data.remote.stream import SHARDS_PER_BLOCK, RemoteShards
+from runner.data.remote.url import RemoteURL, is_url
+from runner.data.storage.base import StorageKind, StoreFootprint
+from runner.data.storage.cache import human_bytes
+from runner.data.storage.decode import DECODERS
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.listing import DatasetError
+from runner.data.storage.packed import PackedStorage, packed_spec
+from runner.data.storage.shardwrite import build_shards, cache_folder, convert_to_shards
+from runner.data.storage.tarshards import (
+    MANIFEST,
+    SHARD_LIST,
+    ShardIndex,
+    index_name,
+    index_tar,
+    load_json,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 10 * 10**9
+
+# --- where the shards are -----------------------------------------------------------------
+
+class LocalShards:
+    """Shards in a local folder: a sample is one ``pread``."""
+
+    remote = False
+
+    def __init__(self, folder: Path, names: list[str]):
+        self.folder, self.names = Path(folder), names
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "names": self.names}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["folder"], state["names"])
+
+    def path(self, shard: int) -> Path:
+        return self.folder / self.names[shard]
+
+    def read(self, shard: int, offset: int, size: int, index: int) -> bytes:
+        fd = self._fds.get(shard)
+        if fd is None:
+            with self._lock:  # one descriptor per shard, however many threads ask at once
+                fd = self._fds.get(shard)
+                if fd is None:
+                    fd = self._fds[shard] = os.open(self.path(shard), os.O_RDONLY)
+        return os.pread(fd, size, offset)
+
+    def will_need(self, index: list[int]) -> None:
+        """Nothing: the page cache reads ahead on its own."""
+
+    def figures(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+# --- the storage --------------------------------------------------------------------------
+
+class ShardsStorage(PackedStorage):
+    """The samples of a shard set (the ``Storage`` protocol), decoded per epoch as packed's
+    stored JPEGs are.
+
+    Args:
+        root: the shard set's location (a folder or a URL).
+        indexes: each shard's index.
+        classes: class names by index.
+        decode: the decoder (the folder's ``ImageDecoder`` or ``ReadBytes``).
+        on_corrupt: skip or fail on a sample that does not decode or fails its CRC.
+        source: where the bytes come from (``LocalShards`` or ``RemoteShards``).
+    """
+
+    group_block = SHARDS_PER_BLOCK
+
+    def __init__(self, root: str | Path, indexes: list[ShardIndex], classes: list[str],
+                 decode, on_corrupt, source: LocalShards | RemoteShards):
+        self.root, self.classes = root, classes
+        self.decode, self.on_corrupt = decode, on_corrupt
+        self.known_skipped = []
+        self.samples, self.offsets, self.sizes = [], [], []
+        self.heights, self.widths, self.crcs, self.shard_of = [], [], [], []
+        self.order_groups = [0]
+        upright = True
+        for k, index in enumerate(indexes):
+            self.samples += [(f"{index.shard}/{key}", label)
+                             for key, label in zip(index.keys, index.labels)]
+            self.offsets += index.offsets
+            self.sizes += index.sizes
+            self.heights += index.heights
+            self.widths += index.widths
+            self.crcs += index.crcs
+            self.shard_of += [k] * len(index)
+            self.order_groups.append(len(self.samples))
+            upright = upright and all(index.upright)
+        self.upright = upright
+        self.source = source
+        self.spec, self.cache = None, None
+        self.data_bytes = sum(self.sizes)
+        self.path = None
+
+    def __del__(self) -> None:
+        pass  # the source owns the descriptors
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def name_of(self, index: int) -> str:
+        """``<shard>/<key>`` (what predictions name a sample by)."""
+        return self.samples[index][0]
+
+    def follow(self, order: BatchOrder) -> None:
+        """The batch order this storage is read in (its blocks of shards, to fetch ahead)."""
+        self.source.order = order
+
+    @property
+    def files(self) -> list[str]:
+        if self.source.remote:
+            return []
+        return [str(self.source.path(k)) for k in range(len(self.source.names))]
+
+    @property
+    def native_batches(self) -> bool:
+        return self.upright and PackedStorage.native_batches.func(self)
+
+    def will_need(self, index: torch.Tensor) -> None:
+        self.source.will_need(split_padding(index)[0].tolist())
+
+    def read(self, index: int) -> bytes:
+        """Sample ``index``'s JPEG, checked against its CRC-32 (a mismatch is an OSError
+        naming ``<shard>/<key>``: skipped, or with on_corrupt=fail an error)."""
+        size = self.sizes[index]
+        data = self.source.read(self.shard_of[index], self.offsets[index], size, index)
+        if len(data) != size or zlib.crc32(data) != self.crcs[index]:
+            raise OSError(f"{self.root}/{self.samples[index][0]}: its bytes fail the CRC-32 "
+                          "of the shard's index (a damaged or changed shard)")
+        return data
+
+    def check_stored(self, index: int, data: bytes | bytearray) -> None:
+        """Nothing more: ``read`` checked the CRC already."""
+
+    def figures(self) -> dict[str, Any]:
+        return self.source.figures()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+# --- opening a shard set ------------------------------------------------------------------
+
+def _local_set(folder: Path, dataset: DatasetConfig) -> tuple[list[ShardIndex], list[str]]:
+    """The indexes and classes of a local shard set (its manifest, else its ``*.tar``
+    indexed now and cached)."""
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        meta = load_json(manifest.read_text(), str(manifest))
+        indexes = [ShardIndex.from_json(json.loads((folder / s["index"]).read_text()))
+                   for s in meta[SHARD_LIST]]
+        return indexes, list(meta.get("classes", []))
+    tars = sorted(p.name for p in folder.glob("*.tar"))
+    cache = cache_folder(dataset, "index", str(folder.resolve()))
+    cache.mkdir(parents=True, exist_ok=True)
+    indexes = []
+    for name in tars:
+        st = (folder / name).stat()
+        saved = cache / f"{index_name(name)}.{st.st_size}.{st.st_mtime_ns}"
+        if saved.is_file():
+            indexes.append(ShardIndex.from_json(json.loads(saved.read_text())))
+            continue
+        with open(folder / name, "rb") as f:
+            index = index_tar(f, name, st.st_size)
+        saved.write_text(json.dumps(index.to_json()))
+        indexes.append(index)
+    return indexes, _classes_of(indexes)
+
+
+def _classes_of(indexes: list[ShardIndex]) -> list[str]:
+    top = max((max(i.labels, default=-1) for i in indexes), default=-1)
+    return [str(k) for k in range(top + 1)]
+
+
+def is_shard_set(path: Path) -> bool:
+    return (path / MANIFEST).is_file() or any(path.glob("*.tar"))
+
+
+def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
+                ) -> tuple[list[ShardIndex], list[str]]:
+    """The indexes and classes of a shard set in a store: its manifest and indexes
+    (fetched together), else its ``*.tar`` fetched through the cache and indexed once."""
+    store = engine.store
+    objects = {o.key: o for o in store.list(url.prefix)}
+    manifest_key = url.key(MANIFEST)
+    if manifest_key in objects:
+        meta = load_json(store.get(manifest_key), str(url.child(MANIFEST)))
+        futures = [engine.get(url.key(s["index"])) for s in meta[SHARD_LIST]]
+        indexes = [ShardIndex.from_json(json.loads(bytes(f.result()))) for f in futures]
+        return indexes, list(meta.get("classes", []))
+    tars = sorted(k for k in objects if k.endswith(".tar"))
+    if not tars:
+        raise DatasetError(f"dataset.path={url} holds no {MANIFEST} and no .tar shards")
+    indexes = []
+    for key in tars:
+        name = key[len(url.prefix) + 1:] if url.prefix else key
+        info = objects[key]
+        saved = cache.folder / f"{index_name(name).replace('/', '__')}.{info.size}.{info.etag}"
+        if saved.is_file():
+            indexes.append(ShardIndex.from_json(json.loads(saved.read_text())))
+            continue
+        with tempfile.TemporaryFile(dir=cache.folder) as f:
+            f.write(bytes(engine.get(key, info.size).result()))
+            f.seek(0)
+            index = index_tar(f, name, info.size)
+        saved.write_text(json.dumps(index.to_json()))
+        indexes.append(index)
+    return indexes, _classes_of(indexes)
+
+
+def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
+                       decode) -> ShardsStorage:
+    from runner.data.remote.cache import ShardCache
+    from runner.data.remote.client import ObjectStore
+    from runner.data.remote.engine import ReadEngine
+
+    url = RemoteURL.parse(text)
+    if url.prefix.endswith(MANIFEST):
+        url = RemoteURL(url.scheme, url.bucket, url.prefix[: -len(MANIFEST)].rstrip("/"))
+    engine = ReadEngine(ObjectStore(url, dataset.endpoint_url))
+    bound = dataset.cache_bytes or DEFAULT_CACHE_BYTES
+    cache = ShardCache(cache_folder(dataset, "remote", f"{url}|{dataset.endpoint_url}"),
+                       bound)
+    indexes, classes = _remote_set(url, dataset, engine, cache)
+    shard_of = [k for k, i in enumerate(indexes) for _ in range(len(i))]
+    spans = [(o, s) for i in indexes for o, s in zip(i.offsets, i.sizes)]
+    largest = max((i.nbytes for i in indexes), default=0)
+    if bound < SHARDS_PER_BLOCK * largest:
+        log.warning("dataset.cache_bytes=%d holds fewer than a block of shards (%d x %s): "
+                    "samples outside it are read by range requests each epoch",
+                    bound, SHARDS_PER_BLOCK, human_bytes(largest))
+    source = RemoteShards(url, engine, [i.shard for i in indexes], [i.nbytes for i in indexes],
+                          cache, shard_of, spans)
+    return ShardsStorage(str(url), indexes, classes, decode, dataset.on_corrupt, source)
+
+
+def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
+                progress: bool = True) -> ShardsStorage:
+    """The shard set at ``path`` (a folder, URL or manifest), or an image folder's shards
+    (converted once into the cache)."""
+    decode = _decoder(loader, dataset)
+    if is_url(path):
+        return open_remote_shards(loader, dataset, str(path), decode)
+    folder = Path(path).expanduser()
+    if folder.name == MANIFEST and folder.is_file():
+        folder = folder.parent
+    if not (folder.is_dir() and is_shard_set(folder)):
+        folder = convert_to_shards(loader, dataset, folder, progress)
+    indexes, classes = _local_set(folder, dataset)
+    if not indexes:
+        raise DatasetError(f"dataset.path={folder} holds no samples in its shards")
+    source = LocalShards(folder, [i.shard for i in indexes])
+    return ShardsStorage(folder, indexes, classes, decode, dataset.on_corrupt, source)
+
+
+def _decoder(loader: LoaderConfig, dataset: DatasetConfig):
+    """The decoder a folder of ``dataset`` would use (its size, crop and fallbacks)."""
+    from runner.data.storage.decode import FALLBACK, ImageDecoder, check_decoder
+    from runner.data.storage.encoded import ReadBytes
+
+    check_decoder(loader.decoder)
+    decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
+                          loader.draft, dataset.crop_fraction)
+    if DECODERS[loader.decoder].cuda:
+        decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
+                                        fraction=decode.fraction))
+    return decode
+
+
+def shards_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
+    from runner.data.storage.packed import estimate_bytes
+
+    spec = packed_spec(None, dataset, folder.root)
+    return StoreFootprint(f"tar shards of JPEG q{spec.quality} at {spec.store_size}",
+                          estimate_bytes(folder, spec), estimated=True)
+
+
+KIND = StorageKind(
+    name=StorageName.shards,
+    open=open_shards,
+    storage=ShardsStorage,
+    summary="WebDataset tar shards (local or a URL, cached on the node), decoded every epoch",
+    decoders=frozenset(DECODERS),
+    knobs=("loader.decoder", "loader.draft"),
+    autotune=False,
+    advice={"decode": "a smaller dataset.store_size (fewer pixels to decode per image)"},
+    build=build_shards,
+    build_options=("out", "shard_mb"),
+    footprint=shards_footprint,
+    speed_rank=2,
+    urls=True,
+)

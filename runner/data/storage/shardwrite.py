@@ -1,0 +1,164 @@
+"""Writing ``loader=shards``'s shards: ``python -m runner.prepare shards`` and the conversion
+of an image folder on first use.
+
+The images are packed first (packed.py: re-encoded once at ``dataset.store_size``, so the
+shards hold exactly what packed decodes), then written in dataset order as WebDataset tars
+with an index each and one manifest (tarshards.py). ``out=`` a folder writes there; ``out=``
+a URL writes to a temporary folder and uploads each shard and index, the manifest last (a
+reader sees the whole set or none). An image folder at a URL is first copied to a local
+staging folder (a manifest keeps its order and labels). Unset ``out=``: the cache, where
+``loader=shards`` over the image folder finds them, rewritten when the packed store changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from runner.config import DatasetConfig, LoaderConfig
+from runner.data.remote.url import RemoteURL, is_url
+from runner.data.storage.cache import CacheError
+from runner.data.storage.packed import PackedStorage, build_packed, open_packed
+from runner.data.storage.tarshards import (
+    DEFAULT_SHARD_BYTES,
+    MANIFEST,
+    SHARD_LIST,
+    ShardWriter,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+
+def cache_folder(dataset: DatasetConfig, what: str, key: str) -> Path:
+    """``<cache_dir>/shards/<what>/<digest of key>``: one folder per shard set."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(dataset.cache_dir).expanduser() / "shards" / what / digest
+
+
+
+def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
+                           facts: dict[str, Any]) -> dict[str, Any]:
+    """Every stored JPEG of ``packed`` into shards in ``out``, with indexes and manifest."""
+    writer = ShardWriter(out, shard_bytes)
+    for i in range(len(packed)):
+        writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
+                   packed.widths[i], packed.name_of(i))
+    skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
+    return write_manifest(out, writer.close(), packed.classes, skipped=skipped, **facts)
+
+
+def _packed_facts(packed: PackedStorage, shard_bytes: int) -> dict[str, Any]:
+    spec = packed.spec
+    return {"store_size": spec.store_size, "store_side": spec.side.value,
+            "store_quality": spec.quality, "shard_bytes": shard_bytes,
+            "packed": {"folder": packed.cache.name, "data_bytes": packed.data_bytes,
+                       "count": len(packed)}}
+
+
+def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                      progress: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """The cached shards of the image folder at ``path`` (packed, then written as shards,
+    once; again when the packed store changed)."""
+    packed = open_packed(loader, dataset, path, progress)
+    facts = _packed_facts(packed, shard_bytes)
+    out = Path(dataset.cache_dir).expanduser() / "shards" / "local" / \
+        f"{packed.cache.name}-{shard_bytes >> 20}MiB"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        try:
+            meta = json.loads((out / MANIFEST).read_text())
+        except (OSError, ValueError):
+            meta = None
+        if meta is None or meta.get("packed") != facts["packed"]:
+            partial = out.with_name(out.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            write_packed_as_shards(packed, partial, shard_bytes, facts)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(partial, out)
+            log.info("shards ready: %s", out)
+    return out
+
+
+def stage_remote(dataset: DatasetConfig, text: str) -> Path:
+    """A local copy of the images at the URL ``text`` (to pack), with a manifest that keeps
+    their order and labels; reused when complete."""
+    from runner.data.remote.client import ObjectStore
+    from runner.data.remote.engine import ReadEngine
+    from runner.data.remote.listing import list_remote
+
+    store = ObjectStore(RemoteURL.parse(text), dataset.endpoint_url)
+    listing = list_remote(dataset, text, store)
+    stage = cache_folder(dataset, "staging", f"{text}|{dataset.endpoint_url}")
+    done = stage / "manifest.csv"
+    if done.is_file():
+        return done
+    engine = ReadEngine(store)
+    root = str(listing.root).rstrip("/") + "/"
+    prefix = len(store.url.store_url) + 1
+    rows = []
+    futures = [(u[len(root):], label, engine.get(u[prefix:])) for u, label in listing.samples]
+    for name, label, future in futures:
+        target = stage / "files" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(bytes(future.result()))
+        rows.append((f"files/{name}", listing.classes[label] if label >= 0 else ""))
+    engine.close()
+    import csv
+
+    partial = stage / "manifest.csv.partial"
+    with open(partial, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["path", "label"] if listing.classes else ["path"])
+        for name, label in rows:
+            writer.writerow([name, label] if listing.classes else [name])
+    os.replace(partial, done)
+    return done
+
+
+def build_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
+                 progress: bool = True, rebuild: bool = False, out: str | None = None,
+                 shard_mb: str | None = None) -> Path | str:
+    """``python -m runner.prepare shards dataset.path=<folder, manifest or URL>
+    out=<folder or URL> [shard_mb=64]``: the packed store of the images written as shards
+    at ``out`` (unset: the cache, where ``loader=shards`` finds them)."""
+    import dataclasses
+
+    shard_bytes = int(float(shard_mb) * (1 << 20)) if shard_mb else DEFAULT_SHARD_BYTES
+    if shard_bytes < 1 << 12:
+        raise CacheError(f"shard_mb={shard_mb} is too small: give at least 0.004 (4 KiB; "
+                         "64 is the usual size)")
+    if is_url(path):
+        path = stage_remote(dataset, str(path))
+        dataset = dataclasses.replace(dataset, path=None, manifest=str(path))
+    if out is None:
+        return convert_to_shards(loader, dataset, Path(path), progress, shard_bytes)
+    if rebuild:
+        build_packed(loader, dataset, Path(path), progress, rebuild=True)
+    packed = open_packed(loader, dataset, Path(path), progress)
+    facts = _packed_facts(packed, shard_bytes)
+    if not is_url(out):
+        target = Path(out).expanduser()
+        write_packed_as_shards(packed, target, shard_bytes, facts)
+        return target
+    from runner.data.remote.client import check_bucket_writable
+
+    url = RemoteURL.parse(out)
+    store = check_bucket_writable(out, dataset.endpoint_url)
+    with tempfile.TemporaryDirectory(dir=Path(dataset.cache_dir).expanduser()) as tmp:
+        manifest = write_packed_as_shards(packed, Path(tmp), shard_bytes, facts)
+        for shard in manifest[SHARD_LIST]:  # the manifest last: a reader sees all or none
+            store.put_file(url.key(shard["name"]), str(Path(tmp) / shard["name"]))
+            store.put_file(url.key(shard["index"]), str(Path(tmp) / shard["index"]))
+        store.put_file(url.key(MANIFEST), str(Path(tmp) / MANIFEST))
+    return out
+
+

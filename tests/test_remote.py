@@ -1,0 +1,231 @@
+"""Data that lives elsewhere (runner/data/remote/, loader=shards): a real S3 server (moto) on
+loopback behind the delay line, URLs wherever a dataset path goes, the read engine's
+retries, and bad input refused in one line before any work."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import SMALL_DATASET, read_metrics, run_cli
+
+pytest.importorskip("obstore", reason="pip install -e '.[dev]'")
+
+SMALL = [o for o in SMALL_DATASET if not o.startswith("loader.num_workers")]
+
+
+def local_dataset(cache_dir: Path) -> Path:
+    from runner.compose import compose
+    from runner.data.storage import resolve_dataset
+
+    return Path(resolve_dataset(compose(SMALL).dataset, progress=False))
+
+
+def batches(*overrides: str, loader: str) -> list[tuple[torch.Tensor, ...]]:
+    import runner
+
+    pipe = runner.pipeline(*SMALL, "loader.shuffle=true", *overrides, loader=loader)
+    try:
+        return [(b["index"].clone(), b["label"].clone(), b["image"].clone()) for b in pipe]
+    finally:
+        pipe.close()
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
+
+
+@pytest.fixture
+def bucket(s3_server, s3_env, cache_dir, request) -> str:
+    """A bucket holding the small default dataset as one object per image."""
+    name = f"b-{request.node.name.lower().replace('_', '-')[:40]}-{os.getpid()}"
+    s3_server.make_bucket(name)
+    s3_server.upload(local_dataset(cache_dir), name, "train")
+    return name
+
+
+# --- the delay line ------------------------------------------------------------------------
+
+def test_the_delay_line_adds_its_round_trip_and_caps_the_bandwidth(s3_server, delay_line,
+                                                                   s3_env):
+    from runner.data.remote.client import ObjectStore
+    from runner.data.remote.url import RemoteURL
+
+    s3_server.make_bucket("delays")
+    s3_server.client().put_object(Bucket="delays", Key="one", Body=b"x" * 400_000)
+    store = ObjectStore(RemoteURL.parse("s3://delays/one"))
+    store.get("one")  # a warm connection pool
+    t0 = time.perf_counter()
+    store.get("one")
+    fast = time.perf_counter() - t0
+    delay_line.set(rtt=0.1)
+    t0 = time.perf_counter()
+    store.get("one")
+    assert time.perf_counter() - t0 >= fast + 0.09
+    delay_line.set(rtt=0.0, bandwidth=1_000_000)
+    t0 = time.perf_counter()
+    assert len(store.get("one")) == 400_000
+    assert time.perf_counter() - t0 >= 0.35  # 400 KB at 1 MB/s
+
+
+def test_the_engine_retries_resets_and_503_bursts_and_loses_nothing(s3_server, delay_line,
+                                                                   s3_env):
+    from runner.data.remote.client import ObjectStore
+    from runner.data.remote.engine import ReadEngine
+    from runner.data.remote.url import RemoteURL
+
+    s3_server.make_bucket("faults")
+    client = s3_server.client()
+    blobs = {f"k{i}": os.urandom(20_000 + i) for i in range(40)}
+    for key, data in blobs.items():
+        client.put_object(Bucket="faults", Key=key, Body=data)
+    engine = ReadEngine(ObjectStore(RemoteURL.parse("s3://faults")), backoff=0.01)
+    delay_line.set(rtt=0.005, reset_rate=0.1)
+    delay_line.fail_next(6)
+    futures = {k: engine.get(k) for k in blobs}
+    assert {k: bytes(f.result()) for k, f in futures.items()} == blobs
+    assert delay_line.stats.errors_503 == 6 and delay_line.stats.resets > 0
+    assert engine.stats.retries >= 6 + delay_line.stats.resets
+    engine.close()
+
+
+def test_adjacent_ranges_are_read_as_one_request():
+    from runner.data.remote.engine import merge_ranges
+
+    ranges = [(1000, 2000), (0, 1000), (10_000_000, 10_000_100), (2100, 3000)]
+    assert merge_ranges(ranges, gap=4096) == [[1, 0, 3], [2]]
+    assert merge_ranges(ranges, gap=0) == [[1], [0], [3], [2]]
+
+
+# --- URLs wherever a dataset path goes --------------------------------------------------
+
+def test_a_bucket_gives_the_same_batches_as_its_local_copy(bucket, cache_dir, delay_line):
+    delay_line.set(rtt=0.01)
+    local = batches(f"dataset.path={local_dataset(cache_dir)}", loader="folder")
+    remote = batches(f"dataset.path=s3://{bucket}/train", loader="folder")
+    assert_same(local, remote)
+    assert delay_line.stats.requests >= 60  # one object per image, through the link
+
+
+def test_dataset_endpoint_url_is_honoured_without_the_variable(bucket, cache_dir, delay_line,
+                                                               monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    got = batches(f"dataset.path=s3://{bucket}/train",
+                  f"dataset.endpoint_url={delay_line.endpoint}", loader="folder")
+    assert sum(len(b[0]) for b in got) == 60 and delay_line.stats.requests >= 60
+
+
+def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_dir,
+                                                                  tmp_path, s3_env):
+    local = str(local_dataset(cache_dir))
+    env = {**s3_env, "RUNNER_CACHE": str(cache_dir)}
+    runs = {}
+    for name, path in (("local", local), ("remote", f"s3://{bucket}/train")):
+        run_cli(*SMALL, f"dataset.path={path}", "model=tiny", "run.steps=6", "logger=none",
+                "loader=folder", f"dataset.val_path={path}",
+                f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, env=env)
+        runs[name] = read_metrics(tmp_path / name)
+        run_cli(*SMALL, f"dataset.path={path}", "model=tiny", "task=infer", "logger=none",
+                "loader=folder", f"hydra.run.dir={tmp_path / (name + '-infer')}",
+                cwd=tmp_path, env=env)
+    for key in ("loss_first", "loss_last"):
+        assert runs["local"][key] == runs["remote"][key], key
+    assert runs["remote"]["remote_requests"] >= 60 and "remote_requests" not in runs["local"]
+    assert (tmp_path / "local-infer" / "predictions.csv").read_text() == \
+        (tmp_path / "remote-infer" / "predictions.csv").read_text()
+    for secret in (s3_env["AWS_SECRET_ACCESS_KEY"],):
+        for path in (tmp_path / "remote").rglob("*"):
+            if path.is_file() and path.suffix in (".json", ".log", ".yaml", ".txt"):
+                assert secret not in path.read_text(errors="replace"), path
+
+
+@pytest.mark.parametrize("case", ["no-bucket", "no-prefix", "unreachable", "denied"])
+def test_bad_remote_input_is_one_line_and_exit_2(case, s3_server, delay_line, s3_env,
+                                                 tmp_path, cache_dir):
+    s3_server.make_bucket("present")
+    s3_server.client().put_object(Bucket="present", Key="train/a/x.jpg", Body=b"x")
+    env = {**s3_env, "RUNNER_CACHE": str(cache_dir)}
+    url = {"no-bucket": "s3://absent-bucket/train", "no-prefix": "s3://present/nothing"}.get(
+        case, "s3://present/train")
+    if case == "unreachable":
+        from runner.data.remote.loopback import free_port
+
+        env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+    if case == "denied":
+        delay_line.set(deny=True)
+    t0 = time.monotonic()
+    proc = run_cli(*SMALL, f"dataset.path={url}", "model=none", "logger=none",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if "ERROR" in line]
+    assert len(lines) == 1 and url in lines[0], out
+    assert "Traceback" not in out
+    expect = {"no-bucket": "bucket does not exist", "no-prefix": "nothing is under",
+              "unreachable": "dataset.endpoint_url", "denied": "AWS_ACCESS_KEY_ID"}[case]
+    assert expect in lines[0]
+    assert s3_env["AWS_SECRET_ACCESS_KEY"] not in proc.stderr + proc.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_local_only_storage_refuses_a_url_naming_what_reads_one(bucket, tmp_path):
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"loader=memmap reads local folders only.*"
+                                          r"loader=folder or loader=shards"):
+        batches(f"dataset.path=s3://{bucket}/train", loader="memmap")
+
+
+def test_loader_workers_are_refused_with_a_url_naming_the_fix(bucket):
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loader.num_workers=2 forks.*loader.num_workers=0"):
+        batches(f"dataset.path=s3://{bucket}/train", "loader.num_workers=2", loader="folder")
+
+
+def test_a_manifest_in_a_bucket_gives_the_batches_of_its_folder(bucket, s3_server, cache_dir):
+    import runner
+
+    listed = runner.pipeline(*SMALL, f"dataset.path=s3://{bucket}/train", loader="folder")
+    names = [listed.storage.name_of(i) for i in range(len(listed.storage))]
+    labels = listed.storage.label_tensor().tolist()
+    listed.close()
+    rows = "path,label\n" + "".join(f"train/{n},{listed.classes[k]}\n"
+                                     for n, k in zip(names, labels))
+    s3_server.client().put_object(Bucket=bucket, Key="list.csv", Body=rows.encode())
+    got = batches(f"dataset.manifest=s3://{bucket}/list.csv", loader="folder")
+    want = batches(f"dataset.path=s3://{bucket}/train", loader="folder")
+    assert_same(want, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["objects", "shards"])
+def test_a_run_on_a_bucket_stopped_mid_epoch_resumes_exactly(layout, bucket, s3_server,
+                                                            tmp_path):
+    """A SIGTERM mid-epoch (as the signal handler raises it), then resume=auto: the steps
+    together see the batches, crops and losses of an uninterrupted run."""
+    from tests.test_resume import run
+
+    url, loader = f"s3://{bucket}/train", "loader=folder"
+    if layout == "shards":
+        from runner.prepare import main
+
+        assert main(["shards", *SMALL, f"out=s3://{bucket}/shards", "shard_mb=0.05"]) == 0
+        url, loader = f"s3://{bucket}/shards", "loader=shards"
+    common = [loader, f"dataset.path={url}", "loader.num_workers=0"]
+    monkeypatch = pytest.MonkeyPatch()  # its own: run() undoes it, not the AWS variables
+    straight = run(monkeypatch, tmp_path / "straight", *common)
+    assert len(straight.steps) == 24
+    first = run(monkeypatch, tmp_path / "run", *common, stop_at=5)
+    assert read_metrics(tmp_path / "run")["status"] == "interrupted"
+    second = run(monkeypatch, tmp_path / "run", *common, "resume=auto")
+    assert read_metrics(tmp_path / "run")["start_step"] == 5
+    together = first.steps + second.steps
+    assert [s[:2] for s in together] == [s[:2] for s in straight.steps]
+    assert [s[2] for s in together] == pytest.approx([s[2] for s in straight.steps], abs=1e-6)

@@ -1,0 +1,250 @@
+"""loader=shards and python -m runner.prepare shards: WebDataset's layout, read by webdataset
+unchanged; a tar set someone else wrote, indexed on first use; shards in a bucket read
+through the node-local cache with a hard bound; CRC checks; the order in blocks of shards."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tarfile
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import SMALL_DATASET, encode, photo
+
+SMALL = [o for o in SMALL_DATASET if not o.startswith("loader.num_workers")]
+
+
+def prepare_shards(out: str, *more: str) -> None:
+    from runner.prepare import main
+
+    assert main(["shards", *SMALL, f"out={out}", "shard_mb=0.05", *more]) == 0
+
+
+def batches(*overrides: str, loader: str = "shards", epochs: int = 1, figures: dict | None = None
+            ) -> list[tuple[torch.Tensor, ...]]:
+    import runner
+
+    pipe = runner.pipeline(*SMALL, *overrides, loader=loader)
+    try:  # one epoch per iteration
+        out = [(b["index"].clone(), b["label"].clone(), b["image"].clone())
+               for _ in range(epochs) for b in pipe]
+        if figures is not None:
+            figures.update(pipe.storage.figures())
+        return out
+    finally:
+        pipe.close()
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
+
+
+def test_prepared_shards_are_webdataset_shards_with_an_index(tmp_path, cache_dir):
+    wds = pytest.importorskip("webdataset")
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["count"] == 60 and len(manifest["shards"]) >= 3
+    indexed = {}
+    for shard in manifest["shards"]:
+        assert shard["bytes"] <= 0.05 * (1 << 20) + 16 * 1024  # about shard_mb each
+        index = json.loads((out / shard["index"]).read_text())
+        raw = (out / shard["name"]).read_bytes()
+        for key, off, size, label, crc in zip(index["keys"], index["offsets"],
+                                              index["sizes"], index["labels"], index["crcs"]):
+            assert zlib.crc32(raw[off:off + size]) == crc
+            indexed[key] = (raw[off:off + size], label)
+    urls = [str(out / s["name"]) for s in manifest["shards"]]
+    seen = {s["__key__"]: (s["jpg"], int(s["cls"])) for s in
+            wds.WebDataset(urls, shardshuffle=False)}
+    assert seen == indexed and len(seen) == 60
+
+
+def test_shards_decode_as_the_packed_store_does(tmp_path, cache_dir):
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    packed = batches("loader.shuffle=false", loader="packed")
+    shards = batches(f"dataset.path={out}", "loader.shuffle=false")
+    assert_same(packed, shards)
+
+
+def test_a_tar_set_someone_else_wrote_is_indexed_once_and_read(tmp_path, cache_dir):
+    wds = pytest.importorskip("webdataset")
+    folder, tars = tmp_path / "folder", tmp_path / "tars"
+    tars.mkdir()
+    samples = [(f"c{k % 2}", f"img{k:03d}", encode(photo(64, 80, k))) for k in range(24)]
+    for c, name, data in samples:
+        (folder / c).mkdir(parents=True, exist_ok=True)
+        (folder / c / f"{name}.jpg").write_bytes(data)
+    ordered = sorted(samples)
+    for part in range(2):
+        with wds.TarWriter(str(tars / f"part-{part}.tar")) as sink:
+            for c, name, data in ordered[part * 12:(part + 1) * 12]:
+                sink.write({"__key__": f"{c}/{name}", "jpg": data, "cls": int(c[1])})
+    shards = batches(f"dataset.path={tars}", "loader.shuffle=false")
+    folder_batches = batches(f"dataset.path={folder}", "loader.shuffle=false",
+                             "loader.decoder=region", loader="folder")
+    assert_same(folder_batches, shards)
+    saved = sorted((cache_dir / "shards" / "index").rglob("*.idx.json*"))
+    assert len(saved) == 2
+    stamp = [p.stat().st_mtime_ns for p in saved]
+    batches(f"dataset.path={tars}", "loader.shuffle=false")
+    assert [p.stat().st_mtime_ns for p in saved] == stamp  # reused, not indexed again
+
+
+def test_a_sample_that_fails_its_crc_is_named_and_on_corrupt_decides(tmp_path, cache_dir):
+    from runner.data.storage.decode import CorruptFileStop
+
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    index = json.loads((out / first["index"]).read_text())
+    with open(out / first["name"], "r+b") as f:  # one byte of sample 2's JPEG changed
+        f.seek(index["offsets"][2] + index["sizes"][2] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    import runner
+
+    pipe = runner.pipeline(*SMALL, f"dataset.path={out}", loader="shards")
+    assert sum(len(b["label"]) for b in pipe) == 59
+    assert any(index["keys"][2] in s for s in pipe.data.skipped)
+    pipe.close()
+    with pytest.raises(CorruptFileStop, match=f"{first['name']}/{index['keys'][2]}"):
+        batches(f"dataset.path={out}", "dataset.on_corrupt=fail")
+
+
+# --- the order ----------------------------------------------------------------------------
+
+def test_shards_are_read_a_block_at_a_time_in_an_order_fixed_by_seed_and_epoch():
+    from runner.data.order import BatchOrder
+
+    groups = [0, 7, 15, 20, 31, 40, 44, 50]
+    order = BatchOrder(50, 6, shuffle=True, drop_last=False, seed=3, groups=groups,
+                       group_block=2)
+    shard_of = {i: g for g in range(7) for i in range(groups[g], groups[g + 1])}
+    first = torch.cat(list(order.batches()))
+    assert sorted(first.tolist()) == list(range(50))
+    blocks = order.group_blocks(0)
+    position = {g: k for k, b in enumerate(blocks) for g in b}
+    # samples come block after block: a block's samples before the next block's
+    seen = [position[shard_of[i]] for i in order.epoch_order(0).tolist()]
+    assert seen == sorted(seen)
+    again = BatchOrder(50, 6, shuffle=True, drop_last=False, seed=3, groups=groups,
+                       group_block=2)
+    assert torch.equal(torch.cat(list(again.batches())), first)
+    second = torch.cat(list(order.batches()))
+    assert not torch.equal(second, first)
+    resumed = BatchOrder(50, 6, shuffle=True, drop_last=False, seed=3, groups=groups,
+                         group_block=2)
+    resumed.set_epoch(1, skip=4)
+    assert torch.equal(torch.cat(list(resumed.batches())), second[24:])
+
+
+# --- remote shards and the node-local cache ------------------------------------------------
+
+@pytest.fixture
+def shard_bucket(s3_server, s3_env, cache_dir, tmp_path, request) -> tuple[str, Path]:
+    """The small dataset's shards, in a bucket and in a local folder."""
+    name = f"sh-{request.node.name.lower().replace('_', '-')[:36]}-{os.getpid()}"
+    s3_server.make_bucket(name)
+    out = tmp_path / "local-shards"
+    prepare_shards(str(out))
+    s3_server.upload(out, name, "shards")
+    return f"s3://{name}/shards", out
+
+
+def test_remote_shards_give_the_local_batches_and_epoch_2_reads_the_cache(
+        shard_bucket, delay_line):
+    url, local = shard_bucket
+    delay_line.set(rtt=0.01)
+    figures: dict = {}
+    remote = batches(f"dataset.path={url}", "loader.shuffle=true", epochs=2, figures=figures)
+    assert_same(batches(f"dataset.path={local}", "loader.shuffle=true", epochs=2), remote)
+    total = sum(f.stat().st_size for f in local.glob("*.tar"))
+    # every shard fetched once, epoch 2 from the cache; the cold first block's samples
+    # also read by range requests while its shards arrive (here the whole set is one block)
+    assert total <= figures["remote_bytes"] <= 2 * total + 16 * 1024
+    assert figures["cache_peak_bytes"] <= figures["cache_bound_bytes"]
+
+
+def test_the_cache_never_passes_its_bound_and_loses_no_sample(shard_bucket, delay_line,
+                                                              cache_dir):
+    url, local = shard_bucket
+    sizes = sorted(f.stat().st_size for f in local.glob("*.tar"))
+    bound = sizes[-1] * 2 + 1000  # two shards: less than a block
+    figures: dict = {}
+    got = batches(f"dataset.path={url}", f"dataset.cache_bytes={bound}", "loader.shuffle=true",
+                  epochs=2, figures=figures)
+    assert sorted(torch.cat([b[0] for b in got]).tolist()) == sorted(list(range(60)) * 2)
+    assert figures["cache_peak_bytes"] <= bound
+    cached = [p for p in (cache_dir / "shards" / "remote").rglob("*.tar")]
+    assert sum(p.stat().st_size for p in cached) <= bound
+    assert not list((cache_dir / "shards" / "remote").rglob("*.partial.*"))
+
+
+def test_eviction_drops_the_shard_needed_furthest_ahead(tmp_path):
+    from runner.data.remote.cache import ShardCache
+
+    cache = ShardCache(tmp_path / "c", bound=3000)
+    for name in ("a.tar", "b.tar", "c.tar"):
+        assert cache.fetch(name, 1000, lambda p: p.write_bytes(b"x" * 1000),
+                           lambda f: 0, set()) is not None
+    next_use = {"a.tar": 5, "b.tar": 1, "c.tar": 9, "d.tar": 0}
+    cache.fetch("d.tar", 1000, lambda p: p.write_bytes(b"x" * 1000), next_use.get, set())
+    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) == \
+        ["a.tar", "b.tar", "d.tar"]
+    # nothing may go (all busy): no fetch, the caller reads around the cache
+    assert cache.fetch("e.tar", 1000, lambda p: p.write_bytes(b"x" * 1000), next_use.get,
+                       {"a.tar", "b.tar", "d.tar"}) is None
+
+
+def _fetch_once(folder: str, counter: str) -> None:
+    from runner.data.remote.cache import ShardCache
+
+    def write(partial: Path) -> None:
+        with open(counter, "a") as f:
+            f.write("fetch\n")
+        time.sleep(0.5)
+        partial.write_bytes(b"y" * 5000)
+
+    path = ShardCache(Path(folder), 10**6).fetch("s.tar", 5000, write, lambda f: 0, set())
+    assert path is not None and path.read_bytes() == b"y" * 5000
+
+
+def test_processes_on_one_node_share_one_copy(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    counter = tmp_path / "count"
+    procs = [ctx.Process(target=_fetch_once, args=(str(tmp_path / "c"), str(counter)))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert counter.read_text().count("fetch") == 1
+
+
+def test_prepare_writes_shards_to_a_bucket_that_loader_shards_reads(s3_server, s3_env,
+                                                                    cache_dir, delay_line):
+    s3_server.make_bucket("written-shards")
+    prepare_shards("s3://written-shards/set")
+    client = s3_server.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="written-shards")["Contents"]]
+    assert "set/manifest.json" in keys and any(k.endswith(".tar") for k in keys)
+    body = client.get_object(Bucket="written-shards", Key=[k for k in keys
+                                                           if k.endswith(".tar")][0])["Body"]
+    with tarfile.open(fileobj=body, mode="r|") as tar:
+        names = [m.name for m in tar]
+    assert names[0].endswith(".jpg") and names[1].endswith(".cls")
+    got = batches("dataset.path=s3://written-shards/set")
+    assert sum(len(b[0]) for b in got) == 60
