@@ -17,8 +17,8 @@ from runner.commandline import check_command_line, register_configs
 from runner.compose import refusal
 from runner.config import config_dir
 from runner.distributed import scratch_dirs_for_other_ranks
+from runner.errors import EXIT_USER_ERROR
 from runner.outcome import (
-    EXIT_USER_ERROR,
     RunDirInUse,
     RunDirUnusable,
     check_run_folder,

@@ -1,5 +1,8 @@
 """Whole-file writes: a crash or a kill never leaves half a file under the final name.
 
+Every file the runner publishes is written under a temporary name beside it and renamed
+into place (``replacing``): a reader sees the old file or the new one, never half of one.
+
 Every JSON file the runner writes goes through ``dumps``: a non-finite number (NaN, an
 infinity: a diverged loss, a figure of nothing) is written as ``null``, since JSON has no
 such numbers and strict readers (jq, JavaScript, ``json.loads`` with ``parse_constant``)
@@ -8,10 +11,12 @@ refuse Python's bare ``NaN``; ``allow_nan=False`` makes any that slipped past fa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,33 @@ def dumps(payload: Any, **kwargs: Any) -> str:
     return json.dumps(finite(payload), allow_nan=False, default=str, **kwargs)
 
 
+def temporary(path: Path, keep_suffix: bool = False) -> Path:
+    """Where ``path`` is written before it is renamed into place: beside it, hidden, and this
+    process's (``.name.tmp<pid>``; ``keep_suffix``: ``.stem.tmp<pid>.suffix``, for a writer
+    that insists on its suffix)."""
+    path = Path(path)
+    if keep_suffix:
+        return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+@contextlib.contextmanager
+def replacing(path: Path, keep_suffix: bool = False) -> Iterator[Path]:
+    """The temporary name to write ``path`` under (``temporary``); when the block ends it
+    is renamed over ``path``, whole. A block that raises leaves ``path`` as it was, and no
+    temporary behind."""
+    tmp = temporary(path, keep_suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path``, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_json(path: Path, payload: Any) -> None:

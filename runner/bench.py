@@ -50,19 +50,19 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from runner.atomic import dumps
 from runner.compose import compose, job_refusal
-from runner.config import Config, StorageName
+from runner.config import Config, DatasetConfig, StorageName
 from runner.data import build_data_path
 from runner.data.loader import BatchStream, InProcessBatches, shutdown_workers
 from runner.data.order import BatchOrder
 from runner.data.storage import STORAGES, build_storage, decoded_once, resolve_dataset
 from runner.data.storage.decode import DECODERS, DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
-from runner.errors import ConfigError
+from runner.errors import EXIT_USER_ERROR, ConfigError
 from runner.logger import NullLogger
 from runner.loop import LoopOptions, run_loop
 from runner.metrics import burst
 from runner.stats import median
-from runner.task import DataOnlyStep
+from runner.tasks import DataOnlyStep
 
 CPU = torch.device("cpu")
 # what the bench compares against each other: the image folder as it is (decoded every
@@ -148,7 +148,7 @@ class NaiveFolder(Dataset):
     runner's centre crop: ``crop_fraction`` of the shorter side, "resize 256, crop 224")."""
 
     def __init__(self, samples: list[tuple[str, int]], size: tuple[int, int],
-                 crop_fraction: float = 0.875):
+                 crop_fraction: float = DatasetConfig.crop_fraction):
         import torchvision.transforms as T
 
         self.samples = samples
@@ -868,12 +868,12 @@ def main(argv: list[str] | None = None) -> int:
     why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
     if why:
         print(f"error: {why}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     try:
         return run_bench(args)
     except ConfigError as e:  # a value these benches' configs cannot take
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
 
 
 def run_bench(args: argparse.Namespace) -> int:

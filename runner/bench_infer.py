@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from runner.compose import compose
-from runner.config import DatasetConfig
+from runner.config import IMAGENET_MEAN, IMAGENET_STD, DatasetConfig
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
 from runner.stats import median
@@ -91,7 +91,7 @@ def naive_rate(files: list[str], weights: list[Path], size: int, out: Path,
         model.classifier[-1].register_forward_pre_hook(lambda m, a, seen=seen: seen.update(x=a[0]))
         models.append(model)
         taps.append(seen)
-    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    mean, std = list(IMAGENET_MEAN), list(IMAGENET_STD)
     embeddings: list[list] = [[] for _ in models]
     done, start = 0, None
     with open(out, "w", newline="") as f, torch.inference_mode():
@@ -100,7 +100,7 @@ def naive_rate(files: list[str], weights: list[Path], size: int, out: Path,
             if k == 5:  # after a warm-up, as the runner's figures are
                 start, done = time.perf_counter(), 0
             img = Image.open(file).convert("RGB")
-            # the runner's centre crop: dataset.crop_fraction (0.875) of the shorter side
+            # the runner's centre crop: dataset.crop_fraction of the shorter side
             img = TF.center_crop(TF.resize(img, round(size / CROP_FRACTION)), size)
             x = TF.normalize(TF.to_tensor(img), mean, std)[None]
             for j, (model, seen) in enumerate(zip(models, taps)):

@@ -47,9 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.atomic import replacing
 from runner.data.threads import cuda_index
 from runner.distributed import local_module
 from runner.errors import Diverged, UserError
+from runner.model import split_input
 
 log = logging.getLogger("runner")
 
@@ -63,8 +65,7 @@ class CheckpointError(UserError, ValueError):
 def network(model: nn.Module) -> nn.Module:
     """The user's network inside what the runner trains: DDP, torch.compile and the
     uint8 input layer unwrapped."""
-    model = local_module(model)
-    return model[1] if isinstance(model, nn.Sequential) and len(model) == 2 else model
+    return split_input(local_module(model))[1]
 
 
 def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
@@ -97,9 +98,8 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
     }
     path = Path(path)
     check_finite_weights(state["model"], steps, path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(state, tmp)
     return path
 
 

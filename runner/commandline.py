@@ -29,8 +29,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from runner.config import Config, config_dir
-
-EXIT_USAGE = 2
+from runner.errors import EXIT_USER_ERROR
 
 
 def register_configs() -> None:
@@ -193,7 +192,7 @@ def check_command_line(argv: list[str]) -> None:
         after_flag = arg in VALUE_FLAGS
         if message:
             print(f"error: {message}", file=sys.stderr)
-            sys.exit(EXIT_USAGE)
+            sys.exit(EXIT_USER_ERROR)
 
 
 def _did_you_mean(word: str, known: list[str], prefix: str = "") -> str:

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from runner.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
+from runner.atomic import replacing
 from runner.config import (
     AmpConfig,
     AmpName,
@@ -40,13 +40,14 @@ from runner.config import (
     EngineFormat,
     ModelConfig,
     TaskName,
+    data_path_alone,
     model_configs,
 )
 from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.metrics import synchronize
-from runner.model import build_model, check_input_size, main_output, trace_batch
+from runner.model import build_model, check_input_size, main_output, split_input, trace_batch
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
     from filelock import FileLock
 
     # The uint8 input layer stays eager; TensorRT gets the backbone, in the amp dtype.
-    head, backbone = engine_head(model[0]), model[1]
+    uint8_input, backbone = split_input(model)
+    head = engine_head(uint8_input)
     dtype = DTYPES[amp.name] or torch.float32
     with torch.no_grad():
         x = trace_batch(head(example).to(dtype))
@@ -122,10 +124,11 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
                                         max_shape=tuple(x.shape), dtype=dtype)
             engine = torch_tensorrt.compile(backbone_in(backbone, dtype), ir="dynamo",
                                             inputs=[spec], enabled_precisions={dtype})
-            tmp = temporary_of(path)
-            torch_tensorrt.save(engine, str(tmp), output_format=fmt, arg_inputs=[x],
-                                dynamic_shapes=batch_dynamic_shapes(x.shape[0]), retrace=True)
-            os.replace(tmp, path)  # published whole: a reader never sees half an engine
+            # torch.export.save warns on a file without .pt2 (and says it will be an error)
+            with replacing(path, keep_suffix=True) as tmp:  # published whole, never half
+                torch_tensorrt.save(engine, str(tmp), output_format=fmt, arg_inputs=[x],
+                                    dynamic_shapes=batch_dynamic_shapes(x.shape[0]),
+                                    retrace=True)
             log.info("TensorRT engine (%s, batch 1..%d) cached in %s",
                      str(dtype).replace("torch.", ""), x.shape[0], path)
         else:
@@ -150,13 +153,6 @@ def _onnxruntime(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, tr
     compiled = OnnxRuntimeModel(onnx_model, example.device, threads=cores())
     log.info("compile=onnxruntime: %s", ", ".join(compiled.providers))
     return compiled
-
-
-def temporary_of(path: Path) -> Path:
-    """Where an engine is written before it is published: hidden, this process's, and with
-    the engine's suffix (torch.export.save warns on a file without .pt2 and says it will
-    become an error)."""
-    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
 
 
 def engine_head(head: nn.Module) -> nn.Module:
@@ -335,7 +331,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     batch size the run will see, and verified against eager (``compile.verify``).
     ``before_compile(name, eager model)`` runs first (output taps). ``model=none``: none."""
     configs = model_configs(config)
-    if [m.name for m in configs] == ["none"]:
+    if data_path_alone(config):
         return RunModels({})
     train = config.task.name is TaskName.train
     if train and len(storage.classes) == 1:

@@ -29,6 +29,13 @@ def _require(ok: bool, key: str, value: Any, must: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {must}")
 
 
+# ImageNet's per-channel (R, G, B) mean and standard deviation in 0..1 pixel units: the
+# normalization torchvision's and timm's ImageNet weights expect (model.mean, model.std)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+NO_MODEL = "none"  # model=none: the data path alone, whatever the task (data_path_alone)
+
+
 class StorageName(Enum):
     folder = "folder"
     memmap = "memmap"
@@ -329,8 +336,8 @@ class ModelConfig:
     classes: str | None = None  # a file with one class name per line (the *_name columns)
     # its input normalization, per channel (R, G, B) in 0..1 pixel units, as torchvision
     # and timm give them: ImageNet's by default
-    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
-    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     # (H, W) it takes when not dataset.image_size: the batch is decoded once at the largest
     # size of the pass and resized on the device for the others
     image_size: list[int] | None = None
@@ -648,10 +655,10 @@ class Config:
                               "out of training: it needs task=train")
         if self.dataset.val_path is not None and not isinstance(self.task, str) and (
                 self.task.name is not TaskName.train
-                or (not isinstance(self.model, str) and self.model.name == "none")):
+                or (not isinstance(self.model, str) and data_path_alone(self))):
             raise ConfigError(f"dataset.val_path={self.dataset.val_path} reports top-1 while "
                               "training: it needs task=train and a model (not model=none)")
-        if "none" in [m.name for m in model_configs(self)] and self.models:
+        if NO_MODEL in [m.name for m in model_configs(self)] and self.models:
             raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                               "model=none to measure the data path alone")
 
@@ -686,6 +693,12 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def data_path_alone(config: Config) -> bool:
+    """``model=none``: the data path alone, whatever the task (no model, nothing written;
+    runner/tasks/data_only.py)."""
+    return not config.models and config.model.name == NO_MODEL
 
 
 def model_configs(config: Config) -> list[ModelConfig]:

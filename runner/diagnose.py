@@ -38,7 +38,7 @@ from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
 from runner.metrics import burst, synchronize
 from runner.stats import quantiles
-from runner.task import make_step
+from runner.tasks import make_step
 
 log = logging.getLogger("runner")
 

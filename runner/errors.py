@@ -1,5 +1,9 @@
 """The exceptions that decide how a run ends: skipped, a user's mistake, or interrupted."""
 
+# The exit status of a user's mistake, a usage error included (argparse's): every command
+# (python -m runner and its tools) exits with it, the console holding the one line to fix.
+EXIT_USER_ERROR = 2
+
 
 class Unavailable(RuntimeError):
     """This machine cannot run this combination (no CUDA, a missing library, a dtype the

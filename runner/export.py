@@ -172,11 +172,12 @@ def export_file(overrides: list[str], out: Path, tolerance: float | None = None
     """Export the model the overrides build to ``out``, checked first; the lines to print.
     ExportMismatch when it differs from eager beyond the tolerance (nothing written)."""
     from runner.compose import compose
+    from runner.config import NO_MODEL
     from runner.model import build_model
 
     config = compose(overrides)
     cfg = config.model
-    if cfg.name == "none":
+    if cfg.name == NO_MODEL:
         raise ConfigError("model=none has no network to export: name one, e.g. "
                           "model=resnet18 (model.weights=PATH for trained weights)")
     cpu = torch.device("cpu")

@@ -20,9 +20,18 @@ from runner.logger import MetricLogger
 from runner.metrics import StepClock, Window, repeat_split
 from runner.profile import stage_range
 from runner.stats import median
-from runner.task import Step
 
 log = logging.getLogger(__name__)
+
+
+class Step(Protocol):
+    """What the loop calls once per device batch (a task's step, runner/tasks/): it never
+    synchronizes; ``read`` is called at log points (where the loop has synchronized)."""
+
+    def __call__(self, batch: TensorDict) -> None: ...
+    def read(self) -> dict[str, float]: ...
+    def close(self, complete: bool = True) -> dict[str, float]: ...
+    def start_timing(self) -> None: ...  # warm-up is over: figures count from here
 
 
 @dataclass

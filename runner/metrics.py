@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 STAGES = ("data_wait", "copy", "augment", "compute")  # augment: the device-side stage
+MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones are folded
 
 
 def synchronize(device: torch.device) -> None:

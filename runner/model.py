@@ -23,12 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.config import ModelConfig, ModelSource
+from runner.config import IMAGENET_MEAN, IMAGENET_STD, NO_MODEL, ModelConfig, ModelSource
 from runner.data.normalize import affine, normalize
 from runner.errors import ConfigError, Unavailable
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def main_output(out: Any) -> torch.Tensor:
@@ -143,7 +140,7 @@ def check_model(cfg: ModelConfig) -> None:
     from runner.config import ConfigError
 
     if cfg.source is ModelSource.torchvision:
-        if cfg.name in ("none", *OWN):
+        if cfg.name in (NO_MODEL, *OWN):
             return
         known = torchvision_classifiers() + torchvision_segmenters()
         if cfg.name not in known:
@@ -341,7 +338,7 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     ``class_count``'s. ``model[1]`` is the network itself (what checkpoints and
     ``model.weights`` hold).
     """
-    if cfg.name == "none" and cfg.source is ModelSource.torchvision:
+    if cfg.name == NO_MODEL and cfg.source is ModelSource.torchvision:
         return None
     state = read_weights(cfg.weights) if cfg.weights else None
     count = class_count(cfg, num_classes, state, train)
@@ -356,6 +353,15 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def split_input(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(its uint8 input layer, the network itself) of a model ``build_model`` made (DDP and
+    torch.compile unwrapped first, runner/distributed.py's ``local_module``); a model of
+    another shape is all network, behind an identity."""
+    if isinstance(model, nn.Sequential) and len(model) == 2:
+        return model[0], model[1]
+    return nn.Identity(), model
 
 
 # square sizes tried, smallest first, to tell a user which size a model needs

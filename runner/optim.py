@@ -23,7 +23,7 @@
   and makes no tensor: the decay is a host float handed to the kernel.
 
 Gradient accumulation (``task.accumulate``), clipping (``task.clip_grad_norm``, after the
-GradScaler unscales) and label smoothing live in runner/task.py's TrainStep.
+GradScaler unscales) and label smoothing live in runner/tasks/train.py's TrainStep.
 """
 
 from __future__ import annotations

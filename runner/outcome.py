@@ -38,7 +38,6 @@ USER_ERRNOS = {errno.ENOSPC: "no space left on the device",
                errno.EROFS: "the filesystem is read-only",
                errno.EACCES: "permission denied",
                errno.EPERM: "operation not permitted"}
-EXIT_USER_ERROR = 2
 
 
 class RunDirInUse(UserError):
@@ -132,6 +131,17 @@ def previous_record(run_dir: Path) -> dict[str, Any]:
         except (OSError, ValueError):
             continue
     return {}
+
+
+def finished_before(run_dir: Path, source: str, start_step: int) -> dict[str, Any]:
+    """The figures of a run whose checkpoint (or inference state) ``source`` holds every
+    step of its plan (stopped after its last step, before it could say so): those of the
+    part that ran the steps."""
+    log.info("the checkpoint %s holds all the plan's steps: the run is finished; its "
+             "figures are those of the part that ran them", source)
+    previous = previous_record(run_dir)
+    return {**{k: v for k, v in previous.items() if k not in ENVELOPE},
+            "resumed_from": source, "start_step": start_step, "finished_before": True}
 
 
 def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str, Any]:

@@ -76,7 +76,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runner.atomic import write_atomic, write_json
+from runner.atomic import replacing, write_atomic, write_json
 from runner.checkpoint import CheckpointError
 from runner.config import (
     Config,
@@ -359,12 +359,10 @@ class ModelWriter:
             array[index] = kept[name]
         if self.topk:
             part = self.parts / f"{step:08d}.csv"
-            tmp = part.with_suffix(".tmp")
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
+            with replacing(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
                 csv_rows(f, index.tolist(), label.tolist(), kept["topk_probs"].tolist(),
                          kept["topk_classes"].tolist(), self.names, self._name,
                          self._dataset_name)
-            os.replace(tmp, part)
         if self.masks is not None:
             self._write_masks(index, kept["masks"])
         with self.lock:  # two writer threads may finish at once
@@ -384,9 +382,8 @@ class ModelWriter:
             size = oriented_size(self.source(i))
             if size is not None and size != img.size:
                 img = img.resize(size, Image.NEAREST)
-            tmp = target.with_name(f".{target.name}.tmp")
-            img.save(tmp, format="PNG")
-            os.replace(tmp, target)
+            with replacing(target) as tmp:
+                img.save(tmp, format="PNG")
 
     def _name(self, k: int) -> str:
         return self.classes[k] if 0 <= k < len(self.classes) else str(k)
@@ -623,11 +620,10 @@ def read_file_line(line: str) -> str:
 def write_files(run_dir: Path, count: int, names: Callable[[int], str]) -> None:
     """``files.txt.partial`` (``files.txt`` once the run completes): every image's name, in
     dataset order (the rows of the ``.npy``), one line each (``file_line``)."""
-    tmp = Path(run_dir) / f".{FILES}.tmp"
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+    with replacing(unfinished(Path(run_dir) / FILES)) as tmp, \
+            open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for i in range(count):
             f.write(file_line(names(i)) + "\n")
-    os.replace(tmp, unfinished(Path(run_dir) / FILES))
 
 
 # --- resume ----------------------------------------------------------------------------------
@@ -678,14 +674,13 @@ def _keep_rows(path: Path, keep: np.ndarray, count: int, chunk: int = 1 << 14) -
     array = np.load(path, mmap_mode="r")
     if array.shape[0] != count:  # kept already
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype,
-                                    shape=(len(keep), *array.shape[1:]))
-    for a in range(0, len(keep), chunk):
-        out[a : a + chunk] = array[keep[a : a + chunk]]
-    out.flush()
-    del out, array
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype,
+                                        shape=(len(keep), *array.shape[1:]))
+        for a in range(0, len(keep), chunk):
+            out[a : a + chunk] = array[keep[a : a + chunk]]
+        out.flush()
+        del out, array
 
 
 # What shapes an inference run's outputs beyond each model (and beyond checkpoint.MUST_MATCH,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runner.atomic import replacing
 from runner.data.storage.listing import printable
 
 HEADER = ("index,file,label,label_name,pred,pred_name,prob,topk_classes,topk_names,"
@@ -58,12 +58,10 @@ def merge_rank_files(run_dir: Path, world: int) -> None:
 def join_csv(target: Path, parts: list[Path], header: str, skip_header: bool = False) -> None:
     """``header`` and then every part, in order, written whole into ``target``: byte for
     byte (``newline=""``: a carriage return inside a quoted name stays one)."""
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="") as out:
+    with replacing(target) as tmp, open(tmp, "w", encoding="utf-8", newline="") as out:
         out.write(header)
         for part in parts:
             with open(part, encoding="utf-8", newline="") as f:
                 if skip_header:
                     f.readline()
                 shutil.copyfileobj(f, out)
-    os.replace(tmp, target)

@@ -34,7 +34,7 @@ from runner.data.storage.base import StorageKind, StoreFootprint
 from runner.data.storage.cache import human_bytes
 from runner.data.storage.folder import FolderStorage, open_folder
 from runner.data.storage.ram import memory_available
-from runner.errors import UserError
+from runner.errors import EXIT_USER_ERROR, UserError
 
 
 def with_store(kind: StorageKind) -> bool:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(prepare(args.command, args.overrides, rebuild=args.rebuild))
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     return 0
 
 

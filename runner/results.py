@@ -241,6 +241,26 @@ def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: s
     return merged
 
 
+def end_figures(figures: dict[str, Any], device: Any, task: dict[str, Any],
+                data: dict[str, Any], run_dir: Path, profiled: bool) -> dict[str, Any]:
+    """The loop's ``figures`` with the setup's, the ``task``'s (runner/tasks/) and the
+    ``data`` path's; each stage's share of the step (the task's own parts too); the
+    profiler's trace."""
+    figures.update(**device_figures(device), **task, **data)
+    step_shares(figures)  # the task's own parts (optimizer, EMA) of the step
+    if profiled:
+        from runner.profile import ACTIVE, WAIT, WARMUP
+
+        figures["trace"] = trace_file(run_dir)
+        if figures["trace"] is None:
+            import logging
+
+            logging.getLogger("runner").warning(
+                "profile=true wrote no trace: the run had fewer than %d steps",
+                WAIT + WARMUP + ACTIVE)
+    return figures
+
+
 def trace_file(run_dir: Path) -> str | None:
     """The profiler's trace, when the run was long enough to record one."""
     trace = Path(run_dir) / "trace.json"

@@ -224,7 +224,7 @@ def _train_step(pipeline, total_steps: int):
     ``python -m runner`` builds it."""
     from runner.compile import step_amp
     from runner.model import build_model
-    from runner.task import make_step
+    from runner.tasks import make_step
 
     cfg = pipeline.config
     model = build_model(cfg.model, len(pipeline.classes), pipeline.device)
@@ -333,7 +333,7 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
         TaskName,
     )
     from runner.model import build_model
-    from runner.task import InferStep, TrainStep
+    from runner.tasks import InferStep, TrainStep
 
     device = _device()
     name, size, batch = ("resnet18", 160, 64) if on_cuda() else ("tiny", 64, 8)
@@ -545,7 +545,7 @@ def check_resume(args: argparse.Namespace) -> list[Row]:
     from runner import checkpoint
     from runner.config import AmpConfig, AmpName, ModelConfig, OptimizerName, TaskConfig, TaskName
     from runner.model import build_model
-    from runner.task import TrainStep
+    from runner.tasks import TrainStep
 
     device = _device()
     size, batch = (128, 32) if on_cuda() else (64, 4)
@@ -704,7 +704,7 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
 def check_fp16_training(size: int, batch: int) -> list[Row]:
     from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
     from runner.model import build_model
-    from runner.task import TrainStep
+    from runner.tasks import TrainStep
 
     device = torch.device("cuda")
     model = build_model(ModelConfig("resnet18"), 10, device)
@@ -745,7 +745,7 @@ def check_fp16_numbers(size: int, batch: int) -> list[Row]:
 
     from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
     from runner.model import build_model
-    from runner.task import TrainStep
+    from runner.tasks import TrainStep
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -869,7 +869,7 @@ def check_pinned_storages(batch: int) -> list[Row]:
 
 def _timed_step(fn):
     """A data-only step that runs ``fn`` on each batch (the loop's Step protocol)."""
-    from runner.task import DataOnlyStep
+    from runner.tasks import DataOnlyStep
 
     class TimedStep(DataOnlyStep):
         def __call__(self, batch) -> None:
@@ -1133,7 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
     if lacking_deps:
         print(f"missing the project's dependencies {', '.join(lacking_deps)}: bring them as "
               "wheels (README, 'Self-check on an offline GPU node') and run again")
-        return 2
+        from runner.errors import EXIT_USER_ERROR
+
+        return EXIT_USER_ERROR
     if cuda and not args.no_build:
         print(build_region(), flush=True)
     lacking = {c.name: missing(c) for c in CHECKS}

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner import compile as compiling
+from runner.atomic import temporary
 from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
 from runner.model import UInt8Input, build_model
 from tests.conftest import (
@@ -146,7 +147,7 @@ def test_models_needs_infer_and_distinct_names(tmp_path: Path):
 def test_an_engine_is_written_under_its_own_suffix_before_it_is_published(tmp_path: Path):
     for _, suffix in compiling.ENGINE_FORMATS.values():
         path = tmp_path / f"abc{suffix}"
-        tmp = compiling.temporary_of(path)
+        tmp = temporary(path, keep_suffix=True)  # as compile=tensorrt writes it
         assert tmp.suffix == suffix and tmp.name.startswith(".") and tmp.parent == tmp_path
 
 
@@ -170,7 +171,7 @@ def test_an_exported_engine_module_survives_the_infer_steps_eval():
     """``ExportedProgram.module()`` (what a cached TensorRT engine loads as) raises from
     train()/eval(); the infer step calls eval() on every model it runs."""
     from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
-    from runner.task import InferStep
+    from runner.tasks import InferStep
 
     backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)).eval()
     x = torch.rand(2, 3, 8, 8)

@@ -89,7 +89,7 @@ def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
     from runner.config import ModelConfig
     from runner.model import build_model
-    from runner.task import make_step
+    from runner.tasks import make_step
 
     model = build_model(ModelConfig("tiny"), 3, CPU)
     step = make_step(config.task, {"tiny": model}, config.amp, CPU, total_steps=2)

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from runner.logger import NullLogger
 from runner.loop import LoopOptions, OnDevice, run_loop
-from runner.task import DataOnlyStep
+from runner.tasks import DataOnlyStep
 from tests.conftest import REPO, SMALL_DATASET, run_in_process
 
 LENGTHENED = "the data path alone runs"

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner import checkpoint
 from runner.optim import AveragedNetwork, Ema
-from runner.task import TrainStep
+from runner.tasks import TrainStep
 from tests.test_training import batches, small_model, task
 
 # --- the EMA ----------------------------------------------------------------------------

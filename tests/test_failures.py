@@ -287,10 +287,10 @@ def test_under_torchrun_rank_0_reports_the_failing_ranks_error(tmp_path: Path,
     env.update(sitecustomize(tmp_path / "inject", """
         import os
         if os.environ.get("RANK") == "1":
-            import runner.run
+            import runner.tasks.train
             def broken(self, *args):
                 raise ValueError("rank one cannot build its model")
-            runner.run.Job._setup_task = broken
+            runner.tasks.train.TrainTask.build = broken
     """))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",

@@ -111,13 +111,13 @@ def test_an_inference_resume_logs_one_story(twelve: Path, tmp_path: Path, caplog
     """It never says "no checkpoint, starting fresh" and then "resuming"."""
     import logging
 
-    import runner.task
+    import runner.tasks
     from runner.errors import Interrupted
 
     over = ["task=infer", "model=tiny", "logger=none", "diagnose=false", "run.timeline=false",
             f"dataset.path={twelve}", "dataset.image_size=[32,32]", "loader.batch_size=2",
             "run.warmup_steps=0", "task.outputs=[probs]", "resume=auto"]
-    real, calls = runner.task.InferStep.__call__, []
+    real, calls = runner.tasks.InferStep.__call__, []
 
     def stop_at_two(self, batch):
         if len(calls) == 2:
@@ -125,12 +125,12 @@ def test_an_inference_resume_logs_one_story(twelve: Path, tmp_path: Path, caplog
         calls.append(1)
         real(self, batch)
 
-    monkeypatch.setattr(runner.task.InferStep, "__call__", stop_at_two)
+    monkeypatch.setattr(runner.tasks.InferStep, "__call__", stop_at_two)
     with caplog.at_level(logging.INFO, logger="runner"), pytest.raises(Interrupted):
         run_in_process(*over, run_dir=tmp_path / "run")
     assert "no inference state" in caplog.text and "resuming" not in caplog.text
     caplog.clear()
-    monkeypatch.setattr(runner.task.InferStep, "__call__", real)
+    monkeypatch.setattr(runner.tasks.InferStep, "__call__", real)
     with caplog.at_level(logging.INFO, logger="runner"):
         assert run_in_process(*over, run_dir=tmp_path / "run")["status"] == "ok"
     assert "resuming: 2 of the plan's 6 steps done" in caplog.text

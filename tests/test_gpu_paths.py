@@ -19,7 +19,7 @@ from runner.data.augment import BatchAugment
 from runner.model import build_model
 from runner.optim import optimizer_options
 from runner.outputs import ModelWriter, Outputs, Reduce
-from runner.task import InferStep, TrainStep
+from runner.tasks import InferStep, TrainStep
 from tests.conftest import SMALL_DATASET, export_dynamic, run_in_process
 
 CPU = torch.device("cpu")

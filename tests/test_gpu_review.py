@@ -40,7 +40,7 @@ def test_the_verdicts_infer_step_takes_a_task_with_embeddings(task):
     """The verdict builds its InferStep without reducers: a task keeping embeddings (of
     a named layer too, or nothing else) must still give a step that runs (it used to fail
     building a Tap of no network)."""
-    from runner.task import make_step
+    from runner.tasks import make_step
 
     model = build_model(ModelConfig("tiny"), 4, CPU)
     task = TaskConfig(TaskName.infer, **task)

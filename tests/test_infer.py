@@ -258,13 +258,13 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
     """A stopped run's arrays and files.txt carry .partial (no reader takes them for whole
     ones); a resume finishes them to the bytes of an uninterrupted run, also from a run
     an older runner wrote under the final names."""
-    import runner.task
+    import runner.tasks
 
     over = [*BASE, f"dataset.path={labelled}", "run.epochs=1",
             "task.outputs=[topk,probs,embeddings]"]
     whole = run_in_process(*over, run_dir=tmp_path / "whole")
     assert whole["status"] == "ok"
-    real = runner.task.InferStep.__call__
+    real = runner.tasks.InferStep.__call__
     calls = []
 
     def stop_at_two(self, batch):
@@ -273,7 +273,7 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
         calls.append(1)
         real(self, batch)
 
-    monkeypatch.setattr(runner.task.InferStep, "__call__", stop_at_two)
+    monkeypatch.setattr(runner.tasks.InferStep, "__call__", stop_at_two)
     with pytest.raises(Interrupted):
         run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
     state = json.loads((tmp_path / "parts" / "infer-state.json").read_text())
@@ -287,7 +287,7 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
     if older:  # an older runner kept the final names while the run went on
         for name in finals:
             (parts / f"{name}.partial").rename(parts / name)
-    monkeypatch.setattr(runner.task.InferStep, "__call__", real)
+    monkeypatch.setattr(runner.tasks.InferStep, "__call__", real)
     m = run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
     assert m["status"] == "ok" and m["start_step"] == 2
     for name in ("predictions.csv", "tiny.probs.npy", "tiny.embeddings.npy", "files.txt"):
@@ -299,13 +299,13 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
 
 KILLED_RUN = """
 import sys, time
-import runner.outputs, runner.task
+import runner.outputs, runner.tasks
 runner.outputs.STATE_SECONDS = 0.0
-call = runner.task.InferStep.__call__
+call = runner.tasks.InferStep.__call__
 def slow(self, batch):
     time.sleep(0.05)
     call(self, batch)
-runner.task.InferStep.__call__ = slow
+runner.tasks.InferStep.__call__ = slow
 sys.argv = ["runner", *sys.argv[1:]]
 import runpy
 runpy.run_module("runner", run_name="__main__")

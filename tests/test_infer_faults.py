@@ -43,9 +43,9 @@ def save_tiny(path: Path, seed: int, classes: int = 3) -> Path:
 def stopped_after(steps: int, over: list[str], run_dir: Path) -> None:
     """``over`` run with resume=auto into ``run_dir``, stopped by a SIGTERM after ``steps``
     batches (its outputs and infer-state.json saved so far)."""
-    import runner.task
+    import runner.tasks
 
-    real = runner.task.InferStep.__call__
+    real = runner.tasks.InferStep.__call__
     calls = []
 
     def stop(self, batch):
@@ -55,7 +55,7 @@ def stopped_after(steps: int, over: list[str], run_dir: Path) -> None:
         real(self, batch)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner.task.InferStep, "__call__", stop)
+        mp.setattr(runner.tasks.InferStep, "__call__", stop)
         with pytest.raises(Interrupted):
             run_in_process(*over, "resume=auto", run_dir=run_dir)
     assert json.loads((run_dir / "infer-state.json").read_text())["steps"] == steps

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 from runner.loop import LoopOptions, OnDevice, run_loop
 from runner.outputs import ModelWriter, Outputs
-from runner.task import DataOnlyStep
+from runner.tasks import DataOnlyStep
 
 
 def batches(n: int, size: int = 4, delay: float = 0.0):

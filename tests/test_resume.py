@@ -30,11 +30,11 @@ class Recorder:
 
     def __init__(self, monkeypatch, stop_at: int | None = None,
                  stop_in_validation: int | None = None):
-        import runner.task
+        import runner.tasks
 
         self.steps: list[tuple[tuple[int, ...], int, float]] = []
         self.epochs_validated = 0
-        real_step, real_validate = runner.task.TrainStep.__call__, runner.task.Validation.__call__
+        real_step, real_validate = runner.tasks.TrainStep.__call__, runner.tasks.validation.Validation.__call__
         recorder = self
 
         def step(self, batch) -> None:
@@ -51,8 +51,8 @@ class Recorder:
                 raise Interrupted("SIGTERM")
             return real_validate(self)
 
-        monkeypatch.setattr(runner.task.TrainStep, "__call__", step)
-        monkeypatch.setattr(runner.task.Validation, "__call__", validate)
+        monkeypatch.setattr(runner.tasks.TrainStep, "__call__", step)
+        monkeypatch.setattr(runner.tasks.validation.Validation, "__call__", validate)
 
 
 def read_metrics_file(path: Path) -> dict:
@@ -185,10 +185,10 @@ def test_checkpoints_every_few_steps_only_the_latest_kept_or_none_at_all(tmp_pat
 
 RECORDING = """
     import json, os, time
-    import runner.task
+    import runner.tasks
     from runner.errors import Interrupted
 
-    real = runner.task.TrainStep.__call__
+    real = runner.tasks.TrainStep.__call__
     done = [0]
 
     def step(self, batch):
@@ -202,7 +202,7 @@ RECORDING = """
             f.write(json.dumps([batch["index"].tolist(), int(batch["image"].long().sum()),
                                 float(self.losses[self.steps - 1])]) + "\\n")
 
-    runner.task.TrainStep.__call__ = step
+    runner.tasks.TrainStep.__call__ = step
 """
 
 
@@ -348,7 +348,7 @@ def test_a_preempted_submitit_job_saves_then_hands_over_to_requeue_and_resumes(
     import os
     import signal
 
-    import runner.task
+    import runner.tasks
 
     requeued = []
 
@@ -356,7 +356,7 @@ def test_a_preempted_submitit_job_saves_then_hands_over_to_requeue_and_resumes(
         requeued.append(read_metrics(tmp_path / "job"))
 
     previous = signal.signal(signal.SIGUSR2, submitit_handler)
-    real_step, seen = runner.task.TrainStep.__call__, []
+    real_step, seen = runner.tasks.TrainStep.__call__, []
 
     def step(self, batch):
         if len(seen) == 6:
@@ -364,7 +364,7 @@ def test_a_preempted_submitit_job_saves_then_hands_over_to_requeue_and_resumes(
         real_step(self, batch)
         seen.append(float(self.losses[self.steps - 1]))
 
-    monkeypatch.setattr(runner.task.TrainStep, "__call__", step)
+    monkeypatch.setattr(runner.tasks.TrainStep, "__call__", step)
     try:
         with pytest.raises(KeyboardInterrupt):
             run_in_process(*COMMON, "resume=auto", run_dir=tmp_path / "job")
@@ -381,9 +381,9 @@ def test_a_preempted_submitit_job_saves_then_hands_over_to_requeue_and_resumes(
 
 SLOW_STEPS = """
     import os, time
-    import runner.task
+    import runner.tasks
 
-    real = runner.task.TrainStep.__call__
+    real = runner.tasks.TrainStep.__call__
 
     def step(self, batch):
         real(self, batch)
@@ -391,7 +391,7 @@ SLOW_STEPS = """
         with open(os.environ["RECORD"], "a") as f:
             f.write("%r\\n" % float(self.losses[self.steps - 1]))
 
-    runner.task.TrainStep.__call__ = step
+    runner.tasks.TrainStep.__call__ = step
 """
 
 
@@ -563,7 +563,7 @@ def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
     from runner.config import ModelConfig, TaskConfig, TaskName
     from runner.model import build_model
     from runner.optim import optimizer_options
-    from runner.task import TrainStep
+    from runner.tasks import TrainStep
 
     step = TrainStep(build_model(ModelConfig("tiny"), 3, torch.device("cpu")),
                      TaskConfig(TaskName.train), total_steps=2)

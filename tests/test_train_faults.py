@@ -30,11 +30,11 @@ class Rates:
     rate that step's optimizer update uses), and the last step object."""
 
     def __init__(self, monkeypatch):
-        import runner.task
+        import runner.tasks
 
         self.before: list[list[float]] = []
         self.step = None
-        real = runner.task.TrainStep.__call__
+        real = runner.tasks.TrainStep.__call__
         rates = self
 
         def call(self, batch) -> None:
@@ -42,7 +42,7 @@ class Rates:
             rates.before.append([g["lr"] for g in self.optimizer.param_groups])
             real(self, batch)
 
-        monkeypatch.setattr(runner.task.TrainStep, "__call__", call)
+        monkeypatch.setattr(runner.tasks.TrainStep, "__call__", call)
 
 
 def fresh_rates(lr: float, updates: int, **task) -> list[float]:
@@ -123,7 +123,7 @@ def test_a_resumed_step_takes_the_new_lr_and_plan_from_the_optimizer_step_it_rea
     own rates in the optimizer's groups)."""
     from runner import checkpoint
     from runner.config import ScheduleName, TaskConfig, TaskName
-    from runner.task import TrainStep
+    from runner.tasks import TrainStep
     from tests.test_training import batches, small_model
 
     old = TaskConfig(TaskName.train, lr=0.1, schedule=ScheduleName.onecycle)
@@ -152,15 +152,15 @@ def test_a_resumed_step_takes_the_new_lr_and_plan_from_the_optimizer_step_it_rea
 def nan_from(monkeypatch, step: int) -> None:
     """The loss of the run's ``step``-th step (1-based) is NaN; its backward makes the
     weights NaN, so every loss after it is NaN too, as in a real divergence."""
-    import runner.task
+    import runner.tasks
 
-    real = runner.task.TrainStep.loss
+    real = runner.tasks.TrainStep.loss
 
     def loss(self, logits, batch):
         value = real(self, logits, batch)
         return value * float("nan") if self.steps == step - 1 else value
 
-    monkeypatch.setattr(runner.task.TrainStep, "loss", loss)
+    monkeypatch.setattr(runner.tasks.TrainStep, "loss", loss)
 
 
 def finite_state(path: Path) -> dict:
@@ -213,18 +213,18 @@ def test_a_nan_found_while_a_signal_stops_the_run_fails_it(tmp_path: Path, cache
     import os
     import signal
 
-    import runner.task
+    import runner.tasks
     from runner.errors import Diverged
 
     nan_from(monkeypatch, 3)
-    real = runner.task.TrainStep.__call__
+    real = runner.tasks.TrainStep.__call__
 
     def call(self, batch) -> None:
         real(self, batch)
         if self.steps == 4:
             os.kill(os.getpid(), signal.SIGTERM)  # the handler stops after this step
 
-    monkeypatch.setattr(runner.task.TrainStep, "__call__", call)
+    monkeypatch.setattr(runner.tasks.TrainStep, "__call__", call)
     run_dir = tmp_path / "run"
     with pytest.raises(Diverged):
         run_in_process(*COMMON, "run.steps=10", "run.log_every=100", "run.repeats=1",
@@ -249,7 +249,7 @@ def test_a_learning_rate_that_diverges_fails_the_run(tmp_path: Path, cache_dir: 
 def test_the_step_fails_at_the_read_after_a_nan_and_names_the_first_such_step():
     from runner.config import TaskConfig, TaskName
     from runner.errors import Diverged
-    from runner.task import TrainStep
+    from runner.tasks import TrainStep
     from tests.test_training import batches, small_model
 
     step = TrainStep(small_model(), TaskConfig(TaskName.train), total_steps=6)

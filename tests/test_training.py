@@ -17,7 +17,7 @@ from runner.compose import compose
 from runner.config import OptimizerName, ScheduleName, TaskConfig, TaskName
 from runner.model import UInt8Input
 from runner.optim import Ema, param_groups
-from runner.task import TrainStep
+from runner.tasks import TrainStep
 
 CPU = torch.device("cpu")
 
@@ -281,7 +281,7 @@ def test_the_loss_of_a_mixed_batch_weighs_both_labels():
 @pytest.mark.parametrize("loader", ["memmap", "folder"])
 def test_a_run_with_augmentation_trains_and_validates_without_it(tmp_path: Path,
                                                                  cache_dir: Path, loader):
-    from runner.task import validation_config
+    from runner.tasks.validation import validation_config
     from tests.conftest import SMALL_DATASET, run_in_process
 
     over = [*SMALL_DATASET, f"loader={loader}", "dataset.crop=random", "logger=none",

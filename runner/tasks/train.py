@@ -1,53 +1,164 @@
-"""``task=``: what one step does with a device-resident batch (train, infer, or data only).
+"""``task=train``: its life cycle (a checkpoint to resume from, validation, EMA and the best
+checkpoint at each epoch's end, the checkpoints' schedule) and its step, ``TrainStep``.
 
-Each step object is called once per batch and never synchronizes; ``read()`` is called at
-log points (where the loop has already synchronized) and returns the figures to log.
+A run resumes from the checkpoint ``resume=`` names (runner/checkpoint.py), its data
+checked against the checkpoint's fingerprint; after each epoch the validation images
+(``dataset.val_path`` or ``val_fraction``, runner/tasks/validation.py) are scored with the
+trained weights and the EMA's, ``checkpoint-best.pt`` keeps the best ``task.best_metric``,
+and the ``Checkpointer`` writes ``checkpoint.pt`` on its schedule and at the end (rank 0
+alone: the replicas are equal).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import logging
 import math
 import warnings
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from runner import timeline
+from runner import checkpoint, results
 from runner.amp import autocast, grad_scaler
 from runner.checkpoint import network
-from runner.config import (
-    AmpConfig,
-    AmpName,
-    AugmentConfig,
-    Config,
-    Crop,
-    PageCache,
-    PrefetchConfig,
-    PrefetchName,
-    Split,
-    StorageName,
-    TaskConfig,
-    TaskName,
-)
-from runner.data import DataPath, build_data_path
+from runner.compile import build_models, step_amp
+from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
+from runner.data import DataPath
+from runner.distributed import local_module, parameter_digest
 from runner.errors import ConfigError, Diverged
-from runner.metrics import DeviceClock
+from runner.loop import Step
+from runner.metrics import MAX_PENDING_EVENTS, DeviceClock
+from runner.model import split_input
 from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
-from runner.outputs import Outputs, Reduce
+from runner.tasks.base import RunContext, TaskBase
+from runner.tasks.validation import Validation
 
-MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones are folded
+log = logging.getLogger("runner")
 
 
-class Step(Protocol):
-    def __call__(self, batch: TensorDict) -> None: ...
-    def read(self) -> dict[str, float]: ...
-    def close(self, complete: bool = True) -> dict[str, float]: ...
-    def start_timing(self) -> None: ...  # warm-up is over: figures count from here
+class TrainTask(TaskBase):
+    """One model trained over the plan's steps (a resumed run: the steps left)."""
+
+    name = TaskName.train
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(ctx)
+        self.validation: Validation | None = None
+        self.epoch_figures: list[dict[str, Any]] = []  # per epoch: validation top-1
+        self.saves: checkpoint.Checkpointer | None = None  # rank 0: the checkpoints
+        self.best: float | None = None  # the best validation figure so far (checkpoint-best)
+
+    def resume(self) -> dict[str, Any] | None:
+        """The checkpoint ``resume=`` names; checkpoint-best.pt is beaten only by a better
+        epoch than the one it holds."""
+        super().resume()
+        if self.resumed is not None:
+            self.best = self.resumed.get("best")
+        return self.resumed
+
+    def prepare(self, data: DataPath) -> None:
+        if not data.classes:
+            raise ConfigError(f"task=train needs labelled images: {data.storage.root} holds "
+                              "unlabelled ones (a flat folder, dataset.labels=none, or a "
+                              "manifest without labels); give one sub-folder per class, or a "
+                              "manifest with a label column")
+        super().prepare(data)
+
+    def build(self, total_steps: int) -> Step:
+        """The model (built, compiled, verified; its checkpoint's state restored), its
+        step, and the validation data path."""
+        cfg, ctx = self.config, self.ctx
+        data, ranks = ctx.data, ctx.ranks
+        self.total_steps = total_steps
+        self.built = build_models(cfg, data.storage, ctx.device, ranks)
+        self.models = self.built.models
+        (model,) = self.models.values()
+        self.step = step = TrainStep(
+            model, cfg.task, total_steps, step_amp(cfg), ctx.device,
+            self.start_step + total_steps, data.steps_per_epoch,
+            cfg.loader.batch_size * ranks.world * cfg.task.accumulate, self.start_step)
+        if self.resumed is not None:
+            checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
+        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0:
+            self.validation = Validation.for_run(cfg, model, step_amp(cfg), ctx.device,
+                                                 data.classes, cfg.run.progress and ranks.main)
+        return step
+
+    def start(self) -> None:
+        if self.resumed is not None:  # dropout goes on drawing where it stopped
+            checkpoint.restore_rng(self.resumed)
+
+    def on_step(self) -> Callable[[int], None] | None:
+        """Rank 0 (the replicas are equal): the checkpoints' schedule, after each step."""
+        ctx = self.ctx
+        if not ctx.ranks.main:
+            return None
+        self.saves = saves = checkpoint.Checkpointer(
+            self.config.task, ctx.run_dir, to_plain(self.config), ctx.clock.paused,
+            lambda: {"wandb_id": ctx.logger.run_id, "data": self.data_print,
+                     "best": self.best})
+        return lambda done: saves.after_step(self.step, done, ctx.data.steps_per_epoch)
+
+    def on_epoch_end(self, epochs: int) -> None:
+        """After each epoch: validation top-1 (the EMA's too), the best checkpoint, and a
+        checkpoint when one is due."""
+        row: dict[str, Any] = {"epoch": epochs}
+        if self.validation is not None:
+            got = {f"val_{k}": v for k, v in self.validation().items()}
+            ema = getattr(self.step, "ema", None)
+            if ema is not None:  # the averaged weights behind the same uint8 input layer
+                uint8_input, _ = split_input(local_module(self.step.model))
+                averaged = torch.nn.Sequential(uint8_input, ema.model)
+                got.update({f"val_ema_{k}": v for k, v in self.validation(averaged).items()})
+            row.update(got)
+            log.info("epoch %d: validation top-1 %.1f%%, top-5 %.1f%%, loss %.4f%s", epochs,
+                     100 * got["val_top1"], 100 * got["val_top5"], got["val_loss"],
+                     f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)" if ema else "")
+            self.ctx.logger.log({**{k.replace("val_", "val/", 1): v for k, v in got.items()},
+                                 "epoch": epochs}, step=None)
+            self._keep_best(epochs, row)
+        self.epoch_figures.append(row)
+        if self.saves is not None:
+            self.saves.after_epoch(self.step, epochs, self.ctx.data.steps_per_epoch)
+
+    def _keep_best(self, epoch: int, row: dict[str, Any]) -> None:
+        """checkpoint-best.pt: the weights of the epoch with the best ``task.best_metric``."""
+        key = self.config.task.best_metric
+        if self.saves is None or key not in row:
+            return
+        better = (lambda a, b: a < b) if key.endswith("loss") else (lambda a, b: a > b)
+        if self.best is None or better(row[key], self.best):
+            self.best = row[key]
+            per_epoch = self.ctx.data.steps_per_epoch
+            path = self.saves.write(self.step, epoch * per_epoch, per_epoch, {},
+                                    name="checkpoint-best.pt")
+            log.info("epoch %d: best %s so far (%.4g): %s", epoch, key, row[key], path)
+
+    def figures(self, complete: bool) -> dict[str, Any]:
+        return {**super().figures(complete), **results.epochs(self.epoch_figures)}
+
+    def rank_digest(self) -> str | None:
+        return parameter_digest(next(iter(self.models.values())))
+
+    def write(self, steps_done: int, complete: bool, figures: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint.pt`` at the end, or where a signal stopped it (with its losses)."""
+        if self.saves is None:
+            return {}
+        losses = {k: figures[k] for k in ("loss_first", "loss_last") if k in figures}
+        path = self.saves.write(self.step, steps_done, self.ctx.data.steps_per_epoch, losses)
+        return {"checkpoint": str(path) if path else None}
+
+    def close(self) -> None:
+        if self.validation is not None:
+            self.validation.close()
+
+
+TASK = TrainTask
 
 
 class TrainStep:
@@ -315,216 +426,3 @@ class TrainStep:
         return {"loss_first": self.losses[:tenth].mean().item(),
                 "loss_last": self.losses[n - tenth : n].mean().item(), "lr_last": self.lr,
                 **self.costs()}
-
-
-class InferStep:
-    """Forward under inference_mode for one or several models on the same device batch.
-
-    Each model's output is reduced on the device (runner/outputs.py: top-k, probabilities,
-    embeddings, masks, the user's post-processing) and only that is handed to the writers.
-    Each model's forward is timed on its own (CUDA events on a GPU, read at ``close``), so
-    a multi-model pass reports images/s per model as well as for the whole pass.
-
-    Args:
-        models: name -> model (already compiled), all on one device.
-        cfg: the task.
-        reducers: name -> what is kept of its output (``outputs.Reduce``).
-        outputs: the writers (None: nothing written).
-        amp: autocast dtype.
-        device: the models' device (a frozen TorchScript model cannot tell).
-        first_step: the plan's step of the first batch (a resumed run's parts go on there).
-    """
-
-    def __init__(self, models: dict[str, nn.Module], cfg: TaskConfig,
-                 reducers: dict[str, Reduce] | None = None, outputs: Outputs | None = None,
-                 amp: AmpConfig | None = None, device: torch.device | None = None,
-                 first_step: int = 0):
-        self.models = {name: m.eval() for name, m in models.items()}
-        # no reducers: the forward timed with its reduction, nothing written (the
-        # verdict's probe; with no network to tap, no embeddings)
-        self.reducers = reducers if reducers is not None else {
-            name: Reduce(cfg, None) for name in models}
-        self.outputs = outputs
-        self.device = device or torch.device("cpu")
-        amp = amp or AmpConfig(AmpName.off)
-        self.autocast = lambda: autocast(amp, self.device)
-        self.clock = DeviceClock(self.device)
-        self._spans: dict[str, list] = {name: [] for name in models}
-        # the loop's pass (not the verdict's probe, which has no reducers) draws each model
-        # on a lane; host times are the models' own times on the CPU only
-        self._lanes = (len(models) > 1 and reducers is not None and not self.clock.cuda
-                       and timeline.enabled())
-        self._seconds = dict.fromkeys(models, 0.0)
-        self.images = 0
-        self.step = first_step
-        self.first_step = first_step
-        self._valid_rows = torch.zeros((), dtype=torch.int64, device=self.device)
-
-    def __call__(self, batch: TensorDict) -> None:
-        # Padding rows of a distributed shard go through the model with the rest (a boolean
-        # mask here would sync with the device to learn the count); the writer drops them
-        # on the host and the count of real rows stays on the device until ``close``.
-        valid = batch["valid"] if "valid" in batch.keys() else None
-        if valid is None:
-            self.images += batch.batch_size[0]
-        else:
-            self._valid_rows = self._valid_rows + valid.sum()
-        with torch.inference_mode(), self.autocast():
-            for name, model in self.models.items():
-                start = self.clock.now()
-                reduce = self.reducers[name]
-                reduce.start()
-                kept = reduce(model(batch["image"]), batch)
-                end = self.clock.now()
-                self._spans[name].append((start, end))
-                if self._lanes:  # each model its own lane of the timeline
-                    timeline.record("model", start, end, sub=f"model {name}")
-                if self.outputs is not None:
-                    self.outputs.submit(self.step, name, batch["index"], batch["label"], kept,
-                                        valid)
-        self.step += 1
-        if not self.clock.cuda:  # host times are final already: keep no list
-            self._resolve()
-        elif sum(len(s) for s in self._spans.values()) > MAX_PENDING_EVENTS:
-            self._resolve(done_only=True)  # a bounded list, and no sync
-
-    def read(self) -> dict[str, float]:
-        return {}
-
-    def start_timing(self) -> None:
-        """Warm-up is over: the per-model figures count from the next step."""
-        if self.clock.cuda:
-            torch.cuda.synchronize(self.device)  # once, where the loop syncs anyway
-        self._resolve()
-        self._seconds = dict.fromkeys(self._seconds, 0.0)
-        self.images = 0
-        self._valid_rows = torch.zeros((), dtype=torch.int64, device=self.device)
-
-    def _resolve(self, done_only: bool = False) -> None:
-        """Fold recorded spans into per-model seconds: all of them (after a sync), or those
-        whose end event has completed (``done_only``: no sync, bounds the lists)."""
-        for name, spans in self._spans.items():
-            k = 0
-            if done_only:
-                while k < len(spans) and self.clock.done(spans[k][1]):
-                    k += 1
-            else:
-                k = len(spans)
-            self._seconds[name] += sum(self.clock.seconds(s, e) for s, e in spans[:k])
-            del spans[:k]
-
-    def close(self, complete: bool = True) -> dict[str, Any]:
-        """The per-model figures, and the writers' (every write waited for; a ``complete``
-        run's CSV parts joined, an interrupted one's kept to go on from)."""
-        if self.clock.cuda:
-            torch.cuda.synchronize(self.device)
-        self._resolve()
-        self.images += int(self._valid_rows)
-        out: dict[str, Any] = {"models": {
-            name: {"images_per_sec": self.images / sec if sec > 0 else None,
-                   "ms_per_image": 1000.0 * sec / max(self.images, 1)}
-            for name, sec in self._seconds.items()}}
-        if self.outputs is not None:
-            out.update(self.outputs.close(complete, self.step))
-        return out
-
-
-class DataOnlyStep:
-    """``model=none``: the batch is loaded and moved, nothing else; measures the data path."""
-
-    def __call__(self, batch: TensorDict) -> None:
-        pass
-
-    def read(self) -> dict[str, float]:
-        return {}
-
-    def start_timing(self) -> None:
-        pass
-
-    def close(self, complete: bool = True) -> dict[str, float]:
-        return {}
-
-
-def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
-              device: torch.device, total_steps: int,
-              reducers: dict[str, Reduce] | None = None, outputs: Outputs | None = None,
-              first_step: int = 0, steps_per_epoch: int = 1,
-              global_batch: int | None = None) -> Step:
-    """The step for ``task=``: training takes the one model there is, inference every
-    model of the pass (its outputs reduced by ``reducers``, written by ``outputs``), no
-    model the data only."""
-    if not models:
-        return DataOnlyStep()
-    if cfg.name is TaskName.train:
-        (model,) = models.values()
-        return TrainStep(model, cfg, total_steps, amp, device, first_step + total_steps,
-                         steps_per_epoch, global_batch, first_step)
-    return InferStep(models, cfg, reducers, outputs, amp, device, first_step)
-
-
-def validation_config(config: Config) -> Config:
-    """The data path of ``dataset.val_path`` (or of the images ``dataset.val_fraction``
-    holds out): decoded with the run's decoder, center crops, in order, every image once,
-    from a warm page cache."""
-    if config.dataset.val_path is not None:
-        dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path,
-                                      manifest=None, val_fraction=0.0)
-    else:  # the held-out side of dataset.val_fraction's split of the training images
-        dataset = dataclasses.replace(config.dataset, split=Split.val)
-    dataset = dataclasses.replace(dataset, crop=Crop.center, page_cache=PageCache.warm)
-    task = dataclasses.replace(config.task, augment=AugmentConfig())  # images as they are
-    loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,
-                                 drop_last=False)
-    return dataclasses.replace(config, dataset=dataset, loader=loader, task=task,
-                               prefetch=PrefetchConfig(PrefetchName.none))
-
-
-class Validation:
-    """Top-1 accuracy of the trained model over ``dataset.val_path`` (after each epoch).
-
-    Args:
-        data: the validation data path (``validation_config``), one epoch per call.
-        model: the model being trained.
-        amp: the run's autocast.
-        classes: the training set's classes; the validation folder must have the same.
-    """
-
-    def __init__(self, data: DataPath, model: nn.Module, amp: AmpConfig, classes: list[str]):
-        if data.classes != list(classes):
-            raise ConfigError(f"dataset.val_path={data.storage.root} has classes "
-                              f"{data.classes[:5]}..., the training folder {list(classes)[:5]}"
-                              "...: they must be the same class folders")
-        self.data, self.model, self.amp = data, model, amp
-
-    @classmethod
-    def for_run(cls, config: Config, model: nn.Module, amp: AmpConfig, device: torch.device,
-                classes: list[str], progress: bool) -> Validation:
-        data = build_data_path(validation_config(config), device, epochs=1, progress=progress)
-        return cls(data, model, amp, classes)
-
-    def __call__(self, model: nn.Module | None = None) -> dict[str, float]:
-        """Loss, top-1 and top-5 of ``model`` (default: the model being trained; an EMA's
-        network is given with the same uint8 input layer) over the validation images."""
-        model = model if model is not None else self.model
-        device = self.data.device
-        correct1 = torch.zeros((), dtype=torch.int64, device=device)
-        correct5 = torch.zeros((), dtype=torch.int64, device=device)
-        loss = torch.zeros((), dtype=torch.float64, device=device)
-        total = 0
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), autocast(self.amp, device):
-            for batch in self.data.device_batches():
-                logits = model(batch["image"]).float()
-                top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-                hit = top == batch["label"][:, None]
-                correct1 += hit[:, 0].sum()
-                correct5 += hit.any(dim=1).sum()
-                loss += F.cross_entropy(logits, batch["label"], reduction="sum")
-                total += batch.batch_size[0]
-        model.train(was_training)
-        n = max(total, 1)
-        return {"top1": int(correct1) / n, "top5": int(correct5) / n, "loss": float(loss) / n}
-
-    def close(self) -> None:
-        self.data.close()

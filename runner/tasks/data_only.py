@@ -1,0 +1,40 @@
+"""``model=none``: the data path alone (any ``task=``): batches loaded and moved, no model.
+
+Its point is the data path's speed: a run of one process with no length asked
+(``run.epochs``, ``run.steps``) is lengthened until its windows are long enough to time.
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDict
+
+from runner.loop import Step
+from runner.tasks.base import TaskBase
+
+
+class DataOnlyTask(TaskBase):
+    """The data path measured: no model, nothing written but the figures."""
+
+    speed_asked = True
+    extends = True
+
+    def build(self, total_steps: int) -> Step:
+        self.total_steps = total_steps
+        self.step = DataOnlyStep()
+        return self.step
+
+
+class DataOnlyStep:
+    """``model=none``: the batch is loaded and moved, nothing else; measures the data path."""
+
+    def __call__(self, batch: TensorDict) -> None:
+        pass
+
+    def read(self) -> dict[str, float]:
+        return {}
+
+    def start_timing(self) -> None:
+        pass
+
+    def close(self, complete: bool = True) -> dict[str, float]:
+        return {}

@@ -1,0 +1,35 @@
+"""runner/atomic.py: a file is published whole, or the old one stays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.atomic import replacing, temporary, write_atomic
+
+
+def test_a_file_is_replaced_whole_and_no_temporary_stays(tmp_path: Path):
+    path = tmp_path / "predictions.csv"
+    path.write_text("old\n")
+    with replacing(path) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".") and tmp != path
+        tmp.write_text("new\n")
+        assert path.read_text() == "old\n"  # a reader sees the old file until the end
+    assert path.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["predictions.csv"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path):
+    path = tmp_path / "checkpoint.pt"
+    write_atomic(path, b"old")
+    with pytest.raises(OSError), replacing(path) as tmp:
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_temporary_keeps_its_suffix_when_asked(tmp_path: Path):
+    assert temporary(tmp_path / "a.pt2", keep_suffix=True).suffix == ".pt2"
+    assert temporary(tmp_path / "a.pt2").name.startswith(".a.pt2.tmp")
