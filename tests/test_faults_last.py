@@ -142,17 +142,18 @@ import resource, sys
 from types import SimpleNamespace
 from runner.data.path import check_batch_memory
 from runner.data.storage.ram import memory_available
+from runner.config import LoaderConfig
 from runner.errors import ConfigError
 soft, _ = resource.getrlimit(resource.RLIMIT_AS)
 left = memory_available()
 assert left <= soft, (left, soft)
 image = (3, 1024, 1024)
 fits = SimpleNamespace(largest_batch=max(1, left // (8 * 3 * 1024 * 1024)))
-check_batch_memory(SimpleNamespace(batch_size=fits.largest_batch), fits,
+check_batch_memory(LoaderConfig(batch_size=fits.largest_batch), fits,
                    SimpleNamespace(item_shape=image))
 too_big = SimpleNamespace(largest_batch=left // (3 * 1024 * 1024))  # 1x: 4 in flight do not fit
 try:
-    check_batch_memory(SimpleNamespace(batch_size=too_big.largest_batch), too_big,
+    check_batch_memory(LoaderConfig(batch_size=too_big.largest_batch), too_big,
                        SimpleNamespace(item_shape=image))
 except ConfigError as e:
     print("refused:", e)
