@@ -102,6 +102,11 @@ def _own_seconds() -> float:
     return total
 
 
+# /proc is read at most this often (a window of a fast data path lasts ~1 ms: reading it at
+# every window cost more than the window, and spans that short are all tick noise)
+SHARED_SAMPLE_SECONDS = 0.05
+
+
 class SharedCores:
     """How many cores other processes used while a window was timed: the machine's busy
     CPU time (/proc/stat) less this process's and its workers' own, over the window's wall
@@ -118,6 +123,10 @@ class SharedCores:
 
     def restart(self) -> None:
         self.start = self._sample()
+
+    def age(self) -> float:
+        """Wall seconds since the last (re)start."""
+        return time.perf_counter() - self.start[0]
 
     def others(self) -> float | None:
         """Core-seconds other processes ran since the last (re)start: signed, since CPU
@@ -137,9 +146,11 @@ class Window:
     images: int = 0
     seconds: float = 0.0
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
-    # core-seconds other processes ran during the window, as counted (signed: off by a
-    # tick either way); None: unknown on this system
+    # core-seconds other processes ran, as counted (signed: off by a tick either way), over
+    # ``others_span`` wall seconds that end with this window (a short window's span also
+    # holds the windows and gaps before it since the last sample); None: unknown here
     others_cpu: float | None = None
+    others_span: float = 0.0
 
     def add(self, other: Window) -> None:
         self.steps += other.steps
@@ -149,6 +160,7 @@ class Window:
             self.stages[k] = self.stages.get(k, 0.0) + v
         if other.others_cpu is not None:
             self.others_cpu = (self.others_cpu or 0.0) + other.others_cpu
+            self.others_span += other.others_span
 
     def figures(self) -> dict[str, float | None]:
         """images/s, ms/step and each stage's share of the wall time."""
@@ -161,8 +173,8 @@ class Window:
         for stage, total in self.stages.items():
             out[f"{stage}_frac"] = total / self.seconds
             out[f"{stage}_ms"] = 1000.0 * total / self.steps
-        if self.others_cpu is not None:  # cores other processes used, on average
-            out["others_cores"] = max(0.0, self.others_cpu / self.seconds)
+        if self.others_cpu is not None and self.others_span > 0:  # cores others used
+            out["others_cores"] = max(0.0, self.others_cpu / self.others_span)
         return out
 
 
@@ -258,7 +270,8 @@ class StepClock:
         if sync:
             synchronize(self.device)
         self._window, self._events = self._empty(), []
-        self._shared.restart()  # before the clock starts: reading /proc is the runner's
+        if self._shared.age() >= SHARED_SAMPLE_SECONDS:  # a sample per 50 ms, not per window
+            self._shared.restart()  # before the clock starts: reading /proc is the runner's
         self._start = time.perf_counter()
         # the device is idle now (synchronized): the first step's gap is counted from here,
         # as its data wait is from the window's start
@@ -273,7 +286,8 @@ class StepClock:
         synchronize(self.device)
         window = self._window
         window.seconds = time.perf_counter() - self._start
-        window.others_cpu = self._shared.others()  # after the clock stopped
+        if self._shared.age() >= SHARED_SAMPLE_SECONDS:  # after the clock stopped
+            window.others_cpu, window.others_span = self._shared.others(), self._shared.age()
         for stage, start, end in self._events:
             window.stages[stage] += self.clock.seconds(start, end)
         self.open_window(sync=False)

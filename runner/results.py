@@ -21,7 +21,7 @@ from runner.config import Config, TaskName, model_configs
 from runner.data.storage import STORAGES
 from runner.data.storage.listing import printable
 from runner.loop import LoopResult
-from runner.metrics import STAGES, Window
+from runner.metrics import STAGES
 from runner.stats import quantiles
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
@@ -105,14 +105,15 @@ def others_cores(windows: list) -> float | None:
     """Cores other processes used while the run was timed: the most of any repeat window
     long enough to tell, or of all of them together (None: unknown here, or too short a
     span to tell)."""
-    known = [w for w in windows if w.others_cpu is not None]
-    spans = [w for w in known if w.seconds >= SHARED_MIN_SECONDS]
-    seconds = sum(w.seconds for w in known)
-    if seconds >= SHARED_MIN_SECONDS:
-        spans.append(Window(seconds=seconds, others_cpu=sum(w.others_cpu for w in known)))
+    known = [(w.others_cpu, w.others_span or w.seconds) for w in windows
+             if w.others_cpu is not None]
+    spans = [(cpu, span) for cpu, span in known if span >= SHARED_MIN_SECONDS]
+    total = sum(span for _, span in known)
+    if total >= SHARED_MIN_SECONDS:
+        spans.append((sum(cpu for cpu, _ in known), total))
     if not spans:
         return None
-    return max(max(0.0, w.others_cpu / w.seconds) for w in spans)
+    return max(max(0.0, cpu / span) for cpu, span in spans)
 
 
 def loop_figures(result: LoopResult, skipped: list[str], repeats_asked: int = 3,
