@@ -272,3 +272,32 @@ def s3_env(s3_server, delay_line, monkeypatch):
     for key, value in s3_server.env(delay_line.endpoint).items():
         monkeypatch.setenv(key, value)
     return s3_server.env(delay_line.endpoint)
+
+
+def stopped_after(steps: int, over: list[str], run_dir: Path) -> None:
+    """``over`` run with resume=auto into ``run_dir``, stopped by a SIGTERM after ``steps``
+    batches (its outputs and infer-state.json saved so far)."""
+    import runner.tasks
+    from runner.errors import Interrupted
+
+    real = runner.tasks.InferStep.__call__
+    calls = []
+
+    def stop(self, batch):
+        if len(calls) == steps:
+            raise Interrupted("SIGTERM")
+        calls.append(1)
+        real(self, batch)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner.tasks.InferStep, "__call__", stop)
+        with pytest.raises(Interrupted):
+            run_in_process(*over, "resume=auto", run_dir=run_dir)
+    assert json.loads((run_dir / "infer-state.json").read_text())["steps"] == steps
+
+
+def assert_same(a: list, b: list) -> None:
+    """Two lists of (index, label, image) batches hold the same tensors."""
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])

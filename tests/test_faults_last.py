@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import encode, make_tree, photo, read_metrics, run_in_process
+from tests.conftest import encode, make_tree, photo, read_metrics, run_in_process, stopped_after
 
 
 @pytest.fixture
@@ -107,32 +107,19 @@ def test_a_manifest_of_missing_files_says_they_do_not_exist(tmp_path: Path):
     assert "2 do not exist" in str(e.value) and "decoded" not in str(e.value)
 
 
-def test_an_inference_resume_logs_one_story(twelve: Path, tmp_path: Path, caplog, monkeypatch):
+def test_an_inference_resume_logs_one_story(twelve: Path, tmp_path: Path, caplog):
     """It never says "no checkpoint, starting fresh" and then "resuming"."""
     import logging
 
-    import runner.tasks
-    from runner.errors import Interrupted
-
     over = ["task=infer", "model=tiny", "logger=none", "diagnose=false", "run.timeline=false",
             f"dataset.path={twelve}", "dataset.image_size=[32,32]", "loader.batch_size=2",
-            "run.warmup_steps=0", "task.outputs=[probs]", "resume=auto"]
-    real, calls = runner.tasks.InferStep.__call__, []
-
-    def stop_at_two(self, batch):
-        if len(calls) == 2:
-            raise Interrupted("SIGTERM")
-        calls.append(1)
-        real(self, batch)
-
-    monkeypatch.setattr(runner.tasks.InferStep, "__call__", stop_at_two)
-    with caplog.at_level(logging.INFO, logger="runner"), pytest.raises(Interrupted):
-        run_in_process(*over, run_dir=tmp_path / "run")
+            "run.warmup_steps=0", "task.outputs=[probs]"]
+    with caplog.at_level(logging.INFO, logger="runner"):
+        stopped_after(2, over, tmp_path / "run")
     assert "no inference state" in caplog.text and "resuming" not in caplog.text
     caplog.clear()
-    monkeypatch.setattr(runner.tasks.InferStep, "__call__", real)
     with caplog.at_level(logging.INFO, logger="runner"):
-        assert run_in_process(*over, run_dir=tmp_path / "run")["status"] == "ok"
+        assert run_in_process(*over, "resume=auto", run_dir=tmp_path / "run")["status"] == "ok"
     assert "resuming: 2 of the plan's 6 steps done" in caplog.text
     assert "starting fresh" not in caplog.text and "no checkpoint" not in caplog.text
 

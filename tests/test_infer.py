@@ -11,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import encode, make_tree, photo, read_metrics, run_in_process
+from conftest import encode, make_tree, photo, read_metrics, run_in_process, stopped_after
 from PIL import Image
 
 from runner.compose import compose
 from runner.config import ModelConfig
 from runner.data.storage import STORAGES
 from runner.data.storage.listing import UNLABELLED, list_images
-from runner.errors import Interrupted
 from runner.model import build_model
 
 CPU = torch.device("cpu")
@@ -258,24 +257,12 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
     """A stopped run's arrays and files.txt carry .partial (no reader takes them for whole
     ones); a resume finishes them to the bytes of an uninterrupted run, also from a run
     an older runner wrote under the final names."""
-    import runner.tasks
 
     over = [*BASE, f"dataset.path={labelled}", "run.epochs=1",
             "task.outputs=[topk,probs,embeddings]"]
     whole = run_in_process(*over, run_dir=tmp_path / "whole")
     assert whole["status"] == "ok"
-    real = runner.tasks.InferStep.__call__
-    calls = []
-
-    def stop_at_two(self, batch):
-        if len(calls) == 2:
-            raise Interrupted("SIGTERM")
-        calls.append(1)
-        real(self, batch)
-
-    monkeypatch.setattr(runner.tasks.InferStep, "__call__", stop_at_two)
-    with pytest.raises(Interrupted):
-        run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
+    stopped_after(2, over, tmp_path / "parts")
     state = json.loads((tmp_path / "parts" / "infer-state.json").read_text())
     assert state["steps"] == 2 and not (tmp_path / "parts" / "predictions.csv").exists()
     finals = ("tiny.probs.npy", "tiny.embeddings.npy", "files.txt")
@@ -287,7 +274,6 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
     if older:  # an older runner kept the final names while the run went on
         for name in finals:
             (parts / f"{name}.partial").rename(parts / name)
-    monkeypatch.setattr(runner.tasks.InferStep, "__call__", real)
     m = run_in_process(*over, "resume=auto", run_dir=tmp_path / "parts")
     assert m["status"] == "ok" and m["start_step"] == 2
     for name in ("predictions.csv", "tiny.probs.npy", "tiny.embeddings.npy", "files.txt"):

@@ -5,7 +5,6 @@ writes outside the run folder, and two images never share one mask."""
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import os
 import shutil
@@ -14,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import encode, make_tree, photo, run_in_process
+from conftest import encode, make_tree, photo, run_in_process, stopped_after
 from PIL import Image
 
 from runner.compose import compose
 from runner.config import ModelConfig
 from runner.data.storage import STORAGES
-from runner.errors import ConfigError, Interrupted, UserError
+from runner.errors import ConfigError, UserError
 from runner.model import build_model
 
 CPU = torch.device("cpu")
@@ -38,27 +37,6 @@ def save_tiny(path: Path, seed: int, classes: int = 3) -> Path:
     torch.manual_seed(seed)
     torch.save(build_model(ModelConfig("tiny"), classes, CPU)[1].state_dict(), path)
     return path
-
-
-def stopped_after(steps: int, over: list[str], run_dir: Path) -> None:
-    """``over`` run with resume=auto into ``run_dir``, stopped by a SIGTERM after ``steps``
-    batches (its outputs and infer-state.json saved so far)."""
-    import runner.tasks
-
-    real = runner.tasks.InferStep.__call__
-    calls = []
-
-    def stop(self, batch):
-        if len(calls) == steps:
-            raise Interrupted("SIGTERM")
-        calls.append(1)
-        real(self, batch)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner.tasks.InferStep, "__call__", stop)
-        with pytest.raises(Interrupted):
-            run_in_process(*over, "resume=auto", run_dir=run_dir)
-    assert json.loads((run_dir / "infer-state.json").read_text())["steps"] == steps
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL_DATASET, read_metrics, run_cli
+from tests.conftest import SMALL_DATASET, assert_same, read_metrics, run_cli
 
 pytest.importorskip("obstore", reason="pip install -e '.[dev]'")
 
@@ -33,12 +33,6 @@ def batches(*overrides: str, loader: str) -> list[tuple[torch.Tensor, ...]]:
         return [(b["index"].clone(), b["label"].clone(), b["image"].clone()) for b in pipe]
     finally:
         pipe.close()
-
-
-def assert_same(a: list, b: list) -> None:
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
-        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL_DATASET, encode, photo
+from tests.conftest import SMALL_DATASET, assert_same, encode, photo
 
 SMALL = [o for o in SMALL_DATASET if not o.startswith("loader.num_workers")]
 
@@ -39,12 +39,6 @@ def batches(*overrides: str, loader: str = "shards", epochs: int = 1, figures: d
         return out
     finally:
         pipe.close()
-
-
-def assert_same(a: list, b: list) -> None:
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
-        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
 
 
 def test_prepared_shards_are_webdataset_shards_with_an_index(tmp_path, cache_dir):
