@@ -445,3 +445,67 @@ def test_erasing_zeroes_one_rectangle_per_chosen_image():
         share = float(erased[k].float().mean())
         assert 0.005 < share < 0.5
     assert torch.equal(out[~chosen], x[~chosen])
+
+
+class HostTensors(TorchDispatchMode):
+    """The tensors an operation is handed that came from neither the inputs nor an earlier
+    operation: made from Python values on the host (``x[1, 1] = 0.5`` lifts 0.5 to a CPU
+    tensor, a host copy that waits for a GPU, as ``torch.tensor(...)`` would)."""
+
+    def __init__(self, *inputs: torch.Tensor):
+        super().__init__()
+        self.known = list(inputs)  # kept alive: their ids stay theirs
+        self.host: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ids = {id(t) for t in self.known}
+        handed = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)]
+        self.host += [func._schema.name for t in handed if id(t) not in ids]
+        out = func(*args, **kwargs)
+        self.known += handed + [o for o in torch.utils._pytree.tree_leaves(out)
+                                if isinstance(o, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("name", sorted(T._KERNELS))
+def test_no_operation_kernel_makes_a_tensor_from_host_values(name):
+    """Each RandAugment/TrivialAugment kernel: every tensor an operation gets is an input or
+    an earlier operation's output, none made from a Python value (on a GPU a host copy:
+    the selfcheck's sync row on an H200 found Sharpness's ``kernel[1, 1] = 5 / 13``)."""
+    x, p = images(4, 16, 20), torch.rand(4, T.PARAMS)
+    with HostTensors(x, p) as log:
+        out = T._KERNELS[name](x, p)
+    assert out.shape == x.shape and log.host == [], log.host
+
+
+@pytest.mark.parametrize("cfg", [{"mixup": 0.4}, {"cutmix": 1.0}, {"color_jitter": 0.4},
+                                 {"erasing": 0.5}])
+def test_the_float_augmentations_make_no_tensor_from_host_values(cfg):
+    from runner.data.transforms import colour_jitter, erase
+
+    aug = TrainAugment(AugmentConfig(**cfg), seed=0)
+    batch = flat_batch()
+    x = batch["image"].float() / 255
+    run = {"color_jitter": lambda: colour_jitter(x, 0.4), "erasing": lambda: erase(x, 0.5)
+           }.get(next(iter(cfg)), lambda: aug._mix(x, batch))
+    run()  # once before: a library imported on first use builds its constants
+    with HostTensors(x, *batch.values()) as log:
+        run()
+    assert log.host == [], log.host
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(T._KERNELS))
+def test_on_cuda_no_operation_kernel_waits_for_the_device(name):
+    x = images(4, 16, 20).cuda()
+    p = T.GroupedAutoAugment(trivial=True).draw(4, 16, 20)[1][0].cuda()
+    T._KERNELS[name](x, p)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = T._KERNELS[name](x, p)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == x.shape

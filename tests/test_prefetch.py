@@ -147,6 +147,34 @@ def test_gpu_decode_path_matches_cpu_decoding(tmp_path: Path):
         assert (got[k].int() - expected.int()).abs().float().mean() < 0.5, storage.samples[i][0]
 
 
+def test_gpu_decoding_keeps_the_loaders_workers_from_epoch_to_epoch(tmp_path: Path):
+    """The GPU-decoding stage shut the persistent workers down at each epoch's end: a node's
+    16 workers started again every epoch (the selfcheck's nvjpeg row on an H200 spent most of
+    its time there). Kept across epochs now, and shut down at the stream's end or when it
+    is cut short."""
+    tree = make_tree(tmp_path / "t", {f"a/{k}.jpg": encode(photo(32, 40, index=k))
+                                      for k in range(8)})
+    storage = FolderStorage(tree, ReadBytes(ImageDecoder(Decoder.pil, (24, 24), Crop.center)),
+                            OnCorrupt.skip)
+    cfg = LoaderConfig(name=StorageName.folder, batch_size=4, num_workers=2, shuffle=False,
+                       persistent_workers=True)
+    for cut_short in (False, True):
+        loader = make_loader(storage, cfg, seed=0, pin_memory=False)
+        stream = BatchStream(GpuDecodedBatches(loader, storage, torch.device("cpu")), epochs=3)
+        workers = []
+        batches = iter(stream)
+        for k, _ in enumerate(batches):
+            workers.append(tuple(loader._iterator._workers))
+            if cut_short and k == 3:
+                batches.close()
+                break
+        assert len(workers) == (4 if cut_short else 6) and len(set(workers)) == 1
+        assert loader._iterator is None
+        for worker in workers[0]:
+            worker.join(timeout=10)
+            assert not worker.is_alive()
+
+
 def test_encoded_batches_pack_into_one_buffer():
     from runner.data.storage.base import Sample
 
@@ -282,6 +310,36 @@ def test_nvjpeg_pixels_are_close_to_cpu_decoding(tmp_path: Path):
         for img, i in zip(batch["image"].cpu(), batch["index"].tolist()):
             expected = reference(bytearray(Path(storage.samples[i][0]).read_bytes()))
             assert (img.int() - expected.int()).abs().float().mean() < 2.0
+
+
+def _groups_against_one_by_one(device: torch.device) -> None:
+    """nvjpeg's grouped finish (one resize per size, window and flip) gives each image the
+    pixels it gets alone, flipped or not, enlarged or reduced or only cropped."""
+    from runner.data.storage.decode import Box, resize_crop, resize_crop_many
+
+    gen = torch.Generator().manual_seed(0)
+    imgs = [torch.randint(0, 256, (3, 60, 80), generator=gen, dtype=torch.uint8).to(device)
+            for _ in range(5)]
+    decoder = ImageDecoder(Decoder.simplejpeg, (24, 24), Crop.center)
+    for box in (Box(3.2, 5.0, 40.0, 52.0), Box(0, 0, 60, 80), Box(10, 10, 24, 24),
+                Box(20, 30, 12, 16)):
+        many = resize_crop_many(imgs, box, (24, 24))
+        assert many.shape == (5, 3, 24, 24) and many.device.type == device.type
+        for k, img in enumerate(imgs):
+            assert torch.equal(many[k], resize_crop(img, box, (24, 24)))
+        for flip in (False, True):
+            grouped = decoder.finish_many(imgs, box, flip)
+            for k, img in enumerate(imgs):
+                assert torch.equal(grouped[k], decoder.finish(img, box, flip)), (box, flip, k)
+
+
+def test_a_group_resized_at_once_has_each_images_own_pixels():
+    _groups_against_one_by_one(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+def test_a_group_resized_at_once_on_the_gpu_has_each_images_own_pixels():
+    _groups_against_one_by_one(torch.device("cuda"))
 
 
 def test_the_prefetch_thread_keeps_torch_to_one_core_and_the_main_thread_its_own():

@@ -277,8 +277,9 @@ _NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
 def shutdown_workers(loader: DataLoader, iterator=None) -> None:
     """Stop a DataLoader's worker processes now, not whenever garbage collection runs.
 
-    A persistent iterator lives on the DataLoader; an iterator left behind by an exception
-    lives on in its traceback. Either keeps its workers running (and competing for CPU with
+    A persistent iterator lives on the DataLoader (a stage above it, as GPU decoding is,
+    holds it as ``loader``); an iterator left behind by an exception lives on in its
+    traceback. Either keeps its workers running (and competing for CPU with
     the next job of a sweep) until collected, and collection then blocks for seconds.
     """
     for it in (iterator, getattr(loader, "_iterator", None)):
@@ -288,6 +289,9 @@ def shutdown_workers(loader: DataLoader, iterator=None) -> None:
             it.close()
     if hasattr(loader, "_iterator"):
         loader._iterator = None
+    inner = getattr(loader, "loader", None)  # a stage above a loader (GPU decoding): its own
+    if isinstance(inner, DataLoader):
+        shutdown_workers(inner)
 
 
 class BatchStream:

@@ -4,7 +4,9 @@ The storage's items are raw bytes (runner/data/storage/encoded.py), packed per b
 uint8 tensor and its offsets. ``GpuDecodedBatches`` wraps the loader and, batch by batch,
 decodes every JPEG in
 one ``torchvision.io.decode_jpeg(list, device="cuda")`` call, then applies the EXIF
-orientation and the crop and resize on the GPU, with the geometry the CPU decoders use.
+orientation and the crop and resize on the GPU, with the geometry the CPU decoders use:
+images of one size, crop window and flip (a centre-cropped folder of one image size: the
+whole batch) are resized in one call, not one call each.
 What nvjpeg cannot read (PNG, CMYK, a file it rejects) is decoded on the CPU by PIL and
 moved over; what nothing can read is skipped and counted, as everywhere else.
 """
@@ -19,8 +21,8 @@ from runner.data.loader import shutdown_workers
 from runner.data.storage.base import SkippedFile
 from runner.data.storage.decode import (
     CorruptImageError,
-    JpegHeader,
     apply_orientation,
+    pixel_window,
     read_jpeg_header,
 )
 from runner.data.storage.folder import FolderStorage
@@ -48,15 +50,17 @@ class GpuDecodedBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
-        iterator = iter(self.loader)
+        iterator, finished = iter(self.loader), False
         try:
             for batch, skipped in iterator:
                 if batch is None:
                     yield None, skipped
                 else:
                     yield self.decode_batch(batch, skipped)
-        finally:
-            shutdown_workers(self.loader, iterator)
+            finished = True
+        finally:  # an epoch that ends keeps persistent workers for the next (a stream's
+            if not finished:  # end shuts them down through ``loader``); one cut short not
+                shutdown_workers(self.loader, iterator)
 
     def decode_batch(self, batch: dict, skipped: list[SkippedFile]):
         offsets = batch["jpeg_offsets"].tolist()
@@ -65,9 +69,18 @@ class GpuDecodedBatches:
         headers = [read_jpeg_header(memoryview(d.numpy())) for d in data]
         on_gpu = [k for k, h in enumerate(headers) if h is not None and h.components in (1, 3)]
         images: list[torch.Tensor | None] = [None] * len(data)
+        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         for k, img in zip(on_gpu, self._nvjpeg([data[k] for k in on_gpu])):
-            if img is not None:
-                images[k] = self._finish(img, headers[k], _seed(seeds[k]))
+            if img is not None:  # upright, then grouped by size, crop window and flip
+                img = apply_orientation(img, headers[k].orientation)
+                box, flip = self.decoder.box_for(*img.shape[-2:], _seed(seeds[k]))
+                key = (*img.shape[-2:], pixel_window(box, *img.shape[-2:]), flip)
+                groups.setdefault(key, []).append((k, img, box))
+        for (_, _, _, flip), members in groups.items():  # one resize per group
+            done = self.decoder.finish_many([img for _, img, _ in members], members[0][2],
+                                            flip)
+            for row, (k, _, _) in enumerate(members):
+                images[k] = done[row]
         for k in range(len(data)):
             if images[k] is None:  # nvjpeg could not: PIL on the CPU, or skip
                 images[k] = self._cpu_fallback(data[k], int(batch["index"][k]), skipped,
@@ -99,13 +112,6 @@ class GpuDecodedBatches:
                 except RuntimeError:
                     out.append(None)
             return out
-
-    def _finish(self, img: torch.Tensor, header: JpegHeader,
-                seed: int | None = None) -> torch.Tensor:
-        """Upright, then the CPU path's crop: the same box (a random one from the image's
-        own seed, drawn in the same order) and resize, on the device."""
-        img = apply_orientation(img, header.orientation)
-        return self.decoder.finish(img, *self.decoder.box_for(*img.shape[-2:], seed))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """To the device from pinned memory: an asynchronous copy, not a sync each."""

@@ -169,7 +169,7 @@ def _sharpness(images: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if h <= 2 or w <= 2:
         return images
     kernel = torch.full((3, 3), 1.0 / 13.0, device=images.device)
-    kernel[1, 1] = 5.0 / 13.0
+    kernel[1, 1].fill_(5.0 / 13.0)  # a fill on the device (``kernel[1, 1] = x``: a host copy)
     out = images.float()
     blurred = nnf.conv2d(out, kernel.expand(c, 1, 3, 3), groups=c).round_()
     view = out[..., 1:-1, 1:-1]
