@@ -52,6 +52,7 @@ from runner.data.threads import cuda_index
 from runner.distributed import local_module
 from runner.errors import Diverged, UserError
 from runner.model import split_input
+from runner.optim import OPTIMIZER_TASK_KEYS, SCHEDULE_TASK_KEYS, optimizer_options
 
 log = logging.getLogger("runner")
 
@@ -245,12 +246,13 @@ MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
 
 # What a resume applies when it differs from the checkpoint's (said in the log): the
 # learning rate, its schedule and the plan's length (the schedule is rebuilt over them)...
+# (the keys each schedule reads: its record in runner/optim.py)...
 SCHEDULE_KEYS = ("task.lr", "task.scale_lr", "task.schedule", "task.warmup_steps",
-                 "task.warmup_epochs", "task.min_lr", "task.step_epochs", "task.step_gamma",
+                 "task.warmup_epochs", *(f"task.{k}" for k in SCHEDULE_TASK_KEYS),
                  "run.steps", "run.epochs")
-# ... and the optimizer's other hyperparameters (set on its parameter groups)
-OPTIMIZER_KEYS = ("task.weight_decay", "task.momentum", "task.nesterov", "task.betas",
-                  "task.eps")
+# ... and the optimizer's other hyperparameters (set on its parameter groups; each
+# optimizer's keys: its record)
+OPTIMIZER_KEYS = ("task.weight_decay", *(f"task.{k}" for k in OPTIMIZER_TASK_KEYS))
 
 
 def data_fingerprint(storage: Any) -> dict[str, Any]:
@@ -486,8 +488,6 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "",
     # a CUDA run whose GradScaler then hands the foreach path grad_scale; a CUDA run's
     # fused=True on the CPU): this run's device decides them, set before loading, since
     # load_state_dict places state by them (AdamW's step counts go to the device for fused)
-    from runner.optim import optimizer_options
-
     options = optimizer_options(next(network(step.model).parameters()).device)
     saved = dict(state["optimizer"])
     saved["param_groups"] = [{**group, **{key: options.get(key) for key in ("fused", "foreach")

@@ -1,13 +1,17 @@
 """``task=train``'s optimizer, learning-rate schedule and EMA, from torch.optim.
 
-- **optimizer** (``task.optimizer``): SGD with momentum (``task.nesterov``) or AdamW
-  (``task.betas``, ``task.eps``); the fused kernel on CUDA (one launch for every parameter,
-  and a GradScaler step without a sync), torch's default elsewhere. Normalization layers'
-  weights and every bias get no weight decay unless ``task.decay_norm_and_bias=true`` (the
-  usual practice: decaying them only hurts). ``task.scale_lr=true`` sets the learning rate
-  to ``task.lr * global batch / 256`` (Goyal et al., 2017), said in the log.
-- **schedule** (``task.schedule``): constant, cosine (to ``task.min_lr``), step (times
-  ``task.step_gamma`` every ``task.step_epochs``), or one-cycle, after a linear warm-up of
+- **optimizer** (``task.optimizer``): one ``OptimizerKind`` record per ``OptimizerName`` in
+  ``OPTIMIZERS`` (its torch.optim class, the ``task.*`` keys it reads and hands the class
+  under the same names, whether one-cycle cycles its momentum, the state it starts from):
+  SGD with momentum (``task.nesterov``) or AdamW (``task.betas``, ``task.eps``); the fused
+  kernel on CUDA (one launch for every parameter, and a GradScaler step without a sync),
+  torch's default elsewhere. Normalization layers' weights and every bias get no weight
+  decay unless ``task.decay_norm_and_bias=true`` (the usual practice: decaying them only
+  hurts). ``task.scale_lr=true`` sets the learning rate to ``task.lr * global batch / 256``
+  (Goyal et al., 2017), said in the log. A new optimizer is its enum value and one record.
+- **schedule** (``task.schedule``): one ``ScheduleKind`` record per ``ScheduleName`` in
+  ``SCHEDULES``: constant, cosine (to ``task.min_lr``), step (times ``task.step_gamma``
+  every ``task.step_epochs``), or one-cycle (its own warm-up), after a linear warm-up of
   ``task.warmup_steps`` optimizer steps (or ``task.warmup_epochs``' worth), stepped once per
   optimizer step over the whole plan (``run.epochs`` or ``run.steps``, a resumed run's
   steps included): torch.optim.lr_scheduler's, chained with SequentialLR.
@@ -31,6 +35,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -78,24 +85,9 @@ def learning_rate(cfg: TaskConfig, global_batch: int | None) -> float:
     return lr
 
 
-def build_optimizer(model: nn.Module, cfg: TaskConfig, device: torch.device,
-                    lr: float | None = None, options: dict[str, Any] | None = None
-                    ) -> torch.optim.Optimizer:
-    """``task.optimizer`` over ``model``'s parameter groups; ``options``: the
-    implementation (default: the device's, ``optimizer_options``)."""
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
-    options = optimizer_options(device) if options is None else options
-    lr = cfg.lr if lr is None else lr
-    if cfg.optimizer is OptimizerName.adamw:
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **options)
-    optimizer = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                                **options)
-    zero_momentum(optimizer)
-    return optimizer
-
-
-def zero_momentum(optimizer: torch.optim.SGD) -> None:
-    """Momentum buffers that start at zero, before the first step.
+def fill_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Momentum buffers that start at zero, before the first step (a resumed checkpoint's
+    are kept; one trained without momentum has none: zeros, as a fresh run's).
 
     Fused SGD makes them with ``empty_like`` on its first step and fills them inside the
     kernel, which returns at once when the GradScaler found an overflow: a first step that
@@ -105,46 +97,178 @@ def zero_momentum(optimizer: torch.optim.SGD) -> None:
     else changes.
     """
     for group in optimizer.param_groups:
-        if group["momentum"] == 0:
+        if not group.get("momentum"):
             continue
-        if group["dampening"] != 0:
-            raise ValueError("zero_momentum is exact only with dampening=0")
+        if group.get("dampening", 0) != 0:
+            raise ValueError("fill_momentum is exact only with dampening=0")
         for p in group["params"]:
-            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            if optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def _never(cfg: TaskConfig) -> bool:
+    return False
+
+
+def _nothing(optimizer: torch.optim.Optimizer) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """What the runner knows of one ``task.optimizer``.
+
+    Args:
+        name: its ``task.optimizer`` value.
+        make: the torch.optim class (or a function of the same call): ``make(param_groups,
+            lr=..., **hyperparameters, **implementation options)``.
+        keys: the ``task.*`` keys it reads beyond ``lr`` and ``weight_decay``, each handed
+            to ``make`` (and set again on its parameter groups by a resume) under its own
+            name (a list becomes a tuple: ``betas``).
+        cycles_momentum: whether ``task.schedule=onecycle`` cycles its momentum (or betas).
+        prepare: the state it starts from, before the first step (and after a checkpoint's
+            is loaded).
+    """
+
+    name: Enum
+    make: Callable[..., torch.optim.Optimizer]
+    keys: tuple[str, ...] = ()
+    cycles_momentum: Callable[[TaskConfig], bool] = _never
+    prepare: Callable[[torch.optim.Optimizer], None] = _nothing
+
+    def hyperparameters(self, cfg: TaskConfig) -> dict[str, Any]:
+        """``task.<key>`` of each of its keys, as its parameter groups hold them."""
+        values = {key: getattr(cfg, key) for key in self.keys}
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
+SGD = OptimizerKind(OptimizerName.sgd, torch.optim.SGD, keys=("momentum", "nesterov"),
+                    cycles_momentum=lambda cfg: cfg.momentum > 0, prepare=fill_momentum)
+ADAMW = OptimizerKind(OptimizerName.adamw, torch.optim.AdamW, keys=("betas", "eps"))
+OPTIMIZERS: dict[Enum, OptimizerKind] = {k.name: k for k in (SGD, ADAMW)}
+
+
+def build_optimizer(model: nn.Module, cfg: TaskConfig, device: torch.device,
+                    lr: float | None = None, options: dict[str, Any] | None = None
+                    ) -> torch.optim.Optimizer:
+    """``task.optimizer`` (its record in ``OPTIMIZERS``) over ``model``'s parameter groups;
+    ``options``: the implementation (default: the device's, ``optimizer_options``)."""
+    kind = OPTIMIZERS[cfg.optimizer]
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
+    options = optimizer_options(device) if options is None else options
+    lr = cfg.lr if lr is None else lr
+    optimizer = kind.make(groups, lr=lr, **kind.hyperparameters(cfg), **options)
+    kind.prepare(optimizer)
+    return optimizer
 
 
 def warmup_updates(cfg: TaskConfig, updates_per_epoch: int) -> int:
     return int(cfg.warmup_steps or round(cfg.warmup_epochs * updates_per_epoch))
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_updates: int,
-                   updates_per_epoch: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """The learning rate per optimizer step over ``total_updates`` of them."""
-    sched = torch.optim.lr_scheduler
-    total = max(int(total_updates), 1)
-    warmup = min(warmup_updates(cfg, max(updates_per_epoch, 1)), total - 1)
-    if cfg.schedule is ScheduleName.onecycle and total >= 4:
-        # its own warm-up: the first 30%, or the warm-up asked (two steps at least: a
-        # one-step phase divides by zero inside OneCycleLR)
-        return sched.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
-                                total_steps=total, pct_start=(max(warmup, 2) / total)
-                                if warmup else 0.3,
-                                cycle_momentum=cfg.optimizer is OptimizerName.sgd
-                                and cfg.momentum > 0)
-    if cfg.schedule is ScheduleName.cosine:
-        main = sched.CosineAnnealingLR(optimizer, T_max=max(total - warmup, 1),
-                                       eta_min=cfg.min_lr)
-    elif cfg.schedule is ScheduleName.step:
-        main = sched.StepLR(optimizer, step_size=max(1, round(cfg.step_epochs *
-                                                              updates_per_epoch)),
-                            gamma=cfg.step_gamma)
-    else:
-        main = sched.LambdaLR(optimizer, lambda step: 1.0)
+@dataclass(frozen=True)
+class Span:
+    """What a schedule spans: ``total`` optimizer steps (>= 1), the first ``warmup`` of
+    them a linear warm-up (< total), ``per_epoch`` of them an epoch."""
+
+    total: int
+    warmup: int
+    per_epoch: int
+
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """What the runner knows of one ``task.schedule``.
+
+    Args:
+        name: its ``task.schedule`` value.
+        build: ``build(optimizer, cfg, span)``: the schedule after the warm-up (or the
+            whole schedule, with ``own_warmup``).
+        keys: the ``task.*`` keys it reads (beyond ``lr`` and the warm-up's).
+        own_warmup: it makes its own warm-up from ``span.warmup``: nothing is chained
+            before it.
+    """
+
+    name: Enum
+    build: Callable[[torch.optim.Optimizer, TaskConfig, Span], Scheduler]
+    keys: tuple[str, ...] = ()
+    own_warmup: bool = False
+
+
+def after_warmup(optimizer: torch.optim.Optimizer, main: Scheduler, warmup: int) -> Scheduler:
+    """``main`` after a linear ramp of ``warmup`` optimizer steps from lr/(warmup + 1)."""
     if warmup <= 0:
         return main
+    sched = torch.optim.lr_scheduler
     ramp = sched.LinearLR(optimizer, start_factor=1.0 / (warmup + 1), end_factor=1.0,
                           total_iters=warmup)
     return sched.SequentialLR(optimizer, [ramp, main], milestones=[warmup])
+
+
+def _constant(optimizer: torch.optim.Optimizer, cfg: TaskConfig, span: Span) -> Scheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def _cosine(optimizer: torch.optim.Optimizer, cfg: TaskConfig, span: Span) -> Scheduler:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=max(span.total - span.warmup, 1), eta_min=cfg.min_lr)
+
+
+def _step(optimizer: torch.optim.Optimizer, cfg: TaskConfig, span: Span) -> Scheduler:
+    return torch.optim.lr_scheduler.StepLR(
+        optimizer, step_size=max(1, round(cfg.step_epochs * span.per_epoch)),
+        gamma=cfg.step_gamma)
+
+
+def _onecycle(optimizer: torch.optim.Optimizer, cfg: TaskConfig, span: Span) -> Scheduler:
+    if span.total < 4:  # too short to cycle: constant after the warm-up
+        return after_warmup(optimizer, _constant(optimizer, cfg, span), span.warmup)
+    # its own warm-up: the first 30%, or the warm-up asked (two steps at least: a one-step
+    # phase divides by zero inside OneCycleLR)
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=[g["lr"] for g in optimizer.param_groups], total_steps=span.total,
+        pct_start=(max(span.warmup, 2) / span.total) if span.warmup else 0.3,
+        cycle_momentum=OPTIMIZERS[cfg.optimizer].cycles_momentum(cfg))
+
+
+SCHEDULES: dict[Enum, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind(ScheduleName.constant, _constant),
+    ScheduleKind(ScheduleName.cosine, _cosine, keys=("min_lr",)),
+    ScheduleKind(ScheduleName.step, _step, keys=("step_epochs", "step_gamma")),
+    ScheduleKind(ScheduleName.onecycle, _onecycle, own_warmup=True),
+)}
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_updates: int,
+                   updates_per_epoch: int) -> Scheduler:
+    """The learning rate per optimizer step over ``total_updates`` of them: ``task.schedule``
+    (its record in ``SCHEDULES``) after the warm-up."""
+    kind = SCHEDULES[cfg.schedule]
+    total = max(int(total_updates), 1)
+    span = Span(total, min(warmup_updates(cfg, max(updates_per_epoch, 1)), total - 1),
+                updates_per_epoch)
+    main = kind.build(optimizer, cfg, span)
+    return main if kind.own_warmup else after_warmup(optimizer, main, span.warmup)
+
+
+# the task.* keys the optimizer and the schedule read, besides task.lr and the warm-up's
+# (a resume compares them with the checkpoint's: runner/checkpoint.py)
+OPTIMIZER_TASK_KEYS = tuple(dict.fromkeys(k for kind in OPTIMIZERS.values() for k in kind.keys))
+SCHEDULE_TASK_KEYS = tuple(dict.fromkeys(k for kind in SCHEDULES.values() for k in kind.keys))
+
+
+def _check_registries() -> None:
+    for enum, registry in ((OptimizerName, OPTIMIZERS), (ScheduleName, SCHEDULES)):
+        missing = [m.value for m in enum if m not in registry]
+        if missing:
+            raise ImportError(f"runner/optim.py has no record for {enum.__name__} "
+                              f"{', '.join(missing)}: add one to its registry")
+
+
+_check_registries()
 
 
 class AveragedNetwork(nn.Module):

@@ -359,3 +359,66 @@ def test_an_adamw_checkpoint_of_another_device_loads_with_this_devices_options(t
     checkpoint.restore(again, state)
     assert all(g["fused"] is None for g in again.optimizer.param_groups)
     again(batches(1)[0])  # and it steps
+
+
+def test_a_new_optimizer_is_its_enum_value_and_one_record(monkeypatch):
+    """RMSprop registered as an optimizer of its own (a value of an enum and its record):
+    the run builds it with the keys its record names, one-cycle cycles its momentum as the
+    record says, and a few steps train with it."""
+    from enum import Enum
+
+    from runner.optim import OPTIMIZERS, OptimizerKind
+
+    extra = Enum("OptimizerName", {"rmsprop": "rmsprop"})
+    monkeypatch.setitem(OPTIMIZERS, extra.rmsprop, OptimizerKind(
+        extra.rmsprop, torch.optim.RMSprop, keys=("momentum", "eps"),
+        cycles_momentum=lambda cfg: cfg.momentum > 0))
+    cfg = task(optimizer=extra.rmsprop, lr=0.01, momentum=0.5, eps=1e-6,
+               schedule=ScheduleName.onecycle)
+    step = TrainStep(small_model(), cfg, total_steps=6)
+    assert isinstance(step.optimizer, torch.optim.RMSprop)
+    assert {g["eps"] for g in step.optimizer.param_groups} == {1e-6}
+    assert step.schedule.cycle_momentum  # the record's answer, not SGD's
+    before = [p.detach().clone() for p in step.model.parameters()]
+    data = batches(6)
+    for batch in data:
+        step(batch)
+    step.close()
+    assert all(torch.isfinite(p).all() for p in step.model.parameters())
+    assert any(not torch.equal(p, b) for p, b in zip(step.model.parameters(), before))
+    assert step.schedule.last_epoch == 6
+    for group in step.optimizer.param_groups:  # a resume sets the record's keys again
+        group["eps"] = 1.0
+    step.apply_config(rebuild_schedule=True, updates=6)
+    assert {g["eps"] for g in step.optimizer.param_groups} == {1e-6}
+
+
+def test_a_new_schedule_is_its_enum_value_and_one_record(monkeypatch):
+    """An exponential decay registered as a schedule of its own runs after the warm-up,
+    reading the key its record names."""
+    from enum import Enum
+
+    from runner.optim import SCHEDULES, ScheduleKind
+
+    extra = Enum("ScheduleName", {"exponential": "exponential"})
+    monkeypatch.setitem(SCHEDULES, extra.exponential, ScheduleKind(
+        extra.exponential, lambda optimizer, cfg, span: torch.optim.lr_scheduler.ExponentialLR(
+            optimizer, gamma=cfg.step_gamma), keys=("step_gamma",)))
+    cfg = task(lr=0.1, schedule=extra.exponential, step_gamma=0.5, warmup_steps=2)
+    step = TrainStep(small_model(), cfg, total_steps=6)
+    lrs = []
+    for batch in batches(6):
+        lrs.append(step.lr)
+        step(batch)
+    assert lrs == pytest.approx([0.1 / 3, 0.1 * 2 / 3, 0.1, 0.05, 0.025, 0.0125])
+
+
+def test_every_optimizer_and_schedule_has_a_record_whose_keys_are_task_keys():
+    from runner.optim import OPTIMIZERS, SCHEDULES
+
+    assert set(OPTIMIZERS) == set(OptimizerName) and set(SCHEDULES) == set(ScheduleName)
+    fields = set(TaskConfig.__dataclass_fields__)
+    for kind in [*OPTIMIZERS.values(), *SCHEDULES.values()]:
+        assert set(kind.keys) <= fields, kind.name
+    assert checkpoint.OPTIMIZER_KEYS == ("task.weight_decay", "task.momentum",
+                                         "task.nesterov", "task.betas", "task.eps")

@@ -34,7 +34,7 @@ from runner.errors import ConfigError, Diverged
 from runner.loop import Step
 from runner.metrics import MAX_PENDING_EVENTS, DeviceClock
 from runner.model import split_input
-from runner.optim import Ema, build_optimizer, build_schedule, learning_rate, updates_in
+from runner.optim import OPTIMIZERS, Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.tasks.base import RunContext, TaskBase
 from runner.tasks.validation import Validation
 
@@ -242,26 +242,15 @@ class TrainStep:
         optimizer steps done: the rate in force is the new schedule's at that step.
         Without it the checkpoint's schedule state (loaded already) stands, and with it
         the rates the groups hold."""
-        cfg = self.cfg
+        kind = OPTIMIZERS[self.cfg.optimizer]
         # one-cycle with momentum cycling owns the groups' momentum (or betas) too
         cycles = bool(getattr(self.schedule, "cycle_momentum", False))
+        hyper = {k: v for k, v in kind.hyperparameters(self.cfg).items()
+                 if rebuild_schedule or not cycles or k not in ("momentum", "betas")}
         for group, decay in zip(self.optimizer.param_groups, self._weight_decay):
             group["weight_decay"] = decay
-            if "nesterov" in group:
-                group["nesterov"] = cfg.nesterov
-            if "eps" in group:
-                group["eps"] = cfg.eps
-            if rebuild_schedule or not cycles:
-                if "momentum" in group:
-                    group["momentum"] = cfg.momentum
-                if "betas" in group:
-                    group["betas"] = tuple(cfg.betas)
-        for group in self.optimizer.param_groups:  # a checkpoint trained without momentum
-            if not group.get("momentum"):          # has no buffers: zeros, as a fresh run's
-                continue                           # (runner/optim.py's zero_momentum)
-            for p in group["params"]:
-                if self.optimizer.state[p].get("momentum_buffer") is None:
-                    self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            group.update({k: v for k, v in hyper.items() if k in group})
+        kind.prepare(self.optimizer)  # e.g. a checkpoint trained without momentum: zeros
         if not rebuild_schedule:
             return
         for group in self.optimizer.param_groups:  # as a fresh optimizer's: the base rate
