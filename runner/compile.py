@@ -1,5 +1,10 @@
 """``compile=``: eager, torchscript, inductor, tensorrt or onnxruntime, verified against eager.
 
+Each backend is one ``Backend`` record in ``BACKENDS`` (keyed by ``CompileName``): how it
+builds the compiled model, what it needs (a package, CUDA, inference, float32), whether it
+runs under autocast, and the one-line reason a run is skipped when one of those is missing
+(``Backend.check``, an ``Unavailable``). A new backend is its enum value and one record.
+
 ``onnxruntime`` exports the whole model, uint8 input layer included, to ONNX
 (runner/export.py) and runs it in an onnxruntime session: the CPU execution provider, or
 CUDA's on a CUDA device (onnxruntime-gpu; else the run is skipped naming it). Its graph is
@@ -22,6 +27,8 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -93,18 +100,7 @@ ENGINE_FORMATS = {EngineFormat.exported_program: ("exported_program", ".pt2"),
 
 def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
               amp: AmpConfig, cache: Path) -> nn.Module:
-    device = example.device
-    if device.type != "cuda":
-        raise Unavailable("compile=tensorrt builds NVIDIA TensorRT engines and needs CUDA; "
-                          "this run's device is " + device.type)
-    if train:
-        raise Unavailable("compile=tensorrt builds inference engines: use task=infer, or "
-                          "compile=inductor to train")
-    try:
-        import torch_tensorrt
-    except ImportError as e:
-        raise Unavailable("compile=tensorrt needs torch-tensorrt: pip install -e "
-                          "'.[tensorrt]' (a CUDA machine with TensorRT)") from e
+    import torch_tensorrt
     from filelock import FileLock
 
     # The uint8 input layer stays eager; TensorRT gets the backbone, in the amp dtype.
@@ -143,12 +139,6 @@ def _onnxruntime(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, tr
     from runner.data.threads import cores
     from runner.export import OnnxRuntimeModel, export_onnx
 
-    if train:
-        raise Unavailable("compile=onnxruntime runs an exported inference graph and cannot "
-                          "train: use task=infer, or compile=inductor to train")
-    if amp.name is not AmpName.off:
-        raise Unavailable(f"compile=onnxruntime runs the exported float32 graph; "
-                          f"amp={amp.name.value} does not reach it: use amp=off")
     onnx_model = export_onnx(model, example)
     compiled = OnnxRuntimeModel(onnx_model, example.device, threads=cores())
     log.info("compile=onnxruntime: %s", ", ".join(compiled.providers))
@@ -200,19 +190,118 @@ def _engine_key(backbone: nn.Module, shape, dtype, cfg: CompileConfig) -> str:
     return digest.hexdigest()[:20]
 
 
-BACKENDS: dict[CompileName, Callable[..., nn.Module] | None] = {
-    CompileName.eager: None,
-    CompileName.torchscript: _torchscript,
-    CompileName.inductor: _inductor,
-    CompileName.tensorrt: _tensorrt,
-    CompileName.onnxruntime: _onnxruntime,
-}
+def _require_tensorrt() -> None:
+    try:
+        import torch_tensorrt  # noqa: F401
+    except ImportError as e:
+        raise Unavailable("compile=tensorrt needs torch-tensorrt: pip install -e "
+                          "'.[tensorrt]' (a CUDA machine with TensorRT)") from e
+
+
+def _require_onnxruntime() -> None:
+    from runner.export import _require_onnx
+
+    _require_onnx()
+
+
+def _inductor_freezing(cfg: CompileConfig, train: bool) -> AbstractContextManager:
+    """Inductor's freezing (weights as constants, prepacked for the CPU's kernels) for
+    inference: measured here on resnet18 at 224x224, 44 -> 52 images/s over plain inductor."""
+    if cfg.freeze and not train:
+        import torch._inductor.config
+
+        return torch._inductor.config.patch(freezing=True)
+    return contextlib.nullcontext()
+
+
+def _plain(cfg: CompileConfig, train: bool) -> AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+Build = Callable[[nn.Module, CompileConfig, torch.Tensor, bool, AmpConfig, Path], nn.Module]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What the runner knows of one ``compile=`` backend.
+
+    Args:
+        name: its ``compile.name``.
+        build: ``build(model, cfg, example, train, amp, cache)``: the compiled model
+            (``example``: one real uint8 batch on the model's device; ``cache``: where it
+            may keep what it built). None: the eager model itself.
+        devices: the device types it runs on.
+        trains: whether it can train; else why not (a phrase after ``compile=<name>``),
+            and the run is skipped naming task=infer and a backend that trains.
+        autocast: whether it runs under ``amp=``'s autocast; False: its precision is its
+            engine's or graph's own.
+        float32: None, or why it runs in float32 alone (a phrase): an ``amp=`` other than
+            off is skipped naming amp=off.
+        under_ddp: None, or why it cannot compile a DistributedDataParallel model (a
+            phrase): training under torchrun with it is skipped naming the alternatives.
+        requires: raises ``Unavailable`` naming the install when what it needs (a package)
+            is missing.
+        what: what it does, for the message when this run's device is not one of
+            ``devices``.
+        warm_in: the context its first calls (compiling, for inductor) run in.
+    """
+
+    name: Enum
+    build: Build | None
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    trains: bool | str = True
+    autocast: bool = True
+    float32: str | None = None
+    under_ddp: str | None = None
+    requires: Callable[[], None] | None = None
+    what: str = ""
+    warm_in: Callable[[CompileConfig, bool], AbstractContextManager] = _plain
+
+    def check(self, device: torch.device, train: bool, amp: AmpConfig) -> None:
+        """An ``Unavailable`` naming the fix when this run cannot use it: the device, a
+        training run, the precision or a missing package, in that order."""
+        name = f"compile={self.name.value}"
+        if device.type not in self.devices:
+            needs = " or ".join(d.upper() for d in self.devices)
+            raise Unavailable(f"{name} {self.what} and needs {needs}; this run's device is "
+                              f"{device.type}")
+        if train and self.trains is not True:
+            raise Unavailable(f"{name} {self.trains}: use task=infer, or compile=inductor to "
+                              "train")
+        if self.float32 and amp.name is not AmpName.off:
+            raise Unavailable(f"{name} {self.float32}; amp={amp.name.value} does not reach "
+                              "it: use amp=off")
+        if self.requires is not None:
+            self.requires()
+
+    def check_replicas(self) -> None:
+        """An ``Unavailable`` when it cannot compile a DistributedDataParallel model."""
+        if self.under_ddp:
+            raise Unavailable(f"compile={self.name.value} {self.under_ddp}: use "
+                              "compile=inductor or compile=eager under torchrun")
+
+
+BACKENDS: dict[Enum, Backend] = {b.name: b for b in (
+    Backend(CompileName.eager, None),
+    Backend(CompileName.torchscript, _torchscript,
+            under_ddp="cannot trace a DistributedDataParallel model"),
+    Backend(CompileName.inductor, _inductor, warm_in=_inductor_freezing),
+    Backend(CompileName.tensorrt, _tensorrt, devices=("cuda",), autocast=False,
+            trains="builds inference engines", requires=_require_tensorrt,
+            what="builds NVIDIA TensorRT engines"),
+    Backend(CompileName.onnxruntime, _onnxruntime, autocast=False,
+            trains="runs an exported inference graph and cannot train",
+            float32="runs the exported float32 graph", requires=_require_onnxruntime),
+)}
+_missing = [n.value for n in CompileName if n not in BACKENDS]
+if _missing:
+    raise ImportError(f"runner/compile.py has no Backend record for compile={_missing}")
 
 
 def uses_autocast(cfg: CompileConfig) -> bool:
-    """TensorRT and onnxruntime take their precision from the engine or graph; everything
-    else runs under autocast."""
-    return cfg.name not in (CompileName.tensorrt, CompileName.onnxruntime)
+    """Whether the compiled model runs under autocast (TensorRT and onnxruntime take their
+    precision from the engine or graph): its record's ``autocast``."""
+    return BACKENDS[cfg.name].autocast
 
 
 def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: TaskName,
@@ -229,29 +318,21 @@ def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: Ta
     backend = BACKENDS[cfg.name]
     train = task is TaskName.train
     device = example.device
-    if backend is None and device.type != "cuda":
+    backend.check(device, train, amp)
+    if backend.build is None and device.type != "cuda":
         return model, 0.0
     synchronize(device)
     start = time.perf_counter()
     # eager on CUDA is warmed too: cuDNN's autotuner (torch.backends.cudnn.benchmark) picks
     # its kernels on the first call of each shape, the short last batch's included
-    compiled = model if backend is None else backend(model, cfg, example, train, amp, cache)
-    with _freezing(cfg, train):  # inductor compiles on the first calls, made here
-        _warm(model, compiled, example, shapes, train, amp if uses_autocast(cfg) else None)
+    compiled = model if backend.build is None else backend.build(model, cfg, example, train,
+                                                                 amp, cache)
+    with backend.warm_in(cfg, train):  # inductor compiles on the first calls, made here
+        _warm(model, compiled, example, shapes, train, amp if backend.autocast else None)
     synchronize(device)
     seconds = time.perf_counter() - start
     log.info("compile=%s took %.1f s (not counted in any figure)", cfg.name.name, seconds)
     return compiled, seconds
-
-
-def _freezing(cfg: CompileConfig, train: bool):
-    """Inductor's freezing (weights as constants, prepacked for the CPU's kernels) for
-    inference: measured here on resnet18 at 224x224, 44 -> 52 images/s over plain inductor."""
-    if cfg.name is CompileName.inductor and cfg.freeze and not train:
-        import torch._inductor.config
-
-        return torch._inductor.config.patch(freezing=True)
-    return contextlib.nullcontext()
 
 
 def _warm(model: nn.Module, compiled: nn.Module, example: torch.Tensor, shapes: list[int],
@@ -338,9 +419,8 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
         log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
                     "its loss goes to 0; point dataset.path at the folder that holds the "
                     "class folders", storage.classes[0])
-    if train and ranks.enabled and config.compile.name is CompileName.torchscript:
-        raise Unavailable("compile=torchscript cannot trace a DistributedDataParallel "
-                          "model: use compile=inductor or compile=eager under torchrun")
+    if train and ranks.enabled:
+        BACKENDS[config.compile.name].check_replicas()
     per_rank = -(-len(storage) // ranks.world)
     bs = min(config.loader.batch_size, per_rank)  # a batch never holds more than a shard
     shapes = [bs]

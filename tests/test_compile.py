@@ -4,6 +4,7 @@ and several models share one pass over the data."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,9 @@ def test_verify_catches_a_wrong_compiled_model():
 @pytest.mark.slow
 def test_a_wrong_backend_fails_the_run_with_the_difference(tmp_path: Path, cache_dir: Path,
                                                           monkeypatch):
-    monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript,
-                        lambda model, *args: OffByALittle(model, 3.0))
+    monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript, dataclasses.replace(
+        compiling.BACKENDS[CompileName.torchscript],
+        build=lambda model, *args: OffByALittle(model, 3.0)))
     with pytest.raises(compiling.CompileMismatch):
         run_in_process(*SMALL_DATASET, "compile=torchscript", "task=infer", "logger=none",
                        run_dir=tmp_path / "run")
@@ -101,9 +103,10 @@ def test_compile_time_is_reported_and_kept_out_of_the_figures(tmp_path: Path, ca
 
     def slow(*args):
         time.sleep(2.0)  # a compiler that takes two seconds
-        return real(*args)
+        return real.build(*args)
 
-    monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript, slow)
+    monkeypatch.setitem(compiling.BACKENDS, CompileName.torchscript,
+                        dataclasses.replace(real, build=slow))
     m = run_in_process(*SMALL_DATASET, "compile=torchscript", "logger=none", "diagnose=false",
                        "run.steps=6", run_dir=tmp_path / "run")
     assert m["status"] == "ok" and m["compile_seconds"] >= 2.0
@@ -211,3 +214,71 @@ def test_the_tensorrt_head_hands_the_engine_contiguous_input():
         memory_format=torch.channels_last)
     assert head(x).is_contiguous(memory_format=torch.channels_last)  # the eager one as it was
     assert torch.equal(mine(x), head(x).contiguous())
+
+
+class Counted(nn.Module):
+    """A compiled model that counts its calls (what a new backend returns here)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.calls = model, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.model(x)
+
+
+def test_a_new_backend_is_its_enum_value_and_one_record(monkeypatch, tmp_path: Path):
+    """A backend registered as its enum value and one record is built, warmed on every
+    batch shape and verified; what its record says it cannot do is a skip naming why."""
+    from enum import Enum
+
+    from runner.errors import Unavailable
+
+    extra = Enum("CompileName", {"counted": "counted", "gpu_only": "gpu_only"})
+    built = []
+
+    def build(model, cfg, example, train, amp, cache):
+        built.append((tuple(example.shape), train, cache))
+        return Counted(model)
+
+    monkeypatch.setitem(compiling.BACKENDS, extra.counted, compiling.Backend(
+        extra.counted, build, trains="counts inference calls only", autocast=False))
+    monkeypatch.setitem(compiling.BACKENDS, extra.gpu_only, compiling.Backend(
+        extra.gpu_only, build, devices=("cuda",), what="runs on GPUs"))
+    model, x = model_and_batch("tiny", train=False)
+    cfg = CompileConfig(extra.counted)
+    compiled, seconds = compiling.compile_model(model, cfg, OFF, TaskName.infer, x, [8, 3],
+                                                tmp_path)
+    assert isinstance(compiled, Counted) and compiled.calls == 2  # warmed on both shapes
+    assert built == [((8, 3, 32, 32), False, tmp_path)] and seconds > 0
+    assert compiling.verify(model, compiled, x, cfg, OFF, False) == 0.0
+    assert not compiling.uses_autocast(cfg)
+    with pytest.raises(Unavailable, match="^compile=counted counts inference calls only: "
+                                          "use task=infer"):
+        compiling.compile_model(model, cfg, OFF, TaskName.train, x, [8], tmp_path)
+    with pytest.raises(Unavailable, match="^compile=gpu_only runs on GPUs and needs CUDA; "
+                                          "this run's device is cpu$"):
+        compiling.compile_model(model, CompileConfig(extra.gpu_only), OFF, TaskName.infer,
+                                x, [8], tmp_path)
+    assert len(built) == 1  # neither was built
+
+
+def test_every_backend_has_a_record_and_says_what_it_cannot_do():
+    from runner.errors import Unavailable
+
+    assert set(compiling.BACKENDS) == set(CompileName)
+    trt, ort = compiling.BACKENDS[CompileName.tensorrt], compiling.BACKENDS[CompileName.onnxruntime]
+    with pytest.raises(Unavailable, match="^compile=tensorrt builds NVIDIA TensorRT engines and "
+                                          "needs CUDA; this run's device is cpu$"):
+        trt.check(CPU, False, OFF)
+    with pytest.raises(Unavailable, match="^compile=onnxruntime runs the exported float32 "
+                                          "graph; amp=bf16 does not reach it: use amp=off$"):
+        ort.check(CPU, False, AmpConfig(AmpName.bf16))
+    with pytest.raises(Unavailable, match="^compile=onnxruntime runs an exported inference "
+                                          "graph and cannot train"):
+        ort.check(CPU, True, OFF)
+    with pytest.raises(Unavailable, match="^compile=torchscript cannot trace a "
+                                          "DistributedDataParallel model"):
+        compiling.BACKENDS[CompileName.torchscript].check_replicas()
+    compiling.BACKENDS[CompileName.inductor].check_replicas()  # trains under torchrun
