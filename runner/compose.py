@@ -1,5 +1,6 @@
-"""A config composed and checked: Hydra's composition, the schema's checks, the decoder the
-storage takes and the model names, before any work is done (no dataset generated, no store
+"""A config composed and checked: Hydra's composition, the schema's checks, the rules across
+groups (runner/rules.py), the decoder the storage takes and the model names, before any
+work is done (no dataset generated, no store
 converted).
 
 ``to_config`` turns a composed DictConfig into the validated ``Config`` (``python -m
@@ -28,6 +29,7 @@ from runner.config import Config, config_dir, model_configs
 from runner.data.storage import check_loader
 from runner.errors import ConfigError
 from runner.model import check_model
+from runner.rules import check_config
 
 
 def check_models(config: Config) -> None:
@@ -36,8 +38,10 @@ def check_models(config: Config) -> None:
         check_model(model)
 
 
-def to_config(cfg: DictConfig) -> Config:
-    """Resolve and validate a composed config; raises ConfigError naming the bad key."""
+def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve and validate a composed config; raises ConfigError naming the bad key.
+    ``overrides``: what it was composed from, where known (a task key given to a task that
+    does not read it is refused even at its default value)."""
     try:
         obj = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -45,6 +49,7 @@ def to_config(cfg: DictConfig) -> Config:
     except Exception as e:  # an interpolation that does not resolve, a missing value
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
+    check_config(obj, overrides)  # the rules across groups (runner/rules.py)
     check_loader(obj.loader)
     check_models(obj)
     return obj
@@ -65,7 +70,7 @@ def compose(overrides: list[str]) -> Config:
             if message is None:
                 raise
             raise ConfigError(message) from e
-        return to_config(cfg)
+        return to_config(cfg, overrides)
 
 
 # Hydra's flags after which nothing runs (help, completion, --info): nothing to check
@@ -122,7 +127,7 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     with open_dict(cfg):
         del cfg["hydra"]
     try:
-        to_config(cfg)
+        to_config(cfg, overrides)
     except ConfigError as e:
         return str(e).splitlines()[0]
     except Exception:  # skipped (Unavailable) or failed by the job itself, as before

@@ -4,14 +4,14 @@ runner/commandline.py).
 The YAML presets in conf/ extend these schemas, so a typo in a key or a value outside an
 enum fails at compose time with the valid choices; range checks (a batch size of 0) run in
 ``__post_init__`` when ``to_config`` turns the composed DictConfig into these objects,
-before any work is done. Checks that need more than the config (a model's name, a
-decoder a storage takes) run in runner/compose.py.
+before any work is done. The rules across groups are in runner/rules.py; checks that need
+more than the config (a model's name, a decoder a storage takes) run in
+runner/compose.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -20,8 +20,6 @@ from typing import Any
 from omegaconf import MISSING
 
 from runner.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -502,6 +500,21 @@ class TaskConfig:
                 "task.outputs=[topk,embeddings], or leave task.embed_layer unset")
 
 
+
+# The task.* keys one task alone reads (task.name is every task's): a key of one task given
+# to another is refused, naming both, as a typo is (runner/rules.py). A new key of
+# TaskConfig is declared here too.
+TASK_KEYS: dict[TaskName, tuple[str, ...]] = {
+    TaskName.train: ("optimizer", "lr", "momentum", "nesterov", "betas", "eps", "weight_decay",
+                     "decay_norm_and_bias", "scale_lr", "schedule", "warmup_steps",
+                     "warmup_epochs", "min_lr", "step_epochs", "step_gamma", "accumulate",
+                     "clip_grad_norm", "label_smoothing", "ema_decay", "augment",
+                     "best_metric", "checkpoint", "checkpoint_every", "checkpoint_every_steps",
+                     "checkpoint_every_minutes", "keep_checkpoints"),
+    TaskName.infer: ("topk", "write_predictions", "writer_threads", "outputs", "embed_layer",
+                     "postprocess"),
+}
+
 @dataclass
 class LoggerConfig:
     """``logger=``: wandb (offline unless logger.mode=online) or none."""
@@ -612,56 +625,6 @@ class Config:
     # task=train: continue from this checkpoint.pt (model, optimizer, scaler, epoch)
     resume: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.models and not isinstance(self.model, str):
-            model_configs(self)  # every entry checked: its keys, values and name
-        if not isinstance(self.model, str) and not isinstance(self.dataset, str):
-            # one decode feeds every model: at the largest size a model of the pass takes
-            sizes = [list(m.image_size) for m in model_configs(self) if m.image_size]
-            largest = max([list(self.dataset.image_size), *sizes], key=lambda hw: hw[0] * hw[1])
-            if largest != list(self.dataset.image_size):
-                self.dataset.image_size = largest
-        if self.models and not isinstance(self.task, str) and self.task.name is not TaskName.infer:
-            raise ConfigError(f"models={list(self.models)} runs several models in one "
-                              "inference pass: it needs task=infer")
-
-        if not isinstance(self.loader, str) and not isinstance(self.task, str) \
-                and self.loader.shuffle is None:  # infer reads in dataset order unless asked
-            self.loader.shuffle = self.task.name is TaskName.train
-        if not isinstance(self.loader, str) and not isinstance(self.task, str) \
-                and self.task.name is TaskName.infer and self.loader.drop_last:
-            log.warning("loader.drop_last=true is ignored by task=infer: every image gets "
-                        "its outputs, the last, partial batch's too")
-            self.loader.drop_last = False
-        if not isinstance(self.task, str) and self.task.name is TaskName.infer \
-                and not isinstance(self.model, str):
-            for m in model_configs(self):  # its name is a file name in the run folder
-                _require(plain_name(m.label), "model.name", m.name, "names the model's "
-                         "files in the run folder, and is not a plain file name: give it "
-                         "a plain model.alias")
-        if self.resume not in (None, "auto") and not isinstance(self.task, str) \
-                and self.task.name is not TaskName.train:
-            raise ConfigError(f"resume={self.resume} continues training from a checkpoint: it "
-                              "needs task=train (to infer with trained weights, use "
-                              "model.weights=PATH; resume=auto continues a stopped inference "
-                              "run in its folder)")
-        if self.dataset.val_path is not None and self.dataset.val_fraction > 0:
-            raise ConfigError(f"dataset.val_fraction={self.dataset.val_fraction} and "
-                              f"dataset.val_path={self.dataset.val_path}: give one place to "
-                              "validate on")
-        if self.dataset.val_fraction > 0 and not isinstance(self.task, str) and \
-                self.task.name is not TaskName.train:
-            raise ConfigError(f"dataset.val_fraction={self.dataset.val_fraction} holds images "
-                              "out of training: it needs task=train")
-        if self.dataset.val_path is not None and not isinstance(self.task, str) and (
-                self.task.name is not TaskName.train
-                or (not isinstance(self.model, str) and data_path_alone(self))):
-            raise ConfigError(f"dataset.val_path={self.dataset.val_path} reports top-1 while "
-                              "training: it needs task=train and a model (not model=none)")
-        if NO_MODEL in [m.name for m in model_configs(self)] and self.models:
-            raise ConfigError("models=[...] cannot hold none: leave models unset and use "
-                              "model=none to measure the data path alone")
-
 
 def config_dir() -> Path:
     """conf/ at the top of a checkout (and of an editable install), else the copy a wheel
@@ -701,6 +664,8 @@ def data_path_alone(config: Config) -> bool:
     return not config.models and config.model.name == NO_MODEL
 
 
+# The run's model list belongs beside the composition (runner/rules.py, issue 41); it stays
+# here while runner/outputs.py imports it from here.
 def model_configs(config: Config) -> list[ModelConfig]:
     """The run's models: ``model=``, or each entry of ``models=[...]`` (a name, or a mapping
     with the keys of ``model.``) over ``model=``'s values, each with a name of its own in

@@ -8,6 +8,7 @@ that exists already is left exactly as it was.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,10 @@ ERRORS = {
     "cross-field": (["task=infer", "dataset.val_fraction=0.1"],
                     "dataset.val_fraction=0.1 holds images out of training: it needs "
                     "task=train", None),
+    "train-key-to-infer": (["task=infer", "task.lr=0.1"], "task.lr=0.1 is a task=train key: "
+                           "task=infer does not read it", "leave it out, or use task=train"),
+    "infer-key-to-train": (["task.topk=3"], "task.topk=3 is a task=infer key: task=train "
+                           "does not read it", "leave it out, or use task=infer"),
     "model-name": (["model.name=resnett50"], "model.name=resnett50 is not a torchvision",
                    "did you mean resnet50"),
     "parse": (["loader.batch_size=["], "loader.batch_size=[ does not parse", None),
@@ -173,3 +178,36 @@ def test_prepare_and_bench_refuse_bad_overrides_in_the_same_style(
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
     assert suggestion is None or suggestion in lines[0]
     assert list(tmp_path.iterdir()) == []  # no store, no dataset, no bench output
+
+
+def test_a_key_of_the_other_task_is_refused_even_at_its_default():
+    """A task key the run's task does not read is refused as a typo is: named in the
+    overrides (even at its default value), or set by a recipe; the run's own keys, and the
+    other task's left at their defaults, are not."""
+    from runner.compose import compose
+    from runner.errors import ConfigError
+
+    for overrides, says in [
+            (["task=infer", "task.lr=0.05"], "task.lr=0.05 is a task=train key: task=infer"),
+            (["task=infer", "++task.augment.mixup=0.0"], "task.augment.mixup=0.0 is a "
+             "task=train key"),
+            (["task=infer", "recipe=quick"], "is a task=train key: task=infer does not read"),
+            (["task=train", "task.outputs=[topk,probs]"], "task.outputs=[topk,probs] is a "
+             "task=infer key: task=train does not read it (its own keys are optimizer, lr")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            compose(overrides)
+    assert compose(["task=infer", "task.topk=3"]).task.topk == 3
+    assert compose(["task=train", "task.lr=0.1", "recipe=quick"]).task.lr == 0.1
+    assert refusal(["task=infer", "task.checkpoint=false"]).startswith(
+        "task.checkpoint=False is a task=train key: task=infer does not read it")
+
+
+def test_every_task_key_belongs_to_one_task():
+    from runner.config import TASK_KEYS, TaskConfig, TaskName
+    from runner.optim import OPTIMIZERS, SCHEDULES
+
+    fields = [f for f in TaskConfig.__dataclass_fields__ if f != "name"]
+    owned = [k for keys in TASK_KEYS.values() for k in keys]
+    assert sorted(owned) == sorted(fields)  # each once, none missing
+    reads = {k for kind in [*OPTIMIZERS.values(), *SCHEDULES.values()] for k in kind.keys}
+    assert reads <= set(TASK_KEYS[TaskName.train])

@@ -83,6 +83,12 @@ def test_the_config_imports_no_module_that_imports_it(module: str):
     assert imported <= {"errors"}, imported
 
 
+def test_the_configs_rules_build_on_the_config_alone():
+    imported = {m.split(".")[1] for m in runner_imports(RUNNER / "rules.py")
+                if m.count(".") >= 1}
+    assert imported <= {"config", "errors"}, imported
+
+
 def test_no_import_circle_between_the_runners_modules():
     graph = {}
     for path in RUNNER.rglob("*.py"):
