@@ -63,7 +63,7 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be resumed from."""
 
 
-def network(model: nn.Module) -> nn.Module:
+def unwrapped_network(model: nn.Module) -> nn.Module:
     """The user's network inside what the runner trains: DDP, torch.compile and the
     uint8 input layer unwrapped."""
     return split_input(local_module(model))[1]
@@ -75,7 +75,7 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
     ``extra``: what else a resume needs (the wandb run's id, the data's fingerprint)."""
     state = {
         **(extra or {}),
-        "model": network(step.model).state_dict(),
+        "model": unwrapped_network(step.model).state_dict(),
         "optimizer": step.optimizer.state_dict(),
         "scaler": step.scaler.state_dict(),
         "schedule": step.schedule.state_dict(),
@@ -346,7 +346,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
 
 
 def _device_of(model: nn.Module) -> torch.device | None:
-    return next((p.device for p in network(model).parameters()), None)
+    return next((p.device for p in unwrapped_network(model).parameters()), None)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -480,7 +480,7 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "",
     left them, with this run's settings (``config``: its learning rate, schedule, plan and
     optimizer hyperparameters) applied over the checkpoint's, as the module says."""
     try:
-        network(step.model).load_state_dict(state["model"])
+        unwrapped_network(step.model).load_state_dict(state["model"])
     except RuntimeError as e:
         raise CheckpointError(f"the checkpoint does not fit this model: {e}".splitlines()[0]
                               + " (same model.name and dataset classes?)") from e
@@ -488,7 +488,7 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "",
     # a CUDA run whose GradScaler then hands the foreach path grad_scale; a CUDA run's
     # fused=True on the CPU): this run's device decides them, set before loading, since
     # load_state_dict places state by them (AdamW's step counts go to the device for fused)
-    options = optimizer_options(next(network(step.model).parameters()).device)
+    options = optimizer_options(next(unwrapped_network(step.model).parameters()).device)
     saved = dict(state["optimizer"])
     saved["param_groups"] = [{**group, **{key: options.get(key) for key in ("fused", "foreach")
                                           if key in group}} for group in saved["param_groups"]]

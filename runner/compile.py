@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from runner.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
 from runner.atomic import replacing
+from runner.clock import synchronize
 from runner.config import (
     AmpConfig,
     AmpName,
@@ -53,7 +54,6 @@ from runner.config import (
 from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
-from runner.metrics import synchronize
 from runner.model import build_model, check_input_size, main_output, split_input, trace_batch
 
 log = logging.getLogger(__name__)

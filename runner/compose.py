@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.commandline import VALUE_FLAGS, composition_message, register_configs
 from runner.config import Config, config_dir, model_configs
-from runner.data.storage import check_loader
+from runner.data.storage import settle_loader
 from runner.errors import ConfigError
 from runner.model import check_model
 from runner.rules import check_config
@@ -50,7 +50,7 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/rules.py)
-    check_loader(obj.loader)
+    settle_loader(obj.loader)  # decoder=auto and an unset draft made concrete, then checked
     check_models(obj)
     return obj
 

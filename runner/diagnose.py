@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from runner.clock import burst, synchronize
 from runner.compile import step_amp
 from runner.config import Config
 from runner.data import DataPath
@@ -36,7 +37,6 @@ from runner.data.storage import advice as storage_advice
 from runner.data.storage.base import Storage
 from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
-from runner.metrics import burst, synchronize
 from runner.stats import quantiles
 from runner.tasks import make_step
 
@@ -232,13 +232,6 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     seconds = max(0.0, min(MODEL_BURST_SECONDS, (budget - step_seconds) / bursts - step_seconds))
     return [burst(one_step, seconds=seconds, min_calls=1, sync=lambda: synchronize(device),
                   warmup=0) for _ in range(bursts)]
-
-
-def in_loop_rate(figures: dict[str, Any]) -> float | None:
-    """images/s of the model inside the loop: the pipeline's figure over the share of step
-    time its steps computed (never below the pipeline itself)."""
-    compute, rate = figures.get("compute_frac"), figures.get("images_per_sec")
-    return rate / min(compute, 1.0) if compute and rate else None
 
 
 MIN_BUDGET = 5.0  # the verdict's seconds: a tenth of the run's, or this, whichever is more

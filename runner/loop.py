@@ -14,10 +14,10 @@ from tensordict import TensorDict
 from tqdm import tqdm
 
 from runner import timeline
+from runner.clock import StepClock, Window, repeat_split
 from runner.data.order import count_images
 from runner.errors import Interrupted
 from runner.logger import MetricLogger
-from runner.metrics import StepClock, Window, repeat_split
 from runner.profile import stage_range
 from runner.stats import median
 
@@ -63,11 +63,17 @@ class Batches(Protocol):
     def to_device(self, batch: TensorDict) -> TensorDict: ...
     def finish(self, batch: TensorDict) -> TensorDict: ...
 
+    @property
+    def finishes_on_device(self) -> bool:
+        """Whether ``finish`` runs a device-side stage (crops of pre-decoded images,
+        ``task.augment``): the loop then times it as a stage of its own, ``augment``."""
+        ...
+
 
 class OnDevice:
     """Any iterable of TensorDicts as the loop's batches: moved to ``device``, nothing more."""
 
-    augment = None
+    finishes_on_device = False
 
     def __init__(self, source: Iterable[TensorDict], device: torch.device):
         self.source, self.device = source, device
@@ -297,9 +303,9 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     bar = tqdm(total=o.total_steps, unit="step", disable=not o.progress, dynamic_ncols=True)
     windows, hooks = Windows(o, clock, step, logger, bar), StepHooks(o, clock)
     result = windows.result
-    # a device-side stage: crops of pre-decoded images, task.augment (timed on its own)
-    augments = any(getattr(batches, name, None) is not None
-                   for name in ("augment", "train_augment"))
+    # a device-side stage: crops of pre-decoded images, task.augment (timed on its own;
+    # without one, finish is not called)
+    augments = batches.finishes_on_device
     trace = StepTrace(result, augments)
     stage = stage_range(o.profiler is not None)
     batch_iter = iter(batches)

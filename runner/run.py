@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import environment, outcome, outputs, results, timeline
 from runner.amp import check_amp
+from runner.clock import StepClock
 from runner.compose import to_config
 from runner.config import Config, flatten, to_plain
 from runner.data import DataPath, build_data_path
@@ -43,7 +44,6 @@ from runner.distributed import (
 from runner.errors import Interrupted
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
-from runner.metrics import StepClock
 from runner.plan import plan_run
 from runner.predictions import merge_rank_files
 from runner.profile import build_profiler

@@ -287,3 +287,27 @@ def test_help_gives_every_preset_one_whole_line():
     for line in presets:
         assert len(line) <= 100 and line.count("(") == line.count(")"), line
         assert not line.rstrip().endswith((":", ","))
+
+
+def header_words(path: Path) -> list[str]:
+    """The words of a preset's opening comment (not ``@package`` nor the example commands)."""
+    import re
+
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith(("# @package", "#   ")):
+            lines.append(line[1:])
+    return [w.strip(".,:;()") for w in re.findall(r"\S+", " ".join(lines).lower())]
+
+
+@pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF)))
+def test_a_presets_header_says_each_thing_once(path: Path):
+    """A header whose second sentence says the first again (the same four words in a row
+    twice) reads as two drafts left one above the other."""
+    words = header_words(path)
+    first: dict[tuple[str, ...], int] = {}
+    for i in range(len(words) - 3):
+        four = tuple(words[i:i + 4])
+        assert first.setdefault(four, i) >= i - 3, f"{path.name}: '{' '.join(four)}' twice"

@@ -57,8 +57,8 @@ def test_cpu_crops_image_by_image_are_the_batched_crops():
 
 
 def test_a_window_timed_while_other_processes_ran_flags_the_run():
+    from runner.clock import Window
     from runner.loop import LoopResult
-    from runner.metrics import Window
     from runner.results import loop_figures
 
     def window(others: float) -> Window:

@@ -12,6 +12,8 @@ import torch
 
 import runner
 from runner.compose import compose
+from runner.config import Decoder, StorageName
+from runner.data.storage import STORAGES
 from runner.data.storage.decode import DECODERS, center_box
 from tests.conftest import encode, make_tree, photo
 
@@ -45,46 +47,74 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().mean(dim=(1, 2, 3)).max().item()
 
 
-STORAGES = {  # overrides -> what it is
-    "folder simplejpeg": ["loader=folder", "loader.decoder=simplejpeg"],
-    "folder region": ["loader=folder", "loader.decoder=region"],
-    "folder pil": ["loader=folder", "loader.decoder=pil"],
-    "packed": ["loader=packed", "dataset.store_quality=100"],  # its own JPEG loss aside
-    "memmap at the output size": ["loader=memmap", "loader.decoder=simplejpeg"],
-    "memmap at store_size": ["loader=memmap", "loader.decoder=simplejpeg",
-                             f"dataset.store_size={SOURCE}"],
-    "ram at store_size": ["loader=ram", "loader.decoder=simplejpeg",
-                          f"dataset.store_size={SOURCE}"],
-}
+def storage_cases() -> tuple[dict[str, list[str]], set[str], set[str]]:
+    """Every runner storage of the registry (the rivals bring their own pipelines: their own
+    test below), as name -> overrides; and the cases whose pixels equal the reference's
+    within rounding: for centre crops, and for random crops.
+
+    A storage that reads the folder as it is runs once per CPU decoder it takes; a store
+    re-encoded once and decoded every epoch once, at full quality (its own JPEG loss
+    aside); a store decoded once at the output size and at ``dataset.store_size`` (where
+    its random crops have the whole source to choose from). Equal within rounding: the
+    same decode, box and resize as the reference (region decodes at a reduced DCT scale,
+    a re-encoded store cuts its window from an image stored at 55; a store at the output
+    size holds the centre square alone, so its random crops differ)."""
+    cases: dict[str, list[str]] = {}
+    centre, random = set(), set()
+    for kind in STORAGES.values():
+        if kind.own_loader:
+            continue
+        storage = f"loader={kind.name.value}"
+        if kind.build is None:  # the folder itself, decoded every epoch
+            for decoder in sorted(kind.decoders, key=lambda d: d.value):
+                if decoder in DECODERS and not DECODERS[decoder].cuda:
+                    name = f"{kind.name.value} {decoder.value}"
+                    cases[name] = [storage, f"loader.decoder={decoder.value}"]
+                    if not DECODERS[decoder].region:
+                        centre.add(name)
+                        random.add(name)
+        elif kind.decodes_per_epoch:  # re-encoded once, decoded every epoch
+            cases[kind.name.value] = [storage, "dataset.store_quality=100"]
+        else:  # decoded once
+            cases[f"{kind.name.value} at the output size"] = [storage]
+            cases[f"{kind.name.value} at store_size"] = [storage,
+                                                         f"dataset.store_size={SOURCE}"]
+            centre |= {f"{kind.name.value} at the output size",
+                       f"{kind.name.value} at store_size"}
+            random.add(f"{kind.name.value} at store_size")
+    return cases, centre, random
 
 
-# same decoder, same box, same resize as the reference: equal within rounding (region
-# decodes at a reduced DCT scale, packed cuts its window from an image stored at 55)
-EXACT = ("folder pil", "memmap at the output size", "memmap at store_size", "ram at store_size")
+CASES, EXACT_CENTRE, EXACT_RANDOM = storage_cases()
+# the reference every storage is held against: the folder decoded by simplejpeg
+REFERENCE = CASES[f"{StorageName.folder.value} {Decoder.simplejpeg.value}"]
 
 
 def available(overrides: list[str]) -> bool:
-    decoder = next((o.split("=")[1] for o in overrides if o.startswith("loader.decoder=")),
-                   "region" if "loader=packed" in overrides else None)
-    return decoder is None or any(k.name.value == decoder and k.available()
-                                  for k in DECODERS.values())
+    decoder = compose([f"dataset.image_size=[{SIZE},{SIZE}]", *overrides]).loader.decoder
+    return DECODERS[decoder].available()
+
+
+def test_every_runner_storage_is_held_against_the_reference():
+    assert {c[0] for c in CASES.values()} == {f"loader={k.name.value}"
+                                             for k in STORAGES.values() if not k.own_loader}
 
 
 @pytest.mark.parametrize("fraction", ["0.875", "1.0"])
 def test_a_centre_crop_is_the_same_pixels_on_every_storage(tree: Path, tmp_path: Path,
                                                            fraction: str):
     crop = [f"dataset.crop_fraction={fraction}"]
-    reference = images(tree, tmp_path, *STORAGES["folder simplejpeg"], *crop)
-    other = images(tree, tmp_path, *STORAGES["folder simplejpeg"],
+    reference = images(tree, tmp_path, *REFERENCE, *crop)
+    other = images(tree, tmp_path, *REFERENCE,
                    f"dataset.crop_fraction={0.6 if fraction == '0.875' else 0.875}")
     apart = diff(reference, other)
-    for name, overrides in STORAGES.items():
+    for name, overrides in CASES.items():
         if not available(overrides):
             continue
         got = images(tree, tmp_path, *overrides, *crop)
         # the same region of the same image: far closer than another crop fraction's
         assert diff(got, reference) < apart / 3, (name, diff(got, reference), apart)
-        if name in EXACT:  # the same decode, box and resize: equal within rounding
+        if name in EXACT_CENTRE:  # the same decode, box and resize: equal within rounding
             assert diff(got, reference) < 1.0, (name, diff(got, reference))
 
 
@@ -106,8 +136,8 @@ def test_the_default_crop_is_resize_256_crop_224_and_packed_stores_at_256():
 @pytest.mark.parametrize("rival", ["dali", "ffcv"])
 def test_the_rivals_take_the_same_centre_crop(tree: Path, tmp_path: Path, rival: str):
     pytest.importorskip({"dali": "nvidia.dali", "ffcv": "ffcv.loader"}[rival])
-    reference = images(tree, tmp_path, *STORAGES["folder simplejpeg"])
-    whole = images(tree, tmp_path, *STORAGES["folder simplejpeg"], "dataset.crop_fraction=1.0")
+    reference = images(tree, tmp_path, *REFERENCE)
+    whole = images(tree, tmp_path, *REFERENCE, "dataset.crop_fraction=1.0")
     got = images(tree, tmp_path, f"loader={rival}", "dataset.store_quality=100")
     # their own resize filters: near the runner's 0.875 crop, not its whole-side one
     assert diff(got, reference) < diff(got, whole) / 1.5, (diff(got, reference),
@@ -118,19 +148,19 @@ def test_a_random_crop_is_the_same_box_on_every_storage(tree: Path, tmp_path: Pa
     """Random crops: the same seed and batch position give the same region of the same
     image on a folder, its packed store and a decode-once store (cut on the device)."""
     random = ["dataset.crop=random", "seed=3"]
-    reference = images(tree, tmp_path, *STORAGES["folder simplejpeg"], *random)
-    again = images(tree, tmp_path, *STORAGES["folder simplejpeg"], *random)
+    reference = images(tree, tmp_path, *REFERENCE, *random)
+    again = images(tree, tmp_path, *REFERENCE, *random)
     assert torch.equal(reference, again)
-    other_seed = images(tree, tmp_path, *STORAGES["folder simplejpeg"], "dataset.crop=random",
+    other_seed = images(tree, tmp_path, *REFERENCE, "dataset.crop=random",
                         "seed=4")
     apart = diff(reference, other_seed)
-    for name, overrides in STORAGES.items():
+    for name, overrides in CASES.items():
         if not available(overrides):
-            continue  # (a store at the output size holds the whole side for random crops)
+            continue
         got = images(tree, tmp_path, *overrides, *random)
         assert diff(got, reference) < apart / 3, (name, diff(got, reference), apart)
-        if name in EXACT and name != "memmap at the output size":  # the stored square cut
-            # on the device as the folder's decode cuts the source: the same pixels
+        if name in EXACT_RANDOM:  # the stored square cut on the device as the folder's
+            # decode cuts the source: the same pixels
             assert diff(got, reference) < 1.0, (name, diff(got, reference))
 
 

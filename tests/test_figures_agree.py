@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.clock import STAGES, Window
 from runner.loop import LoopResult
-from runner.metrics import STAGES, Window
 from runner.results import loop_figures, step_shares, summary_line
 from tests.conftest import SMALL_DATASET, run_in_process
 

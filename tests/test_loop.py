@@ -162,7 +162,7 @@ class HostEvents:
 def test_every_gap_before_a_step_is_device_idle_time_the_first_of_a_window_too():
     """The gap before a window's first step and the one after a pause are idle time: with
     stand-in events, gpu_idle is the sum of every data wait (within timer slack)."""
-    from runner.metrics import StepClock
+    from runner.clock import StepClock
 
     clock = StepClock(torch.device("cpu"))
     clock.clock, clock.cuda = HostEvents(), True  # as on CUDA: idle gaps from events
@@ -180,7 +180,7 @@ def test_every_gap_before_a_step_is_device_idle_time_the_first_of_a_window_too()
 
 
 def test_work_paused_out_of_the_timing_is_no_device_idle_time_either():
-    from runner.metrics import StepClock
+    from runner.clock import StepClock
 
     clock = StepClock(torch.device("cpu"))
     clock.clock, clock.cuda = HostEvents(), True  # as on CUDA: idle gaps from events
@@ -195,3 +195,37 @@ def test_work_paused_out_of_the_timing_is_no_device_idle_time_either():
     window = clock.close_window()
     assert window.stages["gpu_idle"] < 0.05  # the 0.2 s pause is not the data path's
     assert window.figures()["gpu_idle_frac"] <= 1.0
+
+
+class Cropped(OnDevice):
+    """Batches whose ``finish`` has device work, as their protocol declares."""
+
+    finishes_on_device = True
+
+    def __init__(self, source, device):
+        super().__init__(source, device)
+        self.finished = 0
+
+    def finish(self, batch):
+        self.finished += 1
+        batch["image"] = batch["image"][..., 1:-1, 1:-1]
+        return batch
+
+
+def test_the_loop_finishes_batches_whose_protocol_says_they_finish_on_the_device():
+    seen = []
+
+    class Recording(DataOnlyStep):
+        def __call__(self, batch) -> None:
+            seen.append(tuple(batch["image"].shape[-2:]))
+
+    cropped = Cropped(batches(5), torch.device("cpu"))
+    result = run_loop(cropped, Recording(), RecordingLogger(),
+                      LoopOptions(total_steps=5, warmup_steps=1, log_every=2))
+    assert cropped.finished == 5 and seen == [(6, 6)] * 5 and result.steps == 5
+    plain = OnDevice(batches(3), torch.device("cpu"))
+    assert plain.finishes_on_device is False  # finish is not called: nothing to time
+    seen.clear()
+    run_loop(plain, Recording(), RecordingLogger(),
+             LoopOptions(total_steps=3, warmup_steps=1, log_every=2))
+    assert seen == [(8, 8)] * 3

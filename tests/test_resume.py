@@ -570,7 +570,7 @@ def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
     saved = step.optimizer.state_dict()
     for group in saved["param_groups"]:
         group["fused"], group["foreach"] = True, False  # as a CUDA run saved them
-    state = {"model": checkpoint.network(step.model).state_dict(), "optimizer": saved,
+    state = {"model": checkpoint.unwrapped_network(step.model).state_dict(), "optimizer": saved,
              "epoch": 1, "steps": 2}
     checkpoint.restore(step, state, "elsewhere.pt")
     expected = optimizer_options(torch.device("cpu"))

@@ -129,6 +129,11 @@ class DataPath:
     def classes(self) -> list[str]:
         return self.storage.classes
 
+    @property
+    def finishes_on_device(self) -> bool:
+        """Whether ``finish`` has work on the device: a crop, ``task.augment`` or both."""
+        return self.augment is not None or self.train_augment is not None
+
     def __len__(self) -> int:  # batches one iteration reads
         return self.stream.epochs * self.steps_per_epoch
 

@@ -25,14 +25,14 @@ from torch import nn
 
 from runner import checkpoint, results
 from runner.amp import autocast, grad_scaler
-from runner.checkpoint import network
+from runner.checkpoint import unwrapped_network
+from runner.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.compile import build_models, step_amp
 from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
 from runner.data import DataPath
 from runner.distributed import local_module, parameter_digest
 from runner.errors import ConfigError, Diverged
 from runner.loop import Step
-from runner.metrics import MAX_PENDING_EVENTS, DeviceClock
 from runner.model import split_input
 from runner.optim import OPTIMIZERS, Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.tasks.base import RunContext, TaskBase
@@ -206,7 +206,7 @@ class TrainStep:
         # the configured hyperparameters of each group, as a resume sets them again
         self._weight_decay = [g["weight_decay"] for g in self.optimizer.param_groups]
         self.schedule = self._build_schedule()
-        self.ema = Ema(network(model), cfg.ema_decay) if cfg.ema_decay > 0 else None
+        self.ema = Ema(unwrapped_network(model), cfg.ema_decay) if cfg.ema_decay > 0 else None
         amp = amp or AmpConfig(AmpName.off)
         self.autocast = lambda: autocast(amp, device)
         self.scaler = grad_scaler(amp, device)
@@ -320,7 +320,7 @@ class TrainStep:
         stepped = self.clock.now()
         self._spans["optimizer"].append((start, stepped))
         if self.ema is not None:
-            self.ema.update(network(self.model))
+            self.ema.update(unwrapped_network(self.model))
             self._spans["ema"].append((stepped, self.clock.now()))
         if not self.clock.cuda or len(self._spans["optimizer"]) > MAX_PENDING_EVENTS:
             self._fold(done_only=self.clock.cuda)

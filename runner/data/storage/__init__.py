@@ -87,10 +87,11 @@ def unset_draft(decoder: Decoder) -> bool:
     return decoder is Decoder.auto and concrete_decoder(decoder) is Decoder.simplejpeg
 
 
-def check_loader(loader: LoaderConfig) -> None:
-    """``loader.decoder=auto`` made the decoder it runs (so the run's config and metrics name
-    it), an unset ``loader.draft`` made true or false; a ConfigError naming the fix when
-    ``loader.decoder`` is not one ``loader=`` takes."""
+def settle_loader(loader: LoaderConfig) -> None:
+    """Settle ``loader`` in place, then check it: ``loader.decoder=auto`` becomes the decoder
+    it runs (so the run's config and metrics name it), an unset ``loader.draft`` true or
+    false; a ConfigError naming the fix when ``loader.decoder`` is not one ``loader=``
+    takes."""
     if loader.draft is None:
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)

@@ -460,7 +460,6 @@ DECODERS: dict[Decoder, DecoderKind] = {k.name: k for k in (
     DecoderKind(Decoder.region, region=True, check=_check_region),
     DecoderKind(Decoder.nvjpeg, cuda=True, check=_check_nvjpeg),
 )}
-SCALED_DECODERS = frozenset(d for d, k in DECODERS.items() if k.scales)
 CPU_DECODERS = frozenset(d for d, k in DECODERS.items() if not k.cuda)
 # what a folder falls back to for files the chosen decoder cannot read, and what decodes
 # the CPU fallbacks and example images of a GPU decoder
