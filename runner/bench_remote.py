@@ -8,7 +8,9 @@ serves both on loopback behind a delay line (runner/data/remote/delayline.py) at
 (rclone does not), serves the run whose cache is too small for its shards (read around the
 cache by ranges), named by ``AWS_ENDPOINT_URL``. (moto's Python server answers ~250 small
 GETs/s and ~50 MB/s on two cores that also decode: it would measure itself, not the
-client.) The same layouts on local disk are the baseline, measured in the same rounds.
+client.) The servers and delay lines run on a core of their own, the client on the
+others (``pin_apart``): a store is another machine. The same layouts on local disk are the
+baseline, measured in the same rounds on the client's cores.
 Each measurement is one epoch through the runner's own data path (``model=none``,
 decode threads one per core; images/s from the epoch's first batch on, its wait being the
 first-batch latency reported on its own), ``--rounds`` times, the layouts alternating within a round;
@@ -125,6 +127,26 @@ def objects_folder(shards: Path, out: Path) -> Path:
     return out
 
 
+def pin_apart(servers: list[int]) -> str:
+    """The servers and delay lines on a core of their own, this process (the client, whose
+    decode threads follow its cores) on the others, when there are two or more: a store is
+    another machine, whose serving takes no core from the reader. Unpinned, on two cores,
+    the servers' CPU (rclone, the Python delay lines) came out of the decoders' and the
+    remote rows measured the server as much as the client."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(mine) < 2:
+        return "servers and client share this machine's one core"
+    server_cpus, client_cpus = {mine[-1]}, set(mine[:-1])
+    for pid, cpus in [*((p, server_cpus) for p in servers), (os.getpid(), client_cpus)]:
+        for task in os.listdir(f"/proc/{pid}/task"):  # every thread already running
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except OSError:  # a thread that ended meanwhile
+                continue
+    return (f"servers and delay lines on core {mine[-1]}; the client (local baseline and "
+            f"remote alike) on {len(client_cpus)} core(s): {sorted(client_cpus)}")
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):,.0f}-{max(values):,.0f}"
 
@@ -145,6 +167,7 @@ def bench_remote(args: argparse.Namespace) -> dict:
     server, rclone = LoopbackS3(), LoopbackRclone(work / "served", auth=False)
     # each delay line in a process of its own: its proxying takes no GIL time from the decoders
     line, object_line = DelayLineProcess(server.port), DelayLineProcess(rclone.port)
+    print(pin_apart([server.proc.pid, rclone.proc.pid, line.pid, object_line.pid]))
     try:
         os.environ.update(server.env(line.endpoint))
         server.make_bucket("bench")
