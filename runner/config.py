@@ -229,6 +229,9 @@ class DatasetConfig:
     # the node-local cache of remote shards under dataset.cache_dir, at most this many
     # bytes (unset: 10 GB)
     cache_bytes: int | None = None
+    # a local dataset.path on a network mount, read many files in flight through the read
+    # engine (runner/data/remote/fardisk.py); unset: a few reads are timed to tell
+    far_disk: bool | None = None
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
