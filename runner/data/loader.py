@@ -20,7 +20,7 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 
 from runner import timeline
-from runner.config import LoaderConfig
+from runner.config import Config, LoaderConfig, TaskName
 from runner.data.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.storage.base import Sample, SkippedFile, Storage
@@ -216,6 +216,18 @@ def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
     if groups is not None:
         storage.follow(order)
     return order
+
+
+def drops_remainder(config: Config, world: int, every_image: bool = False) -> bool:
+    """Whether an epoch drops the images after its last whole global batch: with
+    ``loader.drop_last``, and when training on several ranks, where a padded last batch
+    would weigh its ranks' images unlike their peers' in the all-reduced gradient and
+    change with the world size. ``every_image`` (validation, like inference): never; the
+    last batches are padded and masked instead, so every image counts once."""
+    if every_image:
+        return False
+    train = config.task.name is TaskName.train
+    return config.loader.drop_last or (train and world > 1)
 
 
 def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_memory: bool):

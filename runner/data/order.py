@@ -5,9 +5,14 @@ Every loading path (per item, batched, in process, with workers) draws its batch
 function of (seed, epoch) alone, never of the epochs drawn before it: a run resumed at
 epoch ``e`` reads exactly what an uninterrupted run reads there.
 
-Padding (torch.distributed): every rank draws the same permutation, padded to a multiple of
-the world size with repeats, and takes every ``world``-th index from ``rank`` on, so every
-rank runs the same number of steps. A repeat of image ``i`` is written ``-1 - i``
+Ranks (torch.distributed): every rank draws the same permutation and takes every
+``world``-th index from ``rank`` on, so global step ``s`` reads positions ``s*G .. (s+1)*G``
+of the permutation (``G`` = batch x world) whatever the world size: a run resumed on another
+number of ranks with the same global batch reads the same images at each step. Every rank
+runs the same number of steps: ``drop_last`` (training under several ranks) drops the
+permutation's remainder after the last whole global batch, so no rank holds a short or
+padded batch; otherwise (validation, inference) the permutation is padded to a multiple of
+the world size with repeats. A repeat of image ``i`` is written ``-1 - i``
 (``pad``); storages turn it into a row with ``valid=False`` (``unpad``, ``split_padding``),
 which counts in no figure, loss or prediction (``count_images``). This file is the one
 place that rule is written.
@@ -131,8 +136,8 @@ class BatchOrder:
         return min(self.batch_size, self.per_rank)
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.per_rank // self.batch_size
+        if self.drop_last:  # whole global batches: the same count on every rank
+            return self.size // (self.batch_size * self.world)
         return -(-self.per_rank // self.batch_size)
 
     def group_blocks(self, epoch: int) -> list[list[int]]:
@@ -186,7 +191,8 @@ class BatchOrder:
         if self.world > 1:
             pads = self.per_rank * self.world - self.size
             order = torch.cat([order, pad(order[:pads])])[self.rank :: self.world]
-        full = (len(order) // self.batch_size) * self.batch_size
+        full = (len(self) if self.drop_last else len(order) // self.batch_size) \
+            * self.batch_size
         rows = order[:full].view(-1, self.batch_size)
         if self.shuffle:  # one sort for the whole epoch, not one call per batch
             rows = sorted_rows(rows)

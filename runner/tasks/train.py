@@ -86,7 +86,8 @@ class TrainTask(TaskBase):
             checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
         if cfg.dataset.val_path or cfg.dataset.val_fraction > 0:
             self.validation = Validation.for_run(cfg, model, step_amp(cfg), ctx.device,
-                                                 data.classes, cfg.run.progress and ranks.main)
+                                                 data.classes, cfg.run.progress and ranks.main,
+                                                 ranks)
         return step
 
     def start(self) -> None:
