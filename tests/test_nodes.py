@@ -82,3 +82,81 @@ def test_every_rank_gets_the_same_whole_batches_and_validation_counts_each_image
         assert g["val"] == pytest.approx(g["reference"], abs=1e-9)
     print(f"\n{images} training images, 2 ranks x batch 8: {steps} whole batches per rank; "
           f"{val_images} validation images: {got[0]['val_batches']} batch(es) per rank")
+
+
+# --- 2. elastic resume: 4 ranks stopped, resumed on 2 -------------------------------------
+
+ELASTIC = [o for o in SMALL_DATASET if not o.startswith(("dataset.num_images", "loader.batch"))] \
+    + ["dataset.num_images=44", "loader.batch_size=2", "loader=memmap", "dataset.crop=random",
+       # no batch norm: its statistics are each rank's own, so its weights would depend on
+       # the world size (the module docstring of runner/checkpoint.py says so)
+       "model=custom", "model.target=tests.nets:TwoLayer", "run.epochs=2", "logger=none",
+       "diagnose=false", "run.timeline=false"]  # 44 images, global batch 8: 5 steps an epoch
+
+
+def torchrun_ranks(tmp_path: Path, env: dict, nproc: int, *overrides: str) -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+         "--standalone", "-m", "runner", *ELASTIC, *overrides],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return proc.stdout + proc.stderr
+
+
+def global_steps(tmp_path: Path, record: str, world: int) -> list[tuple[list[int], int]]:
+    """Each global step: the images every rank read (sorted) and their pixels' checksum."""
+    import json
+
+    ranks = [[json.loads(line) for line in (tmp_path / f"{record}.{r}").read_text().splitlines()]
+             for r in range(world)]
+    assert len({len(r) for r in ranks}) == 1  # every rank ran the same steps
+    return [(sorted(i for r in step for i in r[0]), sum(r[1] for r in step))
+            for step in zip(*ranks)]
+
+
+@pytest.mark.slow
+def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight(
+        tmp_path: Path, cache_dir: Path):
+    from runner.checkpoint import GlobalBatchError, fit_world, load
+    from runner.compose import compose
+    from tests.conftest import read_metrics
+    from tests.test_failures import sitecustomize
+    from tests.test_resume import RECORDING
+
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+           **sitecustomize(tmp_path / "inject", RECORDING)}
+    straight = {**env, "RECORD": str(tmp_path / "straight"), "STOP_AT": "-1"}
+    torchrun_ranks(tmp_path, straight, 2, "loader.batch_size=4", "hydra.run.dir=straight")
+    stop = 7  # in the second epoch
+    first = {**env, "RECORD": str(tmp_path / "first"), "STOP_AT": str(stop)}
+    torchrun_ranks(tmp_path, first, 4, "resume=auto", "hydra.run.dir=run")
+    assert read_metrics(tmp_path / "run")["status"] == "interrupted"
+    # the same command on 2 ranks: loader.batch_size=2 is scaled to 4, said in the log
+    second = {**env, "RECORD": str(tmp_path / "second"), "STOP_AT": "-1"}
+    out = torchrun_ranks(tmp_path, second, 2, "resume=auto", "hydra.run.dir=run")
+    assert "loader.batch_size 2 -> 4 per rank keeps the global batch of 8" in out
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "ok" and m["start_step"] == stop, out[-3000:]
+
+    want = global_steps(tmp_path, "straight", 2)
+    got = global_steps(tmp_path, "first", 4) + global_steps(tmp_path, "second", 2)
+    assert len(want) == len(got) == 10  # 2 epochs of 44 // 8 = 5 global steps
+    assert got == want  # the same images (and crops) at every step: none replayed, none skipped
+    for epoch in (0, 1):
+        seen = [i for index, _ in got[5 * epoch : 5 * epoch + 5] for i in index]
+        assert len(seen) == len(set(seen)) == 40  # 40 distinct images, 4 dropped
+    resumed = load(tmp_path / "run" / "checkpoint.pt")
+    reference = load(tmp_path / "straight" / "checkpoint.pt")
+    assert resumed["world"] == 2 and resumed["steps"] == reference["steps"] == 10
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, atol=1e-5, rtol=1e-4)
+    print(f"\n4 ranks x 2 stopped at step {stop}, resumed on 2 ranks x 4: {len(got)} global "
+          f"steps, {sum(len(i) for i, _ in got)} samples, identical to 2 ranks straight")
+
+    # 3 ranks cannot share a global batch of 8: refused, naming the sizes that would
+    config = compose([*ELASTIC, "resume=auto"])
+    with pytest.raises(GlobalBatchError, match=r"run on 1 \(loader.batch_size=8\), 2 \("
+                                               r"loader.batch_size=4\), 4 .*, 8 .* rank"):
+        fit_world(resumed, config, 3, "run")

@@ -120,7 +120,7 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path: 
     from runner.checkpoint import CheckpointError
 
     run_in_process(*COMMON, "run.epochs=1", run_dir=tmp_path / "first")
-    with pytest.raises(CheckpointError, match="loader.batch_size: checkpoint 8, this run 4"):
+    with pytest.raises(CheckpointError, match="global batch is 8 images .* a global batch of 4"):
         run_in_process(*COMMON, "loader.batch_size=4", f"resume={tmp_path}/first",
                        run_dir=tmp_path / "second")
     with pytest.raises(CheckpointError, match="nothing is left"):
