@@ -160,3 +160,129 @@ def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight
     with pytest.raises(GlobalBatchError, match=r"run on 1 \(loader.batch_size=8\), 2 \("
                                                r"loader.batch_size=4\), 4 .*, 8 .* rank"):
         fit_world(resumed, config, 3, "run")
+
+
+# --- 3. nodes read their share of a sharded set ---------------------------------------------
+
+GROUPS = [0, 7, 15, 20, 31, 40, 44, 50, 58, 66, 71]  # 10 shards of 4 to 11 samples
+
+
+def lane_orders(world: int, batch: int, **kw) -> list:
+    from runner.data.order import BatchOrder
+
+    return [BatchOrder(71, batch, seed=5, rank=r, world=world, groups=GROUPS, group_block=2,
+                       lanes=2, **kw) for r in range(world)]
+
+
+def test_lanes_give_each_node_its_own_shards_and_every_world_size_the_same_steps():
+    from runner.data.order import split_padding
+
+    shard_of = {i: g for g in range(10) for i in range(GROUPS[g], GROUPS[g + 1])}
+    four = lane_orders(4, 3, shuffle=True, drop_last=True)  # 2 nodes x 2 ranks, global 12
+    two = lane_orders(2, 6, shuffle=True, drop_last=True)  # 2 nodes x 1 rank, global 12
+    assert len({len(o) for o in four + two}) == 1 and len(four[0]) > 0
+    for epoch in range(3):
+        steps = [[b.tolist() for b in o.batches()] for o in four]
+        assert len({len(s) for s in steps}) == 1  # the same count on every rank
+        by_node = [{shard_of[i] for r in (2 * n, 2 * n + 1) for b in steps[r] for i in b}
+                   for n in (0, 1)]
+        assert not by_node[0] & by_node[1]  # each shard read by one node alone
+        seen = [i for s in steps for b in s for i in b]
+        assert len(seen) == len(set(seen)) and min(seen) >= 0  # none twice, no padding
+        # the same global batches on 2 ranks of 6 (an elastic resume reads these)
+        other = [[b.tolist() for b in o.batches()] for o in two]
+        for k in range(len(steps[0])):
+            assert sorted(i for s in steps for i in s[k]) == sorted(i for s in other for i in s[k])
+        blocks = four[0].group_blocks(epoch)  # what node 0 fetches ahead: its own shards
+        assert {g for b in blocks for g in b} >= by_node[0] and not \
+            {g for b in blocks for g in b} & by_node[1]
+    # inference: every sample exactly once, short lanes padded and masked
+    infer = lane_orders(4, 3, shuffle=False, drop_last=False)
+    rows = [list(o.batches()) for o in infer]
+    assert len({len(r) for r in rows}) == 1
+    valid = [i for r in rows for b in r for i in split_padding(b)[0][b >= 0].tolist()]
+    assert sorted(valid) == list(range(71))
+
+
+NODES = ["dataset.image_size=[48,48]", "loader=shards", "loader.num_workers=0",
+         "loader.batch_size=2", "run.warmup_steps=1", "run.progress=false", "logger=none",
+         "diagnose=false", "run.timeline=false", "task.checkpoint=false"]
+
+
+def two_nodes(tmp_path: Path, s3_env: dict, *overrides: str) -> list[str]:
+    """One run as two torchrun 'nodes' of 2 ranks on loopback (a c10d rendezvous), each
+    with its own cache folder; their output."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    port, procs = free_port(), []
+    for node in (0, 1):
+        folder = tmp_path / f"node{node}"
+        folder.mkdir(exist_ok=True)
+        env = {**os.environ, **s3_env, "RUNNER_CACHE": str(folder / "cache"),
+               "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+             "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             "--rdzv_id=nodes", "-m", "runner", *NODES, *overrides],
+            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
+        tmp_path: Path, s3_server, s3_env, delay_line, cache_dir: Path):
+    import csv
+    import json
+
+    from runner.data.order import BatchOrder
+    from runner.prepare import main
+    from tests.conftest import read_metrics
+
+    out = tmp_path / "shards"
+    assert main(["shards", "dataset.num_images=64", "dataset.num_classes=4",
+                 "dataset.source_size=[96,128]", "dataset.image_size=[48,48]", f"out={out}",
+                 "shard_mb=0.03"]) == 0
+    bucket = f"nodes-{os.getpid()}"
+    s3_server.make_bucket(bucket)
+    s3_server.upload(out, bucket, "shards")
+    meta = json.loads((out / "manifest.json").read_text())
+    sizes = [s["bytes"] for s in meta["shards"]]
+    groups = [0]
+    for s in meta["shards"]:
+        groups.append(groups[-1] + s["count"])
+    delay_line.set(rtt=0.005)
+    url = f"dataset.path=s3://{bucket}/shards"
+
+    two_nodes(tmp_path, s3_env, url, "run.epochs=1", f"hydra.run.dir={tmp_path / 'train'}")
+    m = read_metrics(tmp_path / "train")
+    ranks = m["distributed"]["ranks"]
+    assert m["status"] == "ok" and m["distributed"]["world"] == 4
+    assert m["distributed"]["replicas_in_sync"] is True  # identical weights on every rank
+    # what each node's ranks read in epoch 0: their lanes' shards (slots 2n and 2n + 1)
+    orders = [BatchOrder(groups[-1], 2, shuffle=True, drop_last=True, seed=0, rank=slot,
+                         world=4, groups=groups, group_block=4, lanes=2) for slot in (0, 2)]
+    assert len({r["steps"] for r in ranks}) == 1 and ranks[0]["steps"] == len(orders[0])
+    share = [sum(sizes[g] for b in o.group_blocks(0) for g in b) for o in orders]
+    fetched = [a - b for a, b in zip(m["distributed"]["remote_bytes_per_node"],
+                                     m["distributed"]["remote_index_bytes_per_node"])]
+    total = sum(sizes)
+    print(f"\nbytes of shards fetched per node: {fetched} (their lanes' shards: {share}; the "
+          f"whole set {total}: {[round(f / total, 3) for f in fetched]} of it each; plus "
+          f"indexes {m['distributed']['remote_index_bytes_per_node']}); "
+          f"{ranks[0]['steps']} steps on every rank")
+    for node in (0, 1):  # one fetch per shard per node, none of the other node's
+        assert fetched[node] <= 1.05 * share[node]
+        assert share[node] <= 0.6 * total
+        cached = list((tmp_path / f"node{node}" / "cache").rglob("*.tar"))
+        assert sum(p.stat().st_size for p in cached) <= 1.05 * share[node]
+
+    two_nodes(tmp_path, s3_env, url, "task=infer", f"hydra.run.dir={tmp_path / 'infer'}")
+    with open(tmp_path / "infer" / "predictions.csv") as f:
+        indices = [int(r["index"]) for r in csv.DictReader(f)]
+    assert sorted(indices) == list(range(groups[-1]))  # every image once, over both nodes

@@ -270,7 +270,8 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
                      "last whole global batch of %d", ranks.world,
                      len(storage) % (loader_cfg.batch_size * ranks.world),
                      loader_cfg.batch_size * ranks.world)
-    order = batch_order(storage, loader_cfg, config.seed, ranks.rank, ranks.world)
+    order = batch_order(storage, loader_cfg, config.seed, ranks.slot, ranks.world,
+                        ranks.nodes)
     check_batch_memory(config.loader, order, storage)
     kind = STORAGES[config.loader.name]
     if kind.own_loader:  # a rival's own pipeline in place of the runner's loaders

@@ -161,6 +161,18 @@ class ShardsStorage(PackedStorage):
         """The batch order this storage is read in (its blocks of shards, to fetch ahead)."""
         self.source.order = order
 
+    def example(self, n: int, items: range | None = None) -> torch.Tensor:
+        """``n`` decoded images of the shard this rank reads first: on several nodes, none
+        fetches a shard of another node's lanes to trace or verify a model."""
+        order = getattr(self.source, "order", None)
+        if items is None and order is not None:
+            blocks = order.group_blocks(order.coming_epoch)
+            if blocks and blocks[0]:
+                shard = blocks[0][0]
+                start = self.order_groups[shard]
+                items = range(start, min(self.order_groups[shard + 1], start + 2 * n))
+        return super().example(n, items)
+
     @property
     def files(self) -> list[str]:
         if self.source.remote:
