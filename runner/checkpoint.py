@@ -57,7 +57,7 @@ from torch import nn
 
 from runner.atomic import replacing
 from runner.data.threads import cuda_index
-from runner.distributed import local_module
+from runner.distributed import local_module, ranks_from_env
 from runner.errors import ConfigError, Diverged, UserError
 from runner.model import split_input
 
@@ -104,6 +104,7 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         "epoch": epoch,
         "steps": steps,
         "world": _rank_world()[1],  # ranks x loader.batch_size: the global batch kept on resume
+        "nodes": ranks_from_env().nodes,  # loader.lanes' default: the order a resume keeps
         "steps_per_epoch": steps_per_epoch,
         "losses": losses,
         "config": config,
@@ -332,6 +333,7 @@ def fit_world(state: dict[str, Any], config: Any, world: int, path: str | Path) 
     saved_batch = _value(state.get("config") or {}, "loader.batch_size")
     if saved_batch is None:
         return  # a checkpoint without its config: nothing to keep
+    keep_lanes(state, config, path)
     before = saved_world(state)
     total, batch = int(saved_batch) * before, config.loader.batch_size
     if batch * world == total:
@@ -355,6 +357,24 @@ def fit_world(state: dict[str, Any], config: Any, world: int, path: str | Path) 
              "per rank keeps the global batch of %d; each global step reads the same images "
              "as it would have on %d", world, before, saved_batch, config.loader.batch_size,
              total, before)
+
+
+def keep_lanes(state: dict[str, Any], config: Any, path: str | Path) -> None:
+    """The lanes a sharded storage's order was dealt to (``loader.lanes``, unset: the
+    checkpoint's node count) stay the checkpoint's, so its order goes on; another value
+    asked for is refused."""
+    saved = _value(state.get("config") or {}, "loader.lanes") or int(state.get("nodes") or 1)
+    asked = config.loader.lanes
+    if asked is None:
+        config.loader.lanes = saved
+        nodes = ranks_from_env().nodes
+        if nodes != saved:
+            log.info("resume on %d node(s), the checkpoint's were %d: a sharded storage's "
+                     "order stays dealt to loader.lanes=%d", nodes, saved, saved)
+    elif asked != saved:
+        raise GlobalBatchError(f"resume={path}: loader.lanes={asked}, the checkpoint's order "
+                               f"was dealt to {saved} lanes: drop loader.lanes (it keeps "
+                               f"{saved}) or start fresh (drop resume=)")
 
 
 def check_epoch_length(state: dict[str, Any], steps_per_epoch: int, path: str | Path) -> None:

@@ -286,3 +286,20 @@ def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
     with open(tmp_path / "infer" / "predictions.csv") as f:
         indices = [int(r["index"]) for r in csv.DictReader(f)]
     assert sorted(indices) == list(range(groups[-1]))  # every image once, over both nodes
+
+
+def test_a_resume_keeps_the_lanes_its_order_was_dealt_to(monkeypatch):
+    from runner.checkpoint import GlobalBatchError, fit_world
+    from runner.compose import compose
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    # written on 2 nodes x 2 ranks, batch 2: lanes unset, so one per node
+    state = {"config": {"loader": {"batch_size": 2, "lanes": None}}, "world": 4, "nodes": 2}
+    config = compose(["loader=shards", "loader.batch_size=2"])
+    fit_world(state, config, 2, "ckpt")  # resumed on one node of 2 ranks
+    assert (config.loader.lanes, config.loader.batch_size) == (2, 4)
+    with pytest.raises(GlobalBatchError, match="loader.lanes=4, the checkpoint's order was "
+                                               "dealt to 2 lanes"):
+        fit_world(state, compose(["loader=shards", "loader.batch_size=2", "loader.lanes=4"]),
+                  2, "ckpt")
