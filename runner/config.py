@@ -44,6 +44,7 @@ class StorageName(Enum):
     shards = "shards"  # WebDataset tar shards (local or a URL), decoded every epoch
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
     ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
+    webdataset = "webdataset"  # the rival: the webdataset library's pipeline on the shards
 
 
 class Decoder(Enum):
