@@ -66,7 +66,7 @@ def shard_urls(storage: ShardsStorage, dataset: DatasetConfig) -> list[str]:
     import boto3
 
     client = boto3.client("s3", endpoint_url=dataset.endpoint_url)
-    return [f"pipe:curl -s --fail '" + client.generate_presigned_url(
+    return ["pipe:curl -s --fail '" + client.generate_presigned_url(
         "get_object", Params={"Bucket": url.bucket, "Key": url.key(name)},
         ExpiresIn=URL_DAYS * 86400) + "'" for name in source.names]
 
