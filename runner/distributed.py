@@ -5,6 +5,15 @@ rank in the environment, joins a process group (gloo on CPU, nccl on CUDA), driv
 device, loads its own shard of every epoch (``runner.data.loader.BatchOrder``) and trains one
 DistributedDataParallel replica. Rank 0 alone writes the run's outputs, with figures
 gathered from every rank. Each job of a sweep creates and destroys its own group.
+
+Every rank runs the same number of batches (training drops what no whole global batch
+holds; validation and inference pad and mask), so no collective waits on a rank that ran
+out. On several nodes (``--nnodes``) a rank also knows its node (torchrun's GROUP_RANK,
+else NODE_RANK) and its place on it (LOCAL_RANK of LOCAL_WORLD_SIZE): the ranks of a node
+sit side by side in each global batch (``Ranks.slot``), so a sharded storage deals each
+node its own lanes of shards and the node fetches about its share of a bucket, into a
+cache its ranks share (runner/data/order.py, runner/data/remote/cache.py). A checkpoint
+resumed on another world size keeps its global batch (runner/checkpoint.py).
 """
 
 from __future__ import annotations

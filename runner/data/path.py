@@ -281,6 +281,11 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     if DECODERS[config.loader.decoder].cuda:  # a stage above the loader: decode on the GPU
         loader = GpuDecodedBatches(loader, storage, device)
     if len(loader) == 0:
+        if ranks.enabled:  # training on several ranks drops what no whole global batch holds
+            raise ConfigError(
+                f"the loader yields no batches: {len(storage)} images hold no whole global "
+                f"batch of {ranks.world} ranks x loader.batch_size={config.loader.batch_size}"
+                f"; use loader.batch_size={max(1, len(storage) // ranks.world)} or less")
         raise ConfigError(
             f"the loader yields no batches: {len(storage)} images per rank is fewer than "
             f"loader.batch_size={config.loader.batch_size} with loader.drop_last=true; use a "
