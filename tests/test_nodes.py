@@ -209,9 +209,9 @@ NODES = ["dataset.image_size=[48,48]", "loader=shards", "loader.num_workers=0",
          "diagnose=false", "run.timeline=false", "task.checkpoint=false"]
 
 
-def two_nodes(tmp_path: Path, s3_env: dict, *overrides: str) -> list[str]:
-    """One run as two torchrun 'nodes' of 2 ranks on loopback (a c10d rendezvous), each
-    with its own cache folder; their output."""
+def two_nodes(tmp_path: Path, s3_env: dict, *overrides: str, ranks: int = 2) -> list[str]:
+    """One run as two torchrun 'nodes' of ``ranks`` ranks on loopback (a c10d rendezvous),
+    each with its own cache folder; their output."""
     import subprocess
     import sys
 
@@ -225,7 +225,7 @@ def two_nodes(tmp_path: Path, s3_env: dict, *overrides: str) -> list[str]:
                "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-             "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             f"--nproc_per_node={ranks}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
              "--rdzv_id=nodes", "-m", "runner", *NODES, *overrides],
             cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -282,7 +282,8 @@ def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
         cached = list((tmp_path / f"node{node}" / "cache").rglob("*.tar"))
         assert sum(p.stat().st_size for p in cached) <= 1.05 * share[node]
 
-    two_nodes(tmp_path, s3_env, url, "task=infer", f"hydra.run.dir={tmp_path / 'infer'}")
+    two_nodes(tmp_path, s3_env, url, "task=infer", f"hydra.run.dir={tmp_path / 'infer'}",
+              ranks=1)  # (one rank a node: each node's lanes, padded and masked)
     with open(tmp_path / "infer" / "predictions.csv") as f:
         indices = [int(r["index"]) for r in csv.DictReader(f)]
     assert sorted(indices) == list(range(groups[-1]))  # every image once, over both nodes
@@ -303,3 +304,13 @@ def test_a_resume_keeps_the_lanes_its_order_was_dealt_to(monkeypatch):
                                                "dealt to 2 lanes"):
         fit_world(state, compose(["loader=shards", "loader.batch_size=2", "loader.lanes=4"]),
                   2, "ckpt")
+
+
+def test_a_resume_whose_epochs_hold_other_steps_is_refused_naming_drop_last():
+    from runner.checkpoint import GlobalBatchError, check_epoch_length
+
+    check_epoch_length({"steps_per_epoch": 7}, 7, "ckpt")  # the same: goes on
+    # one process kept a last short batch (8 steps), two ranks drop it (7)
+    with pytest.raises(GlobalBatchError, match="epochs were 8 steps, this run's are 7 .* "
+                                               "loader.drop_last=true"):
+        check_epoch_length({"steps_per_epoch": 8}, 7, "ckpt")
