@@ -276,9 +276,11 @@ def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
           f"whole set {total}: {[round(f / total, 3) for f in fetched]} of it each; plus "
           f"indexes {m['distributed']['remote_index_bytes_per_node']}); "
           f"{ranks[0]['steps']} steps on every rank")
-    for node in (0, 1):  # one fetch per shard per node, none of the other node's
+    for node in (0, 1):  # one fetch per shard (and index) per node, none of the other node's
         assert fetched[node] <= 1.05 * share[node]
         assert share[node] <= 0.6 * total
+        index_bytes = m["distributed"]["remote_index_bytes_per_node"][node]
+        assert index_bytes <= 1.05 * sum(p.stat().st_size for p in out.glob("*.idx.json"))
         cached = list((tmp_path / f"node{node}" / "cache").rglob("*.tar"))
         assert sum(p.stat().st_size for p in cached) <= 1.05 * share[node]
 
