@@ -44,6 +44,7 @@ class StorageName(Enum):
     shards = "shards"  # WebDataset tar shards (local or a URL), decoded every epoch
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
     ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
+    webdataset = "webdataset"  # the rival: the webdataset library's pipeline on the shards
 
 
 class Decoder(Enum):
@@ -287,6 +288,11 @@ class LoaderConfig:
     # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
     # once in the log, and false in the run's config): every image gets its outputs
     drop_last: bool = False
+    # a sharded storage (loader=shards) under torch.distributed: each epoch's shards are
+    # dealt to this many lanes, whole, each lane read by one node's ranks (a node fetches
+    # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so
+    # a resume keeps the checkpoint's, on a node count that divides it
+    lanes: int | None = None
     batched: bool = False  # one __getitems__ call per batch instead of one call per image
     # loader=folder with num_workers=0: decode with this many threads in the main process,
     # straight into reused batch buffers (unset: the cores available; 0: the main thread)
@@ -316,6 +322,8 @@ class LoaderConfig:
         )
         _require(self.shuffle_block >= 1, "loader.shuffle_block", self.shuffle_block,
                  "must be >= 1 (1 is a full permutation)")
+        _require(self.lanes is None or self.lanes >= 1, "loader.lanes", self.lanes,
+                 "must be >= 1 (unset: the number of nodes)")
 
 
 @dataclass

@@ -59,7 +59,8 @@ class InferTask(TaskBase):
         self.resumed = outputs.load_state(run_dir)
         if self.resumed is not None:
             outputs.check_state(self.resumed, self.identity, run_dir)
-            checkpoint.check_fits(self.resumed, cfg, self.resumed["source"])
+            checkpoint.check_fits(self.resumed, cfg, self.resumed["source"],
+                                  (*checkpoint.MUST_MATCH, "loader.batch_size"))
         else:
             log.info("resume=auto: no inference state in %s yet: starting fresh", run_dir)
         return self.resumed

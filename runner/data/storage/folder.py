@@ -216,12 +216,14 @@ class FolderStorage(torch.utils.data.Dataset):
             pixels = self.pack([s.image for s in samples])
         return {**pixels, **batch_fields(samples)}, skipped
 
-    def example(self, n: int) -> torch.Tensor:
-        """``n`` decoded images (the first decodable files, repeated to fill ``n``)."""
+    def example(self, n: int, items: range | None = None) -> torch.Tensor:
+        """``n`` decoded images (the first decodable files, or of ``items``, repeated to
+        fill ``n``)."""
         decoder = self.decode.image_decoder
         images, missing, broken = [], [], []
-        tried = min(2 * n, len(self))
-        for index in range(tried):
+        items = items if items is not None else range(min(2 * n, len(self)))
+        tried = len(items)
+        for index in items:
             try:
                 images.append(decoder(self.read(index)))
             except FileNotFoundError:
