@@ -859,6 +859,13 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--steps", type=int, default=25, help="steps of each runner job")
     i.add_argument("--seconds", type=float, default=8.0, help="of the naive script a round")
     i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    i.add_argument("--part", choices=("all", "compare", "ablation"), default="all",
+                   help="the comparison against the targets, the ablation, or both")
+    i.add_argument("--images", type=int, default=800, help="images of each ablation job")
+    i.add_argument("--workers", type=int, default=2, help="ablation: loader workers added")
+    i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
+    i.add_argument("--compile", default="inductor", help="ablation: the backend added")
+    i.add_argument("--outputs", default="topk,embeddings", help="task.outputs of the jobs")
     i.add_argument("--out", type=Path, default=Path("outputs/bench"))
     i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     from runner.bench_remote import add_parser as add_remote
