@@ -932,9 +932,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
         return run_with_targets("remote", bench_remote, args)
     if args.command == "infer":
-        from runner.bench_infer import bench_infer
+        from runner.bench_ablation import bench_infer_parts
 
-        return run_with_targets("infer", bench_infer, args)
+        return run_with_targets("infer", bench_infer_parts, args)
     if args.command == "gil":
         bench_gil(args)
         return 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.bench_infer import make_weights, naive_rate, runner_job, stand_ins
+from runner.bench_infer import bench_infer, make_weights, naive_rate, runner_job, stand_ins
 from runner.compose import compose
 from runner.config import model_configs
 from runner.data.storage import resolve_dataset
@@ -123,3 +123,14 @@ def bench_ablation(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  total: {table[-1]['images_per_sec'] / table[0]['images_per_sec']:.2f}x the "
           "naive script")
     return {"models": [m.label for m in models], "rows": table}
+
+
+def bench_infer_parts(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench infer``: the comparison against its targets (bench_infer.py), the ablation,
+    or both (``args.part``)."""
+    out: dict[str, Any] = {"targets": []}
+    if args.part in ("all", "compare"):
+        out = bench_infer(args)
+    if args.part in ("all", "ablation"):
+        out["ablation"] = bench_ablation(args)
+    return out

@@ -138,18 +138,6 @@ def stand_ins(weights: list[Path]) -> list[ModelConfig]:
 
 
 def bench_infer(args: argparse.Namespace) -> dict:
-    """The comparison (``args.part`` compare), the ablation (bench_ablation.py), or both."""
-    out: dict = {"targets": []}
-    if args.part in ("all", "compare"):
-        out = compare(args)
-    if args.part in ("all", "ablation"):
-        from runner.bench_ablation import bench_ablation
-
-        out["ablation"] = bench_ablation(args)
-    return out
-
-
-def compare(args: argparse.Namespace) -> dict:
     """One pass against the naive script and three separate runs, with their targets."""
     work = Path(args.out) / "infer"
     weights = make_weights(work / "weights")
