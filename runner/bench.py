@@ -237,7 +237,8 @@ def bench_gil(args: argparse.Namespace) -> dict:
 # the loops of section 5, each over the same in-memory items: (key, what it is)
 LOOPS = (("python_s", "pure-Python loop over a list (np.stack per batch)"),
          ("dataloader_s", "DataLoader, per item, default (no workers)"),
-         ("dataloader_workers_s", "DataLoader as scripts set it (workers, prefetch, pin)"),
+         ("dataloader_workers_s",
+          "DataLoader as scripts set it (workers, prefetch 4, pin on CUDA)"),
          ("numpy_s", "numpy gather (take per batch)"),
          ("runner_s", "runner's batched loader"))
 

@@ -126,6 +126,29 @@ def test_reducing_on_the_host_and_writing_synchronously_write_the_same_bytes(
         assert files == first, key
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_hosts_reduction_gives_the_devices_outputs(labelled: Path,
+                                                                 tmp_path: Path):
+    """On CUDA the host's softmax is the CPU's and the device's the GPU's: the same classes,
+    probabilities within float rounding; logits and embeddings copied as they are."""
+    torch.manual_seed(3)
+    model = build_model(ModelConfig("tiny"), 3, torch.device("cpu")).eval()
+    torch.save(model[1].state_dict(), tmp_path / "w.pt")
+    over = [*BASE, f"dataset.path={labelled}", f"model.weights={tmp_path / 'w.pt'}",
+            "task.outputs=[topk,probs,logits,embeddings]"]
+    got = {}
+    for reduce_on in ("device", "host"):
+        run = tmp_path / reduce_on
+        m = run_in_process(*over, f"task.reduce_on={reduce_on}", run_dir=run)
+        assert m["status"] == "ok"  # on the GPU: a run takes CUDA where there is one
+        got[reduce_on] = run
+    for name in ("probs", "logits", "embeddings"):
+        np.testing.assert_allclose(np.load(got["host"] / f"tiny.{name}.npy"),
+                                   np.load(got["device"] / f"tiny.{name}.npy"), atol=1e-6)
+    rows = [(got[r] / "predictions.csv").read_text().splitlines() for r in got]
+    assert [r.split(",")[4] for r in rows[0]] == [r.split(",")[4] for r in rows[1]]
+
+
 def test_masks_reduced_on_the_host_are_the_devices(tmp_path: Path):
     src = make_tree(tmp_path / "scenes", {f"s{k}.jpg": encode(photo(40 + 4 * k, 52, k))
                                           for k in range(3)})
