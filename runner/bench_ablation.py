@@ -129,7 +129,10 @@ def bench_infer_parts(args: argparse.Namespace) -> dict[str, Any]:
     """``bench infer``: the comparison against its targets (bench_infer.py), the ablation,
     or both (``args.part``)."""
     out: dict[str, Any] = {"targets": []}
-    if args.part in ("all", "compare"):
+    if args.part in ("all", "compare") and user_models(args.overrides):
+        print("the comparison and its targets are the stand-ins' (three weights of "
+              "one model): with your models, only the ablation runs", flush=True)
+    elif args.part in ("all", "compare"):
         out = bench_infer(args)
     if args.part in ("all", "ablation"):
         out["ablation"] = bench_ablation(args)
