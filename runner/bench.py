@@ -904,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     i.add_argument("--part", choices=("all", "compare", "ablation"), default="all",
                    help="the comparison against the targets, the ablation, or both")
-    i.add_argument("--images", type=int, default=800, help="images of each ablation job")
+    i.add_argument("--images", type=int, default=800, help="timed images of each ablation job")
     i.add_argument("--workers", type=int, default=2, help="ablation: loader workers added")
     i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
     i.add_argument("--compile", default="inductor", help="ablation: the backend added")

@@ -32,6 +32,7 @@ from runner.data.storage.listing import list_images
 from runner.stats import median
 
 NAIVE = "naive script"
+WARMUP = 3  # steps of each job before its timed ones
 
 
 @dataclass
@@ -83,7 +84,7 @@ def bench_ablation(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.out) / "infer"
     work.mkdir(parents=True, exist_ok=True)
     base = [*args.overrides, "task=infer", f"dataset.image_size=[{args.size},{args.size}]",
-            "run.warmup_steps=3", "logger=none", "diagnose=false", "run.timeline=false",
+            f"run.warmup_steps={WARMUP}", "logger=none", "diagnose=false", "run.timeline=false",
             "run.progress=false", f"task.outputs=[{args.outputs}]"]
     if not user_models(args.overrides):
         weights = make_weights(work / "weights")
@@ -96,7 +97,7 @@ def bench_ablation(args: argparse.Namespace) -> dict[str, Any]:
     files = [p for p, _ in listing.samples]
     rows = chain(args.batch_size, args.workers, args.writer_threads, args.compile)
     print(f"\nablation: {', '.join(m.label for m in models)}, outputs [{args.outputs}], "
-          f"{args.size}x{args.size}, {args.images} images a job, {args.rounds} rounds",
+          f"{args.size}x{args.size}, {args.images} timed images a job, {args.rounds} rounds",
           flush=True)
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
@@ -108,17 +109,18 @@ def bench_ablation(args: argparse.Namespace) -> dict[str, Any]:
                 overrides += row.adds
                 batch = int(next(o for o in reversed(overrides)
                                  if o.startswith("loader.batch_size=")).split("=")[1])
-                steps = max(math.ceil(args.images / batch), 4)  # past the warm-up's 3
+                steps = WARMUP + max(math.ceil(args.images / batch), 2)  # timed after
                 m = runner_job([*overrides, f"run.steps={steps}"], tmp / f"r{r}-{k}")
                 row.rates.append(m["images_per_sec"])
             print(f"  round {r + 1}: " + ", ".join(f"{row.rates[-1]:,.1f}" for row in rows),
                   flush=True)
     table = shares(rows)
-    print(f"\n  {'step (each adds to the one above)':66s} {'images/s':>9s}  {'spread':>15s}"
-          f"  {'share of gain':>13s}")
+    width = max(len(t["row"]) for t in table)
+    print(f"\n  {'step (each adds to the one above)':{width}s} {'images/s':>9s}  "
+          f"{'spread':>15s}  {'share of gain':>13s}")
     for t in table:
         share = "" if t["share"] is None else f"{t['share']:.0%}"
-        print(f"  {t['row']:66s} {t['images_per_sec']:9,.1f}  "
+        print(f"  {t['row']:{width}s} {t['images_per_sec']:9,.1f}  "
               f"{t['min']:>7,.1f}-{t['max']:<7,.1f}  {share:>13s}")
     print(f"  total: {table[-1]['images_per_sec'] / table[0]['images_per_sec']:.2f}x the "
           "naive script")
