@@ -67,7 +67,8 @@ def user_models(overrides: list[str]) -> bool:
 
 def shares(rows: list[Row]) -> list[dict[str, Any]]:
     """Each row's median images/s, spread, gain over the row before and share of the total
-    gain (None when the rows gained nothing in all)."""
+    gain (None when the rows gained nothing in all); ``within_noise`` where its rounds'
+    range overlaps the row before's (its gain is not told from the machine's drift)."""
     medians = [median(r.rates) for r in rows]
     total = medians[-1] - medians[0]
     out = []
@@ -75,7 +76,9 @@ def shares(rows: list[Row]) -> list[dict[str, Any]]:
         gain = mid - medians[k - 1] if k else 0.0
         out.append({"row": row.name, "overrides": row.adds, "images_per_sec": mid,
                     "min": min(row.rates), "max": max(row.rates), "rounds": row.rates,
-                    "gain": gain, "share": gain / total if k and total else None})
+                    "gain": gain, "share": gain / total if k and total else None,
+                    "within_noise": bool(k) and min(row.rates) <= max(rows[k - 1].rates)
+                    and max(row.rates) >= min(rows[k - 1].rates)})
     return out
 
 
@@ -120,10 +123,14 @@ def bench_ablation(args: argparse.Namespace) -> dict[str, Any]:
           f"{'spread':>15s}  {'share of gain':>13s}")
     for t in table:
         share = "" if t["share"] is None else f"{t['share']:.0%}"
+        share += " ~" if t["within_noise"] else ""
         print(f"  {t['row']:{width}s} {t['images_per_sec']:9,.1f}  "
               f"{t['min']:>7,.1f}-{t['max']:<7,.1f}  {share:>13s}")
     print(f"  total: {table[-1]['images_per_sec'] / table[0]['images_per_sec']:.2f}x the "
           "naive script")
+    if any(t["within_noise"] for t in table):
+        print("  ~: its rounds' range overlaps the row above's: that gain is within this "
+              "machine's noise (more --rounds and --images, or a quieter machine)")
     return {"models": [m.label for m in models], "rows": table}
 
 

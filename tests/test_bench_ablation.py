@@ -21,6 +21,11 @@ def test_shares_are_each_rows_gain_over_the_one_before_and_add_up():
     assert sum(t["share"] for t in table[1:]) == pytest.approx(1.0)
     assert table[2]["share"] == pytest.approx(-4 / 49)  # a change that cost speed
     assert all(t["share"] is None for t in shares([Row("a", [], [5.0]), Row("b", [], [5.0])]))
+    # b's rounds (29-31) clear a's (10-12); c's (25-27) do not overlap b's either; a row
+    # whose range meets the one above's is within the noise
+    assert [t["within_noise"] for t in table] == [False, False, False, False]
+    noisy = shares([Row("a", [], [10.0, 20.0]), Row("b", [], [18.0, 30.0])])
+    assert noisy[1]["within_noise"]
 
 
 def test_the_users_own_models_are_told_from_the_stand_ins():
