@@ -116,6 +116,11 @@ class Output(Enum):  # what task=infer keeps of each model's output
     masks = "masks"  # masks/<model>/<file>.png: class per pixel at the source size
 
 
+class ReduceOn(Enum):  # task.reduce_on: where task=infer reduces each output (softmax, top-k)
+    device = "device"  # on the device; only what is kept is copied to the host
+    host = "host"  # the raw logits copied to the host and reduced there (a naive script's way)
+
+
 class OptimizerName(Enum):  # task.optimizer
     sgd = "sgd"  # with momentum (nesterov optional)
     adamw = "adamw"
@@ -467,7 +472,12 @@ class TaskConfig:
     # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
     keep_checkpoints: bool = False
     write_predictions: bool = True  # infer: false writes no outputs (a speed run)
+    # infer: threads writing the outputs off the loop's path; 0 writes each batch on the
+    # loop's thread, synchronously (as a naive script does)
     writer_threads: int = 2
+    # infer: where each output is reduced: device, or host (the raw logits copied, then
+    # reduced there); the same outputs either way (within float rounding on a GPU)
+    reduce_on: ReduceOn = ReduceOn.device
     # infer: what each model's outputs are kept as (runner/outputs.py): topk
     # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs)
     outputs: list[Output] = field(default_factory=lambda: [Output.topk])
@@ -499,7 +509,8 @@ class TaskConfig:
         for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_minutes"):
             _require(getattr(self, key) >= 0, f"task.{key}", getattr(self, key),
                      "must be >= 0 (0: not by this measure)")
-        _require(self.writer_threads >= 1, "task.writer_threads", self.writer_threads, "must be >= 1")
+        _require(self.writer_threads >= 0, "task.writer_threads", self.writer_threads,
+                 "must be >= 0 (0: written on the loop's thread)")
         if self.name is TaskName.infer and self.write_predictions and not self.outputs \
                 and self.postprocess is None:
             raise ConfigError(

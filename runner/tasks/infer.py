@@ -173,8 +173,10 @@ TASK = InferTask
 class InferStep:
     """Forward under inference_mode for one or several models on the same device batch.
 
-    Each model's output is reduced on the device (runner/outputs.py: top-k, probabilities,
-    embeddings, masks, the user's post-processing) and only that is handed to the writers.
+    Each model's output is reduced by its output kinds' records (runner/outputs.py,
+    runner/output_kinds/: top-k, probabilities, embeddings, masks; the user's
+    post-processing), on the device or on the host (``task.reduce_on``), and only that is
+    handed to the writers (threads, or the loop's own with ``task.writer_threads=0``).
     Each model's forward is timed on its own (CUDA events on a GPU, read at ``close``), so
     a multi-model pass reports images/s per model as well as for the whole pass.
 
