@@ -9,7 +9,9 @@ Measured in one run, on one machine, on the same images at one size (default 224
      2 workers;
   4. the runner's own loaders (``model=none``, through the runner's loop): folder with each
      decoder, memmap and ram, in process and with 2 workers;
-and, separately, per-batch overhead on a 300,000-element in-memory tensor dataset; then
+and, separately, which loop is fastest on a 300,000-element in-memory dataset (a
+pure-Python loop over a list, the DataLoader as it comes and as scripts set it, a numpy
+gather, the runner's batched loader: each one's cost per batch); then
 the folder storage against its decode ceiling (one thread's read + decode + resize rate on
 the same files, times the decode threads) at batch 32, 64 and 256, in alternating rounds.
 Prints images/s, the ratios, whether each target holds, and writes the figures as JSON.
@@ -26,8 +28,9 @@ decoded by one thread and by one thread per core.
 
 ``python -m runner.bench infer``: an inference job with three models (runner/bench_infer.py).
 
-``python -m runner.bench overhead``: section 5 alone, in ``--rounds`` rounds: the loop's own
-cost per batch against a DataLoader's, the median ratio and its range, PASS/FAIL.
+``python -m runner.bench overhead``: section 5 alone (every loop's table), in ``--rounds``
+rounds: the runner's own cost per batch against a DataLoader's, the median ratio and its
+range, PASS/FAIL.
 
 ``python -m runner.bench remote``: shards and one object per JPEG from an S3 server on
 loopback behind a delay line at 0/10/50 ms, against local disk, with faults injected and
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -230,8 +234,23 @@ def bench_gil(args: argparse.Namespace) -> dict:
     return out
 
 
-def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3) -> dict:
-    """One epoch over n tiny in-memory items: DataLoader per item, runner, numpy loop."""
+# the loops of section 5, each over the same in-memory items: (key, what it is)
+LOOPS = (("python_s", "pure-Python loop over a list (np.stack per batch)"),
+         ("dataloader_s", "DataLoader, per item, default (no workers)"),
+         ("dataloader_workers_s",
+          "DataLoader as scripts set it (workers, prefetch 4, pin on CUDA)"),
+         ("numpy_s", "numpy gather (take per batch)"),
+         ("runner_s", "runner's batched loader"))
+
+
+def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3,
+                       workers: int = 2) -> dict:
+    """One epoch over n tiny in-memory items (the best of ``repeats``) by each loop of
+    ``LOOPS``: a pure-Python loop over a list, PyTorch's DataLoader as it comes and as
+    scripts set it (``workers`` workers, ``prefetch_factor=4``, ``pin_memory`` where there
+    is CUDA, ``persistent_workers``: its workers' start is in the first epoch only), a
+    numpy gather, the runner's batched loader. The items are so small that the time is
+    each loop's own cost per batch (``per_batch_us``)."""
     images = torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8)
     labels = torch.randint(0, 10, (n,))
 
@@ -244,10 +263,21 @@ def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3
         return min(times)
 
     dataloader = DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True)
+    scripted = DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=True,
+                          num_workers=workers, prefetch_factor=4,
+                          pin_memory=torch.cuda.is_available(), persistent_workers=True)
     storage = DecodedStorage(images, labels, skipped=[], classes=["c"], names=[], root=None)
     order = BatchOrder(n, batch_size, shuffle=True, drop_last=False, seed=0)
     runner = InProcessBatches(storage, order, False)
     xs, ys = images.numpy(), labels.numpy()
+    items = list(zip(xs, ys.tolist()))  # one (image, label) per element, as a list holds them
+
+    def python_loop():
+        perm = list(range(n))
+        random.shuffle(perm)
+        for k in range(0, n, batch_size):
+            batch = [items[i] for i in perm[k : k + batch_size]]
+            torch.from_numpy(np.stack([x for x, _ in batch])), torch.tensor([y for _, y in batch])
 
     def numpy_loop():
         perm = np.random.permutation(n)
@@ -259,13 +289,25 @@ def per_batch_overhead(n: int = 300_000, batch_size: int = 300, repeats: int = 3
         for _ in batches:  # each batch dropped before the next, as a training loop does
             pass
 
-    return {
-        "dataloader_s": best(lambda: consume(dataloader)),
-        "runner_s": best(lambda: consume(BatchStream(runner, 1))),
-        "numpy_s": best(numpy_loop),
-        "items": n,
-        "batch_size": batch_size,
-    }
+    try:
+        seconds = {"python_s": best(python_loop),
+                   "dataloader_s": best(lambda: consume(dataloader)),
+                   "dataloader_workers_s": best(lambda: consume(scripted)),
+                   "numpy_s": best(numpy_loop),
+                   "runner_s": best(lambda: consume(BatchStream(runner, 1)))}
+    finally:
+        shutdown_workers(scripted)
+    batches = -(-n // batch_size)
+    return {**seconds, "per_batch_us": {k: 1e6 * v / batches for k, v in seconds.items()},
+            "items": n, "batch_size": batch_size, "workers": workers}
+
+
+def print_loops(o: dict) -> None:
+    """Section 5's table: each loop's epoch, its cost per batch, against the runner's."""
+    print(f"  {'loop':56s} {'s/epoch':>8s} {'us/batch':>9s} {'x runner':>9s}")
+    for key, what in LOOPS:
+        print(f"  {what:56s} {o[key]:8.3f} {o['per_batch_us'][key]:9.1f} "
+              f"{o[key] / o['runner_s']:9.1f}")
 
 
 def bench_loaders(args: argparse.Namespace) -> dict:
@@ -330,10 +372,9 @@ def bench_loaders(args: argparse.Namespace) -> dict:
         record(name, lambda k=kind: runner_rate(compose([*base, loader(k.name)]), args.seconds))
         record(f"{name}_2_workers", lambda k=kind: runner_rate(
             compose([*base, loader(k.name), "loader.num_workers=2"]), args.seconds))
-    print("5. per-batch overhead: 300,000 in-memory items, batch 300, one epoch")
+    print("5. which loop is fastest: 300,000 in-memory items, batch 300, one epoch (best of 3)")
     overhead = per_batch_overhead()
-    for key in ("dataloader_s", "runner_s", "numpy_s"):
-        print(f"  {key[:-2]:34s} {overhead[key]:>10.3f} s/epoch")
+    print_loops(overhead)
     best = max((k for k in rates if k.startswith(f"{FOLDER.value}_")), key=rates.get)
     print(f"6. {best} against the naive path, alternating rounds (this machine's speed drifts "
           "between measurements; the median ratio of pairs taken together is the figure)")
@@ -783,8 +824,9 @@ def bench_overhead(args: argparse.Namespace) -> dict:
           f"epoch (the best of 3), {args.rounds} rounds", flush=True)
     rounds = []
     for k in range(args.rounds):
-        o = per_batch_overhead(args.items, args.batch_size)
+        o = per_batch_overhead(args.items, args.batch_size, workers=args.workers)
         rounds.append(o)
+        print_loops(o)
         print(f"  round {k + 1}: DataLoader {o['dataloader_s']:.3f} s, runner "
               f"{o['runner_s']:.3f} s, numpy loop {o['numpy_s']:.3f} s per epoch; runner "
               f"{o['dataloader_s'] / o['runner_s']:.1f}x DataLoader", flush=True)
@@ -850,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--items", type=int, default=300_000)
     v.add_argument("--batch-size", type=int, default=300)
     v.add_argument("--rounds", type=int, default=5)
+    v.add_argument("--workers", type=int, default=2, help="of the DataLoader as scripts set it")
     v.add_argument("--out", type=Path, default=Path("outputs/bench"))
     v.add_argument("overrides", nargs="*", help="(none used)")
     i = sub.add_parser("infer", help="an inference job with three models: the runner's one "
@@ -859,6 +902,13 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--steps", type=int, default=25, help="steps of each runner job")
     i.add_argument("--seconds", type=float, default=8.0, help="of the naive script a round")
     i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    i.add_argument("--part", choices=("all", "compare", "ablation"), default="all",
+                   help="the comparison against the targets, the ablation, or both")
+    i.add_argument("--images", type=int, default=800, help="timed images of each ablation job")
+    i.add_argument("--workers", type=int, default=2, help="ablation: loader workers added")
+    i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
+    i.add_argument("--compile", default="inductor", help="ablation: the backend added")
+    i.add_argument("--outputs", default="topk,embeddings", help="task.outputs of the jobs")
     i.add_argument("--out", type=Path, default=Path("outputs/bench"))
     i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     from runner.bench_remote import add_parser as add_remote
@@ -883,9 +933,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
         return run_with_targets("remote", bench_remote, args)
     if args.command == "infer":
-        from runner.bench_infer import bench_infer
+        from runner.bench_ablation import bench_infer_parts
 
-        return run_with_targets("infer", bench_infer, args)
+        return run_with_targets("infer", bench_infer_parts, args)
     if args.command == "gil":
         bench_gil(args)
         return 0

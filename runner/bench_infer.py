@@ -12,7 +12,10 @@ of each. Measured in alternating rounds, each a median over the run's windows:
   one decode feeding the three models;
 - **three separate runs**: one runner job per model; their combined rate is the images
   each does per second of the three jobs' time, ``1 / sum(1 / rate)``;
-- **one pass, no writes** (``task.write_predictions=false``): what writing costs.
+- **one pass, no writes** (``task.write_predictions=false``): what writing costs;
+
+and then the ablation (bench_ablation.py): from the naive script, each change added in
+turn, its images/s and its share of the total gain (``--part`` runs one or the other).
 
 Prints images/s with their spread, the ratios against the targets (one pass >= 2x naive,
 >= 1.3x three separate runs, the loop waiting on writes <= 5% of its time) as PASS/FAIL,
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 from runner.compose import compose
-from runner.config import IMAGENET_MEAN, IMAGENET_STD, DatasetConfig
+from runner.config import DatasetConfig, ModelConfig
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
 from runner.stats import median
@@ -75,46 +78,67 @@ def runner_job(overrides: list[str], run_dir: Path) -> dict:
 CROP_FRACTION = DatasetConfig.crop_fraction  # the default the runner jobs run with
 
 
-def naive_rate(files: list[str], weights: list[Path], size: int, out: Path,
-               seconds: float) -> float:
-    """images/s of the naive script over ``files`` (as many as ``seconds`` allow)."""
-    import torchvision
+def naive_models(models: list[ModelConfig], classes: int, device: torch.device) -> list:
+    """Each model as a script loads it: (network, mean, std, the embedding it last saw)."""
+    from runner.model import build_model, split_input
+    from runner.outputs import classifier_of
+
+    loaded = []
+    for m in models:
+        network = split_input(build_model(m, classes, device, train=False))[1].eval()
+        seen: dict = {}
+        head = classifier_of(network)
+        if head is not None:
+            head.register_forward_pre_hook(lambda mod, a, seen=seen: seen.update(x=a[0]))
+        loaded.append((network, list(m.mean), list(m.std), seen))
+    return loaded
+
+
+def naive_rate(files: list[str], models: list[ModelConfig], size: int, out: Path,
+               seconds: float, classes: int = 0) -> float:
+    """images/s of the naive script over ``files`` (as many as ``seconds`` allow): per
+    image, PIL open, resize and centre crop, to float, normalize, copied to the device
+    (the GPU where there is one, as the runner's jobs), each model in turn at batch 1, its
+    logits copied back and reduced on the host, a CSV line per model written at once; the
+    embeddings kept in a list."""
     import torchvision.transforms.functional as TF
     from PIL import Image
 
-    models, taps = [], []
-    for path in weights:
-        model = torchvision.models.get_model(MODEL, weights=None, num_classes=1000)
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        model.eval()
-        seen: dict = {}
-        model.classifier[-1].register_forward_pre_hook(lambda m, a, seen=seen: seen.update(x=a[0]))
-        models.append(model)
-        taps.append(seen)
-    mean, std = list(IMAGENET_MEAN), list(IMAGENET_STD)
-    embeddings: list[list] = [[] for _ in models]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = naive_models(models, classes, device)
+    embeddings: list[list] = [[] for _ in loaded]
     done, start = 0, None
     with open(out, "w", newline="") as f, torch.inference_mode():
         rows = csv.writer(f)
-        for k, file in enumerate(files):
+        for k, file in enumerate(files * (1 + 5 // max(len(files), 1))):
             if k == 5:  # after a warm-up, as the runner's figures are
                 start, done = time.perf_counter(), 0
             img = Image.open(file).convert("RGB")
             # the runner's centre crop: dataset.crop_fraction of the shorter side
             img = TF.center_crop(TF.resize(img, round(size / CROP_FRACTION)), size)
-            x = TF.normalize(TF.to_tensor(img), mean, std)[None]
-            for j, (model, seen) in enumerate(zip(models, taps)):
-                probs = torch.softmax(model(x), 1)
-                top = probs.topk(5)
+            tensor = TF.to_tensor(img)
+            for j, (network, mean, std, seen) in enumerate(loaded):
+                x = TF.normalize(tensor, mean, std)[None].to(device)
+                probs = torch.softmax(network(x).cpu().float(), 1)  # reduced on the host
+                top = probs.topk(min(5, probs.shape[1]))
                 rows.writerow([file, j, *top.indices[0].tolist(), *top.values[0].tolist()])
-                embeddings[j].append(seen["x"][0].clone())
+                if "x" in seen:
+                    embeddings[j].append(seen["x"][0].cpu().clone())
             done += 1
             if start is not None and time.perf_counter() - start > seconds:
                 break
+    if start is None:
+        raise ValueError(f"the naive script needs more than 5 images to time ({len(files)})")
     return done / (time.perf_counter() - start)
 
 
+def stand_ins(weights: list[Path]) -> list[ModelConfig]:
+    """The three stand-in models as model configs (``m0``, ``m1``, ``m2``)."""
+    return [ModelConfig(MODEL, weights=str(w), alias=f"m{k}") for k, w in enumerate(weights)]
+
+
 def bench_infer(args: argparse.Namespace) -> dict:
+    """One pass against the naive script and three separate runs, with their targets."""
     work = Path(args.out) / "infer"
     weights = make_weights(work / "weights")
     base = [*args.overrides, "task=infer", f"dataset.image_size=[{args.size},{args.size}]",
@@ -133,8 +157,8 @@ def bench_infer(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
         for r in range(args.rounds):
-            row = {"naive": naive_rate(files, weights, args.size, tmp / "naive.csv",
-                                       args.seconds)}
+            row = {"naive": naive_rate(files, stand_ins(weights), args.size,
+                                       tmp / "naive.csv", args.seconds)}
             m = runner_job(one_pass, tmp / f"pass{r}")
             row["one pass"] = m["images_per_sec"]
             row["write wait share"] = m.get("write_wait_frac", 0.0)

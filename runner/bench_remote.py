@@ -8,7 +8,9 @@ serves both on loopback behind a delay line (runner/data/remote/delayline.py) at
 (rclone does not), serves the run whose cache is too small for its shards (read around the
 cache by ranges), named by ``AWS_ENDPOINT_URL``. (moto's Python server answers ~250 small
 GETs/s and ~50 MB/s on two cores that also decode: it would measure itself, not the
-client.) The same layouts on local disk are the baseline, measured in the same rounds.
+client.) The servers and delay lines run on a core of their own, the client on the
+others (``pin_apart``): a store is another machine. The same layouts on local disk are the
+baseline, measured in the same rounds on the client's cores.
 Each measurement is one epoch through the runner's own data path (``model=none``,
 decode threads one per core; images/s from the epoch's first batch on, its wait being the
 first-batch latency reported on its own), ``--rounds`` times, the layouts alternating within a round;
@@ -17,6 +19,8 @@ epochs from a freshly opened data path: remote ones with a cold cache (a fresh
 ``dataset.cache_dir``) in the first and from the cache in the second; each epoch is
 compared with the same epoch of the local shards. Then:
 
+- a far disk: the served folders mounted with rclone's FUSE mount through the 10 ms line,
+  the objects read as local files (``loader=folder``; runner/data/remote/fardisk.py);
 - the cold first batch: from opening the data path to the first batch, at 10 ms;
 - bytes fetched per epoch (what crossed the delay line), epochs 1 and 2;
 - the cache's peak against its bound, with ``dataset.cache_bytes`` at half the shards;
@@ -125,6 +129,38 @@ def objects_folder(shards: Path, out: Path) -> Path:
     return out
 
 
+def pin_apart(servers: list[int]) -> str:
+    """The servers and delay lines on a core of their own, this process (the client, whose
+    decode threads follow its cores) on the others, when there are two or more: a store is
+    another machine, whose serving takes no core from the reader. Unpinned, on two cores,
+    the servers' CPU (rclone, the Python delay lines) came out of the decoders' and the
+    remote rows measured the server as much as the client."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(mine) < 2:
+        return "servers and client share this machine's one core"
+    server_cpus, client_cpus = {mine[-1]}, set(mine[:-1])
+    for pid, cpus in [*((p, server_cpus) for p in servers), (os.getpid(), client_cpus)]:
+        for task in os.listdir(f"/proc/{pid}/task"):  # every thread already running
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except OSError:  # a thread that ended meanwhile
+                continue
+    return (f"servers and delay lines on core {mine[-1]}; the client (local baseline and "
+            f"remote alike) on {len(client_cpus)} core(s): {sorted(client_cpus)}")
+
+
+def far_mount(endpoint: str, mountpoint: Path):
+    """rclone's FUSE mount of the served folders through ``endpoint`` (a far disk: a local
+    path with the link's latency), or None, said, where FUSE is missing."""
+    from runner.data.remote.loopback import RcloneMount
+
+    try:
+        return RcloneMount(endpoint, "", mountpoint, keys=None)
+    except RuntimeError as e:
+        print(f"  the far-disk row did not run: {e}")
+        return None
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):,.0f}-{max(values):,.0f}"
 
@@ -145,6 +181,7 @@ def bench_remote(args: argparse.Namespace) -> dict:
     server, rclone = LoopbackS3(), LoopbackRclone(work / "served", auth=False)
     # each delay line in a process of its own: its proxying takes no GIL time from the decoders
     line, object_line = DelayLineProcess(server.port), DelayLineProcess(rclone.port)
+    print(pin_apart([server.proc.pid, rclone.proc.pid, line.pid, object_line.pid]))
     try:
         os.environ.update(server.env(line.endpoint))
         server.make_bucket("bench")
@@ -183,6 +220,7 @@ def measure(args, base, size, shards: Path, objects: Path,
     print(f"\n{args.images} images at {args.size}x{args.size}, shards of {args.shard_mb} MiB "
           f"({total / 1e6:.1f} MB in {len(list(shards.glob('*.tar')))} shards), batch "
           f"{args.batch_size}, {args.rounds} rounds, {cores()} decode threads", flush=True)
+    mount = far_mount(fast.endpoint, work / "mnt")
     for r in range(args.rounds):
         rates = epoch_rate([*base, f"dataset.path={shards}"], SHARDS, epochs=2)[0]
         add("shards local", rates[0])
@@ -204,8 +242,14 @@ def measure(args, base, size, shards: Path, objects: Path,
             add(f"objects {ms} ms", epoch_rate([*base, *objects_url], FOLDER)[0][0])
             if ms == 10:
                 extra["bytes"]["objects, 1 epoch"] = fast.stats.bytes_down
+                if mount is not None:  # the same objects as a far disk's files
+                    add("far mount 10 ms", epoch_rate([*base, REGION, f"dataset.path="
+                                                       f"{mount.mountpoint / 'objects'}"],
+                                                      FOLDER)[0][0])
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rows.items()),
               flush=True)
+    if mount is not None:
+        mount.close()
     line.set(rtt=0.010)
     bound = max(total // 2, 1)
     rates, _, figures, _ = epoch_rate([*base, "dataset.path=s3://bench/set", fresh_cache(),
@@ -263,6 +307,8 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
         ("shards at 50 ms / local shards", ratio("shards 50 ms", "shards local"), 0.9),
         ("one object per JPEG at 10 ms / local files", ratio("objects 10 ms", "objects local"),
          0.85),
+        ("a far disk's files (FUSE mount) at 10 ms / local files",
+         ratio("far mount 10 ms", "objects local"), 0.85),
         ("epoch 2 at 10 ms (cached) / local shards, epoch 2",
          ratio("shards 10 ms epoch 2", "shards local epoch 2"), 0.98),
         ("faults (1% resets, 503 bursts) / clean, at 10 ms",

@@ -17,6 +17,14 @@ a temporary name and renamed: a kill mid-write leaves the previous checkpoint, n
 of one. It is never written from a run whose loss or weights went non-finite (NaN, an
 infinity): the run fails there (``Diverged``) and the last good checkpoint stays.
 
+A resume on another number of ranks (a job requeued on other GPUs) keeps the global batch:
+``loader.batch_size`` is scaled so that ranks x batch is the checkpoint's (``fit_world``), and
+since the batch order hands global step ``s`` the same images whatever the world size
+(runner/data/order.py), the run goes on from the next global step with nothing replayed or
+skipped; the log says what changed. A global batch the new world size does not divide is
+refused in one line naming the sizes that would. Batch norm's statistics are each rank's
+own: a network with it trains a little differently on another world size.
+
 A resume trains with this run's settings, never silently the checkpoint's:
 
 - what would make it another run (``MUST_MATCH``: the model, the data and its order and
@@ -49,8 +57,8 @@ from torch import nn
 
 from runner.atomic import replacing
 from runner.data.threads import cuda_index
-from runner.distributed import local_module
-from runner.errors import Diverged, UserError
+from runner.distributed import local_module, ranks_from_env
+from runner.errors import ConfigError, Diverged, UserError
 from runner.model import split_input
 from runner.optim import OPTIMIZER_TASK_KEYS, SCHEDULE_TASK_KEYS, optimizer_options
 
@@ -63,6 +71,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be resumed from."""
 
 
+class GlobalBatchError(CheckpointError, ConfigError):
+    """A resume whose ranks x ``loader.batch_size`` cannot be the checkpoint's global batch."""
+
+
 def unwrapped_network(model: nn.Module) -> nn.Module:
     """The user's network inside what the runner trains: DDP, torch.compile and the
     uint8 input layer unwrapped."""
@@ -70,7 +82,8 @@ def unwrapped_network(model: nn.Module) -> nn.Module:
 
 
 def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
-         losses: dict[str, float], extra: dict[str, Any] | None = None) -> Path:
+         losses: dict[str, float], extra: dict[str, Any] | None = None,
+         steps_per_epoch: int | None = None) -> Path:
     """Write a checkpoint of a ``TrainStep`` after ``epoch`` epochs (``steps`` steps);
     ``extra``: what else a resume needs (the wandb run's id, the data's fingerprint)."""
     state = {
@@ -91,6 +104,9 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         "rng": rng_state(_device_of(step.model)),
         "epoch": epoch,
         "steps": steps,
+        "world": _rank_world()[1],  # ranks x loader.batch_size: the global batch kept on resume
+        "nodes": ranks_from_env().nodes,  # loader.lanes' default: the order a resume keeps
+        "steps_per_epoch": steps_per_epoch,
         "losses": losses,
         "config": config,
         # what the schedule was built from: a resume with another one rebuilds it
@@ -203,7 +219,7 @@ class Checkpointer:
         if check is not None:  # the losses no log point read yet: none of them NaN
             check()
         path = save(self.run_dir / name, step, done / per_epoch, done, self.config,
-                    losses or {}, self.extra())
+                    losses or {}, self.extra(), per_epoch)
         if name != NAME:
             return path
         if self.task.keep_checkpoints:
@@ -238,10 +254,10 @@ def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
 # What a checkpoint must share with the run that resumes it: a different value would train
 # another model, on other data, in another order or crop, or with another optimizer (or
 # other parameter groups) whose state the checkpoint's cannot be.
+# (loader.batch_size may change with the world size: the global batch is kept, fit_world)
 MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
               "dataset.num_images", "dataset.num_classes", "dataset.image_size",
-              "dataset.crop", "dataset.store_size", "dataset.store_side",
-              "loader.batch_size", "loader.drop_last", "loader.shuffle", "loader.shuffle_block",
+              "dataset.crop", "dataset.store_size", "dataset.store_side", "loader.drop_last", "loader.shuffle", "loader.shuffle_block",
               "seed", "task.optimizer", "task.decay_norm_and_bias", "task.accumulate")
 
 # What a resume applies when it differs from the checkpoint's (said in the log): the
@@ -290,19 +306,90 @@ def _value(config: dict[str, Any], key: str) -> Any:
     return config
 
 
-def check_fits(state: dict[str, Any], config: Any, path: str | Path) -> None:
+def check_fits(state: dict[str, Any], config: Any, path: str | Path,
+               keys: tuple[str, ...] = MUST_MATCH) -> None:
     """Refuse a checkpoint of another run (model, dataset, batch order), naming what
-    differs."""
+    differs among ``keys``."""
     from runner.config import to_plain
 
     saved, mine = state.get("config") or {}, to_plain(config)
     differ = [f"{k}: checkpoint {_value(saved, k)!r}, this run {_value(mine, k)!r}"
-              for k in MUST_MATCH if saved and _value(saved, k) != _value(mine, k)]
+              for k in keys if saved and _value(saved, k) != _value(mine, k)]
     if differ:
         raise CheckpointError(f"resume={path} is a checkpoint of another run ("
                               + "; ".join(differ) + "): resume it with the same settings, "
                               "or start fresh (drop resume=). The learning rate, its "
                               "schedule and run.steps/run.epochs may change: they are applied")
+
+
+def saved_world(state: dict[str, Any]) -> int:
+    """The number of ranks that wrote a checkpoint (an older one's: its random states')."""
+    return int(state.get("world") or (state.get("rng") or {}).get("world") or 1)
+
+
+def fit_world(state: dict[str, Any], config: Any, world: int, path: str | Path) -> None:
+    """Keep the checkpoint's global batch (ranks x ``loader.batch_size``) on ``world`` ranks:
+    ``config.loader.batch_size`` is set to its share when the run left it at the
+    checkpoint's, said in the log; refused (``GlobalBatchError``) where ``world`` does not
+    divide it, or where the batch asked for makes another global batch."""
+    saved_batch = _value(state.get("config") or {}, "loader.batch_size")
+    if saved_batch is None:
+        return  # a checkpoint without its config: nothing to keep
+    keep_lanes(state, config, path)
+    before = saved_world(state)
+    total, batch = int(saved_batch) * before, config.loader.batch_size
+    if batch * world == total:
+        if world != before:
+            log.info("resume on %d rank(s), the checkpoint's were %d: loader.batch_size %d "
+                     "-> %d keeps the global batch of %d", world, before, saved_batch, batch,
+                     total)
+        return
+    fits = [f"{n} (loader.batch_size={total // n})" for n in range(1, total + 1)
+            if total % n == 0]
+    if batch != saved_batch or total % world:
+        asked = f"loader.batch_size={batch} on {world} rank(s) is a global batch of " \
+            f"{batch * world} images" if batch != saved_batch else \
+            f"{world} rank(s) cannot share it evenly"
+        raise GlobalBatchError(
+            f"resume={path}: the checkpoint's global batch is {total} images ({before} "
+            f"rank(s) x loader.batch_size={saved_batch}); {asked}: run on "
+            f"{', '.join(fits)} rank(s), or start fresh (drop resume=)")
+    config.loader.batch_size = total // world
+    log.info("resume on %d rank(s), the checkpoint's were %d: loader.batch_size %d -> %d "
+             "per rank keeps the global batch of %d; each global step reads the same images "
+             "as it would have on %d", world, before, saved_batch, config.loader.batch_size,
+             total, before)
+
+
+def keep_lanes(state: dict[str, Any], config: Any, path: str | Path) -> None:
+    """The lanes a sharded storage's order was dealt to (``loader.lanes``, unset: the
+    checkpoint's node count) stay the checkpoint's, so its order goes on; another value
+    asked for is refused."""
+    saved = _value(state.get("config") or {}, "loader.lanes") or int(state.get("nodes") or 1)
+    asked = config.loader.lanes
+    if asked is None:
+        config.loader.lanes = saved
+        nodes = ranks_from_env().nodes
+        if nodes != saved:
+            log.info("resume on %d node(s), the checkpoint's were %d: a sharded storage's "
+                     "order stays dealt to loader.lanes=%d", nodes, saved, saved)
+    elif asked != saved:
+        raise GlobalBatchError(f"resume={path}: loader.lanes={asked}, the checkpoint's order "
+                               f"was dealt to {saved} lanes: drop loader.lanes (it keeps "
+                               f"{saved}) or start fresh (drop resume=)")
+
+
+def check_epoch_length(state: dict[str, Any], steps_per_epoch: int, path: str | Path) -> None:
+    """Refuse a resume whose epochs hold another number of global steps than the
+    checkpoint's (one process keeps a last short batch, several ranks drop it): the step
+    it goes on from would fall elsewhere in the epoch."""
+    saved = state.get("steps_per_epoch")
+    if saved is None or int(saved) == steps_per_epoch:
+        return
+    raise GlobalBatchError(
+        f"resume={path}: the checkpoint's epochs were {saved} steps, this run's are "
+        f"{steps_per_epoch} (one process keeps a last short batch, several ranks drop it): "
+        "set loader.drop_last=true on both runs to move between one process and several")
 
 
 def steps_left(total: int, done: int, resume: str | None) -> int:

@@ -51,6 +51,7 @@ from runner.config import (
     data_path_alone,
     model_configs,
 )
+from runner.data.loader import drops_remainder
 from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
@@ -425,7 +426,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     bs = min(config.loader.batch_size, per_rank)  # a batch never holds more than a shard
     shapes = [bs]
     last = per_rank % bs  # this rank's shard's last batch
-    if last and not config.loader.drop_last:
+    if last and not drops_remainder(config, ranks.world):
         shapes.append(last)
     example = as_batches_come(config, storage.example(bs)).to(device)  # loader.host_dtype
     cache = Path(config.dataset.cache_dir).expanduser() / "tensorrt"

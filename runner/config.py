@@ -42,6 +42,7 @@ class StorageName(Enum):
     shards = "shards"  # WebDataset tar shards (local or a URL), decoded every epoch
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
     ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
+    webdataset = "webdataset"  # the rival: the webdataset library's pipeline on the shards
 
 
 class Decoder(Enum):
@@ -111,6 +112,11 @@ class Output(Enum):  # what task=infer keeps of each model's output
     logits = "logits"  # <model>.logits.npy
     embeddings = "embeddings"  # <model>.embeddings.npy: the classifier's input
     masks = "masks"  # masks/<model>/<file>.png: class per pixel at the source size
+
+
+class ReduceOn(Enum):  # task.reduce_on: where task=infer reduces each output (softmax, top-k)
+    device = "device"  # on the device; only what is kept is copied to the host
+    host = "host"  # the raw logits copied to the host and reduced there (a naive script's way)
 
 
 class OptimizerName(Enum):  # task.optimizer
@@ -227,6 +233,9 @@ class DatasetConfig:
     # the node-local cache of remote shards under dataset.cache_dir, at most this many
     # bytes (unset: 10 GB)
     cache_bytes: int | None = None
+    # a local dataset.path on a network mount, read many files in flight through the read
+    # engine (runner/data/remote/fardisk.py); unset: a few reads are timed to tell
+    far_disk: bool | None = None
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -282,6 +291,11 @@ class LoaderConfig:
     # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
     # once in the log, and false in the run's config): every image gets its outputs
     drop_last: bool = False
+    # a sharded storage (loader=shards) under torch.distributed: each epoch's shards are
+    # dealt to this many lanes, whole, each lane read by one node's ranks (a node fetches
+    # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so
+    # a resume keeps the checkpoint's, on a node count that divides it
+    lanes: int | None = None
     batched: bool = False  # one __getitems__ call per batch instead of one call per image
     # loader=folder with num_workers=0: decode with this many threads in the main process,
     # straight into reused batch buffers (unset: the cores available; 0: the main thread)
@@ -311,6 +325,8 @@ class LoaderConfig:
         )
         _require(self.shuffle_block >= 1, "loader.shuffle_block", self.shuffle_block,
                  "must be >= 1 (1 is a full permutation)")
+        _require(self.lanes is None or self.lanes >= 1, "loader.lanes", self.lanes,
+                 "must be >= 1 (unset: the number of nodes)")
 
 
 @dataclass
@@ -454,7 +470,12 @@ class TaskConfig:
     # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
     keep_checkpoints: bool = False
     write_predictions: bool = True  # infer: false writes no outputs (a speed run)
+    # infer: threads writing the outputs off the loop's path; 0 writes each batch on the
+    # loop's thread, synchronously (as a naive script does)
     writer_threads: int = 2
+    # infer: where each output is reduced: device, or host (the raw logits copied, then
+    # reduced there); the same outputs either way (within float rounding on a GPU)
+    reduce_on: ReduceOn = ReduceOn.device
     # infer: what each model's outputs are kept as (runner/outputs.py): topk
     # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs)
     outputs: list[Output] = field(default_factory=lambda: [Output.topk])
@@ -486,7 +507,8 @@ class TaskConfig:
         for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_minutes"):
             _require(getattr(self, key) >= 0, f"task.{key}", getattr(self, key),
                      "must be >= 0 (0: not by this measure)")
-        _require(self.writer_threads >= 1, "task.writer_threads", self.writer_threads, "must be >= 1")
+        _require(self.writer_threads >= 0, "task.writer_threads", self.writer_threads,
+                 "must be >= 0 (0: written on the loop's thread)")
         if self.name is TaskName.infer and self.write_predictions and not self.outputs \
                 and self.postprocess is None:
             raise ConfigError(
@@ -511,8 +533,8 @@ TASK_KEYS: dict[TaskName, tuple[str, ...]] = {
                      "clip_grad_norm", "label_smoothing", "ema_decay", "augment",
                      "best_metric", "checkpoint", "checkpoint_every", "checkpoint_every_steps",
                      "checkpoint_every_minutes", "keep_checkpoints"),
-    TaskName.infer: ("topk", "write_predictions", "writer_threads", "outputs", "embed_layer",
-                     "postprocess"),
+    TaskName.infer: ("topk", "write_predictions", "writer_threads", "reduce_on", "outputs",
+                     "embed_layer", "postprocess"),
 }
 
 @dataclass
@@ -665,7 +687,7 @@ def data_path_alone(config: Config) -> bool:
 
 
 # The run's model list belongs beside the composition (runner/rules.py, issue 41); it stays
-# here while runner/outputs.py imports it from here.
+# here while runner/outputs.py and runner/bench_ablation.py import it from here.
 def model_configs(config: Config) -> list[ModelConfig]:
     """The run's models: ``model=``, or each entry of ``models=[...]`` (a name, or a mapping
     with the keys of ``model.``) over ``model=``'s values, each with a name of its own in

@@ -5,6 +5,15 @@ rank in the environment, joins a process group (gloo on CPU, nccl on CUDA), driv
 device, loads its own shard of every epoch (``runner.data.loader.BatchOrder``) and trains one
 DistributedDataParallel replica. Rank 0 alone writes the run's outputs, with figures
 gathered from every rank. Each job of a sweep creates and destroys its own group.
+
+Every rank runs the same number of batches (training drops what no whole global batch
+holds; validation and inference pad and mask), so no collective waits on a rank that ran
+out. On several nodes (``--nnodes``) a rank also knows its node (torchrun's GROUP_RANK,
+else NODE_RANK) and its place on it (LOCAL_RANK of LOCAL_WORLD_SIZE): the ranks of a node
+sit side by side in each global batch (``Ranks.slot``), so a sharded storage deals each
+node its own lanes of shards and the node fetches about its share of a bucket, into a
+cache its ranks share (runner/data/order.py, runner/data/remote/cache.py). A checkpoint
+resumed on another world size keeps its global batch (runner/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -31,11 +40,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Ranks:
-    """Where this process stands: ``rank`` of ``world`` overall, ``local`` on its node."""
+    """Where this process stands: ``rank`` of ``world`` overall, ``local`` of
+    ``local_world`` on its node, node ``node`` (of ``nodes``)."""
 
     rank: int = 0
     world: int = 1
     local: int = 0
+    node: int = 0
+    local_world: int = 1
+    place: int | None = None  # node x local_world + local, where the launcher says both
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world // self.local_world)
+
+    @property
+    def slot(self) -> int:
+        """This rank's place in a global batch: the ranks of one node side by side (its
+        lanes of a sharded storage, runner/data/order.py), whatever ranks they were given."""
+        return self.rank if self.place is None else self.place
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +83,13 @@ def ranks_from_env() -> Ranks:
 
             TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if "RANK" in env and "WORLD_SIZE" in env:
-        return Ranks(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local, local_world = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "0"))
+        if not local_world or world % local_world:  # not said, or unequal nodes: one node
+            return Ranks(rank, world, local, 0, world)
+        # torchrun's GROUP_RANK (its node's place in the rendezvous), else NODE_RANK
+        node = int(env.get("GROUP_RANK", env.get("NODE_RANK", rank // local_world)))
+        return Ranks(rank, world, local, node, local_world, node * local_world + local)
     return Ranks()
 
 

@@ -275,7 +275,11 @@ class StepTrace:
         self.result, self.augments = result, augments
         self.keep = result.warmup_steps + timeline.STEPS_SHOWN if timeline.enabled() else 0
 
-    def record(self, t0: float, h1: float, h2: float, h3: float) -> None:
+    def record(self, t0: float, h1: float, h2: float, h3: float,
+               events: tuple[Any, Any, Any, Any] | None = None) -> None:
+        """The host spans of a step; on CUDA (``events``: the step clock's events at the
+        copy's start and end, the augmentation's end, the step's end) its compute stream's
+        too, resolved after the loop (no sync here)."""
         if self.result.steps >= self.keep:
             return
         h4 = time.perf_counter()
@@ -283,6 +287,11 @@ class StepTrace:
                            ("step", h3, h4)):
             if b > a and (name != "augment" or self.augments):
                 timeline.record(name, a, b)
+        if events is not None:
+            c0, c1, ca, c2 = events
+            for name, a, b in (("copy", c0, c1), ("augment", c1, ca), ("compute", ca, c2)):
+                if name != "augment" or self.augments:
+                    timeline.record_device(timeline.COMPUTE_STREAM, name, a, b)
         self.result.step_spans.append((t0, h4))
 
 
@@ -335,7 +344,8 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             with stage("compute"):
                 step(batch)
             c2 = clock.now()
-            trace.record(t0, h1, h2, h3)
+            events = (c0, c1, ca, c2) if getattr(clock, "cuda", False) else None
+            trace.record(t0, h1, h2, h3, events)  # events: the device lanes, on CUDA
             clock.add("copy", c0, c1)
             if augments:
                 clock.add("augment", c1, ca)

@@ -1,4 +1,8 @@
-"""``task=infer``: what each model's output is reduced to on the device, and how it is kept.
+"""``task=infer``: each model's output reduced to what ``task.outputs`` keeps, and written.
+
+Each output kind is a record (runner/output_kinds/: what it reads of the forward, how it is
+reduced, which models give it, how it is written, its files); this module applies them
+and names none.
 
 ``task.outputs`` picks, per model (named by ``model.alias``, a plain file name with no
 ``/``, or its name); every image is predicted (``loader.drop_last=true`` is ignored under
@@ -39,7 +43,11 @@
 Everything is reduced on the device; only the reduced tensors are copied to the host
 (non-blocking, into pinned memory on CUDA) and the writer threads wait for that copy, format
 and write, so the loop never waits on a disk. ``submit`` blocks only when ``max_pending``
-batches are still being written; that wait is the ``write_wait_seconds`` figure.
+batches are still being written; that wait is the ``write_wait_seconds`` figure. Two
+switches undo this, one at a time, for ``python -m runner.bench infer``'s ablation:
+``task.reduce_on=host`` copies the raw tensors (the logits, the tapped features) to the
+host and reduces them there with the same ops (the same outputs, within float rounding on
+a GPU), and ``task.writer_threads=0`` writes each batch on the loop's thread.
 
 Resumable: CSV rows go to one part file per batch, named by the batch's step in the plan,
 and ``.npy`` rows are written in place by dataset index (a row per listed image while the
@@ -82,7 +90,7 @@ from runner.config import (
     Config,
     ConfigError,
     ModelConfig,
-    Output,
+    ReduceOn,
     TaskConfig,
     model_configs,
     to_plain,
@@ -90,15 +98,24 @@ from runner.config import (
 from runner.data.storage.listing import printable
 from runner.data.threads import bind_cuda, cuda_index
 from runner.model import main_output
-from runner.predictions import HEADER, csv_rows, join_csv, rank_file
+from runner.output_kinds import OUTPUT_KINDS, built_in_keys, kind_of
+from runner.output_kinds.base import (
+    FEATURES,
+    LOGITS,
+    PARTIAL,
+    KindWriter,
+    RowsWriter,
+    WriterContext,
+    open_rows,
+    unfinished,
+)
+from runner.predictions import rank_file
 
 log = logging.getLogger(__name__)
 
-ARRAYS = (Output.probs, Output.logits, Output.embeddings)
 FILES = "files.txt"
 STATE = "infer-state.json"
 STATE_SECONDS = 5.0  # a running inference saves its state this often (run.py)
-PARTIAL = ".partial"  # after the name of an array or files.txt until the run completes
 WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
 
@@ -144,14 +161,14 @@ class Tap:
         self.value = out[0] if isinstance(out, (tuple, list)) else out
 
     def take(self) -> torch.Tensor:
+        """What the hooked module saw or gave on the last forward, as it was (the kind's
+        reduction averages a feature map over the image)."""
         value, self.value = self.value, None
         if value is None:
             raise ConfigError("task.outputs has embeddings, but the compiled model never "
                               "ran the layer's hook (compile=torchscript and tensorrt drop "
                               "Python hooks): use compile=eager or compile=inductor")
-        if value.dim() == 4:  # a feature map: its average over the image
-            value = value.mean(dim=(2, 3))
-        return value.flatten(1)
+        return value
 
 
 def load_postprocess(target: str | None) -> Callable | None:
@@ -166,27 +183,33 @@ def load_postprocess(target: str | None) -> Callable | None:
                           "package on PYTHONPATH (or installed)?") from e
 
 
-# what the built-in outputs are kept as: a task.postprocess name among them would take
-# their files (``<model>.probs.npy``) or their columns
-BUILT_IN = ("topk", "topk_probs", "topk_classes", "probs", "logits", "embeddings", "masks")
+# what the output kinds are kept as: a task.postprocess name among them would take their
+# files (``<model>.probs.npy``) or their columns
+BUILT_IN = built_in_keys()
 POST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 
 
 class Reduce:
-    """One model's output reduced on the device to what ``task.outputs`` keeps.
+    """One model's output reduced to what ``task.outputs`` keeps, by each kind's record
+    (runner/output_kinds/): on the device (``task.reduce_on=device``), or the raw tensors
+    the kinds read copied to the host first and reduced there (``host``, as a naive script
+    does: the copy waits for the model, and a mask's every logit crosses).
 
     Args:
-        cfg: the task (outputs, topk, embed_layer, postprocess).
+        cfg: the task (outputs, topk, embed_layer, postprocess, reduce_on).
         network: the eager network (for the embedding tap), before it is compiled. None:
             no network to tap, and so no embeddings kept (the verdict's timed forward,
             which writes nothing).
     """
 
     def __init__(self, cfg: TaskConfig, network: nn.Module | None):
-        self.outputs, self.topk = list(cfg.outputs), cfg.topk
-        if network is None and Output.embeddings in self.outputs:
-            self.outputs.remove(Output.embeddings)
-        self.tap = Tap(network, cfg.embed_layer) if Output.embeddings in self.outputs else None
+        self.task = cfg
+        self.kinds = [OUTPUT_KINDS[o] for o in cfg.outputs]
+        if network is None:
+            self.kinds = [k for k in self.kinds if k.needs != FEATURES]
+        self.on_host = cfg.reduce_on is ReduceOn.host
+        features = any(k.needs == FEATURES for k in self.kinds)
+        self.tap = Tap(network, cfg.embed_layer) if features else None
         self.target = cfg.postprocess
         self.postprocess = load_postprocess(cfg.postprocess)
         # name -> (row shape, floating) of what the postprocess returned first (the probe):
@@ -199,22 +222,20 @@ class Reduce:
             self.tap.value = None
 
     def __call__(self, out: Any, batch: Any) -> dict[str, torch.Tensor]:
-        logits = main_output(out).float()
+        logits = main_output(out)
         dense = logits.dim() == 4
-        kept: dict[str, torch.Tensor] = {}
-        if Output.topk in self.outputs and not dense:
-            probs = torch.softmax(logits, dim=1)
-            top = probs.topk(min(self.topk, probs.shape[1]), dim=1)
-            kept["topk_probs"], kept["topk_classes"] = top.values, top.indices
-        if Output.probs in self.outputs and not dense:
-            kept["probs"] = torch.softmax(logits, dim=1)
-        if Output.logits in self.outputs and not dense:
-            kept["logits"] = logits
+        raw = {LOGITS: logits}
         if self.tap is not None:
-            kept["embeddings"] = self.tap.take().float()
-        if Output.masks in self.outputs and dense:
-            kept["masks"] = logits.argmax(dim=1).to(torch.uint8)
-        if self.postprocess is not None:
+            raw[FEATURES] = self.tap.take()
+        if self.on_host:  # note: a sync with the device, as the naive script's .cpu() is
+            raw = {k: v.cpu() for k, v in raw.items()}
+        kept: dict[str, torch.Tensor] = {}
+        for kind in self.kinds:
+            if kind.dense is not None and kind.dense != dense:
+                continue  # not this model's (check_outputs refused what none gives)
+            reduce = kind.on_host() if self.on_host else kind.reduce
+            kept.update(reduce(raw[kind.needs], self.task))
+        if self.postprocess is not None:  # the user's code runs on the device either way
             for name, value in self._post(out, batch, logits.shape[0]).items():
                 kept[f"post.{name}"] = value
         return kept
@@ -269,17 +290,18 @@ class Reduce:
 
 def check_outputs(cfg: TaskConfig, dense: bool, model: str) -> None:
     """A ConfigError for an output this model cannot give (masks of a classifier, class
-    outputs of a segmentation model)."""
-    asked = set(cfg.outputs)
-    if dense and asked & {Output.topk, Output.probs, Output.logits} and Output.masks not in \
-            asked:
+    outputs of a segmentation model), by the kinds' records (``dense``)."""
+    asked = [OUTPUT_KINDS[o] for o in cfg.outputs]
+    names = ", ".join(o.value for o in cfg.outputs)
+    pixels = [k.name.value for k in asked if k.dense is True]
+    classes = [k.name.value for k in asked if k.dense is False]
+    if dense and classes and not pixels:
         raise ConfigError(f"model {model} is a segmentation model: it gives masks, not "
-                          f"classes; use task.outputs=[masks] (asked: "
-                          f"{', '.join(o.value for o in cfg.outputs)})")
-    if not dense and Output.masks in asked:
-        raise ConfigError(f"task.outputs has masks, but model {model} is a classifier (one "
-                          "score per class, not per pixel): masks need a segmentation model, "
-                          "e.g. model.name=deeplabv3_mobilenet_v3_large")
+                          f"classes; use task.outputs=[masks] (asked: {names})")
+    if not dense and pixels:
+        raise ConfigError(f"task.outputs has {', '.join(pixels)}, but model {model} is a "
+                          "classifier (one score per class, not per pixel): masks need a "
+                          "segmentation model, e.g. model.name=deeplabv3_mobilenet_v3_large")
 
 
 # --- on the host -----------------------------------------------------------------------------
@@ -302,31 +324,19 @@ def model_classes(cfg: ModelConfig, count: int, dataset: list[str]) -> list[str]
     return list(dataset) if len(dataset) == count else []
 
 
-def oriented_size(path: str) -> tuple[int, int] | None:
-    """(width, height) of an image file as it is shown (EXIF orientation applied), read
-    from its header; None when it cannot be read."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            w, h = img.size
-            orientation = img.getexif().get(0x0112, 1)
-    except Exception:
-        return None
-    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
-
-
 class ModelWriter:
-    """Everything one model keeps, written off the loop's path by a shared thread pool.
+    """Everything one model keeps, written off the loop's path by a shared thread pool:
+    one writer per output kind (its record's ``writer``, runner/output_kinds/), and the
+    rows of ``task.postprocess``'s tensors (``RowsWriter``).
 
     Args:
         run_dir: where the files go.
         label: the model's name in file names.
         count: images in the dataset (rows of each ``.npy`` until ``finalize``).
-        shapes: output name -> (shape of one image's row, dtype), from a probe batch.
+        shapes: what is kept of each image -> (shape of its row, dtype), from a probe batch.
         names: dataset index -> file name; ``source``: index -> source file path.
         classes, dataset_classes: the model's and the dataset's class names.
-        csv_name: the top-k CSV's file name; ``rank``: this process's rank (distributed).
+        csv_name: the top-k CSV's file name; ``create``: a fresh run (else continuing one).
     """
 
     def __init__(self, run_dir: Path, label: str, count: int,
@@ -334,109 +344,51 @@ class ModelWriter:
                  names: Callable[[int], str], source: Callable[[int], str],
                  classes: list[str], dataset_classes: list[str], csv_name: str,
                  create: bool):
-        self.label, self.names, self.source = label, names, source
-        self.classes, self.dataset_classes = classes, dataset_classes
-        self.topk = "topk_classes" in shapes
-        self.csv = Path(run_dir) / csv_name
-        self.parts = Path(run_dir) / f".{self.csv.stem}.parts"
-        if self.topk:
-            self.parts.mkdir(parents=True, exist_ok=True)
-        self.masks = Path(run_dir) / "masks" / label if "masks" in shapes else None
-        self.arrays: dict[str, np.memmap] = {}
-        for name, (row, dtype) in shapes.items():
-            if name.startswith("topk_") or name == "masks":
-                continue
-            path = Path(run_dir) / f"{label}.{name.removeprefix('post.')}.npy"
-            self.arrays[name] = open_rows(unfinished(path, create), (count, *row), dtype,
-                                          create)
+        ctx = WriterContext(Path(run_dir), label, count, names, source, classes,
+                            dataset_classes, csv_name, create)
+        by_kind: dict[Any, dict[str, tuple[tuple[int, ...], np.dtype]]] = {}
+        for key, shape in shapes.items():  # postprocess tensors: None, rows of .npy
+            by_kind.setdefault(kind_of(key), {})[key] = shape
+        self.kinds: list[KindWriter] = [
+            (kind.writer if kind is not None else RowsWriter)(ctx, kind_shapes)
+            for kind, kind_shapes in by_kind.items()]
+        self.arrays: dict[str, np.memmap] = {k: a for w in self.kinds
+                                             for k, a in w.arrays.items()}
         self.rows = 0
         self.lock = threading.Lock()
 
     def write(self, step: int, index: np.ndarray, label: np.ndarray,
               kept: dict[str, np.ndarray]) -> int:
         """One batch's outputs (host arrays, padding rows already dropped)."""
-        for name, array in self.arrays.items():
-            array[index] = kept[name]
-        if self.topk:
-            part = self.parts / f"{step:08d}.csv"
-            with replacing(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-                csv_rows(f, index.tolist(), label.tolist(), kept["topk_probs"].tolist(),
-                         kept["topk_classes"].tolist(), self.names, self._name,
-                         self._dataset_name)
-        if self.masks is not None:
-            self._write_masks(index, kept["masks"])
+        for writer in self.kinds:
+            writer.write(step, index, label, kept)
         with self.lock:  # two writer threads may finish at once
             self.rows += len(index)
         return len(index)
 
-    def _write_masks(self, index: np.ndarray, masks: np.ndarray) -> None:
-        from PIL import Image
-
-        for i, mask in zip(index.tolist(), masks):
-            name = Path(self.names(i) + ".png")  # photo.jpg and photo.png: a mask each
-            target = (self.masks / name).resolve()
-            if not str(target).startswith(str(self.masks.resolve())):  # a manifest's ../ path
-                target = self.masks / (printable(str(name)).replace(os.sep, "__").lstrip("."))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            img = Image.fromarray(np.ascontiguousarray(mask))
-            size = oriented_size(self.source(i))
-            if size is not None and size != img.size:
-                img = img.resize(size, Image.NEAREST)
-            with replacing(target) as tmp:
-                img.save(tmp, format="PNG")
-
-    def _name(self, k: int) -> str:
-        return self.classes[k] if 0 <= k < len(self.classes) else str(k)
-
-    def _dataset_name(self, k: int) -> str:
-        return self.dataset_classes[k] if 0 <= k < len(self.dataset_classes) else ""
-
     def flush(self) -> None:
-        for array in self.arrays.values():
-            array.flush()
+        for writer in self.kinds:
+            writer.flush()
 
     def finish(self, steps: int) -> None:
-        """The run is complete: join the CSV parts of every step, in order."""
-        self.flush()
-        if self.topk:  # the parts stay until the run's state says it is done
-            parts = [self.parts / f"{k:08d}.csv" for k in range(steps)]
-            join_csv(self.csv, [p for p in parts if p.exists()], header=HEADER)
+        """The run is complete: each kind's writer finishes (the CSV parts joined)."""
+        for writer in self.kinds:
+            writer.finish(steps)
 
     def files(self, complete: bool = True) -> list[str]:
         """Its files: the names they have once the run completes (``finalize``), or, for a
         run stopped short, the ``.partial`` names they keep until then."""
-        out = [str(self.csv)] if self.topk else []
-        out += [str(a.filename).removesuffix(PARTIAL) if complete else str(a.filename)
-                for a in self.arrays.values()]
-        return out + ([str(self.masks)] if self.masks is not None else [])
+        return [f for writer in self.kinds for f in writer.files(complete)]
 
-
-def unfinished(path: Path, create: bool = True) -> Path:
-    """Where ``path`` (an array, ``files.txt``) is written until the run completes: with
-    ``.partial`` after its name. Continuing a run (``create`` False) that an older runner
-    wrote under the final name, that file is moved there first, rows and all."""
-    partial = path.with_name(path.name + PARTIAL)
-    if not create and not partial.exists() and path.is_file():
-        os.replace(path, partial)
-    return partial
-
-
-def open_rows(path: Path, shape: tuple[int, ...], dtype: np.dtype, create: bool) -> np.memmap:
-    """A ``.npy`` file of ``shape`` opened for writing rows in place: created (zeros), or,
-    when continuing a run (``create`` False), the one there if its shape and dtype agree."""
-    if not create and path.is_file():
-        array = np.load(path, mmap_mode="r+")
-        if array.shape == shape and array.dtype == dtype:
-            return array
-        del array
-    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
 
 
 class Outputs:
     """The writers of every model of an inference pass, on one pool of writer threads.
 
     ``submit`` starts the copies to the host and returns; a writer thread waits for them,
-    drops padding rows and writes. ``max_pending`` bounds the batches in flight.
+    drops padding rows and writes. ``max_pending`` bounds the batches in flight. With
+    ``threads=0`` (``task.writer_threads=0``) ``submit`` writes the batch itself, on the
+    loop's thread, before it returns.
     ``written_through`` is how many steps of the plan have every model's output written
     (steps finish out of order on the pool: the count stops at the first one still going),
     which the run saves in its state every few seconds (a SIGKILL loses no more).
@@ -453,9 +405,10 @@ class Outputs:
         # each writer thread binds to the run's GPU before it waits on a copy's event:
         # under torchrun on several GPUs a thread left on device 0 opens a context there
         cuda = device is not None and device.type == "cuda"
-        self.pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="outputs",
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="outputs",
                                        initializer=bind_cuda,
-                                       initargs=(cuda_index(device) if cuda else None,))
+                                       initargs=(cuda_index(device) if cuda else None,)
+                                       ) if threads > 0 else None
         self.slots = threading.Semaphore(max_pending)
         self.pin = device is not None and device.type == "cuda"
         self.futures: list[Future] = []
@@ -475,6 +428,14 @@ class Outputs:
         if self.pin:
             ready = torch.cuda.Event()
             ready.record()
+        if self.pool is None:  # synchronous: the loop waits for the disk
+            try:
+                self._write(name, step, host, ready)
+            except Exception:
+                self._raise_failed()
+            finally:
+                self.wait_seconds += time.perf_counter() - start
+            return
         self.futures.append(self.pool.submit(self._write, name, step, host, ready))
         self.wait_seconds += time.perf_counter() - start
 
@@ -533,7 +494,8 @@ class Outputs:
 
     def close(self, complete: bool, steps: int) -> dict[str, Any]:
         """Wait for every write; a complete run joins its CSV parts. Returns the figures."""
-        self.pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         self._raise_failed()
         for writer in self.writers.values():
             if complete:
@@ -726,14 +688,14 @@ def identity(config: Config) -> dict[str, Any]:
                 out[prefix + key + FILE] = file_print(value)
             else:
                 out[prefix + key] = value
-    asked = set(config.task.outputs)
     out["task.outputs"] = [o.name for o in config.task.outputs]
-    if Output.topk in asked:
-        out["task.topk"] = config.task.topk
-    if Output.embeddings in asked:
-        out["task.embed_layer"] = config.task.embed_layer
+    for kind in dict.fromkeys(OUTPUT_KINDS[o] for o in config.task.outputs):
+        for key in kind.settings:  # task.topk for topk, task.embed_layer for embeddings
+            out[key] = getattr(config.task, key.removeprefix("task."))
     out["task.postprocess"] = config.task.postprocess
-    for key in SHAPING:
+    if config.task.reduce_on.value != "device":  # host and device reductions may differ in
+        out["task.reduce_on"] = config.task.reduce_on.value  # the last bits; recorded only
+    for key in SHAPING:  # off its default, which earlier runs' states took without saying
         value: Any = plain
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None

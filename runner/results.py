@@ -192,11 +192,16 @@ def epochs(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def rank_figures(rank: int, figures: dict[str, Any], result: LoopResult,
-                 parameters: str | None) -> dict[str, Any]:
+                 parameters: str | None, node: int = 0) -> dict[str, Any]:
     """What one rank sends rank 0 (``merge_ranks``)."""
     windows = [w.figures() for w in result.repeats if w.steps]
     return {
         "rank": rank,
+        "node": node,
+        "steps": result.steps,
+        # data read from a URL, by this rank: all of it, and the shard set's indexes
+        "remote_bytes": figures.get("remote_bytes"),
+        "remote_index_bytes": figures.get("remote_index_bytes"),
         "repeat_rates": [w["images_per_sec"] for w in windows],
         "repeat_ms": [w["ms_per_step"] for w in windows],
         "images": result.images,
@@ -226,6 +231,12 @@ def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: s
     step_ms = [max(r["repeat_ms"][k] for r in every) for k in range(windows)]
     for r in every:
         r.pop("repeat_rates"), r.pop("repeat_ms")
+    fetched: dict[int, list[int]] = {}  # bytes read from a URL and of them the indexes
+    for r in every:  # per node (its ranks share one cache)
+        if r.get("remote_bytes") is not None:
+            node = fetched.setdefault(r["node"], [0, 0])
+            node[0] += r["remote_bytes"]
+            node[1] += r.get("remote_index_bytes") or 0
     merged = {
         **figures,
         **spread_figures(rates, step_ms),
@@ -236,6 +247,11 @@ def merge_ranks(figures: dict[str, Any], every: list[dict[str, Any]], backend: s
         "distributed": {"world": len(every), "backend": backend, "ranks": every,
                         "replicas_in_sync": len(digests) == 1 if None not in digests else None},
     }
+    if fetched:
+        merged["remote_bytes"] = sum(b for b, _ in fetched.values())
+        merged["distributed"]["remote_bytes_per_node"] = [fetched[n][0] for n in sorted(fetched)]
+        merged["distributed"]["remote_index_bytes_per_node"] = [fetched[n][1]
+                                                                for n in sorted(fetched)]
     step_shares(merged)  # the run's step is its slowest rank's
     merged["flags"] = flags(merged, repeats_asked)
     merged["disturbed"] = disturbance(merged) is not None

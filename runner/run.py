@@ -242,7 +242,8 @@ class Job:
     def _merge_ranks(self, figures: dict[str, Any], result: LoopResult) -> dict[str, Any]:
         """Rank 0: every rank's figures and prediction files joined into the run's."""
         every = gather(self.ranks, results.rank_figures(self.ranks.rank, figures, result,
-                                                        self.task.rank_digest()))
+                                                        self.task.rank_digest(),
+                                                        self.ranks.node))
         if not self.ranks.main:  # every rank's writers have closed by the gather
             return figures
         merge_rank_files(self.run_dir, self.ranks.world)

@@ -14,7 +14,14 @@ the model's time).
 Recording costs two clock reads and one append per span; each process keeps at most
 ``LIMIT`` spans, so a long run records its beginning only (which is where the window is).
 On CUDA the main thread's spans are host time: the launch of the copy and of the step,
-not their execution on the device.
+not their execution on the device. So the device gets two lanes of its own, drawn from
+CUDA events (``record_device``): the copy stream (the GPU prefetcher's copies, recorded on
+its side stream where it issues them) and the compute stream (the loop's copy when no side
+stream does it, its augmentation and its step, from the step clock's events): the
+read / copy / compute picture that shows whether prefetching overlaps the copy with the
+step. Events are only kept while the run goes (no sync per step); after the loop, one sync
+resolves them to host time through an anchor event taken once, with the device idle, at
+the first one (``_anchor``). On the CPU there are no such lanes.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ STEPS_SHOWN = 4  # consecutive steps drawn after warm-up
 _state: dict[str, Any] = {"dir": None}
 _spans: list[tuple[str, str, float, float]] = []  # (lane, stage, start, end)
 _written = 0  # spans of this process already appended to its file
+# (lane, stage, start event, end event) recorded on a CUDA stream, resolved after the run
+_device: list[tuple[str, str, Any, Any]] = []
+DEVICE_LIMIT = 4_000  # event pairs kept: the first steps, where the window is
+_anchor: dict[str, Any] = {}  # a CUDA event and the host time it ran at (``_set_anchor``)
+COPY_STREAM, COMPUTE_STREAM = "GPU copy stream", "GPU compute stream"
 
 
 def enable(folder: Path) -> None:
@@ -49,6 +61,8 @@ def enable(folder: Path) -> None:
         old.unlink()
     _state["dir"] = folder
     _spans.clear()
+    _device.clear()
+    _anchor.clear()
     _written = 0
 
 
@@ -56,6 +70,8 @@ def disable() -> None:
     """Stop recording and remove the workers' span files."""
     folder, _state["dir"] = _state["dir"], None
     _spans.clear()
+    _device.clear()
+    _anchor.clear()
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -87,6 +103,42 @@ def record(stage: str, start: float, end: float, sub: str | None = None) -> None
         _spans.append((lane() if sub is None else f"{lane()}/{sub}", stage, start, end))
 
 
+def record_device(lane: str, stage: str, start: Any, end: Any) -> None:
+    """A span of ``stage`` on a CUDA stream's lane (``COPY_STREAM``, ``COMPUTE_STREAM``),
+    between two timing events recorded on that stream where the work is issued; kept
+    unresolved (no sync) until ``write``. The first one takes the anchor (one sync)."""
+    if _state["dir"] is None or len(_device) >= DEVICE_LIMIT:
+        return
+    if not _anchor:
+        _set_anchor()
+    _device.append((lane, stage, start, end))
+
+
+def _set_anchor() -> None:
+    """An event that runs on an idle device at a known host time: every device event's
+    host time is the anchor's plus the device time between them."""
+    import torch
+
+    torch.cuda.synchronize()  # note: the one sync of the device lanes while the run goes
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    _anchor.update(event=event, host=time.perf_counter())
+
+
+def _resolve_device() -> list[tuple[str, str, float, float]]:
+    """The device spans recorded so far, on the host clock (after a sync, when CUDA is
+    in use: every event has run)."""
+    if not _device:
+        return []
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    anchor, host = _anchor["event"], _anchor["host"]
+    return [(lane, stage, host + anchor.elapsed_time(a) / 1e3,
+             host + anchor.elapsed_time(b) / 1e3) for lane, stage, a, b in _device]
+
+
 @contextlib.contextmanager
 def span(stage: str) -> Iterator[None]:
     if _state["dir"] is None:
@@ -116,8 +168,8 @@ def flush() -> None:
 
 
 def collect(start: float, end: float) -> list[tuple[str, str, float, float]]:
-    """Every process's spans that overlap ``[start, end]``."""
-    spans = list(_spans)
+    """Every process's spans that overlap ``[start, end]``, the device's included."""
+    spans = list(_spans) + _resolve_device()
     folder = _state["dir"]
     if folder is not None:
         for file in folder.glob("*.jsonl"):
@@ -131,11 +183,14 @@ def collect(start: float, end: float) -> list[tuple[str, str, float, float]]:
 
 COLORS = {"read": "#8c564b", "decode": "#d62728", "gather": "#9467bd", "collate": "#e377c2",
           "wait": "#bbbbbb", "copy": "#ff7f0e", "augment": "#bcbd22", "step": "#2ca02c",
-          "model": "#17becf"}
+          "model": "#17becf", "compute": "#1f77b4"}
+DEVICE_LANES = (COPY_STREAM, COMPUTE_STREAM)
 
 
 def _lane_order(name: str) -> tuple:
-    return (name.startswith("main"), name)
+    """Workers first, then the main process, then the device's streams (copy, compute)."""
+    device = DEVICE_LANES.index(name) if name in DEVICE_LANES else -1
+    return (device >= 0, name.startswith("main"), device, name)
 
 
 def write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,

@@ -75,6 +75,7 @@ def resume_refused(run_dir: Path, over: list[str], *changed: str) -> str:
     ("compile=torchscript", "compile.name", "eager", "torchscript"),
     ("model.channels_last=true", "model.channels_last", "False", "True"),
     ("dataset.crop_fraction=1.0", "dataset.crop_fraction", "0.875", "1.0"),
+    ("task.reduce_on=host", "task.reduce_on", "None", "host"),
 ])
 def test_a_resume_that_would_change_an_output_is_refused_naming_the_key(
         stopped, tmp_path: Path, change: str, key: str, old: str, new: str):

@@ -70,3 +70,88 @@ def test_the_legend_never_covers_the_axis_label(lanes: int):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+class StandInEvent:
+    """A CUDA timing event as the timeline reads it: the device time it ran at (s)."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def elapsed_time(self, later: StandInEvent) -> float:
+        return (later.at - self.at) * 1e3  # ms, as torch.cuda.Event's
+
+
+def test_the_copy_and_compute_streams_are_drawn_as_lanes_of_their_own(tmp_path: Path,
+                                                                    monkeypatch):
+    """Device spans (stand-in events: this test runs without CUDA) become two lanes below
+    the host's, at the host times the anchor maps them to, resolved only at the end."""
+    timeline.enable(tmp_path / ".t")
+    try:
+        t0 = time.perf_counter()
+        # the anchor ran at device time 100 s, host time t0: device time d is host t0 + d - 100
+        monkeypatch.setitem(timeline._anchor, "event", StandInEvent(100.0))
+        monkeypatch.setitem(timeline._anchor, "host", t0)
+        timeline.record("wait", t0, t0 + 0.002)
+        timeline.record("step", t0 + 0.002, t0 + 0.003)  # the launch, on the host
+        for k in range(2):  # the next batch's copy overlaps this step's compute
+            a = 100.0 + 0.010 * k
+            timeline.record_device(timeline.COPY_STREAM, "copy", StandInEvent(a + 0.001),
+                                   StandInEvent(a + 0.004))
+            timeline.record_device(timeline.COMPUTE_STREAM, "compute",
+                                   StandInEvent(a + 0.004), StandInEvent(a + 0.009))
+        assert len(timeline._device) == 4  # kept as events until the timeline is drawn
+        out = timeline.write(tmp_path, [(t0, t0 + 0.010), (t0 + 0.010, t0 + 0.020)], 0, "t")
+        data = json.loads((tmp_path / "timeline.json").read_text())
+        lanes = [s["lane"] for s in data["spans"]]
+        assert {timeline.COPY_STREAM, timeline.COMPUTE_STREAM, "main"} == set(lanes)
+        copies = [s for s in data["spans"] if s["lane"] == timeline.COPY_STREAM]
+        computes = [s for s in data["spans"] if s["lane"] == timeline.COMPUTE_STREAM]
+        assert [(s["start"], s["end"]) for s in copies] == [
+            pytest.approx((1.0, 4.0)), pytest.approx((11.0, 14.0))]
+        assert [s["stage"] for s in computes] == ["compute", "compute"]
+        assert computes[1]["start"] == pytest.approx(14.0)
+        assert out["timeline_busy"][timeline.COMPUTE_STREAM] == pytest.approx(0.5)
+        # drawn below the host's lanes: workers, main, then copy and compute
+        order = sorted(["worker 0", timeline.COMPUTE_STREAM, "main", timeline.COPY_STREAM],
+                       key=timeline._lane_order)
+        assert order == ["worker 0", "main", timeline.COPY_STREAM, timeline.COMPUTE_STREAM]
+        assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG
+    finally:
+        timeline.disable()
+    assert timeline._device == [] and timeline._anchor == {}
+
+
+def test_a_cpu_run_records_no_device_lane(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from runner.loop import StepTrace
+
+    timeline.enable(tmp_path / ".t")
+    try:
+        result = SimpleNamespace(warmup_steps=0, steps=0, step_spans=[])
+        trace = StepTrace(result, augments=False)
+        t0 = time.perf_counter() - 1.0  # the step ends when it is recorded
+        trace.record(t0, t0 + 0.001, t0 + 0.002, t0 + 0.003)  # no events: the CPU
+        assert timeline._device == [] and timeline._anchor == {}
+        assert {s[1] for s in timeline.collect(0, float("inf"))} == {"wait", "copy", "step"}
+    finally:
+        timeline.disable()
+
+
+@pytest.mark.cuda
+def test_a_cuda_run_draws_its_copy_and_compute_streams(tmp_path: Path, cache_dir: Path):
+    run_cli(*SMALL_DATASET, "prefetch=gpu", "loader=memmap", "logger=none",
+            "diagnose=false", "run.steps=12", "hydra.run.dir=run", cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    data = json.loads(Path(m["timeline_json"]).read_text())
+    by_lane = {}
+    for s in data["spans"]:
+        by_lane.setdefault(s["lane"], []).append(s)
+    copies = [s for s in by_lane[timeline.COPY_STREAM] if s["stage"] == "copy"]
+    computes = [s for s in by_lane[timeline.COMPUTE_STREAM] if s["stage"] == "compute"]
+    assert copies and len(computes) >= 3
+    end = data["steps"][-1][1]
+    for s in copies + computes:  # resolved onto the host's clock, inside the steps shown
+        assert -1.0 <= s["start"] <= s["end"] <= end + 1.0
+    assert Path(m["timeline"]).read_bytes()[:8] == PNG

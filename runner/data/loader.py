@@ -20,7 +20,7 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 
 from runner import timeline
-from runner.config import LoaderConfig
+from runner.config import Config, LoaderConfig, TaskName
 from runner.data.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.storage.base import Sample, SkippedFile, Storage
@@ -204,18 +204,48 @@ def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
 
 
 def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
-                world: int = 1) -> BatchOrder:
-    """The batch order of ``storage`` for this loader config and rank; a sharded storage
-    (``order_groups``: its shards' bounds) is read a block of shards at a time, and told
-    the order so it can fetch ahead (``follow``)."""
+                world: int = 1, nodes: int = 1) -> BatchOrder:
+    """The batch order of ``storage`` for this loader config and rank (its slot:
+    ``Ranks.slot``); a sharded storage (``order_groups``: its shards' bounds) is read a
+    block of shards at a time, in ``loader.lanes`` lanes (unset: one per node of the
+    ``nodes``), and told the order so it can fetch ahead (``follow``)."""
     groups = getattr(storage, "order_groups", None)
+    lanes = cfg.lanes or nodes
+    if groups is not None and lanes > 1:
+        check_lanes(lanes, nodes, cfg.batch_size * world)
     order = BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
                        drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
                        world=world, crop_seeds=storage.random_crops, groups=groups,
-                       group_block=getattr(storage, "group_block", 1))
+                       group_block=getattr(storage, "group_block", 1), lanes=lanes)
     if groups is not None:
         storage.follow(order)
     return order
+
+
+def drops_remainder(config: Config, world: int, every_image: bool = False) -> bool:
+    """Whether an epoch drops the images after its last whole global batch: with
+    ``loader.drop_last``, and when training on several ranks, where a padded last batch
+    would weigh its ranks' images unlike their peers' in the all-reduced gradient and
+    change with the world size. ``every_image`` (validation, like inference): never; the
+    last batches are padded and masked instead, so every image counts once."""
+    if every_image:
+        return False
+    train = config.task.name is TaskName.train
+    return config.loader.drop_last or (train and world > 1)
+
+
+def check_lanes(lanes: int, nodes: int, global_batch: int) -> None:
+    """Lanes of a sharded storage that ``nodes`` nodes share evenly and that split a
+    global batch evenly, or a ``ConfigError`` naming the counts that would."""
+    from runner.errors import ConfigError
+
+    if lanes % nodes == 0 and global_batch % lanes == 0:
+        return
+    fits = [n for n in range(nodes, global_batch + 1, nodes) if global_batch % n == 0]
+    raise ConfigError(f"loader.lanes={lanes} on {nodes} node(s) with a global batch of "
+                      f"{global_batch}: each node reads whole lanes and each step takes the "
+                      f"same share of every lane; use loader.lanes="
+                      f"{' or '.join(map(str, fits[:6])) or nodes}")
 
 
 def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_memory: bool):
@@ -341,6 +371,7 @@ class BatchStream:
                 skip, self.skip = self.skip, 0
                 if self.order is not None:
                     self.order.set_epoch(self.epoch, skip)
+                    self.order.last_epoch = self.epoch + self.epochs - done - 1
                 if self.on_epoch is not None:
                     self.on_epoch(self.epoch)
                 iterator = iter(self.loader)

@@ -5,9 +5,14 @@ Every loading path (per item, batched, in process, with workers) draws its batch
 function of (seed, epoch) alone, never of the epochs drawn before it: a run resumed at
 epoch ``e`` reads exactly what an uninterrupted run reads there.
 
-Padding (torch.distributed): every rank draws the same permutation, padded to a multiple of
-the world size with repeats, and takes every ``world``-th index from ``rank`` on, so every
-rank runs the same number of steps. A repeat of image ``i`` is written ``-1 - i``
+Ranks (torch.distributed): every rank draws the same permutation and takes every
+``world``-th index from ``rank`` on, so global step ``s`` reads positions ``s*G .. (s+1)*G``
+of the permutation (``G`` = batch x world) whatever the world size: a run resumed on another
+number of ranks with the same global batch reads the same images at each step. Every rank
+runs the same number of steps: ``drop_last`` (training under several ranks) drops the
+permutation's remainder after the last whole global batch, so no rank holds a short or
+padded batch; otherwise (validation, inference) the permutation is padded to a multiple of
+the world size with repeats. A repeat of image ``i`` is written ``-1 - i``
 (``pad``); storages turn it into a row with ``valid=False`` (``unpad``, ``split_padding``),
 which counts in no figure, loss or prediction (``count_images``). This file is the one
 place that rule is written.
@@ -94,12 +99,24 @@ class BatchOrder:
             ``group_block`` and the items of each block among themselves, so an epoch reads
             a few shards at a time, in an order known in advance (``group_blocks``).
         group_block: groups per block.
+        lanes: with ``groups``, deal each epoch's groups to this many lanes (``lanes``: one
+            per node of a multi-node run, ``loader.lanes``).
+
+    Lanes (``loader=shards`` on several nodes): each epoch's permutation of groups is cut
+    into ``lanes`` runs of whole groups, each read in blocks as above; global step ``s``
+    takes ``G / lanes`` samples from each lane, side by side, and rank slot ``r`` takes
+    positions ``r*batch .. (r+1)*batch`` of it, so the ranks of one node (consecutive
+    slots) read their node's lanes alone and the node fetches about ``1/nodes`` of the
+    shards. The order depends on (seed, epoch, groups, lanes), never on the world size.
+    Lanes hold different numbers of samples: the epoch's steps are fixed from the groups'
+    sizes (the smallest a lane can hold with ``drop_last``, else the largest, short lanes
+    padded), so every rank and every epoch has the same count.
     """
 
     def __init__(self, size: int, batch_size: int, *, shuffle: bool, drop_last: bool,
                  seed: int, block: int = 1, rank: int = 0, world: int = 1,
                  crop_seeds: bool = False, groups: list[int] | None = None,
-                 group_block: int = 1):
+                 group_block: int = 1, lanes: int = 1):
         self.size, self.batch_size = size, batch_size
         self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
         self.rank, self.world = rank, world
@@ -107,7 +124,12 @@ class BatchOrder:
         self.seed = seed
         self.crop_seeds = crop_seeds
         self.groups, self.group_block = groups, max(1, group_block)
+        self.lanes = max(1, lanes) if groups is not None else 1
+        if self.lanes > 1 and (batch_size * world) % self.lanes:
+            raise ValueError(f"a global batch of {batch_size * world} cannot be shared by "
+                             f"{self.lanes} lanes")
         self.epoch = -1  # the epoch whose batches are being handed out
+        self.last_epoch: int | None = None  # the run's last (None: not known), to fetch ahead
         self._next: int | None = None  # set_epoch's choice for the next iteration
         self._skip = 0  # batches of the next iteration's epoch already done (a resume)
 
@@ -115,6 +137,11 @@ class BatchOrder:
         """The next iteration hands out epoch ``epoch``, from its batch ``skip`` on (a run
         resumed mid-epoch continues with the next batch of the same permutation)."""
         self._next, self._skip = epoch, skip
+
+    @property
+    def coming_epoch(self) -> int:
+        """The epoch the next iteration reads (``set_epoch``'s, else the one after)."""
+        return self._next if self._next is not None else self.epoch + 1
 
     def seeds_for(self, index: torch.Tensor, epoch: int | None = None) -> list[int]:
         """One random-crop seed per image of ``epoch`` (unset: the epoch being read): a
@@ -131,37 +158,95 @@ class BatchOrder:
         return min(self.batch_size, self.per_rank)
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.per_rank // self.batch_size
+        if self.lanes > 1:
+            return self._lane_steps()
+        if self.drop_last:  # whole global batches: the same count on every rank
+            return self.size // (self.batch_size * self.world)
         return -(-self.per_rank // self.batch_size)
 
-    def group_blocks(self, epoch: int) -> list[list[int]]:
-        """The blocks of groups epoch ``epoch`` reads, in the order it reads them (groups in
-        their order when not shuffled)."""
+    def _lane_groups(self, epoch: int) -> list[list[int]]:
+        """Each lane's groups, in reading order: the epoch's permutation of groups (their
+        order when not shuffled) cut into ``lanes`` runs."""
         n = len(self.groups) - 1
-        if not self.shuffle:
-            return [list(range(a, min(a + self.group_block, n)))
-                    for a in range(0, n, self.group_block)]
-        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        perm = torch.randperm(n, generator=generator).tolist()
-        return [perm[a:a + self.group_block] for a in range(0, n, self.group_block)]
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            perm = torch.randperm(n, generator=generator).tolist()
+        else:
+            perm = list(range(n))
+        cuts = [n * k // self.lanes for k in range(self.lanes + 1)]
+        return [perm[cuts[k] : cuts[k + 1]] for k in range(self.lanes)]
 
-    def _grouped_order(self, epoch: int) -> torch.Tensor:
-        """Blocks of groups in ``group_blocks`` order, each block's items shuffled among
-        themselves (one generator per epoch: a function of (seed, epoch) alone)."""
+    def _blocks_of(self, lane: list[int]) -> list[list[int]]:
+        return [lane[a : a + self.group_block] for a in range(0, len(lane), self.group_block)]
+
+    def _my_lanes(self) -> range:
+        """The lanes this rank's slice of a global batch falls in."""
+        share = self.batch_size * self.world // self.lanes
+        first = self.rank * self.batch_size
+        return range(first // share, (first + self.batch_size - 1) // share + 1)
+
+    def _lane_steps(self) -> int:
+        """Global steps per epoch with lanes: whatever the permutation, every lane holds at
+        least the ``n // lanes`` smallest groups and at most the ``ceil(n / lanes)``
+        largest (exactly known when not shuffled)."""
+        share = self.batch_size * self.world // self.lanes
+        sizes = [self.groups[g + 1] - self.groups[g] for g in range(len(self.groups) - 1)]
+        if self.shuffle:
+            ascending, n = sorted(sizes), len(sizes)
+            least = sum(ascending[: n // self.lanes])
+            most = sum(ascending[::-1][: -(-n // self.lanes)])
+        else:
+            held = [sum(sizes[g] for g in lane) for lane in self._lane_groups(0)]
+            least, most = min(held), max(held)
+        return least // share if self.drop_last else -(-most // share)
+
+    def group_blocks(self, epoch: int) -> list[list[int]]:
+        """The blocks of groups this rank reads in epoch ``epoch``, in reading order (its
+        lanes' k-th blocks together; groups in their order when not shuffled)."""
+        lanes = self._lane_groups(epoch)
+        mine = [self._blocks_of(lanes[k]) for k in self._my_lanes()]
+        depth = max((len(b) for b in mine), default=0)
+        return [[g for b in mine if k < len(b) for g in b[k]] for k in range(depth)]
+
+    def _lane_streams(self, epoch: int) -> list[torch.Tensor]:
+        """Each lane's items: its blocks of groups in order, each block's items shuffled
+        among themselves (one generator per epoch: a function of (seed, epoch) alone)."""
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch) ^ 0x5EED)
-        parts = []
-        for block in self.group_blocks(epoch):
-            items = torch.cat([torch.arange(self.groups[g], self.groups[g + 1])
-                               for g in block])
-            parts.append(items[torch.randperm(len(items), generator=generator)])
-        return torch.cat(parts) if parts else torch.arange(0)
+        streams = []
+        for lane in self._lane_groups(epoch):
+            parts = []
+            for block in self._blocks_of(lane):
+                items = torch.cat([torch.arange(self.groups[g], self.groups[g + 1])
+                                   for g in block])
+                parts.append(items[torch.randperm(len(items), generator=generator)]
+                             if self.shuffle else items)
+            streams.append(torch.cat(parts) if parts else torch.arange(0))
+        return streams
+
+    def _lane_rows(self, epoch: int) -> torch.Tensor:
+        """This rank's batches of ``epoch`` with lanes, (steps, batch_size): its slice of
+        each global step; a lane shorter than the steps is padded with its own items (the
+        first lane's where it has none)."""
+        steps, share = len(self), self.batch_size * self.world // self.lanes
+        streams = self._lane_streams(epoch)
+        lanes = self._my_lanes()
+        columns = []
+        for k in lanes:
+            stream, need = streams[k][: steps * share], steps * share
+            if len(stream) < need:
+                source = stream if len(stream) else next(s for s in streams if len(s))
+                fill = source[torch.arange(need - len(stream)) % len(source)]
+                stream = torch.cat([stream, pad(fill)])
+            columns.append(stream.view(steps, share))
+        rows = torch.cat(columns, dim=1)
+        start = self.rank * self.batch_size - lanes.start * share
+        return rows[:, start : start + self.batch_size]
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.size)
         if self.groups is not None:
-            return self._grouped_order(epoch)
+            return torch.cat(self._lane_streams(epoch))
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         # one thread: the same permutation (a serial draw), 1.4 ms for 300,000 items where
         # torch's threads took 5.7 on a busy 2-core machine
@@ -182,11 +267,16 @@ class BatchOrder:
     def batches(self) -> Iterator[torch.Tensor]:
         """The next epoch's batches (``set_epoch``'s epoch, else the one after the last)."""
         skip = self.begin_epoch()
+        if self.lanes > 1:
+            rows = self._lane_rows(self.epoch)
+            yield from (sorted_rows(rows) if self.shuffle else rows)[skip:]
+            return
         order = self.epoch_order(self.epoch)
         if self.world > 1:
             pads = self.per_rank * self.world - self.size
             order = torch.cat([order, pad(order[:pads])])[self.rank :: self.world]
-        full = (len(order) // self.batch_size) * self.batch_size
+        full = (len(self) if self.drop_last else len(order) // self.batch_size) \
+            * self.batch_size
         rows = order[:full].view(-1, self.batch_size)
         if self.shuffle:  # one sort for the whole epoch, not one call per batch
             rows = sorted_rows(rows)

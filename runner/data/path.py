@@ -10,6 +10,7 @@ added in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -21,7 +22,13 @@ from tensordict import TensorDict
 
 from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig, TaskName
 from runner.data.augment import BatchAugment, CenterCrop
-from runner.data.loader import BatchStream, batch_order, build_loader, shutdown_workers
+from runner.data.loader import (
+    BatchStream,
+    batch_order,
+    build_loader,
+    drops_remainder,
+    shutdown_workers,
+)
 from runner.data.normalize import (
     HOST_DTYPES,
     Converted,
@@ -235,8 +242,8 @@ def device_crop(storage: Storage, config: Config, order: BatchOrder, pin: bool
 
 
 def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = None,
-                    start_step: int = 0, epochs: int | None = None, progress: bool = True
-                    ) -> DataPath:
+                    start_step: int = 0, epochs: int | None = None, progress: bool = True,
+                    every_image: bool = False) -> DataPath:
     """The data path ``config`` selects, delivering to ``device``.
 
     Args:
@@ -249,6 +256,9 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         epochs: epochs one iteration reads (None: what is left of the run's plan,
             ``run.steps`` or ``run.epochs``).
         progress: progress bars for one-off work (the default dataset, a cache conversion).
+        every_image: read every image of an epoch once (validation), the last batches
+            padded and masked, even where training would drop the remainder
+            (``runner.data.loader.drops_remainder``).
     """
     ranks = ranks or Ranks()
     check_host_dtype(config)  # before any work
@@ -257,7 +267,16 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     if config.dataset.page_cache is PageCache.cold:
         page_cache = ColdPageCache(storage.files, storage.reopen)
     pin = pin_memory(config.loader, device)
-    order = batch_order(storage, config.loader, config.seed, ranks.rank, ranks.world)
+    loader_cfg = config.loader
+    if drops_remainder(config, ranks.world, every_image) and not loader_cfg.drop_last:
+        loader_cfg = dataclasses.replace(loader_cfg, drop_last=True)
+        if ranks.main:
+            log.info("training on %d ranks: each epoch drops its last %d image(s) after the "
+                     "last whole global batch of %d", ranks.world,
+                     len(storage) % (loader_cfg.batch_size * ranks.world),
+                     loader_cfg.batch_size * ranks.world)
+    order = batch_order(storage, loader_cfg, config.seed, ranks.slot, ranks.world,
+                        ranks.nodes)
     check_batch_memory(config.loader, order, storage)
     kind = STORAGES[config.loader.name]
     if kind.own_loader:  # a rival's own pipeline in place of the runner's loaders
@@ -267,6 +286,11 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     if DECODERS[config.loader.decoder].cuda:  # a stage above the loader: decode on the GPU
         loader = GpuDecodedBatches(loader, storage, device)
     if len(loader) == 0:
+        if ranks.enabled:  # training on several ranks drops what no whole global batch holds
+            raise ConfigError(
+                f"the loader yields no batches: {len(storage)} images hold no whole global "
+                f"batch of {ranks.world} ranks x loader.batch_size={config.loader.batch_size}"
+                f"; use loader.batch_size={max(1, len(storage) // ranks.world)} or less")
         raise ConfigError(
             f"the loader yields no batches: {len(storage)} images per rank is fewer than "
             f"loader.batch_size={config.loader.batch_size} with loader.drop_last=true; use a "

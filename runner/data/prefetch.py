@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from runner import timeline
 from runner.config import PrefetchConfig, PrefetchName
 from runner.data.order import count_images
 from runner.data.threads import (
@@ -201,6 +202,7 @@ class CudaStreamPrefetcher:
                 start.record(self.stream)
                 moved = batch.to(self.device, non_blocking=True)
                 done.record(self.stream)
+            timeline.record_device(timeline.COPY_STREAM, "copy", start, done)  # no sync
             yield moved, (start, done), images
 
     def _fold_completed(self) -> None:

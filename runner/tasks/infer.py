@@ -59,7 +59,8 @@ class InferTask(TaskBase):
         self.resumed = outputs.load_state(run_dir)
         if self.resumed is not None:
             outputs.check_state(self.resumed, self.identity, run_dir)
-            checkpoint.check_fits(self.resumed, cfg, self.resumed["source"])
+            checkpoint.check_fits(self.resumed, cfg, self.resumed["source"],
+                                  (*checkpoint.MUST_MATCH, "loader.batch_size"))
         else:
             log.info("resume=auto: no inference state in %s yet: starting fresh", run_dir)
         return self.resumed
@@ -172,8 +173,10 @@ TASK = InferTask
 class InferStep:
     """Forward under inference_mode for one or several models on the same device batch.
 
-    Each model's output is reduced on the device (runner/outputs.py: top-k, probabilities,
-    embeddings, masks, the user's post-processing) and only that is handed to the writers.
+    Each model's output is reduced by its output kinds' records (runner/outputs.py,
+    runner/output_kinds/: top-k, probabilities, embeddings, masks; the user's
+    post-processing), on the device or on the host (``task.reduce_on``), and only that is
+    handed to the writers (threads, or the loop's own with ``task.writer_threads=0``).
     Each model's forward is timed on its own (CUDA events on a GPU, read at ``close``), so
     a multi-model pass reports images/s per model as well as for the whole pass.
 

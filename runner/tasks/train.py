@@ -59,6 +59,9 @@ class TrainTask(TaskBase):
         super().resume()
         if self.resumed is not None:
             self.best = self.resumed.get("best")
+            # another world size: the same global batch (per-rank batch scaled), or refused
+            checkpoint.fit_world(self.resumed, self.config, self.ctx.ranks.world,
+                                 self.resumed["source"])
         return self.resumed
 
     def prepare(self, data: DataPath) -> None:
@@ -68,6 +71,9 @@ class TrainTask(TaskBase):
                               "manifest without labels); give one sub-folder per class, or a "
                               "manifest with a label column")
         super().prepare(data)
+        if self.resumed is not None:
+            checkpoint.check_epoch_length(self.resumed, data.steps_per_epoch,
+                                          self.resumed["source"])
 
     def build(self, total_steps: int) -> Step:
         """The model (built, compiled, verified; its checkpoint's state restored), its
@@ -86,7 +92,8 @@ class TrainTask(TaskBase):
             checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
         if cfg.dataset.val_path or cfg.dataset.val_fraction > 0:
             self.validation = Validation.for_run(cfg, model, step_amp(cfg), ctx.device,
-                                                 data.classes, cfg.run.progress and ranks.main)
+                                                 data.classes, cfg.run.progress and ranks.main,
+                                                 ranks)
         return step
 
     def start(self) -> None:

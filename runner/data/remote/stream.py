@@ -57,6 +57,8 @@ class RemoteShards:
         self.url, self.engine, self.names, self.nbytes = url, engine, names, nbytes
         self.cache, self.shard_of, self.spans = cache, shard_of, spans
         self.order: BatchOrder | None = None
+        # bytes the engine fetched before any shard: the set's manifest and indexes
+        self.index_bytes = engine.stats.bytes
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -73,7 +75,8 @@ class RemoteShards:
         self._ranged = 0  # batches read (partly) by range requests
 
     def __getstate__(self) -> dict:  # a worker process: its own pool, fds and loop
-        keep = ("url", "engine", "names", "nbytes", "cache", "shard_of", "spans", "order")
+        keep = ("url", "engine", "names", "nbytes", "cache", "shard_of", "spans", "order",
+                "index_bytes")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict) -> None:
@@ -89,10 +92,13 @@ class RemoteShards:
         return self._plan[epoch]
 
     def upcoming(self) -> list[int]:
-        """Shards from the block being read on, this epoch then the next, in order."""
+        """Shards from the block being read on, this epoch then the next (none after the
+        run's last epoch), in order."""
         epoch, block = self._where
         out: list[int] = []
-        for blocks in (self.blocks(epoch)[block:], self.blocks(epoch + 1)):
+        last = getattr(self.order, "last_epoch", None)
+        after = self.blocks(epoch + 1) if last is None or epoch < last else []
+        for blocks in (self.blocks(epoch)[block:], after):
             for b in blocks:
                 out += [s for s in b if s not in out]
         return out
@@ -258,7 +264,8 @@ class RemoteShards:
                     os.close(self._fds.pop(shard))
 
     def figures(self) -> dict[str, Any]:
-        return {**self.engine.stats.figures(), "cache_peak_bytes": self.cache.peak_bytes,
+        return {**self.engine.stats.figures(), "remote_index_bytes": self.index_bytes,
+                "cache_peak_bytes": self.cache.peak_bytes,
                 "cache_bound_bytes": self.cache.bound, "cache_evictions": self.cache.evictions,
                 "uncached_reads": self.uncached_reads}
 

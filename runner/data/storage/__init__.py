@@ -115,8 +115,9 @@ def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                           f"dataset.path is the URL {path}: use {readers} (python -m "
                           "runner.prepare shards ... out=<folder or URL> writes shards), or "
                           "copy the data to a local folder")
-    if is_url(path) and loader.num_workers > 0:
-        # the client's runtime (obstore's, in Rust) does not survive a fork
+    if is_url(path) and loader.num_workers > 0 and not kind.own_loader:
+        # the client's runtime (obstore's, in Rust) does not survive a fork (a rival's own
+        # pipeline fetches in its workers its own way)
         raise ConfigError(f"loader.num_workers={loader.num_workers} forks DataLoader workers, "
                           f"and reading dataset.path={path} does not survive a fork: use "
                           "loader.num_workers=0 (decode threads, one per core; the fetches "

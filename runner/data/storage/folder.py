@@ -13,6 +13,7 @@ import torch
 from runner import timeline
 from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.order import unpad
+from runner.data.remote.fardisk import is_far
 from runner.data.remote.url import is_url
 from runner.data.storage.base import (
     Probe,
@@ -215,12 +216,14 @@ class FolderStorage(torch.utils.data.Dataset):
             pixels = self.pack([s.image for s in samples])
         return {**pixels, **batch_fields(samples)}, skipped
 
-    def example(self, n: int) -> torch.Tensor:
-        """``n`` decoded images (the first decodable files, repeated to fill ``n``)."""
+    def example(self, n: int, items: range | None = None) -> torch.Tensor:
+        """``n`` decoded images (the first decodable files, or of ``items``, repeated to
+        fill ``n``)."""
         decoder = self.decode.image_decoder
         images, missing, broken = [], [], []
-        tried = min(2 * n, len(self))
-        for index in range(tried):
+        items = items if items is not None else range(min(2 * n, len(self)))
+        tried = len(items)
+        for index in items:
             try:
                 images.append(decoder(self.read(index)))
             except FileNotFoundError:
@@ -301,8 +304,7 @@ class RemoteFolderStorage(FolderStorage):
                  on_corrupt: OnCorrupt, engine):
         super().__init__(listing.root, decode, on_corrupt, listing)
         self.engine = engine
-        prefix = len(engine.store.url.store_url) + 1
-        self.keys = [url[prefix:] for url, _ in self.samples]
+        self.keys = self.keys_of(self.samples)
         self._pending: dict[int, object] = {}
         self._pid = os.getpid()
 
@@ -311,6 +313,11 @@ class RemoteFolderStorage(FolderStorage):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _pending={}, _pid=os.getpid())
+
+    def keys_of(self, samples: list[tuple[str, int]]) -> list[str]:
+        """Each image's key in the engine's store (its URL without the store's)."""
+        prefix = len(self.engine.store.url.store_url) + 1
+        return [url[prefix:] for url, _ in samples]
 
     @property
     def files(self) -> list[str]:
@@ -357,6 +364,31 @@ class RemoteFolderStorage(FolderStorage):
         self.engine.close()
 
 
+class FarFolderStorage(RemoteFolderStorage):
+    """A local folder on a far disk (a network mount): listed as a local folder, each file
+    read by the read engine over obstore's LocalStore, many in flight
+    (runner/data/remote/fardisk.py)."""
+
+    def keys_of(self, samples: list[tuple[str, int]]) -> list[str]:
+        return [os.path.abspath(path).lstrip("/") for path, _ in samples]
+
+    @property
+    def files(self) -> list[str]:  # local files: dataset.page_cache=cold evicts them
+        return [path for path, _ in self.samples]
+
+    def name_of(self, index: int) -> str:
+        return FolderStorage.name_of(self, index)
+
+
+def far_engine():
+    """The read engine over this machine's own files."""
+    from runner.data.remote.client import LOCAL_SCHEME, ObjectStore
+    from runner.data.remote.engine import ReadEngine
+    from runner.data.remote.url import RemoteURL
+
+    return ReadEngine(ObjectStore(RemoteURL(LOCAL_SCHEME, "", "")))
+
+
 def open_remote_folder(loader: LoaderConfig, dataset: DatasetConfig, url: str,
                        decode: ImageDecoder | ReadBytes) -> RemoteFolderStorage:
     """The images at the URL ``url`` (checked readable already), one object each."""
@@ -393,11 +425,16 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                                                 fraction=decode.fraction))
     if is_url(path):  # one object per image, in a store (runner/data/remote/)
         return open_remote_folder(loader, dataset, path, decode)
-    return FolderStorage(path, decode, dataset.on_corrupt, list_images(dataset, path))
+    listing = list_images(dataset, path)
+    far, why = is_far([p for p, _ in listing.samples], dataset.far_disk)
+    if far:
+        log.info("%s: %s, read through the read engine, many files in flight", path, why)
+        return FarFolderStorage(listing, decode, dataset.on_corrupt, far_engine())
+    return FolderStorage(path, decode, dataset.on_corrupt, listing)
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
-    if isinstance(folder, RemoteFolderStorage):
+    if isinstance(folder, RemoteFolderStorage) and not isinstance(folder, FarFolderStorage):
         return StoreFootprint("the source objects (remote)", 0, on_disk=False)
     total = sum(os.path.getsize(p) for p in folder.files if os.path.exists(p))
     return StoreFootprint("the source files", total, on_disk=False)

@@ -161,6 +161,18 @@ class ShardsStorage(PackedStorage):
         """The batch order this storage is read in (its blocks of shards, to fetch ahead)."""
         self.source.order = order
 
+    def example(self, n: int, items: range | None = None) -> torch.Tensor:
+        """``n`` decoded images of the shard this rank reads first: on several nodes, none
+        fetches a shard of another node's lanes to trace or verify a model."""
+        order = getattr(self.source, "order", None)
+        if items is None and order is not None:
+            blocks = order.group_blocks(order.coming_epoch)
+            if blocks and blocks[0]:
+                shard = blocks[0][0]
+                start = self.order_groups[shard]
+                items = range(start, min(self.order_groups[shard + 1], start + 2 * n))
+        return super().example(n, items)
+
     @property
     def files(self) -> list[str]:
         if self.source.remote:
@@ -240,9 +252,7 @@ def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
     manifest_key = url.key(MANIFEST)
     if manifest_key in objects:
         meta = load_json(store.get(manifest_key), str(url.child(MANIFEST)))
-        futures = [engine.get(url.key(s["index"])) for s in meta[SHARD_LIST]]
-        indexes = [ShardIndex.from_json(json.loads(bytes(f.result()))) for f in futures]
-        return indexes, list(meta.get("classes", []))
+        return _node_indexes(url, meta, objects, engine, cache), list(meta.get("classes", []))
     tars = sorted(k for k in objects if k.endswith(".tar"))
     if not tars:
         raise DatasetError(f"dataset.path={url} holds no {MANIFEST} and no .tar shards")
@@ -261,6 +271,30 @@ def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
         saved.write_text(json.dumps(index.to_json()))
         indexes.append(index)
     return indexes, _classes_of(indexes)
+
+
+def _node_indexes(url: RemoteURL, meta: dict, objects: dict, engine, cache
+                  ) -> list[ShardIndex]:
+    """The indexes a shard set's manifest lists, fetched once per node into its cache
+    folder (under a file lock: the ranks of a node and concurrent jobs share one copy; an
+    index whose size or etag changed is fetched again). Saved as ``.json``: outside the
+    shards' byte bound and never evicted."""
+    from filelock import FileLock
+
+    paths = []
+    for entry in meta[SHARD_LIST]:
+        info = objects.get(url.key(entry["index"]))
+        tag = "".join(c for c in f"{info.size}.{info.etag}" if c.isalnum() or c in ".-_") \
+            if info is not None else "unlisted"
+        paths.append(cache.folder / f"{entry['index'].replace('/', '__')}.{tag}.json")
+    with FileLock(str(cache.folder / "indexes.lock")):
+        missing = [k for k, path in enumerate(paths) if not path.is_file()]
+        futures = {k: engine.get(url.key(meta[SHARD_LIST][k]["index"])) for k in missing}
+        for k, future in futures.items():
+            tmp = paths[k].with_name(f"{paths[k].stem}.{os.getpid()}.tmp.json")
+            tmp.write_bytes(bytes(future.result()))
+            os.replace(tmp, paths[k])  # whole or not at all
+    return [ShardIndex.from_json(json.loads(path.read_text())) for path in paths]
 
 
 def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,

@@ -1,0 +1,43 @@
+"""``task.outputs``: what task=infer keeps of each model's output, one record per kind.
+
+Each kind is one module named after its ``Output`` value,
+``runner/output_kinds/<name>.py``, which defines its registry record ``KIND`` (an
+``OutputKind``, base.py: what it reads of the forward, how it is reduced, which models give
+it, how it is written and its files). ``OUTPUT_KINDS`` maps every ``Output`` to its record,
+found in its module: a new output kind is its enum value and its module. runner/outputs.py
+reduces and writes by these records; it names no kind.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from runner.config import Output
+from runner.output_kinds.base import OutputKind
+
+
+def _registry() -> dict[Output, OutputKind]:
+    """Every output kind's record, from its own module."""
+    kinds = {}
+    for name in Output:
+        kind = getattr(importlib.import_module(f"{__name__}.{name.value}"), "KIND", None)
+        if not isinstance(kind, OutputKind) or kind.name is not name:
+            raise ImportError(f"runner/output_kinds/{name.value}.py must define KIND, the "
+                              f"OutputKind of task.outputs=[{name.value}]")
+        kinds[name] = kind
+    return kinds
+
+
+OUTPUT_KINDS: dict[Output, OutputKind] = _registry()
+
+
+def kind_of(key: str) -> OutputKind | None:
+    """The kind whose reduction returns ``key`` (None: a ``task.postprocess`` tensor)."""
+    return next((k for k in OUTPUT_KINDS.values() if key in k.keys), None)
+
+
+def built_in_keys() -> tuple[str, ...]:
+    """Every kind's name and tensor names: a ``task.postprocess`` name among them would
+    take their files or columns."""
+    return tuple(dict.fromkeys(n for k in OUTPUT_KINDS.values()
+                               for n in (k.name.value, *k.keys)))
