@@ -53,6 +53,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from runner.atomic import dumps
+from runner.clock import burst
 from runner.compose import compose, job_refusal
 from runner.config import Config, DatasetConfig, StorageName
 from runner.data import build_data_path
@@ -64,7 +65,6 @@ from runner.data.storage.decoded import DecodedStorage
 from runner.errors import EXIT_USER_ERROR, ConfigError
 from runner.logger import NullLogger
 from runner.loop import LoopOptions, run_loop
-from runner.metrics import burst
 from runner.stats import median
 from runner.tasks import DataOnlyStep
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from runner.bench_infer import bench_infer, make_weights, naive_rate, runner_job, stand_ins
 from runner.compose import compose
-from runner.config import model_configs
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
+from runner.rules import model_configs
 from runner.stats import median
 
 NAIVE = "naive script"

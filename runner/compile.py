@@ -49,13 +49,13 @@ from runner.config import (
     ModelConfig,
     TaskName,
     data_path_alone,
-    model_configs,
 )
 from runner.data.loader import drops_remainder
 from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
 from runner.model import build_model, check_input_size, main_output, split_input, trace_batch
+from runner.rules import model_configs
 
 log = logging.getLogger(__name__)
 

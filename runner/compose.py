@@ -25,11 +25,11 @@ from collections.abc import Iterator
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.commandline import VALUE_FLAGS, composition_message, register_configs
-from runner.config import Config, config_dir, model_configs
+from runner.config import Config, config_dir
 from runner.data.storage import settle_loader
 from runner.errors import ConfigError
 from runner.model import check_model
-from runner.rules import check_config
+from runner.rules import check_config, model_configs
 
 
 def check_models(config: Config) -> None:

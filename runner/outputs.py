@@ -92,7 +92,6 @@ from runner.config import (
     ModelConfig,
     ReduceOn,
     TaskConfig,
-    model_configs,
     to_plain,
 )
 from runner.data.storage.listing import printable
@@ -110,6 +109,7 @@ from runner.output_kinds.base import (
     unfinished,
 )
 from runner.predictions import rank_file
+from runner.rules import model_configs
 
 log = logging.getLogger(__name__)
 

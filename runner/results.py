@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from runner.clock import STAGES
-from runner.config import Config, TaskName, model_configs
+from runner.config import Config, TaskName
 from runner.data.storage import STORAGES
 from runner.data.storage.listing import printable
 from runner.loop import LoopResult
+from runner.rules import model_configs
 from runner.stats import quantiles
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust

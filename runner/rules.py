@@ -16,22 +16,71 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from runner.config import (
     NO_MODEL,
     TASK_KEYS,
     Config,
+    ModelConfig,
     TaskConfig,
     TaskName,
     data_path_alone,
-    model_configs,
     plain_name,
     to_plain,
 )
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def model_configs(config: Config) -> list[ModelConfig]:
+    """The run's models: ``model=``, or each entry of ``models=[...]`` (a name, or a mapping
+    with the keys of ``model.``) over ``model=``'s values, each with a name of its own in
+    outputs and figures (``alias``; two entries of one architecture are told apart by
+    their weights' file names)."""
+    if not config.models:
+        return [config.model]
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    models = []
+    for entry in config.models:
+        fields = {"name": entry} if isinstance(entry, str) else dict(entry)
+        if "name" not in fields:
+            raise ConfigError(f"models entry {fields} has no name: give each entry a name, "
+                              "e.g. {name:resnet18,weights:/models/a.pt}")
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(config.model), fields)
+            models.append(OmegaConf.to_object(merged))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"models entry {fields}: {str(e).splitlines()[0]} (an entry "
+                              "takes the keys of model.: name, weights, num_classes, classes, "
+                              "mean, std, image_size, alias, ...)") from e
+    labels = [m.label for m in models]
+    named = [k for k, m in enumerate(models)
+             if labels.count(m.label) > 1 and m.alias is None and m.weights]
+    for k in named:
+        m = models[k]
+        models[k] = dataclasses.replace(m, alias=f"{m.name}-{Path(m.weights).stem}")
+    labels = [m.label for m in models]
+    for k in named:  # weights files of one name in other folders: the folder too
+        m = models[k]
+        if labels.count(m.label) > 1:
+            where = Path(m.weights).expanduser().parent.name
+            models[k] = dataclasses.replace(m, alias=f"{m.name}-{where}-{Path(m.weights).stem}")
+    labels = [m.label for m in models]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        weights = sorted({str(m.weights) for m in models if m.label in twice and m.weights})
+        why = (f" (their weights files {', '.join(weights)} cannot tell them apart)"
+               if len(weights) > 1 else
+               f" (one weights file {weights[0]})" if weights else "")
+        raise ConfigError(f"models=[...] names {', '.join(twice)} more than once{why}: give "
+                          "each entry an alias (models=[{name:resnet18,weights:...,alias:a},"
+                          "...])")
+    return models
 
 
 def check_config(config: Config, given: Iterable[str] = ()) -> None:

@@ -59,7 +59,7 @@ def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
 
 def test_weights_files_of_one_name_in_two_folders_get_their_folders_in_the_names(tmp_path: Path):
     from runner.compose import compose
-    from runner.config import model_configs
+    from runner.rules import model_configs
 
     cfg = compose(["task=infer", "+models=[{name:tiny,weights:/x/a/best.pt},"
                    "{name:tiny,weights:/x/b/best.pt}]"])
@@ -68,8 +68,8 @@ def test_weights_files_of_one_name_in_two_folders_get_their_folders_in_the_names
 
 def test_one_weights_file_twice_asks_for_an_alias_not_other_weights(tmp_path: Path):
     from runner.compose import compose
-    from runner.config import model_configs
     from runner.errors import ConfigError
+    from runner.rules import model_configs
 
     with pytest.raises(ConfigError, match="one weights file /x/best.pt.*give each entry an alias"):
         model_configs(compose(["task=infer", "+models=[{name:tiny,weights:/x/best.pt},"

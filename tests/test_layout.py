@@ -18,7 +18,8 @@ RUNNER = REPO / "runner"
 # What the data path may build on: itself, the config, the errors, whole-file writes, the
 # timeline's recorder and the ranks. Anything else is a new dependency to decide on here.
 DATA_MAY_IMPORT = {"runner.data", "runner.config", "runner.errors", "runner.atomic",
-                   "runner.timeline", "runner.distributed"}
+                   "runner.timeline", "runner.distributed",
+                   "runner.rules"}  # the rules build on the config alone (below)
 
 
 def runner_imports(path: Path) -> set[str]:

@@ -76,9 +76,9 @@ def normalize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dtype: 
 
 def host_dtype_problem(config: Config) -> str | None:
     """Why ``loader.host_dtype`` cannot convert on the host for this config, or None."""
-    from runner.config import model_configs
     from runner.data.storage import STORAGES
     from runner.data.storage.decode import DECODERS
+    from runner.rules import model_configs
 
     if HOST_DTYPES[config.loader.host_dtype] is None:
         return None
@@ -178,7 +178,7 @@ def as_batches_come(config: Config, images: torch.Tensor) -> torch.Tensor:
 def host_convert(config: Config, pin: bool) -> HostConvert | None:
     """The host conversion ``loader.host_dtype`` asks for (None: uint8, nothing to do),
     with the normalization of the run's model(s)."""
-    from runner.config import model_configs
+    from runner.rules import model_configs
 
     dtype = HOST_DTYPES[config.loader.host_dtype]
     if dtype is None:
