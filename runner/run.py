@@ -4,9 +4,8 @@ What the job does is its task's (runner/tasks/); this module runs every task the
 
 Whatever happens, the job's outcome lands in ``metrics.json`` in its run folder:
 ``status=ok`` with the figures, ``status=skipped`` with the reason when this machine cannot
-run the combination (no CUDA for device=cuda, a decoder library missing), or
-``status=failed`` with the error. A skip exits 0 so a sweep goes on. The figures
-themselves are built by runner/results.py; the verdict by runner/diagnose.py.
+run the combination (no CUDA for device=cuda, a decoder library missing), or ``status=failed``
+with the error. A skip exits 0 so a sweep goes on. Figures: runner/results.py; verdict: diagnose.py.
 """
 
 from __future__ import annotations
@@ -241,9 +240,9 @@ class Job:
 
     def _merge_ranks(self, figures: dict[str, Any], result: LoopResult) -> dict[str, Any]:
         """Rank 0: every rank's figures and prediction files joined into the run's."""
-        every = gather(self.ranks, results.rank_figures(self.ranks.rank, figures, result,
-                                                        self.task.rank_digest(),
-                                                        self.ranks.node))
+        mine = results.rank_figures(self.ranks.rank, figures, result, self.task.rank_digest(),
+                                    self.ranks.node)
+        every = gather(self.ranks, mine)
         if not self.ranks.main:  # every rank's writers have closed by the gather
             return figures
         merge_rank_files(self.run_dir, self.ranks.world)
