@@ -206,7 +206,7 @@ def test_lanes_give_each_node_its_own_shards_and_every_world_size_the_same_steps
 
 NODES = ["dataset.image_size=[48,48]", "loader=shards", "loader.num_workers=0",
          "loader.batch_size=2", "run.warmup_steps=1", "run.progress=false", "logger=none",
-         "diagnose=false", "run.timeline=false", "task.checkpoint=false"]
+         "diagnose=false", "run.timeline=false"]
 
 
 def two_nodes(tmp_path: Path, s3_env: dict, *overrides: str, ranks: int = 2) -> list[str]:
@@ -259,7 +259,8 @@ def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
     delay_line.set(rtt=0.005)
     url = f"dataset.path=s3://{bucket}/shards"
 
-    two_nodes(tmp_path, s3_env, url, "run.epochs=1", f"hydra.run.dir={tmp_path / 'train'}")
+    two_nodes(tmp_path, s3_env, url, "run.epochs=1", "task.checkpoint=false",
+              f"hydra.run.dir={tmp_path / 'train'}")
     m = read_metrics(tmp_path / "train")
     ranks = m["distributed"]["ranks"]
     assert m["status"] == "ok" and m["distributed"]["world"] == 4
