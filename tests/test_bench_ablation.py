@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.bench_ablation import NAIVE, Row, chain, shares, user_models
+from runner.bench.ablation import NAIVE, Row, chain, shares, user_models
 
 
 def test_shares_are_each_rows_gain_over_the_one_before_and_add_up():
@@ -36,7 +36,7 @@ def test_the_users_own_models_are_told_from_the_stand_ins():
 
 @pytest.mark.slow  # seven rows, six of them runner jobs in subprocesses
 def test_the_ablation_runs_every_row_on_the_users_model(tmp_path: Path, capsys):
-    from runner.bench import main
+    from runner.bench.cli import main
 
     status = main(["infer", "--part", "ablation", "--size", "32", "--batch-size", "4",
                    "--images", "16", "--rounds", "1", "--seconds", "0.5", "--workers", "1",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.bench import LOOPS, main, per_batch_overhead
+from runner.bench.cli import main
+from runner.bench.loaders import LOOPS, per_batch_overhead
 
 
 def test_every_loop_is_timed_on_the_same_items_with_its_cost_per_batch():

@@ -138,7 +138,7 @@ def test_the_verdict_fits_its_budget_and_times_the_model_in_several_bursts():
 @pytest.mark.slow
 def test_a_run_beside_another_job_says_its_figures_are_disturbed(tmp_path: Path,
                                                                  cache_dir: Path):
-    from runner.bench import Burner
+    from runner.bench.contention import Burner
 
     common = [*SMALL_DATASET, "loader=memmap", "model=none", "logger=none", "diagnose=false",
               "run.window_seconds=0.5"]

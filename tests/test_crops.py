@@ -248,7 +248,7 @@ def test_the_stores_bench_holds_packed_to_its_decode_limit_and_memmap_to_the_gri
     """The targets of ``bench stores`` from a round's figures: each ratio is taken within
     the round (a store's share of that round's decode limit; memmap's random crops against
     that round's batched grid_sample), then the median over rounds."""
-    from runner.bench import _row, folder_rows, store_targets
+    from runner.bench.stores import _row, folder_rows, store_targets
     from runner.config import StorageName
     from runner.data.storage import STORAGES
 

@@ -235,7 +235,7 @@ def test_the_bench_runs_its_servers_on_a_core_apart_from_the_client():
     out of the decoders' (one object per JPEG at 10 ms measured 0.55x local)."""
     code = (
         "import os, subprocess, sys, json\n"
-        "from runner.bench_remote import pin_apart\n"
+        "from runner.bench.remote import pin_apart\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
         "said = pin_apart([child.pid])\n"
         "threads = [os.sched_getaffinity(int(t)) for t in os.listdir('/proc/self/task')]\n"

@@ -19,5 +19,5 @@ tars of packed's JPEGs, 64 MiB each by default (``shard_mb=``), with an index pe
 cache and then read like local shards (a sample is one ``pread``), so a second epoch runs at
 local speed when the shards fit ``dataset.cache_bytes`` (10 GB unset). Both layouts are
 measured against local disk, at 0/10/50 ms round trip and with faults, by
-``python -m runner.bench remote`` (runner/bench_remote.py); why obstore: client.py.
+``python -m runner.bench remote`` (runner/bench/remote.py); why obstore: client.py.
 """

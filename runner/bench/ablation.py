@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.bench_infer import bench_infer, make_weights, naive_rate, runner_job, stand_ins
+from runner.bench.infer import bench_infer, make_weights, naive_rate, runner_job, stand_ins
 from runner.compose import compose
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images

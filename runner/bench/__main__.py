@@ -1,0 +1,5 @@
+"""``python -m runner.bench``: see cli.py."""
+
+from runner.bench.cli import main
+
+raise SystemExit(main())

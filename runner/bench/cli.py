@@ -1,0 +1,139 @@
+"""The command line of ``python -m runner.bench``: one sub-command per bench (the package's
+docstring lists them), a refused override in one line before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import runner.bench
+from runner.atomic import dumps
+from runner.bench import run_with_targets
+from runner.bench.contention import bench_contention
+from runner.bench.gil import bench_gil
+from runner.bench.loaders import bench_loaders, loader_targets, print_report
+from runner.bench.overhead import bench_overhead
+from runner.bench.stores import bench_stores, print_store_targets
+from runner.compose import job_refusal
+from runner.errors import EXIT_USER_ERROR, ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.bench", description=runner.bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("loaders", help="every loader against the memory-copy limit")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="alternating folder/naive rounds")
+    p.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    t = sub.add_parser("stores", help="folder, packed, memmap and ram: center/random, warm/cold")
+    t.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    t.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    t.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    t.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    t.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    g = sub.add_parser("gil", help="does each decoder release the GIL (1 thread vs one per core)")
+    g.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    g.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    g.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    c = sub.add_parser("contention", help="each store quiet and beside another job's "
+                                          "threads on the same cores")
+    c.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    c.add_argument("--batch-size", type=int, default=64)
+    c.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    c.add_argument("--rounds", type=int, default=3, help="alternating quiet/busy rounds")
+    c.add_argument("--burner-threads", type=int, default=2)
+    c.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    c.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    v = sub.add_parser("overhead", help="the loop's own cost per batch against a DataLoader's "
+                                        "(section 5 of loaders, in rounds)")
+    v.add_argument("--items", type=int, default=300_000)
+    v.add_argument("--batch-size", type=int, default=300)
+    v.add_argument("--rounds", type=int, default=5)
+    v.add_argument("--workers", type=int, default=2, help="of the DataLoader as scripts set it")
+    v.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    v.add_argument("overrides", nargs="*", help="(none used)")
+    i = sub.add_parser("infer", help="an inference job with three models: the runner's one "
+                                     "pass against the naive script and three separate runs")
+    i.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    i.add_argument("--batch-size", type=int, default=32)
+    i.add_argument("--steps", type=int, default=25, help="steps of each runner job")
+    i.add_argument("--seconds", type=float, default=8.0, help="of the naive script a round")
+    i.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    i.add_argument("--part", choices=("all", "compare", "ablation"), default="all",
+                   help="the comparison against the targets, the ablation, or both")
+    i.add_argument("--images", type=int, default=800, help="timed images of each ablation job")
+    i.add_argument("--workers", type=int, default=2, help="ablation: loader workers added")
+    i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
+    i.add_argument("--compile", default="inductor", help="ablation: the backend added")
+    i.add_argument("--outputs", default="topk,embeddings", help="task.outputs of the jobs")
+    i.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
+    from runner.bench.remote import add_parser as add_remote
+
+    add_remote(sub)
+    args = parser.parse_args(argv)
+    why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        return run_bench(args)
+    except ConfigError as e:  # a value these benches' configs cannot take
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The bench ``args.command`` names; its exit status."""
+    if args.command == "remote":
+        from runner.bench.remote import bench_remote
+
+        return run_with_targets("remote", bench_remote, args)
+    if args.command == "infer":
+        from runner.bench.ablation import bench_infer_parts
+
+        return run_with_targets("infer", bench_infer_parts, args)
+    if args.command == "gil":
+        bench_gil(args)
+        return 0
+    if args.command == "contention":
+        return run_with_targets("contention", bench_contention, args)
+    if args.command == "overhead":
+        return run_with_targets("overhead", bench_overhead, args)
+    torch.manual_seed(0)
+    if args.command == "stores":
+        print(f"runner.bench stores on {platform.machine()} ({torch.get_num_threads()} "
+              f"threads, torch {torch.__version__})", flush=True)
+        base = [*args.overrides, f"dataset.image_size=[{args.size},{args.size}]",
+                "model=none", "logger=none", "run.progress=false"]
+        stores = bench_stores(args, base)
+        checks = print_store_targets(stores)
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = args.out / f"stores-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+        out.write_text(dumps({"stores": stores, "targets": checks, "args": {
+            k: str(v) for k, v in vars(args).items()}}, indent=2))
+        print(f"\nwritten to {out}")
+        return 0 if all(c["met"] for c in checks) else 1
+    print(f"runner.bench loaders on {platform.machine()} ({torch.get_num_threads()} threads, "
+          f"torch {torch.__version__})", flush=True)
+    result = bench_loaders(args)
+    print_report(result)
+    store_checks = print_store_targets(result["stores"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"loaders-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+    checks = [dict(zip(("what", "ratio", "target", "met"), c)) for c in loader_targets(result)]
+    checks += store_checks
+    out.write_text(dumps({**result, "targets": checks, "args": {
+        k: str(v) for k, v in vars(args).items()}}, indent=2))
+    print(f"\nwritten to {out}")
+    return 0 if all(c["met"] for c in checks) else 1
