@@ -159,8 +159,8 @@ def test_the_message_of_a_bad_value_names_what_the_key_takes():
      "Did you mean loader.batch_size?"),
     (["runner.prepare", "packed", "loader.batch_size=0"], "loader.batch_size=0 is invalid",
      None),
-    (["runner.bench", "stores", "loader.batch_size=abc"], "takes a whole number", None),
-    (["runner.bench", "infer", "dataset.crop=centre"], "dataset.crop=centre is invalid",
+    (["runner.bench.cli", "stores", "loader.batch_size=abc"], "takes a whole number", None),
+    (["runner.bench.cli", "infer", "dataset.crop=centre"], "dataset.crop=centre is invalid",
      "Did you mean dataset.crop=center?"),
 ])
 def test_prepare_and_bench_refuse_bad_overrides_in_the_same_style(
