@@ -124,7 +124,7 @@ class BatchAugment:
         place = u[:, 2 * ATTEMPTS :]
         top = torch.where(any_fit, place[:, 0] * (h - ch), torch.full_like(ch, fallback.top))
         left = torch.where(any_fit, place[:, 1] * (w - cw), torch.full_like(cw, fallback.left))
-        # integer windows, rounded as resize_crop rounds a box (pixel_window)
+        # integer windows, rounded as resize_crop_many rounds a box (pixel_window)
         top, left = torch.round(top), torch.round(left)
         ch = torch.clamp(torch.minimum(torch.round(ch), h - top), min=1)
         cw = torch.clamp(torch.minimum(torch.round(cw), w - left), min=1)

@@ -20,6 +20,7 @@ import torch
 from runner.data.loader import shutdown_workers
 from runner.data.storage.base import SkippedFile
 from runner.data.storage.decode import (
+    Box,
     CorruptImageError,
     apply_orientation,
     pixel_window,
@@ -69,7 +70,7 @@ class GpuDecodedBatches:
         headers = [read_jpeg_header(memoryview(d.numpy())) for d in data]
         on_gpu = [k for k, h in enumerate(headers) if h is not None and h.components in (1, 3)]
         images: list[torch.Tensor | None] = [None] * len(data)
-        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        groups: dict[tuple, list[tuple[int, torch.Tensor, Box]]] = {}
         for k, img in zip(on_gpu, self._nvjpeg([data[k] for k in on_gpu])):
             if img is not None:  # upright, then grouped by size, crop window and flip
                 img = apply_orientation(img, headers[k].orientation)

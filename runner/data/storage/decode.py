@@ -244,24 +244,19 @@ def pixel_window(box: Box, h: int, w: int) -> tuple[int, int, int, int]:
     return top, left, ch, cw
 
 
-def resize_crop(img: torch.Tensor, box: Box, size: tuple[int, int]) -> torch.Tensor:
-    """Crop ``box`` and resize it to ``size`` (antialiased bilinear), as a contiguous CHW;
-    a window of the output size already is only copied (a centre crop of 224 from a store at
-    256 with ``dataset.crop_fraction=0.875``).
+def resize_crop_many(imgs: list[torch.Tensor], box: Box, size: tuple[int, int]
+                     ) -> torch.Tensor:
+    """Crop ``box`` from each of ``imgs`` (one size) and resize it to ``size`` (antialiased
+    bilinear), as one contiguous N x C x H x W batch; a window of the output size already
+    is only copied (a centre crop of 224 from a store at 256 with
+    ``dataset.crop_fraction=0.875``). One interpolation for the group (on the GPU a batch
+    of same-sized images with a centre crop is one group: a few kernels, not a few per
+    image), the same pixels as one image at a time: the kernel computes each on its own.
 
     Calls the interpolation kernel directly: the same kernel torchvision's resized_crop
     uses, without its wrapper (about 100 us per 224x224 image less on this CPU). Its uint8
     fast path is CPU-only; elsewhere (nvjpeg's CUDA images) the resize runs in float.
     """
-    return resize_crop_many([img], box, size)[0]
-
-
-def resize_crop_many(imgs: list[torch.Tensor], box: Box, size: tuple[int, int]
-                     ) -> torch.Tensor:
-    """``resize_crop`` of images of one size and one box, as one N x C x H x W batch: one
-    interpolation for the group (on the GPU a batch of same-sized images with a centre crop
-    is one group, a few kernels instead of a few per image). The same pixels as one at a
-    time: the kernel computes each image on its own."""
     top, left, ch, cw = pixel_window(box, *imgs[0].shape[-2:])
     crops = [img[:, top : top + ch, left : left + cw] for img in imgs]
     crop = torch.stack(crops)
