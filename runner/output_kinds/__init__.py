@@ -10,25 +10,12 @@ reduces and writes by these records; it names no kind.
 
 from __future__ import annotations
 
-import importlib
-
 from runner.config import Output
 from runner.output_kinds.base import OutputKind
+from runner.records import records
 
-
-def _registry() -> dict[Output, OutputKind]:
-    """Every output kind's record, from its own module."""
-    kinds = {}
-    for name in Output:
-        kind = getattr(importlib.import_module(f"{__name__}.{name.value}"), "KIND", None)
-        if not isinstance(kind, OutputKind) or kind.name is not name:
-            raise ImportError(f"runner/output_kinds/{name.value}.py must define KIND, the "
-                              f"OutputKind of task.outputs=[{name.value}]")
-        kinds[name] = kind
-    return kinds
-
-
-OUTPUT_KINDS: dict[Output, OutputKind] = _registry()
+OUTPUT_KINDS: dict[Output, OutputKind] = records(__name__, Output, OutputKind,
+                                                 "task.outputs=[{}]")
 
 
 def kind_of(key: str) -> OutputKind | None:

@@ -31,7 +31,6 @@ depend on the machine, so they live in the bench's output, not in the docs).
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
@@ -41,21 +40,10 @@ from runner.data.storage.decode import DECODERS, concrete_decoder
 from runner.data.storage.listing import check_no_loop
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 from runner.errors import ConfigError
+from runner.records import records
 
-
-def _registry() -> dict[StorageName, StorageKind]:
-    """Every storage's record, from its own module."""
-    kinds = {}
-    for name in StorageName:
-        kind = getattr(importlib.import_module(f"{__name__}.{name.value}"), "KIND", None)
-        if not isinstance(kind, StorageKind) or kind.name is not name:
-            raise ImportError(f"runner/data/storage/{name.value}.py must define KIND, the "
-                              f"StorageKind of loader={name.value}")
-        kinds[name] = kind
-    return kinds
-
-
-STORAGES: dict[StorageName, StorageKind] = _registry()
+STORAGES: dict[StorageName, StorageKind] = records(__name__, StorageName, StorageKind,
+                                                  "loader={}")
 
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
