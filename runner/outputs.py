@@ -693,7 +693,7 @@ def identity(config: Config) -> dict[str, Any]:
         for key in kind.settings:  # task.topk for topk, task.embed_layer for embeddings
             out[key] = getattr(config.task, key.removeprefix("task."))
     out["task.postprocess"] = config.task.postprocess
-    if config.task.reduce_on.value != "device":  # host and device reductions may differ in
+    if config.task.reduce_on is not ReduceOn.device:  # host and device reductions may differ in
         out["task.reduce_on"] = config.task.reduce_on.value  # the last bits; recorded only
     for key in SHAPING:  # off its default, which earlier runs' states took without saying
         value: Any = plain
