@@ -299,8 +299,14 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         # of the other half (which one holds the pass back)
         share = left / 2 if len(local) > 1 else left
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
-        ceilings.add("model", model_ceiling(step, cfg, classes, data.device, share,
-                                            len(storage)))
+        rates = model_ceiling(step, cfg, classes, data.device, share, len(storage))
+        if _below_pipeline(rates, figures, world):  # disturbed while probed: once more
+            again = model_ceiling(step, cfg, classes, data.device, share, len(storage))
+            log.info("the model's probe came out below the pipeline (%.0f img/s); "
+                     "probed again: %.0f img/s", quantiles(rates)["median"],
+                     quantiles(again)["median"])
+            rates = max(rates, again, key=lambda r: quantiles(r)["median"])
+        ceilings.add("model", rates)
         if len(local) > 1:
             alone = {}
             for name, module in local.items():
@@ -322,6 +328,15 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         each = ", ".join(f"{name} {m['images_per_sec']:,.0f}" for name, m in alone.items())
         result.sentence += f" Each model alone (img/s): {each}."
     return result
+
+
+def _below_pipeline(rates: list[float], figures: dict[str, Any], world: int) -> bool:
+    """A probe's median below the pipeline's own figure (per rank) beyond the noise, as
+    ``classify`` reads it: the probe was disturbed (a stage alone cannot be slower than
+    the pipeline it is part of). A disturbance only slows a probe, so ``measure`` probes
+    the model once more and keeps the faster of the two."""
+    noise = max(figures.get("spread_frac") or 0.0, MIN_NOISE)
+    return quantiles(rates)["median"] < figures["images_per_sec"] / world * (1 - noise)
 
 
 def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
