@@ -127,6 +127,9 @@ def open_store(url: RemoteURL, endpoint_url: str | None = None) -> Any:
                               retry_config=_no_retries())
 
 
+SMALL_BODY = 1 << 20  # bytes: a body this small is collected in one go (get_async)
+
+
 class ObjectStore:
     """One store (a bucket or an HTTP server) and the calls the runner makes on it.
 
@@ -177,9 +180,17 @@ class ObjectStore:
         return obstore.get(self.store, key).bytes().to_bytes()
 
     async def get_async(self, key: str) -> memoryview:
+        """The whole object ``key``. A small one's body (``SMALL_BODY``) is collected with
+        the blocking ``bytes()`` once its headers are in: its bytes have come with them or
+        follow at once, the other fetches go on meanwhile on obstore's own runtime (the
+        loop only waits to hear of them), and it saves the second crossing from Rust's
+        runtime into the asyncio loop that ``bytes_async`` costs, a third of the client's
+        CPU per object (0.24 -> 0.17 ms for 40 KB objects; bench remote's objects row)."""
         import obstore
 
         result = await obstore.get_async(self.store, key)
+        if result.meta["size"] <= SMALL_BODY:
+            return memoryview(result.bytes())
         return memoryview(await result.bytes_async())
 
     async def get_range_async(self, key: str, start: int, end: int) -> memoryview:
