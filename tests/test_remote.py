@@ -306,3 +306,72 @@ def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_eng
         assert type(pipe.storage).__name__ == "FarFolderStorage"
     finally:
         pipe.close()
+
+
+def test_a_packed_store_forced_far_reads_its_ranges_through_the_engine(cache_dir):
+    """``dataset.far_disk=true`` on a packed store on local disk: each batch's stored JPEGs
+    read as ranges of its one file through the read engine, to the batches of plain
+    ``pread``s."""
+    import runner
+
+    root = local_dataset(cache_dir)
+    local = batches(f"dataset.path={root}", "dataset.far_disk=false", loader="packed")
+    pipe = runner.pipeline(*SMALL, "loader.shuffle=true", f"dataset.path={root}",
+                           "dataset.far_disk=true", loader="packed")
+    try:
+        far = [(b["index"].clone(), b["label"].clone(), b["image"].clone()) for b in pipe]
+        figures, engine = pipe.storage.figures(), pipe.storage.engine
+    finally:
+        pipe.close()
+    assert engine is not None
+    assert_same(local, far)
+    # every stored image fetched once, a run of nearby ones as one request (the gaps
+    # between them read too, under the engine's merge_gap each)
+    n, needed = len(pipe.storage), sum(pipe.storage.sizes)
+    assert 0 < figures["remote_requests"] < n
+    assert needed <= figures["remote_bytes"] <= needed + (n - figures["remote_requests"]) * (
+        engine.merge_gap)
+
+
+def test_a_packed_store_on_a_far_mount_is_told_far_and_gives_its_local_batches(
+        cache_dir, tmp_path):
+    """A packed store served over HTTP (``rclone serve http``) behind a 20 ms delay line and
+    mounted with rclone's FUSE mount: told far by timing a few of its images' ``pread``s,
+    read through the engine, and the same batches as the store on local disk."""
+    import shutil
+
+    import runner
+    from runner.data.remote.delayline import DelayLineProcess
+    from runner.data.remote.loopback import LoopbackRclone, RcloneMount
+
+    root = local_dataset(cache_dir)
+    store = tmp_path / "served" / "stores"
+    shutil.copytree(cache_dir, store, ignore=shutil.ignore_patterns("*.lock"))
+    local = batches(f"dataset.path={root}", f"dataset.cache_dir={store}", loader="packed")
+    try:
+        server = LoopbackRclone(tmp_path / "served", protocol="http")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    line = DelayLineProcess(server.port)
+    try:
+        line.set(rtt=0.02)
+        try:
+            mount = RcloneMount.http(line.endpoint, tmp_path / "mnt")
+        except RuntimeError as e:
+            pytest.skip(str(e))
+        with mount:
+            pipe = runner.pipeline(*SMALL, "loader.shuffle=true", f"dataset.path={root}",
+                                   f"dataset.cache_dir={mount.mountpoint / 'stores'}",
+                                   loader="packed")
+            try:
+                far = [(b["index"].clone(), b["label"].clone(), b["image"].clone())
+                       for b in pipe]
+                engine = pipe.storage.engine
+                where = str(pipe.storage.path)
+            finally:
+                pipe.close()
+    finally:
+        line.close()
+        server.close()
+    assert engine is not None and where.startswith(str(tmp_path / "mnt"))
+    assert_same(local, far)

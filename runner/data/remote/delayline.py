@@ -184,7 +184,7 @@ class DelayLine:
 
     async def _read_client(self, reader, up: asyncio.Queue, down: asyncio.Queue, state) -> None:
         while True:
-            data = await reader.read(65536)
+            data = await _read(reader)
             due = time.monotonic() + self.rtt / 2
             if not data:
                 await up.put((due, None))
@@ -209,7 +209,7 @@ class DelayLine:
 
     async def _read_server(self, reader, down: asyncio.Queue) -> None:
         while True:
-            data = await reader.read(65536)
+            data = await _read(reader)
             await down.put((time.monotonic() + self.rtt / 2, data or None))
             if not data:
                 return
@@ -236,7 +236,10 @@ class DelayLine:
             writer.write(data)
             if shaped:
                 self.stats.bytes_down += len(data)
-            await writer.drain()
+            try:
+                await writer.drain()
+            except ConnectionError:  # the other side hung up (a FUSE mount's seek does)
+                return
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
@@ -248,6 +251,15 @@ def _abort(writer: asyncio.StreamWriter) -> None:
         except OSError:
             pass
     writer.transport.abort()
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes:
+    """The next chunk from ``reader``; b"" (its end) when the peer reset the connection: a
+    client that hangs up mid-answer (rclone's mount does on every seek) ends it, quietly."""
+    try:
+        return await reader.read(65536)
+    except ConnectionError:
+        return b""
 
 
 class DelayLineProcess:

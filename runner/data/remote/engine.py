@@ -255,6 +255,46 @@ class ReadEngine:
                 self._thread.join(5)
 
 
+class Ahead:
+    """Fetches started ahead of need (a coming batch's, from a storage's ``will_need``),
+    each taken once by its item's read; an item read before its fetch was started is
+    fetched then. Fetches started and never read (an epoch cut short) are dropped, the
+    oldest half at a time, past ``16 x`` a batch. A copy in another process (a loader
+    worker, pickled or forked) starts with none: the I/O thread behind them stayed behind.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[int, concurrent.futures.Future] = {}
+        self.pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def _here(self) -> dict[int, concurrent.futures.Future]:
+        if self.pid != os.getpid():
+            self.__init__()
+        return self.pending
+
+    def start(self, items: list[int],
+              fetch_many: Callable[[list[int]], list[concurrent.futures.Future]]) -> None:
+        """Start fetching ``items`` (not already under way) with ``fetch_many``."""
+        pending = self._here()
+        todo = [i for i in dict.fromkeys(items) if i not in pending]
+        if todo:
+            pending.update(zip(todo, fetch_many(todo)))
+        if len(pending) > 16 * max(len(items), 1):
+            for stale in list(pending)[: len(pending) // 2]:
+                pending.pop(stale, None)
+
+    def take(self, item: int, fetch: Callable[[int], concurrent.futures.Future]
+             ) -> concurrent.futures.Future:
+        """``item``'s fetch, started now with ``fetch`` if it was not under way."""
+        return self._here().pop(item, None) or fetch(item)
+
+
 def merge_ranges(ranges: list[tuple[int, int]], gap: int) -> list[list[int]]:
     """Indices of ``ranges`` grouped into runs whose neighbours (by start) are less than
     ``gap`` bytes apart: each run is read as one request."""

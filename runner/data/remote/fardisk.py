@@ -6,12 +6,15 @@ disk's 0.1 ms: with one blocking read per decode thread, two threads read 40-400
 whatever the decoder does. ``is_far`` tells such a folder by timing a few whole-file reads
 spread over the listing (``FAR_READ_SECONDS``: a local disk, even cold, reads a small
 image well under it) and names the file system from ``/proc/self/mountinfo`` for the log.
-``dataset.far_disk=true|false`` decides instead of the probe.
+``dataset.far_disk=true|false`` decides instead of the probe. A packed store (one large
+file, ``loader=packed``) is told the same way, by timing ``pread``s of a few of its images.
 
 A far folder is then read as a folder in a store is (``RemoteFolderStorage``): obstore's
 ``LocalStore`` behind the same ``ReadEngine``, whose window settles at rate x round trip
 (the engine's docstring); obstore runs each read on its own blocking-I/O threads, off the
-GIL, so hundreds can be in flight.
+GIL, so hundreds can be in flight. A far packed store is read the same way: each coming batch's
+images as ranges of its one file (adjacent ones merged into one read), many in flight
+(``PackedStorage.read_through``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 FAR_READ_SECONDS = 0.002  # median whole-file read above which a folder is on a far disk
 PROBE_FILES = 8
+READAHEAD = 1 << 20  # bytes around a probed image evicted first (the kernel's readahead)
 
 
 def filesystem_of(path: str | Path) -> str:
@@ -63,14 +67,43 @@ def read_seconds(paths: list[str]) -> float:
     return statistics.median(times) if times else 0.0
 
 
-def is_far(paths: list[str], setting: bool | None) -> tuple[bool, str]:
-    """Whether ``paths`` (a folder's images) are on a far disk, and the reason in words:
-    ``setting`` (``dataset.far_disk``) when given, else the probe."""
+def pread_seconds(path: str | Path, spans: list[tuple[int, int]]) -> float:
+    """The median seconds of one ``pread`` of each of ``spans`` (offset, size; up to
+    PROBE_FILES of them, spread over the list) from the file ``path``, or 0.0."""
+    step = max(1, len(spans) // PROBE_FILES)
+    times = []
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0.0
+    try:
+        for offset, size in spans[::step][:PROBE_FILES]:
+            if hasattr(os, "posix_fadvise"):  # from the disk, not the page cache (nor
+                # the kernel's readahead of an image before): only around this image
+                start = max(0, offset - READAHEAD)
+                os.posix_fadvise(fd, start, offset + size + READAHEAD - start,
+                                 os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            os.pread(fd, size, offset)
+            times.append(time.perf_counter() - t0)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return statistics.median(times) if times else 0.0
+
+
+def is_far(paths: list[str], setting: bool | None,
+           spans: list[tuple[int, int]] | None = None) -> tuple[bool, str]:
+    """Whether ``paths`` (a folder's images; with ``spans``, the one file holding them at
+    those offsets and sizes) are on a far disk, and the reason in words: ``setting``
+    (``dataset.far_disk``) when given, else the probe."""
     where = filesystem_of(paths[0]) if paths else ""
     on = f" ({where})" if where else ""
     if setting is not None:
         return setting, f"dataset.far_disk={str(setting).lower()}{on}"
-    seconds = read_seconds(paths)
+    seconds = read_seconds(paths) if spans is None else pread_seconds(paths[0], spans)
     far = seconds >= FAR_READ_SECONDS
-    return far, (f"a file reads in {seconds * 1000:.1f} ms{on}: "
+    what = "a file" if spans is None else "an image"
+    return far, (f"{what} reads in {seconds * 1000:.1f} ms{on}: "
                  + ("a far disk" if far else "a local disk"))

