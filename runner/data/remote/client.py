@@ -127,9 +127,6 @@ def open_store(url: RemoteURL, endpoint_url: str | None = None) -> Any:
                               retry_config=_no_retries())
 
 
-SMALL_BODY = 1 << 20  # bytes: a body this small is collected in one go (get_async)
-
-
 class ObjectStore:
     """One store (a bucket or an HTTP server) and the calls the runner makes on it.
 
@@ -180,17 +177,14 @@ class ObjectStore:
         return obstore.get(self.store, key).bytes().to_bytes()
 
     async def get_async(self, key: str) -> memoryview:
-        """The whole object ``key``. A small one's body (``SMALL_BODY``) is collected with
-        the blocking ``bytes()`` once its headers are in: its bytes have come with them or
-        follow at once, the other fetches go on meanwhile on obstore's own runtime (the
-        loop only waits to hear of them), and it saves the second crossing from Rust's
-        runtime into the asyncio loop that ``bytes_async`` costs, a third of the client's
-        CPU per object (0.24 -> 0.17 ms for 40 KB objects; bench remote's objects row)."""
+        """The whole object ``key``. (Collecting a small body with the blocking ``bytes()``
+        once the headers are in saves a crossing into the asyncio loop, 0.24 -> 0.17 ms of
+        client CPU per 40 KB object, but blocks the loop while the body comes: a local
+        file's is read only then, which serialized a far disk's reads to one at a time, and
+        a slow link's would stall every other fetch. Not done.)"""
         import obstore
 
         result = await obstore.get_async(self.store, key)
-        if result.meta["size"] <= SMALL_BODY:
-            return memoryview(result.bytes())
         return memoryview(await result.bytes_async())
 
     async def get_range_async(self, key: str, start: int, end: int) -> memoryview:
