@@ -228,6 +228,20 @@ def test_unknown_key_suggests_the_valid_one():
     assert unknown_key_message("+extra=1") is None
 
 
+
+def test_a_renamed_key_points_to_its_new_name(tmp_path: Path):
+    # task.write_predictions gated every output kind, not only predictions: now write_outputs
+    message = unknown_key_message("task.write_predictions=false")
+    assert message.startswith("unknown config key 'task.write_predictions'")
+    assert message.endswith("Did you mean task.write_outputs? (renamed from "
+                            "task.write_predictions)")
+    assert unknown_key_message("task.write_outputs=false") is None
+    proc = run_cli("task=infer", "task.write_predictions=false", cwd=tmp_path, check=False,
+                   timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Did you mean task.write_outputs?" in proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
+
 @pytest.mark.slow
 def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_dir: Path):
     proc = run_cli("loader.batchsize=3", cwd=tmp_path, check=False)

@@ -123,7 +123,7 @@ def test_the_verdict_probes_onnxruntime_with_the_batches_it_takes(tmp_path: Path
     run's batches have (float32 here), which is the one the exported graph takes."""
     m = run_in_process(*SMALL_DATASET, "task=infer", "logger=none", "run.timeline=false",
                        "compile=onnxruntime", "loader.host_dtype=float32", "run.steps=4",
-                       "diagnose=true", "task.write_predictions=false",
+                       "diagnose=true", "task.write_outputs=false",
                        run_dir=tmp_path / "run")
     assert m["status"] == "ok", m.get("reason")
     assert m["bottleneck"]["sentence"]

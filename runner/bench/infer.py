@@ -12,7 +12,7 @@ of each. Measured in alternating rounds, each a median over the run's windows:
   one decode feeding the three models;
 - **three separate runs**: one runner job per model; their combined rate is the images
   each does per second of the three jobs' time, ``1 / sum(1 / rate)``;
-- **one pass, no writes** (``task.write_predictions=false``): what writing costs;
+- **one pass, no writes** (``task.write_outputs=false``): what writing costs;
 
 and then the ablation (bench_ablation.py): from the naive script, each change added in
 turn, its images/s and its share of the total gain (``--part`` runs one or the other).
@@ -163,7 +163,7 @@ def bench_infer(args: argparse.Namespace) -> dict:
             row["one pass"] = m["images_per_sec"]
             row["write wait share"] = m.get("write_wait_frac", 0.0)
             row["one pass, no writes"] = runner_job(
-                [*one_pass, "task.write_predictions=false"], tmp / f"nowrite{r}")[
+                [*one_pass, "task.write_outputs=false"], tmp / f"nowrite{r}")[
                 "images_per_sec"]
             separate = [runner_job([*base, f"model.name={MODEL}", f"model.weights={w}"],
                                    tmp / f"sep{r}-{k}")["images_per_sec"]

@@ -48,7 +48,7 @@ class InferTask(TaskBase):
 
     @property
     def speed_asked(self) -> bool:  # an inference that writes nothing: its speed
-        return not self.config.task.write_predictions
+        return not self.config.task.write_outputs
 
     def resume(self) -> dict[str, Any] | None:
         """``resume=auto``: the outputs written so far (their state made with what shapes
@@ -91,7 +91,7 @@ class InferTask(TaskBase):
         """A writer per model, its files opened (created, or continued)."""
         cfg, ranks, run_dir, device = self.config, self.ctx.ranks, self.ctx.run_dir, self.ctx.device
         storage, built = self.ctx.data.storage, self.built
-        if not cfg.task.write_predictions:
+        if not cfg.task.write_outputs:
             return None
         example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype
         amp = step_amp(cfg)
@@ -155,7 +155,7 @@ class InferTask(TaskBase):
     def write(self, steps_done: int, complete: bool, figures: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: the inference state (how far every output is written); a complete
         run's parts go, its undecodable rows too."""
-        if not self.config.task.write_predictions or not self.ctx.ranks.main:
+        if not self.config.task.write_outputs or not self.ctx.ranks.main:
             return {}
         run_dir = self.ctx.run_dir
         outputs.save_state(run_dir, steps_done, to_plain(self.config), self.data_print,
