@@ -508,17 +508,6 @@ class TaskConfig:
                      "must be >= 0 (0: not by this measure)")
         _require(self.writer_threads >= 0, "task.writer_threads", self.writer_threads,
                  "must be >= 0 (0: written on the loop's thread)")
-        if self.name is TaskName.infer and self.write_outputs and not self.outputs \
-                and self.postprocess is None:
-            raise ConfigError(
-                "task.outputs=[] keeps nothing of any image with task=infer: name at least one "
-                f"of {', '.join(o.value for o in Output)}, or give task.write_outputs=false "
-                "to run the model without writing anything")
-        if self.embed_layer is not None and Output.embeddings not in self.outputs:
-            raise ConfigError(
-                f"task.embed_layer={self.embed_layer} has no effect without embeddings in "
-                f"task.outputs (now [{','.join(o.value for o in self.outputs)}]): add them, "
-                "task.outputs=[topk,embeddings], or leave task.embed_layer unset")
 
 
 
