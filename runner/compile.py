@@ -38,7 +38,6 @@ from torch.utils._pytree import tree_map
 
 from runner.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
 from runner.atomic import replacing
-from runner.clock import synchronize
 from runner.config import (
     AmpConfig,
     AmpName,
@@ -54,6 +53,7 @@ from runner.data.loader import drops_remainder
 from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
+from runner.measure.clock import synchronize
 from runner.model import build_model, check_input_size, main_output, split_input, trace_batch
 from runner.rules import model_configs
 

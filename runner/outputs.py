@@ -115,7 +115,7 @@ log = logging.getLogger(__name__)
 
 FILES = "files.txt"
 STATE = "infer-state.json"
-STATE_SECONDS = 5.0  # a running inference saves its state this often (run.py)
+STATE_SECONDS = 5.0  # a running inference saves its state this often (runner/job/run.py)
 WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
 

@@ -786,12 +786,12 @@ def check_timing(batch: int) -> list[Row]:
 
     from tensordict import TensorDict
 
-    from runner.clock import StepClock
     from runner.config import PrefetchConfig, PrefetchName
     from runner.data.buffers import BufferPool
     from runner.data.prefetch import build_prefetcher
     from runner.logger import NullLogger
     from runner.loop import LoopOptions, OnDevice, run_loop
+    from runner.measure.clock import StepClock
 
     device = torch.device("cuda")
     delay, gpu, pause, steps, per_epoch = 0.02, 0.005, 0.3, 40, 10

@@ -125,7 +125,7 @@ def run_in_process(*overrides: str, run_dir: Path) -> dict:
 
     from runner.commandline import register_configs
     from runner.config import config_dir
-    from runner.run import run
+    from runner.job.run import run
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

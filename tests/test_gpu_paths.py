@@ -143,7 +143,7 @@ def test_loader_ram_does_not_pin_the_dataset_and_batches_pin_their_small_fields(
 
 
 def test_the_verdict_on_cuda_follows_the_gpus_idle_time_not_the_hosts_wait():
-    from runner.diagnose import verdict
+    from runner.job.diagnose import verdict
 
     cfg = compose(["loader=memmap", "model=resnet50"])
     figures = {"images_per_sec": 1000.0, "data_wait_frac": 0.7, "gpu_idle_frac": 0.01,

@@ -170,7 +170,7 @@ def test_the_copy_plot_is_drawn_only_when_the_size_varies(tmp_path: Path):
 
 
 def test_the_verdict_advises_uint8_when_a_float_copy_limits():
-    from runner.diagnose import advice_for
+    from runner.job.diagnose import advice_for
 
     assert "already cross as uint8" in advice_for(compose(["loader.host_dtype=uint8"]), "copy")
     advice = advice_for(compose(["loader.host_dtype=float32"]), "copy")

@@ -40,7 +40,7 @@ from runner.compose import compose
 from runner.config import DatasetConfig, ModelConfig
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
-from runner.stats import median
+from runner.measure.stats import median
 
 MODEL = "mobilenet_v3_small"
 TARGETS = {"one pass / naive": 2.0, "one pass / three separate runs": 1.3}

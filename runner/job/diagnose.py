@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.clock import burst, synchronize
 from runner.compile import step_amp
 from runner.config import Config
 from runner.data import DataPath
@@ -37,7 +36,8 @@ from runner.data.storage import advice as storage_advice
 from runner.data.storage.base import Storage
 from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
-from runner.stats import quantiles
+from runner.measure.clock import burst, synchronize
+from runner.measure.stats import quantiles
 from runner.tasks import make_step
 
 log = logging.getLogger("runner")
