@@ -59,7 +59,7 @@ from runner.atomic import replacing
 from runner.data.threads import cuda_index
 from runner.distributed import local_module, ranks_from_env
 from runner.errors import ConfigError, Diverged, UserError
-from runner.model import split_input
+from runner.model.networks import split_input
 from runner.optim import OPTIMIZER_TASK_KEYS, SCHEDULE_TASK_KEYS, optimizer_options
 
 log = logging.getLogger("runner")

@@ -222,7 +222,7 @@ def unknown_choice_message(override: str) -> str | None:
 def model_name_hint(name: str) -> str | None:
     """For ``model=mobilenet_v3_small``: a model's name given as a preset of ``model``; what
     was meant (``model.name=mobilenet_v3_small``), when torchvision (or timm) has it."""
-    from runner.model import torchvision_classifiers, torchvision_segmenters
+    from runner.model.networks import torchvision_classifiers, torchvision_segmenters
 
     if name in torchvision_classifiers() or name in torchvision_segmenters():
         return (f" {name} is a torchvision model: give model.name={name} "

@@ -96,7 +96,7 @@ from runner.config import (
 )
 from runner.data.storage.listing import printable
 from runner.data.threads import bind_cuda, cuda_index
-from runner.model import main_output
+from runner.model.networks import main_output
 from runner.output_kinds import OUTPUT_KINDS, built_in_keys, kind_of
 from runner.output_kinds.base import (
     FEATURES,

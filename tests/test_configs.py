@@ -53,7 +53,7 @@ def build_prefetch_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.amp import DTYPES, autocast, check_amp
+    from runner.model.amp import DTYPES, autocast, check_amp
 
     check_amp(config.amp, DEVICE)
     with autocast(config.amp, DEVICE):
@@ -62,9 +62,9 @@ def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.compile import compile_model
     from runner.config import ModelConfig, TaskName
-    from runner.model import build_model
+    from runner.model.compile import compile_model
+    from runner.model.networks import build_model
 
     model = build_model(ModelConfig("tiny"), 3, DEVICE).eval()
     x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=DEVICE)
@@ -75,7 +75,7 @@ def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_model_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.model import build_model
+    from runner.model.networks import build_model
 
     model = build_model(config.model, num_classes=3, device=CPU)
     if config.model.name == "none":
@@ -88,7 +88,7 @@ def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
     from tensordict import TensorDict
 
     from runner.config import ModelConfig
-    from runner.model import build_model
+    from runner.model.networks import build_model
     from runner.tasks import make_step
 
     model = build_model(ModelConfig("tiny"), 3, CPU)

@@ -12,7 +12,7 @@ import torch
 from conftest import encode, make_tree, photo, run_in_process
 
 from runner.config import ModelConfig
-from runner.model import build_model
+from runner.model.networks import build_model
 
 BASE = ["logger=none", "diagnose=true", "dataset.image_size=[32,32]", "loader.batch_size=4",
         "run.warmup_steps=1", "run.window_seconds=0.05"]

@@ -80,7 +80,7 @@ CROP_FRACTION = DatasetConfig.crop_fraction  # the default the runner jobs run w
 
 def naive_models(models: list[ModelConfig], classes: int, device: torch.device) -> list:
     """Each model as a script loads it: (network, mean, std, the embedding it last saw)."""
-    from runner.model import build_model, split_input
+    from runner.model.networks import build_model, split_input
     from runner.outputs import classifier_of
 
     loaded = []

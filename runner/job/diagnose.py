@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.compile import step_amp
 from runner.config import Config
 from runner.data import DataPath
 from runner.data.loader import decode_threads
@@ -38,6 +37,7 @@ from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
 from runner.measure.clock import burst, synchronize
 from runner.measure.stats import quantiles
+from runner.model.compile import step_amp
 from runner.tasks import make_step
 
 log = logging.getLogger("runner")

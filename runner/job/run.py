@@ -23,7 +23,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner import environment, outcome, outputs, results
-from runner.amp import check_amp
 from runner.compose import to_config
 from runner.config import Config, flatten, to_plain
 from runner.data import DataPath, build_data_path
@@ -47,6 +46,7 @@ from runner.measure import timeline
 from runner.measure.clock import StepClock
 from runner.measure.profile import build_profiler
 from runner.measure.stats import plural
+from runner.model.amp import check_amp
 from runner.predictions import merge_rank_files
 from runner.tasks import RunContext, Task, task_for
 

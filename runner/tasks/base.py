@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from runner import checkpoint
-from runner.compile import RunModels
 from runner.config import Config
 from runner.data import DataPath
 from runner.distributed import Ranks
 from runner.logger import MetricLogger, NullLogger
 from runner.loop import Step
 from runner.measure.clock import StepClock
+from runner.model.compile import RunModels
 
 
 @dataclass

@@ -21,15 +21,15 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner import checkpoint, outputs
-from runner.amp import autocast
-from runner.compile import build_models, step_amp
 from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
 from runner.data.normalize import as_batches_come
 from runner.distributed import broadcast
 from runner.loop import Step
 from runner.measure import timeline
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
-from runner.model import split_input
+from runner.model.amp import autocast
+from runner.model.compile import build_models, step_amp
+from runner.model.networks import split_input
 from runner.outputs import Outputs, Reduce
 from runner.tasks.base import RunContext, TaskBase
 
