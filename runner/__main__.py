@@ -18,6 +18,7 @@ from runner.compose import refusal
 from runner.config import config_dir
 from runner.distributed import scratch_dirs_for_other_ranks
 from runner.errors import EXIT_USER_ERROR
+from runner.job.run import run
 from runner.outcome import (
     RunDirInUse,
     RunDirUnusable,
@@ -26,7 +27,6 @@ from runner.outcome import (
     is_user_error,
     one_line,
 )
-from runner.run import run
 
 register_configs()
 

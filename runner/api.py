@@ -95,7 +95,7 @@ class Pipeline:
     def input_layer(self) -> torch.nn.Module:
         """The runner's first layer: uint8 in, normalized float out, on the model's device
         (put it in front of your network: ``nn.Sequential(pipeline.input_layer(), net)``)."""
-        from runner.model import UInt8Input
+        from runner.model.networks import UInt8Input
 
         return UInt8Input(self.config.model.channels_last)
 

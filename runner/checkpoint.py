@@ -3,7 +3,7 @@
 ``checkpoint.pt`` is written at the end, every ``task.checkpoint_every`` epochs (or
 ``task.checkpoint_every_steps``, ``task.checkpoint_every_minutes``) and when a signal stops
 the run; with validation, ``checkpoint-best.pt`` holds the epoch best by
-``task.best_metric`` (runner/run.py).
+``task.best_metric`` (runner/job/run.py).
 
 A checkpoint holds the network's state_dict (``model``: the network alone, without the
 runner's uint8 input layer, so ``model.weights=PATH`` loads it into the same network
@@ -59,7 +59,7 @@ from runner.atomic import replacing
 from runner.data.threads import cuda_index
 from runner.distributed import local_module, ranks_from_env
 from runner.errors import ConfigError, Diverged, UserError
-from runner.model import split_input
+from runner.model.networks import split_input
 from runner.optim import OPTIMIZER_TASK_KEYS, SCHEDULE_TASK_KEYS, optimizer_options
 
 log = logging.getLogger("runner")

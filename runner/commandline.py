@@ -222,7 +222,7 @@ def unknown_choice_message(override: str) -> str | None:
 def model_name_hint(name: str) -> str | None:
     """For ``model=mobilenet_v3_small``: a model's name given as a preset of ``model``; what
     was meant (``model.name=mobilenet_v3_small``), when torchvision (or timm) has it."""
-    from runner.model import torchvision_classifiers, torchvision_segmenters
+    from runner.model.networks import torchvision_classifiers, torchvision_segmenters
 
     if name in torchvision_classifiers() or name in torchvision_segmenters():
         return (f" {name} is a torchvision model: give model.name={name} "
@@ -237,8 +237,14 @@ def model_name_hint(name: str) -> str | None:
     return None
 
 
+# A key that was renamed -> its new name: the old name is refused as a typo is, pointing to
+# the new one (difflib would not find it: the words changed, not the spelling)
+RENAMED_KEYS = {"task.write_predictions": "task.write_outputs"}
+
+
 def unknown_key_message(override: str) -> str | None:
-    """For ``loader.batchsize=3``: a message listing the valid keys, with a suggestion.
+    """For ``loader.batchsize=3``: a message listing the valid keys, with a suggestion (a
+    renamed key's new name, ``RENAMED_KEYS``, else the closest valid one).
 
     Hydra rejects unknown keys too, but without naming the valid ones; this check runs on
     the command line before Hydra composes anything. Appends (``+key``), deletions
@@ -257,8 +263,11 @@ def unknown_key_message(override: str) -> str | None:
             return None  # below a leaf or a free-form mapping: Hydra decides
         if part not in fields:
             where = ".".join(path) or "the top level"
+            renamed = RENAMED_KEYS.get(".".join([*path, part]))
             close = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f" Did you mean {'.'.join([*path, close[0]])}?" if close else ""
+            hint = (f" Did you mean {renamed}? (renamed from {'.'.join([*path, part])})"
+                    if renamed else
+                    f" Did you mean {'.'.join([*path, close[0]])}?" if close else "")
             return (f"unknown config key {key!r}: valid keys under {where} are "
                     f"{', '.join(fields)}.{hint}")
         path.append(part)

@@ -28,7 +28,7 @@ from runner.commandline import VALUE_FLAGS, composition_message, register_config
 from runner.config import Config, config_dir
 from runner.data.storage import settle_loader
 from runner.errors import ConfigError
-from runner.model import check_model
+from runner.model.networks import check_model
 from runner.rules import check_config, model_configs
 
 

@@ -468,7 +468,7 @@ class TaskConfig:
     checkpoint_every_minutes: float = 0.0
     # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
     keep_checkpoints: bool = False
-    write_predictions: bool = True  # infer: false writes no outputs (a speed run)
+    write_outputs: bool = True  # infer: false writes no outputs (a speed run)
     # infer: threads writing the outputs off the loop's path; 0 writes each batch on the
     # loop's thread, synchronously (as a naive script does)
     writer_threads: int = 2
@@ -508,17 +508,6 @@ class TaskConfig:
                      "must be >= 0 (0: not by this measure)")
         _require(self.writer_threads >= 0, "task.writer_threads", self.writer_threads,
                  "must be >= 0 (0: written on the loop's thread)")
-        if self.name is TaskName.infer and self.write_predictions and not self.outputs \
-                and self.postprocess is None:
-            raise ConfigError(
-                "task.outputs=[] keeps nothing of any image with task=infer: name at least one "
-                f"of {', '.join(o.value for o in Output)}, or give task.write_predictions=false "
-                "to run the model without writing anything")
-        if self.embed_layer is not None and Output.embeddings not in self.outputs:
-            raise ConfigError(
-                f"task.embed_layer={self.embed_layer} has no effect without embeddings in "
-                f"task.outputs (now [{','.join(o.value for o in self.outputs)}]): add them, "
-                "task.outputs=[topk,embeddings], or leave task.embed_layer unset")
 
 
 
@@ -532,7 +521,7 @@ TASK_KEYS: dict[TaskName, tuple[str, ...]] = {
                      "clip_grad_norm", "label_smoothing", "ema_decay", "augment",
                      "best_metric", "checkpoint", "checkpoint_every", "checkpoint_every_steps",
                      "checkpoint_every_minutes", "keep_checkpoints"),
-    TaskName.infer: ("topk", "write_predictions", "writer_threads", "reduce_on", "outputs",
+    TaskName.infer: ("topk", "write_outputs", "writer_threads", "reduce_on", "outputs",
                      "embed_layer", "postprocess"),
 }
 

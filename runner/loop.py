@@ -13,13 +13,13 @@ import torch
 from tensordict import TensorDict
 from tqdm import tqdm
 
-from runner import timeline
-from runner.clock import StepClock, Window, repeat_split
 from runner.data.order import count_images
 from runner.errors import Interrupted
 from runner.logger import MetricLogger
-from runner.profile import stage_range
-from runner.stats import median
+from runner.measure import timeline
+from runner.measure.clock import StepClock, Window, repeat_split
+from runner.measure.profile import stage_range
+from runner.measure.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class LoopResult:
     images: int  # all images seen, warm-up included
     warmup_steps: int
     interrupted: BaseException | None = None  # Ctrl-C or SIGTERM stopped the loop early
-    # (start, end) of the first steps, host clock (time.perf_counter): runner/timeline.py
+    # (start, end) of the first steps, host clock (time.perf_counter): runner/measure/timeline.py
     step_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -269,7 +269,7 @@ class StepHooks:
 
 class StepTrace:
     """The host spans of the first steps after warm-up, for the timeline
-    (runner/timeline.py): wait, copy, augment and step, and each step's span."""
+    (runner/measure/timeline.py): wait, copy, augment and step, and each step's span."""
 
     def __init__(self, result: LoopResult, augments: bool):
         self.result, self.augments = result, augments
@@ -356,7 +356,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             bar.update()
             hooks.after_step(result.steps)
             windows.after_step()
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (runner.run's handler)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (runner.job.run's handler)
         result.interrupted = e
     finally:
         hooks.stop()

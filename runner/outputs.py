@@ -96,7 +96,7 @@ from runner.config import (
 )
 from runner.data.storage.listing import printable
 from runner.data.threads import bind_cuda, cuda_index
-from runner.model import main_output
+from runner.model.networks import main_output
 from runner.output_kinds import OUTPUT_KINDS, built_in_keys, kind_of
 from runner.output_kinds.base import (
     FEATURES,
@@ -115,7 +115,7 @@ log = logging.getLogger(__name__)
 
 FILES = "files.txt"
 STATE = "infer-state.json"
-STATE_SECONDS = 5.0  # a running inference saves its state this often (run.py)
+STATE_SECONDS = 5.0  # a running inference saves its state this often (runner/job/run.py)
 WRITTEN = ".written.npy"  # one byte per listed image: 1 once its rows are written
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import flatten
-from runner.stats import median
+from runner.measure.stats import median
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runner.clock import STAGES
 from runner.config import Config, TaskName
 from runner.data.storage import STORAGES
 from runner.data.storage.listing import printable
 from runner.loop import LoopResult
+from runner.measure.clock import STAGES
+from runner.measure.stats import quantiles
 from runner.rules import model_configs
-from runner.stats import quantiles
 
 MIN_STEPS_PER_REPEAT = 5  # fewer timed steps than this in a window: too few to trust
 WIDE_SPREAD = 0.25  # (max - min) / median of the windows' images/s beyond this: noisy
@@ -267,7 +267,7 @@ def end_figures(figures: dict[str, Any], device: Any, task: dict[str, Any],
     figures.update(**device_figures(device), **task, **data)
     step_shares(figures)  # the task's own parts (optimizer, EMA) of the step
     if profiled:
-        from runner.profile import ACTIVE, WAIT, WARMUP
+        from runner.measure.profile import ACTIVE, WAIT, WARMUP
 
         figures["trace"] = trace_file(run_dir)
         if figures["trace"] is None:

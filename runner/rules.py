@@ -6,9 +6,10 @@ done.
 (``models=[...]`` needs ``task=infer``, ``dataset.val_fraction`` needs ``task=train``, a
 resume needs training, ...), what a task makes of the loader (``loader.shuffle`` unset:
 shuffled for training, dataset order for inference; inference ignores
-``loader.drop_last``), and the task's own keys: a ``task.*`` key that another task alone
-reads (``TASK_KEYS`` in runner/config.py) is refused, named with the task that reads it,
-as a typo is refused.
+``loader.drop_last``), an inference setting that would do nothing (``task.outputs=[]``,
+``task.embed_layer`` without embeddings), and the task's own keys: a ``task.*`` key that
+another task alone reads (``TASK_KEYS`` in runner/config.py) is refused, named with the
+task that reads it, as a typo is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runner.config import (
     TASK_KEYS,
     Config,
     ModelConfig,
+    Output,
     TaskConfig,
     TaskName,
     data_path_alone,
@@ -87,6 +89,7 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
     """Every rule across the groups of ``config``, and what a task makes of the loader;
     ``given``: the overrides it was composed from (a task key named there is refused even
     at its default value). Raises ConfigError naming the keys and the fix."""
+    check_infer_outputs(config.task)
     check_task_keys(config.task, given)
     if config.models:
         model_configs(config)  # every entry checked: its keys, values and name
@@ -130,6 +133,22 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
     if NO_MODEL in [m.name for m in model_configs(config)] and config.models:
         raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                           "model=none to measure the data path alone")
+
+
+def check_infer_outputs(task: TaskConfig) -> None:
+    """A ConfigError for an inference setting that would silently do nothing: no output kept
+    of any image, or an embedding layer named without embeddings among the outputs."""
+    if task.name is TaskName.infer and task.write_outputs and not task.outputs \
+            and task.postprocess is None:
+        raise ConfigError(
+            "task.outputs=[] keeps nothing of any image with task=infer: name at least one "
+            f"of {', '.join(o.value for o in Output)}, or give task.write_outputs=false "
+            "to run the model without writing anything")
+    if task.embed_layer is not None and Output.embeddings not in task.outputs:
+        raise ConfigError(
+            f"task.embed_layer={task.embed_layer} has no effect without embeddings in "
+            f"task.outputs (now [{','.join(o.value for o in task.outputs)}]): add them, "
+            "task.outputs=[topk,embeddings], or leave task.embed_layer unset")
 
 
 def _defaults(cls: type) -> dict[str, Any]:

@@ -222,8 +222,8 @@ def _first_line(e: BaseException) -> str:
 def _train_step(pipeline, total_steps: int):
     """The run's training step for the pipeline's config (model, task, amp), as
     ``python -m runner`` builds it."""
-    from runner.compile import step_amp
-    from runner.model import build_model
+    from runner.model.compile import step_amp
+    from runner.model.networks import build_model
     from runner.tasks import make_step
 
     cfg = pipeline.config
@@ -322,7 +322,6 @@ def check_prefetch(args: argparse.Namespace) -> list[Row]:
 def check_inductor(args: argparse.Namespace) -> list[Row]:
     """compile=inductor for train and infer through the project's compile_model (which
     verifies the compiled model against eager), and its step time against eager."""
-    from runner.compile import compile_model, verify
     from runner.config import (
         AmpConfig,
         AmpName,
@@ -332,7 +331,8 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
         TaskConfig,
         TaskName,
     )
-    from runner.model import build_model
+    from runner.model.compile import compile_model, verify
+    from runner.model.networks import build_model
     from runner.tasks import InferStep, TrainStep
 
     device = _device()
@@ -476,7 +476,7 @@ def check_infer(args: argparse.Namespace) -> list[Row]:
     from PIL import Image
 
     from runner.config import ModelConfig
-    from runner.model import build_model
+    from runner.model.networks import build_model
 
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -544,7 +544,7 @@ def check_resume(args: argparse.Namespace) -> list[Row]:
     from the straight one's no more than two straight runs differ (zero when deterministic)."""
     from runner import checkpoint
     from runner.config import AmpConfig, AmpName, ModelConfig, OptimizerName, TaskConfig, TaskName
-    from runner.model import build_model
+    from runner.model.networks import build_model
     from runner.tasks import TrainStep
 
     device = _device()
@@ -650,10 +650,10 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
     except ImportError:
         return [Row("compile=tensorrt fp16 vs eager fp16, resnet50", None,
                     "torch-tensorrt not installed: pip install -e '.[tensorrt]'")]
-    from runner.amp import autocast
-    from runner.compile import compile_model, verify
     from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
-    from runner.model import build_model
+    from runner.model.amp import autocast
+    from runner.model.compile import compile_model, verify
+    from runner.model.networks import build_model
 
     device = torch.device("cuda")
     model = build_model(ModelConfig("resnet50"), 1000, device).eval()
@@ -703,7 +703,7 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
 
 def check_fp16_training(size: int, batch: int) -> list[Row]:
     from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
-    from runner.model import build_model
+    from runner.model.networks import build_model
     from runner.tasks import TrainStep
 
     device = torch.device("cuda")
@@ -744,7 +744,7 @@ def check_fp16_numbers(size: int, batch: int) -> list[Row]:
     import copy
 
     from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
-    from runner.model import build_model
+    from runner.model.networks import build_model
     from runner.tasks import TrainStep
 
     device = torch.device("cuda")
@@ -786,12 +786,12 @@ def check_timing(batch: int) -> list[Row]:
 
     from tensordict import TensorDict
 
-    from runner.clock import StepClock
     from runner.config import PrefetchConfig, PrefetchName
     from runner.data.buffers import BufferPool
     from runner.data.prefetch import build_prefetcher
     from runner.logger import NullLogger
     from runner.loop import LoopOptions, OnDevice, run_loop
+    from runner.measure.clock import StepClock
 
     device = torch.device("cuda")
     delay, gpu, pause, steps, per_epoch = 0.02, 0.005, 0.3, 40, 10

@@ -125,7 +125,7 @@ def run_in_process(*overrides: str, run_dir: Path) -> dict:
 
     from runner.commandline import register_configs
     from runner.config import config_dir
-    from runner.run import run
+    from runner.job.run import run
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -225,8 +225,8 @@ def compose_config(*overrides: str, hydra: bool = False):
 
 def export_dynamic(module, example):
     """``module`` exported with a dynamic batch dimension up to ``example``'s batch, with the
-    spec and the trace batch a TensorRT engine is saved with (runner/compile.py)."""
-    from runner.compile import batch_dynamic_shapes, trace_batch
+    spec and the trace batch a TensorRT engine is saved with (runner/model/compile.py)."""
+    from runner.model.compile import batch_dynamic_shapes, trace_batch
 
     example = trace_batch(example)
     return torch.export.export(module, (example,), strict=False,

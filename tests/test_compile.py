@@ -12,10 +12,10 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner import compile as compiling
 from runner.atomic import temporary
 from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
-from runner.model import UInt8Input, build_model
+from runner.model import compile as compiling
+from runner.model.networks import UInt8Input, build_model
 from tests.conftest import (
     SMALL_DATASET,
     export_dynamic,

@@ -53,7 +53,7 @@ def build_prefetch_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.amp import DTYPES, autocast, check_amp
+    from runner.model.amp import DTYPES, autocast, check_amp
 
     check_amp(config.amp, DEVICE)
     with autocast(config.amp, DEVICE):
@@ -62,9 +62,9 @@ def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.compile import compile_model
     from runner.config import ModelConfig, TaskName
-    from runner.model import build_model
+    from runner.model.compile import compile_model
+    from runner.model.networks import build_model
 
     model = build_model(ModelConfig("tiny"), 3, DEVICE).eval()
     x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=DEVICE)
@@ -75,7 +75,7 @@ def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_model_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.model import build_model
+    from runner.model.networks import build_model
 
     model = build_model(config.model, num_classes=3, device=CPU)
     if config.model.name == "none":
@@ -88,7 +88,7 @@ def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
     from tensordict import TensorDict
 
     from runner.config import ModelConfig
-    from runner.model import build_model
+    from runner.model.networks import build_model
     from runner.tasks import make_step
 
     model = build_model(ModelConfig("tiny"), 3, CPU)
@@ -227,6 +227,20 @@ def test_unknown_key_suggests_the_valid_one():
     assert unknown_key_message("loader=folder") is None
     assert unknown_key_message("+extra=1") is None
 
+
+
+def test_a_renamed_key_points_to_its_new_name(tmp_path: Path):
+    # task.write_predictions gated every output kind, not only predictions: now write_outputs
+    message = unknown_key_message("task.write_predictions=false")
+    assert message.startswith("unknown config key 'task.write_predictions'")
+    assert message.endswith("Did you mean task.write_outputs? (renamed from "
+                            "task.write_predictions)")
+    assert unknown_key_message("task.write_outputs=false") is None
+    proc = run_cli("task=infer", "task.write_predictions=false", cwd=tmp_path, check=False,
+                   timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Did you mean task.write_outputs?" in proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 @pytest.mark.slow
 def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_dir: Path):

@@ -74,7 +74,7 @@ def test_a_short_inference_is_not_warned_about_its_warm_up(tmp_path: Path, cache
     assert m["status"] == "ok" and m["steps"] == 2
     assert warnings_of(caplog) == []
     assert any(f.startswith("few timed steps") for f in m["flags"])  # still on record
-    for asked in ("task.write_predictions=false", "run.warmup_steps=5"):  # a speed figure
+    for asked in ("task.write_outputs=false", "run.warmup_steps=5"):  # a speed figure
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="runner"):
             run_in_process(*base, asked, run_dir=tmp_path / asked.split("=")[0])

@@ -57,8 +57,8 @@ def test_cpu_crops_image_by_image_are_the_batched_crops():
 
 
 def test_a_window_timed_while_other_processes_ran_flags_the_run():
-    from runner.clock import Window
     from runner.loop import LoopResult
+    from runner.measure.clock import Window
     from runner.results import loop_figures
 
     def window(others: float) -> Window:
@@ -78,7 +78,7 @@ def test_a_window_timed_while_other_processes_ran_flags_the_run():
 
 def test_a_pipeline_far_below_its_slowest_stage_is_flagged_and_not_advised_on():
     from runner.compose import compose
-    from runner.diagnose import Ceilings, far_below, verdict
+    from runner.job.diagnose import Ceilings, far_below, verdict
 
     cfg = compose(["loader=memmap", "model=none"])
     q = dict.fromkeys(("min", "q1", "median", "q3", "max"), 80_000.0)
@@ -120,7 +120,7 @@ def test_the_report_ranks_no_disturbed_run_and_leaves_it_out_of_the_switches(tmp
 
 def test_the_verdict_fits_its_budget_and_times_the_model_in_several_bursts():
     from runner.compose import compose
-    from runner.diagnose import model_ceiling
+    from runner.job.diagnose import model_ceiling
 
     cfg = compose(["model=tiny", "loader.batch_size=4", "dataset.image_size=[16,16]"])
     calls = []
@@ -186,7 +186,7 @@ def test_a_sweep_measures_memmap_after_folder_and_packed_as_memmap_alone(tmp_pat
 def test_device_crops_are_a_stage_and_no_disturbance():
     """memmap with random crops on the CPU: the device crop is the limit the loop measured
     (augment_frac), not a gather 25x faster: the run is not flagged disturbed."""
-    from runner.diagnose import Ceilings, far_below, in_loop_stages
+    from runner.job.diagnose import Ceilings, far_below, in_loop_stages
 
     figures = {"images_per_sec": 2_900.0, "augment_frac": 0.93}
     ceilings = Ceilings({}, {})

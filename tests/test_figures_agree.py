@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.clock import STAGES, Window
 from runner.loop import LoopResult
+from runner.measure.clock import STAGES, Window
 from runner.results import loop_figures, step_shares, summary_line
 from tests.conftest import SMALL_DATASET, run_in_process
 
@@ -85,7 +85,7 @@ def test_no_verdict_leaves_bound_and_stage_null():
     """A disturbed run's sentence gives no verdict: ``bound`` and ``stage`` (what a script
     reads) must not give one either."""
     from runner.compose import compose
-    from runner.diagnose import Ceilings, verdict
+    from runner.job.diagnose import Ceilings, verdict
 
     cfg = compose(["model=tiny"])
     q = {"gather": 5_000.0, "model": 900.0}

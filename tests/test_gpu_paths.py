@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-from runner.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, tolerance
 from runner.compose import compose
 from runner.config import AmpConfig, AmpName, CompileName, ModelConfig, TaskConfig, TaskName
 from runner.data.augment import BatchAugment
-from runner.model import build_model
+from runner.model.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, tolerance
+from runner.model.networks import build_model
 from runner.optim import optimizer_options
 from runner.outputs import ModelWriter, Outputs, Reduce
 from runner.tasks import InferStep, TrainStep
@@ -96,7 +96,7 @@ def test_the_engine_cache_export_takes_a_short_last_batch(tmp_path: Path):
 @pytest.mark.parametrize(("amp", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16),
                                             ("off", torch.float32)])
 def test_tensorrt_gets_the_backbone_in_the_amp_dtype(amp: str, dtype: torch.dtype):
-    from runner.amp import DTYPES
+    from runner.model.amp import DTYPES
 
     model = build_model(ModelConfig("tiny"), 5, CPU)
     wanted = DTYPES[AmpConfig(AmpName(amp)).name] or torch.float32
@@ -143,7 +143,7 @@ def test_loader_ram_does_not_pin_the_dataset_and_batches_pin_their_small_fields(
 
 
 def test_the_verdict_on_cuda_follows_the_gpus_idle_time_not_the_hosts_wait():
-    from runner.diagnose import verdict
+    from runner.job.diagnose import verdict
 
     cfg = compose(["loader=memmap", "model=resnet50"])
     figures = {"images_per_sec": 1000.0, "data_wait_frac": 0.7, "gpu_idle_frac": 0.01,
@@ -194,8 +194,8 @@ def test_selfcheck_passes_on_a_gpu():
 @pytest.mark.cuda
 def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
     pytest.importorskip("torch_tensorrt")
-    from runner.compile import compile_model
     from runner.config import CompileConfig
+    from runner.model.compile import compile_model
 
     device = torch.device("cuda")
     model = build_model(ModelConfig("tiny"), 5, device).eval()

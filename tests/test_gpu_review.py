@@ -12,14 +12,14 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner.config import AmpConfig, AmpName, ModelConfig, Output, TaskConfig, TaskName
-from runner.model import build_model
+from runner.model.networks import build_model
 
 CPU = torch.device("cpu")
 
 
 def test_a_tensorrt_engine_giving_a_dict_is_read_back_in_float32():
     """compile=tensorrt on a segmentation network: the engine's output is a dict."""
-    from runner.compile import _HeadThenEngine
+    from runner.model.compile import _HeadThenEngine
 
     class DictEngine(nn.Module):
         def forward(self, x):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.compile import build_models
 from runner.compose import compose
 from runner.config import HostDtype
 from runner.data import build_data_path
@@ -18,7 +17,8 @@ from runner.data import path as data_path
 from runner.data.normalize import affine, normalize
 from runner.distributed import Ranks
 from runner.errors import ConfigError
-from runner.model import build_model
+from runner.model.compile import build_models
+from runner.model.networks import build_model
 from runner.report import write_report
 from tests.conftest import SMALL_DATASET, read_metrics, run_cli, run_in_process
 from tests.test_sweep import fake_run
@@ -170,7 +170,7 @@ def test_the_copy_plot_is_drawn_only_when_the_size_varies(tmp_path: Path):
 
 
 def test_the_verdict_advises_uint8_when_a_float_copy_limits():
-    from runner.diagnose import advice_for
+    from runner.job.diagnose import advice_for
 
     assert "already cross as uint8" in advice_for(compose(["loader.host_dtype=uint8"]), "copy")
     advice = advice_for(compose(["loader.host_dtype=float32"]), "copy")

@@ -20,7 +20,7 @@ from runner.compose import compose
 from runner.config import ModelConfig
 from runner.data.storage import STORAGES
 from runner.errors import ConfigError, UserError
-from runner.model import build_model
+from runner.model.networks import build_model
 
 CPU = torch.device("cpu")
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",

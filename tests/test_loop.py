@@ -162,7 +162,7 @@ class HostEvents:
 def test_every_gap_before_a_step_is_device_idle_time_the_first_of_a_window_too():
     """The gap before a window's first step and the one after a pause are idle time: with
     stand-in events, gpu_idle is the sum of every data wait (within timer slack)."""
-    from runner.clock import StepClock
+    from runner.measure.clock import StepClock
 
     clock = StepClock(torch.device("cpu"))
     clock.clock, clock.cuda = HostEvents(), True  # as on CUDA: idle gaps from events
@@ -180,7 +180,7 @@ def test_every_gap_before_a_step_is_device_idle_time_the_first_of_a_window_too()
 
 
 def test_work_paused_out_of_the_timing_is_no_device_idle_time_either():
-    from runner.clock import StepClock
+    from runner.measure.clock import StepClock
 
     clock = StepClock(torch.device("cpu"))
     clock.clock, clock.cuda = HostEvents(), True  # as on CUDA: idle gaps from events

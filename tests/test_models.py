@@ -16,7 +16,7 @@ import torch
 from runner.compose import compose
 from runner.config import ConfigError, ModelConfig, ModelSource
 from runner.errors import Unavailable
-from runner.model import build_model
+from runner.model.networks import build_model
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
 
 CPU = torch.device("cpu")
@@ -104,7 +104,7 @@ def test_inference_sizes_the_head_from_the_weights(tmp_path: Path, name: str):
 
 def test_each_model_normalizes_and_resizes_on_its_own(tmp_path: Path):
     """model.mean/std in 0..1 pixel units; model.image_size resizes on the device."""
-    from runner.model import UInt8Input
+    from runner.model.networks import UInt8Input
 
     x = torch.randint(0, 256, (2, 3, 40, 40), dtype=torch.uint8)
     layer = UInt8Input(mean=[0.5, 0.5, 0.5], std=[0.25, 0.5, 1.0])
@@ -234,7 +234,7 @@ def test_training_on_a_single_class_is_warned_about(tmp_path: Path, cache_dir: P
 
 
 def test_a_checkpoint_of_exactly_the_probe_class_count_is_sized_right(tmp_path: Path):
-    from runner.model import PROBE_CLASSES
+    from runner.model.networks import PROBE_CLASSES
 
     for count in PROBE_CLASSES:
         source = build_model(ModelConfig("tiny"), count, CPU)
@@ -245,7 +245,7 @@ def test_a_checkpoint_of_exactly_the_probe_class_count_is_sized_right(tmp_path: 
 
 
 def test_a_model_resize_runs_under_cpu_bfloat16():
-    from runner.model import UInt8Input
+    from runner.model.networks import UInt8Input
 
     x = torch.randint(0, 256, (2, 3, 40, 40), dtype=torch.uint8)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -36,7 +36,7 @@ def _equal_counts_rank(rank: int, world: int, port: int, cache: str, out: str) -
         from runner.config import AmpConfig, AmpName
         from runner.data import build_data_path
         from runner.distributed import Ranks
-        from runner.model import build_model
+        from runner.model.networks import build_model
         from runner.tasks.validation import Validation
 
         config = compose(EQUAL)

@@ -12,7 +12,8 @@ import torch
 from runner import export
 from runner.config import ModelConfig
 from runner.errors import Unavailable
-from runner.model import build_model
+from runner.model import onnx as exporting
+from runner.model.networks import build_model
 from tests.conftest import SMALL_DATASET, read_metrics, run_in_process
 
 ort = pytest.importorskip("onnxruntime")
@@ -54,8 +55,8 @@ def test_export_writes_the_uint8_model_with_a_dynamic_batch(tmp_path: Path, caps
 
 
 def test_an_export_that_differs_from_eager_is_refused(tmp_path: Path, capsys, monkeypatch):
-    forward = export.OnnxRuntimeModel.forward
-    monkeypatch.setattr(export.OnnxRuntimeModel, "forward",
+    forward = exporting.OnnxRuntimeModel.forward
+    monkeypatch.setattr(exporting.OnnxRuntimeModel, "forward",
                         lambda self, x: forward(self, x) + 0.5)  # a graph that is off
     out = tmp_path / "tiny.onnx"
     assert export.main(["model=tiny", f"out={out}", "dataset.image_size=[32,32]"]) == 1
@@ -112,9 +113,9 @@ def test_cuda_without_its_execution_provider_is_unavailable(tmp_path: Path):
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has CUDA's execution provider")
     model = build_model(ModelConfig(name="tiny"), 3, CPU, train=False)
-    onnx_model = export.export_onnx(model, torch.zeros((2, 3, 32, 32), dtype=torch.uint8))
+    onnx_model = exporting.export_onnx(model, torch.zeros((2, 3, 32, 32), dtype=torch.uint8))
     with pytest.raises(Unavailable, match="pip install onnxruntime-gpu"):
-        export.session(onnx_model, torch.device("cuda"))
+        exporting.session(onnx_model, torch.device("cuda"))
 
 
 def test_the_verdict_probes_onnxruntime_with_the_batches_it_takes(tmp_path: Path,
@@ -123,7 +124,7 @@ def test_the_verdict_probes_onnxruntime_with_the_batches_it_takes(tmp_path: Path
     run's batches have (float32 here), which is the one the exported graph takes."""
     m = run_in_process(*SMALL_DATASET, "task=infer", "logger=none", "run.timeline=false",
                        "compile=onnxruntime", "loader.host_dtype=float32", "run.steps=4",
-                       "diagnose=true", "task.write_predictions=false",
+                       "diagnose=true", "task.write_outputs=false",
                        run_dir=tmp_path / "run")
     assert m["status"] == "ok", m.get("reason")
     assert m["bottleneck"]["sentence"]

@@ -15,7 +15,7 @@ import torch
 from conftest import encode, make_tree, photo, run_in_process
 
 from runner.config import ModelConfig, Output
-from runner.model import build_model
+from runner.model.networks import build_model
 from tests.conftest import REPO
 
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",

@@ -19,7 +19,7 @@ from runner.data.prefetch import CpuPrefetcher, CudaStreamPrefetcher
 from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.encoded import ReadBytes
 from runner.data.storage.folder import FolderStorage
-from runner.model import UInt8Input
+from runner.model.networks import UInt8Input
 from tests.conftest import (
     SMALL_DATASET,
     encode,

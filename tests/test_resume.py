@@ -561,7 +561,7 @@ def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
 
     from runner import checkpoint
     from runner.config import ModelConfig, TaskConfig, TaskName
-    from runner.model import build_model
+    from runner.model.networks import build_model
     from runner.optim import optimizer_options
     from runner.tasks import TrainStep
 

@@ -204,7 +204,7 @@ def test_each_sweep_job_is_one_wandb_run_in_the_sweeps_group(tmp_path: Path, cac
 def test_a_cpu_model_slowed_by_its_loader_is_told_so():
     from runner.compose import compose
     from runner.config import StorageName
-    from runner.diagnose import verdict
+    from runner.job.diagnose import verdict
 
     cfg = compose(["loader=folder", "model=tiny", "loader.num_workers=2"])
     assert cfg.loader.name is StorageName.folder and cfg.loader.num_workers == 2
@@ -220,7 +220,7 @@ def test_a_cpu_model_slowed_by_its_loader_is_told_so():
 
 def test_the_default_runs_decode_threads_taking_the_models_cores_point_to_memmap():
     from runner.compose import compose
-    from runner.diagnose import verdict
+    from runner.job.diagnose import verdict
 
     cfg = compose([])  # the default: folder, decoded by one thread per core in process
     assert cfg.loader.num_workers == 0
@@ -233,7 +233,7 @@ def test_the_default_runs_decode_threads_taking_the_models_cores_point_to_memmap
 
 def test_a_model_probe_below_the_pipeline_is_never_named_the_limit():
     from runner.compose import compose
-    from runner.diagnose import verdict
+    from runner.job.diagnose import verdict
 
     cfg = compose(["loader=memmap"])
     figures = {"images_per_sec": 596.0, "data_wait_frac": 0.01}
@@ -249,7 +249,7 @@ def q(median: float, width: float = 0.05) -> dict[str, float]:
 
 def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
     from runner.compose import compose
-    from runner.diagnose import Ceilings, verdict
+    from runner.job.diagnose import Ceilings, verdict
 
     cfg = compose(["loader=memmap", "model=none"])
     figures = {"images_per_sec": 22305.0, "data_wait_frac": 0.9, "spread_frac": 0.05}
@@ -264,7 +264,7 @@ def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
 
 def test_stages_within_each_others_spread_are_called_within_noise():
     from runner.compose import compose
-    from runner.diagnose import Ceilings, verdict
+    from runner.job.diagnose import Ceilings, verdict
 
     cfg = compose(["loader=folder", "model=none"])
     figures = {"images_per_sec": 900.0, "data_wait_frac": 0.9, "spread_frac": 0.05}
@@ -277,7 +277,7 @@ def test_stages_within_each_others_spread_are_called_within_noise():
 
 
 def test_stage_ceilings_are_medians_of_repeated_bursts_that_ignore_one_stall():
-    from runner.diagnose import probe
+    from runner.job.diagnose import probe
 
     calls = []
 
@@ -390,7 +390,7 @@ def test_autotune_writes_the_best_command_and_its_gain_over_trial_0(tmp_path: Pa
 
 def test_decode_advice_leaves_out_what_the_run_already_does():
     from runner.compose import compose
-    from runner.diagnose import advice_for as advice
+    from runner.job.diagnose import advice_for as advice
 
     threads = advice(compose(["loader=folder", "loader.draft=true"]), "decode")
     assert "simplejpeg" not in threads and "draft" not in threads

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import timeline
+from runner.measure import timeline
 from tests.conftest import SMALL_DATASET, read_metrics, run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -15,7 +15,7 @@ from torch import nn
 from runner import checkpoint
 from runner.compose import compose
 from runner.config import OptimizerName, ScheduleName, TaskConfig, TaskName
-from runner.model import UInt8Input
+from runner.model.networks import UInt8Input
 from runner.optim import Ema, param_groups
 from runner.tasks import TrainStep
 

@@ -12,7 +12,7 @@ import torch
 from conftest import encode, make_tree, photo, run_in_process
 
 from runner.config import ModelConfig
-from runner.model import build_model
+from runner.model.networks import build_model
 
 BASE = ["logger=none", "diagnose=true", "dataset.image_size=[32,32]", "loader.batch_size=4",
         "run.warmup_steps=1", "run.window_seconds=0.05"]
@@ -91,7 +91,7 @@ def test_a_model_probe_disturbed_below_the_pipeline_is_probed_again(
     # the first probe of the model comes out 100x slow, as another process taking the cores
     # would make it: the verdict probes once more and keeps the faster, so it still names
     # the model instead of "unknown" (a CI run lost its verdict to one such probe)
-    import runner.diagnose as diagnose
+    import runner.job.diagnose as diagnose
 
     real, calls = diagnose.model_ceiling, []
 

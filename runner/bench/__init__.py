@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterable
 import torch
 
 from runner.atomic import dumps
-from runner.clock import burst
 from runner.config import Config, StorageName
 from runner.data import build_data_path
 from runner.data.storage.decode import DECODERS
 from runner.logger import NullLogger
 from runner.loop import LoopOptions, run_loop
+from runner.measure.clock import burst
 from runner.tasks import DataOnlyStep
 
 CPU = torch.device("cpu")

@@ -28,8 +28,8 @@ from runner.bench.infer import bench_infer, make_weights, naive_rate, runner_job
 from runner.compose import compose
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
+from runner.measure.stats import median
 from runner.rules import model_configs
-from runner.stats import median
 
 NAIVE = "naive script"
 WARMUP = 3  # steps of each job before its timed ones

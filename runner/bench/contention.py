@@ -13,7 +13,7 @@ from runner.bench import MEMMAP, PACKED, loader, runner_rate
 from runner.bench.stores import _row
 from runner.compose import compose
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
-from runner.stats import median
+from runner.measure.stats import median
 
 BURNER = """
 import sys, time, torch

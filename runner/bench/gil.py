@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 
 from runner.bench import FOLDER, loader
-from runner.clock import burst
 from runner.compose import compose
 from runner.data.storage import build_storage, resolve_dataset
 from runner.data.storage.decode import DECODERS, DecoderUnavailable
-from runner.stats import median
+from runner.measure.clock import burst
+from runner.measure.stats import median
 
 
 def one_thread_rate(storage, seconds: float, threads: int = 1, files: int = 64) -> float:

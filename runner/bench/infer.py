@@ -12,7 +12,7 @@ of each. Measured in alternating rounds, each a median over the run's windows:
   one decode feeding the three models;
 - **three separate runs**: one runner job per model; their combined rate is the images
   each does per second of the three jobs' time, ``1 / sum(1 / rate)``;
-- **one pass, no writes** (``task.write_predictions=false``): what writing costs;
+- **one pass, no writes** (``task.write_outputs=false``): what writing costs;
 
 and then the ablation (bench_ablation.py): from the naive script, each change added in
 turn, its images/s and its share of the total gain (``--part`` runs one or the other).
@@ -40,7 +40,7 @@ from runner.compose import compose
 from runner.config import DatasetConfig, ModelConfig
 from runner.data.storage import resolve_dataset
 from runner.data.storage.listing import list_images
-from runner.stats import median
+from runner.measure.stats import median
 
 MODEL = "mobilenet_v3_small"
 TARGETS = {"one pass / naive": 2.0, "one pass / three separate runs": 1.3}
@@ -80,7 +80,7 @@ CROP_FRACTION = DatasetConfig.crop_fraction  # the default the runner jobs run w
 
 def naive_models(models: list[ModelConfig], classes: int, device: torch.device) -> list:
     """Each model as a script loads it: (network, mean, std, the embedding it last saw)."""
-    from runner.model import build_model, split_input
+    from runner.model.networks import build_model, split_input
     from runner.outputs import classifier_of
 
     loaded = []
@@ -163,7 +163,7 @@ def bench_infer(args: argparse.Namespace) -> dict:
             row["one pass"] = m["images_per_sec"]
             row["write wait share"] = m.get("write_wait_frac", 0.0)
             row["one pass, no writes"] = runner_job(
-                [*one_pass, "task.write_predictions=false"], tmp / f"nowrite{r}")[
+                [*one_pass, "task.write_outputs=false"], tmp / f"nowrite{r}")[
                 "images_per_sec"]
             separate = [runner_job([*base, f"model.name={MODEL}", f"model.weights={w}"],
                                    tmp / f"sep{r}-{k}")["images_per_sec"]

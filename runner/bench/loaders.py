@@ -38,7 +38,7 @@ from runner.data.order import BatchOrder
 from runner.data.storage import build_storage, decoded_once, resolve_dataset
 from runner.data.storage.decode import DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
-from runner.stats import median
+from runner.measure.stats import median
 
 
 class PerItemMemmap(Dataset):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from runner.bench.loaders import OVERHEAD_TARGET, per_batch_overhead, print_loops
-from runner.stats import median
+from runner.measure.stats import median
 
 
 def bench_overhead(args: argparse.Namespace) -> dict:

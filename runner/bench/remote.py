@@ -60,7 +60,7 @@ from runner.data.remote.delayline import DelayLineProcess
 from runner.data.remote.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
 from runner.data.storage.tarshards import SHARD_LIST
 from runner.data.threads import cores
-from runner.stats import median
+from runner.measure.stats import median
 
 SHARDS, FOLDER = StorageName.shards.value, StorageName.folder.value
 PACKED = StorageName.packed.value

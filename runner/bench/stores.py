@@ -15,14 +15,14 @@ from collections.abc import Callable
 import torch
 
 from runner.bench import FOLDER, MEMMAP, PACKED, runner_rate
-from runner.clock import burst
 from runner.compose import compose
 from runner.config import StorageName
 from runner.data.order import BatchOrder
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
 from runner.data.storage.decode import DECODERS, DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
-from runner.stats import median
+from runner.measure.clock import burst
+from runner.measure.stats import median
 
 
 def store_rows() -> dict[str, tuple[StorageName, tuple[str, ...]]]:

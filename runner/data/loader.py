@@ -19,13 +19,13 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 
-from runner import timeline
 from runner.config import Config, LoaderConfig, TaskName
 from runner.data.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.storage.base import Sample, SkippedFile, Storage
 from runner.data.storage.folder import UNREADABLE, batch_fields
 from runner.data.threads import RowPool, cores, one_core_pool
+from runner.measure import timeline
 
 log = logging.getLogger(__name__)
 

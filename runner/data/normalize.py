@@ -1,6 +1,6 @@
 """Input normalization, defined once, and ``loader.host_dtype``: where it runs.
 
-Every model takes uint8 NCHW; its first layer (``UInt8Input``, runner/model.py) converts
+Every model takes uint8 NCHW; its first layer (``UInt8Input``, runner/model/networks.py) converts
 and normalizes on the model's device with ``normalize``: ``(x / 255 - mean) / std`` per
 channel, as one multiply-add ``x * scale + shift`` (``affine``), so only uint8 bytes cross
 from the loader.

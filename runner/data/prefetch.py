@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner import timeline
 from runner.config import PrefetchConfig, PrefetchName
 from runner.data.order import count_images
 from runner.data.threads import (
@@ -37,6 +36,7 @@ from runner.data.threads import (
     restore_thread_count,
 )
 from runner.errors import Unavailable
+from runner.measure import timeline
 
 _END = object()
 

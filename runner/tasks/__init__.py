@@ -5,7 +5,7 @@ defines ``TASK`` (its class: what it resumes from, its step, what happens at an 
 end, what it writes, what it adds to the figures) beside its step. ``TASKS`` maps every
 ``TaskName`` to its class, found in its module: a new task is its enum value, its preset
 ``conf/task/<name>.yaml`` and its module. ``model=none`` is the data path alone whatever
-the task (data_only.py); runner/run.py runs them all the same way.
+the task (data_only.py); runner/job/run.py runs them all the same way.
 """
 
 from __future__ import annotations

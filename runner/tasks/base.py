@@ -1,6 +1,6 @@
 """The ``Task`` protocol: what a ``task=`` owns of a run, and the ``RunContext`` it sees.
 
-runner/run.py drives every task the same way, in this order: ``resume`` (what it goes on
+runner/job/run.py drives every task the same way, in this order: ``resume`` (what it goes on
 from, before the data path: the batch order goes on where it stopped), ``prepare`` (its
 checks of the data), ``build`` (models and step), ``start`` (after the per-rank seed),
 then the loop with ``on_step`` and ``on_epoch_end``, then ``figures``, ``write`` and
@@ -19,18 +19,18 @@ import torch
 from torch import nn
 
 from runner import checkpoint
-from runner.clock import StepClock
-from runner.compile import RunModels
 from runner.config import Config
 from runner.data import DataPath
 from runner.distributed import Ranks
 from runner.logger import MetricLogger, NullLogger
 from runner.loop import Step
+from runner.measure.clock import StepClock
+from runner.model.compile import RunModels
 
 
 @dataclass
 class RunContext:
-    """What a task sees of its run; runner/run.py fills in ``data``, ``logger`` and
+    """What a task sees of its run; runner/job/run.py fills in ``data``, ``logger`` and
     ``clock`` as they are made."""
 
     config: Config
@@ -43,7 +43,7 @@ class RunContext:
 
 
 class Task(Protocol):
-    """One ``task=``'s life cycle (runner/run.py calls it in the order the module says)."""
+    """One ``task=``'s life cycle (runner/job/run.py calls it in the order the module says)."""
 
     resumed: dict[str, Any] | None  # the state it goes on from (its ``source`` included)
     models: dict[str, nn.Module]  # name -> model, compiled (none: the data path alone)

@@ -20,15 +20,16 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner import checkpoint, outputs, timeline
-from runner.amp import autocast
-from runner.clock import MAX_PENDING_EVENTS, DeviceClock
-from runner.compile import build_models, step_amp
+from runner import checkpoint, outputs
 from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
 from runner.data.normalize import as_batches_come
 from runner.distributed import broadcast
 from runner.loop import Step
-from runner.model import split_input
+from runner.measure import timeline
+from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
+from runner.model.amp import autocast
+from runner.model.compile import build_models, step_amp
+from runner.model.networks import split_input
 from runner.outputs import Outputs, Reduce
 from runner.tasks.base import RunContext, TaskBase
 
@@ -48,7 +49,7 @@ class InferTask(TaskBase):
 
     @property
     def speed_asked(self) -> bool:  # an inference that writes nothing: its speed
-        return not self.config.task.write_predictions
+        return not self.config.task.write_outputs
 
     def resume(self) -> dict[str, Any] | None:
         """``resume=auto``: the outputs written so far (their state made with what shapes
@@ -91,7 +92,7 @@ class InferTask(TaskBase):
         """A writer per model, its files opened (created, or continued)."""
         cfg, ranks, run_dir, device = self.config, self.ctx.ranks, self.ctx.run_dir, self.ctx.device
         storage, built = self.ctx.data.storage, self.built
-        if not cfg.task.write_predictions:
+        if not cfg.task.write_outputs:
             return None
         example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype
         amp = step_amp(cfg)
@@ -155,7 +156,7 @@ class InferTask(TaskBase):
     def write(self, steps_done: int, complete: bool, figures: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: the inference state (how far every output is written); a complete
         run's parts go, its undecodable rows too."""
-        if not self.config.task.write_predictions or not self.ctx.ranks.main:
+        if not self.config.task.write_outputs or not self.ctx.ranks.main:
             return {}
         run_dir = self.ctx.run_dir
         outputs.save_state(run_dir, steps_done, to_plain(self.config), self.data_print,

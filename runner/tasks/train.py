@@ -24,16 +24,16 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner import checkpoint, results
-from runner.amp import autocast, grad_scaler
 from runner.checkpoint import unwrapped_network
-from runner.clock import MAX_PENDING_EVENTS, DeviceClock
-from runner.compile import build_models, step_amp
 from runner.config import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
 from runner.data import DataPath
 from runner.distributed import local_module, parameter_digest
 from runner.errors import ConfigError, Diverged
 from runner.loop import Step
-from runner.model import split_input
+from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
+from runner.model.amp import autocast, grad_scaler
+from runner.model.compile import build_models, step_amp
+from runner.model.networks import split_input
 from runner.optim import OPTIMIZERS, Ema, build_optimizer, build_schedule, learning_rate, updates_in
 from runner.tasks.base import RunContext, TaskBase
 from runner.tasks.validation import Validation

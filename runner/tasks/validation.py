@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runner.amp import autocast
 from runner.config import (
     AmpConfig,
     AugmentConfig,
@@ -30,6 +29,7 @@ from runner.config import (
 from runner.data import DataPath, build_data_path
 from runner.distributed import Ranks
 from runner.errors import ConfigError
+from runner.model.amp import autocast
 
 
 def validation_config(config: Config) -> Config:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
 
 # A stage probe handles one unit of work (one file read, one image decoded, one batch
-# gathered) and returns how many images that was; the verdict times it (runner/diagnose.py).
+# gathered) and returns how many images that was; the verdict times it (runner/job/diagnose.py).
 Probe = Callable[[], int]
 
 

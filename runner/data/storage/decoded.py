@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from runner import timeline
 from runner.config import DatasetConfig
 from runner.data.order import split_padding, unpad
 from runner.data.storage.base import (
@@ -26,6 +25,7 @@ from runner.data.storage.base import (
     stack_images,
 )
 from runner.data.threads import RowPool
+from runner.measure import timeline
 
 
 class DecodedStorage(Dataset):

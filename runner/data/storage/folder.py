@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from runner import timeline
 from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.order import unpad
 from runner.data.remote.fardisk import is_far
@@ -39,6 +38,7 @@ from runner.data.storage.listing import (
     open_image_folder,
     printable,
 )
+from runner.measure import timeline
 
 log = logging.getLogger(__name__)
 

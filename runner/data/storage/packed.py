@@ -48,7 +48,6 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from runner import timeline
 from runner.config import DatasetConfig, LoaderConfig, StorageName, StoreSide
 from runner.data.order import split_padding, unpad
 from runner.data.pool import parallel_imap
@@ -77,6 +76,7 @@ from runner.data.storage.decode import (
     upright_rgb,
 )
 from runner.data.storage.folder import FolderStorage, open_folder
+from runner.measure import timeline
 
 log = logging.getLogger(__name__)
 

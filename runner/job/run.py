@@ -22,13 +22,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import environment, outcome, outputs, results, timeline
-from runner.amp import check_amp
-from runner.clock import StepClock
+from runner import environment, outcome, outputs, results
 from runner.compose import to_config
 from runner.config import Config, flatten, to_plain
 from runner.data import DataPath, build_data_path
-from runner.diagnose import budget_for, diagnose
 from runner.distributed import (
     Ranks,
     agreed_stops,
@@ -41,12 +38,16 @@ from runner.distributed import (
     ranks_from_env,
 )
 from runner.errors import Interrupted
+from runner.job.diagnose import budget_for, diagnose
+from runner.job.plan import plan_run
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
-from runner.plan import plan_run
+from runner.measure import timeline
+from runner.measure.clock import StepClock
+from runner.measure.profile import build_profiler
+from runner.measure.stats import plural
+from runner.model.amp import check_amp
 from runner.predictions import merge_rank_files
-from runner.profile import build_profiler
-from runner.stats import plural
 from runner.tasks import RunContext, Task, task_for
 
 log = logging.getLogger("runner")

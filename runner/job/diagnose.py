@@ -25,8 +25,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.clock import burst, synchronize
-from runner.compile import step_amp
 from runner.config import Config
 from runner.data import DataPath
 from runner.data.loader import decode_threads
@@ -37,7 +35,9 @@ from runner.data.storage import advice as storage_advice
 from runner.data.storage.base import Storage
 from runner.data.threads import cores, torch_threads
 from runner.distributed import local_module
-from runner.stats import quantiles
+from runner.measure.clock import burst, synchronize
+from runner.measure.stats import quantiles
+from runner.model.compile import step_amp
 from runner.tasks import make_step
 
 log = logging.getLogger("runner")

@@ -1,9 +1,9 @@
 """metrics.json: every key a run writes there, with its one-line meaning (``Metrics``).
 
-The record is written by runner/run.py as the run goes: the envelope first
+The record is written by runner/job/run.py as the run goes: the envelope first
 (runner/outcome.py: ``status=running`` and what was asked), the loop's figures after each
 window, every figure at the end (runner/results.py, the data path, the task of
-runner/tasks/, the verdict of runner/diagnose.py), then how the run ended. A key is
+runner/tasks/, the verdict of runner/job/diagnose.py), then how the run ended. A key is
 present only where it applies (``loss_first``: training; ``models``: inference); a
 figure that could not be measured, or is not finite, is ``null``. ``problems`` holds a
 record against this declaration (tests/test_schema.py runs it on real runs).
@@ -99,7 +99,7 @@ class Metrics(TypedDict, total=False):
     timeline: str  # run.timeline=true: timeline.png
     timeline_json: str  # its data
     timeline_busy: dict  # each lane's busy share over the drawn steps
-    bottleneck: dict  # the verdict (runner/diagnose.py): sentence, bound, stage, ceilings
+    bottleneck: dict  # the verdict (runner/job/diagnose.py): sentence, bound, stage, ceilings
 
 
 def problems(record: dict[str, Any]) -> list[str]:
@@ -110,7 +110,7 @@ def problems(record: dict[str, Any]) -> list[str]:
     found = []
     for key, value in record.items():
         if key not in hints:
-            found.append(f"{key}: not declared in runner/schema.py's Metrics")
+            found.append(f"{key}: not declared in runner/measure/schema.py's Metrics")
         elif not _is(value, hints[key]):
             found.append(f"{key}: {value!r:.60} is not {hints[key]}")
     return found

@@ -6,7 +6,7 @@ runs under autocast, and the one-line reason a run is skipped when one of those 
 (``Backend.check``, an ``Unavailable``). A new backend is its enum value and one record.
 
 ``onnxruntime`` exports the whole model, uint8 input layer included, to ONNX
-(runner/export.py) and runs it in an onnxruntime session: the CPU execution provider, or
+(runner/model/onnx.py) and runs it in an onnxruntime session: the CPU execution provider, or
 CUDA's on a CUDA device (onnxruntime-gpu; else the run is skipped naming it). Its graph is
 float32: with ``amp`` other than off the run is skipped naming ``amp=off``, and training
 with it is skipped naming ``task=infer`` (as with tensorrt).
@@ -36,9 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from runner.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
 from runner.atomic import replacing
-from runner.clock import synchronize
 from runner.config import (
     AmpConfig,
     AmpName,
@@ -54,7 +52,15 @@ from runner.data.loader import drops_remainder
 from runner.data.normalize import as_batches_come
 from runner.distributed import Ranks, replicate
 from runner.errors import Unavailable
-from runner.model import build_model, check_input_size, main_output, split_input, trace_batch
+from runner.measure.clock import synchronize
+from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
+from runner.model.networks import (
+    build_model,
+    check_input_size,
+    main_output,
+    split_input,
+    trace_batch,
+)
 from runner.rules import model_configs
 
 log = logging.getLogger(__name__)
@@ -138,7 +144,7 @@ def _tensorrt(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train
 def _onnxruntime(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
                  amp: AmpConfig, cache: Path) -> nn.Module:
     from runner.data.threads import cores
-    from runner.export import OnnxRuntimeModel, export_onnx
+    from runner.model.onnx import OnnxRuntimeModel, export_onnx
 
     onnx_model = export_onnx(model, example)
     compiled = OnnxRuntimeModel(onnx_model, example.device, threads=cores())
@@ -200,7 +206,7 @@ def _require_tensorrt() -> None:
 
 
 def _require_onnxruntime() -> None:
-    from runner.export import _require_onnx
+    from runner.model.onnx import _require_onnx
 
     _require_onnx()
 
@@ -296,7 +302,7 @@ BACKENDS: dict[Enum, Backend] = {b.name: b for b in (
 )}
 _missing = [n.value for n in CompileName if n not in BACKENDS]
 if _missing:
-    raise ImportError(f"runner/compile.py has no Backend record for compile={_missing}")
+    raise ImportError(f"runner/model/compile.py has no Backend record for compile={_missing}")
 
 
 def uses_autocast(cfg: CompileConfig) -> bool:
