@@ -275,3 +275,14 @@ KIND = StorageKind(name=StorageName.mirrored, open=open_mirrored, storage=Mirror
                    summary="an image folder, every image flipped", decoders=frozenset(Decoder),
                    footprint=source_footprint)
 '''
+
+
+def test_the_jobs_envelope_is_short_and_never_branches_on_the_task():
+    # run.py claims the folder, builds, loops and records; what a task does is its own
+    # module's (runner/tasks/): no TaskName in the envelope, and it stays a page or so
+    source = (RUNNER / "job" / "run.py").read_text()
+    assert len(source.splitlines()) <= 250
+    names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    attrs = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
+    assert "TaskName" not in names and "TaskName" not in source
+    assert not {"train", "infer"} & attrs, "a branch on the task: move it into runner/tasks/"

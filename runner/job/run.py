@@ -42,9 +42,8 @@ from runner.job.diagnose import budget_for, diagnose
 from runner.job.plan import plan_run
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
-from runner.measure import timeline
+from runner.measure import profile, timeline
 from runner.measure.clock import StepClock
-from runner.measure.profile import build_profiler
 from runner.measure.stats import plural
 from runner.model.amp import check_amp
 from runner.predictions import merge_rank_files
@@ -167,7 +166,7 @@ class Job:
                  results.describe(cfg), data.storage.root, plural(len(data.storage), "image"),
                  plural(len(data.classes), "class"), plural(total_steps, "step"), warmup,
                  device, f" x {ranks.world} ranks" if ranks.enabled else "")
-        profiler = build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
+        profiler = profile.build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
         ctx.clock = clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         on_step = task.on_step()
