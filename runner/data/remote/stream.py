@@ -184,9 +184,14 @@ class RemoteShards:
                     break
             self._prefetch()
         by_shard: dict[int, list[int]] = {}
+        cached: dict[int, bool] = {}  # a file test per shard, not per sample
         for i in index:
             shard = self.shard_of[i]
-            if i in self._pending or self.cache.has(self.names[shard]):
+            if i in self._pending:
+                continue
+            if shard not in cached:
+                cached[shard] = self.cache.has(self.names[shard])
+            if cached[shard]:
                 continue
             if shard in self._fetching and (self._ranged >= RANGED_BATCHES
                                             or self.nbytes[shard] <= 2 * PART_BYTES):
