@@ -32,9 +32,11 @@ compared with the same epoch of the local shards. Then:
   mount, not the engine's 16+ reads in flight. A folder's files are read concurrently.);
 - the cold first batch: from opening the data path to the first batch, at 10 ms;
 - bytes fetched per epoch (what crossed the delay line), epochs 1 and 2;
-- the cache's peak against its bound, with ``dataset.cache_bytes`` at half the shards;
-- faults: 1% of requests reset mid-answer and bursts of 503 SlowDown, at 10 ms: every image
-  delivered, none skipped, and the images/s against the clean run;
+- the cache's peak against its bound, with ``dataset.cache_bytes`` room for a block of
+  shards and one more, fewer than all (so it evicts; half the shards where that is less);
+- faults: 1% of requests reset mid-answer and bursts of 503 SlowDown, at 10 ms, on both
+  layouts (a shard set makes a few dozen requests, one object per JPEG one per image):
+  every image delivered, none skipped, and the images/s against the clean run;
 - the rival: the ``webdataset`` library's own pipeline on the same shards over the same link
   (``pipe:curl`` per shard, its usual settings: shard shuffle, a sample shuffle buffer, a
   ``WebLoader`` with one worker per core), decoding with the same decoder and crop.
@@ -58,6 +60,7 @@ import torch
 from runner.config import Decoder, StorageName
 from runner.data.remote.delayline import DelayLineProcess
 from runner.data.remote.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
+from runner.data.remote.stream import SHARDS_PER_BLOCK
 from runner.data.storage.tarshards import SHARD_LIST
 from runner.data.threads import cores
 from runner.measure.stats import median
@@ -211,7 +214,7 @@ def bench_remote(args: argparse.Namespace) -> dict:
         server.make_bucket("bench")
         server.upload(shards, "bench", "set")
         return measure(args, base, size, shards, objects, (line, object_line, web_line), work,
-                       server)
+                       server, far_side=[web.proc.pid, web_line.pid])
     finally:
         for part in (line, object_line, web_line, server, rclone, web):
             part.close()
@@ -225,7 +228,7 @@ def bench_remote(args: argparse.Namespace) -> dict:
 
 def measure(args, base, size, shards: Path, objects: Path,
             lines: tuple[DelayLineProcess, DelayLineProcess, DelayLineProcess],
-            work: Path, server: LoopbackS3) -> dict:
+            work: Path, server: LoopbackS3, far_side: list[int]) -> dict:
     line, fast, web_line = lines
     # rclone (fast) is reached through its own delay line, named by dataset.endpoint_url;
     # moto (for range reads: the cache-bound run) through AWS_ENDPOINT_URL
@@ -248,7 +251,7 @@ def measure(args, base, size, shards: Path, objects: Path,
     web_line.set(rtt=0.010)
     mount = far_mount(web_line.endpoint, work / "mnt")
     stores = work / "served" / "stores"
-    daemon_cpu, far_images = 0.0, 0
+    daemon_cpu, far_images, far_cpu, far_wall = 0.0, 0, 0.0, 0.0
     for r in range(args.rounds):
         rates = epoch_rate([*base, f"dataset.path={shards}"], SHARDS, epochs=2)[0]
         add("shards local", rates[0])
@@ -259,6 +262,7 @@ def measure(args, base, size, shards: Path, objects: Path,
                                         f"dataset.cache_dir={stores}"], PACKED)[0][0])
         if mount is not None:  # the same objects, and their packed store, on a far disk
             cpu = cpu_seconds(mount.proc.pid)
+            side, wall = sum(cpu_seconds(pid) for pid in far_side), time.perf_counter()
             add("far mount 10 ms", epoch_rate([*base, REGION, "dataset.path="
                                                f"{mount.mountpoint / 'objects'}"],
                                               FOLDER)[0][0])
@@ -266,6 +270,8 @@ def measure(args, base, size, shards: Path, objects: Path,
                 *base, f"dataset.path={objects}",
                 f"dataset.cache_dir={mount.mountpoint / 'stores'}"], PACKED)[0][0])
             daemon_cpu += cpu_seconds(mount.proc.pid) - cpu
+            far_cpu += sum(cpu_seconds(pid) for pid in far_side) - side
+            far_wall += time.perf_counter() - wall
             far_images += 2 * args.images
         for rtt in RTTS:
             ms = round(rtt * 1000)
@@ -287,8 +293,13 @@ def measure(args, base, size, shards: Path, objects: Path,
     if mount is not None:
         mount.close()
         extra["mount_cpu_ms"] = 1000 * daemon_cpu / max(far_images, 1)
+        # the servers' core during the far rows: the daemon, rclone's HTTP server, the line
+        extra["far_core_busy"] = (daemon_cpu + far_cpu) / max(far_wall, 1e-9)
     line.set(rtt=0.010)
-    bound = max(total // 2, 1)
+    # room for the block being read and one shard more, fewer than all of them: it evicts
+    tars = [p.stat().st_size for p in shards.glob("*.tar")]
+    bound = (max(tars) * (SHARDS_PER_BLOCK + 1) if len(tars) > SHARDS_PER_BLOCK + 1
+             else max(total // 2, 1))
     rates, _, figures, _ = epoch_rate([*base, "dataset.path=s3://bench/set", fresh_cache(),
                                        f"dataset.cache_bytes={bound}"], SHARDS, epochs=2)
     extra["cache"] = {"bound": bound, "peak": figures.get("cache_peak_bytes", 0),
@@ -297,15 +308,17 @@ def measure(args, base, size, shards: Path, objects: Path,
                       "images_per_sec": rates}
     fast.set(rtt=0.010, reset_rate=0.01, burst_rate=0.002, burst_len=5)
     fast.reset_stats()
-    faults = []
+    # both layouts: a shard set makes a few dozen requests (a reset or two at 1%), one
+    # object per JPEG one per image (a few dozen resets)
     for _ in range(args.rounds):
-        rates, _, figures, skipped = epoch_rate([*base, *shards_url, fresh_cache()], SHARDS)
-        faults.append(rates[0])
-        extra.setdefault("fault_images", []).append(figures["images"])
-        extra.setdefault("fault_skipped", []).append(skipped)
+        for name, over, kind in (("shards", [*shards_url, fresh_cache()], SHARDS),
+                                 ("objects", objects_url, FOLDER)):
+            rates, _, figures, skipped = epoch_rate([*base, *over], kind)
+            add(f"{name} 10 ms, faults", rates[0])
+            extra.setdefault("fault_images", []).append(figures["images"])
+            extra.setdefault("fault_skipped", []).append(skipped)
     extra["faults"] = {"resets": fast.stats.resets, "503s": fast.stats.errors_503,
                        "requests": fast.stats.requests}
-    rows["shards 10 ms, faults"] = faults
     fast.set(reset_rate=0.0, burst_rate=0.0)
     try:
         import json
@@ -329,7 +342,10 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
           f"({min(extra['first_batch_s']):.2f}-{max(extra['first_batch_s']):.2f})")
     if "mount_cpu_ms" in extra:
         print(f"far disk: rclone's mount daemon used {extra['mount_cpu_ms']:.2f} ms of CPU per "
-              "image, on the servers' core (a kernel NFS client costs far less)")
+              "image, on the servers' core (a kernel NFS client costs far less); that core "
+              f"was {extra['far_core_busy']:.0%} busy with the daemon, rclone's HTTP server "
+              "and the line during the far rows (near 100%: the rows measure it, not the "
+              "reader)")
     for what, nbytes in extra["bytes"].items():
         print(f"bytes fetched, {what}: {nbytes / 1e6:.1f} MB")
     cache = extra["cache"]
@@ -355,6 +371,8 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
          ratio("shards 10 ms epoch 2", "shards local epoch 2"), 0.98),
         ("faults (1% resets, 503 bursts) / clean, at 10 ms",
          ratio("shards 10 ms, faults", "shards 10 ms"), 0.9),
+        ("one object per JPEG, faults / clean, at 10 ms",
+         ratio("objects 10 ms, faults", "objects 10 ms"), 0.9),
         ("shards at 10 ms / webdataset's pipeline at 10 ms",
          ratio("shards 10 ms", "webdataset 10 ms"), 1.5),
     ]
@@ -366,8 +384,8 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
         [s > 0 for s in extra["fault_skipped"]]
     targets.append({"what": "faults: no image lost or skipped", "ratio": float(not any(lost)),
                     "target": 1.0, "met": not any(lost)})
-    peak_ok = cache["peak"] <= cache["bound"]
-    targets.append({"what": "cache peak <= its bound", "ratio": cache["peak"] / cache["bound"],
+    peak_ok = 0 < cache["peak"] <= cache["bound"]  # nothing cached would prove nothing
+    targets.append({"what": "cache peak <= its bound (and above 0)", "ratio": cache["peak"] / cache["bound"],
                     "target": 1.0, "met": peak_ok})
     print("\nremote targets")
     for t in targets:
