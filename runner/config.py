@@ -158,7 +158,7 @@ class CompileName(Enum):
     torchscript = "torchscript"
     inductor = "inductor"
     tensorrt = "tensorrt"
-    onnxruntime = "onnxruntime"  # the exported ONNX graph (runner/export.py), task=infer
+    onnxruntime = "onnxruntime"  # the exported ONNX graph (runner/model/onnx.py), task=infer
 
 
 class HostDtype(Enum):  # loader.host_dtype: what crosses to the device
@@ -233,7 +233,8 @@ class DatasetConfig:
     # bytes (unset: 10 GB)
     cache_bytes: int | None = None
     # a local dataset.path on a network mount, read many files in flight through the read
-    # engine (runner/data/remote/fardisk.py); unset: a few reads are timed to tell
+    # engine (runner/data/remote/fardisk.py), and so a packed store under dataset.cache_dir
+    # on one; unset: a local file system is local, another is told by timing a few reads
     far_disk: bool | None = None
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
 """``python -m runner.export model=... out=model.onnx``: the network as ONNX, uint8 input layer
-included, checked against eager with onnxruntime; and the export ``compile=onnxruntime`` runs.
+included, checked against eager with onnxruntime before the file is written. The export
+itself is runner/model/onnx.py's, which ``compile=onnxruntime`` runs too.
 
 Normalizing inside the model (``UInt8Input``, runner/model/networks.py) is what lets it be exported
 whole: the ONNX graph takes the loader's uint8 NCHW batch (``image``, a dynamic batch

@@ -134,6 +134,9 @@ def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_
     for key in ("loss_first", "loss_last"):
         assert runs["local"][key] == runs["remote"][key], key
     assert runs["remote"]["remote_requests"] >= 60 and "remote_requests" not in runs["local"]
+    from runner.measure.schema import problems
+
+    assert problems(runs["remote"]) == [], "the read engine's figures are declared keys"
     assert (tmp_path / "local-infer" / "predictions.csv").read_text() == \
         (tmp_path / "remote-infer" / "predictions.csv").read_text()
     for secret in (s3_env["AWS_SECRET_ACCESS_KEY"],):
@@ -295,6 +298,10 @@ def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_eng
     files = [str(p) for p in sorted(root.rglob("*.jpg"))]
     far, why = is_far(files, None)
     assert not far and "a local disk" in why
+    from runner.data.remote.fardisk import LOCAL_FILESYSTEMS, filesystem_of
+
+    if filesystem_of(files[0]) in LOCAL_FILESYSTEMS:  # told by its type, not probed
+        assert why == f"{filesystem_of(files[0])}: a local disk"
     assert is_far(files, True)[0] and "dataset.far_disk=true" in is_far(files, True)[1]
     assert not is_far(files, False)[0]
     local = batches(f"dataset.path={root}", loader="folder")
@@ -375,3 +382,41 @@ def test_a_packed_store_on_a_far_mount_is_told_far_and_gives_its_local_batches(
         server.close()
     assert engine is not None and where.startswith(str(tmp_path / "mnt"))
     assert_same(local, far)
+
+
+def test_fetches_started_ahead_survive_an_epochs_short_last_batch():
+    """Three batches of 64 queued, then an epoch's last batch of one image: the fetches of
+    the three are still wanted (the decode threads read them next), none dropped."""
+    import concurrent.futures
+
+    from runner.data.remote.engine import Ahead
+
+    ahead, started = Ahead(), []
+
+    def fetch_many(items: list[int]) -> list[concurrent.futures.Future]:
+        started.extend(items)
+        return [concurrent.futures.Future() for _ in items]
+
+    for b in range(3):
+        ahead.start(list(range(64 * b, 64 * b + 64)), fetch_many)
+    ahead.start([192], fetch_many)
+    assert len(ahead.pending) == 193
+    again = []
+    ahead.take(0, lambda i: again.append(i) or concurrent.futures.Future())
+    assert again == [] and len(started) == 193  # taken from what was started, not refetched
+    import pickle
+
+    assert pickle.loads(pickle.dumps(ahead)).pending == {}  # another process starts empty
+
+
+def test_a_closed_packed_store_says_so_when_read(cache_dir):
+    import errno
+
+    import runner
+
+    pipe = runner.pipeline(*SMALL, f"dataset.path={local_dataset(cache_dir)}", loader="packed")
+    storage = pipe.storage
+    pipe.close()
+    with pytest.raises(OSError) as e:
+        storage.read(0)
+    assert e.value.errno == errno.EBADF and "closed" in str(e.value)

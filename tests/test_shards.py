@@ -62,6 +62,17 @@ def test_prepared_shards_are_webdataset_shards_with_an_index(tmp_path, cache_dir
     assert seen == indexed and len(seen) == 60
 
 
+def test_shards_written_from_a_far_packed_store_are_the_local_ones(tmp_path, cache_dir):
+    # dataset.far_disk=true: the packed store's images read through the read engine, asked
+    # for ahead in runs (one range each), to the same bytes as plain preads
+    prepare_shards(str(tmp_path / "local"), "dataset.far_disk=false")
+    prepare_shards(str(tmp_path / "far"), "dataset.far_disk=true")
+    names = sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "far").iterdir()) and names
+    for name in names:
+        assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "far" / name).read_bytes()
+
+
 def test_shards_decode_as_the_packed_store_does(tmp_path, cache_dir):
     out = tmp_path / "shards"
     prepare_shards(str(out))

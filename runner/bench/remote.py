@@ -311,7 +311,7 @@ def measure(args, base, size, shards: Path, objects: Path,
     # both layouts: a shard set makes a few dozen requests (a reset or two at 1%), one
     # object per JPEG one per image (a few dozen resets)
     for _ in range(args.rounds):
-        for name, over, kind in (("shards", [*shards_url, fresh_cache()], SHARDS),
+        for name, over, kind in ((SHARDS, [*shards_url, fresh_cache()], SHARDS),
                                  ("objects", objects_url, FOLDER)):
             rates, _, figures, skipped = epoch_rate([*base, *over], kind)
             add(f"{name} 10 ms, faults", rates[0])

@@ -301,7 +301,7 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
         rates = model_ceiling(step, cfg, classes, data.device, share, len(storage))
         if _below_pipeline(rates, figures, world):  # disturbed while probed: once more
-            again = model_ceiling(step, cfg, classes, data.device, share, len(storage))
+            again = model_ceiling(step, cfg, classes, data.device, share / 2, len(storage))
             log.info("the model's probe came out below the pipeline (%.0f img/s); "
                      "probed again: %.0f img/s", quantiles(rates)["median"],
                      quantiles(again)["median"])

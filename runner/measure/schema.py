@@ -73,6 +73,17 @@ class Metrics(TypedDict, total=False):
     evict_seconds: float  # seconds they took (kept out of the timing)
     prefetch_copy_ms: float | None  # prefetch=gpu: the side stream's copy per step
     gpu_decode_cpu_fallbacks: int  # a GPU decoder's images decoded on the CPU instead
+    # data read from a URL or a far disk (runner/data/remote/): the read engine's fetches
+    remote_requests: int  # requests made (a run of nearby ranges is one)
+    remote_bytes: int  # bytes fetched
+    remote_retries: int  # requests retried (resets, timeouts, 5xx, SlowDown)
+    remote_window: int  # fetches in flight the engine settled on
+    remote_rtt_ms: float | None  # the smallest round trip seen (None: no fetch)
+    remote_index_bytes: int  # loader=shards from a URL: bytes of the shards' indexes
+    cache_peak_bytes: int  # ... the node-local cache's largest size
+    cache_bound_bytes: int  # ... its bound (dataset.cache_bytes)
+    cache_evictions: int  # ... shards it evicted
+    uncached_reads: int  # ... samples read by a range request, not from the cache
     # --- the task (runner/tasks/) ------------------------------------------------------------
     loss_first: float  # train: the mean loss of the first tenth of the steps
     loss_last: float  # train: the mean loss of the last tenth

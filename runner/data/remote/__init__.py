@@ -9,7 +9,10 @@
 - cache.py: the node-local shard cache with a hard bound in bytes;
 - stream.py: remote shards fetched ahead of need into that cache (``loader=shards``);
 - listing.py: an image folder (or manifest) that lives in a bucket, listed as a local one is;
-- delayline.py, loopback.py: a far link and an S3 server on loopback, for tests and the bench.
+- fardisk.py: a local path on a network mount (NFS, SMB, FUSE) told far and read through
+  the engine, a folder's files or a packed store's images;
+- delayline.py, loopback.py: a far link, S3 and HTTP servers on loopback and rclone's FUSE
+  mount of them, for tests and the bench.
 
 A bucket is read in one of two layouts: one object per image (``loader=folder`` over a URL),
 a request per image; or shards

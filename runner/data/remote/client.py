@@ -177,11 +177,8 @@ class ObjectStore:
         return obstore.get(self.store, key).bytes().to_bytes()
 
     async def get_async(self, key: str) -> memoryview:
-        """The whole object ``key``. (Collecting a small body with the blocking ``bytes()``
-        once the headers are in saves a crossing into the asyncio loop, 0.24 -> 0.17 ms of
-        client CPU per 40 KB object, but blocks the loop while the body comes: a local
-        file's is read only then, which serialized a far disk's reads to one at a time, and
-        a slow link's would stall every other fetch. Not done.)"""
+        """The whole object ``key`` (its body awaited too: a blocking ``bytes()`` would hold
+        the loop, and every other fetch, while a slow body or a local file is read)."""
         import obstore
 
         result = await obstore.get_async(self.store, key)

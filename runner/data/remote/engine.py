@@ -259,13 +259,14 @@ class Ahead:
     """Fetches started ahead of need (a coming batch's, from a storage's ``will_need``),
     each taken once by its item's read; an item read before its fetch was started is
     fetched then. Fetches started and never read (an epoch cut short) are dropped, the
-    oldest half at a time, past ``16 x`` a batch. A copy in another process (a loader
+    oldest half at a time, past ``16 x`` the largest batch started. A copy in another process (a loader
     worker, pickled or forked) starts with none: the I/O thread behind them stayed behind.
     """
 
     def __init__(self) -> None:
         self.pending: dict[int, concurrent.futures.Future] = {}
         self.pid = os.getpid()
+        self.batch = 1  # the largest batch started: an epoch's short last one drops none
 
     def __getstate__(self) -> dict:
         return {}
@@ -285,7 +286,8 @@ class Ahead:
         todo = [i for i in dict.fromkeys(items) if i not in pending]
         if todo:
             pending.update(zip(todo, fetch_many(todo)))
-        if len(pending) > 16 * max(len(items), 1):
+        self.batch = max(self.batch, len(items))
+        if len(pending) > 16 * self.batch:
             for stale in list(pending)[: len(pending) // 2]:
                 pending.pop(stale, None)
 

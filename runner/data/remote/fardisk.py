@@ -5,7 +5,9 @@ A file on such a disk costs a network round trip to open and read (5-50 ms), not
 disk's 0.1 ms: with one blocking read per decode thread, two threads read 40-400 images/s
 whatever the decoder does. ``is_far`` tells such a folder by timing a few whole-file reads
 spread over the listing (``FAR_READ_SECONDS``: a local disk, even cold, reads a small
-image well under it) and names the file system from ``/proc/self/mountinfo`` for the log.
+image well under it) and names the file system from ``/proc/self/mountinfo`` for the log;
+a file system of the machine's own (``LOCAL_FILESYSTEMS``: ext4, xfs, tmpfs, overlay, ...)
+is local without a probe.
 ``dataset.far_disk=true|false`` decides instead of the probe. A packed store (one large
 file, ``loader=packed``) is told the same way, by timing ``pread``s of a few of its images.
 
@@ -93,6 +95,13 @@ def pread_seconds(path: str | Path, spans: list[tuple[int, int]]) -> float:
     return statistics.median(times) if times else 0.0
 
 
+# file systems on this machine's own disks or memory: never far, and never probed (a probe
+# of a packed store evicts the pages around the images it times)
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs",
+                               "tmpfs", "ramfs", "overlay", "squashfs", "vfat", "exfat",
+                               "ntfs3"})
+
+
 def is_far(paths: list[str], setting: bool | None,
            spans: list[tuple[int, int]] | None = None) -> tuple[bool, str]:
     """Whether ``paths`` (a folder's images; with ``spans``, the one file holding them at
@@ -102,6 +111,8 @@ def is_far(paths: list[str], setting: bool | None,
     on = f" ({where})" if where else ""
     if setting is not None:
         return setting, f"dataset.far_disk={str(setting).lower()}{on}"
+    if where in LOCAL_FILESYSTEMS:
+        return False, f"{where}: a local disk"
     seconds = read_seconds(paths) if spans is None else pread_seconds(paths[0], spans)
     far = seconds >= FAR_READ_SECONDS
     what = "a file" if spans is None else "an image"

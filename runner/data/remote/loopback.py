@@ -19,6 +19,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,8 +130,8 @@ class LoopbackRclone:
 
 
 class RcloneMount:
-    """A bucket of an S3 server mounted with ``rclone mount`` (FUSE: Debian's ``fuse3`` and
-    /dev/fuse): a real mount point whose every open and read crosses ``endpoint`` (a delay
+    """A bucket of an S3 server (or, with ``http``, an HTTP server's files) mounted with
+    ``rclone mount`` (FUSE: Debian's ``fuse3`` and /dev/fuse): a real mount point whose every open and read crosses ``endpoint`` (a delay
     line: a far disk with a network's latency). No local caching of file data
     (``--vfs-cache-mode off``), the listing cached (a network file system's usual).
 
@@ -164,22 +165,26 @@ class RcloneMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         auth = f",access_key_id={keys[0]},secret_access_key={keys[1]}" if keys else ""
         remote = remote or f":s3,provider=Other,endpoint='{endpoint}'{auth}:{bucket}"
+        # its log to a file, read only when it fails: a pipe nobody reads would fill with
+        # the errors of faults and seeks, and stall the mount
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [shutil.which("rclone"), "mount", remote, str(self.mountpoint), *extra,
              "--vfs-cache-mode", "off", "--dir-cache-time", "1h", "--log-level", "ERROR"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent)
+            stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while not os.path.ismount(self.mountpoint):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 _stop(self.proc)
-                raise RuntimeError(f"rclone mount did not mount: {self.proc.stderr.read()[-300:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"rclone mount did not mount: {self.log.read()[-300:]}")
             time.sleep(0.05)
 
     def close(self) -> None:
         subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
                        capture_output=True, check=False)
         _stop(self.proc)
+        self.log.close()
 
     def __enter__(self) -> RcloneMount:
         return self

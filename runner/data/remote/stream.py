@@ -73,6 +73,7 @@ class RemoteShards:
         self._where = (0, 0)  # (epoch, block) being read
         self.uncached_reads = 0
         self._ranged = 0  # batches read (partly) by range requests
+        self._batch = 1  # the largest batch queued
 
     def __getstate__(self) -> dict:  # a worker process: its own pool, fds and loop
         keep = ("url", "engine", "names", "nbytes", "cache", "shard_of", "spans", "order",
@@ -202,7 +203,9 @@ class RemoteShards:
             ranges = [(self.spans[i][0], self.spans[i][0] + self.spans[i][1]) for i in items]
             futures = self.engine.get_ranges(self.url.key(self.names[shard]), ranges)
             self._pending.update(zip(items, futures))
-        if len(self._pending) > 16 * max(len(index), 1):  # queued, never read
+        self._batch = max(self._batch, len(index))
+        if len(self._pending) > 16 * self._batch:  # queued, never read (a short last batch
+            # of an epoch measures nothing: the batches queued before it are still to come)
             for stale in list(self._pending)[: len(self._pending) // 2]:
                 self._pending.pop(stale, None)
 

@@ -12,6 +12,7 @@ staging folder (a manifest keeps its order and labels). Unset ``out=``: the cach
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from filelock import FileLock
 
 from runner.config import DatasetConfig, LoaderConfig
@@ -37,6 +39,8 @@ from runner.data.storage.tarshards import (
 
 log = logging.getLogger(__name__)
 
+READ_AHEAD = 256  # images of a packed store asked for together while writing its shards
+
 
 def cache_folder(dataset: DatasetConfig, what: str, key: str) -> Path:
     """``<cache_dir>/shards/<what>/<digest of key>``: one folder per shard set."""
@@ -50,6 +54,9 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
     """Every stored JPEG of ``packed`` into shards in ``out``, with indexes and manifest."""
     writer = ShardWriter(out, shard_bytes)
     for i in range(len(packed)):
+        if i % READ_AHEAD == 0:  # the next images asked for together: on a far disk one
+            # range request for a run of them, locally the kernel's readahead
+            packed.will_need(torch.arange(i, min(i + READ_AHEAD, len(packed))))
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
                    packed.widths[i], packed.name_of(i))
     skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
@@ -68,23 +75,23 @@ def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                       progress: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """The cached shards of the image folder at ``path`` (packed, then written as shards,
     once; again when the packed store changed)."""
-    packed = open_packed(loader, dataset, path, progress)
-    facts = _packed_facts(packed, shard_bytes)
-    out = Path(dataset.cache_dir).expanduser() / "shards" / "local" / \
-        f"{packed.cache.name}-{shard_bytes >> 20}MiB"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        try:
-            meta = json.loads((out / MANIFEST).read_text())
-        except (OSError, ValueError):
-            meta = None
-        if meta is None or meta.get("packed") != facts["packed"]:
-            partial = out.with_name(out.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            write_packed_as_shards(packed, partial, shard_bytes, facts)
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(partial, out)
-            log.info("shards ready: %s", out)
+    with contextlib.closing(open_packed(loader, dataset, path, progress)) as packed:
+        facts = _packed_facts(packed, shard_bytes)
+        out = Path(dataset.cache_dir).expanduser() / "shards" / "local" / \
+            f"{packed.cache.name}-{shard_bytes >> 20}MiB"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(out) + ".lock"):
+            try:
+                meta = json.loads((out / MANIFEST).read_text())
+            except (OSError, ValueError):
+                meta = None
+            if meta is None or meta.get("packed") != facts["packed"]:
+                partial = out.with_name(out.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                write_packed_as_shards(packed, partial, shard_bytes, facts)
+                shutil.rmtree(out, ignore_errors=True)
+                os.replace(partial, out)
+                log.info("shards ready: %s", out)
     return out
 
 
@@ -143,7 +150,13 @@ def build_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
         return convert_to_shards(loader, dataset, Path(path), progress, shard_bytes)
     if rebuild:
         build_packed(loader, dataset, Path(path), progress, rebuild=True)
-    packed = open_packed(loader, dataset, Path(path), progress)
+    with contextlib.closing(open_packed(loader, dataset, Path(path), progress)) as packed:
+        return _write_out(packed, out, dataset, shard_bytes)
+
+
+def _write_out(packed: PackedStorage, out: str | Path, dataset: DatasetConfig,
+               shard_bytes: int) -> str | Path:
+    """``packed`` as shards at ``out``: a local folder, or a URL (written locally first)."""
     facts = _packed_facts(packed, shard_bytes)
     if not is_url(out):
         target = Path(out).expanduser()
