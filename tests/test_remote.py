@@ -92,6 +92,25 @@ def test_the_engine_retries_resets_and_503_bursts_and_loses_nothing(s3_server, d
     engine.close()
 
 
+def test_the_listing_and_metadata_are_retried_through_503s(s3_server, delay_line, s3_env):
+    """What a run reads before its first batch (the listing, a manifest, an object's size)
+    is retried as the engine's fetches are: a run does not fail on one SlowDown or reset."""
+    from runner.data.remote.client import ObjectStore
+    from runner.data.remote.url import RemoteURL
+
+    s3_server.make_bucket("listing")
+    client = s3_server.client()
+    for i in range(5):
+        client.put_object(Bucket="listing", Key=f"a/{i}.jpg", Body=b"x" * (10 + i))
+    store = ObjectStore(RemoteURL.parse("s3://listing"))
+    delay_line.set(rtt=0.002)
+    delay_line.fail_next(2)
+    assert [o.size for o in store.list("a")] == [10, 11, 12, 13, 14]
+    delay_line.fail_next(2)
+    assert store.head("a/3.jpg").size == 13 and store.get("a/4.jpg") == b"x" * 14
+    assert delay_line.stats.errors_503 == 4
+
+
 def test_adjacent_ranges_are_read_as_one_request():
     from runner.data.remote.engine import merge_ranges
 

@@ -33,12 +33,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from runner.data.remote.url import RemoteURL
 from runner.errors import ConfigError
+
+T = TypeVar("T")
 
 CONNECT_TIMEOUT = "5s"
 REQUEST_TIMEOUT = "60s"
@@ -159,22 +164,26 @@ class ObjectStore:
         import obstore
 
         prefix = prefix.rstrip("/") + "/" if prefix else ""
-        found = []
-        for page in obstore.list(self.store, prefix or None):
-            found += [ObjectInfo(o["path"], int(o["size"]), str(o.get("e_tag") or ""))
-                      for o in page]
-        return sorted(found, key=lambda o: o.key)
+
+        def listing() -> list[ObjectInfo]:
+            found = []
+            for page in obstore.list(self.store, prefix or None):
+                found += [ObjectInfo(o["path"], int(o["size"]), str(o.get("e_tag") or ""))
+                          for o in page]
+            return found
+
+        return sorted(retried(listing), key=lambda o: o.key)
 
     def head(self, key: str) -> ObjectInfo:
         import obstore
 
-        meta = obstore.head(self.store, key)
+        meta = retried(lambda: obstore.head(self.store, key))
         return ObjectInfo(meta["path"], int(meta["size"]), str(meta.get("e_tag") or ""))
 
     def get(self, key: str) -> bytes:
         import obstore
 
-        return obstore.get(self.store, key).bytes().to_bytes()
+        return retried(lambda: obstore.get(self.store, key).bytes().to_bytes())
 
     async def get_async(self, key: str) -> memoryview:
         """The whole object ``key`` (its body awaited too: a blocking ``bytes()`` would hold
@@ -225,6 +234,21 @@ def status_of(error: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def retried(call: Callable[[], T], attempts: int = 6, backoff: float = 0.1) -> T:
+    """``call()``, tried again after a transient error (``transient``) with full-jitter
+    back-off, as the read engine retries its fetches: the listing and the metadata a run
+    reads before its first batch would otherwise fail it on one reset connection. (Bad
+    input fails before any work in ``check_url``, which does not retry.)"""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as e:
+            if not transient(e) or attempt == attempts - 1:
+                raise
+            time.sleep(random.uniform(0, min(2.0, backoff * 2 ** attempt)))
+    raise AssertionError("unreachable")
+
+
 def transient(error: BaseException) -> bool:
     """Whether retrying may help: a reset, a timeout, a 5xx (SlowDown is a 503), a 429 or
     408; not a 4xx that says the request itself is wrong (missing, denied)."""
@@ -270,7 +294,7 @@ def check_url(text: str, endpoint_url: str | None = None, is_file: bool = False
     try:
         store = ObjectStore(url, endpoint_url)
         if is_file or url.scheme in ("http", "https"):
-            store.head(url.prefix)
+            obstore.head(store.store, url.prefix)  # one attempt: not ObjectStore.head's
             return store
         prefix = url.prefix + "/" if url.prefix else None
         page = next(iter(obstore.list(store.store, prefix, chunk_size=1)), [])
