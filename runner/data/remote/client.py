@@ -245,8 +245,15 @@ def retried(call: Callable[[], T], attempts: int = 6, backoff: float = 0.1) -> T
         except Exception as e:
             if not transient(e) or attempt == attempts - 1:
                 raise
-            time.sleep(random.uniform(0, min(2.0, backoff * 2 ** attempt)))
+            time.sleep(backoff_seconds(attempt, backoff, cap=2.0))
     raise AssertionError("unreachable")
+
+
+def backoff_seconds(attempt: int, base: float, cap: float,
+                    rng: random.Random | None = None) -> float:
+    """The wait before retry ``attempt + 1``: full jitter, a random wait in
+    ``[0, min(cap, base * 2**attempt)]`` (botocore's "standard" mode, a shorter base)."""
+    return (rng or random).uniform(0, min(cap, base * 2 ** attempt))
 
 
 def transient(error: BaseException) -> bool:

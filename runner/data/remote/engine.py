@@ -41,7 +41,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from runner.data.remote.client import ObjectStore, transient
+from runner.data.remote.client import ObjectStore, backoff_seconds, transient
 
 MIN_WINDOW, MAX_WINDOW = 16, 512
 
@@ -196,8 +196,7 @@ class ReadEngine:
                     self.stats.failures += 1
                     raise
                 self.stats.retries += 1
-                cap = min(5.0, self.backoff * 2 ** attempt)
-                await asyncio.sleep(self._rng.uniform(0, cap))
+                await asyncio.sleep(backoff_seconds(attempt, self.backoff, 5.0, self._rng))
                 continue
             window.release(nbytes, time.perf_counter() - t0)
             self.stats.requests += 1

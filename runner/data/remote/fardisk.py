@@ -24,7 +24,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 FAR_READ_SECONDS = 0.002  # median whole-file read above which a folder is on a far disk
 PROBE_FILES = 8
@@ -52,12 +56,16 @@ def filesystem_of(path: str | Path) -> str:
     return kind
 
 
+def spread(items: Sequence[T]) -> Sequence[T]:
+    """Up to PROBE_FILES of ``items``, spread evenly over them: what a probe times."""
+    return items[::max(1, len(items) // PROBE_FILES)][:PROBE_FILES]
+
+
 def read_seconds(paths: list[str]) -> float:
-    """The median seconds to open and read one of ``paths`` whole (up to PROBE_FILES of
-    them, spread over the list), or 0.0 when none could be read."""
-    step = max(1, len(paths) // PROBE_FILES)
+    """The median seconds to open and read one of ``paths`` whole (``spread`` over the
+    list), or 0.0 when none could be read."""
     times = []
-    for path in paths[::step][:PROBE_FILES]:
+    for path in spread(paths):
         t0 = time.perf_counter()
         try:
             with open(path, "rb", buffering=0) as f:
@@ -70,16 +78,15 @@ def read_seconds(paths: list[str]) -> float:
 
 
 def pread_seconds(path: str | Path, spans: list[tuple[int, int]]) -> float:
-    """The median seconds of one ``pread`` of each of ``spans`` (offset, size; up to
-    PROBE_FILES of them, spread over the list) from the file ``path``, or 0.0."""
-    step = max(1, len(spans) // PROBE_FILES)
+    """The median seconds of one ``pread`` of each of ``spans`` (offset, size; ``spread``
+    over the list) from the file ``path``, or 0.0."""
     times = []
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return 0.0
     try:
-        for offset, size in spans[::step][:PROBE_FILES]:
+        for offset, size in spread(spans):
             if hasattr(os, "posix_fadvise"):  # from the disk, not the page cache (nor
                 # the kernel's readahead of an image before): only around this image
                 start = max(0, offset - READAHEAD)

@@ -536,10 +536,9 @@ def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 def read_far(storage: PackedStorage, setting: bool | None) -> None:
     """A store on a far disk (``dataset.far_disk``, else a few of its images' ``pread``s
     timed: runner/data/remote/fardisk.py) is read through the read engine."""
-    from runner.data.remote.fardisk import is_far
+    from runner.data.remote.fardisk import is_far, spread
 
-    step = max(1, len(storage.offsets) // 8)  # the probe times 8, spread over the store
-    spans = list(zip(storage.offsets[::step], storage.sizes[::step]))
+    spans = list(zip(spread(storage.offsets), spread(storage.sizes)))  # not every image's
     far, why = is_far([str(storage.path)], setting, spans)
     if far:
         from runner.data.storage.folder import far_engine
