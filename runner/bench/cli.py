@@ -28,43 +28,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.bench", description=runner.bench.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("loaders", help="every loader against the memory-copy limit")
+    # the options most benches share, each written once (argparse's parents)
+    sized, written, overridden = (argparse.ArgumentParser(add_help=False) for _ in range(3))
+    sized.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    written.add_argument("--out", type=Path, default=Path("outputs/bench"))
+    overridden.add_argument("overrides", nargs="*",
+                            help="runner overrides, e.g. dataset.path=/data")
+    every = [sized, written, overridden]
+    p = sub.add_parser("loaders", help="every loader against the memory-copy limit",
+                       parents=every)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     p.add_argument("--rounds", type=int, default=3, help="alternating folder/naive rounds")
-    p.add_argument("--out", type=Path, default=Path("outputs/bench"))
-    p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
-    t = sub.add_parser("stores", help="folder, packed, memmap and ram: center/random, warm/cold")
-    t.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    t = sub.add_parser("stores", help="folder, packed, memmap and ram: center/random, warm/cold",
+                       parents=every)
     t.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     t.add_argument("--rounds", type=int, default=3, help="alternating rounds")
-    t.add_argument("--out", type=Path, default=Path("outputs/bench"))
-    t.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
-    g = sub.add_parser("gil", help="does each decoder release the GIL (1 thread vs one per core)")
-    g.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+    g = sub.add_parser("gil", help="does each decoder release the GIL (1 thread vs one per core)",
+                       parents=[sized, overridden])
     g.add_argument("--seconds", type=float, default=3.0, help="per measurement")
-    g.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     c = sub.add_parser("contention", help="each store quiet and beside another job's "
-                                          "threads on the same cores")
-    c.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+                                          "threads on the same cores", parents=every)
     c.add_argument("--batch-size", type=int, default=64)
     c.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     c.add_argument("--rounds", type=int, default=3, help="alternating quiet/busy rounds")
     c.add_argument("--burner-threads", type=int, default=2)
-    c.add_argument("--out", type=Path, default=Path("outputs/bench"))
-    c.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     v = sub.add_parser("overhead", help="the loop's own cost per batch against a DataLoader's "
-                                        "(section 5 of loaders, in rounds)")
+                                        "(section 5 of loaders, in rounds)", parents=[written])
     v.add_argument("--items", type=int, default=300_000)
     v.add_argument("--batch-size", type=int, default=300)
     v.add_argument("--rounds", type=int, default=5)
     v.add_argument("--workers", type=int, default=2, help="of the DataLoader as scripts set it")
-    v.add_argument("--out", type=Path, default=Path("outputs/bench"))
     v.add_argument("overrides", nargs="*", help="(none used)")
     i = sub.add_parser("infer", help="an inference job with three models: the runner's one "
-                                     "pass against the naive script and three separate runs")
-    i.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
+                                     "pass against the naive script and three separate runs",
+                       parents=every)
     i.add_argument("--batch-size", type=int, default=32)
     i.add_argument("--steps", type=int, default=25, help="steps of each runner job")
     i.add_argument("--seconds", type=float, default=8.0, help="of the naive script a round")
@@ -76,11 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
     i.add_argument("--compile", default="inductor", help="ablation: the backend added")
     i.add_argument("--outputs", default="topk,embeddings", help="task.outputs of the jobs")
-    i.add_argument("--out", type=Path, default=Path("outputs/bench"))
-    i.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.path=/data")
     from runner.bench.remote import add_parser as add_remote
 
-    add_remote(sub)
+    add_remote(sub, [sized, written])
     args = parser.parse_args(argv)
     why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
     if why:

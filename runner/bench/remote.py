@@ -395,14 +395,13 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
     return {"rows": rows, **extra, "targets": targets}
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, parents: list) -> None:
     r = sub.add_parser("remote", help="shards and one object per JPEG over a delay line at "
-                                      "0/10/50 ms against local disk, and webdataset's pipeline")
+                                      "0/10/50 ms against local disk, and webdataset's pipeline",
+                       parents=parents)
     r.add_argument("--images", type=int, default=2000, help="photos in the generated dataset")
-    r.add_argument("--size", type=int, default=224, help="images are SIZE x SIZE")
     r.add_argument("--batch-size", type=int, default=64)
     r.add_argument("--shard-mb", type=float, default=8.0, help="shard size, MiB")
     r.add_argument("--rounds", type=int, default=3, help="alternating rounds")
-    r.add_argument("--out", type=Path, default=Path("outputs/bench"))
     r.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.store_size=256")
 
