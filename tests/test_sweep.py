@@ -159,14 +159,29 @@ def test_the_verdict_names_decode_for_a_slow_folder_decoder(tmp_path: Path, cach
 @pytest.mark.slow
 def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_dir: Path):
     # 16 steps, not 6: the pipeline's figure is a median over windows of a few steps, and
-    # with 5 timed steps one fast window put it 12% over the model's own probe here
-    run_cli(*SMALL_DATASET, "loader=ram", "model=resnet18", "logger=none", "run.steps=16",
-            "hydra.run.dir=run", cwd=tmp_path)
-    m = read_metrics(tmp_path / "run")
-    b = m["bottleneck"]
-    assert b["bound"] == "model" and b["stage"] == "model"
-    assert b["ceilings"]["gather"] > b["ceilings"]["model"]
-    assert b["sentence"].startswith("model-bound: pipeline")
+    # with 5 timed steps one fast window put it 12% over the model's own probe here.
+    # This 2-core VM's speed drifts by a quarter over seconds (resnet18 alone measured 90
+    # img/s in one process, 136 in the next, each steady within its own bursts): a model
+    # probe taken in a slow spell comes out below the pipeline measured before it, and the
+    # verdict then rightly calls it disturbed (stage "unknown", never a data stage). Up to
+    # three runs, each model-bound; one must name the model.
+    stages = []
+    for attempt in range(3):
+        run_cli(*SMALL_DATASET, "loader=ram", "model=resnet18", "logger=none", "run.steps=16",
+                f"hydra.run.dir=run{attempt}", cwd=tmp_path)
+        m = read_metrics(tmp_path / f"run{attempt}")
+        b = m["bottleneck"]
+        assert b["bound"] == "model", b["sentence"]
+        assert b["ceilings"]["gather"] > b["ceilings"]["model"]
+        stages.append(b["stage"])
+        if b["stage"] == "model":
+            assert b["sentence"].startswith("model-bound: pipeline")
+            break
+        # the one other answer: the model's probe below the pipeline, said as disturbed
+        assert b["stage"] == "unknown", b["sentence"]
+        assert b["ceilings"]["model"] < m["images_per_sec"]
+        assert "came out below the pipeline itself" in b["sentence"]
+    assert stages[-1] == "model", stages
 
 
 @pytest.mark.slow
