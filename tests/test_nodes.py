@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,14 +98,14 @@ ELASTIC = [o for o in SMALL_DATASET if not o.startswith(("dataset.num_images", "
        "diagnose=false", "run.timeline=false"]  # 44 images, global batch 8: 5 steps an epoch
 
 
-def torchrun_ranks(tmp_path: Path, env: dict, nproc: int, *overrides: str) -> str:
-    import subprocess
-    import sys
+def torchrun_command(nproc: int, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--standalone", "-m", "runner", *ELASTIC, *overrides]
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-         "--standalone", "-m", "runner", *ELASTIC, *overrides],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+def torchrun_ranks(tmp_path: Path, env: dict, nproc: int, *overrides: str) -> str:
+    proc = subprocess.run(torchrun_command(nproc, *overrides), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
     return proc.stdout + proc.stderr
 
 
@@ -129,10 +133,23 @@ def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight
            **sitecustomize(tmp_path / "inject", RECORDING)}
     straight = {**env, "RECORD": str(tmp_path / "straight"), "STOP_AT": "-1"}
     torchrun_ranks(tmp_path, straight, 2, "loader.batch_size=4", "hydra.run.dir=straight")
-    stop = 7  # in the second epoch
-    first = {**env, "RECORD": str(tmp_path / "first"), "STOP_AT": str(stop)}
-    torchrun_ranks(tmp_path, first, 4, "resume=auto", "hydra.run.dir=run")
+    # 4 ranks, stopped by a real SIGTERM to torchrun (as SLURM's preemption sends it) once
+    # rank 0 is into the second epoch; the ranks agree on the step they stop at
+    first = {**env, "RECORD": str(tmp_path / "first"), "STOP_AT": "-1", "SLEEP": "0.3"}
+    proc = subprocess.Popen(torchrun_command(4, "resume=auto", "hydra.run.dir=run",
+                                             "run.log_every=1"),  # ranks agree each step
+                            cwd=tmp_path, env=first, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    record = tmp_path / "first.0"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None and (
+            not record.exists() or len(record.read_text().splitlines()) < 6):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
     assert read_metrics(tmp_path / "run")["status"] == "interrupted"
+    stop = len(global_steps(tmp_path, "first", 4))  # every rank stopped at this one step
+    assert 5 < stop < 10  # in the second epoch (5 global steps an epoch)
     # the same command on 2 ranks: loader.batch_size=2 is scaled to 4, said in the log
     second = {**env, "RECORD": str(tmp_path / "second"), "STOP_AT": "-1"}
     out = torchrun_ranks(tmp_path, second, 2, "resume=auto", "hydra.run.dir=run")
@@ -152,7 +169,7 @@ def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight
     assert resumed["world"] == 2 and resumed["steps"] == reference["steps"] == 10
     for key, value in reference["model"].items():
         torch.testing.assert_close(resumed["model"][key], value, atol=1e-5, rtol=1e-4)
-    print(f"\n4 ranks x 2 stopped at step {stop}, resumed on 2 ranks x 4: {len(got)} global "
+    print(f"\n4 ranks x 2 stopped by SIGTERM at step {stop}, resumed on 2 ranks x 4: {len(got)} global "
           f"steps, {sum(len(i) for i, _ in got)} samples, identical to 2 ranks straight")
 
     # 3 ranks cannot share a global batch of 8: refused, naming the sizes that would
