@@ -87,3 +87,44 @@ def test_documented_command_composes(where: str, line: str):
         with open_dict(cfg):
             del cfg["hydra"]
         to_config(cfg)
+
+
+# ``python -m runner.<module> ...`` lines: the module exists, and a bench's arguments parse
+MODULE_COMMAND = re.compile(r"python -m (runner\.[a-z_.]+)(.*)")
+
+
+def documented_module_commands() -> list[tuple[str, str, str]]:
+    found = []
+    text = (REPO / "README.md").read_text()
+    for k, line in enumerate(text.splitlines()):
+        for part in re.findall(r"`([^`]*)`", line) or [line]:
+            for module, args in MODULE_COMMAND.findall(part):
+                found.append((f"README.md:{k + 1}", module, args.split("#")[0].strip()))
+    return found
+
+
+MODULE_COMMANDS = documented_module_commands()
+
+
+def test_the_readme_documents_module_commands():
+    modules = {m for _, m, _ in MODULE_COMMANDS}
+    assert {"runner.bench", "runner.report", "runner.prepare", "runner.export",
+            "runner.environment"} <= modules
+
+
+@pytest.mark.parametrize(("where", "module", "args"), MODULE_COMMANDS,
+                         ids=[f"{w}-{m}" for w, m, _ in MODULE_COMMANDS])
+def test_a_documented_module_command_names_a_module_and_parses(where: str, module: str,
+                                                                args: str):
+    import importlib.util
+
+    from runner.compose import job_refusal
+
+    assert importlib.util.find_spec(module) is not None, f"{where}: no module {module}"
+    argv = shlex.split(args)
+    if module != "runner.bench" or not argv or argv[0].startswith("<"):
+        return  # the other commands take overrides of their own (checked by their tests)
+    from runner.bench.cli import command_line
+
+    parsed = command_line().parse_args(argv)  # SystemExit(2) on an unknown option
+    assert job_refusal(parsed.overrides, runnable=False) is None, f"{where}: {args}"

@@ -24,7 +24,8 @@ from runner.compose import job_refusal
 from runner.errors import EXIT_USER_ERROR, ConfigError
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """``python -m runner.bench``'s parser: one sub-command per bench."""
     parser = argparse.ArgumentParser(prog="python -m runner.bench", description=runner.bench.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     from runner.bench.remote import add_parser as add_remote
 
     add_remote(sub, [sized, written])
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
     why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
     if why:
         print(f"error: {why}", file=sys.stderr)
