@@ -20,17 +20,26 @@ COMMAND = re.compile(r"(?:python -m|torchrun\b.*?-m) runner(?=\s|$)(.*)")
 HYDRA_FLAGS = {"-m", "--multirun"}
 
 
-def documented_commands() -> list[tuple[str, str]]:
-    """(where, command line) for every runner command in the README and conf/ comments."""
+def command_parts(sources: list) -> list[tuple[str, str]]:
+    """(where, text) of each line of ``sources``, continued lines joined: each quoted span
+    of a line that has some, else the whole line."""
     found = []
-    sources = [REPO / "README.md", *sorted((REPO / "conf").rglob("*.yaml"))]
     for path in sources:
         text = re.sub(r"\\\n\s*", " ", path.read_text())  # join continued lines
         for k, line in enumerate(text.splitlines()):
             for part in re.findall(r"`([^`]*)`", line) or [line]:
-                match = COMMAND.search(part.split("&&")[0])
-                if match and "--help" not in match.group(1):
-                    found.append((f"{path.name}:{k + 1}", part.strip()))
+                found.append((f"{path.name}:{k + 1}", part))
+    return found
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command line) for every runner command in the README and conf/ comments."""
+    found = []
+    for where, part in command_parts([REPO / "README.md",
+                                      *sorted((REPO / "conf").rglob("*.yaml"))]):
+        match = COMMAND.search(part.split("&&")[0])
+        if match and "--help" not in match.group(1):
+            found.append((where, part.strip()))
     return found
 
 
@@ -94,13 +103,9 @@ MODULE_COMMAND = re.compile(r"python -m (runner\.[a-z_.]+)(.*)")
 
 
 def documented_module_commands() -> list[tuple[str, str, str]]:
-    found = []
-    text = (REPO / "README.md").read_text()
-    for k, line in enumerate(text.splitlines()):
-        for part in re.findall(r"`([^`]*)`", line) or [line]:
-            for module, args in MODULE_COMMAND.findall(part):
-                found.append((f"README.md:{k + 1}", module, args.split("#")[0].strip()))
-    return found
+    return [(where, module, args.split("#")[0].strip())
+            for where, part in command_parts([REPO / "README.md"])
+            for module, args in MODULE_COMMAND.findall(part)]
 
 
 MODULE_COMMANDS = documented_module_commands()
