@@ -282,3 +282,30 @@ def test_every_backend_has_a_record_and_says_what_it_cannot_do():
                                           "DistributedDataParallel model"):
         compiling.BACKENDS[CompileName.torchscript].check_replicas()
     compiling.BACKENDS[CompileName.inductor].check_replicas()  # trains under torchrun
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [
+    "torchscript",
+    pytest.param("inductor", marks=INDUCTOR),
+])
+def test_a_compiled_runs_checkpoint_holds_the_plain_network(backend: str, tmp_path: Path,
+                                                            cache_dir: Path):
+    """A checkpoint of a compiled run holds the network's own state_dict (no traced
+    wrapper's ``0.``/``1.`` keys, no ``_orig_mod.``): it loads for inference
+    (model.weights=) and resumes eagerly."""
+    common = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false"]
+    trained = run_in_process(*common, f"compile={backend}", "run.epochs=1",
+                             run_dir=tmp_path / "train")
+    assert trained["status"] == "ok"
+    saved = torch.load(tmp_path / "train" / "checkpoint.pt", weights_only=True)
+    network = build_model(ModelConfig("tiny"), num_classes=3, device=CPU)[1]
+    assert list(saved["model"]) == list(network.state_dict())
+    network.load_state_dict(saved["model"])  # the same shapes too
+    inferred = run_in_process(*common, "task=infer",
+                              f"model.weights={tmp_path / 'train' / 'checkpoint.pt'}",
+                              run_dir=tmp_path / "infer")
+    assert inferred["status"] == "ok" and inferred["predictions"] == 60
+    resumed = run_in_process(*common, "compile=eager", "run.epochs=2",
+                             f"resume={tmp_path / 'train'}", run_dir=tmp_path / "resume")
+    assert resumed["status"] == "ok" and resumed["start_step"] == 8

@@ -11,6 +11,11 @@ CUDA's on a CUDA device (onnxruntime-gpu; else the run is skipped naming it). It
 float32: with ``amp`` other than off the run is skipped naming ``amp=off``, and training
 with it is skipped naming ``task=infer`` (as with tensorrt).
 
+Every backend that trains keeps the eager model it compiled as ``_orig_mod`` (torch.compile
+does; a TorchScript module is wrapped in ``Traced``), and the two share their parameters:
+a checkpoint is the network's own state_dict whatever ``compile=`` trained it, loadable by
+``model.weights=`` and by a resume under any backend.
+
 ``compile_model`` compiles, then runs the compiled model on every batch shape the run will
 see (the full batch, and the last short one when there is one), so any recompilation
 happens here and is counted in ``compile_seconds``, never inside the timed loop. With
@@ -79,7 +84,23 @@ def _torchscript(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, tr
             compiled = torch.jit.script(model)
     if not train and cfg.freeze:
         compiled = torch.jit.optimize_for_inference(torch.jit.freeze(compiled.eval()))
-    return compiled
+    return Traced(model, compiled)
+
+
+class Traced(nn.Module):
+    """A TorchScript module with the eager model it was traced from kept as ``_orig_mod``
+    (where torch.compile keeps it): ``runner.distributed.local_module`` finds the network
+    there, so a checkpoint holds the network's own state_dict (``features...``), never the
+    traced graph's (``0.scale``, ``1.features...``), and loads back into it. A traced
+    module shares its parameters and buffers with the eager one: training either trains
+    both."""
+
+    def __init__(self, model: nn.Module, traced: nn.Module):
+        super().__init__()
+        self._orig_mod, self.traced = model, traced
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.traced(x)
 
 
 def _inductor(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
