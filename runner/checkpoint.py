@@ -27,9 +27,17 @@ own: a network with it trains a little differently on another world size.
 
 A resume trains with this run's settings, never silently the checkpoint's:
 
-- what would make it another run (``MUST_MATCH``: the model, the data and its order and
-  crops, the batch, the optimizer's type, the accumulation, the seed) must be the same, or
-  the resume is refused in one line naming each key with both values;
+- what would make it another run (``MUST_MATCH``: the model and its input normalization,
+  the data, its split, order, crops and stored pixels, the batch, the optimizer's type, the
+  accumulation, the seed) must be the same, or the resume is refused in one line naming
+  each key with both values;
+- what the step does from here on with the same weights and data (``APPLIED_KEYS``:
+  augmentation, label smoothing, gradient clipping, the EMA's decay, amp, compile, the
+  decoder, the device) is this run's, one log line for each that changed;
+- the per-rank batch and the lanes are fitted to the checkpoint's (``FITTED_KEYS``), and
+  the rest (``FREE_KEYS``: paths, workers, logging, inference's keys) changes nothing
+  trained. Every key of the schema (runner/config.py) is in exactly one of these lists or
+  the two below (tests/test_resume.py checks it);
 - the learning rate and its schedule (``task.lr``, ``task.scale_lr``, ``task.schedule``,
   its warm-up, ``task.min_lr``, ``task.step_*``) and the plan's length (``run.steps`` or
   ``run.epochs``, which count the whole run, the checkpoint's steps included) are applied:
@@ -252,13 +260,20 @@ def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
 
 
 # What a checkpoint must share with the run that resumes it: a different value would train
-# another model, on other data, in another order or crop, or with another optimizer (or
-# other parameter groups) whose state the checkpoint's cannot be.
-# (loader.batch_size may change with the world size: the global batch is kept, fit_world)
-MUST_MATCH = ("model.name", "model.source", "model.target", "dataset.path",
-              "dataset.num_images", "dataset.num_classes", "dataset.image_size",
-              "dataset.crop", "dataset.store_size", "dataset.store_side", "loader.drop_last", "loader.shuffle", "loader.shuffle_block",
-              "seed", "task.optimizer", "task.decay_norm_and_bias", "task.accumulate")
+# another model (its input normalization and size included), on other data or other pixels
+# of it (the split, the crops, the stored images' size and JPEG quality, the storage), in
+# another order, or with another optimizer (or other parameter groups) whose state the
+# checkpoint's cannot be. (loader.batch_size may change with the world size: FITTED_KEYS)
+MUST_MATCH = ("model.name", "model.source", "model.target", "model.kwargs",
+              "model.num_classes", "model.mean", "model.std", "model.image_size",
+              "dataset.path", "dataset.manifest", "dataset.labels", "dataset.val_path",
+              "dataset.val_fraction", "dataset.split_seed", "dataset.split",
+              "dataset.num_images", "dataset.num_classes", "dataset.source_size",
+              "dataset.quality", "dataset.image_size", "dataset.crop", "dataset.crop_fraction",
+              "dataset.store_size", "dataset.store_side", "dataset.store_quality",
+              "loader.name", "loader.ffcv_mode", "loader.drop_last", "loader.shuffle",
+              "loader.shuffle_block", "seed", "task.optimizer", "task.decay_norm_and_bias",
+              "task.accumulate")
 
 # What a resume applies when it differs from the checkpoint's (said in the log): the
 # learning rate, its schedule and the plan's length (the schedule is rebuilt over them)...
@@ -269,6 +284,62 @@ SCHEDULE_KEYS = ("task.lr", "task.scale_lr", "task.schedule", "task.warmup_steps
 # ... and the optimizer's other hyperparameters (set on its parameter groups; each
 # optimizer's keys: its record)
 OPTIMIZER_KEYS = ("task.weight_decay", *(f"task.{k}" for k in OPTIMIZER_TASK_KEYS))
+# ... and what the step does from here on with the same weights, data and order (the
+# augmentation, the loss, clipping, the EMA, the precision and compiler, how the same
+# images are decoded, the device): taken from this run as it is built, one log line each
+# (``note_applied``)
+APPLIED_KEYS = ("task.augment.color_jitter", "task.augment.auto", "task.augment.ops",
+                "task.augment.magnitude", "task.augment.erasing", "task.augment.mixup",
+                "task.augment.cutmix", "task.augment.mix_prob", "task.label_smoothing",
+                "task.clip_grad_norm", "task.ema_decay", "task.best_metric", "amp.name",
+                "compile.name", "loader.decoder", "loader.draft", "loader.host_dtype",
+                "model.channels_last", "device")
+# Fitted to the resume by code of their own, which says what it did: the per-rank batch
+# keeps the global batch (``fit_world``), the lanes stay the checkpoint's (``keep_lanes``)
+FITTED_KEYS = ("loader.batch_size", "loader.lanes")
+# What does not change what is trained: where files are and how they are fetched, how
+# fast (workers, prefetch, cuDNN's autotuner, the compiler's mode), what is logged,
+# measured or written and when, inference's own keys, and model.weights (the
+# checkpoint's weights replace them) or model.classes (names in outputs)
+FREE_KEYS = ("dataset.cache_dir", "dataset.on_corrupt", "dataset.page_cache",
+             "dataset.endpoint_url", "dataset.cache_bytes", "dataset.far_disk",
+             "loader.num_workers", "loader.pin_memory", "loader.prefetch_factor",
+             "loader.persistent_workers", "loader.batched", "loader.decode_threads",
+             "model.weights", "model.classes", "model.alias", "model.replace_head",
+             "task.name", "task.checkpoint", "task.checkpoint_every",
+             "task.checkpoint_every_steps", "task.checkpoint_every_minutes",
+             "task.keep_checkpoints", "task.topk", "task.write_outputs",
+             "task.writer_threads", "task.reduce_on", "task.outputs", "task.embed_layer",
+             "task.postprocess", "logger.name", "logger.mode", "logger.project",
+             "logger.entity", "logger.group", "logger.tags", "prefetch.name",
+             "prefetch.depth", "compile.verify", "compile.freeze", "compile.mode",
+             "compile.dynamic", "compile.engine_format", "run.warmup_steps", "run.repeats",
+             "run.log_every", "run.progress", "run.window_seconds", "run.objective",
+             "run.timeline", "diagnose", "profile", "cudnn_benchmark", "models", "resume")
+
+
+def note_applied(state: dict[str, Any], config: Any) -> list[str]:
+    """One log line for each of ``APPLIED_KEYS`` this run sets otherwise than the
+    checkpoint (``key old -> new``); returns them. A key the checkpoint's runner did not
+    have is not compared."""
+    from runner.config import to_plain
+
+    saved = state.get("config") or {}
+    if not saved:
+        return []
+    mine = to_plain(config)
+    changes = []
+    for key in APPLIED_KEYS:
+        *parents, leaf = key.split(".")
+        holder = _value(saved, ".".join(parents)) if parents else saved
+        if not isinstance(holder, dict) or leaf not in holder:
+            continue
+        old, new = holder[leaf], _value(mine, key)
+        if old != new:
+            changes.append(f"{key} {old} -> {new}")
+            log.info("resume: %s %s -> %s: this run's value is applied from here on", key,
+                     old, new)
+    return changes
 
 
 def data_fingerprint(storage: Any) -> dict[str, Any]:
@@ -429,6 +500,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
                               "use model.weights=PATH")
     if config is not None:
         check_fits(state, config, path)
+        note_applied(state, config)
     return state
 
 

@@ -603,3 +603,88 @@ def test_a_recipe_with_adamw_cosine_mixup_ema_and_dropout_resumes_exactly(
                               atol=1e-6), key
     assert [s[2] for s in straight.steps][5:] == pytest.approx([s[2] for s in second.steps],
                                                                abs=1e-6)
+
+
+# --- what a resume refuses, applies or ignores: every key of the schema, one list ---------
+
+def schema_keys(schema=None, prefix: str = "") -> list[str]:
+    """Every leaf key of the config schema (``task.augment.mixup``, ``seed``)."""
+    import dataclasses
+    import typing
+
+    from runner.config import Config
+
+    schema = schema or Config
+    hints = typing.get_type_hints(schema)
+    keys = []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys += schema_keys(kind, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def test_every_schema_key_is_refused_applied_fitted_or_free_at_a_resume():
+    """A key added to runner/config.py fails here until it is put in one of checkpoint's
+    lists: refused when it differs (MUST_MATCH), applied with a log line, or free."""
+    from runner import checkpoint
+
+    lists = {name: getattr(checkpoint, name) for name in (
+        "MUST_MATCH", "SCHEDULE_KEYS", "OPTIMIZER_KEYS", "APPLIED_KEYS", "FITTED_KEYS",
+        "FREE_KEYS")}
+    listed = [k for keys in lists.values() for k in keys]
+    schema = schema_keys()
+    assert sorted(set(schema) - set(listed)) == []  # in no list: decide what a resume does
+    assert sorted(set(listed) - set(schema)) == []  # a list names a key that is not there
+    twice = sorted({k for k in listed if listed.count(k) > 1})
+    assert twice == []
+
+
+def config_of(*overrides: str):
+    from runner.compose import to_config
+    from tests.conftest import compose_config
+
+    return to_config(compose_config(*SMALL_DATASET, "logger=none", *overrides))
+
+
+@pytest.mark.parametrize("change", ["dataset.crop_fraction=1.0", "model.mean=[0.5,0.5,0.5]",
+                                    "model.std=[0.5,0.5,0.5]", "dataset.store_quality=75",
+                                    "dataset.val_fraction=0.2", "loader=memmap"])
+def test_a_resume_that_changes_the_images_is_refused_naming_the_key(tmp_path: Path, change):
+    from runner import checkpoint
+    from runner.config import to_plain
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {}, "optimizer": {}, "scaler": {}, "epoch": 1,
+                "config": to_plain(config_of())}, path)
+    checkpoint.load(path, config_of())  # the same settings: it fits
+    key = change.split("=")[0]
+    key = "loader.name" if key == "loader" else key
+    with pytest.raises(checkpoint.CheckpointError, match=rf"another run \({key}: checkpoint"):
+        checkpoint.load(path, config_of(change))
+
+
+def test_a_resume_applies_a_changed_augmentation_or_loss_with_one_line_each(tmp_path: Path,
+                                                                            caplog):
+    import logging
+
+    from runner import checkpoint
+    from runner.config import to_plain
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {}, "optimizer": {}, "scaler": {}, "epoch": 1,
+                "config": to_plain(config_of("loader.decoder=pil"))}, path)
+    changes = ["task.label_smoothing=0.1", "task.augment.mixup=0.2", "amp=bf16",
+               "task.clip_grad_norm=1.0", "loader.decoder=simplejpeg"]
+    with caplog.at_level(logging.INFO, logger="runner"):
+        checkpoint.load(path, config_of(*changes))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: ")]
+    assert lines == [
+        "resume: task.augment.mixup 0.0 -> 0.2: this run's value is applied from here on",
+        "resume: task.label_smoothing 0.0 -> 0.1: this run's value is applied from here on",
+        "resume: task.clip_grad_norm 0.0 -> 1.0: this run's value is applied from here on",
+        "resume: amp.name off -> bf16: this run's value is applied from here on",
+        "resume: loader.decoder pil -> simplejpeg: this run's value is applied from here on",
+    ]
