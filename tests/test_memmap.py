@@ -186,3 +186,130 @@ def test_on_corrupt_fail_stops_the_conversion_with_the_path(source: Path, tmp_pa
     with pytest.raises(Exception, match=r"broken\.jpg"):
         ensure_cache(folder, spec_for(source), tmp_path / "cache", progress=False)
     assert not (spec_for(source).folder(tmp_path / "cache") / META).exists()
+
+
+# --- one store for every split; a reader keeps the store it opened -------------------------
+
+def store_configs(source: Path, cache: Path, loader: str = "memmap", **dataset):
+    from runner.config import DatasetConfig, LoaderConfig, StorageName
+
+    return (LoaderConfig(name=StorageName(loader), decoder=Decoder.simplejpeg, draft=False),
+            DatasetConfig(path=str(source), image_size=list(SIZE), cache_dir=str(cache),
+                          **dataset))
+
+
+def open_store(source: Path, cache: Path, loader: str = "memmap", **dataset):
+    from runner.data.storage.ram import open_ram
+
+    loader_cfg, dataset_cfg = store_configs(source, cache, loader, **dataset)
+    opener = memmap.open_memmap if loader == "memmap" else open_ram
+    return opener(loader_cfg, dataset_cfg, source, progress=False)
+
+
+def decoded_by_name(source: Path, **dataset) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each image's pixels and label as the folder loader decodes the same listing (the
+    split's side with ``dataset``), by name."""
+    from runner.data.storage.folder import open_folder
+
+    loader_cfg, dataset_cfg = store_configs(source, source, **dataset)
+    folder = open_folder(loader_cfg, dataset_cfg, source, progress=False,
+                         decode=ImageDecoder(Decoder.simplejpeg, SIZE, fraction=0.875))
+    out = {}
+    for i in range(len(folder)):
+        item = folder[i]
+        if hasattr(item, "image"):
+            out[folder.name_of(i)] = (item.image, item.label)
+    return out
+
+
+def assert_serves(storage, expected: dict[str, tuple[torch.Tensor, int]]) -> None:
+    names = [storage.name_of(i) for i in range(len(storage))]
+    assert names == list(expected)  # the same images, in the same order
+    for i, name in enumerate(names):
+        got = storage[i]
+        assert torch.equal(got.image, expected[name][0]), name
+        assert got.label == expected[name][1], name
+
+
+@pytest.mark.parametrize("loader", ["memmap", "ram"])
+def test_runs_with_and_without_a_split_share_one_store_and_read_their_own_pixels(
+        source: Path, tmp_path: Path, monkeypatch, loader: str):
+    """The store holds the whole folder; each run serves its side of the split: runs that
+    alternate never rebuild it for each other, and each reads the pixels and labels the
+    folder loader decodes for its own listing."""
+    cache = tmp_path / "cache"
+    real_convert = memmap._convert
+    builds = []
+    monkeypatch.setattr(memmap, "_convert", lambda *a: builds.append(1) or real_convert(*a))
+    if loader == "ram":  # ram reads the memmap store when there is one
+        memmap.build_memmap(*store_configs(source, cache), source, progress=False)
+    split = {"val_fraction": 0.25, "split_seed": 3}
+    whole, trained = decoded_by_name(source), decoded_by_name(source, **split)
+    assert 0 < len(trained) < len(whole)
+    real_decode_into = memmap.decode_into
+    decodes = []
+    monkeypatch.setattr(memmap, "decode_into",
+                        lambda *a, **k: decodes.append(1) or real_decode_into(*a, **k))
+    from runner.data.storage import ram
+    monkeypatch.setattr(ram, "decode_into", memmap.decode_into)
+    for _ in range(2):
+        assert_serves(open_store(source, cache, loader), whole)
+        assert_serves(open_store(source, cache, loader, **split), trained)
+    assert builds == [1]  # built once, for every split
+    assert len(decodes) == (0 if loader == "ram" else 1)  # ram read the store every time
+
+
+def test_ram_without_a_store_decodes_only_its_side_of_the_split(source: Path, tmp_path: Path,
+                                                                monkeypatch):
+    split = {"val_fraction": 0.25, "split_seed": 3}
+    decoded = []
+    real = memmap._decode_chunk
+    monkeypatch.setattr(memmap, "_decode_chunk",
+                        lambda chunk: decoded.append(chunk[1] - chunk[0]) or real(chunk))
+    storage = open_store(source, tmp_path / "cache", "ram", **split)
+    expected = decoded_by_name(source, **split)
+    assert_serves(storage, expected)
+    assert sum(decoded) < 29  # the held-out images were not decoded
+
+
+def test_a_reader_maps_its_own_store_again_after_another_layout_was_published(
+        source: Path, tmp_path: Path):
+    """dataset.page_cache=cold maps the store again each epoch: after another run
+    published a store of another layout under the same name, the reader still reads the
+    store it opened (its pixels under its labels), never the new one."""
+    cache = tmp_path / "cache"
+    storage = open_store(source, cache)
+    expected = decoded_by_name(source)
+    (source / "c0" / "aaa.jpg").write_bytes(encode(photo(48, 64, index=700)))  # slots shift
+    newer = open_store(source, cache)  # another run: rebuilt for its own layout
+    assert len(newer) == len(storage) + 1
+    storage.reopen()
+    assert_serves(storage, expected)
+    assert os.path.getsize(storage.files[0]) == 29 * 3 * SIZE[0] * SIZE[1]
+
+
+def test_a_store_published_between_the_check_and_the_open_is_checked_again(
+        source: Path, tmp_path: Path, monkeypatch):
+    """Another run publishes its layout after this run checked the store and before it
+    opened the files: this run sees the build changed, checks again (rebuilding for its
+    own listing) and reads its own pixels."""
+    cache = tmp_path / "cache"
+    open_store(source, cache)
+    expected = decoded_by_name(source)
+    real_ensure = memmap.ensure_cache
+    intruded = []
+
+    def ensure_then_intrude(folder, spec, *args, **kwargs):
+        found = real_ensure(folder, spec, *args, **kwargs)
+        if not intruded:  # another run, on a folder with one more image, publishes now
+            intruded.append(1)
+            (source / "c0" / "aaa.jpg").write_bytes(encode(photo(48, 64, index=700)))
+            real_ensure(FolderStorage(source, decode(), OnCorrupt.skip), spec, cache,
+                        progress=False)
+            (source / "c0" / "aaa.jpg").unlink()
+        return found
+
+    monkeypatch.setattr(memmap, "ensure_cache", ensure_then_intrude)
+    storage = open_store(source, cache)
+    assert intruded == [1]
+    assert_serves(storage, expected)

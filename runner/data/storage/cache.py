@@ -17,8 +17,12 @@ here, written once:
 - **reserved**: space is allocated before it is written (``reserve``): a disk too small fails
   at once with the bytes needed and free (``DiskFull``), never as a SIGBUS or a raw
   ``ENOSPC`` halfway;
-- **published atomically**: the finished folder is renamed into place with its ``meta.json``;
-  a folder without a valid ``meta.json`` is never taken for a store;
+- **published atomically**: the finished folder is renamed into place with its ``meta.json``
+  (which names the build); a folder without a valid ``meta.json`` is never taken for a
+  store. A store is never written in place once published: a rebuild moves the old folder
+  aside and unlinks its files, so a reader that opened them keeps reading its own bytes
+  (runner/data/storage/memmap.py's readers open the files once, through the folder whose
+  ``meta.json`` they checked, and map them again from the open file, never by name);
 - **checked**: opening takes no lock and writes nothing that must succeed, so a valid store on
   a read-only mount works; a damaged one (a truncated file, unreadable metadata) is a
   ``CacheError`` that ends with the command that rebuilds it.
@@ -33,6 +37,7 @@ import logging
 import os
 import shlex
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -177,6 +182,8 @@ def read_meta(folder: Path, spec: StoreSpec) -> dict[str, Any] | None:
     try:
         meta = json.loads((folder / META).read_text())
     except (OSError, ValueError) as e:
+        if isinstance(e, FileNotFoundError) and not folder.exists():
+            return None  # replaced by another process's rebuild while this one looked
         raise spec.damaged(folder, f"its {META} cannot be read ({e})") from e
     if not isinstance(meta, dict):
         raise spec.damaged(folder, f"its {META} holds a {type(meta).__name__}, not an object")
@@ -402,7 +409,7 @@ class Journal:
         written; the bookkeeping files removed. The folder is then ready to publish."""
         rows = [s for e in self.done.values() for s in e["skipped"]]
         rows += [(s.index, s.path, s.error) for s in skipped]
-        meta = {**self.plan, **fields,
+        meta = {**self.plan, **fields, "build": uuid.uuid4().hex,  # tells rebuilds apart
                 "skipped": [{"index": i, "path": p, "error": e}
                             for i, p, e in sorted(rows, key=lambda s: s[0])]}
         write_json(self.folder / META, meta)

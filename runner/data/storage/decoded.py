@@ -43,6 +43,9 @@ class DecodedStorage(Dataset):
         files: the files the images are read from during the run (memmap: the cache file;
             ram: none).
         reopen: maps ``files`` again (drops this process's pages, for a cold page cache).
+        keep: the slots this run reads (``dataset.val_fraction``'s side of a store of the
+            whole folder), in order; None: every slot. The skipped files of other slots
+            are not this run's.
     """
 
     decodes_per_epoch = False
@@ -56,16 +59,20 @@ class DecodedStorage(Dataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *,
                  skipped: list[SkippedFile], classes: list[str], names: list[str],
                  root: Path | None, files: list[str] | None = None,
-                 reopen: Callable[[], torch.Tensor] | None = None):
+                 reopen: Callable[[], torch.Tensor] | None = None,
+                 keep: list[int] | None = None):
         self.images = images
         self._files = files or []
         self._reopen = reopen
         self.labels = labels
-        self.known_skipped = list(skipped)
         mask = torch.ones(len(labels), dtype=torch.bool)
+        if keep is not None:
+            mask[:] = False
+            mask[keep] = True
+        self.known_skipped = [s for s in skipped if bool(mask[s.index])]
         mask[[s.index for s in skipped]] = False
         self.slots = torch.nonzero(mask).flatten()
-        self.contiguous_slots = len(skipped) == 0  # index == slot: no translation needed
+        self.contiguous_slots = bool(mask.all())  # index == slot: no translation needed
         self.classes = classes
         self.names = names
         self.root = root

@@ -441,15 +441,21 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
     return listing
 
 
+def split_positions(n: int, fraction: float, seed: int, held_out: bool) -> list[int]:
+    """The positions, in order, of the held-out share of ``n`` listed images
+    (``held_out``) or of the rest: a permutation seeded with ``seed`` picks the held-out."""
+    import numpy as np
+
+    count = min(max(1, round(fraction * n)), n - 1)
+    chosen = set(np.random.default_rng(seed).permutation(n)[:count].tolist())
+    return [k for k in range(n) if (k in chosen) == held_out]
+
+
 def split_listing(listing: Listing, fraction: float, seed: int, held_out: bool) -> Listing:
     """The held-out share of ``listing`` (``held_out``) or the rest, by a permutation seeded
     with ``seed``: the same split on every run and storage; each side in listing order."""
-    import numpy as np
-
     n = len(listing.samples)
-    count = min(max(1, round(fraction * n)), n - 1)
-    chosen = set(np.random.default_rng(seed).permutation(n)[:count].tolist())
-    samples = [s for k, s in enumerate(listing.samples) if (k in chosen) == held_out]
+    samples = [listing.samples[k] for k in split_positions(n, fraction, seed, held_out)]
     log.info("dataset.val_fraction=%g: %d of %d images %s", fraction, len(samples), n,
              "held out for validation" if held_out else "trained on")
     return Listing(listing.root, listing.classes, samples, f"{listing.how}, "

@@ -8,6 +8,13 @@ order; an undecodable file leaves its slot zero and is listed as skipped. The im
 ``dataset.image_size``, or that size scaled to ``dataset.store_size`` (cropped to the output
 on the device per batch).
 
+A store holds the whole folder, whatever ``dataset.val_fraction``: a run with a split reads
+the slots of its side (``split_slots``, the split every storage makes), so runs with and
+without one share one store and never rebuild it for each other. A reader opens the files
+once, through the folder whose ``meta.json`` it checked (``pin_store``), and maps them again
+(``dataset.page_cache=cold``) from the file it holds open, never by name: a store another
+run publishes meanwhile (a rebuild after the source changed) never reaches it.
+
 The conversion decodes with the folder loader itself (same decoder, resize, class
 indices), in worker processes, one chunk of images per task, with a progress bar; a worker
 that dies fails the conversion at once (``WorkerDied``), never hangs it. The content hash
@@ -17,8 +24,11 @@ against about 1.3 ms to decode an 85 KB JPEG here).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +38,7 @@ import torch
 from tensordict import MemoryMappedTensor
 from tqdm import tqdm
 
-from runner.config import Crop, DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.config import Crop, DatasetConfig, LoaderConfig, Split, StorageName, StoreSide
 from runner.data.pool import parallel_imap
 from runner.data.storage.base import (
     SkippedFile,
@@ -37,8 +47,10 @@ from runner.data.storage.base import (
     image_nbytes,
 )
 from runner.data.storage.cache import (
+    META,
     SOURCE_DTYPE,
     SOURCES,
+    CacheError,
     Journal,
     StoreSpec,
     chunk_ranges,
@@ -50,6 +62,7 @@ from runner.data.storage.cache import (
 from runner.data.storage.decode import CPU_DECODERS, ImageDecoder, check_decoder
 from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import FolderStorage, open_folder
+from runner.data.storage.listing import split_positions
 
 log = logging.getLogger(__name__)
 
@@ -159,38 +172,132 @@ def image_shape(count: int, image_size: tuple[int, int]) -> tuple[int, int, int,
     return (count, 3, *image_size)
 
 
-def open_images(folder: Path, meta: dict[str, Any], writable: bool = False) -> MemoryMappedTensor:
+def whole_folder(dataset: DatasetConfig) -> DatasetConfig:
+    """``dataset`` without its split: what a store holds (every image of the folder)."""
+    if dataset.val_fraction > 0:
+        return dataclasses.replace(dataset, val_fraction=0.0)
+    return dataset
+
+
+def split_slots(dataset: DatasetConfig, folder: FolderStorage) -> list[int] | None:
+    """The slots of a store of the whole ``folder`` that ``dataset.val_fraction``'s side
+    (``dataset.split``) holds, in order: the images a folder with the split lists (None:
+    no split, every slot)."""
+    if dataset.val_fraction <= 0:
+        return None
+    held_out = dataset.split is Split.val
+    slots = split_positions(len(folder), dataset.val_fraction, dataset.split_seed, held_out)
+    log.info("dataset.val_fraction=%g: %d of the store's %d images %s",
+             dataset.val_fraction, len(slots), len(folder),
+             "held out for validation" if held_out else "trained on")
+    return slots
+
+
+def fd_path(fd: int) -> str:
+    """A name that opens the file ``fd`` holds open (even once unlinked or replaced)."""
+    for base in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(base):
+            return f"{base}/{fd}"
+    raise OSError(f"no /proc/self/fd or /dev/fd to map file descriptor {fd} by")
+
+
+@dataclass
+class PinnedStore:
+    """A published store's files, opened through the folder whose ``meta.json`` was
+    checked: ``images`` is held open for the reader's life, so mapping it again maps
+    the same bytes whatever is published under the folder's name meanwhile."""
+
+    folder: Path
+    meta: dict[str, Any]
+    images: Any  # the open images.memmap (a binary file object)
+    labels: torch.Tensor
+
+    @property
+    def images_path(self) -> str:
+        return fd_path(self.images.fileno())
+
+    def map_images(self) -> MemoryMappedTensor:
+        return open_images(Path(self.images_path), self.meta, name=None)
+
+
+PIN_TRIES = 5
+
+
+def pin_store(find: Callable[[], tuple[Path, dict[str, Any]] | None], spec: MemmapSpec
+              ) -> PinnedStore | None:
+    """The store ``find`` checks (and, for loader=memmap, builds), its files opened through
+    the very folder whose ``meta.json`` names the build it checked (None: ``find`` found
+    none). A store published between the check and the open is checked again."""
+    for _ in range(PIN_TRIES):
+        found = find()
+        if found is None:
+            return None
+        folder, meta = found
+        try:
+            pinned = _open_pinned(folder, meta)
+        except FileNotFoundError:  # moved away and removed while it was opened
+            continue
+        if pinned is not None:
+            return pinned
+    raise CacheError(f"the {spec.kind} store {spec.folder(Path('.')).name} was replaced "
+                     f"{PIN_TRIES} times while this run opened it (another run rebuilding "
+                     "it from a source that keeps changing?): run again once the source "
+                     "is settled")
+
+
+def _open_pinned(folder: Path, meta: dict[str, Any]) -> PinnedStore | None:
+    """``folder``'s files, if its ``meta.json`` is still ``meta`` (else None)."""
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        def opener(name: str, flags: int) -> int:
+            return os.open(name, flags, dir_fd=directory)
+
+        with open(META, "rb", opener=opener) as f:
+            now = json.loads(f.read())
+        if json.loads(json.dumps(meta)) != now:
+            return None  # another build was published there since it was checked
+        images = open(IMAGES, "rb", buffering=0, opener=opener)
+        with open(LABELS, "rb", opener=opener) as f:
+            labels = torch.frombuffer(bytearray(f.read()), dtype=torch.int64)
+    finally:
+        os.close(directory)
+    count = meta["count"]
+    if len(labels) != count or os.fstat(images.fileno()).st_size != \
+            count * image_nbytes(tuple(meta["image_size"])):
+        images.close()
+        return None  # not the files check_files measured: look again
+    return PinnedStore(folder, meta, images, labels)
+
+
+def open_images(folder: Path, meta: dict[str, Any], writable: bool = False,
+                name: str | None = IMAGES) -> MemoryMappedTensor:
+    """The images file of ``folder`` mapped (``name`` None: ``folder`` is the file)."""
     shape = image_shape(meta["count"], tuple(meta["image_size"]))
     # mode "r" maps copy-on-write: a reader can never change the store on disk
-    return MemoryMappedTensor.from_filename(folder / IMAGES, dtype=torch.uint8,
+    path = folder / name if name else folder
+    return MemoryMappedTensor.from_filename(path, dtype=torch.uint8,
                                             shape=torch.Size(shape), mode="r+" if writable else "r")
-
-
-def open_labels(folder: Path, meta: dict[str, Any]) -> torch.Tensor:
-    labels = MemoryMappedTensor.from_filename(folder / LABELS, dtype=torch.int64,
-                                              shape=torch.Size([meta["count"]]), mode="r")
-    return labels.clone()  # small: keep it in RAM
 
 
 def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                     progress: bool = True) -> FolderStorage:
-    """The folder a decode-once store is made from: decoded at the stored size with the
-    deterministic centre crop (random crops of training batches happen on the device,
-    runner/data/augment.py)."""
+    """The folder a decode-once store is made from: every image of it (no split), decoded
+    at the stored size with the deterministic centre crop (random crops of training
+    batches happen on the device, runner/data/augment.py)."""
     check_decoder(loader.decoder)
     crop = Crop.whole if dataset.crop is Crop.whole else Crop.center
     decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft,
                           stored_fraction(dataset))
-    return open_folder(loader, dataset, path, progress, decode=decode)
+    return open_folder(loader, whole_folder(dataset), path, progress, decode=decode)
 
 
 def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True) -> DecodedStorage:
     """The memmap store of the folder at ``path`` (converted first if there is no valid
-    one)."""
+    one), serving the side of ``dataset.val_fraction``'s split the run reads."""
     folder = decoding_folder(loader, dataset, path, progress)
     return open_cache(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                      progress).serving(dataset)
+                      progress, keep=split_slots(dataset, folder)).serving(dataset)
 
 
 def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
@@ -202,16 +309,15 @@ def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 
 
 def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
-               progress: bool = True) -> DecodedStorage:
+               progress: bool = True, keep: list[int] | None = None) -> DecodedStorage:
     """The memmap store of ``folder`` as a storage (converted first if there is no valid
-    one)."""
-    cache, meta = ensure_cache(folder, spec, cache_root, progress)
-    storage = DecodedStorage(open_images(cache, meta), open_labels(cache, meta),
-                             skipped=skipped_files(meta), classes=folder.classes,
-                             names=folder.names(), root=folder.root,
-                             files=[str(cache / IMAGES)],
-                             reopen=lambda: open_images(cache, meta))
-    return storage
+    one), its files held open (``pin_store``); ``keep``: the slots it serves (None: all)."""
+    pinned = pin_store(lambda: ensure_cache(folder, spec, cache_root, progress), spec)
+    # the reopen keeps the open file alive: mapped again from it, never by name
+    return DecodedStorage(pinned.map_images(), pinned.labels,
+                          skipped=skipped_files(pinned.meta), classes=folder.classes,
+                          names=folder.names(), root=folder.root,
+                          files=[pinned.images_path], reopen=pinned.map_images, keep=keep)
 
 
 def raw_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:

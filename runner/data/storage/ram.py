@@ -1,8 +1,9 @@
 """``loader=ram``: every image decoded once into one contiguous uint8 tensor in memory.
 
 The tensor lives in shared memory, so DataLoader workers map it instead of copying it, and
-is read from the memmap cache when one is valid for this dataset, else decoded straight
-into memory with every core. It is never page-locked as a whole: the batched path gathers
+is read from the memmap cache when one is valid for this dataset (the whole folder, its
+files opened once as memmap.py's readers open them, the split's slots served), else the
+images the run reads are decoded straight into memory with every core. It is never page-locked as a whole: the batched path gathers
 into pinned batch buffers already (runner/data/buffers.py), and pinning the dataset would take
 it out of shared memory, give every rank its own copy and, through the caching host
 allocator's power-of-two rounding, pin up to twice its size. A dataset that does not fit is
@@ -28,15 +29,15 @@ from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.listing import DatasetError
 from runner.data.storage.memmap import (
-    IMAGES,
     MemmapSpec,
     build_memmap,
     decode_into,
     decoding_folder,
     image_shape,
     memmap_spec,
-    open_labels,
+    pin_store,
     raw_footprint,
+    split_slots,
 )
 
 log = logging.getLogger(__name__)
@@ -149,32 +150,49 @@ def check_fits(nbytes: int, count: int, shape: tuple[int, ...]) -> None:
 def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
              progress: bool = True) -> DecodedStorage:
     """The folder at ``path`` decoded once into memory (read from its memmap store if
-    valid)."""
+    valid), serving the side of ``dataset.val_fraction``'s split the run reads."""
     folder = decoding_folder(loader, dataset, path, progress)
     return load_ram(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                    progress).serving(dataset)
+                    progress, keep=split_slots(dataset, folder)).serving(dataset)
 
 
 def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
-             progress: bool = True) -> DecodedStorage:
-    """The dataset as a DecodedStorage whose images live in shared memory."""
+             progress: bool = True, keep: list[int] | None = None) -> DecodedStorage:
+    """The dataset as a DecodedStorage whose images live in shared memory; ``keep``: the
+    slots of ``folder_storage`` it serves (None: all). A valid memmap store (the whole
+    folder) is read whole; without one, only the slots kept are decoded."""
+    folder = spec.folder(cache_root)
+    pinned = pin_store(lambda: _valid(folder, spec, folder_storage), spec)
+    if pinned is not None:
+        count = len(folder_storage)
+        shape = image_shape(count, spec.image_size)
+        check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
+        check_skipped(pinned.meta, folder_storage)
+        images = shared_empty(shape, torch.uint8)
+        with pinned.images:
+            _read_file(pinned.images_path, images, progress)
+        return DecodedStorage(images, pinned.labels, skipped=skipped_files(pinned.meta),
+                              classes=folder_storage.classes, names=folder_storage.names(),
+                              root=folder_storage.root, keep=keep)
+    if keep is not None:  # the split's side alone, as a folder of it would list it
+        kept = FolderStorage.__new__(FolderStorage)  # decode_into reads local files
+        kept._serve(folder_storage, keep, [])
+        folder_storage = kept
     count = len(folder_storage)
     shape = image_shape(count, spec.image_size)
     check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
-    meta = valid_cache(spec.folder(cache_root), spec, folder_storage)
     images = shared_empty(shape, torch.uint8)
-    if meta is not None:
-        check_skipped(meta, folder_storage)
-        _read_file(spec.folder(cache_root) / IMAGES, images, progress)
-        labels = open_labels(spec.folder(cache_root), meta)
-        skipped = skipped_files(meta)
-    else:
-        log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
-        chunks = chunk_ranges(count)
-        skipped = decode_into(images, folder_storage, chunks, progress)
-        labels = folder_storage.label_tensor()
-    return DecodedStorage(images, labels, skipped=skipped, classes=folder_storage.classes,
-                          names=folder_storage.names(), root=folder_storage.root)
+    log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
+    skipped = decode_into(images, folder_storage, chunk_ranges(count), progress)
+    return DecodedStorage(images, folder_storage.label_tensor(), skipped=skipped,
+                          classes=folder_storage.classes, names=folder_storage.names(),
+                          root=folder_storage.root)
+
+
+def _valid(folder: Path, spec: MemmapSpec, source: FolderStorage
+           ) -> tuple[Path, dict] | None:
+    meta = valid_cache(folder, spec, source)
+    return None if meta is None else (folder, meta)
 
 
 def _read_file(path: Path, images: torch.Tensor, progress: bool) -> None:
