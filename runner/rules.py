@@ -32,6 +32,7 @@ from runner.config import (
     plain_name,
     to_plain,
 )
+from runner.credentials import check_config_urls
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
     """Every rule across the groups of ``config``, and what a task makes of the loader;
     ``given``: the overrides it was composed from (a task key named there is refused even
     at its default value). Raises ConfigError naming the keys and the fix."""
+    check_config_urls(config)  # no credentials in a URL (runner/credentials.py)
     check_infer_outputs(config.task)
     check_task_keys(config.task, given)
     if config.models:
