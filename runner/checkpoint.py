@@ -116,7 +116,7 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
         "nodes": ranks_from_env().nodes,  # loader.lanes' default: the order a resume keeps
         "steps_per_epoch": steps_per_epoch,
         "losses": losses,
-        "config": config,
+        "config": as_read(config, _rank_world()[1]),
         # what the schedule was built from: a resume with another one rebuilds it
         "plan": {"steps": getattr(step, "plan_steps", None),
                  "base_lr": getattr(step, "base_lr", None)},
@@ -126,6 +126,35 @@ def save(path: Path, step: Any, epoch: int, steps: int, config: dict[str, Any],
     with replacing(path) as tmp:
         torch.save(state, tmp)
     return path
+
+
+def as_read(config: dict[str, Any], world: int) -> dict[str, Any]:
+    """The run's config as its data was read: training on several ranks drops each epoch's
+    last partial global batch whatever ``loader.drop_last`` says
+    (``runner.data.loader.drops_remainder``), so a checkpoint of several ranks records
+    ``drop_last: true``: a resume on one process reads the same epochs (``keep_drop_last``)."""
+    loader = config.get("loader") if isinstance(config, dict) else None
+    if world > 1 and isinstance(loader, dict) and not loader.get("drop_last"):
+        return {**config, "loader": {**loader, "drop_last": True}}
+    return config
+
+
+def keep_drop_last(state: dict[str, Any], config: Any, path: str | Path) -> None:
+    """A checkpoint of several ranks dropped each epoch's last partial global batch (one
+    written before ``as_read`` said ``drop_last: false`` all the same): its record is made
+    what happened, and the run that resumes it drops it too, on any number of ranks (said in
+    the log where one process would have kept it), so its epochs hold the checkpoint's
+    steps and each global step the same images."""
+    loader = (state.get("config") or {}).get("loader")
+    if saved_world(state) <= 1 or not isinstance(loader, dict):
+        return
+    loader["drop_last"] = True
+    if config is not None and not config.loader.drop_last:
+        config.loader.drop_last = True
+        if ranks_from_env().world == 1:
+            log.info("resume=%s: the checkpoint's %d ranks dropped each epoch's last partial "
+                     "global batch; loader.drop_last=true drops it here too, so the epochs "
+                     "are the checkpoint's", path, saved_world(state))
 
 
 def _alive(pid: int) -> bool:
@@ -386,6 +415,12 @@ def check_fits(state: dict[str, Any], config: Any, path: str | Path,
     saved, mine = state.get("config") or {}, to_plain(config)
     differ = [f"{k}: checkpoint {_value(saved, k)!r}, this run {_value(mine, k)!r}"
               for k in keys if saved and _value(saved, k) != _value(mine, k)]
+    if differ and getattr(config.task.name, "value", None) == "infer":
+        raise CheckpointError(f"resume=auto: {path} is the state of an inference made with "
+                              "other settings (" + "; ".join(differ) + "): its outputs so far "
+                              "would not be this run's. Continue it with the same settings, "
+                              "or start afresh (drop resume=auto, or give another "
+                              "hydra.run.dir)")
     if differ:
         raise CheckpointError(f"resume={path} is a checkpoint of another run ("
                               + "; ".join(differ) + "): resume it with the same settings, "
@@ -499,6 +534,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
                               f"{', '.join(sorted(missing))}); to start from weights alone "
                               "use model.weights=PATH")
     if config is not None:
+        keep_drop_last(state, config, path)  # several ranks dropped it, whatever was asked
         check_fits(state, config, path)
         note_applied(state, config)
     return state

@@ -29,6 +29,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from runner.config import Config, config_dir
+from runner.credentials import refuse_credentials
 from runner.errors import EXIT_USER_ERROR
 
 
@@ -184,6 +185,7 @@ def check_command_line(argv: list[str]) -> None:
     """Exit with one line (status 2) when an override names a key the schema does not
     have or a group choice there is no preset for; Hydra's own flags and their values pass
     through untouched."""
+    refuse_credentials(argv)  # a URL's user:password@, before any message repeats it
     after_flag = False
     for arg in argv:
         message = None

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.commandline import VALUE_FLAGS, composition_message, register_configs
 from runner.config import Config, config_dir
+from runner.credentials import argv_refusal, check_overrides
 from runner.data.storage import settle_loader
 from runner.errors import ConfigError
 from runner.model.networks import check_model
@@ -61,6 +62,7 @@ def compose(overrides: list[str]) -> Config:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    check_overrides(overrides)  # a URL's credentials, before Hydra's messages repeat them
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         try:
@@ -115,6 +117,8 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     from hydra import initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
+    if argv_refusal(overrides):  # a URL's credentials, before Hydra's messages repeat them
+        return argv_refusal(overrides)
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         try:

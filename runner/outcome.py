@@ -7,7 +7,12 @@ claims, and a metrics.json that is never lost.
   line that names the fix; its traceback goes to runner.log only. Anything else is a bug:
   its traceback is printed too.
 - While a run is in progress its metrics.json says ``running`` (with the figures of the
-  windows done so far), so even a SIGKILL leaves a trace the report can show.
+  windows done so far), so even a SIGKILL leaves a trace the report can show. It names its
+  owner (``pid``, ``host``, ``started_at``): a reader on that host (``python -m
+  runner.report``, ``settled``) tells a live owner from a dead one (no such process, or
+  one started after the record: its pid reused), and shows a dead one's record as
+  ``died``, saying so; the next run that claims the folder (its lock is free: the owner is
+  gone) marks the record ``died`` and says so in its log before it goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import tempfile
 import traceback
@@ -82,7 +88,7 @@ def outcome(error: BaseException, interrupted_by: str | None = None) -> dict[str
 
 # what metrics.json says about a run besides its figures
 ENVELOPE = ("status", "reason", "traceback", "user_error", "overrides", "config", "run_dir",
-            "pid", "started_at", "versions")
+            "pid", "host", "started_at", "versions")
 
 
 def same_job(a: list[str], b: list[str]) -> bool:
@@ -152,9 +158,83 @@ def running_record(run_dir: Path, overrides: list[str], config: Any) -> dict[str
     import torch
 
     return {"status": "running", "reason": None, "run_dir": str(run_dir), "pid": os.getpid(),
-            "overrides": overrides, "config": config,
+            "host": socket.gethostname(), "overrides": overrides, "config": config,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+
+
+def _process_started(pid: int) -> float | None:
+    """When process ``pid`` of this machine started (seconds since the epoch), from
+    /proc (Linux); None where that cannot be read."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _started(metrics: dict[str, Any]) -> float | None:
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(str(metrics.get("started_at")),
+                                          "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return None
+
+
+def owner_gone(metrics: dict[str, Any]) -> bool:
+    """Whether the process a ``running`` record names is known to be gone: it ran on this
+    machine (``host``) and no process has its ``pid``, or the one that has it started
+    after the record (the pid reused). False while it lives, and where this machine cannot
+    tell (another host, an older record without ``host``)."""
+    pid = metrics.get("pid")
+    if metrics.get("status") != "running" or not isinstance(pid, int) \
+            or metrics.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process (EPERM): alive
+        pass
+    began, recorded = _process_started(pid), _started(metrics)
+    # the record is written after its process started; 2 s for rounding and clock steps
+    return began is not None and recorded is not None and began > recorded + 2
+
+
+def died(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A ``running`` record whose owner is gone, as ``died``, with its one-line reason."""
+    who = f"pid {metrics.get('pid')} on {metrics.get('host') or 'its host'}"
+    return {**metrics, "status": "died",
+            "reason": f"its process ({who}, started {metrics.get('started_at')}) ended "
+                      "without a word (SIGKILL, out of memory, a node lost) after "
+                      f"{metrics.get('steps', 0)} steps; the figures are those of the windows "
+                      "it had timed. Continue it with resume=auto in this folder"}
+
+
+def settled(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A run's record as a reader should take it: a ``running`` record whose owner is
+    known to be gone (``owner_gone``) is ``died``; anything else as it is."""
+    return died(metrics) if owner_gone(metrics) else metrics
+
+
+def mark_dead_owner(run_dir: Path) -> None:
+    """Called holding the run folder's lock: a record there that still says ``running``
+    belongs to a run that is gone (it held the lock while it lived). It becomes ``died``,
+    said in the log, before the new run goes on."""
+    path = Path(run_dir) / "metrics.json"
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(metrics, dict) or metrics.get("status") != "running":
+        return
+    metrics = died(metrics)
+    log.warning("the run before in %s died: %s", run_dir, metrics["reason"])
+    write_json(path, metrics)
 
 
 def record_ending(metrics: dict[str, Any], error: BaseException, signal_name: str | None,
@@ -329,6 +409,7 @@ class RunDirClaim:
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
         RunDirClaim.held[key] = self
+        mark_dead_owner(self.path.parent)  # a record a killed run left "running"
         return self
 
     def __exit__(self, *exc: Any) -> None:

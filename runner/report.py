@@ -37,6 +37,7 @@ from typing import Any
 
 from runner.config import flatten
 from runner.measure.stats import median
+from runner.outcome import settled
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def find_runs(paths: list[Path]) -> tuple[Path, list[Run]]:
     runs = []
     for file, folder in zip(files, folders):
         try:
-            metrics = json.loads(file.read_text())
+            metrics = settled(json.loads(file.read_text()))  # a dead owner: died
         except ValueError as e:
             log.warning("skipping unreadable %s: %s", file, e)
             continue

@@ -32,6 +32,7 @@ from runner.config import (
     plain_name,
     to_plain,
 )
+from runner.credentials import check_config_urls
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,12 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
     """Every rule across the groups of ``config``, and what a task makes of the loader;
     ``given``: the overrides it was composed from (a task key named there is refused even
     at its default value). Raises ConfigError naming the keys and the fix."""
+    check_config_urls(config)  # no credentials in a URL (runner/credentials.py)
     check_infer_outputs(config.task)
     check_task_keys(config.task, given)
     if config.models:
         model_configs(config)  # every entry checked: its keys, values and name
+        check_model_beside_models(config, given)
     # one decode feeds every model: at the largest size a model of the pass takes
     sizes = [list(m.image_size) for m in model_configs(config) if m.image_size]
     largest = max([list(config.dataset.image_size), *sizes], key=lambda hw: hw[0] * hw[1])
@@ -133,6 +136,27 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
     if NO_MODEL in [m.name for m in model_configs(config)] and config.models:
         raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                           "model=none to measure the data path alone")
+
+
+def check_model_beside_models(config: Config, given: Iterable[str] = ()) -> None:
+    """A ConfigError for a model named on the command line (``model=resnet18``,
+    ``model.name=...``) beside ``models=[...]`` that holds no entry of that name: the
+    entries run alone (``model=`` only gives their defaults), so it would silently not run.
+    A preset that sets a source (``model=timm``, ``model=custom``) gives the entries their
+    source, and is not a model named."""
+    named, by = None, "model"
+    for override in given:
+        key = override.lstrip("+").partition("=")[0]
+        if key == "model.name" or (key == "model" and config.model.source.value
+                                   == "torchvision"):
+            named, by = config.model.name, key
+    entries = [m.name for m in model_configs(config)]
+    if named is None or named in entries:
+        return
+    raise ConfigError(f"{by}={named} and models=[{','.join(entries)}]: models=[...] runs "
+                      f"its entries alone (model= only gives them defaults), so {named} "
+                      f"would not run: add it, models=[{','.join([named, *entries])}], or "
+                      "drop model=")
 
 
 def check_infer_outputs(task: TaskConfig) -> None:
