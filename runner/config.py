@@ -528,14 +528,17 @@ TASK_KEYS: dict[TaskName, tuple[str, ...]] = {
 
 @dataclass
 class LoggerConfig:
-    """``logger=``: wandb (offline unless logger.mode=online) or none."""
+    """``logger=``: wandb or none. Each key left unset (null) is wandb's environment's
+    (WANDB_MODE, WANDB_PROJECT, ...), which also wins over a key given; where neither says,
+    runner/logger.py's default (offline, project runner, ...)."""
 
     name: LoggerName = MISSING
-    mode: WandbMode = WandbMode.offline
-    project: str = "runner"
-    entity: str | None = None
-    group: str | None = None  # unset: the sweep folder's name in a multirun
-    tags: list[str] = field(default_factory=list)
+    mode: WandbMode | None = None  # unset: WANDB_MODE, else offline
+    project: str | None = None  # unset: WANDB_PROJECT, else runner
+    entity: str | None = None  # unset: WANDB_ENTITY, else wandb's own
+    group: str | None = None  # unset: WANDB_RUN_GROUP, else the sweep folder's name
+    tags: list[str] | None = None  # unset: WANDB_TAGS, else none
+    log_checkpoint: bool = False  # the checkpoint at the end as a wandb artifact (type model)
 
 
 @dataclass

@@ -51,6 +51,8 @@ def test_a_run_draws_each_process_and_thread_as_a_lane(tmp_path: Path, cache_dir
     assert stages <= {s["stage"] for s in data["spans"]}
     assert len(data["steps"]) == 4  # a few consecutive steps after warm-up
     assert Path(m["timeline"]).read_bytes()[:8] == PNG
+    trace = json.loads(Path(m["timeline_trace"]).read_text())  # the same lanes, for Perfetto
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == lanes
     assert not (tmp_path / "run" / ".timeline").exists()  # the workers' scratch is gone
 
 
@@ -155,3 +157,124 @@ def test_a_cuda_run_draws_its_copy_and_compute_streams(tmp_path: Path, cache_dir
     for s in copies + computes:  # resolved onto the host's clock, inside the steps shown
         assert -1.0 <= s["start"] <= s["end"] <= end + 1.0
     assert Path(m["timeline"]).read_bytes()[:8] == PNG
+
+
+def test_the_timeline_is_also_a_chrome_trace_with_a_named_thread_per_lane(tmp_path: Path,
+                                                                          monkeypatch):
+    """timeline.trace.json: one complete event per span of timeline.json (µs, never
+    negative), a named thread per lane, the GPU's streams a process of their own; declared
+    in metrics.json's schema."""
+    from runner.measure.schema import problems
+
+    timeline.enable(tmp_path / ".t")
+    try:
+        t0 = time.perf_counter()
+        monkeypatch.setitem(timeline._anchor, "event", StandInEvent(100.0))
+        monkeypatch.setitem(timeline._anchor, "host", t0)
+        timeline.record("wait", t0 - 0.001, t0 + 0.002)  # begins before the first step
+        timeline.record("step", t0 + 0.002, t0 + 0.006)
+        timeline.record("model", t0 + 0.002, t0 + 0.004, sub="model a")
+        timeline.record_device(timeline.COPY_STREAM, "copy", StandInEvent(100.001),
+                               StandInEvent(100.003))
+        timeline.record_device(timeline.COMPUTE_STREAM, "compute", StandInEvent(100.003),
+                               StandInEvent(100.008))
+        out = timeline.write(tmp_path, [(t0, t0 + 0.010)], 0, "a title")
+    finally:
+        timeline.disable()
+    spans = json.loads((tmp_path / "timeline.json").read_text())["spans"]
+    assert out["timeline_trace"] == str(tmp_path / "timeline.trace.json")
+    trace = json.loads(Path(out["timeline_trace"]).read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(spans) == 5
+    for e, s in zip(events, spans):
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid"} <= set(e)
+        assert e["name"] == s["stage"] and e["ts"] >= 0 and e["dur"] >= 0
+        assert e["ts"] == pytest.approx(s["start"] * 1e3)  # µs, timeline.json's ms
+        assert e["dur"] == pytest.approx((s["end"] - s["start"]) * 1e3)
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(threads.values()) == sorted({s["lane"] for s in spans})
+    lane_of = {(e["pid"], e["tid"]): threads[(e["pid"], e["tid"])] for e in events}
+    assert [lane_of[(e["pid"], e["tid"])] for e in events] == [s["lane"] for s in spans]
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "process_name"}
+    assert processes[next(p for (p, _), n in threads.items() if n == "main/model a")] == "main"
+    gpu = {p for (p, _), n in threads.items() if n in timeline.DEVICE_LANES}
+    assert len(gpu) == 1 and processes[gpu.pop()] == "GPU"
+    assert {p for p, _ in threads} == set(processes)  # every lane in a named process
+    assert problems({"timeline_trace": out["timeline_trace"]}) == []
+
+
+class NvtxSpy:
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def push(self, name: str) -> int:
+        self.calls.append(f"+{name}")
+        return 0
+
+    def pop(self) -> int:
+        self.calls.append("-")
+        return 0
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_stages_are_nvtx_ranges_only_where_cuda_is_available(tmp_path: Path, monkeypatch,
+                                                             cuda: bool):
+    """Where CUDA is available the loop's stages (as the timeline names them) and the
+    spans are NVTX ranges, balanced; where it is not, NVTX is never called."""
+    import torch
+
+    from runner.measure.profile import stage_range
+
+    spy = NvtxSpy()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", spy.push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", spy.pop)
+    monkeypatch.setitem(timeline._state, "nvtx", None)  # asked again under the patch
+    stage = stage_range(False)
+    for name in ("data_wait", "copy", "compute"):
+        with stage(name):
+            pass
+    timeline.enable(tmp_path / ".t")
+    try:
+        with timeline.span("collate"):
+            pass
+    finally:
+        timeline.disable()
+    if cuda:
+        assert spy.calls == ["+wait", "-", "+copy", "-", "+step", "-", "+collate", "-"]
+    else:
+        assert spy.calls == []
+    timeline._state["nvtx"] = None  # the next test asks the real torch
+
+
+@pytest.mark.cuda
+def test_a_cuda_run_marks_its_stages_as_nvtx_ranges(tmp_path: Path, cache_dir: Path,
+                                                    monkeypatch):
+    import torch
+
+    from tests.conftest import run_in_process
+
+    pushed: list[str] = []
+    push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    depth = [0]
+
+    def spy_push(name: str):
+        pushed.append(name)
+        depth[0] += 1
+        return push(name)  # the real NVTX call: it must not fail on a real device
+
+    def spy_pop():
+        depth[0] -= 1
+        return pop()
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", spy_push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", spy_pop)
+    m = run_in_process(*SMALL_DATASET, "device=cuda", "loader=memmap", "prefetch=cpu",
+                       "logger=none", "diagnose=false", "run.steps=6", run_dir=tmp_path / "run")
+    assert m["status"] == "ok"
+    assert {"wait", "copy", "step", "gather"} <= set(pushed) and depth[0] == 0
+    trace = json.loads(Path(m["timeline_trace"]).read_text())
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {timeline.COMPUTE_STREAM, "main"} <= lanes

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from runner.measure import timeline
+
 WAIT, WARMUP, ACTIVE = 2, 2, 5
 
 
@@ -29,5 +31,9 @@ def build_profiler(run_dir: Path, device: torch.device) -> profile:
 
 
 def stage_range(profiling: bool):
-    """``record_function`` while profiling, else a no-op (no cost in the hot path)."""
-    return record_function if profiling else (lambda name: contextlib.nullcontext())
+    """``record_function`` while profiling; else, where CUDA is available, an NVTX range
+    named as the timeline names the stage (runner/measure/timeline.py: for Nsight
+    Systems); else a no-op (no cost in the hot path)."""
+    if profiling:
+        return record_function
+    return timeline.nvtx_stage if timeline.nvtx_on() else (lambda name: contextlib.nullcontext())

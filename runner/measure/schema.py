@@ -109,6 +109,7 @@ class Metrics(TypedDict, total=False):
     trace: str | None  # profile=true: the torch.profiler trace
     timeline: str  # run.timeline=true: timeline.png
     timeline_json: str  # its data
+    timeline_trace: str  # the same spans as a Chrome trace (Perfetto, chrome://tracing)
     timeline_busy: dict  # each lane's busy share over the drawn steps
     bottleneck: dict  # the verdict (runner/job/diagnose.py): sentence, bound, stage, ceilings
 

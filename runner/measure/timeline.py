@@ -22,6 +22,18 @@ read / copy / compute picture that shows whether prefetching overlaps the copy w
 step. Events are only kept while the run goes (no sync per step); after the loop, one sync
 resolves them to host time through an anchor event taken once, with the device idle, at
 the first one (``_anchor``). On the CPU there are no such lanes.
+
+The same spans are also written as a Chrome trace-event file, ``timeline.trace.json``
+(``trace_events``), which Perfetto (https://ui.perfetto.dev) and chrome://tracing open:
+one complete event (``ph: "X"``, µs from the first step shown) per span of
+``timeline.json``, a process per process (the GPU's streams one of their own) and a named
+thread per lane. (Not ``trace.json``: that is ``profile=true``'s torch.profiler trace.)
+
+On CUDA the stages are also NVTX ranges, for Nsight Systems (``nsys profile``): the loop's
+(wait, copy, augment, step; ``nvtx_stage``, through runner/measure/profile.py's
+``stage_range``) and those recorded with ``span`` (collate, gather). Whether NVTX is on is
+decided once, in the main process, from ``torch.cuda.is_available()`` (``nvtx_on``); where
+it is not, ``span`` and ``stage_range`` cost what they cost before (no call into NVTX).
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from runner.atomic import dumps
 LIMIT = 200_000  # spans kept per process
 STEPS_SHOWN = 4  # consecutive steps drawn after warm-up
 
-_state: dict[str, Any] = {"dir": None}
+_state: dict[str, Any] = {"dir": None, "nvtx": None}  # nvtx: None until ``nvtx_on`` asks
 _spans: list[tuple[str, str, float, float]] = []  # (lane, stage, start, end)
 _written = 0  # spans of this process already appended to its file
 # (lane, stage, start event, end event) recorded on a CUDA stream, resolved after the run
@@ -57,6 +69,7 @@ def enable(folder: Path) -> None:
     """Record from now on, in this process and in the workers it forks later."""
     global _written
     folder.mkdir(parents=True, exist_ok=True)
+    nvtx_on()  # decided here, in the main process: forked workers inherit the answer
     for old in folder.glob("*.jsonl"):
         old.unlink()
     _state["dir"] = folder
@@ -139,16 +152,48 @@ def _resolve_device() -> list[tuple[str, str, float, float]]:
              host + anchor.elapsed_time(b) / 1e3) for lane, stage, a, b in _device]
 
 
+def nvtx_on() -> bool:
+    """NVTX ranges are emitted: CUDA is available (asked once, then remembered)."""
+    if _state["nvtx"] is None:
+        import torch
+
+        _state["nvtx"] = torch.cuda.is_available()
+    return _state["nvtx"]
+
+
+# the loop's stage names (runner/loop.py) as the timeline's lanes name them
+NVTX_NAMES = {"data_wait": "wait", "compute": "step"}
+
+
+@contextlib.contextmanager
+def nvtx_stage(stage: str) -> Iterator[None]:
+    """An NVTX range named as the timeline names ``stage`` (call only where ``nvtx_on``)."""
+    import torch
+
+    torch.cuda.nvtx.range_push(NVTX_NAMES.get(stage, stage))
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
 @contextlib.contextmanager
 def span(stage: str) -> Iterator[None]:
     if _state["dir"] is None:
         yield
         return
+    nvtx = _state["nvtx"]
+    if nvtx:
+        import torch
+
+        torch.cuda.nvtx.range_push(stage)
     start = time.perf_counter()
     try:
         yield
     finally:
         record(stage, start, time.perf_counter())
+        if nvtx:
+            torch.cuda.nvtx.range_pop()
 
 
 def flush() -> None:
@@ -222,6 +267,8 @@ def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
     }
     json_path = run_dir / "timeline.json"
     json_path.write_text(dumps(data, indent=1) + "\n")
+    trace_path = run_dir / TRACE
+    trace_path.write_text(dumps(trace_events(data, lanes)) + "\n")
     png = run_dir / "timeline.png"
     try:
         draw(data, lanes, png)
@@ -231,7 +278,38 @@ def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
             for name in lanes}
     total = (end - start) * 1e3
     return {"timeline": str(png or json_path), "timeline_json": str(json_path),
+            "timeline_trace": str(trace_path),
             "timeline_busy": {k: v / total for k, v in busy.items()} if total else {}}
+
+
+TRACE = "timeline.trace.json"
+
+
+def trace_events(data: dict[str, Any], lanes: list[str]) -> dict[str, Any]:
+    """``timeline.json``'s spans as a Chrome trace (the trace-event format): a complete
+    event per span, in µs from the first step shown; a process per process of the run (the
+    GPU's streams one of their own), a named thread per lane, in the picture's order."""
+    pids: dict[str, int] = {}
+    tids: dict[str, tuple[int, int]] = {}
+    meta: list[dict[str, Any]] = []
+    for order, name in enumerate(lanes):
+        process = "GPU" if name in DEVICE_LANES else name.split("/", 1)[0]
+        if process not in pids:
+            pids[process] = pid = len(pids) + 1
+            meta += [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                      "args": {"name": process}},
+                     {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                      "args": {"sort_index": pid}}]
+        tids[name] = (pids[process], order + 1)
+        meta += [{"name": "thread_name", "ph": "M", "pid": pids[process], "tid": order + 1,
+                  "args": {"name": name}},
+                 {"name": "thread_sort_index", "ph": "M", "pid": pids[process],
+                  "tid": order + 1, "args": {"sort_index": order + 1}}]
+    events = [{"name": s["stage"], "cat": "device" if s["lane"] in DEVICE_LANES else "host",
+               "ph": "X", "ts": s["start"] * 1e3, "dur": (s["end"] - s["start"]) * 1e3,
+               "pid": tids[s["lane"]][0], "tid": tids[s["lane"]][1]} for s in data["spans"]]
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+            "otherData": {"title": data["title"]}}
 
 
 def draw(data: dict[str, Any], lanes: list[str], path: Path) -> None:
