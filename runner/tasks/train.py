@@ -70,6 +70,14 @@ class TrainTask(TaskBase):
                               "unlabelled ones (a flat folder, dataset.labels=none, or a "
                               "manifest without labels); give one sub-folder per class, or a "
                               "manifest with a label column")
+        labels = getattr(data.storage, "label_tensor", None)
+        unlabelled = int((labels() < 0).sum()) if callable(labels) else 0
+        if unlabelled:  # a WebDataset sample without its .cls, a manifest row without label
+            raise ConfigError(f"task=train needs every image labelled: {unlabelled} of "
+                              f"{len(data.storage)} in {data.storage.root} have no label (a "
+                              "shard's sample without a .cls member, a manifest row without "
+                              "a label); unlabelled images serve task=infer only: label them, "
+                              "or leave them out")
         super().prepare(data)
         if self.resumed is not None:
             checkpoint.check_epoch_length(self.resumed, data.steps_per_epoch,
