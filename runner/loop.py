@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 from tqdm import tqdm
 
+from runner.data.loader import is_empty
 from runner.data.order import count_images
 from runner.errors import Interrupted
 from runner.logger import MetricLogger
@@ -32,6 +33,7 @@ class Step(Protocol):
     def read(self) -> dict[str, float]: ...
     def close(self, complete: bool = True) -> dict[str, float]: ...
     def start_timing(self) -> None: ...  # warm-up is over: figures count from here
+    # optional: ``skip()``, a position read whose images all failed to decode (no step)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class LoopResult:
     steps: int  # all steps run, warm-up included
     images: int  # all images seen, warm-up included
     warmup_steps: int
+    empty: int = 0  # of the steps, batches read whose images all failed to decode
     interrupted: BaseException | None = None  # Ctrl-C or SIGTERM stopped the loop early
     # (start, end) of the first steps, host clock (time.perf_counter): runner/measure/timeline.py
     step_spans: list[tuple[float, float]] = field(default_factory=list)
@@ -182,7 +185,8 @@ class Windows:
         elif timed > 0 and (timed % self.o.log_every == 0 or timed in self.ends):
             first = self.repeat == 0  # before close(), which moves on at a repeat's end
             figures = self.close()
-            self.bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
+            if figures.get("images_per_sec") is not None:  # none: a window of empty batches
+                self.bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
             if first and self.o.extend is not None and self.o.min_window_seconds > 0:
                 self.lengthen()
             self.clock.open_window(sync=False)  # logging is the runner's, not the pipeline's
@@ -306,6 +310,11 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     the profiler advances once per step. Ctrl-C or SIGTERM (``KeyboardInterrupt``) ends the
     loop early with the steps done so far timed and kept; the result carries the
     interruption for the caller to re-raise.
+
+    A batch none of whose images decoded (runner/data/loader.py's ``empty_batch``) counts
+    as a step read: no copy and no step (the step's ``skip`` is told), but its position
+    counts, so epochs end, checkpoints and a run's completion fall where they would
+    (``LoopResult.empty``).
     """
     o = options
     clock = o.clock or StepClock(batches.device)
@@ -317,6 +326,10 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     augments = batches.finishes_on_device
     trace = StepTrace(result, augments)
     stage = stage_range(o.profiler is not None)
+    stream = getattr(batches, "stream", None)  # a DataPath's: empty positions come through
+    if stream is not None and hasattr(stream, "keep_empty"):
+        stream.keep_empty = True
+    skip = getattr(step, "skip", None)
     batch_iter = iter(batches)
     hooks.start()
     if windows.warmup == 0:
@@ -330,6 +343,15 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
                 break
             h1 = time.perf_counter()
             clock.add_host("data_wait", h1 - t0 - clock.take_paused())
+            if is_empty(batch):  # read, every image undecodable: a position, no step
+                if skip is not None:
+                    skip()
+                result.steps += 1
+                result.empty += 1
+                bar.update()
+                hooks.after_step(result.steps)
+                windows.after_step()
+                continue
             n = batches.count(batch)  # counted on the host: no device sync
             c0 = clock.now()
             with stage("copy"):

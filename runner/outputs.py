@@ -439,6 +439,12 @@ class Outputs:
         self.futures.append(self.pool.submit(self._write, name, step, host, ready))
         self.wait_seconds += time.perf_counter() - start
 
+    def nothing(self, step: int) -> None:
+        """Step ``step`` read a batch none of whose images decoded: nothing to write, and
+        the step counts as landed for every model (``written_through`` goes past it)."""
+        for _ in self.writers:
+            self._landed(step)
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
             return t.detach()

@@ -3,6 +3,12 @@
 A batch is a ``TensorDict`` with ``image`` (N, 3, H, W) uint8, ``label`` int64 and ``index``
 int64 (position in the storage), so one ``.to(device)`` moves all of it. Files the decoders
 could not read travel beside the batch and are counted by ``BatchStream``.
+
+A batch none of whose images decodes is still a position of the epoch: with
+``BatchStream.keep_empty`` (the run's loop, runner/loop.py) it comes as an empty batch (no
+rows, no ``image``: ``is_empty``), which the loop counts as read without a step, so a run's
+steps, its epochs and the outputs' completion count what was read, not only what decoded.
+Without it (validation, ``runner.pipeline``) such a batch is left out.
 """
 
 from __future__ import annotations
@@ -304,6 +310,17 @@ def as_tensordict(batch: dict[str, torch.Tensor], n: int) -> TensorDict:
 _NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
 
 
+def empty_batch() -> TensorDict:
+    """A position of the epoch whose images all failed to decode: no rows, no image."""
+    none = torch.empty(0, dtype=torch.int64)
+    return as_tensordict({"index": none, "label": none.clone()}, 0)
+
+
+def is_empty(batch: TensorDict) -> bool:
+    """Whether ``batch`` is ``empty_batch``'s (a position read, nothing to step on)."""
+    return batch.batch_size[0] == 0 and "image" not in batch.keys()
+
+
 def shutdown_workers(loader: DataLoader, iterator=None) -> None:
     """Stop a DataLoader's worker processes now, not whenever garbage collection runs.
 
@@ -344,6 +361,9 @@ class BatchStream:
             eviction for ``dataset.page_cache=cold``).
         known_skipped: files the storage already knew to be undecodable (a decode-once
             cache's metadata lists them); reported with the ones found while loading.
+
+    ``keep_empty``: a batch with no decodable image comes as ``empty_batch()`` (the loop
+    counts its position), else it is left out.
     """
 
     def __init__(self, loader, epochs: int, *, order: BatchOrder | None = None,
@@ -359,6 +379,7 @@ class BatchStream:
         self.on_epoch = on_epoch
         self.skips = SkipLog()
         self.skips.add(list(known_skipped))
+        self.keep_empty = False
 
     def __len__(self) -> int:
         return self.epochs * len(self.loader)
@@ -384,6 +405,8 @@ class BatchStream:
                             batch = {**batch, **self.per_batch(self.epoch, position,
                                                                batch["index"])}
                         yield as_tensordict(batch, n)
+                    elif self.keep_empty:  # a position read, every image of it skipped
+                        yield empty_batch()
                 done += 1
                 self.epoch += 1
         finally:

@@ -125,6 +125,8 @@ class HostConvert:
         self.batches = 0
 
     def __call__(self, batch: TensorDict) -> TensorDict:
+        if "image" not in batch.keys():  # a batch of no decodable image: nothing to convert
+            return batch
         started = time.perf_counter()
         images = batch["image"]
         n, shape = images.shape[0], tuple(images.shape[1:])

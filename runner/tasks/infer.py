@@ -244,6 +244,14 @@ class InferStep:
         elif sum(len(s) for s in self._spans.values()) > MAX_PENDING_EVENTS:
             self._resolve(done_only=True)  # a bounded list, and no sync
 
+    def skip(self) -> None:
+        """A batch whose images all failed to decode (listed in ``skipped_files``): its
+        step is done with no row to write, so the outputs' completion and the state's
+        steps count it as read."""
+        if self.outputs is not None:
+            self.outputs.nothing(self.step)
+        self.step += 1
+
     def read(self) -> dict[str, float]:
         return {}
 

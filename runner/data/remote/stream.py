@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.data.order import BatchOrder
+from runner.data.remote.client import RemoteError
 from runner.data.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,8 @@ class RemoteShards:
             self.uncached_reads += 1
             try:
                 return bytes(future.result())
+            except RemoteError:  # what the server does to every request: the run stops
+                raise
             except Exception:  # retried already: once more alone, then unreadable
                 return self._range(shard, offset, size)
         fd = self._fds.get(shard)
@@ -227,6 +230,8 @@ class RemoteShards:
                 try:
                     path = fetching.result() if fetching is not None \
                         else self._fetch(shard, set())
+                except RemoteError:
+                    raise
                 except Exception as e:  # the shard's fetch gave up: this sample alone
                     log.warning("fetching %s failed (%s): reading its samples one by one",
                                 self.url.child(self.names[shard]), type(e).__name__)
@@ -254,6 +259,8 @@ class RemoteShards:
         url = self.url.child(self.names[shard])
         try:
             return bytes(self.engine.get_range(url.prefix, offset, offset + size).result())
+        except RemoteError:
+            raise
         except Exception as e:
             raise OSError(f"{url} bytes {offset}-{offset + size}: {type(e).__name__} after "
                           f"{self.engine.attempts} tries") from e

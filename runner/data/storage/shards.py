@@ -16,6 +16,14 @@ unreadable file named ``<shard>/<key>``, skipped or (``dataset.on_corrupt=fail``
 among themselves (``BatchOrder`` with ``groups``): a function of (seed, epoch) and the shard
 set, so a resumed run reads exactly what an uninterrupted one does, on every rank.
 
+**What a set holds, said.** A sample is named by its source name when the index keeps
+one (shards made of a folder: ``cat/001.jpg``; a foreign tar: its member), else by
+``<shard>/<key>``. A key met twice (a shard copied beside itself) is read once: the copies
+are counted in one warning and in ``shard_duplicates_skipped``. A manifest's shard whose
+``.idx.json`` is missing is indexed again from its tar (said once); a ``.tar`` beside a
+manifest that does not list it is named in one line and not read; the files a conversion
+skipped (the manifest's ``skipped``) are in the run's ``skipped_files``.
+
 **Remote shards** (``dataset.path=s3://...``): fetched ahead of need, whole, into the
 node-local cache bounded by ``dataset.cache_bytes`` (runner/data/remote/stream.py, cache.py);
 a cold start's first batches, and samples the cache has no room for, by range requests.
@@ -39,7 +47,7 @@ from runner.config import DatasetConfig, LoaderConfig, StorageName
 from runner.data.order import BatchOrder, split_padding
 from runner.data.remote.stream import SHARDS_PER_BLOCK, RemoteShards
 from runner.data.remote.url import RemoteURL, is_url
-from runner.data.storage.base import StorageKind, StoreFootprint
+from runner.data.storage.base import SkippedFile, StorageKind, StoreFootprint
 from runner.data.storage.cache import human_bytes
 from runner.data.storage.decode import DECODERS
 from runner.data.storage.folder import FolderStorage
@@ -119,10 +127,12 @@ class ShardsStorage(PackedStorage):
     group_block = SHARDS_PER_BLOCK
 
     def __init__(self, root: str | Path, indexes: list[ShardIndex], classes: list[str],
-                 decode, on_corrupt, source: LocalShards | RemoteShards):
+                 decode, on_corrupt, source: LocalShards | RemoteShards,
+                 skipped: list[SkippedFile] = (), duplicates: int = 0):
         self.root, self.classes = root, classes
         self.decode, self.on_corrupt = decode, on_corrupt
-        self.known_skipped = []
+        self.known_skipped = list(skipped)  # what the conversion to shards skipped
+        self.duplicates = duplicates  # samples of a key met before, not read
         self.samples, self.offsets, self.sizes = [], [], []
         self.heights, self.widths, self.crcs, self.shard_of = [], [], [], []
         self.order_groups = [0]
@@ -139,6 +149,9 @@ class ShardsStorage(PackedStorage):
             self.order_groups.append(len(self.samples))
             upright = upright and all(index.upright)
         self.upright = upright
+        names = [n for index in indexes for n in index.names]
+        # the source names where the index keeps them, one per sample
+        self.names = names if all(names) and len(set(names)) == len(names) else None
         self.source = source
         self.spec, self.cache = None, None
         self.data_bytes = sum(self.sizes)
@@ -154,7 +167,9 @@ class ShardsStorage(PackedStorage):
         self.__dict__.update(state)
 
     def name_of(self, index: int) -> str:
-        """``<shard>/<key>`` (what predictions name a sample by)."""
+        """The sample's source name (what predictions name it by), else ``<shard>/<key>``."""
+        if getattr(self, "names", None) is not None:
+            return self.names[index]
         return self.samples[index][0]
 
     def follow(self, order: BatchOrder) -> None:
@@ -200,7 +215,10 @@ class ShardsStorage(PackedStorage):
         """Nothing more: ``read`` checked the CRC already."""
 
     def figures(self) -> dict[str, Any]:
-        return self.source.figures()
+        out = self.source.figures()
+        if self.duplicates:
+            out["shard_duplicates_skipped"] = self.duplicates
+        return out
 
     def close(self) -> None:
         self.source.close()
@@ -208,30 +226,94 @@ class ShardsStorage(PackedStorage):
 
 # --- opening a shard set ------------------------------------------------------------------
 
-def _local_set(folder: Path, dataset: DatasetConfig) -> tuple[list[ShardIndex], list[str]]:
-    """The indexes and classes of a local shard set (its manifest, else its ``*.tar``
-    indexed now and cached)."""
+def _local_set(folder: Path, dataset: DatasetConfig
+               ) -> tuple[list[ShardIndex], list[str], list[SkippedFile]]:
+    """The indexes, classes and the conversion's skipped files of a local shard set (its
+    manifest, else its ``*.tar`` indexed now and cached)."""
     manifest = folder / MANIFEST
+    cache = cache_folder(dataset, "index", str(folder.resolve()))
     if manifest.is_file():
         meta = load_json(manifest.read_text(), str(manifest))
-        indexes = [ShardIndex.from_json(json.loads((folder / s["index"]).read_text()))
-                   for s in meta[SHARD_LIST]]
-        return indexes, list(meta.get("classes", []))
+        indexes = [_manifest_index(folder, s, cache) for s in meta[SHARD_LIST]]
+        listed = {s["name"] for s in meta[SHARD_LIST]}
+        foreign = sorted(p.name for p in folder.glob("*.tar") if p.name not in listed)
+        if foreign:
+            log.warning("dataset.path=%s: %s beside its %s %s not listed there and not read "
+                        "(list it, or move it to a folder of its own)", folder,
+                        ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more"
+                                                  if len(foreign) > 5 else ""),
+                        MANIFEST, "is" if len(foreign) == 1 else "are")
+        return indexes, list(meta.get("classes", [])), _skipped_of(meta)
     tars = sorted(p.name for p in folder.glob("*.tar"))
-    cache = cache_folder(dataset, "index", str(folder.resolve()))
     cache.mkdir(parents=True, exist_ok=True)
-    indexes = []
-    for name in tars:
-        st = (folder / name).stat()
-        saved = cache / f"{index_name(name)}.{st.st_size}.{st.st_mtime_ns}"
-        if saved.is_file():
-            indexes.append(ShardIndex.from_json(json.loads(saved.read_text())))
-            continue
-        with open(folder / name, "rb") as f:
-            index = index_tar(f, name, st.st_size)
-        saved.write_text(json.dumps(index.to_json()))
-        indexes.append(index)
-    return indexes, _classes_of(indexes)
+    return [_cached_index(folder / name, cache) for name in tars], [], []
+
+
+def _cached_index(tar: Path, cache: Path) -> ShardIndex:
+    """The index of the tar ``tar`` (made now, or the one cached for its size and time)."""
+    st = tar.stat()
+    saved = cache / f"{index_name(tar.name)}.{st.st_size}.{st.st_mtime_ns}"
+    if saved.is_file():
+        return ShardIndex.from_json(json.loads(saved.read_text()))
+    with open(tar, "rb") as f:
+        index = index_tar(f, tar.name, st.st_size)
+    saved.write_text(json.dumps(index.to_json()))
+    return index
+
+
+def _manifest_index(folder: Path, entry: dict, cache: Path) -> ShardIndex:
+    """The index a manifest lists for a shard; indexed again from the tar (cached, and
+    said) when its ``.idx.json`` is missing, a DatasetError when the tar is too."""
+    path = folder / entry["index"]
+    if path.is_file():
+        return ShardIndex.from_json(json.loads(path.read_text()))
+    tar = folder / entry["name"]
+    if not tar.is_file():
+        raise DatasetError(f"dataset.path={folder}: its {MANIFEST} lists {entry['name']}, "
+                           "which is not there; restore it, or write the shards again "
+                           "(python -m runner.prepare shards ... out=<folder>)")
+    log.warning("dataset.path=%s: %s is missing: %s indexed again from the tar (its source "
+                "names are lost; write the shards again to keep them)", folder,
+                entry["index"], entry["name"])
+    cache.mkdir(parents=True, exist_ok=True)
+    return _cached_index(tar, cache)
+
+
+def _skipped_of(meta: dict) -> list[SkippedFile]:
+    """The files a conversion to shards skipped (the manifest's ``skipped``)."""
+    return [SkippedFile(str(s.get("path", "")), str(s.get("error", "")))
+            for s in meta.get("skipped", []) if isinstance(s, dict)]
+
+
+def _without_duplicates(indexes: list[ShardIndex], root: str | Path
+                        ) -> tuple[list[ShardIndex], int]:
+    """The indexes with every sample whose key (with its source name) was met in an
+    earlier shard left out: a shard copied beside itself is read once. The copies are
+    counted and said in one warning."""
+    seen: set[tuple[str, str]] = set()
+    dropped: dict[str, int] = {}
+    out = []
+    for index in indexes:
+        keep = []
+        for k, (key, name) in enumerate(zip(index.keys, index.names)):
+            if (key, name) in seen:
+                dropped[index.shard] = dropped.get(index.shard, 0) + 1
+            else:
+                seen.add((key, name))
+                keep.append(k)
+        if len(keep) < len(index):
+            columns = {f: [getattr(index, f)[k] for k in keep]
+                       for f in index.__dataclass_fields__
+                       if isinstance(getattr(index, f), list)}
+            index = ShardIndex(**{**index.__dict__, **columns})
+        if len(index):  # a shard wholly a copy is not read at all
+            out.append(index)
+    count = sum(dropped.values())
+    if count:
+        log.warning("dataset.path=%s: %d sample(s) repeat a key of an earlier shard (%s): "
+                    "each is read once (a shard copied beside itself? remove the copy)",
+                    root, count, ", ".join(f"{s}: {n}" for s, n in sorted(dropped.items())))
+    return out, count
 
 
 def _classes_of(indexes: list[ShardIndex]) -> list[str]:
@@ -244,7 +326,7 @@ def is_shard_set(path: Path) -> bool:
 
 
 def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
-                ) -> tuple[list[ShardIndex], list[str]]:
+                ) -> tuple[list[ShardIndex], list[str], list[SkippedFile]]:
     """The indexes and classes of a shard set in a store: its manifest and indexes
     (fetched together), else its ``*.tar`` fetched through the cache and indexed once."""
     store = engine.store
@@ -252,7 +334,8 @@ def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
     manifest_key = url.key(MANIFEST)
     if manifest_key in objects:
         meta = load_json(store.get(manifest_key), str(url.child(MANIFEST)))
-        return _node_indexes(url, meta, objects, engine, cache), list(meta.get("classes", []))
+        return (_node_indexes(url, meta, objects, engine, cache),
+                list(meta.get("classes", [])), _skipped_of(meta))
     tars = sorted(k for k in objects if k.endswith(".tar"))
     if not tars:
         raise DatasetError(f"dataset.path={url} holds no {MANIFEST} and no .tar shards")
@@ -270,7 +353,7 @@ def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
             index = index_tar(f, name, info.size)
         saved.write_text(json.dumps(index.to_json()))
         indexes.append(index)
-    return indexes, _classes_of(indexes)
+    return indexes, _classes_of(indexes), []
 
 
 def _node_indexes(url: RemoteURL, meta: dict, objects: dict, engine, cache
@@ -310,7 +393,8 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     bound = dataset.cache_bytes or DEFAULT_CACHE_BYTES
     cache = ShardCache(cache_folder(dataset, "remote", f"{url}|{dataset.endpoint_url}"),
                        bound)
-    indexes, classes = _remote_set(url, dataset, engine, cache)
+    indexes, classes, skipped = _remote_set(url, dataset, engine, cache)
+    indexes, duplicates = _without_duplicates(indexes, url)
     shard_of = [k for k, i in enumerate(indexes) for _ in range(len(i))]
     spans = [(o, s) for i in indexes for o, s in zip(i.offsets, i.sizes)]
     largest = max((i.nbytes for i in indexes), default=0)
@@ -320,7 +404,8 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
                     bound, SHARDS_PER_BLOCK, human_bytes(largest))
     source = RemoteShards(url, engine, [i.shard for i in indexes], [i.nbytes for i in indexes],
                           cache, shard_of, spans)
-    return ShardsStorage(str(url), indexes, classes, decode, dataset.on_corrupt, source)
+    return ShardsStorage(str(url), indexes, classes, decode, dataset.on_corrupt, source,
+                         skipped, duplicates)
 
 
 def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
@@ -335,11 +420,15 @@ def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
         folder = folder.parent
     if not (folder.is_dir() and is_shard_set(folder)):
         folder = convert_to_shards(loader, dataset, folder, progress)
-    indexes, classes = _local_set(folder, dataset)
+    indexes, classes, skipped = _local_set(folder, dataset)
+    if not classes:
+        classes = _classes_of(indexes)
+    indexes, duplicates = _without_duplicates(indexes, folder)
     if not indexes:
         raise DatasetError(f"dataset.path={folder} holds no samples in its shards")
     source = LocalShards(folder, [i.shard for i in indexes])
-    return ShardsStorage(folder, indexes, classes, decode, dataset.on_corrupt, source)
+    return ShardsStorage(folder, indexes, classes, decode, dataset.on_corrupt, source,
+                         skipped, duplicates)
 
 
 def _decoder(loader: LoaderConfig, dataset: DatasetConfig):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import posixpath
 import tarfile
@@ -39,6 +40,8 @@ INDEX_SUFFIX = ".idx.json"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
 LABEL_EXTS = ("cls", "cls2", "label")
 DEFAULT_SHARD_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -172,19 +175,27 @@ def split_key(member: str) -> tuple[str, str]:
 
 def index_tar(fileobj: BinaryIO, shard: str, nbytes: int) -> ShardIndex:
     """The index of a WebDataset tar: per key, its image member (the first of
-    ``IMAGE_EXTS``) and its label (``.cls``; -1 when there is none)."""
+    ``IMAGE_EXTS``) and its label (``.cls``; -1 when there is none). A tar cut short is
+    indexed as far as its member headers go (said once); a sample whose bytes it lost
+    stays in the index and reads as unreadable (its size is not there), so it is counted
+    in ``skipped_files``."""
     images: dict[str, tuple[int, int, str]] = {}
     labels: dict[str, int] = {}
     order: list[str] = []
     with tarfile.open(fileobj=fileobj, mode="r:") as tar:
-        for info in _members(tar):
-            key, ext = split_key(info.name)
-            if ext in IMAGE_EXTS and key not in images:
-                images[key] = (info.offset_data, info.size, info.name)
-                order.append(key)
-            elif ext in LABEL_EXTS and key not in labels:
-                text = tar.extractfile(info).read().decode("utf-8", "replace").strip()
-                labels[key] = int(text) if text.lstrip("-").isdigit() else -1
+        try:
+            for info in _members(tar):
+                key, ext = split_key(info.name)
+                if ext in IMAGE_EXTS and key not in images:
+                    images[key] = (info.offset_data, info.size, info.name)
+                    order.append(key)
+                elif ext in LABEL_EXTS and key not in labels:
+                    text = tar.extractfile(info).read().decode("utf-8", "replace").strip()
+                    labels[key] = int(text) if text.lstrip("-").isdigit() else -1
+        except (tarfile.ReadError, EOFError) as e:
+            log.warning("%s is cut short (%s) after %d sample(s): those past its end are not "
+                        "in its index, the last one's bytes read as unreadable", shard, e,
+                        len(order))
     index = ShardIndex(shard, nbytes, [], [], [], [], [], [], [], [], [])
     for key in order:
         offset, size, name = images[key]
