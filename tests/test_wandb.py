@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.logger import init_args, scrubbed, swept
+from runner.logger import init_args, scrubbed, summary_of, swept
 from tests.conftest import SMALL_DATASET, compose_config, read_metrics, run_cli, wandb_records
 
 DEFAULTS = {"mode": "offline", "project": "runner", "group": "the-sweep", "job_type": "train",
@@ -113,13 +113,18 @@ def test_a_run_honours_the_wandb_environment_and_logs_what_users_look_at(tmp_pat
     assert "run.epochs=2" in run.display_name  # alone: its overrides
     rows = history(records)
     # timeline.png, as an image
-    (picture,) = [r for r in rows if "timeline/_type" in r]
-    assert picture["timeline/_type"] == "image-file" and picture["timeline/format"] == "png"
+    (picture,) = [r for r in rows if "images/timeline/_type" in r]
+    assert picture["images/timeline/_type"] == "image-file"
+    assert picture["images/timeline/format"] == "png"
     # each epoch's validation, against its epoch
     epochs = [(r["epoch"], r["val/top1"]) for r in rows if "val/top1" in r]
     assert [e for e, _ in epochs] == [1, 2]
     metrics = read_metrics(tmp_path / "run")
     assert [v for _, v in epochs] == [row["val_top1"] for row in metrics["epochs"]]
+    # the summary stays metrics.json's figures: no image, epoch or validation row in it
+    summary = {i.key or ".".join(i.nested_key) for u in kind(records, "summary")
+               for i in u.update}
+    assert {k for k in summary if not k.startswith("_")} <= set(summary_of(metrics))
     # the checkpoint, as an artifact
     (artifact,) = kind(records, "artifact")
     assert artifact.type == "model" and artifact.name.startswith("checkpoint-")
