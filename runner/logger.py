@@ -97,8 +97,9 @@ def init_args(given: Mapping[str, Any], defaults: Mapping[str, Any],
     return args
 
 
-SECRET_KEY = re.compile(r"(api_?key|token|secret|password|passwd|credential)", re.I)
-SECRET_QUERY = re.compile(r"(signature|token|secret|key|credential|password|sig)=", re.I)
+SECRET_KEY = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentials?)(_|$)", re.I)
+SECRET_QUERY = re.compile(r"(^|&)[^=&]*(signature|token|secret|credential|password|key|sig)"
+                          r"[^=&]*=", re.I)
 
 
 def scrubbed(value: Any, key: str = "") -> Any:

@@ -70,13 +70,15 @@ def test_no_secret_reaches_the_config_or_the_name():
     config = {"dataset.path": "https://alice:hunter2@data.example.com/train?x=1",
               "dataset.val_path": "s3://bucket/val?X-Amz-Signature=abc123&X-Amz-Credential=k",
               "model.kwargs.api_key": "k-123", "model.kwargs.hf_token": "t-1",
+              "model.kwargs.secret_key": "s-9", "model.kwargs.num_tokens": 77,
               "loader.batch_size": 64, "model.weights": "/models/r50.pt"}
     clean = scrubbed(config)
     text = json.dumps(clean)
-    for secret in ("alice", "hunter2", "abc123", "k-123", "t-1"):
+    for secret in ("alice", "hunter2", "abc123", "k-123", "t-1", "s-9"):
         assert secret not in text
     assert clean["dataset.path"] == "https://***@data.example.com/train?x=1"
     assert clean["loader.batch_size"] == 64 and clean["model.weights"] == "/models/r50.pt"
+    assert clean["model.kwargs.num_tokens"] == 77  # a name that only looks like one
     assert scrubbed("dataset.path=http://u:p@h/x,loader=folder") == \
         "dataset.path=http://***@h/x,loader=folder"
 
