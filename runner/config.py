@@ -528,9 +528,10 @@ TASK_KEYS: dict[TaskName, tuple[str, ...]] = {
 
 @dataclass
 class LoggerConfig:
-    """``logger=``: wandb or none. Each key left unset (null) is wandb's environment's
-    (WANDB_MODE, WANDB_PROJECT, ...), which also wins over a key given; where neither says,
-    runner/logger.py's default (offline, project runner, ...)."""
+    """``logger=``: wandb (offline unless WANDB_MODE or logger.mode says) or none.
+
+    The wandb environment (WANDB_MODE, WANDB_PROJECT, ...) wins over these keys; a key left
+    unset (null) is runner/logger.py's default where the environment says nothing."""
 
     name: LoggerName = MISSING
     mode: WandbMode | None = None  # unset: WANDB_MODE, else offline

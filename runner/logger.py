@@ -9,7 +9,7 @@ signed query) and a value under a key named like a secret are replaced by ``***`
 (``scrubbed``). The run's summary holds exactly the figures of metrics.json (flattened:
 ``spread.images_per_sec.median``); the per-window figures go to the history under
 ``window/`` and never into the summary; each epoch's validation goes there under ``val/``
-(against ``epoch``); at the end ``timeline.png`` as an image (``timeline``), and with
+(against ``epoch``); at the end ``timeline.png`` as an image (``images/timeline``), and with
 ``logger.log_checkpoint=true`` the checkpoint as an artifact (type ``model``). A logger that
 fails (wandb missing, a full disk) is reported once and then left out: it never costs the run.
 
@@ -97,8 +97,9 @@ def init_args(given: Mapping[str, Any], defaults: Mapping[str, Any],
     return args
 
 
-SECRET_KEY = re.compile(r"(api_?key|token|secret|password|passwd|credential)", re.I)
-SECRET_QUERY = re.compile(r"(signature|token|secret|key|credential|password|sig)=", re.I)
+SECRET_KEY = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentials?)(_|$)", re.I)
+SECRET_QUERY = re.compile(r"(^|&)[^=&]*(signature|token|secret|credential|password|key|sig)"
+                          r"[^=&]*=", re.I)
 
 
 def scrubbed(value: Any, key: str = "") -> Any:
@@ -167,7 +168,8 @@ class WandbLogger:
         self.mode = "offline" if mode == "dryrun" else mode
         # the history's last window must not stand in for the run's figures in the summary
         self.run.define_metric("window/*", summary="none")
-        self.run.define_metric("epoch", hidden=True)
+        self.run.define_metric("images/*", summary="none")  # the summary is metrics.json's
+        self.run.define_metric("epoch", hidden=True, summary="none")
         # the run's own val_top1 is in it; the dashboard draws each epoch's against it
         self.run.define_metric("val/*", step_metric="epoch", summary="none")
 
@@ -191,7 +193,8 @@ class WandbLogger:
         checkpoint as an artifact when ``logger.log_checkpoint=true``."""
         picture = figures.get("timeline")
         if isinstance(picture, str) and picture.endswith(".png") and Path(picture).is_file():
-            self.run.log({"timeline": self._wandb.Image(picture, caption="timeline.png")})
+            image = self._wandb.Image(picture, caption="timeline.png")
+            self.run.log({"images/timeline": image})
         saved = figures.get("checkpoint")
         if self.log_checkpoint and isinstance(saved, str) and Path(saved).is_file():
             artifact = self._wandb.Artifact(f"checkpoint-{self.run.id}", type="model",

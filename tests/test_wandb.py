@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.logger import init_args, scrubbed, swept
+from runner.logger import init_args, scrubbed, summary_of, swept
 from tests.conftest import SMALL_DATASET, compose_config, read_metrics, run_cli, wandb_records
 
 DEFAULTS = {"mode": "offline", "project": "runner", "group": "the-sweep", "job_type": "train",
@@ -70,13 +70,15 @@ def test_no_secret_reaches_the_config_or_the_name():
     config = {"dataset.path": "https://alice:hunter2@data.example.com/train?x=1",
               "dataset.val_path": "s3://bucket/val?X-Amz-Signature=abc123&X-Amz-Credential=k",
               "model.kwargs.api_key": "k-123", "model.kwargs.hf_token": "t-1",
+              "model.kwargs.secret_key": "s-9", "model.kwargs.num_tokens": 77,
               "loader.batch_size": 64, "model.weights": "/models/r50.pt"}
     clean = scrubbed(config)
     text = json.dumps(clean)
-    for secret in ("alice", "hunter2", "abc123", "k-123", "t-1"):
+    for secret in ("alice", "hunter2", "abc123", "k-123", "t-1", "s-9"):
         assert secret not in text
     assert clean["dataset.path"] == "https://***@data.example.com/train?x=1"
     assert clean["loader.batch_size"] == 64 and clean["model.weights"] == "/models/r50.pt"
+    assert clean["model.kwargs.num_tokens"] == 77  # a name that only looks like one
     assert scrubbed("dataset.path=http://u:p@h/x,loader=folder") == \
         "dataset.path=http://***@h/x,loader=folder"
 
@@ -113,13 +115,18 @@ def test_a_run_honours_the_wandb_environment_and_logs_what_users_look_at(tmp_pat
     assert "run.epochs=2" in run.display_name  # alone: its overrides
     rows = history(records)
     # timeline.png, as an image
-    (picture,) = [r for r in rows if "timeline/_type" in r]
-    assert picture["timeline/_type"] == "image-file" and picture["timeline/format"] == "png"
+    (picture,) = [r for r in rows if "images/timeline/_type" in r]
+    assert picture["images/timeline/_type"] == "image-file"
+    assert picture["images/timeline/format"] == "png"
     # each epoch's validation, against its epoch
     epochs = [(r["epoch"], r["val/top1"]) for r in rows if "val/top1" in r]
     assert [e for e, _ in epochs] == [1, 2]
     metrics = read_metrics(tmp_path / "run")
     assert [v for _, v in epochs] == [row["val_top1"] for row in metrics["epochs"]]
+    # the summary stays metrics.json's figures: no image, epoch or validation row in it
+    summary = {i.key or ".".join(i.nested_key) for u in kind(records, "summary")
+               for i in u.update}
+    assert {k for k in summary if not k.startswith("_")} <= set(summary_of(metrics))
     # the checkpoint, as an artifact
     (artifact,) = kind(records, "artifact")
     assert artifact.type == "model" and artifact.name.startswith("checkpoint-")
