@@ -114,6 +114,11 @@ def test_inference_rows_of_shards_made_of_a_folder_keep_the_source_names(tmp_pat
     finally:
         folder.close()
     assert len(files) == 60 and set(files) == names, files[:3]
+    shards = runner.pipeline(*SMALL, loader="shards")
+    try:
+        assert set(shards.storage.names()) == names  # FolderStorage.names() still answers
+    finally:
+        shards.close()
 
 
 def test_files_a_conversion_to_shards_skipped_are_in_skipped_files(tmp_path, cache_dir):

@@ -151,7 +151,7 @@ class ShardsStorage(PackedStorage):
         self.upright = upright
         names = [n for index in indexes for n in index.names]
         # the source names where the index keeps them, one per sample
-        self.names = names if all(names) and len(set(names)) == len(names) else None
+        self.source_names = names if all(names) and len(set(names)) == len(names) else None
         self.source = source
         self.spec, self.cache = None, None
         self.data_bytes = sum(self.sizes)
@@ -168,8 +168,8 @@ class ShardsStorage(PackedStorage):
 
     def name_of(self, index: int) -> str:
         """The sample's source name (what predictions name it by), else ``<shard>/<key>``."""
-        if getattr(self, "names", None) is not None:
-            return self.names[index]
+        if getattr(self, "source_names", None) is not None:
+            return self.source_names[index]
         return self.samples[index][0]
 
     def follow(self, order: BatchOrder) -> None:
