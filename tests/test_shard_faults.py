@@ -53,6 +53,18 @@ def test_a_missing_index_is_made_again_from_its_tar(tmp_path, cache_dir, caplog)
     assert len(said) == 1 and manifest["shards"][1]["index"] in said[0]
 
 
+def test_an_index_cut_short_is_made_again_from_its_tar(tmp_path, cache_dir, caplog):
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    index = out / manifest["shards"][0]["index"]
+    index.write_text(index.read_text()[:100])
+    with caplog.at_level(logging.WARNING):
+        got = batches(f"dataset.path={out}", "loader.shuffle=false")
+    assert sum(len(b[0]) for b in got) == 60
+    assert any("cannot be read" in r.getMessage() for r in caplog.records)
+
+
 def test_a_missing_shard_is_one_line(tmp_path, cache_dir):
     from runner.data.storage.listing import DatasetError
 

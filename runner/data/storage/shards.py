@@ -263,18 +263,23 @@ def _cached_index(tar: Path, cache: Path) -> ShardIndex:
 
 def _manifest_index(folder: Path, entry: dict, cache: Path) -> ShardIndex:
     """The index a manifest lists for a shard; indexed again from the tar (cached, and
-    said) when its ``.idx.json`` is missing, a DatasetError when the tar is too."""
+    said) when its ``.idx.json`` is missing or unreadable, a DatasetError when the tar is
+    missing too."""
     path = folder / entry["index"]
+    problem = "is missing"
     if path.is_file():
-        return ShardIndex.from_json(json.loads(path.read_text()))
+        try:
+            return ShardIndex.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:  # cut short, or not an index
+            problem = f"cannot be read ({type(e).__name__})"
     tar = folder / entry["name"]
     if not tar.is_file():
         raise DatasetError(f"dataset.path={folder}: its {MANIFEST} lists {entry['name']}, "
                            "which is not there; restore it, or write the shards again "
                            "(python -m runner.prepare shards ... out=<folder>)")
-    log.warning("dataset.path=%s: %s is missing: %s indexed again from the tar (its source "
-                "names are lost; write the shards again to keep them)", folder,
-                entry["index"], entry["name"])
+    log.warning("dataset.path=%s: %s %s: %s indexed again from the tar (its source names "
+                "are lost; write the shards again to keep them)", folder, entry["index"],
+                problem, entry["name"])
     cache.mkdir(parents=True, exist_ok=True)
     return _cached_index(tar, cache)
 
