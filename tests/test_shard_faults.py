@@ -133,15 +133,19 @@ def test_inference_rows_of_shards_made_of_a_folder_keep_the_source_names(tmp_pat
         shards.close()
 
 
-def test_files_a_conversion_to_shards_skipped_are_in_skipped_files(tmp_path, cache_dir):
+def test_files_a_conversion_to_shards_skipped_are_in_skipped_files(tmp_path, cache_dir,
+                                                                    caplog):
     files = {f"{'ab'[k % 2]}/{k:02d}.jpg": encode(photo(40, 52, k)) for k in range(12)}
     files["a/04.jpg"] = b"\xff\xd8\xff not really a JPEG"
     data = make_tree(tmp_path / "data", files)
-    m = run_in_process("task=infer", *RUN, f"dataset.path={data}", "run.epochs=1",
-                       "dataset.image_size=[32,32]", "loader.batch_size=4",
-                       run_dir=tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        m = run_in_process("task=infer", *RUN, f"dataset.path={data}", "run.epochs=1",
+                           "dataset.image_size=[32,32]", "loader.batch_size=4",
+                           run_dir=tmp_path / "run")
     assert m["status"] == "ok" and m["predictions"] == 11
     assert [Path(p).name for p in m["skipped_files"]] == ["04.jpg"], m["skipped_files"]
+    said = [r.getMessage() for r in caplog.records if "not in the shards" in r.getMessage()]
+    assert len(said) == 1 and "04.jpg" in said[0] and "manifest.json" in said[0], said
 
 
 def test_a_tar_cut_short_is_read_as_far_as_it_goes(tmp_path, cache_dir, caplog):
