@@ -164,3 +164,18 @@ def test_a_tar_cut_short_is_read_as_far_as_it_goes(tmp_path, cache_dir, caplog):
     assert 12 <= read < 24 and len(skipped) <= 1
     assert any("cut short" in r.getMessage() for r in caplog.records)
 
+
+
+def test_a_shard_set_in_a_bucket_with_an_index_missing_is_read(s3_server, s3_env, cache_dir,
+                                                               tmp_path, caplog):
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / manifest["shards"][1]["index"]).unlink()
+    s3_server.make_bucket("lost-index")
+    s3_server.upload(out, "lost-index", "shards")
+    with caplog.at_level(logging.WARNING):
+        got = batches("dataset.path=s3://lost-index/shards", "loader.shuffle=false")
+    assert sum(len(b[0]) for b in got) == 60
+    said = [r.getMessage() for r in caplog.records if "indexed again" in r.getMessage()]
+    assert len(said) == 1 and manifest["shards"][1]["index"] in said[0], said
