@@ -99,6 +99,9 @@ def test_a_shard_copied_beside_itself_is_read_once_and_said(tmp_path, cache_dir,
     said = [r.getMessage() for r in caplog.records if "repeat a key" in r.getMessage()]
     assert len(said) == 1 and "12 sample(s)" in said[0] and "part-0.tar" in said[0], said
     assert figures["shard_duplicates_skipped"] == 12
+    from runner.measure.schema import problems
+
+    assert problems({"shard_duplicates_skipped": 12}) == []  # a metrics.json key declared
 
 
 def test_a_tar_beside_a_manifest_that_does_not_list_it_is_named(tmp_path, cache_dir, caplog):
