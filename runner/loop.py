@@ -384,6 +384,8 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
         hooks.stop()
         if hasattr(batch_iter, "close"):
             batch_iter.close()  # stops loader workers now, also when stopping early
+        if stream is not None and hasattr(stream, "keep_empty"):
+            stream.keep_empty = False  # another reader of this data path (device_batches)
         try:
             windows.finish()
             rates = [w.figures()["images_per_sec"] for w in result.repeats]

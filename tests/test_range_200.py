@@ -132,3 +132,14 @@ def test_an_answer_that_is_neither_the_range_nor_the_object_stops_in_one_line(se
     assert "\n" not in message and "300-699" in message and "HTTP 200" in message
     assert "bytes 0-9/10240" in message, message
     assert Answers.gets <= 2 and engine.stats.retries == 0  # no crawl of retries
+
+
+def test_what_the_server_did_is_said_without_a_credential_of_its_url():
+    from runner.data.remote.client import ObjectStore, RangeAnswerError, range_body
+    from runner.data.remote.url import RemoteURL
+
+    store = ObjectStore(RemoteURL.parse("s3://bucket/x"), "http://user:SECRET@127.0.0.1:9")
+    assert store.where() == "the server at http://127.0.0.1:9"
+    with pytest.raises(RangeAnswerError) as stopped:
+        range_body(200, "bytes 0-9/100", bytes(10), 20, 40, "s3://bucket/x", store.where())
+    assert "SECRET" not in str(stopped.value)

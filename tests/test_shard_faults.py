@@ -53,6 +53,18 @@ def test_a_missing_index_is_made_again_from_its_tar(tmp_path, cache_dir, caplog)
     assert len(said) == 1 and manifest["shards"][1]["index"] in said[0]
 
 
+def test_an_index_cut_short_is_made_again_from_its_tar(tmp_path, cache_dir, caplog):
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    index = out / manifest["shards"][0]["index"]
+    index.write_text(index.read_text()[:100])
+    with caplog.at_level(logging.WARNING):
+        got = batches(f"dataset.path={out}", "loader.shuffle=false")
+    assert sum(len(b[0]) for b in got) == 60
+    assert any("cannot be read" in r.getMessage() for r in caplog.records)
+
+
 def test_a_missing_shard_is_one_line(tmp_path, cache_dir):
     from runner.data.storage.listing import DatasetError
 
@@ -87,6 +99,9 @@ def test_a_shard_copied_beside_itself_is_read_once_and_said(tmp_path, cache_dir,
     said = [r.getMessage() for r in caplog.records if "repeat a key" in r.getMessage()]
     assert len(said) == 1 and "12 sample(s)" in said[0] and "part-0.tar" in said[0], said
     assert figures["shard_duplicates_skipped"] == 12
+    from runner.measure.schema import problems
+
+    assert problems({"shard_duplicates_skipped": 12}) == []  # a metrics.json key declared
 
 
 def test_a_tar_beside_a_manifest_that_does_not_list_it_is_named(tmp_path, cache_dir, caplog):
@@ -114,17 +129,26 @@ def test_inference_rows_of_shards_made_of_a_folder_keep_the_source_names(tmp_pat
     finally:
         folder.close()
     assert len(files) == 60 and set(files) == names, files[:3]
+    shards = runner.pipeline(*SMALL, loader="shards")
+    try:
+        assert set(shards.storage.names()) == names  # FolderStorage.names() still answers
+    finally:
+        shards.close()
 
 
-def test_files_a_conversion_to_shards_skipped_are_in_skipped_files(tmp_path, cache_dir):
+def test_files_a_conversion_to_shards_skipped_are_in_skipped_files(tmp_path, cache_dir,
+                                                                    caplog):
     files = {f"{'ab'[k % 2]}/{k:02d}.jpg": encode(photo(40, 52, k)) for k in range(12)}
     files["a/04.jpg"] = b"\xff\xd8\xff not really a JPEG"
     data = make_tree(tmp_path / "data", files)
-    m = run_in_process("task=infer", *RUN, f"dataset.path={data}", "run.epochs=1",
-                       "dataset.image_size=[32,32]", "loader.batch_size=4",
-                       run_dir=tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        m = run_in_process("task=infer", *RUN, f"dataset.path={data}", "run.epochs=1",
+                           "dataset.image_size=[32,32]", "loader.batch_size=4",
+                           run_dir=tmp_path / "run")
     assert m["status"] == "ok" and m["predictions"] == 11
     assert [Path(p).name for p in m["skipped_files"]] == ["04.jpg"], m["skipped_files"]
+    said = [r.getMessage() for r in caplog.records if "not in the shards" in r.getMessage()]
+    assert len(said) == 1 and "04.jpg" in said[0] and "manifest.json" in said[0], said
 
 
 def test_a_tar_cut_short_is_read_as_far_as_it_goes(tmp_path, cache_dir, caplog):
@@ -143,3 +167,18 @@ def test_a_tar_cut_short_is_read_as_far_as_it_goes(tmp_path, cache_dir, caplog):
     assert 12 <= read < 24 and len(skipped) <= 1
     assert any("cut short" in r.getMessage() for r in caplog.records)
 
+
+
+def test_a_shard_set_in_a_bucket_with_an_index_missing_is_read(s3_server, s3_env, cache_dir,
+                                                               tmp_path, caplog):
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / manifest["shards"][1]["index"]).unlink()
+    s3_server.make_bucket("lost-index")
+    s3_server.upload(out, "lost-index", "shards")
+    with caplog.at_level(logging.WARNING):
+        got = batches("dataset.path=s3://lost-index/shards", "loader.shuffle=false")
+    assert sum(len(b[0]) for b in got) == 60
+    said = [r.getMessage() for r in caplog.records if "indexed again" in r.getMessage()]
+    assert len(said) == 1 and manifest["shards"][1]["index"] in said[0], said

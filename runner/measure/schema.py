@@ -84,6 +84,7 @@ class Metrics(TypedDict, total=False):
     cache_bound_bytes: int  # ... its bound (dataset.cache_bytes)
     cache_evictions: int  # ... shards it evicted
     uncached_reads: int  # ... samples read by a range request, not from the cache
+    shard_duplicates_skipped: int  # loader=shards: samples whose key an earlier shard had
     # --- the task (runner/tasks/) ------------------------------------------------------------
     loss_first: float  # train: the mean loss of the first tenth of the steps
     loss_last: float  # train: the mean loss of the last tenth

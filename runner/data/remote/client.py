@@ -238,7 +238,8 @@ class ObjectStore:
     def where(self) -> str:
         """The server, as a message names it (never a credential)."""
         endpoint = endpoint_for(self.url, self.endpoint_url)
-        return f"the server at {endpoint}" if endpoint else f"the server of {self.url}"
+        return f"the server at {without_userinfo(endpoint)}" if endpoint else \
+            f"the server of {without_userinfo(str(self.url))}"
 
     def _plain_client_name(self) -> str:
         return "botocore" if self.url.scheme == "s3" else "a plain GET"
@@ -254,7 +255,7 @@ class ObjectStore:
         else:
             return self.get(key)[start:end]
         return range_body(status, content_range, body, start, end,
-                          f"{self.url.store_url}/{key}", self.where())
+                          without_userinfo(f"{self.url.store_url}/{key}"), self.where())
 
     def _s3_client(self) -> Any:
         """botocore's S3 client of this store (its endpoint, region and credentials, as
@@ -311,6 +312,14 @@ class ObjectStore:
 
 
 # --- ranges answered with status 200 --------------------------------------------------------
+
+USERINFO = re.compile(r"(?<=://)[^/@]*@")
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without the ``user:password@`` of its host (a message never holds it)."""
+    return USERINFO.sub("", url)
+
 
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 

@@ -151,7 +151,7 @@ class ShardsStorage(PackedStorage):
         self.upright = upright
         names = [n for index in indexes for n in index.names]
         # the source names where the index keeps them, one per sample
-        self.names = names if all(names) and len(set(names)) == len(names) else None
+        self.source_names = names if all(names) and len(set(names)) == len(names) else None
         self.source = source
         self.spec, self.cache = None, None
         self.data_bytes = sum(self.sizes)
@@ -168,8 +168,8 @@ class ShardsStorage(PackedStorage):
 
     def name_of(self, index: int) -> str:
         """The sample's source name (what predictions name it by), else ``<shard>/<key>``."""
-        if getattr(self, "names", None) is not None:
-            return self.names[index]
+        if getattr(self, "source_names", None) is not None:
+            return self.source_names[index]
         return self.samples[index][0]
 
     def follow(self, order: BatchOrder) -> None:
@@ -263,18 +263,23 @@ def _cached_index(tar: Path, cache: Path) -> ShardIndex:
 
 def _manifest_index(folder: Path, entry: dict, cache: Path) -> ShardIndex:
     """The index a manifest lists for a shard; indexed again from the tar (cached, and
-    said) when its ``.idx.json`` is missing, a DatasetError when the tar is too."""
+    said) when its ``.idx.json`` is missing or unreadable, a DatasetError when the tar is
+    missing too."""
     path = folder / entry["index"]
+    problem = "is missing"
     if path.is_file():
-        return ShardIndex.from_json(json.loads(path.read_text()))
+        try:
+            return ShardIndex.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:  # cut short, or not an index
+            problem = f"cannot be read ({type(e).__name__})"
     tar = folder / entry["name"]
     if not tar.is_file():
         raise DatasetError(f"dataset.path={folder}: its {MANIFEST} lists {entry['name']}, "
                            "which is not there; restore it, or write the shards again "
                            "(python -m runner.prepare shards ... out=<folder>)")
-    log.warning("dataset.path=%s: %s is missing: %s indexed again from the tar (its source "
-                "names are lost; write the shards again to keep them)", folder,
-                entry["index"], entry["name"])
+    log.warning("dataset.path=%s: %s %s: %s indexed again from the tar (its source names "
+                "are lost; write the shards again to keep them)", folder, entry["index"],
+                problem, entry["name"])
     cache.mkdir(parents=True, exist_ok=True)
     return _cached_index(tar, cache)
 
@@ -328,32 +333,50 @@ def is_shard_set(path: Path) -> bool:
 def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
                 ) -> tuple[list[ShardIndex], list[str], list[SkippedFile]]:
     """The indexes and classes of a shard set in a store: its manifest and indexes
-    (fetched together), else its ``*.tar`` fetched through the cache and indexed once."""
+    (fetched together; a shard whose index is not in the store indexed from its tar, and
+    said), else its ``*.tar`` fetched through the cache and indexed once."""
     store = engine.store
     objects = {o.key: o for o in store.list(url.prefix)}
     manifest_key = url.key(MANIFEST)
     if manifest_key in objects:
         meta = load_json(store.get(manifest_key), str(url.child(MANIFEST)))
-        return (_node_indexes(url, meta, objects, engine, cache),
-                list(meta.get("classes", [])), _skipped_of(meta))
+        entries = meta[SHARD_LIST]
+        lost = [e for e in entries if url.key(e["index"]) not in objects]
+        for e in lost:
+            if url.key(e["name"]) not in objects:
+                raise DatasetError(f"dataset.path={url}: its {MANIFEST} lists {e['name']}, "
+                                   "which is not there; restore it, or write the shards "
+                                   "again (python -m runner.prepare shards ... out=<URL>)")
+            log.warning("dataset.path=%s: %s is missing: %s indexed again from the tar (its "
+                        "source names are lost; write the shards again to keep them)", url,
+                        e["index"], e["name"])
+        found = iter(_node_indexes(url, {**meta, SHARD_LIST: [e for e in entries
+                                                              if e not in lost]},
+                                   objects, engine, cache))
+        indexes = [_remote_tar_index(url, url.key(e["name"]), objects, engine, cache)
+                   if e in lost else next(found) for e in entries]
+        return indexes, list(meta.get("classes", [])), _skipped_of(meta)
     tars = sorted(k for k in objects if k.endswith(".tar"))
     if not tars:
         raise DatasetError(f"dataset.path={url} holds no {MANIFEST} and no .tar shards")
-    indexes = []
-    for key in tars:
-        name = key[len(url.prefix) + 1:] if url.prefix else key
-        info = objects[key]
-        saved = cache.folder / f"{index_name(name).replace('/', '__')}.{info.size}.{info.etag}"
-        if saved.is_file():
-            indexes.append(ShardIndex.from_json(json.loads(saved.read_text())))
-            continue
-        with tempfile.TemporaryFile(dir=cache.folder) as f:
-            f.write(bytes(engine.get(key, info.size).result()))
-            f.seek(0)
-            index = index_tar(f, name, info.size)
-        saved.write_text(json.dumps(index.to_json()))
-        indexes.append(index)
+    indexes = [_remote_tar_index(url, key, objects, engine, cache) for key in tars]
     return indexes, _classes_of(indexes), []
+
+
+def _remote_tar_index(url: RemoteURL, key: str, objects: dict, engine, cache) -> ShardIndex:
+    """The index of the tar ``key`` in the store, fetched and indexed once (cached by its
+    size and etag)."""
+    name = key[len(url.prefix) + 1:] if url.prefix else key
+    info = objects[key]
+    saved = cache.folder / f"{index_name(name).replace('/', '__')}.{info.size}.{info.etag}"
+    if saved.is_file():
+        return ShardIndex.from_json(json.loads(saved.read_text()))
+    with tempfile.TemporaryFile(dir=cache.folder) as f:
+        f.write(bytes(engine.get(key, info.size).result()))
+        f.seek(0)
+        index = index_tar(f, name, info.size)
+    saved.write_text(json.dumps(index.to_json()))
+    return index
 
 
 def _node_indexes(url: RemoteURL, meta: dict, objects: dict, engine, cache

@@ -60,6 +60,10 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
                    packed.widths[i], packed.name_of(i))
     skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
+    if skipped:  # a run over these shards lists them in its skipped_files too
+        log.warning("%d file(s) could not be read and are not in the shards (e.g. %s): "
+                    "listed under \"skipped\" in %s", len(skipped), skipped[0]["path"],
+                    Path(out) / MANIFEST)
     return write_manifest(out, writer.close(), packed.classes, skipped=skipped, **facts)
 
 
