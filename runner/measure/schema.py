@@ -18,12 +18,13 @@ from typing import Any, TypedDict, Union
 
 class Metrics(TypedDict, total=False):
     # --- the envelope (runner/outcome.py) ----------------------------------------------------
-    status: str  # running (while alive), ok, skipped, failed or interrupted
+    status: str  # running (while alive), ok, skipped, failed or interrupted (died: gone)
     reason: str | None  # one line: why it was skipped, failed or stopped (null when ok)
     traceback: str  # a failure's or an interruption's traceback (also in runner.log)
     user_error: bool  # a failure the user can fix (a config or data problem), not a bug
     run_dir: str  # the run folder
     pid: int  # the process that ran it
+    host: str  # the machine it ran on (with pid: whether a running record's owner lives)
     overrides: list  # the command line's overrides, as Hydra received them
     config: dict  # the resolved config (runner/config.py's schema)
     started_at: str  # local time the run started, ISO 8601
