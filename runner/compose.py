@@ -50,7 +50,8 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/rules.py)
-    settle_loader(obj.loader)  # decoder=auto and an unset draft made concrete, then checked
+    # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
+    settle_loader(obj.loader, obj.dataset)
     check_models(obj)
     return obj
 

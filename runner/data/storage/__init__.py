@@ -75,11 +75,14 @@ def unset_draft(decoder: Decoder) -> bool:
     return decoder is Decoder.auto and concrete_decoder(decoder) is Decoder.simplejpeg
 
 
-def settle_loader(loader: LoaderConfig) -> None:
+def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) -> None:
     """Settle ``loader`` in place, then check it: ``loader.decoder=auto`` becomes the decoder
     it runs (so the run's config and metrics name it), an unset ``loader.draft`` true or
     false; a ConfigError naming the fix when ``loader.decoder`` is not one ``loader=``
-    takes."""
+    takes. ``dataset.target`` (the user's own Dataset, user.py) replaces ``loader=``: the
+    storage becomes ``loader=user`` (its log line says what else does not apply)."""
+    if dataset is not None:
+        settle_user(loader, dataset)
     if loader.draft is None:
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
@@ -90,6 +93,29 @@ def settle_loader(loader: LoaderConfig) -> None:
                else "")
         raise ConfigError(f"loader.decoder={loader.decoder.value} is invalid for "
                           f"loader={loader.name.value}{why}: it takes {takes}")
+
+
+def settle_user(loader: LoaderConfig, dataset: DatasetConfig) -> None:
+    """``dataset.target`` makes the storage the user's Dataset (``loader=user``, decoded by
+    nothing of the runner's); ``loader=user`` without it, or with a key of an image folder
+    it replaces, is a ConfigError naming the fix."""
+    user = StorageName.user
+    if dataset.target is None:
+        if loader.name is user:
+            raise ConfigError("loader=user reads the Dataset dataset.target names: set "
+                              "dataset.target=module:function (with module.py in the current "
+                              "folder), or choose another loader=")
+        return
+    for key in ("path", "manifest"):
+        if getattr(dataset, key) is not None:
+            raise ConfigError(f"dataset.target={dataset.target} replaces dataset.{key}="
+                              f"{getattr(dataset, key)}: give one of them, not both")
+    if dataset.val_fraction > 0:
+        raise ConfigError(f"dataset.val_fraction={dataset.val_fraction} splits an image folder "
+                          f"and does not apply to dataset.target={dataset.target}: hold out "
+                          "your own split in your Dataset, or validate on an image folder of "
+                          "the same classes with dataset.val_path=<folder>")
+    loader.name, loader.decoder, loader.draft = user, Decoder.pil, False
 
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
