@@ -417,6 +417,43 @@ def valid_target(target: str) -> bool:
         part.isidentifier() for part in module.split("."))
 
 
+def import_target(target: str, key: str) -> Any:
+    """What ``module:name`` or ``module.name`` names (``key`` is its setting, for the error),
+    imported as ``python -m runner`` would from the current folder: the folder is searched
+    first under the ``runner`` console script too (which, unlike ``python -m``, does not put
+    it on ``sys.path``). A ConfigError naming the value and the fix when it is not there."""
+    import importlib
+    import os
+    import sys
+
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{key}={target} must be module:name (or module.name), e.g. "
+                          "my_code:thing with my_code.py in the current folder")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        ours = e.name is not None and (module_name + ".").startswith(e.name + ".")
+        if not ours:  # the user's module imports a package this environment lacks
+            raise ConfigError(f"{key}={target} cannot be imported: {module_name} imports "
+                              f"{e.name}, which is not installed ({e})") from e
+        raise ConfigError(f"{key}={target} cannot be imported: no module {module_name} in "
+                          f"the current folder ({here}) or on PYTHONPATH; run from the folder "
+                          f"that holds {module_name.replace('.', '/')}.py, or install its "
+                          "package") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{key}={target} cannot be imported: module {module_name} "
+                          f"({getattr(module, '__file__', '?')}) has no {attr}; name one it "
+                          "defines") from None
+
+
 def plain_name(name: str) -> bool:
     """A name that is one file name in a folder: not empty, no path separator (``/``,
     ``\\``), no control character, not ``.``, ``..`` or another name starting with a dot."""

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.config import IMAGENET_MEAN, IMAGENET_STD, NO_MODEL, ModelConfig, ModelSource
+from runner.config import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    NO_MODEL,
+    ModelConfig,
+    ModelSource,
+    import_target,
+)
 from runner.data.normalize import affine, normalize
 from runner.errors import ConfigError, Unavailable
 
@@ -202,43 +209,6 @@ def _custom(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
         raise ConfigError(f"model.target={cfg.target} returned a {type(model).__name__}, "
                           "not a torch.nn.Module")
     return model
-
-
-def import_target(target: str, key: str):
-    """What ``module:name`` or ``module.name`` names (``key`` is its setting, for the error),
-    imported as ``python -m runner`` would from the current folder: the folder is searched
-    first under the ``runner`` console script too (which, unlike ``python -m``, does not put
-    it on ``sys.path``). A ConfigError naming the value and the fix when it is not there."""
-    import importlib
-    import os
-    import sys
-
-    module_name, sep, attr = target.partition(":")
-    if not sep:
-        module_name, _, attr = target.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"{key}={target} must be module:name (or module.name), e.g. "
-                          "my_code:thing with my_code.py in the current folder")
-    here = os.getcwd()
-    if here not in sys.path and "" not in sys.path:
-        sys.path.insert(0, here)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        ours = e.name is not None and (module_name + ".").startswith(e.name + ".")
-        if not ours:  # the user's module imports a package this environment lacks
-            raise ConfigError(f"{key}={target} cannot be imported: {module_name} imports "
-                              f"{e.name}, which is not installed ({e})") from e
-        raise ConfigError(f"{key}={target} cannot be imported: no module {module_name} in "
-                          f"the current folder ({here}) or on PYTHONPATH; run from the folder "
-                          f"that holds {module_name.replace('.', '/')}.py, or install its "
-                          "package") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"{key}={target} cannot be imported: module {module_name} "
-                          f"({getattr(module, '__file__', '?')}) has no {attr}; name one it "
-                          "defines") from None
 
 
 BACKBONES = {

@@ -31,13 +31,15 @@ depend on the machine, so they live in the bench's output, not in the docs).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.remote.url import is_url
 from runner.data.storage.base import Storage, StorageKind
 from runner.data.storage.decode import DECODERS, concrete_decoder
-from runner.data.storage.listing import check_no_loop
+from runner.data.storage.listing import EXTENSIONS, check_no_loop, is_image_name
+from runner.data.storage.tarshards import MANIFEST
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 from runner.errors import ConfigError
 from runner.records import records
@@ -67,6 +69,48 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
         return Path(cfg.path).expanduser()
     spec = SyntheticSpec(cfg.num_images, cfg.num_classes, *cfg.source_size, quality=cfg.quality)
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
+
+
+def check_dataset_found(cfg: DatasetConfig) -> None:
+    """A ConfigError, before any work (``python -m runner`` calls it before its run folder is
+    made), for a local ``dataset.path`` or ``dataset.val_path`` that does not exist or is a
+    folder with no image (nor shard) in it or below it, and a ``dataset.manifest`` that is
+    not there; a ``dataset.target`` whose module or function is not there. Cheap: the walk
+    stops at the first image. URLs are not probed here."""
+    if cfg.target is not None:
+        from runner.data.storage.user import check_target
+
+        check_target(cfg.target)
+    for key in ("path", "val_path", "manifest"):
+        value = getattr(cfg, key)
+        if value is None or is_url(value):
+            continue
+        where = Path(value).expanduser()
+        if not where.exists():
+            fix = ("give the CSV or JSON-lines file that lists your images" if key ==
+                   "manifest" else "point it at your image folder (one sub-folder per class, "
+                   "or the images themselves)")
+            raise ConfigError(f"dataset.{key}={value!r} does not exist: {fix}")
+        if key != "manifest" and where.is_dir() and not holds_images(where):
+            raise ConfigError(f"dataset.{key}={value!r} holds no images ({' '.join(EXTENSIONS)}) "
+                              "in it or its sub-folders: point it at your image folder (one "
+                              "sub-folder per class, or the images themselves)")
+
+
+def holds_images(folder: Path) -> bool:
+    """Whether ``folder`` or a folder below it holds an image or a shard set (a walk that
+    stops at the first; links followed, each real folder once)."""
+    seen: set[str] = set()
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        if any(is_image_name(f) or f.endswith(".tar") or f == MANIFEST for f in files):
+            return True
+        dirs.sort()
+    return False
 
 
 def unset_draft(decoder: Decoder) -> bool:

@@ -1,7 +1,7 @@
 """``dataset.target=module:function``: your own torch ``Dataset`` as the run's storage.
 
 ``function()`` (imported as ``model.target`` is, from the current folder first:
-runner/model/networks.py ``import_target``) returns a map-style ``Dataset`` (``__len__``,
+runner/config.py ``import_target``) returns a map-style ``Dataset`` (``__len__``,
 ``__getitem__``) or an ``IterableDataset`` whose items are ``(image, label)``:
 
 - **image**: a uint8 CHW tensor (1 or 3 channels), a uint8 HWC (or HW) numpy array, or a
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName, import_target
 from runner.data.order import BatchOrder, split_padding, unpad
 from runner.data.storage.base import (
     Probe,
@@ -411,8 +411,6 @@ class UserStream(UserStorage):
 def check_target(target: str) -> Any:
     """The function ``dataset.target`` names, imported (a ConfigError when it is not there
     or not callable)."""
-    from runner.model.networks import import_target
-
     function = import_target(target, KEY)
     if not callable(function):
         raise ConfigError(f"{KEY}={target} is a {type(function).__name__}, not a function: "
