@@ -211,6 +211,22 @@ def test_unlabelled_items_infer_and_refuse_training(in_folder: Path, tmp_path: P
         run_in_process(target(in_folder, "unlabelled"), *QUICK, run_dir=tmp_path / "train")
 
 
+@pytest.mark.parametrize("switches", [
+    ("loader.num_workers=2", "diagnose=true"),  # forked workers; the verdict probes getitem
+    ("loader.batched=true", "loader.num_workers=0"),  # one gather per batch, in process
+    ("loader.num_workers=0", "loader.decode_threads=2"),  # threads calling __getitem__
+    ("task=infer", "prefetch=cpu", "amp=bf16", "compile=torchscript"),
+])
+def test_the_runners_switches_apply_to_your_dataset(in_folder: Path, tmp_path: Path,
+                                                     switches: tuple[str, ...]):
+    m = run_in_process(target(in_folder, "numpys"), *QUICK, *switches, run_dir=tmp_path / "r")
+    assert m["status"] == "ok" and m["images"] == 24 and m["steps"] == 3
+    if "diagnose=true" in switches:
+        verdict = m["bottleneck"]
+        assert "error" not in verdict and verdict["sentence"]
+        assert "getitem" in verdict["ceilings"]
+
+
 def test_a_stopped_run_on_your_dataset_resumes(in_folder: Path, tmp_path: Path):
     first = tmp_path / "first"
     run_in_process(target(in_folder, "pils"), "run.steps=2", "loader.shuffle=true", *QUICK,

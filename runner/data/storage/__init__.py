@@ -11,7 +11,9 @@ folder decodes every image on every epoch; memmap and ram decode once (memmap.py
 and then serve batches by indexed reads of one uint8 tensor (decoded.py); packed re-encodes
 once at a stored size into one file and decodes per epoch (packed.py); dali and ffcv run
 the rivals' own pipelines (rival.py); shards holds packed's JPEGs in WebDataset tars
-(shards.py). The stores built once share one engine (cache.py).
+(shards.py). The stores built once share one engine (cache.py). user is no folder's: the
+torch Dataset ``dataset.target=module:function`` returns, which replaces ``loader=``
+(user.py; its record says ``reads_path=False``).
 
 **One crop, every storage.** ``dataset.crop=center`` takes the centred
 ``dataset.crop_fraction`` of the shorter side (default 0.875, "resize 256, crop 224", what
