@@ -227,11 +227,15 @@ def test_the_runners_switches_apply_to_your_dataset(in_folder: Path, tmp_path: P
         assert "getitem" in verdict["ceilings"]
 
 
-def test_a_stopped_run_on_your_dataset_resumes(in_folder: Path, tmp_path: Path):
+@pytest.mark.parametrize("function", ["pils", "stream_tensors"])
+def test_a_stopped_run_on_your_dataset_resumes(in_folder: Path, tmp_path: Path,
+                                               function: str):
+    """Mid-epoch: a map-style Dataset goes on in the same permutation; an iterable one
+    re-reads its epoch up to where it stopped."""
     first = tmp_path / "first"
-    run_in_process(target(in_folder, "pils"), "run.steps=2", "loader.shuffle=true", *QUICK,
+    run_in_process(target(in_folder, function), "run.steps=2", "loader.shuffle=true", *QUICK,
                    run_dir=first)
-    m = run_in_process(target(in_folder, "pils"), "run.steps=5", "loader.shuffle=true",
+    m = run_in_process(target(in_folder, function), "run.steps=5", "loader.shuffle=true",
                        f"resume={first / 'checkpoint.pt'}", *QUICK, run_dir=tmp_path / "next")
     assert m["status"] == "ok" and m["start_step"] == 2 and m["steps"] == 3
 
