@@ -371,16 +371,20 @@ def note_applied(state: dict[str, Any], config: Any) -> list[str]:
     return changes
 
 
+FINGERPRINT_KEYS = ("images", "classes", "digest")  # what a resume compares
+
+
 def data_fingerprint(storage: Any) -> dict[str, Any]:
     """What defines a run's data beyond its config: the images an epoch reads (their count,
     names and labels, in storage order) and the classes. A file added, removed or renamed,
-    or a class renamed, changes it."""
+    or a class renamed, changes it. It keeps the class names too (``class_names``), so a
+    checkpoint given as ``model.weights`` names the classes it predicts."""
     digest = hashlib.sha256("\n".join(storage.classes).encode())
     labels = storage.label_tensor().tolist()
     for i in range(len(storage)):
         digest.update(f"\n{storage.name_of(i)}\t{labels[i]}".encode(errors="backslashreplace"))
     return {"images": len(storage), "classes": len(storage.classes),
-            "digest": digest.hexdigest()[:16]}
+            "digest": digest.hexdigest()[:16], "class_names": list(storage.classes)}
 
 
 def check_data(state: dict[str, Any], storage: Any, path: str | Path) -> None:
@@ -390,7 +394,7 @@ def check_data(state: dict[str, Any], storage: Any, path: str | Path) -> None:
     if not saved:
         return  # a checkpoint from before data fingerprints
     now = data_fingerprint(storage)
-    if saved == now:
+    if all(saved.get(k) == now[k] for k in FINGERPRINT_KEYS):
         return
     what = [f"{k}: checkpoint {saved.get(k)}, this run {now[k]}" for k in ("images", "classes")
             if saved.get(k) != now[k]] or ["the same count, but files renamed, replaced or "

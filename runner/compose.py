@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from runner.commandline import VALUE_FLAGS, composition_message, register_configs
 from runner.config import Config, config_dir
 from runner.credentials import argv_refusal, check_overrides
-from runner.data.storage import settle_loader
+from runner.data.storage import check_dataset_found, settle_loader
 from runner.errors import ConfigError
 from runner.model.networks import check_model
 from runner.rules import check_config, model_configs
@@ -51,7 +51,8 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/rules.py)
-    settle_loader(obj.loader)  # decoder=auto and an unset draft made concrete, then checked
+    # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
+    settle_loader(obj.loader, obj.dataset)
     check_models(obj)
     return obj
 
@@ -131,7 +132,8 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     with open_dict(cfg):
         del cfg["hydra"]
     try:
-        to_config(cfg, overrides)
+        # a dataset folder that is not there, or holds no image: said before the run folder
+        check_dataset_found(to_config(cfg, overrides).dataset)
     except ConfigError as e:
         return str(e).splitlines()[0]
     except Exception:  # skipped (Unavailable) or failed by the job itself, as before

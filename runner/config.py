@@ -42,6 +42,9 @@ class StorageName(Enum):
     dali = "dali"  # the rival: NVIDIA DALI's own pipeline (pip install -e '.[dali]')
     ffcv = "ffcv"  # the rival: FFCV's .beton and Loader (pip install -e '.[ffcv]')
     webdataset = "webdataset"  # the rival: the webdataset library's pipeline on the shards
+    # your own torch Dataset (dataset.target=module:function); set by dataset.target, which
+    # replaces loader= (runner/data/storage/user.py)
+    user = "user"
 
 
 class Decoder(Enum):
@@ -236,6 +239,10 @@ class DatasetConfig:
     # engine (runner/data/remote/fardisk.py), and so a packed store under dataset.cache_dir
     # on one; unset: a local file system is local, another is told by timing a few reads
     far_disk: bool | None = None
+    # your own data: "module:function" (or "module.function"), a module importable from
+    # the current folder, whose function returns a map-style or iterable torch Dataset of
+    # (image, label); in place of dataset.path (runner/data/storage/user.py)
+    target: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -261,6 +268,10 @@ class DatasetConfig:
                  "paths are relative to its own folder)")
         _require(self.cache_bytes is None or self.cache_bytes > 0, "dataset.cache_bytes",
                  self.cache_bytes, "must be > 0 (unset: 10 GB)")
+        _require(self.target is None or valid_target(self.target), "dataset.target",
+                 self.target, "name your function as module:function (or module.function), "
+                 "e.g. dataset.target=my_data:make_dataset, with my_data.py in the current "
+                 "folder")
         if self.store_size is not None:
             side = (min if self.store_side is StoreSide.shorter else max)(self.image_size)
             _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,
@@ -347,7 +358,10 @@ class ModelConfig:
     # its classes: unset, the head is sized from model.weights when given, else by the
     # dataset's classes (1000 for unlabelled images)
     num_classes: int | None = None
-    classes: str | None = None  # a file with one class name per line (the *_name columns)
+    # its class names (the *_name columns): a file with one name per line, or a list
+    # (model.classes=[cat,dog]); unset: those model.weights' checkpoint was trained with,
+    # else the dataset's when the counts agree
+    classes: Any = None
     # its input normalization, per channel (R, G, B) in 0..1 pixel units, as torchvision
     # and timm give them: ImageNet's by default
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
@@ -376,11 +390,68 @@ class ModelConfig:
         _require(self.alias is None or plain_name(self.alias), "model.alias", self.alias,
                  "must be a plain name (no / or \\, not starting with a dot): it names the "
                  "model's files in the run folder")
+        if self.classes is not None and not isinstance(self.classes, str):
+            names = list(self.classes) if isinstance(self.classes, list | tuple) else None
+            _require(bool(names) and all(isinstance(n, str | int) and str(n).strip()
+                                         for n in names), "model.classes", self.classes,
+                     "give a file with one class name per line, or a list of names, e.g. "
+                     "model.classes=[cat,dog]")
+            self.classes = [str(n).strip() for n in names]
+        _require(self.target is None or valid_target(self.target), "model.target",
+                 self.target, "name your network as module:Class or module.Class, e.g. "
+                 "model=custom model.target=my_nets:MyNet (my_nets.py in the current folder)")
 
     @property
     def label(self) -> str:
         """Its name in outputs and figures."""
         return self.alias or self.name
+
+
+def valid_target(target: str) -> bool:
+    """``module:name`` or ``module.name`` (``pkg.mod.Class``): a module path and a name,
+    each made of Python identifiers."""
+    module, sep, attr = target.partition(":")
+    if not sep:
+        module, _, attr = target.rpartition(".")
+    return bool(module) and bool(attr) and attr.isidentifier() and all(
+        part.isidentifier() for part in module.split("."))
+
+
+def import_target(target: str, key: str) -> Any:
+    """What ``module:name`` or ``module.name`` names (``key`` is its setting, for the error),
+    imported as ``python -m runner`` would from the current folder: the folder is searched
+    first under the ``runner`` console script too (which, unlike ``python -m``, does not put
+    it on ``sys.path``). A ConfigError naming the value and the fix when it is not there."""
+    import importlib
+    import os
+    import sys
+
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{key}={target} must be module:name (or module.name), e.g. "
+                          "my_code:thing with my_code.py in the current folder")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        ours = e.name is not None and (module_name + ".").startswith(e.name + ".")
+        if not ours:  # the user's module imports a package this environment lacks
+            raise ConfigError(f"{key}={target} cannot be imported: {module_name} imports "
+                              f"{e.name}, which is not installed ({e})") from e
+        raise ConfigError(f"{key}={target} cannot be imported: no module {module_name} in "
+                          f"the current folder ({here}) or on PYTHONPATH; run from the folder "
+                          f"that holds {module_name.replace('.', '/')}.py, or install its "
+                          "package") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{key}={target} cannot be imported: module {module_name} "
+                          f"({getattr(module, '__file__', '?')}) has no {attr}; name one it "
+                          "defines") from None
 
 
 def plain_name(name: str) -> bool:

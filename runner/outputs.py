@@ -306,21 +306,27 @@ def check_outputs(cfg: TaskConfig, dense: bool, model: str) -> None:
 
 # --- on the host -----------------------------------------------------------------------------
 
-def model_classes(cfg: ModelConfig, count: int, dataset: list[str]) -> list[str]:
-    """The model's class names: ``model.classes`` (one per line), else the dataset's when
-    the counts agree, else none (the columns show indices)."""
+def model_classes(cfg: ModelConfig, count: int, dataset: list[str],
+                  trained: list[str] | None = None) -> list[str]:
+    """The model's class names: ``model.classes`` (a list, or a file with one per line),
+    else those its checkpoint was trained with (``trained``), else the dataset's when the
+    counts agree, else none (the columns show indices)."""
     if cfg.classes:
-        path = Path(cfg.classes).expanduser()
-        try:
-            names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()
-                     if line.strip()]
-        except OSError as e:
-            raise ConfigError(f"model.classes={cfg.classes} cannot be read: {e}") from e
+        if isinstance(cfg.classes, list | tuple):
+            names = [str(n) for n in cfg.classes]
+        else:
+            path = Path(cfg.classes).expanduser()
+            try:
+                names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()
+                         if line.strip()]
+            except OSError as e:
+                raise ConfigError(f"model.classes={cfg.classes} cannot be read: {e}") from e
         if len(names) != count:
             raise ConfigError(f"model.classes={cfg.classes} has {len(names)} names, model "
-                              f"{cfg.label} has {count} classes: one name per line, one line "
-                              "per class")
+                              f"{cfg.label} has {count} classes: give one name per class")
         return names
+    if trained and len(trained) == count:
+        return list(trained)
     return list(dataset) if len(dataset) == count else []
 
 

@@ -85,7 +85,7 @@ def store_sizes(config: Config, folder: FolderStorage | None = None) -> Sizes:
     if folder is None:
         folder = open_folder(config.loader, config.dataset, path)
     stores = [(k, k.footprint(config.dataset, folder)) for k in STORAGES.values()
-              if k.footprint is not None]
+              if k.footprint is not None and k.reads_path]
     return Sizes(len(folder), stores, memory_available(),
                  _free_disk(Path(config.dataset.cache_dir)),
                  Path(config.dataset.cache_dir).expanduser())
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for kind in STORAGES.values():
+    for kind in (k for k in STORAGES.values() if k.reads_path):  # not the user's Dataset
         what = (f"build loader={kind.name.value}'s store now" if with_store(kind) else
                 f"nothing to build: loader={kind.name.value} reads the folder as it is")
         p = sub.add_parser(kind.name.value, help=f"{what} ({kind.summary})")

@@ -121,7 +121,9 @@ BUILDERS = {"loader": build_loader_preset, "prefetch": build_prefetch_preset,
 def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path, tmp_path: Path):
     """Every preset builds its real object here, or (on a machine that cannot run it) is
     refused with a reason naming what is missing, the way a run records a skip."""
-    extra = ["model.target=tests.nets:TwoLayer"] if (group, preset) == ("model", "custom") else []
+    extra = {("model", "custom"): ["model.target=tests.nets:TwoLayer"],
+             ("loader", "user"): ["dataset.target=tests.user_data:eighteen"]
+             }.get((group, preset), [])
     config = to_config(compose_config(f"{group}={preset}", *extra))
     name = getattr(config, group).name
     source = getattr(getattr(config, group), "source", None)

@@ -430,13 +430,15 @@ def test_prepare_memmap_with_loader_ram_builds_the_cache_ram_reads(source: Path,
 # --- 12. one voice for user errors ----------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["missing folder", "damaged cache"])
+@pytest.mark.parametrize("case", ["unlabelled training", "damaged cache"])
 def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
         tmp_path: Path, cache_dir: Path, source: Path, case: str):
+    # (a missing folder is refused before any run folder: tests/test_own_data.py)
     common = ["logger=none", "hydra.run.dir=run", "run.progress=false"]
-    if case == "missing folder":
-        args = [f"dataset.path={tmp_path}/nope", *common]
-        expect = "does not exist"
+    if case == "unlabelled training":
+        args = [f"dataset.path={source}", "dataset.labels=none", "dataset.image_size=[24,32]",
+                *common]
+        expect = "needs labelled images"
     else:
         args = [f"dataset.path={source}", "dataset.image_size=[24,32]", "loader=memmap",
                 "model=none", "run.steps=1", *common]
@@ -465,11 +467,15 @@ def test_loader_ram_refuses_a_dataset_larger_than_dev_shm(monkeypatch):
 
 @pytest.mark.slow
 def test_a_sweep_names_every_failed_jobs_reason(tmp_path: Path, cache_dir: Path):
-    proc = run_cli("-m", f"dataset.path={tmp_path}/missing_a,{tmp_path}/missing_b",
+    # flat folders (unlabelled images) that training refuses when each job opens its data
+    # (a folder that is not there is refused before the sweep starts: tests/test_own_data.py)
+    for name in ("flat_a", "flat_b"):
+        make_tree(tmp_path / name, {"one.jpg": encode(photo(16, 16))})
+    proc = run_cli("-m", f"dataset.path={tmp_path}/flat_a,{tmp_path}/flat_b",
                    "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
-    assert "missing_a" in out and "missing_b" in out and "2 failed" in out
+    assert "flat_a" in out and "flat_b" in out and "2 failed" in out
 
 
 # --- beyond the list: files and folders of every kind ---------------------------------------

@@ -78,12 +78,12 @@ def test_data_only_run_and_corrupt_files_are_reported(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_missing_dataset_fails_with_the_path(tmp_path: Path):
+def test_missing_dataset_is_refused_with_the_path_and_no_run_folder(tmp_path: Path):
     proc = run_cli(f"dataset.path={tmp_path}/nope", "logger=none", "hydra.run.dir=run",
                    cwd=tmp_path, check=False)
-    assert proc.returncode != 0
-    m = read_metrics(tmp_path / "run")
-    assert m["status"] == "failed" and "nope" in m["reason"] and "does not exist" in m["reason"]
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: dataset.path='{tmp_path}/nope' does not exist")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

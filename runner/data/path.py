@@ -89,7 +89,9 @@ def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
     dataset and the decode-once cache while the other ranks wait, then they open them."""
     if not ranks.local_main:
         barrier(ranks)
-    path = resolve_dataset(config.dataset, progress=progress and ranks.local_main)
+    path = None  # the user's own Dataset (dataset.target) reads no dataset.path
+    if STORAGES[config.loader.name].reads_path:
+        path = resolve_dataset(config.dataset, progress=progress and ranks.local_main)
     storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main)
     if ranks.local_main:
         barrier(ranks)
@@ -275,12 +277,17 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
                      "last whole global batch of %d", ranks.world,
                      len(storage) % (loader_cfg.batch_size * ranks.world),
                      loader_cfg.batch_size * ranks.world)
+    streams = getattr(storage, "streams", False)  # an IterableDataset: read in its order
+    if streams and loader_cfg.shuffle:
+        loader_cfg = dataclasses.replace(loader_cfg, shuffle=False)
     order = batch_order(storage, loader_cfg, config.seed, ranks.slot, ranks.world,
                         ranks.nodes)
     check_batch_memory(config.loader, order, storage)
     kind = STORAGES[config.loader.name]
     if kind.own_loader:  # a rival's own pipeline in place of the runner's loaders
         loader = storage.own_loader(order, device)
+    elif streams:
+        loader = storage.stream_loader(order, loader_cfg, pin)
     else:
         loader = build_loader(storage, config.loader, order, pin)
     if DECODERS[config.loader.decoder].cuda:  # a stage above the loader: decode on the GPU

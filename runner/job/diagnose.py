@@ -259,6 +259,10 @@ def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         return {"error": f"{type(e).__name__}: {e}"}
     seconds = time.perf_counter() - start
     log.info("%s", result.sentence)
+    few = next((f for f in figures.get("flags") or [] if f.startswith("few timed steps")), None)
+    if few is not None:  # said in metrics.json's flags too; here, where the verdict is read
+        log.warning("the verdict comes from %s: not enough to trust; run more steps "
+                    "(run.steps) for one that is", few)
     log.info("(the verdict took %.1f s; diagnose=false skips it)", seconds)
     return {**result.as_dict(), "seconds": seconds}
 

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.config import IMAGENET_MEAN, IMAGENET_STD, NO_MODEL, ModelConfig, ModelSource
+from runner.config import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    NO_MODEL,
+    ModelConfig,
+    ModelSource,
+    import_target,
+)
 from runner.data.normalize import affine, normalize
 from runner.errors import ConfigError, Unavailable
 
@@ -150,10 +157,11 @@ def check_model(cfg: ModelConfig) -> None:
                 f"{len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, convnext_tiny, "
                 "deeplabv3_mobilenet_v3_large), or model=timm / model=custom")
     elif cfg.source is ModelSource.custom:
-        if not cfg.target or ":" not in cfg.target:
+        if not cfg.target:
             raise ConfigError(
-                f"model.target={cfg.target} must name your network as package.module:Class, "
-                "e.g. model=custom model.target=my_pkg.nets:MyNet")
+                "model=custom needs model.target: name your network as package.module:Class "
+                "(or package.module.Class), e.g. model=custom model.target=my_nets:MyNet with my_nets.py "
+                "in the current folder")
 
 
 def _torchvision(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
@@ -184,18 +192,11 @@ def _timm(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
 
 
 def _custom(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
-    """The user's ``package.module:Class``, given num_classes when it takes it."""
-    import importlib
+    """The user's ``package.module:Class`` (or ``package.module.Class``), given num_classes
+    when it takes it."""
     import inspect
 
-    from runner.config import ConfigError
-
-    module_name, _, attr = cfg.target.partition(":")
-    try:
-        builder = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model.target={cfg.target} cannot be imported ({e}); is its "
-                          "package on PYTHONPATH (or installed)?") from e
+    builder = import_target(cfg.target, "model.target")
     kwargs = dict(cfg.kwargs)
     try:
         params = inspect.signature(builder).parameters
@@ -227,8 +228,19 @@ def network_state(state: dict) -> dict:
     return state
 
 
-def read_weights(path: str) -> dict:
-    """The state_dict in a local weights file; a ConfigError naming the fix."""
+def saved_class_names(state: Any) -> list[str] | None:
+    """The class names a runner checkpoint was trained with (its data's fingerprint keeps
+    them, runner/checkpoint.py); None for a plain state_dict or an older checkpoint."""
+    if isinstance(state, dict) and "model" in state and "epoch" in state:
+        names = (state.get("data") or {}).get("class_names")
+        if isinstance(names, list | tuple) and names:
+            return [str(n) for n in names]
+    return None
+
+
+def read_weights_file(path: str) -> tuple[dict, list[str] | None]:
+    """The state_dict in a local weights file, and the class names it was trained with
+    when it is a runner checkpoint that keeps them; a ConfigError naming the fix."""
     from runner.config import ConfigError
 
     file = Path(path).expanduser()
@@ -236,9 +248,15 @@ def read_weights(path: str) -> dict:
         raise ConfigError(f"model.weights={path}: no such file (a local state_dict saved "
                           "with torch.save(model.state_dict(), PATH), or a checkpoint.pt)")
     try:
-        return network_state(torch.load(file, map_location="cpu", weights_only=True))
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+        return network_state(saved), saved_class_names(saved)
     except Exception as e:
         raise ConfigError(f"model.weights={path} cannot be read as a state_dict: {e}") from e
+
+
+def read_weights(path: str) -> dict:
+    """The state_dict in a local weights file; a ConfigError naming the fix."""
+    return read_weights_file(path)[0]
 
 
 # class counts to build a probe with: the head's tensors are those of that size whose saved
@@ -335,12 +353,13 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     """The model on ``device`` with its uint8 input layer, or None for ``model=none``.
 
     ``num_classes`` is the dataset's class count (0: unlabelled); the head's own count is
-    ``class_count``'s. ``model[1]`` is the network itself (what checkpoints and
+    ``class_count``'s; ``model.class_names``: the names a checkpoint in ``model.weights``
+    was trained with (None when it keeps none or its count differs). ``model[1]`` is the network itself (what checkpoints and
     ``model.weights`` hold).
     """
     if cfg.name == NO_MODEL and cfg.source is ModelSource.torchvision:
         return None
-    state = read_weights(cfg.weights) if cfg.weights else None
+    state, names = read_weights_file(cfg.weights) if cfg.weights else (None, None)
     count = class_count(cfg, num_classes, state, train)
     backbone = BACKBONES[cfg.source](cfg.name, count, _with_aux(cfg, state))
     backbone._runner_name = cfg.name
@@ -349,6 +368,8 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     model = nn.Sequential(UInt8Input(cfg.channels_last, cfg.mean, cfg.std,
                                      cfg.image_size), backbone)
     model.num_classes = count
+    # the names model.weights' checkpoint was trained with (predictions name them)
+    model.class_names = names if names is not None and len(names) == count else None
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

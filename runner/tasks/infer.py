@@ -111,7 +111,8 @@ class InferTask(TaskBase):
             writers[name] = outputs.ModelWriter(
                 run_dir, name, len(storage), shapes[name], storage.name_of,
                 lambda i: str(Path(storage.root) / storage.name_of(i)),
-                outputs.model_classes(built.configs[name], head, storage.classes),
+                outputs.model_classes(built.configs[name], head, storage.classes,
+                                      getattr(built.networks[name], "class_names", None)),
                 storage.classes, outputs.csv_name(name, several, ranks.rank if ranks.enabled
                                                   else None),
                 create=fresh and ranks.main)

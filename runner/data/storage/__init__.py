@@ -11,7 +11,9 @@ folder decodes every image on every epoch; memmap and ram decode once (memmap.py
 and then serve batches by indexed reads of one uint8 tensor (decoded.py); packed re-encodes
 once at a stored size into one file and decodes per epoch (packed.py); dali and ffcv run
 the rivals' own pipelines (rival.py); shards holds packed's JPEGs in WebDataset tars
-(shards.py). The stores built once share one engine (cache.py).
+(shards.py). The stores built once share one engine (cache.py). user is no folder's: the
+torch Dataset ``dataset.target=module:function`` returns, which replaces ``loader=``
+(user.py; its record says ``reads_path=False``).
 
 **One crop, every storage.** ``dataset.crop=center`` takes the centred
 ``dataset.crop_fraction`` of the shorter side (default 0.875, "resize 256, crop 224", what
@@ -31,13 +33,15 @@ depend on the machine, so they live in the bench's output, not in the docs).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.remote.url import is_url
 from runner.data.storage.base import Storage, StorageKind
 from runner.data.storage.decode import DECODERS, concrete_decoder
-from runner.data.storage.listing import check_no_loop
+from runner.data.storage.listing import EXTENSIONS, check_no_loop, is_image_name
+from runner.data.storage.tarshards import MANIFEST
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 from runner.errors import ConfigError
 from runner.records import records
@@ -69,17 +73,62 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 
 
+def check_dataset_found(cfg: DatasetConfig) -> None:
+    """A ConfigError, before any work (``python -m runner`` calls it before its run folder is
+    made), for a local ``dataset.path`` or ``dataset.val_path`` that does not exist or is a
+    folder with no image (nor shard) in it or below it, and a ``dataset.manifest`` that is
+    not there; a ``dataset.target`` whose module or function is not there. Cheap: the walk
+    stops at the first image. URLs are not probed here."""
+    if cfg.target is not None:
+        from runner.data.storage.user import check_target
+
+        check_target(cfg.target)
+    for key in ("path", "val_path", "manifest"):
+        value = getattr(cfg, key)
+        if value is None or is_url(value):
+            continue
+        where = Path(value).expanduser()
+        if not where.exists():
+            fix = ("give the CSV or JSON-lines file that lists your images" if key ==
+                   "manifest" else "point it at your image folder (one sub-folder per class, "
+                   "or the images themselves)")
+            raise ConfigError(f"dataset.{key}={value!r} does not exist: {fix}")
+        if key != "manifest" and where.is_dir() and not holds_images(where):
+            raise ConfigError(f"dataset.{key}={value!r} holds no images ({' '.join(EXTENSIONS)}) "
+                              "in it or its sub-folders: point it at your image folder (one "
+                              "sub-folder per class, or the images themselves)")
+
+
+def holds_images(folder: Path) -> bool:
+    """Whether ``folder`` or a folder below it holds an image or a shard set (a walk that
+    stops at the first; links followed, each real folder once)."""
+    seen: set[str] = set()
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        if any(is_image_name(f) or f.endswith(".tar") or f == MANIFEST for f in files):
+            return True
+        dirs.sort()
+    return False
+
+
 def unset_draft(decoder: Decoder) -> bool:
     """What an unset ``loader.draft`` means with ``loader.decoder=decoder``: on only where
     ``auto`` falls back to simplejpeg (the pair auto stands for), off for a decoder named."""
     return decoder is Decoder.auto and concrete_decoder(decoder) is Decoder.simplejpeg
 
 
-def settle_loader(loader: LoaderConfig) -> None:
+def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) -> None:
     """Settle ``loader`` in place, then check it: ``loader.decoder=auto`` becomes the decoder
     it runs (so the run's config and metrics name it), an unset ``loader.draft`` true or
     false; a ConfigError naming the fix when ``loader.decoder`` is not one ``loader=``
-    takes."""
+    takes. ``dataset.target`` (the user's own Dataset, user.py) replaces ``loader=``: the
+    storage becomes ``loader=user`` (its log line says what else does not apply)."""
+    if dataset is not None:
+        settle_user(loader, dataset)
     if loader.draft is None:
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
@@ -90,6 +139,29 @@ def settle_loader(loader: LoaderConfig) -> None:
                else "")
         raise ConfigError(f"loader.decoder={loader.decoder.value} is invalid for "
                           f"loader={loader.name.value}{why}: it takes {takes}")
+
+
+def settle_user(loader: LoaderConfig, dataset: DatasetConfig) -> None:
+    """``dataset.target`` makes the storage the user's Dataset (``loader=user``, decoded by
+    nothing of the runner's); ``loader=user`` without it, or with a key of an image folder
+    it replaces, is a ConfigError naming the fix."""
+    user = StorageName.user
+    if dataset.target is None:
+        if loader.name is user:
+            raise ConfigError("loader=user reads the Dataset dataset.target names: set "
+                              "dataset.target=module:function (with module.py in the current "
+                              "folder), or choose another loader=")
+        return
+    for key in ("path", "manifest"):
+        if getattr(dataset, key) is not None:
+            raise ConfigError(f"dataset.target={dataset.target} replaces dataset.{key}="
+                              f"{getattr(dataset, key)}: give one of them, not both")
+    if dataset.val_fraction > 0:
+        raise ConfigError(f"dataset.val_fraction={dataset.val_fraction} splits an image folder "
+                          f"and does not apply to dataset.target={dataset.target}: hold out "
+                          "your own split in your Dataset, or validate on an image folder of "
+                          "the same classes with dataset.val_path=<folder>")
+    loader.name, loader.decoder, loader.draft = user, Decoder.pil, False
 
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,

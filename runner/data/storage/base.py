@@ -188,6 +188,9 @@ class StorageKind:
             are not runner overrides, passed to ``build`` as keywords (``out=``).
         urls: ``open`` takes a URL (``dataset.path=s3://...``, runner/data/remote/) as well
             as a local path.
+        reads_path: it reads ``dataset.path`` (an image folder or what is built from one);
+            False: the user's own Dataset (``dataset.target``, user.py), which no folder
+            store, crop comparison or ``prepare`` applies to.
     """
 
     name: StorageName
@@ -205,6 +208,7 @@ class StorageKind:
     speed_rank: int = 10
     build_options: tuple[str, ...] = ()
     urls: bool = False
+    reads_path: bool = True
 
     @property
     def decodes_per_epoch(self) -> bool:
