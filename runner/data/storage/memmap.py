@@ -313,11 +313,14 @@ def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
     """The memmap store of ``folder`` as a storage (converted first if there is no valid
     one), its files held open (``pin_store``); ``keep``: the slots it serves (None: all)."""
     pinned = pin_store(lambda: ensure_cache(folder, spec, cache_root, progress), spec)
-    # the reopen keeps the open file alive: mapped again from it, never by name
+    # the reopen keeps the open file alive: mapped again from it, never by name; files
+    # names it where it was published (what a cold page cache evicts, what the bench
+    # measures on disk), a name that outlives this storage
     return DecodedStorage(pinned.map_images(), pinned.labels,
                           skipped=skipped_files(pinned.meta), classes=folder.classes,
                           names=folder.names(), root=folder.root,
-                          files=[pinned.images_path], reopen=pinned.map_images, keep=keep)
+                          files=[str(pinned.folder / IMAGES)], reopen=pinned.map_images,
+                          keep=keep)
 
 
 def raw_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
