@@ -1,4 +1,4 @@
-"""The console's log lines (conf/config.yaml's ``hydra.job_logging``): short, and as wide
+"""The console's log lines (conf/hydra/job_logging/runner.yaml): short, and as wide
 as a terminal holds.
 
 Hydra's own format puts ``[2026-11-28 00:24:21,377][runner.data.synthetic][INFO] - `` before
