@@ -18,7 +18,11 @@ writes, next to the sweep (or in ``--out``):
 - ``step_time.png``: each run's step split into data wait, host-to-device copy and compute;
 - ``copy.png``: copy time per batch against the image size, when it varies (and the host's
   conversion before the copy, ``loader.host_dtype``).
-The table is printed too.
+Each plot has a title, its axes labelled in plain numbers (a log axis says so), a linear
+value axis from zero, and its legend beside the axes, never over the data.
+
+The terminal gets the table as aligned plain text (``terminal_table``), each fact once: no
+run column where the options name the runs, flags and failures as numbered notes under it.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import logging
 import math
 import os
 import sys
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.config import flatten
+from runner.console import NARROWEST, WIDTH, terminal_columns
 from runner.measure.stats import median
 
 log = logging.getLogger(__name__)
@@ -306,6 +312,11 @@ def terminal_table(runs: list[Run], options: list[str], baseline: Run | None) ->
             if h not in drop and any(cells)]
     text = aligned([h for h, _ in kept], [list(row) for row in zip(*(c for _, c in kept))])
     below = [f"[{k}] {note}" for k, note in enumerate(notes, 1)]
+    wide = terminal_columns(sys.stdout)  # on a terminal, a long note wraps under itself
+    if wide is not None:
+        below = [textwrap.fill(note, max(min(wide, WIDTH), NARROWEST),
+                               subsequent_indent="    ", break_long_words=False)
+                 for note in below]
     if baseline is not None:
         below.append(f"baseline: {_label(baseline, options)}")
     return "\n".join([text, *([""] + below if below else [])])
