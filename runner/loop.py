@@ -1,9 +1,17 @@
-"""The loop: next batch, one move to the device, one step; timed per stage after warm-up."""
+"""The loop: next batch, one move to the device, one step; timed per stage after warm-up.
+
+Its progress bar (``run.progress``, tqdm on stderr) names the epoch and, at every window's
+close, the running loss (a training step's mean since the last window, read where the loop
+synchronizes anyway: no sync of its own) and images/s. Log records written while it runs
+go above the bar (tqdm's ``logging_redirect_tqdm``), never onto its line.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -12,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from runner.data.loader import is_empty
 from runner.data.order import count_images
@@ -148,6 +157,73 @@ def steps_for_windows(timed_seconds: float, timed_steps: int, repeats: int,
     return math.ceil(1.1 * repeats * min_window_seconds / max(per_step, 1e-9))
 
 
+class Progress:
+    """The loop's progress bar: steps done, the epoch as its description (``epoch 2/5``)
+    and, as its postfix, the figures last read at a window's close: the running loss of a
+    training step and images/s. Nothing here reads the device: the loss shown is the one
+    ``Step.read`` returned where the loop synchronized anyway (every ``log_every`` timed
+    steps), so it lags the step by at most that many steps."""
+
+    def __init__(self, o: LoopOptions):
+        self.o = o
+        self.epoch = self.epoch_text(0, o.total_steps)
+        self.bar = tqdm(total=o.total_steps, unit="step", disable=not o.progress,
+                        dynamic_ncols=True, desc=self.epoch or None)
+        self.words: dict[str, str] = {}
+        self.redirected = contextlib.ExitStack()
+
+    @property
+    def total(self) -> int:
+        return self.bar.total
+
+    @total.setter
+    def total(self, steps: int) -> None:
+        self.bar.total = steps
+
+    def epoch_text(self, steps: int, total: int) -> str:
+        """``epoch e/E`` of the run's ``steps`` done of ``total`` (a resume's earlier
+        steps count: its epochs are those of one uninterrupted run); "" without epochs."""
+        per = self.o.steps_per_epoch
+        if not per:
+            return ""
+        done, last = self.o.first_step + steps, self.o.first_step + total
+        epochs = max(math.ceil(last / per), 1)
+        return f"epoch {min(max(done - 1, 0) // per + 1, epochs)}/{epochs}"
+
+    def step(self, steps: int) -> None:
+        """A step is done: the bar moves, and names the epoch it belongs to."""
+        epoch = self.epoch_text(steps, self.bar.total)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.bar.set_description_str(epoch, refresh=False)
+        self.bar.update()
+
+    def show(self, figures: dict[str, Any], rate_words: str = "img/s") -> None:
+        """The figures of the window just closed (host values: no sync here)."""
+        loss = figures.get("loss")
+        if loss is not None:
+            self.words["loss"] = f"loss {loss:.4g}"
+        if figures.get("images_per_sec") is not None:
+            self.words["rate"] = f"{figures['images_per_sec']:,.0f} {rate_words}"
+        if self.words:
+            self.bar.set_postfix_str(", ".join(self.words.values()))
+
+    def redirect(self) -> None:
+        """Until ``close``, log records go above the bar, not onto its line (tqdm's own
+        redirect of the root logger's console handlers); nothing changes without a bar,
+        or without a console handler to redirect (no console output is added)."""
+        if not self.bar.disable and any(isinstance(h, logging.StreamHandler)
+                                        and h.stream in (sys.stdout, sys.stderr)
+                                        for h in logging.root.handlers):
+            self.redirected.enter_context(logging_redirect_tqdm())
+
+    def close(self) -> None:
+        try:
+            self.bar.close()
+        finally:
+            self.redirected.close()
+
+
 class Windows:
     """The timed windows of a loop: where warm-up ends, where each window closes (a device
     sync, then the figures logged), the repeat windows that give the spread, and the
@@ -158,7 +234,7 @@ class Windows:
     """
 
     def __init__(self, o: LoopOptions, clock: StepClock, step: Step, logger: MetricLogger,
-                 bar: tqdm):
+                 bar: Progress):
         self.o, self.clock, self.step, self.logger, self.bar = o, clock, step, logger, bar
         self.total, self.warmup = o.total_steps, o.warmup_steps
         self.ends = repeat_split(max(self.total - self.warmup, 1), o.repeats)
@@ -174,7 +250,9 @@ class Windows:
 
     def begin(self) -> None:
         """Warm-up is over: what came before is not timed."""
-        self.logger.log(_prefixed(self.step.read()), step=self.result.steps)
+        figures = self.step.read()
+        self.logger.log(_prefixed(figures), step=self.result.steps)
+        self.bar.show(figures)
         self.step.start_timing()
         self.clock.open_window()
 
@@ -185,8 +263,7 @@ class Windows:
         elif timed > 0 and (timed % self.o.log_every == 0 or timed in self.ends):
             first = self.repeat == 0  # before close(), which moves on at a repeat's end
             figures = self.close()
-            if figures.get("images_per_sec") is not None:  # none: a window of empty batches
-                self.bar.set_postfix_str(f"{figures['images_per_sec']:,.0f} img/s")
+            self.bar.show(figures)
             if first and self.o.extend is not None and self.o.min_window_seconds > 0:
                 self.lengthen()
             self.clock.open_window(sync=False)  # logging is the runner's, not the pipeline's
@@ -229,7 +306,7 @@ class Windows:
     def finish(self) -> LoopResult:
         """The last, partial window, and the repeats that hold steps."""
         if self.result.steps > self.warmup and self.clock.has_steps():
-            self.close()
+            self.bar.show(self.close())  # its loss: the run's last
         self.result.repeats = [w for w in self.result.repeats if w.steps]
         return self.result
 
@@ -318,7 +395,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     """
     o = options
     clock = o.clock or StepClock(batches.device)
-    bar = tqdm(total=o.total_steps, unit="step", disable=not o.progress, dynamic_ncols=True)
+    bar = Progress(o)
     windows, hooks = Windows(o, clock, step, logger, bar), StepHooks(o, clock)
     result = windows.result
     # a device-side stage: crops of pre-decoded images, task.augment (timed on its own;
@@ -334,6 +411,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
     hooks.start()
     if windows.warmup == 0:
         windows.begin()
+    bar.redirect()  # until bar.close(): log records go above the bar
     try:
         while result.steps < windows.total:
             t0 = time.perf_counter()
@@ -375,7 +453,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             clock.step_done(n, c0, c2)
             result.steps += 1
             result.images += n
-            bar.update()
+            bar.step(result.steps)
             hooks.after_step(result.steps)
             windows.after_step()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (runner.job.run's handler)
@@ -390,7 +468,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
             windows.finish()
             rates = [w.figures()["images_per_sec"] for w in result.repeats]
             if rates:  # the bar ends on the figure the run reports
-                bar.set_postfix_str(f"{median(rates):,.0f} img/s (median of windows)")
+                bar.show({"images_per_sec": median(rates)}, "img/s (median of windows)")
         finally:
             bar.close()
     return result

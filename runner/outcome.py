@@ -286,8 +286,8 @@ def where(run_dir: Path, metrics: dict[str, Any], logger: tuple[str, str] | None
     if logger is not None:
         mode, folder = logger
         if mode == "offline":
-            lines.append(f"wandb: the offline run {folder}; upload it with: wandb sync "
-                         f"{shlex.quote(folder)}  (a wandb account and `wandb login` first)")
+            lines.append(f"wandb: an offline run; upload it with: wandb sync "
+                         f"{shlex.quote(folder)}  (after `wandb login`)")  # its path once
         elif mode == "online":
             lines.append(f"wandb: uploaded as it ran (its local copy: {folder})")
     return lines

@@ -18,7 +18,11 @@ writes, next to the sweep (or in ``--out``):
 - ``step_time.png``: each run's step split into data wait, host-to-device copy and compute;
 - ``copy.png``: copy time per batch against the image size, when it varies (and the host's
   conversion before the copy, ``loader.host_dtype``).
-The table is printed too.
+Each plot has a title, its axes labelled in plain numbers (a log axis says so), a linear
+value axis from zero, and its legend beside the axes, never over the data.
+
+The terminal gets the table as aligned plain text (``terminal_table``), each fact once: no
+run column where the options name the runs, flags and failures as numbered notes under it.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import logging
 import math
 import os
 import sys
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.config import flatten
+from runner.console import NARROWEST, WIDTH, terminal_columns
 from runner.measure.stats import median
 from runner.outcome import settled
 
@@ -207,7 +213,10 @@ def spread_text(run: Run) -> str:
     return f"{s['min']:,.0f}–{s['max']:,.0f}"
 
 
-def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
+def columns(runs: list[Run], options: list[str], baseline: Run | None
+            ) -> list[tuple[str, list[str]]]:
+    """The table's columns, each its header and one cell per run: report.md's Markdown
+    table (``table``) and the terminal's (``terminal_table``) are this one table."""
     ok = [r for r in runs if r.ok]
     slowest = min(ok, key=lambda r: r.rate) if ok else None
     # what a training recipe costs: the device augmentation, the optimizer step, the EMA
@@ -219,7 +228,7 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
     if baseline is not None:
         head.append(f"vs run {baseline.name}")
     head += ["flags", "bottleneck"]
-    rows = [head, ["---"] * len(head)]
+    rows = []
     for r in runs:
         m = r.metrics
         wait = m.get("data_wait_frac")
@@ -234,9 +243,84 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
         verdict = m.get("bottleneck") or {}  # none asked (diagnose=false), or no stage named
         bottleneck = verdict.get("stage") or ("none (disturbed)" if verdict else "")
         row.append(bottleneck if r.ok else (m.get("reason") or "")[:60])
-        rows.append(row)
-    return "\n".join("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |"
-                     for row in rows)
+        rows.append([str(c) for c in row])
+    return [(name, [row[k] for row in rows]) for k, name in enumerate(head)]
+
+
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (report.md)."""
+    return "\n".join("| " + " | ".join(c.replace("|", "/") for c in row) + " |"
+                     for row in [head, ["---"] * len(head), *rows])
+
+
+def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
+    """report.md's table of the runs, in Markdown."""
+    cols = columns(runs, options, baseline)
+    return markdown([h for h, _ in cols], [list(row) for row in zip(*(c for _, c in cols))])
+
+
+NOISE = " (within noise)"  # a ratio whose two runs' spreads overlap (ratio_text)
+# columns whose cells are figures: right-aligned on the terminal
+_FIGURES = ("images/s", "spread", "ms/step", "data wait", "augment ms", "optimizer ms",
+            "EMA ms", "vs slowest", "vs baseline")
+
+
+def aligned(head: list[str], rows: list[list[str]], right: tuple[str, ...] = _FIGURES) -> str:
+    """Plain text columns, padded to line up (figures right-aligned), a rule under the head."""
+    widths = [max(len(c) for c in column) for column in zip(head, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if h in right else c.ljust(w)
+                         for c, w, h in zip(cells, widths, head)).rstrip()
+
+    return "\n".join([line(head), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def terminal_table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
+    """The table as the terminal shows it: aligned plain text, each fact once. The run's
+    folder is left out where its options name it (a sweep's folders are its overrides),
+    the status where every run is ok, a column with nothing in it; the baseline is named
+    once under the table; a flag is a note under the table, numbered (one note for runs
+    with the same flag); a run that did not finish has its reason there too."""
+    cols = dict(columns(runs, options, baseline))
+    named = bool(options) and len({tuple(r.options.get(k) for k in options)
+                                   for r in runs}) == len(runs)
+    drop = {"run"} if named else set()
+    if all(r.status == "ok" for r in runs):
+        drop.add("status")
+    notes: list[str] = []
+    marks = []
+    for r in runs:
+        reasons = [f for f in (r.metrics.get("flags") or []) if f]
+        if not r.ok and r.metrics.get("reason"):
+            reasons.append(f"{r.status}: {r.metrics['reason']}")
+        numbers = []
+        for reason in reasons:
+            if reason not in notes:
+                notes.append(reason)
+            numbers.append(str(notes.index(reason) + 1))
+        marks.append(",".join(f"[{n}]" for n in numbers))
+    cols["flags"] = marks
+    cols["bottleneck"] = [b if r.ok else "" for r, b in zip(runs, cols["bottleneck"])]
+    for head in cols:  # "1.05x (within noise)": "1.05x ≈", said once under the table
+        if head.startswith("vs ") and any(c.endswith(NOISE) for c in cols[head]):
+            cols[head] = [c.removesuffix(NOISE) + " ≈" if c.endswith(NOISE) else
+                          c + "  " if c else c for c in cols[head]]
+    renamed = {"spread (windows)": "spread", "flags": "notes"}
+    if baseline is not None:
+        renamed[f"vs run {baseline.name}"] = "vs baseline"
+    kept = [(renamed.get(h, h), cells) for h, cells in cols.items()
+            if h not in drop and any(cells)]
+    text = aligned([h for h, _ in kept], [list(row) for row in zip(*(c for _, c in kept))])
+    below = [f"[{k}] {note}" for k, note in enumerate(notes, 1)]
+    wide = terminal_columns(sys.stdout)  # on a terminal, a long note wraps under itself
+    if wide is not None:
+        below = [textwrap.fill(note, max(min(wide, WIDTH), NARROWEST),
+                               subsequent_indent="    ", break_long_words=False)
+                 for note in below]
+    if baseline is not None:
+        below.append(f"baseline: {_label(baseline, options)}")
+    return "\n".join([text, *([""] + below if below else [])])
 
 
 def ranking(runs: list[Run], options: list[str]) -> list[str]:
@@ -410,6 +494,25 @@ def _pyplot():
     return plt
 
 
+def _plain_log(axis: Any, base: int = 10, ticks: list[float] | None = None) -> None:
+    """A log axis with its ticks in plain numbers (``16``, ``1,000``; never ``2^4`` or
+    ``10^3``): at ``ticks`` when given (the batch sizes run), else at 1, 2 and 5 times each
+    power of ten."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(FixedLocator(ticks) if ticks else
+                           LogLocator(base=base, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _from_zero(ax: Any, *axes: str) -> None:
+    """Each linear axis of ``axes`` ("x", "y") starts at zero (a log axis cannot)."""
+    for name in axes:
+        if getattr(ax, f"get_{name}scale")() == "linear":
+            getattr(ax, f"set_{name}lim")(0, None)
+
+
 def _spans(values: list[float]) -> bool:
     positive = [v for v in values if v and v > 0]
     return bool(positive) and max(positive) / min(positive) > _SPAN_FOR_LOG
@@ -426,8 +529,11 @@ def plot_throughput(runs: list[Run], options: list[str], out: Path) -> Path | No
         rest = [k for k in options if k != "loader.batch_size"]
         lines: dict[str, list] = defaultdict(list)
         for r in ok:
-            lines[_label(r, rest) or "runs"].append((int(r.options["loader.batch_size"]), r))
+            # the options' values; their names are the legend's title
+            lines[" ".join(r.options.get(k, "") for k in rest) or "runs"].append(
+                (int(r.options["loader.batch_size"]), r))
         fig, ax = plt.subplots(figsize=(9, 5))
+        sizes = sorted({p[0] for points in lines.values() for p in points})
         for k, (line, points) in enumerate(sorted(lines.items())):
             points.sort(key=lambda p: p[0])
             xs, ys = [p[0] for p in points], [p[1].rate for p in points]
@@ -436,12 +542,20 @@ def plot_throughput(runs: list[Run], options: list[str], out: Path) -> Path | No
             ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=line,
                         color=f"C{k % 10}")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        if _spans([r.rate for r in ok]):
+        _plain_log(ax.xaxis, 2, sizes)
+        ax.set_xlabel("batch size (images per step, log scale)")
+        logged = _spans([r.rate for r in ok])
+        if logged:
             ax.set_yscale("log")
-        ax.set_ylabel("images/s (median of windows, bars: min..max)")
+            _plain_log(ax.yaxis)
+        ax.set_ylabel("images/s (median of windows; bars: min..max)"
+                      + (", log scale" if logged else ""))
+        _from_zero(ax, "y")
+        ax.set_title("Throughput against batch size")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        if len(lines) > 1:  # beside the axes: it never covers a point
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      title=", ".join(rest) or None, title_fontsize=7)
     else:
         labels = [_label(r, options) for r in ok]
         rates = [r.rate for r in ok]
@@ -451,18 +565,22 @@ def plot_throughput(runs: list[Run], options: list[str], out: Path) -> Path | No
         ax.barh(range(len(ok)), rates, xerr=[low, high], capsize=2,
                 color=[f"C{k % 10}" for k in range(len(ok))], alpha=0.85)
         ax.set_yticks(range(len(ok)), labels, fontsize=7)
+        ax.set_ylabel(", ".join(options) or "run")
         ax.invert_yaxis()  # the table's order, top to bottom
         if _spans(rates):
             ax.set_xscale("log")
+            _plain_log(ax.xaxis)
         for k, r in enumerate(ok):
             ax.text(r.spread["max"], k, f"  {r.rate:,.0f}", va="center", fontsize=7)
         ax.set_xlabel("images/s (median of windows; whiskers: min..max)"
                       + (", log scale" if _spans(rates) else ""))
+        ax.set_title("Throughput of each run")
         ax.grid(True, which="both", axis="x", alpha=0.3)
         ax.margins(x=0.15)
+        _from_zero(ax, "x")
     fig.tight_layout()
     path = out / "throughput.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -495,11 +613,15 @@ def plot_step_time(runs: list[Run], options: list[str], out: Path) -> Path | Non
     for k, r in enumerate(ok):  # the run's own figure: the median of its windows
         ax.text(whole[k], k, f" {r.metrics['ms_per_step']:.1f} ms", va="center", fontsize=7)
     ax.set_yticks(list(rows), [_label(r, options) for r in ok], fontsize=7)
+    ax.set_ylabel(", ".join(options) or "run")
     ax.set_xlabel("share of the step (%)" if shares else "ms per step")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, frameon=False)
+    ax.set_title("Where each step's time goes")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
-    ax.margins(x=0.12)
+    # from zero, with room for the figures at the bars' ends (a bar of no width at the end,
+    # "other" of a run that has none, would hold margins() to the longest bar)
+    ax.set_xlim(0, 1.15 * max(whole))
     fig.tight_layout()
     path = out / "step_time.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -533,7 +655,9 @@ def plot_copy(runs: list[Run], options: list[str], out: Path) -> Path | None:
                     color=line.get_color(), label=f"{name}: convert on the host")
     ax.set_xlabel("megapixels per image (dataset.image_size)")
     ax.set_ylabel("ms per batch")
-    ax.legend(fontsize=7, frameon=False)
+    ax.set_title("Host-to-device copy per batch against image size")
+    _from_zero(ax, "x", "y")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     path = out / "copy.png"
@@ -556,9 +680,24 @@ def machines(runs: list[Run]) -> list[str]:
     return [f"Machine: {line} ({', '.join(names)})" for line, names in seen.items()]
 
 
+@dataclass
+class Written:
+    out: Path  # the folder written to
+    table: str  # report.md's table, Markdown
+    terminal: str  # what ``python -m runner.report`` prints: plain text, aligned
+
+
 def write_report(paths: list[Path], baseline: str | None = None,
                  out: Path | None = None) -> tuple[Path, str]:
-    """Build the report; returns its folder and the table."""
+    """Build the report; returns its folder and the table (Markdown)."""
+    written = build_report(paths, baseline, out)
+    return written.out, written.table
+
+
+def build_report(paths: list[Path], baseline: str | None = None,
+                 out: Path | None = None) -> Written:
+    """Write report.md, results.csv and the plots; what was written, and the terminal's
+    view of it."""
     root, runs = find_runs(paths)
     options = varying(runs)
     base = pick_baseline(runs, baseline)
@@ -614,7 +753,14 @@ def write_report(paths: list[Path], baseline: str | None = None,
     if any(math.isnan(r.rate) for r in runs if isinstance(r.rate, float)):
         log.warning("some runs report NaN images/s")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    return out, text
+    files = ["report.md", "results.csv", *(p.name for p in figures)]
+    shown = [f"{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+             "", terminal_table(runs, options, base), "",
+             "images/s: the median of each run's timed windows; spread: their min–max; "
+             "≈: within noise",
+             f"written in {out}: {', '.join(files)}",
+             "report.md has the ranking too, what each switch bought, and each verdict"]
+    return Written(out, text, "\n".join(shown))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,12 +772,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where to write (default: the sweep folder)")
     args = parser.parse_args(argv)
     try:
-        out, text = write_report(args.paths, args.baseline, args.out)
+        written = build_report(args.paths, args.baseline, args.out)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(text)
-    print(f"\nwritten: {out / 'report.md'}, results.csv and the plots")
+    print(written.terminal)
     return 0
 
 

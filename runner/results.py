@@ -305,7 +305,9 @@ def summary_line(cfg: Config, figures: dict[str, Any], world: int = 1) -> str | 
 
 
 def announce(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
-    """The run's result on the console: its summary line and the files it skipped."""
+    """The run's result on the console: its summary line, the files it skipped, and why
+    its figures are disturbed, unless the verdict that follows says that (its sentence
+    gives the same reason: said once)."""
     import logging
 
     log = logging.getLogger("runner")
@@ -315,6 +317,7 @@ def announce(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
     if figures["skipped_files"]:
         log.warning("%d undecodable files skipped (listed in metrics.json)",
                     len(figures["skipped_files"]))
+    verdict_follows = cfg.diagnose and figures.get("images_per_sec") is not None
     for flag in figures.get("flags") or []:
-        if flag.startswith("disturbed"):
+        if flag.startswith("disturbed") and not verdict_follows:
             log.warning("%s", flag)

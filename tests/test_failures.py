@@ -447,7 +447,7 @@ def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
         expect = "--rebuild"
     proc = run_cli(*args, cwd=tmp_path, check=False)
     assert proc.returncode == 2
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "ERROR" in line]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expect in errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "Traceback" in (tmp_path / "run" / "runner.log").read_text()

@@ -183,7 +183,7 @@ def test_bad_remote_input_is_one_line_and_exit_2(case, s3_server, delay_line, s3
                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
-    lines = [line for line in out.splitlines() if "ERROR" in line]
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and url in lines[0], out
     assert "Traceback" not in out
     expect = {"no-bucket": "bucket does not exist", "no-prefix": "nothing is under",

@@ -144,3 +144,124 @@ def test_the_tests_keep_their_datasets_out_of_the_users_cache(private_cache: Pat
     assert cache == private_cache == Path(os.environ["RUNNER_CACHE"])
     assert cache.is_relative_to(tmp_path_factory.getbasetemp())
     assert not cache.is_relative_to(Path.home() / ".cache")
+
+
+# --- the terminal's table and the plots (issue 49, 6) ---------------------------------------
+
+def a_sweep_with_a_failure(root: Path) -> Path:
+    """loader x prefetch, one run flagged twice with the same flag, one failed."""
+    k = 0
+    for loader, rate in (("folder", 300.0), ("memmap", 9_000.0)):
+        for prefetch, gain in (("none", 1.0), ("cpu", 1.15)):
+            fake_run(root / f"loader={loader},prefetch={prefetch}", rate * gain,
+                     {"loader": {"name": loader}, "prefetch": {"name": prefetch}}, job=k,
+                     flags=["few timed steps (6; time at least 15)"] if loader == "memmap" else [],
+                     bottleneck={"stage": "decode", "sentence": "data-bound: decode"})
+            k += 1
+    fake_run(root / "loader=packed,prefetch=none", 1.0,
+             {"loader": {"name": "packed"}, "prefetch": {"name": "none"}}, job=k,
+             status="failed", images_per_sec=None, reason="RuntimeError: shard 3 is damaged")
+    return root
+
+
+def test_the_terminal_gets_an_aligned_table_saying_each_fact_once(tmp_path: Path, capsys):
+    from runner.report import main
+
+    root = a_sweep_with_a_failure(tmp_path / "s")
+    assert main([str(root), "--baseline", "loader=folder,prefetch=none"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert not [x for x in lines if x.lstrip().startswith("|") or "---|" in x], printed
+    rule = next(k for k, x in enumerate(lines) if re.fullmatch(r"-+( +-+)+", x))
+    head, rows = lines[rule - 1], lines[rule + 1: rule + 6]
+    spans = [m.span() for m in re.finditer(r"-+", lines[rule])]
+    for row in [head, *rows]:  # every cell inside its column, the gaps between them blank
+        assert len(row) <= spans[-1][1], row
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert row[end:start].strip() == "", (row, end, start)
+    cells = {h: [r[a:b].strip() for r in rows] for h, (a, b) in
+             zip(re.findall(r"\S+(?: \S+)*", head), spans)}
+    assert cells["loader"] == ["folder", "folder", "memmap", "memmap", "packed"]
+    assert cells["images/s"][:4] == ["300", "345", "9,000", "10,350"]
+    assert [r[slice(*spans[list(cells).index("images/s")])] for r in rows][0].endswith("300")
+    # one fact once: the folders are the options (no run column), the flag of two runs is
+    # one note, the failure's reason is said once, the report's folder once
+    assert "loader=folder,prefetch=none" not in printed
+    assert printed.count("few timed steps") == 1 and printed.count("shard 3 is damaged") == 1
+    assert printed.count(str(root)) == 1
+    assert "vs baseline" in head and printed.count("baseline: loader=folder prefetch=none") == 1
+    # report.md stays Markdown
+    assert "| run | loader | prefetch | status |" in (root / "report.md").read_text()
+
+
+@pytest.fixture
+def figures(monkeypatch) -> list:
+    """Every matplotlib Figure the report saves, as it was saved."""
+    from matplotlib.figure import Figure
+
+    saved, save = [], Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        saved.append(self)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return saved
+
+
+def numeric(labels: list) -> bool:
+    texts = [t.get_text() for t in labels if t.get_text()]
+    return bool(texts) and all(re.fullmatch(r"[−-]?[\d,]+(\.\d+)?", t) for t in texts)
+
+
+def check_figure(fig) -> None:
+    """A title, both axes labelled, ticks in plain numbers, a linear value axis from zero,
+    and a legend clear of the axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the report closed it: drawn again as it was saved
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in fig.axes:
+        assert ax.get_title(), fig
+        assert ax.get_xlabel() and ax.get_ylabel(), ax.get_title()
+        for name in ("x", "y"):
+            labels = getattr(ax, f"get_{name}ticklabels")()
+            texts = [t.get_text() for t in labels]
+            assert not [t for t in texts if "^" in t or "$" in t], (ax.get_title(), texts)
+            if getattr(ax, f"get_{name}scale")() == "linear" and numeric(labels):
+                assert min(getattr(ax, f"get_{name}lim")()) == 0, (ax.get_title(), name)
+            if getattr(ax, f"get_{name}scale")() == "log":
+                assert "log" in getattr(ax, f"get_{name}label")(), ax.get_title()
+        legend = ax.get_legend()
+        if legend is not None:
+            box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+            overlap_w = min(box.x1, area.x1) - max(box.x0, area.x0)
+            overlap_h = min(box.y1, area.y1) - max(box.y0, area.y0)
+            assert overlap_w <= 1 or overlap_h <= 1, (ax.get_title(), box, area)
+
+
+def test_every_plot_has_a_title_plain_numbers_and_axes_from_zero(tmp_path: Path, figures):
+    # the batch size varies (a log2 axis), over more than 10x (a log images/s axis)
+    for k, (loader, rate) in enumerate((("folder", 300.0), ("memmap", 9_000.0))):
+        for j, batch in enumerate((16, 32, 64, 128)):
+            fake_run(tmp_path / "b" / f"{k}{j}", rate * (1 + j / 3),
+                     {"loader": {"name": loader, "batch_size": batch}}, job=4 * k + j)
+    write_report([tmp_path / "b"])
+    # one bar per run, linear; and the copy against the image size
+    write_report([a_sweep_with_a_failure(tmp_path / "s")])
+    for k, (dtype, size) in enumerate((("uint8", [224, 224]), ("uint8", [448, 448]),
+                                       ("float32", [224, 224]), ("float32", [448, 448]))):
+        fake_run(tmp_path / "c" / str(k), 1_000.0 + k,
+                 {"loader": {"name": "memmap", "host_dtype": dtype},
+                  "dataset": {"image_size": size}}, job=k, copy_ms=1.0 + k,
+                 host_convert_ms=0.5)
+    write_report([tmp_path / "c"])
+    titles = [ax.get_title() for fig in figures for ax in fig.axes]
+    assert len(figures) == 7, titles  # throughput and step time of each, and the copy
+    batch = figures[0].axes[0]
+    assert batch.get_xscale() == "log" and batch.get_yscale() == "log"
+    check_figure(figures[0])
+    assert [t.get_text() for t in batch.get_xticklabels()] == ["16", "32", "64", "128"]
+    for fig in figures:
+        check_figure(fig)

@@ -258,7 +258,8 @@ def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
         return {"error": f"{type(e).__name__}: {e}"}
     seconds = time.perf_counter() - start
-    log.info("%s", result.sentence)
+    # disturbed figures (no verdict): a warning, as the run's own flag would have been
+    (log.info if result.bound is not None else log.warning)("%s", result.sentence)
     few = next((f for f in figures.get("flags") or [] if f.startswith("few timed steps")), None)
     if few is not None:  # said in metrics.json's flags too; here, where the verdict is read
         log.warning("the verdict comes from %s: not enough to trust; run more steps "
