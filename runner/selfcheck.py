@@ -1074,12 +1074,14 @@ def build_region() -> str:
     return f"region decoder: built in place ({target.relative_to(ROOT)})"
 
 
-def pinned_torch() -> str:
-    """The torch the project pins (pyproject.toml of the checkout), for the header."""
+def supported_torch() -> str:
+    """The torch range the project supports (pyproject.toml of the checkout), for the
+    header."""
     try:
         for line in (ROOT / "pyproject.toml").read_text().splitlines():
-            if '"torch==' in line:
-                return line.strip().strip('",')
+            found = re.match(r'\s*"(torch[<>=!~][^"]*)"', line)
+            if found:
+                return found.group(1)
     except OSError:
         pass
     return "unknown"
@@ -1095,7 +1097,7 @@ def header() -> str:
            if torch.cuda.is_available() else "no CUDA device")
     return (f"runner.selfcheck certifies torch {torch.__version__} + torchvision "
             f"{torchvision.__version__} on {gpu}, Python {platform.python_version()}, "
-            f"{cores()} cores (the project pins {pinned_torch()})")
+            f"{cores()} cores (the project supports {supported_torch()})")
 
 
 def table(rows: list[Row]) -> str:

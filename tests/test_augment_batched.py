@@ -385,7 +385,7 @@ def test_on_cuda_a_step_neither_waits_for_the_device_nor_copies_but_its_paramete
 
 def test_colour_jitter_and_erasing_draw_on_the_device_and_read_nothing_back():
     """color_jitter and erasing: no host mask, no value read back, nothing copied across
-    (kornia's modules drew on the host and indexed with a host mask: a sync per step)."""
+    (each a sync per step on a GPU)."""
     from runner.data.transforms import colour_jitter, erase
 
     x = images(8).float() / 255
@@ -509,3 +509,30 @@ def test_on_cuda_no_operation_kernel_waits_for_the_device(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_the_hue_shift_is_torchvisions_adjust_hue_per_image_with_no_host_value(dtype):
+    """adjust_hue (colour_jitter's hue step, written in torch): each
+    image of the batch shifted by its own factor, within 1/255 of torchvision's v2
+    adjust_hue on uint8 and float images, including the grey, flat and low-contrast ones and
+    factors of both signs up to +-0.5; no tensor made from a host value inside it."""
+    import torchvision.transforms.v2.functional as TF
+
+    from runner.data.transforms import adjust_hue
+
+    x = images(8, 24, 28, seed=4)
+    if dtype == torch.float32:  # values off the 1/255 grid too
+        x = torch.cat([x[:4].float() / 255, torch.rand(4, 3, 24, 28)])
+    factors = torch.tensor([-0.5, -0.31, -0.04, 0.0, 0.07, 0.25, 0.42, 0.5])
+    out = adjust_hue(x, factors)
+    assert out.dtype == dtype and out.shape == x.shape
+    scale = 255 if dtype == torch.float32 else 1
+    for i, f in enumerate(factors.tolist()):
+        expected = TF.adjust_hue(x[i], f)
+        gap = float((out[i].double() - expected.double()).abs().max()) * scale
+        assert gap <= 1 + 1e-6, (i, f, gap)
+    assert torch.equal(adjust_hue(x, 0.25), adjust_hue(x, torch.full((8,), 0.25)))  # a number
+    with HostTensors(x, factors) as log:
+        adjust_hue(x, factors)
+    assert log.host == [], log.host

@@ -128,6 +128,90 @@ def test_a_sample_that_fails_its_crc_is_named_and_on_corrupt_decides(tmp_path, c
         batches(f"dataset.path={out}", "dataset.on_corrupt=fail")
 
 
+def written_labels(out: Path) -> list[list[int]]:
+    """Each shard's labels, in the order its tar holds them."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    return [json.loads((out / s["index"]).read_text())["labels"] for s in manifest["shards"]]
+
+
+def test_shards_are_written_with_the_classes_mixed_in_an_order_the_seed_fixes(tmp_path,
+                                                                              cache_dir):
+    """Written in dataset order, the first shards held one class each (60 images of 3
+    classes: 20 of class 0 first), so webdataset's shard shuffle gave one-class batches. A
+    shuffled order, its seed in the manifest; the same seed writes the same bytes."""
+    prepare_shards(str(tmp_path / "a"))
+    prepare_shards(str(tmp_path / "b"), "shuffle_seed=0")
+    prepare_shards(str(tmp_path / "c"), "shuffle_seed=7")
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["shuffle"] == {"seed": 0}
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["shuffle"] == {"seed": 7}
+    labels = written_labels(tmp_path / "a")
+    in_order = [label for shard in labels for label in shard]
+    assert sorted(in_order) == [0] * 20 + [1] * 20 + [2] * 20
+    assert len(set(in_order[:20])) == 3  # the first 20 written: every class
+    assert all(len(set(shard)) > 1 for shard in labels if len(shard) >= 6), labels
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    for name in names:  # the same seed: the same files, byte for byte
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert written_labels(tmp_path / "c") != labels  # another seed: another order
+    assert main_error(["shards", *SMALL, f"out={tmp_path / 'd'}", "shuffle_seed=x"]) \
+        == "error: shuffle_seed=x is invalid: give a whole number 0 or more (the seed of the " \
+        "order the shards are written in)"
+
+
+def main_error(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    from runner.prepare import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == 2
+    return err.getvalue().strip()
+
+
+def test_the_runner_numbers_shuffled_shards_by_their_place_in_the_dataset(tmp_path,
+                                                                         cache_dir):
+    """Sample i of loader=shards is the dataset's image i, whatever shard holds it: its
+    labels in dataset order (as packed's), and a shuffled epoch reads each image once."""
+    out = tmp_path / "shards"
+    prepare_shards(str(out))
+    import runner
+
+    pipe = runner.pipeline(*SMALL, f"dataset.path={out}", loader="shards")
+    try:
+        storage = pipe.storage
+        assert [label for _, label in storage.samples] == [0] * 20 + [1] * 20 + [2] * 20
+        assert storage.order_members is not None
+        assert sorted(storage.order_members.tolist()) == list(range(60))
+        assert storage.order_members.tolist()[:20] != list(range(20))  # shuffled on disk
+    finally:
+        pipe.close()
+    got = batches(f"dataset.path={out}", "loader.shuffle=true")
+    assert sorted(torch.cat([b[0] for b in got]).tolist()) == list(range(60))
+
+
+def test_a_block_of_shards_reads_the_members_of_its_shards():
+    """BatchOrder with ``members``: a shuffled epoch reads the items the shards of a block
+    hold (their members), block after block; unshuffled, the items' own order."""
+    from runner.data.order import BatchOrder
+
+    groups, members = [0, 3, 6, 10], torch.tensor([5, 0, 9, 2, 7, 4, 1, 8, 3, 6])
+    held = {g: set(members[groups[g]:groups[g + 1]].tolist()) for g in range(3)}
+    order = BatchOrder(10, 2, shuffle=True, drop_last=False, seed=1, groups=groups,
+                       group_block=1, members=members)
+    items = order.epoch_order(0).tolist()
+    read, start = [], 0
+    for (g,) in order.group_blocks(0):
+        read.append(set(items[start:start + len(held[g])]) == held[g])
+        start += len(held[g])
+    assert read == [True] * 3 and start == 10
+    plain = BatchOrder(10, 2, shuffle=False, drop_last=False, seed=1, groups=groups,
+                       members=members)
+    assert torch.cat(list(plain.batches())).tolist() == list(range(10))
+
+
 # --- the order ----------------------------------------------------------------------------
 
 def test_shards_are_read_a_block_at_a_time_in_an_order_fixed_by_seed_and_epoch():

@@ -222,7 +222,8 @@ def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
     order = BatchOrder(len(storage), cfg.batch_size, shuffle=cfg.shuffle,
                        drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
                        world=world, crop_seeds=storage.random_crops, groups=groups,
-                       group_block=getattr(storage, "group_block", 1), lanes=lanes)
+                       group_block=getattr(storage, "group_block", 1), lanes=lanes,
+                       members=getattr(storage, "order_members", None))
     if groups is not None:
         storage.follow(order)
     return order

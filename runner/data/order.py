@@ -99,6 +99,8 @@ class BatchOrder:
             ``group_block`` and the items of each block among themselves, so an epoch reads
             a few shards at a time, in an order known in advance (``group_blocks``).
         group_block: groups per block.
+        members: with ``groups``, the item at each place of the groups (a sharded storage
+            that numbers its items otherwise than its shards hold them); None: item ``p``.
         lanes: with ``groups``, deal each epoch's groups to this many lanes (``lanes``: one
             per node of a multi-node run, ``loader.lanes``).
 
@@ -116,7 +118,7 @@ class BatchOrder:
     def __init__(self, size: int, batch_size: int, *, shuffle: bool, drop_last: bool,
                  seed: int, block: int = 1, rank: int = 0, world: int = 1,
                  crop_seeds: bool = False, groups: list[int] | None = None,
-                 group_block: int = 1, lanes: int = 1):
+                 group_block: int = 1, lanes: int = 1, members: torch.Tensor | None = None):
         self.size, self.batch_size = size, batch_size
         self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
         self.rank, self.world = rank, world
@@ -124,6 +126,7 @@ class BatchOrder:
         self.seed = seed
         self.crop_seeds = crop_seeds
         self.groups, self.group_block = groups, max(1, group_block)
+        self.members = members
         self.lanes = max(1, lanes) if groups is not None else 1
         if self.lanes > 1 and (batch_size * world) % self.lanes:
             raise ValueError(f"a global batch of {batch_size * world} cannot be shared by "
@@ -218,6 +221,8 @@ class BatchOrder:
             for block in self._blocks_of(lane):
                 items = torch.cat([torch.arange(self.groups[g], self.groups[g + 1])
                                    for g in block])
+                if self.members is not None:
+                    items = self.members[items]
                 parts.append(items[torch.randperm(len(items), generator=generator)]
                              if self.shuffle else items)
             streams.append(torch.cat(parts) if parts else torch.arange(0))

@@ -7,8 +7,7 @@ operation with its own random draw per image:
 
 - ``auto=randaugment|trivialaugment``: torchvision's v2 RandAugment / TrivialAugmentWide on
   the uint8 image, an operation and magnitude drawn per image (a v2 call on the batch would
-  draw one operation for the whole batch; kornia's auto-augment policies also pick their
-  operations per batch). Calling torchvision image by image cost a few kernel launches per
+  draw one operation for the whole batch). Calling torchvision image by image cost a few kernel launches per
   operation per image, thousands a step at batch 256, so the draws are made here on the host
   as torchvision makes them (its operation table, magnitude bins and sign coin; ``ops``
   rounds for RandAugment) and each round groups the images by the operation drawn: one
@@ -20,17 +19,17 @@ operation with its own random draw per image:
   blends reproduce its fused multiply-add, ``_blend_fma``);
 - ``color_jitter``: torchvision's ColorJitter(s, s, s, s/4) with its factors drawn per image
   on the device and its four steps in an order drawn per batch (``colour_jitter``: the
-  blends written here, the hue shift kornia's ``adjust_hue``);
-- ``erasing``: random erasing per image with kornia's defaults (area 2-33%, aspect 0.3-3.3,
-  zeros), its rectangles drawn on the device and applied with ``torch.where``
-  (``erase``). kornia's ColorJitter and RandomErasing modules draw their parameters on the
-  host and index the batch with a host mask: a blocking copy (a sync) every step on a GPU;
+  blends and the hue shift written here, ``adjust_hue``: torchvision's within 1/255, a
+  shift per image, with no host value and no lookup table copied to the device);
+- ``erasing``: random erasing per image with torchvision's RandomErasing defaults (area
+  2-33%, aspect 0.3-3.3, zeros), its rectangles drawn on the device and applied with
+  ``torch.where`` (``erase``): no host mask, so no blocking copy (a sync) every step on a
+  GPU;
 - ``mixup`` / ``cutmix``: each image, with probability ``mix_prob``, is mixed with another
   image of the batch, its partner of one permutation, by MixUp or CutMix (a coin per image
   when both are on). Both are written here and draw on the device, with no copy to or from
-  the host and no synchronisation (kornia's RandomCutMixV2 drew its boxes on the CPU and
-  pasted through a boolean mask of the whole batch, its ``nonzero`` a sync; kornia's
-  RandomMixUpV2 draws its weights uniformly, not from MixUp's Beta(alpha, alpha)). MixUp
+  the host and no synchronisation (no boolean mask of the batch: its ``nonzero`` would be
+  a sync). MixUp
   blends with a weight from Beta(alpha, alpha); CutMix pastes a box of the partner as it was
   before MixUp (timm's ``rand_bbox``: sides ``sqrt(1 - lambda)`` of the image's, lambda from
   Beta(alpha, alpha), centre uniform, clipped to the image) with ``torch.where`` against the
@@ -290,13 +289,40 @@ def _grey_float(x: torch.Tensor) -> torch.Tensor:
     return (0.2989 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3])
 
 
+def adjust_hue(x: torch.Tensor, hue: torch.Tensor | float) -> torch.Tensor:
+    """torchvision's ``adjust_hue`` on a batch (N, 3, H, W), a hue shift per image: ``hue``
+    in turns (torchvision's ``hue_factor``, -0.5..0.5), an (N,) tensor on x's device or one
+    number. As torchvision does: RGB to HSV, the hue moved round the circle, back to RGB;
+    uint8 images through float in [0, 1] and back as torchvision converts them. Written with
+    elementwise operations only (HSV to RGB as ``v - c * clamp(min(k, 4 - k), 0, 1)``,
+    ``k = (n + 6h) mod 6`` for n = 5, 3, 1, with no lookup table to copy to the device): no
+    tensor made from a host value, nothing read back."""
+    uint8 = x.dtype == torch.uint8
+    img = x.float().mul_(1 / 255) if uint8 else x
+    r, g, b = img.unbind(dim=-3)
+    minc, maxc = torch.aminmax(img, dim=-3)
+    chroma = maxc - minc
+    divisor = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
+    rc, gc, bc = ((maxc.unsqueeze(-3) - img) / divisor.unsqueeze(-3)).unbind(dim=-3)
+    sixths = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2 + rc - bc, 4 + gc - rc))
+    shift = hue.view(-1, *[1] * (sixths.dim() - 1)) if isinstance(hue, torch.Tensor) else hue
+    h6 = (sixths / 6 + shift).remainder_(1).mul_(6)  # the shifted hue, in sixths of a turn
+    channels = []
+    for n in (5, 3, 1):  # red, green, blue
+        k = (h6 + n).remainder_(6)
+        channels.append(maxc - chroma * torch.minimum(k, 4 - k).clamp_(0, 1))
+    out = torch.stack(channels, dim=-3)
+    if uint8:  # torchvision's float-to-uint8: scaled by 256 - 1e-3 and truncated
+        return out.mul_(255 + 1 - 1e-3).to(torch.uint8)
+    return out
+
+
 def colour_jitter(x: torch.Tensor, strength: float) -> torch.Tensor:
     """torchvision's ColorJitter(s, s, s, s/4) on float images in [0, 1], a factor per image
     drawn on x's device: brightness, contrast and saturation from U(max(0, 1-s), 1+s), hue
     from U(-s/4, s/4) of a turn; the four steps in an order drawn on the host per batch (as
-    torchvision and kornia do), each clamped to [0, 1] as torchvision's are."""
-    from kornia.enhance import adjust_hue
-
+    torchvision does), each clamped to [0, 1] as torchvision's are; the hue shift
+    ``adjust_hue``."""
     n, device = x.shape[0], x.device
     factors = torch.empty(3, n, 1, 1, 1, device=device).uniform_(max(0.0, 1 - strength),
                                                                   1 + strength)
@@ -310,12 +336,12 @@ def colour_jitter(x: torch.Tensor, strength: float) -> torch.Tensor:
         elif k == 2:
             x = (factors[2] * x + (1 - factors[2]) * _grey_float(x)).clamp_(0, 1)
         else:
-            x = adjust_hue(x, hue * (2 * math.pi))
+            x = adjust_hue(x, hue)
     return x
 
 
 def erase(x: torch.Tensor, p: float, scale=(0.02, 0.33), ratio=(0.3, 3.3)) -> torch.Tensor:
-    """Random erasing per image with probability ``p`` (kornia's RandomErasing's defaults:
+    """Random erasing per image with probability ``p`` (torchvision's RandomErasing's defaults:
     a rectangle of ``scale`` of the area, height over width in ``ratio`` drawn
     log-uniformly, filled with zeros), drawn on x's device and applied with ``torch.where``
     against the pixel grid: no host mask, no sync."""

@@ -14,7 +14,12 @@ unreadable file named ``<shard>/<key>``, skipped or (``dataset.on_corrupt=fail``
 
 **Order.** Shards are shuffled in blocks of ``SHARDS_PER_BLOCK`` and the samples of a block
 among themselves (``BatchOrder`` with ``groups``): a function of (seed, epoch) and the shard
-set, so a resumed run reads exactly what an uninterrupted one does, on every rank.
+set, so a resumed run reads exactly what an uninterrupted one does, on every rank. A set
+``prepare shards`` wrote holds its samples in a shuffled order with each one's place in the
+dataset (the index's ``positions``): the storage numbers its samples by that place, so
+sample ``i`` is the dataset's ``i`` as on packed and an unshuffled epoch reads the dataset
+order, and hands the order the shards' members (``order_members``: the sample at each
+place of the shards), so a shuffled epoch still reads a block of shards at a time.
 
 **What a set holds, said.** A sample is named by its source name when the index keeps
 one (shards made of a folder: ``cat/001.jpg``; a foreign tar: its member), else by
@@ -136,6 +141,7 @@ class ShardsStorage(PackedStorage):
         self.samples, self.offsets, self.sizes = [], [], []
         self.heights, self.widths, self.crcs, self.shard_of = [], [], [], []
         self.order_groups = [0]
+        self.order_members = None  # the sample at each place of the shards (None: in order)
         upright = True
         for k, index in enumerate(indexes):
             self.samples += [(f"{index.shard}/{key}", label)
@@ -150,6 +156,14 @@ class ShardsStorage(PackedStorage):
             upright = upright and all(index.upright)
         self.upright = upright
         names = [n for index in indexes for n in index.names]
+        inverse = dataset_order(indexes)
+        if inverse is not None:  # numbered by place in the dataset
+            for column in ("samples", "offsets", "sizes", "heights", "widths", "crcs",
+                           "shard_of"):
+                values = getattr(self, column)
+                setattr(self, column, [values[k] for k in inverse])
+            names = [names[k] for k in inverse]
+            self.order_members = torch.tensor([p for i in indexes for p in i.positions])
         # the source names where the index keeps them, one per sample
         self.source_names = names if all(names) and len(set(names)) == len(names) else None
         self.source = source
@@ -186,6 +200,8 @@ class ShardsStorage(PackedStorage):
                 shard = blocks[0][0]
                 start = self.order_groups[shard]
                 items = range(start, min(self.order_groups[shard + 1], start + 2 * n))
+                if self.order_members is not None:
+                    items = self.order_members[items.start:items.stop].tolist()
         return super().example(n, items)
 
     @property
@@ -225,6 +241,21 @@ class ShardsStorage(PackedStorage):
 
 
 # --- opening a shard set ------------------------------------------------------------------
+
+def dataset_order(indexes: list[ShardIndex]) -> list[int] | None:
+    """The place in the shards of each sample of the dataset, in dataset order, when every
+    index records its samples' ``positions`` and together they number the dataset once
+    (else None: the samples are numbered as the shards hold them)."""
+    if not indexes or any(i.positions is None or len(i.positions) != len(i) for i in indexes):
+        return None
+    positions = [p for i in indexes for p in i.positions]
+    inverse = [-1] * len(positions)
+    for place, p in enumerate(positions):
+        if not 0 <= p < len(positions) or inverse[p] != -1:
+            return None
+        inverse[p] = place
+    return inverse
+
 
 def _local_set(folder: Path, dataset: DatasetConfig
                ) -> tuple[list[ShardIndex], list[str], list[SkippedFile]]:
@@ -420,6 +451,9 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     indexes, duplicates = _without_duplicates(indexes, url)
     shard_of = [k for k, i in enumerate(indexes) for _ in range(len(i))]
     spans = [(o, s) for i in indexes for o, s in zip(i.offsets, i.sizes)]
+    inverse = dataset_order(indexes)
+    if inverse is not None:  # numbered as ShardsStorage numbers them
+        shard_of, spans = [shard_of[k] for k in inverse], [spans[k] for k in inverse]
     largest = max((i.nbytes for i in indexes), default=0)
     if bound < SHARDS_PER_BLOCK * largest:
         log.warning("dataset.cache_bytes=%d holds fewer than a block of shards (%d x %s): "
@@ -486,7 +520,7 @@ KIND = StorageKind(
     autotune=False,
     advice={"decode": "a smaller dataset.store_size (fewer pixels to decode per image)"},
     build=build_shards,
-    build_options=("out", "shard_mb"),
+    build_options=("out", "shard_mb", "shuffle_seed"),
     footprint=shards_footprint,
     speed_rank=2,
     urls=True,

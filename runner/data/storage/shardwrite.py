@@ -2,7 +2,8 @@
 of an image folder on first use.
 
 The images are packed first (packed.py: re-encoded once at ``dataset.store_size``, so the
-shards hold exactly what packed decodes), then written in dataset order as WebDataset tars
+shards hold exactly what packed decodes), then written in a shuffled order (``shuffle_seed=``,
+default 0, recorded in the manifest: the same seed writes the same files) as WebDataset tars
 with an index each and one manifest (tarshards.py). ``out=`` a folder writes there; ``out=``
 a URL writes to a temporary folder and uploads each shard and index, the manifest last (a
 reader sees the whole set or none). An image folder at a URL is first copied to a local
@@ -40,6 +41,7 @@ from runner.data.storage.tarshards import (
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 256  # images of a packed store asked for together while writing its shards
+DEFAULT_SHUFFLE_SEED = 0
 
 
 def cache_folder(dataset: DatasetConfig, what: str, key: str) -> Path:
@@ -49,16 +51,25 @@ def cache_folder(dataset: DatasetConfig, what: str, key: str) -> Path:
 
 
 
+def write_order(count: int, seed: int) -> torch.Tensor:
+    """The order the samples are written in: a permutation of the dataset drawn from
+    ``seed`` (the same on every machine and torch version: a CPU generator)."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+
+
 def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
                            facts: dict[str, Any]) -> dict[str, Any]:
-    """Every stored JPEG of ``packed`` into shards in ``out``, with indexes and manifest."""
+    """Every stored JPEG of ``packed`` into shards in ``out`` in the shuffled order of
+    ``facts["shuffle"]["seed"]``, with indexes and manifest; a sample's key is its place in
+    the dataset."""
     writer = ShardWriter(out, shard_bytes)
-    for i in range(len(packed)):
-        if i % READ_AHEAD == 0:  # the next images asked for together: on a far disk one
-            # range request for a run of them, locally the kernel's readahead
-            packed.will_need(torch.arange(i, min(i + READ_AHEAD, len(packed))))
+    order = write_order(len(packed), facts["shuffle"]["seed"])
+    for k, i in enumerate(order.tolist()):
+        if k % READ_AHEAD == 0:  # the next images asked for together: on a far disk one
+            # request per run of neighbours, locally the kernel's readahead
+            packed.will_need(order[k:k + READ_AHEAD].sort().values)
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
-                   packed.widths[i], packed.name_of(i))
+                   packed.widths[i], packed.name_of(i), i)
     skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
     if skipped:  # a run over these shards lists them in its skipped_files too
         log.warning("%d file(s) could not be read and are not in the shards (e.g. %s): "
@@ -67,20 +78,23 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
     return write_manifest(out, writer.close(), packed.classes, skipped=skipped, **facts)
 
 
-def _packed_facts(packed: PackedStorage, shard_bytes: int) -> dict[str, Any]:
+def _packed_facts(packed: PackedStorage, shard_bytes: int,
+                  seed: int = DEFAULT_SHUFFLE_SEED) -> dict[str, Any]:
     spec = packed.spec
     return {"store_size": spec.store_size, "store_side": spec.side.value,
             "store_quality": spec.quality, "shard_bytes": shard_bytes,
+            "shuffle": {"seed": seed},
             "packed": {"folder": packed.cache.name, "data_bytes": packed.data_bytes,
                        "count": len(packed)}}
 
 
 def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                      progress: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+                      progress: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      seed: int = DEFAULT_SHUFFLE_SEED) -> Path:
     """The cached shards of the image folder at ``path`` (packed, then written as shards,
-    once; again when the packed store changed)."""
+    once; again when the packed store or the seed of their order changed)."""
     with contextlib.closing(open_packed(loader, dataset, path, progress)) as packed:
-        facts = _packed_facts(packed, shard_bytes)
+        facts = _packed_facts(packed, shard_bytes, seed)
         out = Path(dataset.cache_dir).expanduser() / "shards" / "local" / \
             f"{packed.cache.name}-{shard_bytes >> 20}MiB"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +103,7 @@ def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 meta = json.loads((out / MANIFEST).read_text())
             except (OSError, ValueError):
                 meta = None
-            if meta is None or meta.get("packed") != facts["packed"]:
+            if meta is None or any(meta.get(k) != facts[k] for k in ("packed", "shuffle")):
                 partial = out.with_name(out.name + ".partial")
                 shutil.rmtree(partial, ignore_errors=True)
                 write_packed_as_shards(packed, partial, shard_bytes, facts)
@@ -137,31 +151,38 @@ def stage_remote(dataset: DatasetConfig, text: str) -> Path:
 
 def build_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
                  progress: bool = True, rebuild: bool = False, out: str | None = None,
-                 shard_mb: str | None = None) -> Path | str:
+                 shard_mb: str | None = None, shuffle_seed: str | None = None) -> Path | str:
     """``python -m runner.prepare shards dataset.path=<folder, manifest or URL>
-    out=<folder or URL> [shard_mb=64]``: the packed store of the images written as shards
-    at ``out`` (unset: the cache, where ``loader=shards`` finds them)."""
+    out=<folder or URL> [shard_mb=64] [shuffle_seed=0]``: the packed store of the images
+    written as shards at ``out`` (unset: the cache, where ``loader=shards`` finds them), in
+    the shuffled order of ``shuffle_seed``."""
     import dataclasses
 
     shard_bytes = int(float(shard_mb) * (1 << 20)) if shard_mb else DEFAULT_SHARD_BYTES
     if shard_bytes < 1 << 12:
         raise CacheError(f"shard_mb={shard_mb} is too small: give at least 0.004 (4 KiB; "
                          "64 is the usual size)")
+    seed = DEFAULT_SHUFFLE_SEED
+    if shuffle_seed is not None:
+        if not shuffle_seed.isdigit():
+            raise CacheError(f"shuffle_seed={shuffle_seed} is invalid: give a whole number "
+                             "0 or more (the seed of the order the shards are written in)")
+        seed = int(shuffle_seed)
     if is_url(path):
         path = stage_remote(dataset, str(path))
         dataset = dataclasses.replace(dataset, path=None, manifest=str(path))
     if out is None:
-        return convert_to_shards(loader, dataset, Path(path), progress, shard_bytes)
+        return convert_to_shards(loader, dataset, Path(path), progress, shard_bytes, seed)
     if rebuild:
         build_packed(loader, dataset, Path(path), progress, rebuild=True)
     with contextlib.closing(open_packed(loader, dataset, Path(path), progress)) as packed:
-        return _write_out(packed, out, dataset, shard_bytes)
+        return _write_out(packed, out, dataset, shard_bytes, seed)
 
 
 def _write_out(packed: PackedStorage, out: str | Path, dataset: DatasetConfig,
-               shard_bytes: int) -> str | Path:
+               shard_bytes: int, seed: int = DEFAULT_SHUFFLE_SEED) -> str | Path:
     """``packed`` as shards at ``out``: a local folder, or a URL (written locally first)."""
-    facts = _packed_facts(packed, shard_bytes)
+    facts = _packed_facts(packed, shard_bytes, seed)
     if not is_url(out):
         target = Path(out).expanduser()
         write_packed_as_shards(packed, target, shard_bytes, facts)

@@ -1,11 +1,19 @@
 """The shard format of ``loader=shards``: WebDataset's tar layout, with an index per shard.
 
 A shard is a POSIX tar whose members are ``<key>.jpg`` (the stored JPEG) and ``<key>.cls``
-(the class index as decimal text), one pair per sample, in dataset order: what WebDataset,
-and the tools that read its layout, read as they are. Beside each shard ``<shard>.idx.json``
-holds, per sample, its key, the byte offset and size of its JPEG inside the tar, its label,
-the JPEG's height and width, its CRC-32 and its source name; ``manifest.json`` lists the
-shards (name, bytes, samples) with the classes, the count and what the store was made from.
+(the class index as decimal text), one pair per sample: what WebDataset, and the tools that
+read its layout, read as they are. Beside each shard ``<shard>.idx.json`` holds, per sample,
+its key, the byte offset and size of its JPEG inside the tar, its label, the JPEG's height
+and width, its CRC-32, its source name and its position in the dataset (``positions``);
+``manifest.json`` lists the shards (name, bytes, samples) with the classes, the count and
+what the store was made from.
+
+The samples are written in a shuffled order (a permutation of the dataset drawn from
+``shuffle_seed``, recorded in the manifest as ``shuffle``): written in dataset order, a
+shard held one or two classes, so the shard shuffle and sample buffer of WebDataset (or any
+tool that streams shards) gave batches of one class. The runner reads a shard set with
+``positions`` back in dataset order (shards.py), so its own order, by (seed, epoch), is
+unaffected.
 The index makes a sample one ``pread`` (or one range request) and a shuffled, exactly
 resumable order cheap, as MosaicML Streaming's ``index.json`` does.
 
@@ -59,14 +67,16 @@ class ShardIndex:
     crcs: list[int]
     names: list[str]
     upright: list[bool]  # a JPEG with no EXIF rotation (the batch decode's assumption)
+    positions: list[int] | None = None  # each sample's place in the dataset (None: a set
+    # written in dataset order, or a tar someone else wrote)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, **self.__dict__}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardIndex:
-        fields = {k: data[k] for k in cls.__dataclass_fields__}
-        return cls(**fields)
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k != "positions"}
+        return cls(**fields, positions=data.get("positions"))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -109,7 +119,7 @@ class ShardWriter:
         name = self.pattern.format(len(self.entries))
         self._file = open(self.folder / (name + ".partial"), "wb")
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
-        self._index = ShardIndex(name, 0, [], [], [], [], [], [], [], [], [])
+        self._index = ShardIndex(name, 0, [], [], [], [], [], [], [], [], [], [])
 
     def _member(self, name: str, data: bytes) -> int:
         """Add one member; returns the offset of its data in the tar."""
@@ -121,7 +131,7 @@ class ShardWriter:
         return offset
 
     def add(self, key: str, jpeg: bytes, label: int, height: int, width: int,
-            name: str) -> None:
+            name: str, position: int) -> None:
         if self._tar is not None and self._tar.offset + len(jpeg) + 2048 > self.shard_bytes \
                 and len(self._index):
             self._finish()
@@ -132,7 +142,8 @@ class ShardWriter:
         self._member(f"{key}.cls", str(label).encode())
         for column, value in (("keys", key), ("offsets", offset), ("sizes", len(jpeg)),
                               ("labels", label), ("heights", height), ("widths", width),
-                              ("crcs", zlib.crc32(jpeg)), ("names", name), ("upright", True)):
+                              ("crcs", zlib.crc32(jpeg)), ("names", name), ("upright", True),
+                              ("positions", position)):
             getattr(index, column).append(value)
 
     def _finish(self) -> None:
