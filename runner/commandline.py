@@ -247,11 +247,16 @@ def unknown_key_message(override: str) -> str | None:
     renamed key's new name, ``RENAMED_KEYS``, else the closest valid one).
 
     Hydra rejects unknown keys too, but without naming the valid ones; this check runs on
-    the command line before Hydra composes anything. Appends (``+key``), deletions
-    (``~key``), Hydra's own keys and group choices are left to Hydra.
+    the command line before Hydra composes anything. An append (``+key=``, ``++key=``) or
+    a deletion (``~key``) is checked the same way: Hydra would add a key the schema does
+    not have (``+loader.batchsize=128``) and the run would silently ignore it; only the
+    open mappings (``open_mappings``: ``model.kwargs``) take new keys. Hydra's own keys and
+    group choices are left to Hydra and ``unknown_choice_message``.
     """
-    key = override.split("=", 1)[0].strip()
-    if "=" not in override or key[:1] in "+~" or key.startswith("hydra"):
+    written = override.split("=", 1)[0].strip()
+    key = written.lstrip("+~")
+    if ("=" not in override and not written.startswith("~")) or not key \
+            or key.startswith("hydra"):
         return None
     if (config_dir() / key).is_dir():  # a group choice: unknown_choice_message
         return None
@@ -268,11 +273,25 @@ def unknown_key_message(override: str) -> str | None:
             hint = (f" Did you mean {renamed}? (renamed from {'.'.join([*path, part])})"
                     if renamed else
                     f" Did you mean {'.'.join([*path, close[0]])}?" if close else "")
+            adds = (f" (+ adds keys only under {', '.join(open_mappings())})"
+                    if written.startswith("+") else "")
             return (f"unknown config key {key!r}: valid keys under {where} are "
-                    f"{', '.join(fields)}.{hint}")
+                    f"{', '.join(fields)}.{hint}{adds}")
         path.append(part)
         node = _field_type(node, part)
     return None
+
+
+def open_mappings(node: Any = Config, prefix: str = "") -> list[str]:
+    """The schema's free-form mappings (``dict`` fields, ``model.kwargs``): the only keys
+    under which ``+key=value`` may add a key of its own."""
+    found = []
+    for name, hint in typing.get_type_hints(node).items():
+        if typing.get_origin(hint) is dict or hint is dict:
+            found.append(prefix + name)
+        elif hasattr(hint, "__dataclass_fields__"):
+            found += open_mappings(hint, f"{prefix}{name}.")
+    return found
 
 
 def composition_message(error: BaseException) -> str | None:
