@@ -174,6 +174,49 @@ def help_text() -> str:
     return "\n".join(lines) + "\n"
 
 
+def help_page(argv: list[str]) -> str | None:
+    """``--help``'s page for ``argv``, as Hydra's ``--help`` prints it (the help template,
+    its flags, the config composed with these overrides), or None where Hydra must answer
+    (no ``--help``, another config named, a template that lists Hydra's config groups).
+
+    Hydra fills every variable a help template may hold, used or not: listing its config
+    groups composes the config once per group and option, five seconds of a six-second
+    ``--help``; this page fills those the template holds, from the same composed config.
+    """
+    import contextlib
+    import io
+    import string
+
+    if not {"-h", "--help"} & set(argv):
+        return None
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra._internal.hydra import Hydra
+        from hydra._internal.utils import get_args_parser
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import open_dict
+
+        parser = get_args_parser()
+        with contextlib.redirect_stderr(io.StringIO()):  # Hydra says a bad flag itself
+            args = parser.parse_args(argv)
+        if (args.config_path or args.config_name or args.config_dir
+                or args.experimental_rerun):
+            return None
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=args.overrides, return_hydra_config=True)
+        template = str(cfg.hydra.help.template)
+        if "CONFIG_GROUPS" in template:
+            return None
+        HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in Hydra's page
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return string.Template(template).substitute(
+            FLAGS_HELP=Hydra.format_args_help(parser),
+            CONFIG=OmegaConf.to_yaml(cfg, resolve=args.resolve))
+    except (Exception, SystemExit):  # Hydra's own --help says what went wrong
+        return None
+
+
 # Hydra's flags that take a value (``-sc install=bash``): that value is not an override
 VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
                 "-cd", "--config-dir", "-p", "--package", "--experimental-rerun", "-c", "--cfg",
