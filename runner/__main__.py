@@ -1,4 +1,11 @@
-"""``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep)."""
+"""``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep).
+
+What answers without running a job (``--help``, a typo's one line, a tab completion's
+``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
+(``runner.job.run``, imported inside ``main``) and with the checks that need them
+(runner/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
+this.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +20,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner import sweep
-from runner.commandline import check_command_line, register_configs
-from runner.compose import refusal
+from runner.commandline import check_command_line, help_page, register_configs
+from runner.compose import refusal, runs_nothing
 from runner.config import config_dir
-from runner.distributed import scratch_dirs_for_other_ranks
 from runner.errors import EXIT_USER_ERROR
-from runner.job.run import run
 from runner.outcome import (
     RunDirInUse,
     RunDirUnusable,
@@ -38,6 +43,8 @@ def main(cfg: DictConfig) -> float:
     In a sweep a failed job is recorded in its metrics.json and the sweep goes on; alone,
     a user's mistake exits with one line and status 2, a bug with its traceback.
     """
+    from runner.job.run import run  # torch: only when a job runs
+
     try:
         metrics = run(cfg)
     except KeyboardInterrupt:
@@ -60,13 +67,20 @@ def cli() -> None:
     if why:
         print(f"error: {why}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
-    try:
-        check_run_folder(sys.argv[1:])  # one line, not Hydra's traceback, when unusable
-        claim_given_run_dir(sys.argv[1:])  # held until the process ends
-    except (RunDirInUse, RunDirUnusable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+    page = help_page(sys.argv[1:])  # Hydra's page, without its five seconds of groups
+    if page is not None:
+        print(page)
+        sys.exit(0)
+    if not runs_nothing(sys.argv[1:]):  # help, completion: no folder to check (nor torch)
+        from runner.distributed import scratch_dirs_for_other_ranks
+
+        sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
+        try:
+            check_run_folder(sys.argv[1:])  # one line, not Hydra's traceback, when unusable
+            claim_given_run_dir(sys.argv[1:])  # held until the process ends
+        except (RunDirInUse, RunDirUnusable) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
     try:
         main()
     except KeyboardInterrupt as e:

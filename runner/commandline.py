@@ -175,6 +175,49 @@ def help_text() -> str:
     return "\n".join(lines) + "\n"
 
 
+def help_page(argv: list[str]) -> str | None:
+    """``--help``'s page for ``argv``, as Hydra's ``--help`` prints it (the help template,
+    its flags, the config composed with these overrides), or None where Hydra must answer
+    (no ``--help``, another config named, a template that lists Hydra's config groups).
+
+    Hydra fills every variable a help template may hold, used or not: listing its config
+    groups composes the config once per group and option, five seconds of a six-second
+    ``--help``; this page fills those the template holds, from the same composed config.
+    """
+    import contextlib
+    import io
+    import string
+
+    if not {"-h", "--help"} & set(argv):
+        return None
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra._internal.hydra import Hydra
+        from hydra._internal.utils import get_args_parser
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import open_dict
+
+        parser = get_args_parser()
+        with contextlib.redirect_stderr(io.StringIO()):  # Hydra says a bad flag itself
+            args = parser.parse_args(argv)
+        if (args.config_path or args.config_name or args.config_dir
+                or args.experimental_rerun):
+            return None
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=args.overrides, return_hydra_config=True)
+        template = str(cfg.hydra.help.template)
+        if "CONFIG_GROUPS" in template:
+            return None
+        HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in Hydra's page
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return string.Template(template).substitute(
+            FLAGS_HELP=Hydra.format_args_help(parser),
+            CONFIG=OmegaConf.to_yaml(cfg, resolve=args.resolve))
+    except (Exception, SystemExit):  # Hydra's own --help says what went wrong
+        return None
+
+
 # Hydra's flags that take a value (``-sc install=bash``): that value is not an override
 VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name",
                 "-cd", "--config-dir", "-p", "--package", "--experimental-rerun", "-c", "--cfg",
@@ -249,11 +292,16 @@ def unknown_key_message(override: str) -> str | None:
     renamed key's new name, ``RENAMED_KEYS``, else the closest valid one).
 
     Hydra rejects unknown keys too, but without naming the valid ones; this check runs on
-    the command line before Hydra composes anything. Appends (``+key``), deletions
-    (``~key``), Hydra's own keys and group choices are left to Hydra.
+    the command line before Hydra composes anything. An append (``+key=``, ``++key=``) or
+    a deletion (``~key``) is checked the same way: Hydra would add a key the schema does
+    not have (``+loader.batchsize=128``) and the run would silently ignore it; only the
+    open mappings (``open_mappings``: ``model.kwargs``) take new keys. Hydra's own keys and
+    group choices are left to Hydra and ``unknown_choice_message``.
     """
-    key = override.split("=", 1)[0].strip()
-    if "=" not in override or key[:1] in "+~" or key.startswith("hydra"):
+    written = override.split("=", 1)[0].strip()
+    key = written.lstrip("+~")
+    if ("=" not in override and not written.startswith("~")) or not key \
+            or key.startswith("hydra"):
         return None
     if (config_dir() / key).is_dir():  # a group choice: unknown_choice_message
         return None
@@ -270,11 +318,25 @@ def unknown_key_message(override: str) -> str | None:
             hint = (f" Did you mean {renamed}? (renamed from {'.'.join([*path, part])})"
                     if renamed else
                     f" Did you mean {'.'.join([*path, close[0]])}?" if close else "")
+            adds = (f" (+ adds keys only under {', '.join(open_mappings())})"
+                    if written.startswith("+") else "")
             return (f"unknown config key {key!r}: valid keys under {where} are "
-                    f"{', '.join(fields)}.{hint}")
+                    f"{', '.join(fields)}.{hint}{adds}")
         path.append(part)
         node = _field_type(node, part)
     return None
+
+
+def open_mappings(node: Any = Config, prefix: str = "") -> list[str]:
+    """The schema's free-form mappings (``dict`` fields, ``model.kwargs``): the only keys
+    under which ``+key=value`` may add a key of its own."""
+    found = []
+    for name, hint in typing.get_type_hints(node).items():
+        if typing.get_origin(hint) is dict or hint is dict:
+            found.append(prefix + name)
+        elif hasattr(hint, "__dataclass_fields__"):
+            found += open_mappings(hint, f"{prefix}{name}.")
+    return found
 
 
 def composition_message(error: BaseException) -> str | None:

@@ -27,14 +27,17 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from runner.commandline import VALUE_FLAGS, composition_message, register_configs
 from runner.config import Config, config_dir
 from runner.credentials import argv_refusal, check_overrides
-from runner.data.storage import check_dataset_found, settle_loader
 from runner.errors import ConfigError
-from runner.model.networks import check_model
 from runner.rules import check_config, model_configs
+
+# (runner.data.storage and runner.model.networks import torch: they are imported where a
+# config that composed is checked, so --help, a typo and a completion answer without it)
 
 
 def check_models(config: Config) -> None:
     """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
+    from runner.model.networks import check_model
+
     for model in model_configs(config):
         check_model(model)
 
@@ -51,6 +54,8 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/rules.py)
+    from runner.data.storage import settle_loader
+
     # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
     settle_loader(obj.loader, obj.dataset)
     check_models(obj)
@@ -85,6 +90,12 @@ _OTHER_CONFIG = {"-cp", "--config-path", "-cd", "--config-dir", "-cn", "--config
 # flags that print the config instead of running it: it must compose, not be runnable
 _PRINT_ONLY = {"-c", "--cfg", "--resolve", "-p", "--package"}
 MAX_JOBS_CHECKED = 64  # of a sweep's jobs, looking for one that can run
+
+
+def runs_nothing(argv: list[str]) -> bool:
+    """A flag after which Hydra runs no job (help, completion, --info): nothing to check,
+    no run folder."""
+    return bool({a.split("=", 1)[0] for a in argv if a.startswith("-")} & _NOTHING_RUNS)
 
 
 def refusal(argv: list[str]) -> str | None:
@@ -131,6 +142,8 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in the job
     with open_dict(cfg):
         del cfg["hydra"]
+    from runner.data.storage import check_dataset_found
+
     try:
         # a dataset folder that is not there, or holds no image: said before the run folder
         check_dataset_found(to_config(cfg, overrides).dataset)

@@ -21,6 +21,14 @@ from tests.conftest import run_cli
 ERRORS = {
     "typo": (["loader.batchsize=128"], "unknown config key 'loader.batchsize'",
              "Did you mean loader.batch_size?"),
+    # an append or a deletion of a key the schema does not have: refused as the typo is
+    # (Hydra would add loader.batchsize and the run would ignore it, at batch size 64)
+    "append-typo": (["+loader.batchsize=128"], "unknown config key 'loader.batchsize'",
+                    "Did you mean loader.batch_size? (+ adds keys only under model.kwargs)"),
+    "force-append-typo": (["++loader.batchsize=128"], "unknown config key 'loader.batchsize'",
+                          "Did you mean loader.batch_size?"),
+    "delete-typo": (["~loader.batchsize"], "unknown config key 'loader.batchsize'",
+                    "Did you mean loader.batch_size?"),
     "type": (["loader.batch_size=abc"], "loader.batch_size=abc is invalid: "
              "loader.batch_size takes a whole number", None),
     "type-in-list": (["dataset.image_size=[a,b]"], "each entry of dataset.image_size "
@@ -200,6 +208,23 @@ def test_a_key_of_the_other_task_is_refused_even_at_its_default():
     assert compose(["task=train", "task.lr=0.1", "recipe=quick"]).task.lr == 0.1
     assert refusal(["task=infer", "task.checkpoint=false"]).startswith(
         "task.checkpoint=False is a task=train key: task=infer does not read it")
+
+
+def test_an_append_adds_keys_only_to_the_open_mappings():
+    """``+`` and ``++`` add a key under model.kwargs (a free-form mapping), and set a key
+    the schema has; a key the schema lacks is refused, never added and ignored."""
+    from runner.commandline import check_command_line
+    from runner.compose import compose
+
+    over = ["model=custom", "model.target=tests.nets:TwoLayer", "+model.kwargs.width=12"]
+    check_command_line(over)  # no exit
+    assert refusal(over) is None
+    assert compose(over).model.kwargs == {"width": 12}
+    assert compose(["++loader.batch_size=128"]).loader.batch_size == 128
+    for bad in (["+loader.batchsize=128"], ["++run.stepz=3"], ["~loader.batchsize"]):
+        with pytest.raises(SystemExit) as stop:
+            check_command_line(bad)
+        assert stop.value.code == 2
 
 
 def test_every_task_key_belongs_to_one_task():

@@ -185,6 +185,32 @@ def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_d
 
 
 @pytest.mark.slow
+def test_a_sweep_probes_each_data_path_once(tmp_path: Path, cache_dir: Path):
+    """The jobs of a sweep that share a data path share its ceilings: the first job of
+    each data path probes it and keeps what it measured in the sweep folder, the next one
+    reuses it (its verdict does not probe the data path again); the model is probed in
+    every job."""
+    run_cli("-m", *SMALL_DATASET, "model=tiny", "logger=none", "run.steps=4",
+            "loader.batch_size=4,8", "task.lr=0.1,0.05", "hydra.sweep.dir=sweep",
+            cwd=tmp_path)
+    jobs = [read_metrics(numbered_job(tmp_path / "sweep", k)) for k in range(4)]
+    by_path: dict[int, list[dict]] = {}
+    for m in jobs:
+        assert m["status"] == "ok"
+        by_path.setdefault(m["config"]["loader"]["batch_size"], []).append(m["bottleneck"])
+    assert sorted(by_path) == [4, 8]
+    for first, second in by_path.values():
+        assert first["data_probes"] == "measured"
+        assert second["data_probes"] == "shared"
+        assert second["probe_seconds"]["data"] < 0.1  # no probe ran
+        data = {k: v for k, v in first["ceilings"].items() if k != "model"}
+        assert {k: second["ceilings"][k] for k in data} == data
+        assert second["ceilings"]["model"] != first["ceilings"]["model"]  # probed anew
+    kept = list((tmp_path / "sweep" / ".probes").glob("*.json"))
+    assert len(kept) == 2  # one per data path
+
+
+@pytest.mark.slow
 def test_diagnose_false_skips_the_burst(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "diagnose=false", "run.steps=3",
             "hydra.run.dir=run", cwd=tmp_path)

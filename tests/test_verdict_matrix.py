@@ -107,3 +107,21 @@ def test_a_model_probe_disturbed_below_the_pipeline_is_probed_again(
     assert len(calls) == 2, "a probe below the pipeline must be taken again"
     assert b["ceilings"]["model"] >= min(calls[1]) > max(calls[0]) / 100
     assert b["ceilings"]["model"] > m["images_per_sec"] / 100
+
+
+@pytest.mark.slow
+def test_a_short_runs_verdict_stays_within_its_budget(data: dict[str, Path], tmp_path: Path):
+    """A 5-step run's verdict took 5.5 s, whatever the run's length: it now takes a tenth
+    of the run's own time or 2 s, whichever is more. What may overrun that is the model's
+    few minimal steps (one warm-up and three bursts of at least one step, twice when its
+    first probe was disturbed), which the recorded ceiling tells."""
+    from runner.job.diagnose import DATA_SHARE, budget_for
+
+    m = run_in_process(*BASE, f"dataset.path={data['labelled']}", "task=train", "model=tiny",
+                       "run.steps=5", run_dir=tmp_path / "run")
+    b = m["bottleneck"]
+    assert b["budget_seconds"] == budget_for(b["run_seconds"]) == 2.0  # a short run
+    assert b["data_probes"] == "measured"
+    assert b["probe_seconds"]["data"] <= DATA_SHARE * b["budget_seconds"] + 0.5, b
+    step = 4 / b["ceilings"]["model"]  # one step of the model alone (a batch of 4)
+    assert b["seconds"] <= b["budget_seconds"] + 8 * step + 0.5, b

@@ -12,20 +12,36 @@ at least a fifth of its step time is data-bound, otherwise the model is. A stage
 cannot be slower than the pipeline it is part of, so a stage whose ceiling is below the
 pipeline's own figure (beyond the noise) is never named the limit; when the two slowest
 candidates are within each other's spread, the verdict says so instead of picking one.
+
+The verdict takes at most a tenth of the run's own time (its loop), or ``MIN_BUDGET``
+seconds when that is more (``budget_for``): the data path's probes get ``DATA_SHARE`` of
+it (all of it with ``model=none``), their bursts shortened to fit, and the model the rest,
+a third of that kept for the second probe of a model disturbed while probed. A fixed cost
+remains (a warm-up call per stage, one step of the model before its bursts): a model whose
+step is longer than a quarter of the budget overruns it by those few steps. In a sweep the
+data path's ceilings are measured once (``shared_probes``): the first job that probes a
+data path keeps what it measured in the sweep folder, keyed by what determines it
+(``probe_key``: the loader and dataset settings, the device, the pinning, a cold page
+cache, the images, the cores), and later jobs with the same key reuse it (``data_probes``:
+``shared`` in their verdict) instead of probing again; the model is probed in every job.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config
+from runner.atomic import write_json
+from runner.config import Config, to_plain
 from runner.data import DataPath
 from runner.data.loader import decode_threads
 from runner.data.normalize import HOST_DTYPES, as_batches_come
@@ -44,7 +60,9 @@ log = logging.getLogger("runner")
 
 DATA_BOUND_WAIT = 0.2  # share of step time spent waiting for data that makes a run data-bound
 PROBE_REPEATS = 5  # bursts per stage; the ceiling is their median
-PROBE_SECONDS = 0.12  # each burst's length
+PROBE_SECONDS = 0.12  # each burst's length (shorter where the verdict's budget is short)
+MIN_PROBE_SECONDS = 0.01  # ... but no shorter than this
+DATA_SHARE = 0.4  # of the verdict's budget, the data path's probes (the model's: the rest)
 MIN_NOISE = 0.1  # the smallest relative noise assumed for a figure (a 2-core shared machine)
 
 # what to try for the stages that are not the storage's (the storages' own advice is in
@@ -126,8 +144,10 @@ def _parallelism(cfg: Config, storage: Storage) -> int:
 
 
 def storage_read(files: list[str], image_bytes: int | None = None,
-                 budget: int = 64 * 1024 * 1024, max_files: int = 64) -> dict[str, float] | None:
-    """A short cold sequential read: evict a sample of the dataset's files, read them back.
+                 budget: int = 64 * 1024 * 1024, max_files: int = 64,
+                 seconds: float = 1.0) -> dict[str, float] | None:
+    """A short cold sequential read: evict a sample of the dataset's files, read them back
+    (at most ``budget`` bytes, for about ``seconds``).
 
     Returns MB/s, files/s and images/s (files/s for an image folder; MB/s over the bytes per
     image for one large cache file), and whether the read was really cold.
@@ -137,32 +157,36 @@ def storage_read(files: list[str], image_bytes: int | None = None,
     step = max(1, len(files) // max_files)
     sample = files[::step][:max_files]
     cold = can_evict() and evict(sample) == len(sample)
-    done, start = 0, time.perf_counter()
+    done, read, start = 0, 0, time.perf_counter()
     for path in sample:
         with open(path, "rb", buffering=0) as f:
             while done < budget and (chunk := f.read(4 * 1024 * 1024)):
                 done += len(chunk)
-        if done >= budget:
+        read += 1
+        if done >= budget or time.perf_counter() - start > seconds:
             break
-    seconds = max(time.perf_counter() - start, 1e-9)
-    out = {"mb_per_s": done / seconds / 1e6, "cold": cold}
+    took = max(time.perf_counter() - start, 1e-9)
+    out = {"mb_per_s": done / took / 1e6, "cold": cold}
     if image_bytes is None:  # one image per file
-        out["files_per_s"] = len(sample) / seconds
+        out["files_per_s"] = read / took
         out["images_per_sec"] = out["files_per_s"]
     else:  # one file of fixed-size images
-        out["images_per_sec"] = done / seconds / image_bytes
+        out["images_per_sec"] = done / took / image_bytes
     return out
 
 
 def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool,
-                  cold_read: dict[str, float] | None = None) -> Ceilings:
+                  cold_read: dict[str, float] | None = None,
+                  budget: float | None = None) -> Ceilings:
     """images/s of each data stage alone for this run's storage and loader settings.
 
     The storage's own probes (read, decode, collate; or gather), each measured with the
     threads it has in the pipeline and scaled by the parallelism its loader gives it;
     ``cold_read`` (a ``storage_read`` of a run that read its files from the storage device)
-    makes the device a stage too (``storage``).
+    makes the device a stage too (``storage``). ``budget``: the seconds all the bursts may
+    take together (each burst ``PROBE_SECONDS`` or shorter; None: ``PROBE_SECONDS``).
     """
+    start = time.perf_counter()
     ceilings = Ceilings({}, {})
     if cold_read is not None:
         ceilings.add("storage", [cold_read["images_per_sec"]])
@@ -170,8 +194,15 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
     scale = _parallelism(cfg, storage) if storage.decodes_per_epoch else 1
     # a DataLoader worker, or a decode thread, runs torch ops on one thread
     with torch_threads(1 if scale > 1 or cfg.loader.num_workers > 0 else None):
-        for stage, fn in storage.probes(bs, device).items():
-            ceilings.add(stage, [scale * rate for rate in probe(fn)])
+        probes = storage.probes(bs, device)
+        seconds = PROBE_SECONDS
+        if budget is not None:  # each stage's bursts (and its warm-up call) in the rest
+            stages = len(probes) + (device.type == "cuda")
+            left = budget - (time.perf_counter() - start)
+            seconds = min(PROBE_SECONDS, max(MIN_PROBE_SECONDS,
+                                             left / max(stages, 1) / (PROBE_REPEATS + 1)))
+        for stage, fn in probes.items():
+            ceilings.add(stage, [scale * rate for rate in probe(fn, seconds=seconds)])
     if device.type == "cuda":
         shape = (bs, 3, *cfg.dataset.image_size)
         # of the dtype the run's batches cross in (loader.host_dtype)
@@ -182,7 +213,8 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
             host.to(device, non_blocking=True)
             return bs
 
-        ceilings.add("copy", probe(copy_batch, sync=lambda: synchronize(device)))
+        ceilings.add("copy", probe(copy_batch, sync=lambda: synchronize(device),
+                                   seconds=seconds))
     return ceilings
 
 
@@ -234,9 +266,10 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
                   warmup=0) for _ in range(bursts)]
 
 
-MIN_BUDGET = 5.0  # the verdict's seconds: a tenth of the run's, or this, whichever is more
+MIN_BUDGET = 2.0  # the verdict's seconds: a tenth of the run's, or this, whichever is more
 BUDGET_SHARE = 0.1
 FAR_BELOW = 0.25  # a pipeline under this share of its slowest stage alone was disturbed
+SHARED_PROBES = ".probes"  # in a sweep folder: each data path's ceilings, by probe_key
 
 
 def budget_for(run_seconds: float) -> float:
@@ -244,16 +277,34 @@ def budget_for(run_seconds: float) -> float:
     return max(BUDGET_SHARE * run_seconds, MIN_BUDGET)
 
 
+def shared_probes(hydra_cfg: Any) -> Path | None:
+    """Where a sweep's jobs keep the data path ceilings they measured (None outside a
+    sweep: a run probes its own)."""
+    from hydra.types import RunMode
+
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return Path(hydra_cfg.sweep.dir) / SHARED_PROBES
+
+
 def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
-             world: int = 1, budget: float = MIN_BUDGET) -> dict[str, Any]:
+             world: int = 1, run_seconds: float = 0.0,
+             shared: Path | None = None) -> dict[str, Any]:
     """The verdict on a finished run (``bottleneck`` in metrics.json), logged with the time
     it took: each stage of its data path and its models timed alone, then named, within
-    about ``budget`` seconds. The run itself is done: a diagnosis that fails is reported,
-    and never loses it. A pipeline far below the slowest stage it has just been measured
-    against was disturbed: the run's ``flags`` say so."""
+    about ``budget_for(run_seconds)`` seconds (``run_seconds``: the run's loop). The run
+    itself is done: a diagnosis that fails is reported, and never loses it. A pipeline far
+    below the slowest stage it has just been measured against was disturbed: the run's
+    ``flags`` say so. ``shared``: a sweep's folder of data path ceilings (``shared_probes``).
+
+    Beside the verdict: ``seconds`` (it took), ``budget_seconds``, ``run_seconds``,
+    ``probe_seconds`` (the data path's probes and the model's) and ``data_probes``
+    (``measured``, or ``shared``: another job of the sweep measured this data path)."""
     start = time.perf_counter()
+    budget = budget_for(run_seconds)
+    timings: dict[str, Any] = {}
     try:
-        result = measure(cfg, figures, data, models, world, budget)
+        result = measure(cfg, figures, data, models, world, budget, shared, timings)
     except Exception as e:
         log.warning("the bottleneck diagnosis failed: %s: %s", type(e).__name__, e)
         return {"error": f"{type(e).__name__}: {e}"}
@@ -264,8 +315,35 @@ def diagnose(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
     if few is not None:  # said in metrics.json's flags too; here, where the verdict is read
         log.warning("the verdict comes from %s: not enough to trust; run more steps "
                     "(run.steps) for one that is", few)
-    log.info("(the verdict took %.1f s; diagnose=false skips it)", seconds)
-    return {**result.as_dict(), "seconds": seconds}
+    log.info("(the verdict took %.1f s%s; diagnose=false skips it)", seconds,
+             ", the data path's ceilings shared with an earlier job of the sweep"
+             if timings.get("data_probes") == "shared" else "")
+    return {**result.as_dict(), "seconds": seconds, "budget_seconds": budget,
+            "run_seconds": run_seconds, **timings}
+
+
+def probe_key(cfg: Config, data: DataPath, cold: bool) -> str:
+    """What a data path's ceilings depend on, as a file name: the loader and dataset
+    settings (batch size, workers, decoder, host dtype, image size...), the task (which
+    split it reads), the device, the pinning, a cold page cache, the images and the cores
+    the stages ran on. Not the seed, the model or anything after the data path."""
+    facts = {"loader": to_plain(cfg.loader), "dataset": to_plain(cfg.dataset),
+             "task": cfg.task.name.value, "device": str(data.device), "pin": data.pin_memory,
+             "cold": cold, "root": str(data.storage.root), "images": len(data.storage),
+             "cores": cores()}
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _shared_ceilings(path: Path | None) -> tuple[dict | None, Ceilings] | None:
+    """The cold read and the ceilings an earlier job of the sweep measured, or None."""
+    if path is None:
+        return None
+    try:
+        kept = json.loads(path.read_text())
+        return kept["storage"], Ceilings(dict(kept["ceilings"]), dict(kept["spread"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none yet (or unreadable): this job measures them
 
 
 def far_below(figures: dict[str, Any], ceilings: Ceilings, world: int = 1) -> str | None:
@@ -285,13 +363,37 @@ def far_below(figures: dict[str, Any], ceilings: Ceilings, world: int = 1) -> st
 
 
 def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
-            world: int = 1, budget: float = MIN_BUDGET) -> Verdict:
-    """Time each stage of the run's data path and its models alone, then the verdict."""
+            world: int = 1, budget: float = MIN_BUDGET, shared: Path | None = None,
+            timings: dict[str, Any] | None = None) -> Verdict:
+    """Time each stage of the run's data path and its models alone, then the verdict, in
+    about ``budget`` seconds; ``shared``: a sweep's data path ceilings (read, and written
+    when this job measures them). ``timings`` gets how long each part took."""
     start = time.perf_counter()
+    timings = {} if timings is None else timings
     storage = data.storage
-    read = storage_read(storage.files, storage.image_bytes)  # a short cold read: the disk
     cold = data.page_cache is not None and data.page_cache.state == "cold"
-    ceilings = data_ceilings(cfg, storage, data.device, data.pin_memory, read if cold else None)
+    path = shared / f"{probe_key(cfg, data, cold)}.json" if shared is not None else None
+    kept = _shared_ceilings(path)
+    if kept is not None:  # an earlier job of the sweep measured this data path
+        read, ceilings = kept
+        timings["data_probes"] = "shared"
+    else:
+        share = budget * (DATA_SHARE if models else 1.0)
+        # a short cold read: the disk
+        read = storage_read(storage.files, storage.image_bytes, seconds=share / 4)
+        ceilings = data_ceilings(cfg, storage, data.device, data.pin_memory,
+                                 read if cold else None,
+                                 budget=share - (time.perf_counter() - start))
+        timings["data_probes"] = "measured"
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(path, {"storage": read, "ceilings": ceilings.median,
+                                  "spread": ceilings.spread})
+            except OSError as e:  # the next job measures them again
+                log.debug("the data path's ceilings were not kept for the sweep: %s", e)
+    data_done = time.perf_counter()
+    timings["probe_seconds"] = {"data": data_done - start}
     for stage, rate in in_loop_stages(figures, world).items():  # the device crops' own rate
         ceilings.add(stage, [rate])
     alone: dict[str, dict[str, Any]] | None = None
@@ -299,14 +401,18 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         local = {name: local_module(m) for name, m in models.items()}  # no collectives
         # an unlabelled dataset has no classes: its synthetic labels are drawn from one
         classes = max(1, len(storage.classes))
-        left = max(budget - (time.perf_counter() - start), 1.0)
+        left = max(budget - (data_done - start), 0.5)
         # several models: the pass as a whole gets half the budget, each model alone a share
         # of the other half (which one holds the pass back)
         share = left / 2 if len(local) > 1 else left
+        # a third of the pass's share kept for a second probe, should the first come out
+        # disturbed (below the pipeline)
+        pass_end = time.perf_counter() + share
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
-        rates = model_ceiling(step, cfg, classes, data.device, share, len(storage))
+        rates = model_ceiling(step, cfg, classes, data.device, share * 2 / 3, len(storage))
         if _below_pipeline(rates, figures, world):  # disturbed while probed: once more
-            again = model_ceiling(step, cfg, classes, data.device, share / 2, len(storage))
+            again = model_ceiling(step, cfg, classes, data.device,
+                                  max(pass_end - time.perf_counter(), 0.1), len(storage))
             log.info("the model's probe came out below the pipeline (%.0f img/s); "
                      "probed again: %.0f img/s", quantiles(rates)["median"],
                      quantiles(again)["median"])
@@ -317,8 +423,9 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
             for name, module in local.items():
                 one = make_step(cfg.task, {name: module}, step_amp(cfg), data.device, 64)
                 q = quantiles(model_ceiling(one, cfg, classes, data.device,
-                                            max(share / len(local), 0.5), len(storage)))
+                                            max(share / len(local), 0.1), len(storage)))
                 alone[name] = {"images_per_sec": q["median"], "spread": q}
+        timings["probe_seconds"]["model"] = time.perf_counter() - data_done
     flag = far_below(figures, ceilings, world)
     if flag is not None:  # the run's own flags say it, and so does the verdict
         figures.setdefault("flags", []).append(flag)

@@ -38,7 +38,7 @@ from runner.distributed import (
     ranks_from_env,
 )
 from runner.errors import Interrupted
-from runner.job.diagnose import budget_for, diagnose
+from runner.job.diagnose import diagnose, shared_probes
 from runner.job.plan import plan_run
 from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
 from runner.loop import LoopOptions, LoopResult, run_loop
@@ -200,7 +200,7 @@ class Job:
             results.announce(cfg, figures, ranks.world)
         if cfg.diagnose and ranks.main and figures["images_per_sec"] is not None:
             figures["bottleneck"] = diagnose(cfg, figures, data, task.models, ranks.world,
-                                             budget=budget_for(loop_seconds))
+                                             loop_seconds, shared_probes(self.hydra_cfg))
         self.figures = figures
         return figures
 

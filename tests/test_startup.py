@@ -1,0 +1,89 @@
+"""What answers without running a job imports neither torch nor tensordict: ``--help``, a
+typo's one line and a tab completion (Hydra's ``-sc query=bash``) took six seconds each when
+runner/__main__.py imported the job (and torch with it) first; and ``--help``'s own page is
+Hydra's, printed without Hydra's five seconds of listing config groups the template never
+shows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "tensordict", "torchvision")
+
+
+def imports_of(*argv: str, cwd: Path, env: dict[str, str] | None = None
+               ) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """``python -X importtime -m runner argv``: the process and every module it imported."""
+    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "runner", *argv],
+                          cwd=cwd, env=full, capture_output=True, text=True, timeout=120)
+    modules = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+               if line.startswith("import time:")}
+    proc.stderr = "\n".join(line for line in proc.stderr.splitlines()
+                            if not line.startswith("import time:"))
+    return proc, modules
+
+
+def heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in HEAVY)
+
+
+def test_help_does_not_import_torch(tmp_path: Path):
+    proc, modules = imports_of("--help", "loader=memmap", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("runner: get images into a model")
+    assert "== Config (with these overrides) ==" in proc.stdout
+    assert "name: memmap" in proc.stdout  # the config composed with the overrides
+    assert heavy(modules) == [], heavy(modules)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_typo_does_not_import_torch(tmp_path: Path):
+    for argv in (["loader.batchsize=128"], ["+loader.batchsize=128"],
+                 ["loader.batch_size=abc"], ["loader.batch_size=0"]):
+        proc, modules = imports_of(*argv, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error: "), proc.stderr
+        assert heavy(modules) == [], (argv, heavy(modules))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_completion_does_not_import_torch(tmp_path: Path):
+    proc, modules = imports_of("-sc", "query=bash", cwd=tmp_path,
+                               env={"COMP_LINE": "runner loader.ba", "COMP_POINT": "16"})
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) == {"loader.batch_size=", "loader.batched="}
+    assert heavy(modules) == [], heavy(modules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--help"], ["--help", "loader=memmap", "run.steps=7"],
+                                  ["-h", "--resolve", "model=resnet18"]])
+def test_the_help_page_is_hydras_own(argv: list[str], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch, capsys):
+    """The page ``help_page`` prints is the one Hydra's ``--help`` prints, byte for byte."""
+    from runner.__main__ import main
+    from runner.commandline import help_page
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["runner", *argv])
+    ours = help_page(argv)
+    assert ours is not None
+    with pytest.raises(SystemExit) as stop:
+        main()  # Hydra's own --help
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == ours + "\n"
+
+
+def test_help_is_left_to_hydra_where_the_page_would_differ():
+    from runner.commandline import help_page
+
+    assert help_page(["loader=memmap"]) is None  # no --help
+    assert help_page(["--help", "-cn", "other"]) is None  # another config
+    assert help_page(["--help", "loader.batch_size=abc"]) is None  # Hydra says why
