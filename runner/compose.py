@@ -142,11 +142,12 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in the job
     with open_dict(cfg):
         del cfg["hydra"]
-    from runner.data.storage import check_dataset_found
-
     try:
+        config = to_config(cfg, overrides)
+        from runner.data.storage import check_dataset_found  # torch: once the config is good
+
         # a dataset folder that is not there, or holds no image: said before the run folder
-        check_dataset_found(to_config(cfg, overrides).dataset)
+        check_dataset_found(config.dataset)
     except ConfigError as e:
         return str(e).splitlines()[0]
     except Exception:  # skipped (Unavailable) or failed by the job itself, as before

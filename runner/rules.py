@@ -25,6 +25,7 @@ from runner.config import (
     TASK_KEYS,
     Config,
     ModelConfig,
+    ModelSource,
     Output,
     TaskConfig,
     TaskName,
@@ -147,8 +148,8 @@ def check_model_beside_models(config: Config, given: Iterable[str] = ()) -> None
     named, by = None, "model"
     for override in given:
         key = override.lstrip("+").partition("=")[0]
-        if key == "model.name" or (key == "model" and config.model.source.value
-                                   == "torchvision"):
+        if key == "model.name" or (key == "model"
+                                   and config.model.source is ModelSource.torchvision):
             named, by = config.model.name, key
     entries = [m.name for m in model_configs(config)]
     if named is None or named in entries:
