@@ -224,15 +224,24 @@ VALUE_FLAGS = {"-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--co
                 "-i", "--info"}
 
 
+# Hydra's flags that name a config of the user's own (its groups are not conf/'s)
+OTHER_CONFIG_FLAGS = {"-cp", "--config-path", "-cd", "--config-dir", "-cn", "--config-name"}
+
+
 def check_command_line(argv: list[str]) -> None:
     """Exit with one line (status 2) when an override names a key the schema does not
     have or a group choice there is no preset for; Hydra's own flags and their values pass
     through untouched."""
     refuse_credentials(argv)  # a URL's user:password@, before any message repeats it
+    # a config of the user's own (-cd/-cp/-cn, hydra.searchpath): +group=option may name a
+    # group of theirs (+experiment=fast), which Hydra finds or refuses itself
+    theirs = any(a.split("=", 1)[0] in OTHER_CONFIG_FLAGS or a.startswith("hydra.searchpath")
+                 for a in argv)
     after_flag = False
     for arg in argv:
         message = None
-        if not arg.startswith("-") and not after_flag:
+        top_append = arg.startswith("+") and "." not in arg.split("=", 1)[0]
+        if not arg.startswith("-") and not after_flag and not (theirs and top_append):
             message = unknown_key_message(arg) or unknown_choice_message(arg)
         after_flag = arg in VALUE_FLAGS
         if message:

@@ -24,7 +24,12 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner.commandline import VALUE_FLAGS, composition_message, register_configs
+from runner.commandline import (
+    OTHER_CONFIG_FLAGS,
+    VALUE_FLAGS,
+    composition_message,
+    register_configs,
+)
 from runner.config import Config, config_dir
 from runner.credentials import argv_refusal, check_overrides
 from runner.errors import ConfigError
@@ -85,8 +90,7 @@ def compose(overrides: list[str]) -> Config:
 _NOTHING_RUNS = {"-h", "--help", "--hydra-help", "-sc", "--shell-completion", "-i", "--info",
                  "--version"}
 # flags that point Hydra at another config: this check would compose the wrong one
-_OTHER_CONFIG = {"-cp", "--config-path", "-cd", "--config-dir", "-cn", "--config-name",
-                 "--experimental-rerun"}
+_OTHER_CONFIG = OTHER_CONFIG_FLAGS | {"--experimental-rerun"}
 # flags that print the config instead of running it: it must compose, not be runnable
 _PRINT_ONLY = {"-c", "--cfg", "--resolve", "-p", "--package"}
 MAX_JOBS_CHECKED = 64  # of a sweep's jobs, looking for one that can run

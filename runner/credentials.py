@@ -36,8 +36,12 @@ from typing import Any
 from runner.errors import EXIT_USER_ERROR, ConfigError
 
 # scheme://userinfo@ : the userinfo is everything between // and the first @ before any
-# /, ?, # (a '@' further on belongs to the path: s3://bucket/a@2x.jpg is no credential)
-_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s\"\[\]{}]*@")
+# /, ?, # (a '@' further on belongs to the path: s3://bucket/a@2x.jpg is no credential);
+# or user:password@ whose password holds a '/' (half of AWS's secret keys do), told from
+# host:port/path@ by what follows the colon not being a port
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)"
+                       r"(?:[^/?#@\s\"\[\]{}]*"
+                       r"|[^/?#@\s:\"\[\]{}]*:(?!\d+(?:[/?#]|$))[^@\s\"\[\]{}]*)@")
 
 # the environment variables that give an S3 endpoint (runner/data/remote/client.py)
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")

@@ -426,7 +426,7 @@ def run_loop(batches: Batches, step: Step, logger: MetricLogger, options: LoopOp
                     skip()
                 result.steps += 1
                 result.empty += 1
-                bar.update()
+                bar.step(result.steps)
                 hooks.after_step(result.steps)
                 windows.after_step()
                 continue

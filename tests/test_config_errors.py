@@ -227,6 +227,20 @@ def test_an_append_adds_keys_only_to_the_open_mappings():
         assert stop.value.code == 2
 
 
+def test_a_group_of_the_users_own_config_may_be_appended(tmp_path: Path):
+    """With a config of their own (-cd, -cp, -cn, hydra.searchpath), ``+experiment=fast``
+    names a group of theirs: left to Hydra. Without one it is a key the schema lacks."""
+    from runner.commandline import check_command_line
+
+    for theirs in (["-cd", str(tmp_path)], ["--config-dir", str(tmp_path)],
+                   [f"hydra.searchpath=[file://{tmp_path}]"]):
+        check_command_line([*theirs, "+experiment=fast"])  # no exit
+    for bad in (["+experiment=fast"], ["-cd", str(tmp_path), "+loader.batchsize=3"]):
+        with pytest.raises(SystemExit) as stop:
+            check_command_line(bad)
+        assert stop.value.code == 2
+
+
 def test_every_task_key_belongs_to_one_task():
     from runner.config import TASK_KEYS, TaskConfig, TaskName
     from runner.optim import OPTIMIZERS, SCHEDULES

@@ -118,9 +118,18 @@ def test_runner_pipeline_refuses_credentials_without_repeating_them(options: dic
 
 @pytest.mark.parametrize("text", ["s3://bucket/a@2x.jpg", "/data/x@y", "me@mail.com",
                                   "http://host:9000/path", "dataset.path=/a,/b@c",
-                                  "https://host/x?user=a@b"])
+                                  "https://host/x?user=a@b", "http://host:9000/a@2x.jpg",
+                                  "s3://bucket/dir:x/a@2x.jpg"])
 def test_an_at_sign_that_is_not_userinfo_passes(text: str):
     assert not has_userinfo(text) and redacted(text) == text
+
+
+@pytest.mark.parametrize("url", ["s3://AKIAEXAMPLE:wJalr/XUtn+FEMI/K7MDENG@bucket/train",
+                                 "http://user:pa/ss@host:9000/x"])
+def test_a_password_holding_a_slash_is_userinfo_too(url: str):
+    """Half of AWS's secret keys hold a '/': the userinfo runs to the '@' all the same."""
+    assert has_userinfo(url)
+    assert "***@" in redacted(url) and "FEMI" not in redacted(url) and "pa/ss" not in redacted(url)
 
 
 def test_every_userinfo_of_a_value_is_redacted():

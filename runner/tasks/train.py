@@ -71,6 +71,8 @@ class TrainTask(TaskBase):
                               "manifest without labels); give one sub-folder per class, or a "
                               "manifest with a label column")
         labels = getattr(data.storage, "label_tensor", None)
+        if getattr(data.storage, "labels_unknown", False):
+            labels = None  # a user's Dataset whose labels come only as it is read
         unlabelled = int((labels() < 0).sum()) if callable(labels) else 0
         if unlabelled:  # a WebDataset sample without its .cls, a manifest row without label
             raise ConfigError(f"task=train needs every image labelled: {unlabelled} of "
@@ -299,7 +301,16 @@ class TrainStep:
 
     def skip(self) -> None:
         """A batch whose images all failed to decode (listed in ``skipped_files``): read,
-        nothing to train on; it counts toward the run's last batch (``total_steps``)."""
+        nothing to train on; it counts toward the run's last batch (``total_steps``).
+
+        Under DDP the other ranks' backward waits on this one's all-reduce, which an
+        empty batch never makes: rather than hang every rank, this one stops the run in
+        one line (its checkpoint-on-signal path is not involved; the last saved one holds)."""
+        if self._no_sync is not None:
+            raise ConfigError("a whole batch of undecodable images on one rank under "
+                              "torchrun: the ranks' gradient all-reduce cannot pair up "
+                              "without it; remove the files listed under skipped_files "
+                              "(or run on one process), then resume")
         self.skipped += 1
 
     def _keeps_gradients_local(self) -> bool:

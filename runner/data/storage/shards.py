@@ -323,19 +323,21 @@ def _skipped_of(meta: dict) -> list[SkippedFile]:
 
 def _without_duplicates(indexes: list[ShardIndex], root: str | Path
                         ) -> tuple[list[ShardIndex], int]:
-    """The indexes with every sample whose key (with its source name) was met in an
+    """The indexes with every sample whose key, source name, size and CRC were met in an
     earlier shard left out: a shard copied beside itself is read once. The copies are
     counted and said in one warning."""
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple] = set()
     dropped: dict[str, int] = {}
     out = []
     for index in indexes:
         keep = []
-        for k, (key, name) in enumerate(zip(index.keys, index.names)):
-            if (key, name) in seen:
+        # a copy repeats the key, the name, the size and the bytes' CRC: foreign tars whose
+        # keys restart in each shard (cat.tar and dog.tar both holding 0001.jpg) differ there
+        for k, sample in enumerate(zip(index.keys, index.names, index.sizes, index.crcs)):
+            if sample in seen:
                 dropped[index.shard] = dropped.get(index.shard, 0) + 1
             else:
-                seen.add((key, name))
+                seen.add(sample)
                 keep.append(k)
         if len(keep) < len(index):
             columns = {f: [getattr(index, f)[k] for k in keep]

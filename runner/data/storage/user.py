@@ -220,6 +220,12 @@ class UserStorage(Dataset):
         labels = self.labels if self.labels is not None else [UNLABELLED] * len(self)
         return torch.tensor(labels, dtype=torch.int64)
 
+    @property
+    def labels_unknown(self) -> bool:
+        """No label is known before the items are read (the -1s above are not "unlabelled":
+        training takes them as they come, and refuses an item without one then)."""
+        return self.labels is None
+
     def convert(self, item: Any, index: int, valid: bool = True) -> Sample:
         image, label = split_item(item, self.target, index)
         return Sample(resize(to_image(image, self.target, index), self.size),
