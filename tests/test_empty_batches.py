@@ -69,7 +69,8 @@ def test_inference_over_a_truncated_shard_finishes_its_outputs(tmp_path: Path, c
         writer = ShardWriter(shards, pattern=f"part{part}-{{:06d}}.tar")
         for k in range(16):
             data = encode(photo(40, 52, 16 * part + k))
-            writer.add(f"{16 * part + k:08d}", data, part, 40, 52, f"{16 * part + k:02d}.jpg")
+            writer.add(f"{16 * part + k:08d}", data, part, 40, 52, f"{16 * part + k:02d}.jpg",
+                       16 * part + k)
         entries += writer.close()
     write_manifest(shards, entries, ["a", "b", "c"])
     middle = shards / entries[1]["name"]
