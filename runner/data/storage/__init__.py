@@ -43,7 +43,7 @@ from runner.data.storage.decode import DECODERS, concrete_decoder
 from runner.data.storage.listing import EXTENSIONS, check_no_loop, is_image_name
 from runner.data.storage.tarshards import MANIFEST
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
-from runner.errors import ConfigError
+from runner.errors import ConfigError, UserError
 from runner.records import records
 
 STORAGES: dict[StorageName, StorageKind] = records(__name__, StorageName, StorageKind,
@@ -88,6 +88,10 @@ def check_dataset_found(cfg: DatasetConfig) -> None:
         if value is None or is_url(value):
             continue
         where = Path(value).expanduser()
+        try:
+            check_no_loop(where, f"dataset.{key}")  # a link to itself "exists" nowhere
+        except UserError as e:
+            raise ConfigError(str(e)) from None
         if not where.exists():
             fix = ("give the CSV or JSON-lines file that lists your images" if key ==
                    "manifest" else "point it at your image folder (one sub-folder per class, "
