@@ -695,7 +695,9 @@ def identity(config: Config) -> dict[str, Any]:
         out[prefix + "name"] = m.name
         for key in MODEL_SHAPING:
             value = to_plain(getattr(m, key))
-            if key in ("weights", "classes") and value is not None:
+            if key == "classes" and isinstance(value, list):  # the names given inline
+                out[prefix + key] = [str(v) for v in value]
+            elif key in ("weights", "classes") and value is not None:
                 out[prefix + key] = str(Path(value).expanduser().resolve())
                 out[prefix + key + FILE] = file_print(value)
             else:

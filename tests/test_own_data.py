@@ -58,6 +58,15 @@ def test_model_classes_takes_a_list_as_well_as_a_file(tmp_path: Path):
     assert model_classes(plain, 2, ["x", "y"], None) == ["x", "y"]
 
 
+def test_an_inference_names_its_classes_from_a_list(image_tree: Path, tmp_path: Path):
+    """model.classes=[...] in a task=infer run: the outputs' identity records the list (it
+    took the list for a file's path and failed with a TypeError)."""
+    run_dir = tmp_path / "infer"
+    run_in_process("task=infer", f"dataset.path={image_tree}", "model.classes=[x,y,z]",
+                   "run.steps=2", "diagnose=false", *QUICK, run_dir=run_dir)
+    assert {r["pred_name"] for r in predictions(run_dir)} <= {"x", "y", "z"}
+
+
 def test_a_missing_or_empty_dataset_folder_is_refused_before_any_run_folder(tmp_path: Path):
     missing = tmp_path / "nope"
     empty = tmp_path / "empty"
