@@ -106,6 +106,17 @@ MODULE = textwrap.dedent('''
 
     def not_a_dataset():
         return [1, 2, 3]
+
+    class SelfSplit(IterableDataset):
+        """Splits itself among the DataLoader's workers, as torch's docs show."""
+        def __iter__(self):
+            from torch.utils.data import get_worker_info
+            w = get_worker_info()
+            for i in (range(24) if w is None else range(w.id, 24, w.num_workers)):
+                yield item(i, "tensor")
+
+    def self_split():
+        return SelfSplit()
 ''')
 
 QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=8", "run.warmup_steps=1",
@@ -178,6 +189,19 @@ def test_an_iterable_dataset_infers_in_its_own_order_with_workers(tmp_path: Path
     assert [int(r["label"]) for r in rows] == [i % 2 for i in range(22)]
     m = metrics(run_dir)
     assert m["images"] == 22 and m["steps"] == 3
+
+
+def test_an_iterable_dataset_that_splits_itself_among_workers_is_refused(in_folder: Path,
+                                                                           tmp_path: Path):
+    """Each worker already takes every n-th item: a Dataset that splits itself too would
+    train on a fraction of it, ending ok; refused in one line, naming the fix."""
+    with pytest.raises(ConfigError) as refused:
+        run_in_process(target(in_folder, "self_split"), "loader.num_workers=2", "run.epochs=1",
+                       *QUICK, run_dir=tmp_path / "run")
+    assert "\n" not in str(refused.value) and "loader.num_workers=0" in str(refused.value)
+    m = run_in_process(target(in_folder, "self_split"), "loader.num_workers=0", "run.epochs=1",
+                       *QUICK, run_dir=tmp_path / "alone")
+    assert m["status"] == "ok" and m["images"] == 24
 
 
 # --- in this process (each kind of item, train and infer, resume) -----------------------------

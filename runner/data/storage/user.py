@@ -338,6 +338,23 @@ class StreamBatches:
                             multiprocessing_context="fork")
         return iter(loader)
 
+    def ended_short(self, got: int) -> None:
+        """The stream gave ``got`` of its ``count`` items. With workers, a Dataset that
+        splits itself by ``get_worker_info()`` (each worker already takes every n-th item
+        here) would silently train on a fraction: refused in one line. Without, its length
+        changed: said once, and the epoch ends there."""
+        want, target = self.storage.count, self.storage.target
+        if self.cfg.num_workers > 0:
+            raise ConfigError(f"{KEY}={target}: your IterableDataset gave {got} of its {want} "
+                              f"items with loader.num_workers={self.cfg.num_workers}: it "
+                              "splits itself by get_worker_info(), and the runner already "
+                              "gives each worker every n-th item; stop splitting in it, or "
+                              "set loader.num_workers=0")
+        if not getattr(self, "_said", False):
+            self._said = True
+            log.warning("%s: your IterableDataset gave %d of its %d items this epoch (its "
+                        "length changed?): the epoch ends there", KEY, got, want)
+
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
         from runner.data.storage.folder import batch_fields
 
@@ -351,8 +368,9 @@ class StreamBatches:
                 for k, want in enumerate(read.tolist()):
                     while current is not None and position < want:  # another rank's
                         current, position = next(items, None), position + 1
-                    if current is None:
-                        break  # the stream ended before its length: the epoch ends
+                    if current is None:  # the stream ended before its length
+                        self.ended_short(position)
+                        break  # with workers 0 and a warning said: the epoch ends
                     counts = valid is None or bool(valid[k])
                     samples.append(Sample(current.image, current.label, want, counts))
                 if not samples:
