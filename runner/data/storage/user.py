@@ -33,8 +33,10 @@ of the same classes, validates).
 does not apply), its length is ``len()`` when it has one, else counted by iterating it once
 when the run starts. With ``loader.num_workers=n > 0`` each worker iterates it and converts
 every n-th item (worker k: items k, k+n, ...), which the DataLoader takes in turn, so the
-order is the Dataset's: a Dataset that splits itself by ``get_worker_info()`` would lose
-items here (use ``loader.num_workers=0``). An epoch stops after its length. Ranks take
+order is the Dataset's: a Dataset that splits itself by ``get_worker_info()`` gives fewer
+items than its length, which is refused in one line (use ``loader.num_workers=0``; a
+stream shorter than its length without workers ends the epoch, said once). An epoch
+stops after its length. Ranks take
 every ``world``-th item; a resume re-reads the epoch up to where it stopped (the order
 must be the same each time).
 """
