@@ -131,12 +131,16 @@ def previous_record(run_dir: Path) -> dict[str, Any]:
     ``metrics.<k>.json``), or nothing."""
     kept = sorted(Path(run_dir).glob("metrics.*.json"),
                   key=lambda p: int(p.suffixes[0][1:]) if p.suffixes[0][1:].isdigit() else 0)
+    records = []
     for path in reversed(kept):
         try:
-            return json.loads(path.read_text())
+            records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return {}
+    # the latest part that ran steps: a resume refused before any (another crop, say) left
+    # a record of its own, without figures, which must not stand for the run's
+    ran = [r for r in records if isinstance(r, dict) and r.get("images_per_sec") is not None]
+    return (ran or records or [{}])[0]
 
 
 def finished_before(run_dir: Path, source: str, start_step: int) -> dict[str, Any]:

@@ -96,3 +96,14 @@ def test_a_verdict_from_too_few_steps_says_so_on_the_console(image_tree: Path,
     assert any(f.startswith("few timed steps") for f in m["flags"])
     said = [r.getMessage() for r in caplog.records if "the verdict comes from" in r.getMessage()]
     assert len(said) == 1 and "few timed steps (2;" in said[0]
+
+
+def test_training_says_model_classes_is_not_its_classes(image_tree: Path, tmp_path: Path,
+                                                        caplog):
+    """model.classes names an inference's outputs: a training run given it says, in one
+    warning, that the data's classes are used (it was ignored without a word)."""
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        run_in_process(f"dataset.path={image_tree}", "model.classes=[x]", "run.steps=2",
+                       "diagnose=false", *QUICK, run_dir=tmp_path / "train")
+    said = [r.getMessage() for r in caplog.records if "model.classes" in r.getMessage()]
+    assert len(said) == 1 and "not used in training" in said[0] and "cat" in said[0], said

@@ -162,3 +162,21 @@ def test_a_run_killed_by_sigkill_is_reported_dead_and_the_next_run_says_so(
     kept = json.loads((tmp_path / "killed" / "metrics.1.json").read_text())
     assert kept["status"] == "died" and kept["images_per_sec"] == left["images_per_sec"]
     assert read_metrics(tmp_path / "killed")["status"] == "ok"
+
+
+def test_a_refused_resume_does_not_stand_for_the_parts_that_ran(tmp_path: Path):
+    """Finished, then a resume refused before any step (another crop), then resume=auto as
+    first asked: the figures kept are those of the part that ran the steps, not the refused
+    record's (which has none: the run's figures vanished from metrics.json and the report)."""
+    import json
+
+    from runner.outcome import previous_record
+
+    (tmp_path / "metrics.1.json").write_text(json.dumps(
+        {"status": "ok", "images_per_sec": 1387.0, "steps": 3}))
+    (tmp_path / "metrics.2.json").write_text(json.dumps(
+        {"status": "failed", "reason": "checkpoint of another run (dataset.crop_fraction)"}))
+    assert previous_record(tmp_path)["images_per_sec"] == 1387.0
+    (tmp_path / "metrics.3.json").write_text(json.dumps(
+        {"status": "interrupted", "images_per_sec": 900.0}))
+    assert previous_record(tmp_path)["images_per_sec"] == 900.0  # the latest that ran

@@ -80,6 +80,12 @@ class TrainTask(TaskBase):
                               "shard's sample without a .cls member, a manifest row without "
                               "a label); unlabelled images serve task=infer only: label them, "
                               "or leave them out")
+        classes = self.config.model.classes
+        if classes is not None:  # it names an inference's outputs; said, not silently ignored
+            log.warning("model.classes=%s is not used in training: the classes are the "
+                        "data's (%d: %s), and the checkpoint keeps those names", classes,
+                        len(data.classes), ", ".join(map(str, data.classes[:5]))
+                        + (", ..." if len(data.classes) > 5 else ""))
         super().prepare(data)
         if self.resumed is not None:
             checkpoint.check_epoch_length(self.resumed, data.steps_per_epoch,
