@@ -770,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", help="the run to compare against, by its resolved "
                                            "config, e.g. 'prefetch=none,amp=off'")
     parser.add_argument("--out", type=Path, help="where to write (default: the sweep folder)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log the plots and the table to wandb, in the sweep's group "
+                             "(job_type report; WANDB_* variables apply as in a run)")
     args = parser.parse_args(argv)
     try:
         written = build_report(args.paths, args.baseline, args.out)
@@ -777,7 +780,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(written.terminal)
+    if args.wandb:
+        print(to_wandb(written.out, args.paths))
     return 0
+
+
+def to_wandb(out: Path, paths: list[Path]) -> str:
+    """The report's plots as images and results.csv as a table, in one wandb run grouped
+    with the sweep's runs (the sweep folder's name, as runner/logger.py groups them),
+    job_type ``report``; wandb's environment wins as in a run (``logger.init_args``), else
+    offline in project ``runner``. Returns where it went, in one line."""
+    import csv
+    import os
+
+    import wandb
+
+    from runner.logger import init_args
+
+    root, _ = find_runs(paths)
+    defaults = {"mode": "offline", "project": "runner", "group": root.name,
+                "job_type": "report", "name": f"report {root.name}", "dir": str(out)}
+    run = wandb.init(**init_args({}, defaults, os.environ))
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    figures = {f"report/{p.stem}": wandb.Image(str(p)) for p in sorted(out.glob("*.png"))}
+    run.log({**figures, "report/results": wandb.Table(columns=rows[0], data=rows[1:])})
+    where = getattr(run, "dir", None) or str(out)
+    run.finish()
+    return f"wandb: the report's {len(figures)} plot(s) and its table logged ({where})"
 
 
 if __name__ == "__main__":

@@ -265,3 +265,35 @@ def test_every_plot_has_a_title_plain_numbers_and_axes_from_zero(tmp_path: Path,
     assert [t.get_text() for t in batch.get_xticklabels()] == ["16", "32", "64", "128"]
     for fig in figures:
         check_figure(fig)
+
+
+@pytest.mark.slow
+def test_the_reports_plots_go_to_wandb_in_the_sweeps_group(tmp_path: Path):
+    """``--wandb``: the plots as images and results.csv as a table, read back from the
+    offline run's own records: grouped by the sweep folder's name, job_type report."""
+    import glob
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, wandb_records
+
+    root = sweep(tmp_path / "my-sweep", {("folder", "none"): 100.0, ("memmap", "none"): 400.0,
+                                         ("folder", "cpu"): 150.0, ("memmap", "cpu"): 420.0})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-m", "runner.report", str(root), "--wandb"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "wandb: the report's" in proc.stdout
+    (file,) = glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb"))
+    records = wandb_records(file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.run_group, run.job_type, run.project) == ("my-sweep", "report", "runner")
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+    keys = {k for row in rows for k in row}
+    plots = {p.stem for p in root.glob("*.png")}
+    assert plots and {f"report/{p}/_type" for p in plots} <= keys
+    assert "report/results/_type" in keys
