@@ -35,6 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from runner import environment
 from runner.config import LoggerConfig, LoggerName, flatten
+from runner.credentials import redacted
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +113,19 @@ def scrubbed(value: Any, key: str = "") -> Any:
     if value is not None and SECRET_KEY.search(key.rsplit(".", 1)[-1]):
         return "***"
     if isinstance(value, str) and "://" in value:
-        return re.sub(r"[a-zA-Z][\w+.-]*://\S+", lambda m: _clean_url(m.group(0)), value)
+        value = redacted(value)  # the userinfo, by the pattern the refusal uses
+        return re.sub(r"[a-zA-Z][\w+.-]*://\S+", lambda m: _masked_query(m.group(0)), value)
     return value
 
 
-def _clean_url(url: str) -> str:
+def _masked_query(url: str) -> str:
+    """``url`` with a signed query (``X-Amz-Signature``, ``token=``) replaced by ``***``."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "***"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
     query = "***" if SECRET_QUERY.search(parts.query) else parts.query
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
 
 
 class WandbLogger:
