@@ -685,6 +685,7 @@ class Written:
     out: Path  # the folder written to
     table: str  # report.md's table, Markdown
     terminal: str  # what ``python -m runner.report`` prints: plain text, aligned
+    root: Path  # the sweep folder (its name groups the runs in wandb)
 
 
 def write_report(paths: list[Path], baseline: str | None = None,
@@ -760,7 +761,7 @@ def build_report(paths: list[Path], baseline: str | None = None,
              "≈: within noise",
              f"written in {out}: {', '.join(files)}",
              "report.md has the ranking too, what each switch bought, and each verdict"]
-    return Written(out, text, "\n".join(shown))
+    return Written(out, text, "\n".join(shown), root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -781,11 +782,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(written.terminal)
     if args.wandb:
-        print(to_wandb(written.out, args.paths))
+        print(to_wandb(written.out, written.root))
     return 0
 
 
-def to_wandb(out: Path, paths: list[Path]) -> str:
+def to_wandb(out: Path, root: Path) -> str:
     """The report's plots as images and results.csv as a table, in one wandb run grouped
     with the sweep's runs (the sweep folder's name, as runner/logger.py groups them),
     job_type ``report``; wandb's environment wins as in a run (``logger.init_args``), else
@@ -797,7 +798,6 @@ def to_wandb(out: Path, paths: list[Path]) -> str:
 
     from runner.logger import init_args
 
-    root, _ = find_runs(paths)
     defaults = {"mode": "offline", "project": "runner", "group": root.name,
                 "job_type": "report", "name": f"report {root.name}", "dir": str(out)}
     run = wandb.init(**init_args({}, defaults, os.environ))
