@@ -3,7 +3,7 @@
 What answers without running a job (``--help``, a typo's one line, a tab completion's
 ``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
 (``runner.job.run``, imported inside ``main``) and with the checks that need them
-(runner/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
+(runner/job/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
 this.
 """
 
@@ -19,12 +19,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner import sweep
-from runner.commandline import check_command_line, help_page, register_configs
-from runner.compose import refusal, runs_nothing
-from runner.config import config_dir
-from runner.errors import EXIT_USER_ERROR
-from runner.outcome import (
+from runner.common.errors import EXIT_USER_ERROR
+from runner.config.schema import config_dir
+from runner.job import sweep
+from runner.job.commandline import check_command_line, help_page, register_configs
+from runner.job.compose import refusal, runs_nothing
+from runner.launch.outcome import (
     RunDirInUse,
     RunDirUnusable,
     check_run_folder,
@@ -72,7 +72,7 @@ def cli() -> None:
         print(page)
         sys.exit(0)
     if not runs_nothing(sys.argv[1:]):  # help, completion: no folder to check (nor torch)
-        from runner.distributed import scratch_dirs_for_other_ranks
+        from runner.launch.distributed import scratch_dirs_for_other_ranks
 
         sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
         try:

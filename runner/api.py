@@ -32,9 +32,9 @@ import torch
 from tensordict import TensorDict
 from tqdm import tqdm
 
-from runner.compose import compose
 from runner.data import build_data_path
-from runner.distributed import Ranks, pick_device
+from runner.job.compose import compose
+from runner.launch.distributed import Ranks, pick_device
 
 GROUPS = ("loader", "prefetch", "amp", "compile", "model", "task", "logger", "sweep")
 TOP_LEVEL = ("device", "seed", "diagnose", "profile", "models", "resume")

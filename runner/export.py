@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from runner.errors import ConfigError, Unavailable
+from runner.common.errors import ConfigError, Unavailable
 from runner.model.amp import tolerance as dtype_tolerance
 from runner.model.onnx import INPUT, OPSET, OUTPUT, export_onnx, max_difference
 
@@ -42,8 +42,8 @@ def export_file(overrides: list[str], out: Path, tolerance: float | None = None
                 ) -> list[str]:
     """Export the model the overrides build to ``out``, checked first; the lines to print.
     ExportMismatch when it differs from eager beyond the tolerance (nothing written)."""
-    from runner.compose import compose
-    from runner.config import NO_MODEL
+    from runner.config.schema import NO_MODEL
+    from runner.job.compose import compose
     from runner.model.networks import build_model
 
     config = compose(overrides)

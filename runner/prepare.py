@@ -26,15 +26,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.compose import compose
-from runner.config import Config, ConfigError, StorageName
-from runner.data.reencode import Reencoding, describe, reencode_folder
+from runner.common.errors import EXIT_USER_ERROR, UserError
+from runner.config.schema import Config, ConfigError, StorageName
+from runner.data.decode.reencode import Reencoding, describe, reencode_folder
+from runner.data.protocol import StorageKind, StoreFootprint
 from runner.data.storage import STORAGES, resolve_dataset
-from runner.data.storage.base import StorageKind, StoreFootprint
-from runner.data.storage.cache import human_bytes
+from runner.data.storage.convert import human_bytes
 from runner.data.storage.folder import FolderStorage, open_folder
 from runner.data.storage.ram import memory_available
-from runner.errors import EXIT_USER_ERROR, UserError
+from runner.job.compose import compose
 
 
 def with_store(kind: StorageKind) -> bool:

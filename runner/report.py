@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.config import flatten
-from runner.console import NARROWEST, WIDTH, terminal_columns
+from runner.common.console import NARROWEST, WIDTH, terminal_columns
+from runner.config.schema import flatten
+from runner.launch.outcome import settled
 from runner.measure.stats import median
-from runner.outcome import settled
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Run:
 
     @property
     def disturbed(self) -> bool:
-        """Its figures are a shared machine's (runner/results.py: other processes ran on
+        """Its figures are a shared machine's (runner/tasks/results.py: other processes ran on
         its cores, or the pipeline ran far below a stage it was measured against)."""
         return bool(self.metrics.get("disturbed")) or any(
             str(f).startswith("disturbed") for f in self.metrics.get("flags") or [])
@@ -667,9 +667,9 @@ def plot_copy(runs: list[Run], options: list[str], out: Path) -> Path | None:
 
 
 def machines(runs: list[Run]) -> list[str]:
-    """The machines the runs ran on (their ``environment`` block, runner/environment.py),
+    """The machines the runs ran on (their ``environment`` block, runner/job/environment.py),
     one line each, with the runs of each when they differ."""
-    from runner.environment import summary
+    from runner.job.environment import summary
 
     seen: dict[str, list[str]] = defaultdict(list)
     for r in runs:
@@ -788,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def to_wandb(out: Path, root: Path) -> str:
     """The report's plots as images and results.csv as a table, in one wandb run grouped
-    with the sweep's runs (the sweep folder's name, as runner/logger.py groups them),
+    with the sweep's runs (the sweep folder's name, as runner/job/logger.py groups them),
     job_type ``report``; wandb's environment wins as in a run (``logger.init_args``), else
     offline in project ``runner``. Returns where it went, in one line."""
     import csv
@@ -796,7 +796,7 @@ def to_wandb(out: Path, root: Path) -> str:
 
     import wandb
 
-    from runner.logger import init_args
+    from runner.job.logger import init_args
 
     defaults = {"mode": "offline", "project": "runner", "group": root.name,
                 "job_type": "report", "name": f"report {root.name}", "dir": str(out)}

@@ -121,14 +121,14 @@ def _sync() -> None:
 def _loader(member: str) -> str:
     """``loader=<name>`` for a StorageName member (the names live in the registry, not
     here; the project is imported only when a row runs)."""
-    from runner.config import StorageName
+    from runner.config.schema import StorageName
 
     return f"loader={getattr(StorageName, member.lower()).value}"
 
 
 def _gpu_decoder() -> str:
     """The decoder that decodes on the GPU, by its registry record."""
-    from runner.data.storage.decode import DECODERS
+    from runner.data.decode.decoders import DECODERS
 
     return next(d for d, k in DECODERS.items() if k.cuda).value
 
@@ -322,7 +322,7 @@ def check_prefetch(args: argparse.Namespace) -> list[Row]:
 def check_inductor(args: argparse.Namespace) -> list[Row]:
     """compile=inductor for train and infer through the project's compile_model (which
     verifies the compiled model against eager), and its step time against eager."""
-    from runner.config import (
+    from runner.config.schema import (
         AmpConfig,
         AmpName,
         CompileConfig,
@@ -373,7 +373,7 @@ def _fast_cpu_decoders() -> list[tuple[str, list[str]]]:
     where they have it (the contenders for the best CPU decoder: PIL and torchvision's CPU
     decode are libjpeg-turbo too, behind more copies, and slower in every bench run)."""
     from runner.bench import cpu_decoders
-    from runner.data.storage.decode import DECODERS, Decoder
+    from runner.data.decode.decoders import DECODERS, Decoder
 
     contenders = {Decoder.region, Decoder.simplejpeg, Decoder.jpeg4py}
     return [(name, overrides) for name, overrides in cpu_decoders()
@@ -385,8 +385,8 @@ def check_nvjpeg(args: argparse.Namespace) -> list[Row]:
     """nvJPEG >= 5x the best CPU decoder, each with as many loader workers as the node
     has cores: a folder (every CPU decoder measured) and loader=packed."""
     from runner.bench import FOLDER, PACKED, loader, runner_rate
-    from runner.compose import compose
     from runner.data.threads import cores
+    from runner.job.compose import compose
 
     device = _device()
     workers = cores()
@@ -406,7 +406,7 @@ def check_nvjpeg(args: argparse.Namespace) -> list[Row]:
                 f"{workers} workers",
                 gpu >= 5 * rates[best], f"{gpu:,.0f} vs {best} {rates[best]:,.0f} img/s "
                                         f"({gpu / rates[best]:.2f}x); CPU: {shown}")]
-    from runner.data.storage.decode import DECODERS, Decoder
+    from runner.data.decode.decoders import DECODERS, Decoder
 
     if not DECODERS[Decoder.region].available():
         rows.append(Row(f"{loader(PACKED)} decoder=nvjpeg vs on the CPU", None,
@@ -422,8 +422,8 @@ def check_packed_nvjpeg(batch: int, workers: int, seconds: float) -> list[Row]:
     against the CPU's packed path at ``workers``: >= 5x, and the same pixels (centre crops,
     within the decoders' rounding: mean |difference| < 2 of 255)."""
     from runner.bench import PACKED, loader, runner_rate
-    from runner.compose import compose
     from runner.data import build_data_path
+    from runner.job.compose import compose
 
     device = _device()
     base = [loader(PACKED), "model=none", "logger=none", f"device={DEVICE}",
@@ -475,7 +475,7 @@ def check_infer(args: argparse.Namespace) -> list[Row]:
     import numpy as np
     from PIL import Image
 
-    from runner.config import ModelConfig
+    from runner.config.schema import ModelConfig
     from runner.model.networks import build_model
 
     rows = []
@@ -542,10 +542,16 @@ def check_resume(args: argparse.Namespace) -> list[Row]:
     written and loaded through the project's save / load / restore (the random state
     disturbed in between), then 3 more: the weights and the EMA of the resumed run differ
     from the straight one's no more than two straight runs differ (zero when deterministic)."""
-    from runner import checkpoint
-    from runner.config import AmpConfig, AmpName, ModelConfig, OptimizerName, TaskConfig, TaskName
+    from runner.config.schema import (
+        AmpConfig,
+        AmpName,
+        ModelConfig,
+        OptimizerName,
+        TaskConfig,
+        TaskName,
+    )
     from runner.model.networks import build_model
-    from runner.tasks import TrainStep
+    from runner.tasks import TrainStep, checkpoint
 
     device = _device()
     size, batch = (128, 32) if on_cuda() else (64, 4)
@@ -650,7 +656,14 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
     except ImportError:
         return [Row("compile=tensorrt fp16 vs eager fp16, resnet50", None,
                     "torch-tensorrt not installed: pip install -e '.[tensorrt]'")]
-    from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
+    from runner.config.schema import (
+        AmpConfig,
+        AmpName,
+        CompileConfig,
+        CompileName,
+        ModelConfig,
+        TaskName,
+    )
     from runner.model.amp import autocast
     from runner.model.compile import compile_model, verify
     from runner.model.networks import build_model
@@ -702,7 +715,7 @@ def check_tensorrt(size: int, batch: int) -> list[Row]:
 
 
 def check_fp16_training(size: int, batch: int) -> list[Row]:
-    from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
+    from runner.config.schema import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
     from runner.model.networks import build_model
     from runner.tasks import TrainStep
 
@@ -743,7 +756,7 @@ def check_fp16_numbers(size: int, batch: int) -> list[Row]:
     SGD, for-loop) under the same scaler: losses finite, parameters close."""
     import copy
 
-    from runner.config import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
+    from runner.config.schema import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
     from runner.model.networks import build_model
     from runner.tasks import TrainStep
 
@@ -786,12 +799,12 @@ def check_timing(batch: int) -> list[Row]:
 
     from tensordict import TensorDict
 
-    from runner.config import PrefetchConfig, PrefetchName
-    from runner.data.buffers import BufferPool
-    from runner.data.prefetch import build_prefetcher
-    from runner.logger import NullLogger
-    from runner.loop import LoopOptions, OnDevice, run_loop
+    from runner.config.schema import PrefetchConfig, PrefetchName
+    from runner.data.device.prefetch import build_prefetcher
+    from runner.data.loading.buffers import BufferPool
     from runner.measure.clock import StepClock
+    from runner.measure.metrics import NullLogger
+    from runner.tasks.loop import LoopOptions, OnDevice, run_loop
 
     device = torch.device("cuda")
     delay, gpu, pause, steps, per_epoch = 0.02, 0.005, 0.3, 40, 10
@@ -837,9 +850,9 @@ def check_pinned_storages(batch: int) -> list[Row]:
     (what makes its copy asynchronous): the folder, packed and memmap storages, in process
     and with worker processes. Fails on the first pageable batch."""
     from runner.bench import FOLDER, MEMMAP, PACKED, loader
-    from runner.compose import compose
     from runner.data import build_data_path
-    from runner.data.storage.decode import DECODERS, Decoder
+    from runner.data.decode.decoders import DECODERS, Decoder
+    from runner.job.compose import compose
 
     device = torch.device("cuda")
     rows = []
@@ -1052,7 +1065,7 @@ def build_region() -> str:
     import shutil
     import sysconfig
 
-    from runner.data.storage.decode import DECODERS, Decoder
+    from runner.data.decode.decoders import DECODERS, Decoder
 
     if DECODERS[Decoder.region].available():
         return "region decoder: built"
@@ -1135,7 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacking_deps:
         print(f"missing the project's dependencies {', '.join(lacking_deps)}: bring them as "
               "wheels (README, 'Self-check on an offline GPU node') and run again")
-        from runner.errors import EXIT_USER_ERROR
+        from runner.common.errors import EXIT_USER_ERROR
 
         return EXIT_USER_ERROR
     if cuda and not args.no_build:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data.synthetic import SyntheticSpec, make_image
+from runner.data.sources.synthetic import SyntheticSpec, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,8 +95,8 @@ def cache_dir(tmp_path: Path, monkeypatch) -> Path:
 def no_region_binding(monkeypatch) -> None:
     """The region decoder as on a machine where its libjpeg binding is not built
     (loader.decoder=auto then falls back to simplejpeg)."""
-    from runner.config import Decoder
-    from runner.data.storage import decode
+    from runner.config.schema import Decoder
+    from runner.data.decode import decoders as decode
 
     def unbuilt() -> None:
         raise decode.DecoderUnavailable("no binding here")
@@ -123,8 +123,8 @@ def run_in_process(*overrides: str, run_dir: Path) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from runner.commandline import register_configs
-    from runner.config import config_dir
+    from runner.config.schema import config_dir
+    from runner.job.commandline import register_configs
     from runner.job.run import run
 
     register_configs()
@@ -214,8 +214,8 @@ def compose_config(*overrides: str, hydra: bool = False):
     """The composed (not yet validated) DictConfig, as ``python -m runner`` composes it."""
     from hydra import compose, initialize_config_dir
 
-    from runner.commandline import register_configs
-    from runner.config import config_dir
+    from runner.config.schema import config_dir
+    from runner.job.commandline import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -236,7 +236,7 @@ def export_dynamic(module, example):
 def make_loader(storage, cfg, seed: int = 0, pin_memory: bool = False, rank: int = 0,
                 world: int = 1):
     """``build_loader`` over ``storage`` with its batch order for (seed, rank, world)."""
-    from runner.data.loader import batch_order, build_loader
+    from runner.data.loading.loader import batch_order, build_loader
 
     return build_loader(storage, cfg, batch_order(storage, cfg, seed, rank, world), pin_memory)
 
@@ -245,9 +245,9 @@ def make_loader(storage, cfg, seed: int = 0, pin_memory: bool = False, rank: int
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """moto's S3 server in a child process on 127.0.0.1 (runner/data/remote/loopback.py)."""
+    """moto's S3 server in a child process on 127.0.0.1 (runner/bench/servers/loopback.py)."""
     pytest.importorskip("moto", reason="pip install -e '.[dev]' (moto's S3 server)")
-    from runner.data.remote.loopback import LoopbackS3
+    from runner.bench.servers.loopback import LoopbackS3
 
     with LoopbackS3() as server:
         yield server
@@ -256,7 +256,7 @@ def s3_server():
 @pytest.fixture
 def delay_line(s3_server):
     """A delay line in front of ``s3_server`` (no delay until a test sets one)."""
-    from runner.data.remote.delayline import DelayLine
+    from runner.bench.servers.delayline import DelayLine
 
     with DelayLine(s3_server.port) as line:
         yield line
@@ -265,7 +265,7 @@ def delay_line(s3_server):
 @pytest.fixture
 def s3_env(s3_server, delay_line, monkeypatch):
     """The AWS variables a user sets, pointing at the server through the delay line."""
-    from runner.data.remote.loopback import aws_env_keys
+    from runner.bench.servers.loopback import aws_env_keys
 
     for key in aws_env_keys():
         monkeypatch.delenv(key, raising=False)
@@ -278,7 +278,7 @@ def stopped_after(steps: int, over: list[str], run_dir: Path) -> None:
     """``over`` run with resume=auto into ``run_dir``, stopped by a SIGTERM after ``steps``
     batches (its outputs and infer-state.json saved so far)."""
     import runner.tasks
-    from runner.errors import Interrupted
+    from runner.common.errors import Interrupted
 
     real = runner.tasks.InferStep.__call__
     calls = []

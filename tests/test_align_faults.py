@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import encode, make_tree, photo, run_in_process
 
-from runner.compose import compose
-from runner.config import ConfigError
-from runner.data.storage.listing import DatasetError, list_images, read_manifest
+from runner.config.schema import ConfigError
+from runner.data.sources.listing import DatasetError, list_images, read_manifest
+from runner.job.compose import compose
 
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
         "dataset.image_size=[32,32]", "loader.batch_size=4", "run.warmup_steps=0"]
@@ -135,7 +135,7 @@ def test_odd_names_keep_files_txt_and_the_csv_aligned(tmp_path: Path):
     raw = (run / "files.txt").read_bytes().decode("utf-8")
     lines = raw.split("\n")[:-1]
     assert len(lines) == len(ODD) == np.load(run / "tiny.logits.npy").shape[0]
-    # the rule of the outputs module (runner.outputs.read_file_line)
+    # the rule of the outputs module (runner.tasks.infer.outputs.read_file_line)
     assert [json.loads(line) if line.startswith('"') else line for line in lines] == names
     assert "\r" not in raw and "\u2028" not in raw  # no reader splits a line in two
     with open(run / "predictions.csv", newline="", encoding="utf-8") as f:

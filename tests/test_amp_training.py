@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from runner.config import TaskConfig, TaskName
-from runner.optim import build_optimizer
+from runner.config.schema import TaskConfig, TaskName
+from runner.tasks.train.optim import build_optimizer
 
 # weight decay on every parameter, as the reference SGD below has it
 CFG = TaskConfig(TaskName.train, lr=0.1, momentum=0.9, weight_decay=5e-4,

@@ -1,4 +1,4 @@
-"""runner/atomic.py: a file is published whole, or the old one stays."""
+"""runner/common/atomic.py: a file is published whole, or the old one stays."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.atomic import replacing, temporary, write_atomic
+from runner.common.atomic import replacing, temporary, write_atomic
 
 
 def test_a_file_is_replaced_whole_and_no_temporary_stays(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""task.augment on the batch (runner/data/transforms.py): RandAugment / TrivialAugment grouped by
+"""task.augment on the batch (runner/data/device/augment.py): RandAugment / TrivialAugment grouped by
 operation give torchvision's per-image results with kernel calls that do not grow with the
 batch; MixUp and CutMix draw on the device with no boolean-mask indexing or host reads."""
 
@@ -10,9 +10,9 @@ from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms.v2 import RandAugment, TrivialAugmentWide
 
-from runner.config import AugmentConfig, AutoAugmentName
-from runner.data import transforms as T
-from runner.data.transforms import (
+from runner.config.schema import AugmentConfig, AutoAugmentName
+from runner.data.device import augment as T
+from runner.data.device.augment import (
     NUM_BINS,
     OP_NAMES,
     PARAMS,
@@ -386,7 +386,7 @@ def test_on_cuda_a_step_neither_waits_for_the_device_nor_copies_but_its_paramete
 def test_colour_jitter_and_erasing_draw_on_the_device_and_read_nothing_back():
     """color_jitter and erasing: no host mask, no value read back, nothing copied across
     (each a sync per step on a GPU)."""
-    from runner.data.transforms import colour_jitter, erase
+    from runner.data.device.augment import colour_jitter, erase
 
     x = images(8).float() / 255
     for fn in (lambda: colour_jitter(x, 0.4), lambda: erase(x, 0.5)):
@@ -400,7 +400,7 @@ def test_colour_jitter_follows_torchvisions_formulas():
     saturation blend with the greyscale mean and the greyscale, as torchvision's do."""
     import torchvision.transforms.v2.functional as TF
 
-    from runner.data.transforms import colour_jitter
+    from runner.data.device.augment import colour_jitter
 
     x = images(4).float() / 255
     torch.manual_seed(3)
@@ -422,7 +422,7 @@ def colour_jitter_only(x: torch.Tensor, step: int, strength: float) -> torch.Ten
     neutral by running it with the order forced."""
     from unittest import mock
 
-    from runner.data import transforms
+    from runner.data.device import augment as transforms
 
     with mock.patch.object(transforms.torch, "randperm",
                            lambda n: torch.tensor([step])):
@@ -430,7 +430,7 @@ def colour_jitter_only(x: torch.Tensor, step: int, strength: float) -> torch.Ten
 
 
 def test_erasing_zeroes_one_rectangle_per_chosen_image():
-    from runner.data.transforms import erase
+    from runner.data.device.augment import erase
 
     x = torch.ones(64, 3, 20, 30)
     torch.manual_seed(0)
@@ -483,7 +483,7 @@ def test_no_operation_kernel_makes_a_tensor_from_host_values(name):
 @pytest.mark.parametrize("cfg", [{"mixup": 0.4}, {"cutmix": 1.0}, {"color_jitter": 0.4},
                                  {"erasing": 0.5}])
 def test_the_float_augmentations_make_no_tensor_from_host_values(cfg):
-    from runner.data.transforms import colour_jitter, erase
+    from runner.data.device.augment import colour_jitter, erase
 
     aug = TrainAugment(AugmentConfig(**cfg), seed=0)
     batch = flat_batch()
@@ -519,7 +519,7 @@ def test_the_hue_shift_is_torchvisions_adjust_hue_per_image_with_no_host_value(d
     factors of both signs up to +-0.5; no tensor made from a host value inside it."""
     import torchvision.transforms.v2.functional as TF
 
-    from runner.data.transforms import adjust_hue
+    from runner.data.device.augment import adjust_hue
 
     x = images(8, 24, 28, seed=4)
     if dtype == torch.float32:  # values off the 1/255 grid too

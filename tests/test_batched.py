@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.augment import BatchAugment
-from runner.data.buffers import BufferPool
-from runner.data.loader import BatchStream, InProcessBatches
+from runner.config.schema import Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.decode.crops import BatchAugment
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.loading.buffers import BufferPool
+from runner.data.loading.loader import BatchStream, InProcessBatches
 from runner.data.order import BatchOrder
+from runner.data.sources.listing import DatasetError
 from runner.data.storage import ram
-from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.listing import DatasetError
 from runner.data.storage.memmap import MemmapSpec, open_cache
 from tests.conftest import encode, make_loader, make_tree, photo
 
@@ -83,7 +83,7 @@ def test_an_epochs_order_depends_on_its_number_alone_so_a_resumed_run_reads_the_
 
 
 def test_a_stream_resumed_at_an_epoch_gives_that_epochs_batches(memmap_storage):
-    from runner.data.loader import batch_order, build_loader
+    from runner.data.loading.loader import batch_order, build_loader
 
     def stream(start: int, epochs: int) -> list[list[int]]:
         config = cfg(batch_size=4)

@@ -12,8 +12,15 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner.atomic import temporary
-from runner.config import AmpConfig, AmpName, CompileConfig, CompileName, ModelConfig, TaskName
+from runner.common.atomic import temporary
+from runner.config.schema import (
+    AmpConfig,
+    AmpName,
+    CompileConfig,
+    CompileName,
+    ModelConfig,
+    TaskName,
+)
 from runner.model import compile as compiling
 from runner.model.networks import UInt8Input, build_model
 from tests.conftest import (
@@ -173,7 +180,7 @@ def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path
 def test_an_exported_engine_module_survives_the_infer_steps_eval():
     """``ExportedProgram.module()`` (what a cached TensorRT engine loads as) raises from
     train()/eval(); the infer step calls eval() on every model it runs."""
-    from runner.config import AmpConfig, AmpName, TaskConfig, TaskName
+    from runner.config.schema import AmpConfig, AmpName, TaskConfig, TaskName
     from runner.tasks import InferStep
 
     backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)).eval()
@@ -233,7 +240,7 @@ def test_a_new_backend_is_its_enum_value_and_one_record(monkeypatch, tmp_path: P
     batch shape and verified; what its record says it cannot do is a skip naming why."""
     from enum import Enum
 
-    from runner.errors import Unavailable
+    from runner.common.errors import Unavailable
 
     extra = Enum("CompileName", {"counted": "counted", "gpu_only": "gpu_only"})
     built = []
@@ -265,7 +272,7 @@ def test_a_new_backend_is_its_enum_value_and_one_record(monkeypatch, tmp_path: P
 
 
 def test_every_backend_has_a_record_and_says_what_it_cannot_do():
-    from runner.errors import Unavailable
+    from runner.common.errors import Unavailable
 
     assert set(compiling.BACKENDS) == set(CompileName)
     trt, ort = compiling.BACKENDS[CompileName.tensorrt], compiling.BACKENDS[CompileName.onnxruntime]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.commandline import bad_value_message
-from runner.compose import refusal
+from runner.job.commandline import bad_value_message
+from runner.job.compose import refusal
 from tests.conftest import run_cli
 
 # (the overrides, what the line must say, the suggestion it must make or None)
@@ -192,8 +192,8 @@ def test_a_key_of_the_other_task_is_refused_even_at_its_default():
     """A task key the run's task does not read is refused as a typo is: named in the
     overrides (even at its default value), or set by a recipe; the run's own keys, and the
     other task's left at their defaults, are not."""
-    from runner.compose import compose
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
+    from runner.job.compose import compose
 
     for overrides, says in [
             (["task=infer", "task.lr=0.05"], "task.lr=0.05 is a task=train key: task=infer"),
@@ -213,8 +213,8 @@ def test_a_key_of_the_other_task_is_refused_even_at_its_default():
 def test_an_append_adds_keys_only_to_the_open_mappings():
     """``+`` and ``++`` add a key under model.kwargs (a free-form mapping), and set a key
     the schema has; a key the schema lacks is refused, never added and ignored."""
-    from runner.commandline import check_command_line
-    from runner.compose import compose
+    from runner.job.commandline import check_command_line
+    from runner.job.compose import compose
 
     over = ["model=custom", "model.target=tests.nets:TwoLayer", "+model.kwargs.width=12"]
     check_command_line(over)  # no exit
@@ -230,7 +230,7 @@ def test_an_append_adds_keys_only_to_the_open_mappings():
 def test_a_group_of_the_users_own_config_may_be_appended(tmp_path: Path):
     """With a config of their own (-cd, -cp, -cn, hydra.searchpath), ``+experiment=fast``
     names a group of theirs: left to Hydra. Without one it is a key the schema lacks."""
-    from runner.commandline import check_command_line
+    from runner.job.commandline import check_command_line
 
     for theirs in (["-cd", str(tmp_path)], ["--config-dir", str(tmp_path)],
                    [f"hydra.searchpath=[file://{tmp_path}]"]):
@@ -242,8 +242,8 @@ def test_a_group_of_the_users_own_config_may_be_appended(tmp_path: Path):
 
 
 def test_every_task_key_belongs_to_one_task():
-    from runner.config import TASK_KEYS, TaskConfig, TaskName
-    from runner.optim import OPTIMIZERS, SCHEDULES
+    from runner.config.schema import TASK_KEYS, TaskConfig, TaskName
+    from runner.tasks.train.optim import OPTIMIZERS, SCHEDULES
 
     fields = [f for f in TaskConfig.__dataclass_fields__ if f != "name"]
     owned = [k for keys in TASK_KEYS.values() for k in keys]

@@ -9,11 +9,11 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from runner.commandline import register_configs, unknown_key_message
-from runner.compose import to_config
-from runner.config import ConfigError, Decoder
-from runner.data.storage.decode import DECODERS
-from runner.errors import Unavailable
+from runner.common.errors import Unavailable
+from runner.config.schema import ConfigError, Decoder
+from runner.data.decode.decoders import DECODERS
+from runner.job.commandline import register_configs, unknown_key_message
+from runner.job.compose import to_config
 from tests.conftest import REPO, compose_config, make_loader, run_cli
 
 CONF = REPO / "conf"
@@ -34,7 +34,7 @@ def test_every_group_has_presets_and_a_builder():
 
 
 def build_loader_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.data.loader import BatchStream
+    from runner.data.loading.loader import BatchStream
     from runner.data.storage import build_storage
 
     storage = build_storage(config.loader, config.dataset, image_tree, progress=False)
@@ -45,7 +45,7 @@ def build_loader_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_prefetch_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.data.prefetch import build_prefetcher
+    from runner.data.device.prefetch import build_prefetcher
 
     source = [{"x": torch.arange(3)}, {"x": torch.arange(3) + 3}]
     prefetcher = build_prefetcher(config.prefetch, source, DEVICE)
@@ -62,7 +62,7 @@ def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.config import ModelConfig, TaskName
+    from runner.config.schema import ModelConfig, TaskName
     from runner.model.compile import compile_model
     from runner.model.networks import build_model
 
@@ -87,7 +87,7 @@ def build_model_preset(config, tmp_path: Path, image_tree: Path) -> None:
 def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
     from tensordict import TensorDict
 
-    from runner.config import ModelConfig
+    from runner.config.schema import ModelConfig
     from runner.model.networks import build_model
     from runner.tasks import make_step
 
@@ -102,7 +102,7 @@ def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_logger_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.logger import build_logger
+    from runner.job.logger import build_logger
 
     logger = build_logger(config.logger, tmp_path, {"loader.name": "folder"}, "test", None)
     logger.log({"images_per_sec": 1.0}, step=1)
@@ -144,7 +144,7 @@ def test_sweep_presets_compose_into_valid_jobs(preset: str):
     cfg = compose_config(f"sweep={preset}", hydra=True)
     if preset == "autotune":  # no matrix: the trials optuna would ask for, sampled
         optuna = pytest.importorskip("optuna")
-        from runner.sweep import autotune_space
+        from runner.job.sweep import autotune_space
 
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         for _ in range(25):
@@ -276,7 +276,7 @@ def test_a_misspelt_model_in_models_is_refused_before_any_dataset_is_made(tmp_pa
 
 
 def test_every_model_name_is_checked_when_the_config_is_composed():
-    from runner.compose import compose
+    from runner.job.compose import compose
 
     with pytest.raises(ConfigError, match="resnett50"):
         compose(["task=infer", "models=[resnet18,resnett50]"])
@@ -285,8 +285,8 @@ def test_every_model_name_is_checked_when_the_config_is_composed():
 
 
 def test_a_loader_with_no_batches_is_a_users_mistake_not_a_bug(tmp_path: Path, image_tree: Path):
-    from runner.compose import compose
     from runner.data import build_data_path
+    from runner.job.compose import compose
 
     config = compose([f"dataset.path={image_tree}", "loader.batch_size=64",
                       "loader.drop_last=true", "dataset.image_size=[16,16]"])
@@ -297,7 +297,7 @@ def test_a_loader_with_no_batches_is_a_users_mistake_not_a_bug(tmp_path: Path, i
 def test_help_gives_every_preset_one_whole_line():
     """--help used to cut the packed, dali and ffcv lines at the first colon of their
     comments, in the middle of a parenthesis."""
-    from runner.commandline import help_text
+    from runner.job.commandline import help_text
 
     presets = [line for line in help_text().split("== Flags")[0].splitlines()
                if line.startswith("  ")]

@@ -1,8 +1,8 @@
 """The console says each thing once, where it matters: the lengthening of a fast run once
 per run, the clipped warm-up only where a speed figure is the point, wandb's offline run in
 one line of the runner's own (wandb's own console output silenced), a disturbed run's
-reason once; in lines a terminal holds (runner/console.py), above a progress bar that
-names the epoch and the running loss (runner/loop.py)."""
+reason once; in lines a terminal holds (runner/common/console.py), above a progress bar that
+names the epoch and the running loss (runner/tasks/loop.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from runner.logger import NullLogger
-from runner.loop import LoopOptions, OnDevice, run_loop
+from runner.measure.metrics import NullLogger
 from runner.tasks import DataOnlyStep
+from runner.tasks.loop import LoopOptions, OnDevice, run_loop
 from tests.conftest import REPO, SMALL_DATASET, run_in_process
 
 LENGTHENED = "the data path alone runs"
@@ -52,7 +52,7 @@ class SettlingStep(DataOnlyStep):
 
 def test_a_lengthened_run_says_so_once_not_per_window(caplog):
     asked = []
-    with caplog.at_level(logging.INFO, logger="runner.loop"):
+    with caplog.at_level(logging.INFO, logger="runner.tasks.loop"):
         result = run_loop(OnDevice(endless(), torch.device("cpu")), SettlingStep(7),
                           NullLogger(), LoopOptions(
                               total_steps=20, warmup_steps=2, log_every=5, repeats=3,
@@ -208,7 +208,7 @@ LONG = ("loader=folder decoder=region workers=0 batch=64 prefetch=none amp=off c
 
 
 def test_the_console_wraps_a_long_message_to_the_terminal(terminal):
-    from runner.console import ConsoleFormatter
+    from runner.common.console import ConsoleFormatter
 
     text = ConsoleFormatter(stream=terminal).format(record(logging.INFO, LONG))
     lines = text.split("\n")
@@ -231,7 +231,7 @@ def test_the_console_wraps_a_long_message_to_the_terminal(terminal):
 def test_the_console_keeps_one_line_per_record_in_a_file():
     import io
 
-    from runner.console import ConsoleFormatter
+    from runner.common.console import ConsoleFormatter
 
     assert ConsoleFormatter(stream=io.StringIO()).format(record(logging.INFO, LONG)) == LONG
 
@@ -281,7 +281,7 @@ def test_the_disturbed_sentence_is_said_once(tmp_path: Path, cache_dir: Path, mo
                                              caplog, diagnose: str):
     """A run on a busy machine: the reason its figures are a shared machine's is said once,
     by the verdict when one follows (a warning: no verdict), else by the run's own flag."""
-    from runner import results
+    from runner.tasks import results
 
     monkeypatch.setattr(results, "others_cores", lambda windows: 3.0)  # as if others ran
     monkeypatch.setattr(results, "shared_limit", lambda: 0.5)

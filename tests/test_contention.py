@@ -40,7 +40,7 @@ def test_cpu_crops_image_by_image_are_the_batched_crops():
     """On a CPU device random crops run per image on the row pool (the antialiased uint8
     resize): the same boxes and flips as the batched grid_sample, the same pixels up to
     rounding (crops of a cache at the output size only upsample)."""
-    from runner.data.augment import BatchAugment
+    from runner.data.decode.crops import BatchAugment
 
     images = torch.randint(0, 256, (16, 3, 24, 24), dtype=torch.uint8)
     images = torch.nn.functional.avg_pool2d(images.float(), 3, 1, 1).to(torch.uint8)  # smooth
@@ -57,9 +57,9 @@ def test_cpu_crops_image_by_image_are_the_batched_crops():
 
 
 def test_a_window_timed_while_other_processes_ran_flags_the_run():
-    from runner.loop import LoopResult
     from runner.measure.clock import Window
-    from runner.results import loop_figures
+    from runner.tasks.loop import LoopResult
+    from runner.tasks.results import loop_figures
 
     def window(others: float) -> Window:
         return Window(steps=10, images=640, seconds=1.0, others_cpu=others)
@@ -77,7 +77,7 @@ def test_a_window_timed_while_other_processes_ran_flags_the_run():
 
 
 def test_a_pipeline_far_below_its_slowest_stage_is_flagged_and_not_advised_on():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import Ceilings, far_below, verdict
 
     cfg = compose(["loader=memmap", "model=none"])
@@ -119,7 +119,7 @@ def test_the_report_ranks_no_disturbed_run_and_leaves_it_out_of_the_switches(tmp
 
 
 def test_the_verdict_fits_its_budget_and_times_the_model_in_several_bursts():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import model_ceiling
 
     cfg = compose(["model=tiny", "loader.batch_size=4", "dataset.image_size=[16,16]"])

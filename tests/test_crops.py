@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import runner
-from runner.compose import compose
-from runner.config import Decoder, StorageName
+from runner.config.schema import Decoder, StorageName
+from runner.data.decode.decoders import DECODERS, center_box
 from runner.data.storage import STORAGES
-from runner.data.storage.decode import DECODERS, center_box
+from runner.job.compose import compose
 from tests.conftest import encode, make_tree, photo
 
 SIZE = 48
@@ -128,7 +128,7 @@ def test_the_default_crop_is_resize_256_crop_224_and_packed_stores_at_256():
     assert default_store_size(compose(["dataset.crop_fraction=1.0"]).dataset) == 224
     box = center_box(480, 640, 224, 224, 0.875)
     assert (box.height, box.width) == (420, 420)  # 0.875 of the shorter side
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"dataset.crop_fraction=1.5 .*\(0, 1\]"):
         compose(["dataset.crop_fraction=1.5"])
@@ -168,7 +168,7 @@ def test_a_random_crop_is_the_same_box_on_every_storage(tree: Path, tmp_path: Pa
 @pytest.mark.parametrize("crop", ["center", "random"])
 def test_the_packed_batch_decode_gives_the_per_image_pixels(tree: Path, tmp_path: Path,
                                                             crop: str):
-    from runner.data.loader import ThreadedBatches
+    from runner.data.loading.loader import ThreadedBatches
     from runner.data.order import BatchOrder
     from runner.data.storage import build_storage, resolve_dataset
     from runner.data.storage.folder import FolderStorage
@@ -187,7 +187,7 @@ def test_the_packed_batch_decode_gives_the_per_image_pixels(tree: Path, tmp_path
         return [(b["index"].clone(), b["image"].clone())
                 for b, _ in ThreadedBatches(storage, order, pin_memory=False, threads=2)]
 
-    from runner.data.storage import _jpegregion
+    from runner.data.decode import _jpegregion
 
     decode_batch, errors = _jpegregion.decode_batch, []
 
@@ -216,7 +216,7 @@ def test_the_bindings_enlargement_is_the_antialiased_resize():
     against torch's antialiased uint8 resize, on HWC buffers and CHW windows, flipped."""
     import torch.nn.functional as F
 
-    from runner.data.storage.decode import resize_into, upsample_job
+    from runner.data.decode.decoders import resize_into, upsample_job
 
     generator = torch.Generator().manual_seed(0)
     store = torch.randint(0, 256, (3, 64, 80), dtype=torch.uint8, generator=generator)
@@ -232,7 +232,7 @@ def test_the_bindings_enlargement_is_the_antialiased_resize():
                             antialias=True, align_corners=False)[0]
         ref = ref.flip(2) if flip else ref
         assert (out.int() - ref.int()).abs().max() <= 1, (window.shape, flip)
-    from runner.data.storage.decode import _UPSAMPLE
+    from runner.data.decode.decoders import _UPSAMPLE
 
     # the HWC view is torch's (its channels-last kernel is faster there), the CHW ones the
     # binding's
@@ -250,7 +250,7 @@ def test_the_stores_bench_holds_packed_to_its_decode_limit_and_memmap_to_the_gri
     the round (a store's share of that round's decode limit; memmap's random crops against
     that round's batched grid_sample), then the median over rounds."""
     from runner.bench.stores import _row, folder_rows, store_targets
-    from runner.config import StorageName
+    from runner.config.schema import StorageName
     from runner.data.storage import STORAGES
 
     packed, memmap = _row(StorageName.packed), _row(StorageName.memmap)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from runner.config import Crop, Decoder
-from runner.data.storage.decode import (
+from runner.config.schema import Crop, Decoder
+from runner.data.decode.decoders import (
     CorruptImageError,
     DecoderUnavailable,
     ImageDecoder,
@@ -223,7 +223,7 @@ def test_region_decode_decodes_only_the_window(monkeypatch):
     """The binding is asked for the crop's window (not the whole image), at the largest
     power-of-two scale that keeps the crop at least the output size."""
     check = decoder_or_skip(Decoder.region, (32, 32))
-    from runner.data.storage import _jpegregion
+    from runner.data.decode import _jpegregion
 
     calls = []
     real = _jpegregion.decode

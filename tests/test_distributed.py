@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.loader import BatchStream
+from runner.config.schema import Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.loading.loader import BatchStream
 from runner.data.order import BatchOrder
-from runner.data.storage.decode import ImageDecoder
 from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import FolderStorage
 from tests.conftest import REPO, SMALL_DATASET, encode, make_loader, make_tree, photo, read_metrics
@@ -128,8 +128,8 @@ def test_the_slurm_launcher_preset_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
-    from runner.commandline import register_configs
-    from runner.config import config_dir
+    from runner.config.schema import config_dir
+    from runner.job.commandline import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -12,8 +12,8 @@ import shlex
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from runner.commandline import check_command_line
-from runner.compose import refusal, to_config
+from runner.job.commandline import check_command_line
+from runner.job.compose import refusal, to_config
 from tests.conftest import REPO, compose_config
 
 COMMAND = re.compile(r"(?:python -m|torchrun\b.*?-m) runner(?=\s|$)(.*)")
@@ -114,7 +114,7 @@ MODULE_COMMANDS = documented_module_commands()
 def test_the_readme_documents_module_commands():
     modules = {m for _, m, _ in MODULE_COMMANDS}
     assert {"runner.bench", "runner.report", "runner.prepare", "runner.export",
-            "runner.environment"} <= modules
+            "runner.job.environment"} <= modules
 
 
 @pytest.mark.parametrize(("where", "module", "args"), MODULE_COMMANDS,
@@ -123,7 +123,7 @@ def test_a_documented_module_command_names_a_module_and_parses(where: str, modul
                                                                 args: str):
     import importlib.util
 
-    from runner.compose import job_refusal
+    from runner.job.compose import job_refusal
 
     assert importlib.util.find_spec(module) is not None, f"{where}: no module {module}"
     argv = shlex.split(args)

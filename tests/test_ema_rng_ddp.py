@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner import checkpoint
-from runner.optim import AveragedNetwork, Ema
-from runner.tasks import TrainStep
+from runner.tasks import TrainStep, checkpoint
+from runner.tasks.train.optim import AveragedNetwork, Ema
 from tests.test_training import batches, small_model, task
 
 # --- the EMA ----------------------------------------------------------------------------

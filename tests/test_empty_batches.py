@@ -61,7 +61,7 @@ def test_inference_with_a_whole_batch_undecodable_finishes_its_outputs(tmp_path:
 
 
 def test_inference_over_a_truncated_shard_finishes_its_outputs(tmp_path: Path, cache_dir):
-    from runner.data.storage.tarshards import ShardWriter, write_manifest
+    from runner.data.storage.tarformat import ShardWriter, write_manifest
 
     shards = tmp_path / "shards"
     entries = []

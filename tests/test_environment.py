@@ -11,9 +11,9 @@ import PIL.features
 import pytest
 import torch
 
-from runner import environment
 from runner.data.threads import cores
-from runner.logger import summary_of
+from runner.job import environment
+from runner.job.logger import summary_of
 from runner.report import write_report
 from tests.conftest import SMALL_DATASET, run_in_process, wandb_records
 

@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import Decoder, OnCorrupt
+from runner.config.schema import Decoder, OnCorrupt
+from runner.data.decode.decoders import CorruptFileStop, CorruptImageError, ImageDecoder
 from runner.data.pool import WorkerDied
-from runner.data.storage import cache, memmap
-from runner.data.storage.cache import META, CacheError, DiskFull, ensure_cache
-from runner.data.storage.decode import CorruptFileStop, CorruptImageError, ImageDecoder
+from runner.data.storage import convert as cache
+from runner.data.storage import memmap
+from runner.data.storage.convert import META, CacheError, DiskFull, ensure_cache
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import MemmapSpec, open_cache
-from runner.outcome import RunDirClaim
+from runner.launch.outcome import RunDirClaim
 from tests.conftest import (
     REPO,
     SMALL_DATASET,
@@ -76,8 +77,8 @@ def sitecustomize(folder: Path, code: str) -> dict[str, str]:
 JPEG4PY_AFTER_TRUNCATED = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from runner.config import Decoder
-    from runner.data.storage.decode import CorruptImageError, ImageDecoder
+    from runner.config.schema import Decoder
+    from runner.data.decode.decoders import CorruptImageError, ImageDecoder
     good, truncated = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes()
     decode = ImageDecoder(Decoder.jpeg4py, (32, 32))
     reference = decode(good)
@@ -94,8 +95,8 @@ JPEG4PY_AFTER_TRUNCATED = textwrap.dedent("""
 @pytest.mark.slow
 def test_jpeg4py_survives_a_truncated_file_then_200_good_ones(tmp_path: Path):
     pytest.importorskip("jpeg4py")
-    from runner.data.storage.decode import check_decoder
-    from runner.errors import Unavailable
+    from runner.common.errors import Unavailable
+    from runner.data.decode.decoders import check_decoder
 
     try:
         check_decoder(Decoder.jpeg4py)
@@ -119,7 +120,7 @@ def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path
             cwd=tmp_path)  # the default dataset, made before the crash is injected
     env = sitecustomize(tmp_path / "inject", """
         import multiprocessing, os, signal
-        import runner.data.storage.decode as decode
+        import runner.data.decode.decoders as decode
         real = decode.ImageDecoder.__call__
         def crashing(self, data, rng=None):
             if multiprocessing.parent_process() is not None:  # a DataLoader worker
@@ -287,10 +288,10 @@ def test_under_torchrun_rank_0_reports_the_failing_ranks_error(tmp_path: Path,
     env.update(sitecustomize(tmp_path / "inject", """
         import os
         if os.environ.get("RANK") == "1":
-            import runner.tasks.train
+            import runner.tasks.train.training
             def broken(self, *args):
                 raise ValueError("rank one cannot build its model")
-            runner.tasks.train.TrainTask.build = broken
+            runner.tasks.train.training.TrainTask.build = broken
     """))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
@@ -368,7 +369,7 @@ def test_a_memmap_run_lists_skipped_files_in_metrics(tmp_path: Path, cache_dir: 
 
 def test_the_same_folder_spelled_differently_reuses_the_cache(source: Path, tmp_path: Path,
                                                               monkeypatch):
-    from runner.config import DatasetConfig, LoaderConfig, StorageName
+    from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
     from runner.data.storage import build_storage
 
     loader = LoaderConfig(name=StorageName.memmap, decoder=Decoder.simplejpeg)
@@ -456,8 +457,8 @@ def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
 
 
 def test_loader_ram_refuses_a_dataset_larger_than_dev_shm(monkeypatch):
+    from runner.data.sources.listing import DatasetError
     from runner.data.storage import ram
-    from runner.data.storage.listing import DatasetError
 
     monkeypatch.setattr(ram, "shm_free", lambda: 64 * 2**20)  # docker's default 64 MB
     with pytest.raises(DatasetError, match="--shm-size"):
@@ -491,7 +492,7 @@ def test_a_folder_link_that_loops_is_walked_once(tmp_path: Path):
 def test_a_folder_link_never_relabels_another_classs_images(tmp_path: Path, caplog,
                                                             loader: str):
     """``a/loop -> ..`` and ``a/alias -> ../b`` would list b's images again as class a."""
-    from runner.config import DatasetConfig, LoaderConfig, StorageName
+    from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
     from runner.data.storage import build_storage
 
     root = make_tree(tmp_path / "tree", {f"{c}/{k}.jpg": encode(photo(16, 16, index=10 * i + k))
@@ -538,7 +539,7 @@ def test_a_missing_class_folder_image_read_mid_run_is_a_skip(tmp_path: Path):
 
 
 def test_results_are_never_lost_to_a_full_disk_at_the_end(tmp_path: Path, monkeypatch, capsys):
-    from runner import outcome
+    from runner.launch import outcome
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
@@ -592,8 +593,8 @@ def test_a_rebuild_survives_a_store_left_aside_by_a_killed_rebuild(source: Path,
 def test_a_batch_size_larger_than_the_dataset_is_a_batch_of_the_dataset(tmp_path: Path,
                                                                         cache_dir: Path):
     """loader.batch_size=1000000 allocated buffers for a million images (150 GB at 224)."""
-    from runner.compose import compose
     from runner.data import build_data_path
+    from runner.job.compose import compose
 
     config = compose([*SMALL_DATASET, "loader.batch_size=1000000", "model=none"])
     data = build_data_path(config, torch.device("cpu"), epochs=1, progress=False)
@@ -605,9 +606,9 @@ def test_a_batch_size_larger_than_the_dataset_is_a_batch_of_the_dataset(tmp_path
 
 def test_a_batch_whose_buffers_cannot_fit_in_memory_is_refused_in_one_line(
         tmp_path: Path, cache_dir: Path, monkeypatch):
-    from runner.compose import compose
+    from runner.common.errors import ConfigError
     from runner.data import build_data_path, path
-    from runner.errors import ConfigError
+    from runner.job.compose import compose
 
     monkeypatch.setattr(path, "memory_available", lambda: 10 * 3 * 48 * 48)
     config = compose([*SMALL_DATASET, "loader.batch_size=50", "model=none"])
@@ -619,7 +620,7 @@ def test_a_batch_whose_buffers_cannot_fit_in_memory_is_refused_in_one_line(
 def test_the_continue_command_is_quoted_for_a_shell(monkeypatch):
     import shlex
 
-    from runner.outcome import stopped_line
+    from runner.launch.outcome import stopped_line
 
     monkeypatch.setattr(sys, "argv", ["runner", "dataset.path=/data/my images", "run.epochs=3"])
     line = stopped_line({"reason": "interrupted by SIGTERM", "steps": 5,

@@ -40,7 +40,7 @@ def test_a_data_only_run_with_no_length_asked_is_still_lengthened(twelve: Path, 
 @pytest.mark.parametrize("task", ["train", "infer"])
 def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
         twelve: Path, tmp_path: Path, task: str):
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         run_in_process("model=tiny", f"task={task}", "logger=none", "diagnose=false",
@@ -58,8 +58,8 @@ def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
 
 
 def test_weights_files_of_one_name_in_two_folders_get_their_folders_in_the_names(tmp_path: Path):
-    from runner.compose import compose
-    from runner.rules import model_configs
+    from runner.config.rules import model_configs
+    from runner.job.compose import compose
 
     cfg = compose(["task=infer", "+models=[{name:tiny,weights:/x/a/best.pt},"
                    "{name:tiny,weights:/x/b/best.pt}]"])
@@ -67,9 +67,9 @@ def test_weights_files_of_one_name_in_two_folders_get_their_folders_in_the_names
 
 
 def test_one_weights_file_twice_asks_for_an_alias_not_other_weights(tmp_path: Path):
-    from runner.compose import compose
-    from runner.errors import ConfigError
-    from runner.rules import model_configs
+    from runner.common.errors import ConfigError
+    from runner.config.rules import model_configs
+    from runner.job.compose import compose
 
     with pytest.raises(ConfigError, match="one weights file /x/best.pt.*give each entry an alias"):
         model_configs(compose(["task=infer", "+models=[{name:tiny,weights:/x/best.pt},"
@@ -77,7 +77,7 @@ def test_one_weights_file_twice_asks_for_an_alias_not_other_weights(tmp_path: Pa
 
 
 def test_one_image_as_dataset_path_is_named_as_one_image(tmp_path: Path):
-    from runner.data.storage.listing import DatasetError
+    from runner.data.sources.listing import DatasetError
 
     image = tmp_path / "x.jpg"
     image.write_bytes(encode(photo(40, 52)))
@@ -87,7 +87,7 @@ def test_one_image_as_dataset_path_is_named_as_one_image(tmp_path: Path):
 
 
 def test_a_binary_file_as_manifest_says_a_manifest_is_text(tmp_path: Path):
-    from runner.data.storage.listing import DatasetError
+    from runner.data.sources.listing import DatasetError
 
     blob = tmp_path / "data.bin"
     blob.write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)))
@@ -97,7 +97,7 @@ def test_a_binary_file_as_manifest_says_a_manifest_is_text(tmp_path: Path):
 
 
 def test_a_manifest_of_missing_files_says_they_do_not_exist(tmp_path: Path):
-    from runner.data.storage.listing import DatasetError
+    from runner.data.sources.listing import DatasetError
 
     manifest = tmp_path / "m.csv"
     manifest.write_text(f"path\n{tmp_path}/nope/a.jpg\n{tmp_path}/nope/b.jpg\n")
@@ -129,8 +129,8 @@ import resource, sys
 from types import SimpleNamespace
 from runner.data.path import check_batch_memory
 from runner.data.storage.ram import memory_available
-from runner.config import LoaderConfig
-from runner.errors import ConfigError
+from runner.config.schema import LoaderConfig
+from runner.common.errors import ConfigError
 soft, _ = resource.getrlimit(resource.RLIMIT_AS)
 left = memory_available()
 assert left <= soft, (left, soft)
@@ -206,7 +206,7 @@ def test_the_verdict_probes_a_batch_no_larger_than_the_loops(tmp_path: Path, cac
 
 
 def test_a_missing_manifest_is_named_as_the_manifest(tmp_path: Path):
-    from runner.data.storage.listing import DatasetError
+    from runner.data.sources.listing import DatasetError
 
     with pytest.raises(DatasetError, match=r"^dataset.manifest=\S*nope.csv does not exist"):
         run_in_process("model=tiny", "task=infer", "logger=none",

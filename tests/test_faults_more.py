@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import Decoder, OnCorrupt
-from runner.data.storage.decode import ImageDecoder
+from runner.config.schema import Decoder, OnCorrupt
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.sources.listing import DatasetError, open_image_folder
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.listing import DatasetError, open_image_folder
 from tests.conftest import REPO, encode, make_tree, photo, run_cli
 
 SIZE = (24, 32)
@@ -118,7 +118,7 @@ def test_a_dataset_root_that_is_a_symlink_loop_is_one_line(tmp_path: Path):
 # --- 21. a torchvision model's name given as a model preset -----------------------------------
 
 def test_a_torchvision_name_as_model_preset_says_model_name():
-    from runner.commandline import unknown_choice_message
+    from runner.job.commandline import unknown_choice_message
 
     message = unknown_choice_message("model=mobilenet_v3_small")
     assert "there is no model preset 'mobilenet_v3_small'" in message
@@ -128,7 +128,7 @@ def test_a_torchvision_name_as_model_preset_says_model_name():
 
 def test_a_timm_name_as_model_preset_says_model_timm():
     pytest.importorskip("timm")
-    from runner.commandline import unknown_choice_message
+    from runner.job.commandline import unknown_choice_message
 
     assert "model=timm model.name=convnext_nano" in unknown_choice_message("model=convnext_nano")
 
@@ -142,8 +142,8 @@ def test_a_timm_name_as_model_preset_says_model_timm():
 ])
 def test_an_infer_setting_that_does_nothing_is_refused(tmp_path: Path, override: str,
                                                        expect: str):
-    from runner.compose import to_config
-    from runner.config import ConfigError
+    from runner.config.schema import ConfigError
+    from runner.job.compose import to_config
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError, match=expect.replace("[", r"\[").replace("]", r"\]")):
@@ -151,7 +151,7 @@ def test_an_infer_setting_that_does_nothing_is_refused(tmp_path: Path, override:
 
 
 def test_a_half_written_checkpoint_of_a_killed_run_is_removed(tmp_path: Path, caplog):
-    from runner import checkpoint
+    from runner.tasks import checkpoint
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -221,7 +221,7 @@ def test_a_read_only_run_folder_is_one_line(tmp_path: Path, where: str):
 
 def test_a_run_folder_that_can_be_made_is_unchanged(tmp_path: Path, monkeypatch):
     """The check makes no run folder of its own beyond the fixed part of the default."""
-    from runner.outcome import RunDirUnusable, check_run_folder
+    from runner.launch.outcome import RunDirUnusable, check_run_folder
 
     monkeypatch.chdir(tmp_path)
     check_run_folder([])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.loop import LoopResult
 from runner.measure.clock import STAGES, Window
-from runner.results import loop_figures, step_shares, summary_line
+from runner.tasks.loop import LoopResult
+from runner.tasks.results import loop_figures, step_shares, summary_line
 from tests.conftest import SMALL_DATASET, run_in_process
 
 
@@ -63,7 +63,7 @@ def ms_in(line: str) -> dict[str, float]:
 def test_a_training_run_prints_no_part_longer_than_its_step(tmp_path: Path, cache_dir: Path):
     """End to end: augmentation, accumulated optimizer steps and the EMA, each printed as
     a share of the step beside it."""
-    from runner.compose import compose
+    from runner.job.compose import compose
 
     over = [*SMALL_DATASET, "dataset.crop=random", "logger=none", "diagnose=false",
             "run.steps=14", "run.warmup_steps=2", "run.log_every=4", "task.accumulate=4",
@@ -84,7 +84,7 @@ def test_a_training_run_prints_no_part_longer_than_its_step(tmp_path: Path, cach
 def test_no_verdict_leaves_bound_and_stage_null():
     """A disturbed run's sentence gives no verdict: ``bound`` and ``stage`` (what a script
     reads) must not give one either."""
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import Ceilings, verdict
 
     cfg = compose(["model=tiny"])
@@ -107,7 +107,7 @@ def test_no_verdict_leaves_bound_and_stage_null():
 def test_merged_ranks_give_each_stage_as_a_share_of_the_runs_step():
     """Under torch.distributed the run's step is its slowest rank's: every stage (the
     optimizer's too) is recomputed as a share of that step."""
-    from runner.results import merge_ranks, rank_figures
+    from runner.tasks.results import merge_ranks, rank_figures
 
     fast = result_of([window(1.0, 0.2), window(1.0, 0.2), window(1.0, 0.2)])
     slow = result_of([window(2.0, 0.2), window(2.0, 0.2), window(2.0, 0.2)])

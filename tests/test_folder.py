@@ -9,11 +9,11 @@ import pytest
 import torch
 from torchvision.datasets import ImageFolder
 
-from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.loader import BatchStream, dataloader_kwargs
-from runner.data.storage.decode import CorruptImageError, ImageDecoder
+from runner.config.schema import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.decode.decoders import CorruptImageError, ImageDecoder
+from runner.data.loading.loader import BatchStream, dataloader_kwargs
+from runner.data.sources.listing import DatasetError
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.listing import DatasetError
 from tests.conftest import encode, make_loader, make_tree, photo
 
 DECODE = ImageDecoder(Decoder.simplejpeg, (32, 32))
@@ -166,7 +166,7 @@ def test_every_path_gives_identical_batches_for_the_same_seed(image_tree: Path,
 def test_threads_decode_into_reused_buffers_and_stop_cleanly(image_tree: Path):
     import threading
 
-    from runner.data.loader import ThreadedBatches
+    from runner.data.loading.loader import ThreadedBatches
 
     storage = FolderStorage(image_tree, DECODE, OnCorrupt.skip)
     loader = make_loader(storage, loader_config(batch_size=4), 0, False)
@@ -190,9 +190,9 @@ def test_a_dead_class_link_one_class_and_a_deleted_file_are_each_said(tmp_path, 
     import logging
     import os
 
-    from runner.config import Decoder as D
-    from runner.config import OnCorrupt as O
-    from runner.data.storage.decode import ImageDecoder
+    from runner.config.schema import Decoder as D
+    from runner.config.schema import OnCorrupt as O
+    from runner.data.decode.decoders import ImageDecoder
     from runner.data.storage.folder import FolderStorage as Folder
     from tests.conftest import encode, make_tree, photo
 

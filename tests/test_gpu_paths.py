@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-from runner.compose import compose
-from runner.config import AmpConfig, AmpName, CompileName, ModelConfig, TaskConfig, TaskName
-from runner.data.augment import BatchAugment
+from runner.config.schema import AmpConfig, AmpName, CompileName, ModelConfig, TaskConfig, TaskName
+from runner.data.decode.crops import BatchAugment
+from runner.job.compose import compose
 from runner.model.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, tolerance
 from runner.model.networks import build_model
-from runner.optim import optimizer_options
-from runner.outputs import ModelWriter, Outputs, Reduce
 from runner.tasks import InferStep, TrainStep
+from runner.tasks.infer.outputs import ModelWriter, Outputs, Reduce
+from runner.tasks.train.optim import optimizer_options
 from tests.conftest import SMALL_DATASET, export_dynamic, run_in_process
 
 CPU = torch.device("cpu")
@@ -53,7 +53,7 @@ def test_batched_boxes_are_the_decoders_boxes_pixel_for_pixel(size, device):
     the decoders cut for the same seeds (``random_box`` + ``pixel_window``): float64 like
     them, so no box rounds to a neighbouring pixel (in float32, 1 and 6 of these 20,000
     boxes did)."""
-    from runner.data.storage.decode import pixel_window, random_box
+    from runner.data.decode.decoders import pixel_window, random_box
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -121,7 +121,7 @@ def test_fp16_training_takes_the_fused_no_sync_optimizer_on_cuda():
 
 def test_loader_ram_does_not_pin_the_dataset_and_batches_pin_their_small_fields(monkeypatch,
                                                                              image_tree: Path):
-    from runner.data.buffers import pin_small_fields
+    from runner.data.loading.buffers import pin_small_fields
     from runner.data.storage import build_storage
 
     pinned = []
@@ -194,7 +194,7 @@ def test_selfcheck_passes_on_a_gpu():
 @pytest.mark.cuda
 def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
     pytest.importorskip("torch_tensorrt")
-    from runner.config import CompileConfig
+    from runner.config.schema import CompileConfig
     from runner.model.compile import compile_model
 
     device = torch.device("cuda")

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner.config import AmpConfig, AmpName, ModelConfig, Output, TaskConfig, TaskName
+from runner.config.schema import AmpConfig, AmpName, ModelConfig, Output, TaskConfig, TaskName
 from runner.model.networks import build_model
 
 CPU = torch.device("cpu")
@@ -57,7 +57,7 @@ def test_writer_threads_bind_to_the_runs_gpu(monkeypatch):
     """Each writer thread makes the run's GPU its current device before any CUDA call (an
     index-less ``cuda`` resolved on the main thread), so under torchrun no writer opens a
     context on GPU 0."""
-    from runner.outputs import Outputs
+    from runner.tasks.infer.outputs import Outputs
 
     bound = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -87,7 +87,7 @@ def test_writer_threads_bind_to_the_runs_gpu(monkeypatch):
 def test_the_prefetch_copy_time_leaves_the_host_gather_out():
     """A source that takes 30 ms of host time per batch: the side-stream copy time per
     step is the copy's (well under a millisecond for a small batch), not the gather's."""
-    from runner.data.prefetch import CudaStreamPrefetcher
+    from runner.data.device.prefetch import CudaStreamPrefetcher
 
     def slow():
         for _ in range(8):

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.compose import compose
-from runner.config import HostDtype
+from runner.common.errors import ConfigError
+from runner.config.schema import HostDtype
 from runner.data import build_data_path
 from runner.data import path as data_path
-from runner.data.normalize import affine, normalize
-from runner.distributed import Ranks
-from runner.errors import ConfigError
+from runner.data.device.normalize import affine, normalize
+from runner.job.compose import compose
+from runner.launch.distributed import Ranks
 from runner.model.compile import build_models
 from runner.model.networks import build_model
 from runner.report import write_report

@@ -14,10 +14,10 @@ import torch
 from conftest import encode, make_tree, photo, read_metrics, run_in_process, stopped_after
 from PIL import Image
 
-from runner.compose import compose
-from runner.config import ModelConfig
+from runner.config.schema import ModelConfig
+from runner.data.sources.listing import UNLABELLED, list_images
 from runner.data.storage import STORAGES
-from runner.data.storage.listing import UNLABELLED, list_images
+from runner.job.compose import compose
 from runner.model.networks import build_model
 
 CPU = torch.device("cpu")
@@ -132,7 +132,7 @@ def test_train_and_infer_on_a_manifest_on_every_storage(tmp_path: Path, cache_di
 
 
 def test_training_refuses_unlabelled_images(flat: Path, tmp_path: Path):
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="needs labelled images"):
         run_in_process(*[b for b in BASE if b != "task=infer"], "task=train",
@@ -244,7 +244,7 @@ def test_masks_are_written_at_the_source_size(tmp_path: Path):
 
 
 def test_masks_of_a_classifier_are_refused_in_one_line(labelled: Path, tmp_path: Path):
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="masks need a segmentation model"):
         run_in_process(*BASE, f"dataset.path={labelled}", "run.epochs=1",
@@ -285,8 +285,8 @@ def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_p
 
 KILLED_RUN = """
 import sys, time
-import runner.outputs, runner.tasks
-runner.outputs.STATE_SECONDS = 0.0
+import runner.tasks.infer.outputs, runner.tasks
+runner.tasks.infer.outputs.STATE_SECONDS = 0.0
 call = runner.tasks.InferStep.__call__
 def slow(self, batch):
     time.sleep(0.05)

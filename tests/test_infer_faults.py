@@ -16,10 +16,10 @@ import torch
 from conftest import encode, make_tree, photo, run_in_process, stopped_after
 from PIL import Image
 
-from runner.compose import compose
-from runner.config import ModelConfig
+from runner.common.errors import ConfigError, UserError
+from runner.config.schema import ModelConfig
 from runner.data.storage import STORAGES
-from runner.errors import ConfigError, UserError
+from runner.job.compose import compose
 from runner.model.networks import build_model
 
 CPU = torch.device("cpu")

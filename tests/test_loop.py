@@ -11,9 +11,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from runner.loop import LoopOptions, OnDevice, run_loop
-from runner.outputs import ModelWriter, Outputs
 from runner.tasks import DataOnlyStep
+from runner.tasks.infer.outputs import ModelWriter, Outputs
+from runner.tasks.loop import LoopOptions, OnDevice, run_loop
 
 
 def batches(n: int, size: int = 4, delay: float = 0.0):
@@ -134,7 +134,7 @@ def test_a_fast_pipelines_windows_are_lengthened_to_last_their_seconds():
 
 
 def test_without_extend_the_run_keeps_its_length_and_its_flags_say_why():
-    from runner.results import loop_figures
+    from runner.tasks.results import loop_figures
 
     result = run_loop(OnDevice(endless(), torch.device("cpu")), DataOnlyStep(),
                       RecordingLogger(), LoopOptions(total_steps=20, warmup_steps=2, log_every=5,

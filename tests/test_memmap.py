@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import Decoder, OnCorrupt
-from runner.data.storage import cache as engine
+from runner.config.schema import Decoder, OnCorrupt
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.storage import convert as engine
 from runner.data.storage import memmap
-from runner.data.storage.cache import META, CacheError, ensure_cache
-from runner.data.storage.decode import ImageDecoder
+from runner.data.storage.convert import META, CacheError, ensure_cache
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import MemmapSpec
 from runner.prepare import main as prepare_main
@@ -124,9 +124,10 @@ def test_prepare_rebuild_repairs_a_damaged_cache(source: Path, tmp_path: Path, m
 KILLED_CONVERSION = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    from runner.config import Decoder, OnCorrupt
-    from runner.data.storage import cache as engine, memmap
-    from runner.data.storage.decode import ImageDecoder
+    from runner.config.schema import Decoder, OnCorrupt
+    from runner.data.storage import memmap
+    from runner.data.storage import convert as engine
+    from runner.data.decode.decoders import ImageDecoder
     from runner.data.storage.folder import FolderStorage
 
     source, cache = Path(sys.argv[1]), Path(sys.argv[2])
@@ -191,7 +192,7 @@ def test_on_corrupt_fail_stops_the_conversion_with_the_path(source: Path, tmp_pa
 # --- one store for every split; a reader keeps the store it opened -------------------------
 
 def store_configs(source: Path, cache: Path, loader: str = "memmap", **dataset):
-    from runner.config import DatasetConfig, LoaderConfig, StorageName
+    from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
 
     return (LoaderConfig(name=StorageName(loader), decoder=Decoder.simplejpeg, draft=False),
             DatasetConfig(path=str(source), image_size=list(SIZE), cache_dir=str(cache),

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.compose import compose
-from runner.config import ConfigError, ModelConfig, ModelSource
-from runner.errors import Unavailable
+from runner.common.errors import Unavailable
+from runner.config.schema import ConfigError, ModelConfig, ModelSource
+from runner.job.compose import compose
 from runner.model.networks import build_model
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
 

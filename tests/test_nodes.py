@@ -36,12 +36,12 @@ def _equal_counts_rank(rank: int, world: int, port: int, cache: str, out: str) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        from runner.compose import compose
-        from runner.config import AmpConfig, AmpName
+        from runner.config.schema import AmpConfig, AmpName
         from runner.data import build_data_path
-        from runner.distributed import Ranks
+        from runner.job.compose import compose
+        from runner.launch.distributed import Ranks
         from runner.model.networks import build_model
-        from runner.tasks.validation import Validation
+        from runner.tasks.train.validation import Validation
 
         config = compose(EQUAL)
         ranks, cpu = Ranks(rank, world, rank), torch.device("cpu")
@@ -64,8 +64,8 @@ def _equal_counts_rank(rank: int, world: int, port: int, cache: str, out: str) -
 
 def test_every_rank_gets_the_same_whole_batches_and_validation_counts_each_image_once(
         tmp_path: Path, private_cache: Path):
-    from runner.compose import compose
     from runner.data.storage import resolve_dataset
+    from runner.job.compose import compose
 
     resolve_dataset(compose(EQUAL).dataset, progress=False)  # made once, before the ranks
     out = str(tmp_path / "ranks")
@@ -93,7 +93,7 @@ def test_every_rank_gets_the_same_whole_batches_and_validation_counts_each_image
 ELASTIC = [o for o in SMALL_DATASET if not o.startswith(("dataset.num_images", "loader.batch"))] \
     + ["dataset.num_images=44", "loader.batch_size=2", "loader=memmap", "dataset.crop=random",
        # no batch norm: its statistics are each rank's own, so its weights would depend on
-       # the world size (the module docstring of runner/checkpoint.py says so)
+       # the world size (the module docstring of runner/tasks/checkpoint.py says so)
        "model=custom", "model.target=tests.nets:TwoLayer", "run.epochs=2", "logger=none",
        "diagnose=false", "run.timeline=false"]  # 44 images, global batch 8: 5 steps an epoch
 
@@ -123,8 +123,8 @@ def global_steps(tmp_path: Path, record: str, world: int) -> list[tuple[list[int
 @pytest.mark.slow
 def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight(
         tmp_path: Path, cache_dir: Path):
-    from runner.checkpoint import GlobalBatchError, fit_world, load
-    from runner.compose import compose
+    from runner.job.compose import compose
+    from runner.tasks.checkpoint import GlobalBatchError, fit_world, load
     from tests.conftest import read_metrics
     from tests.test_failures import sitecustomize
     from tests.test_resume import RECORDING
@@ -310,8 +310,8 @@ def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
 
 
 def test_a_resume_keeps_the_lanes_its_order_was_dealt_to(monkeypatch):
-    from runner.checkpoint import GlobalBatchError, fit_world
-    from runner.compose import compose
+    from runner.job.compose import compose
+    from runner.tasks.checkpoint import GlobalBatchError, fit_world
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -327,7 +327,7 @@ def test_a_resume_keeps_the_lanes_its_order_was_dealt_to(monkeypatch):
 
 
 def test_a_resume_whose_epochs_hold_other_steps_is_refused_naming_drop_last():
-    from runner.checkpoint import GlobalBatchError, check_epoch_length
+    from runner.tasks.checkpoint import GlobalBatchError, check_epoch_length
 
     check_epoch_length({"steps_per_epoch": 7}, 7, "ckpt")  # the same: goes on
     # one process kept a last short batch (8 steps), two ranks drop it (7)

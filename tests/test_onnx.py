@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from runner import export
-from runner.config import ModelConfig
-from runner.errors import Unavailable
+from runner.common.errors import Unavailable
+from runner.config.schema import ModelConfig
 from runner.model import onnx as exporting
 from runner.model.networks import build_model
 from tests.conftest import SMALL_DATASET, read_metrics, run_in_process

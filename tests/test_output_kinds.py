@@ -1,4 +1,4 @@
-"""Output kinds are records (runner/output_kinds/): every ``Output`` has one; a new kind is
+"""Output kinds are records (runner/tasks/infer/kinds/): every ``Output`` has one; a new kind is
 its enum value and its module, run for real; ``task.reduce_on`` and ``task.writer_threads``
 change where the work is done, never what is written."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import encode, make_tree, photo, run_in_process
 
-from runner.config import ModelConfig, Output
+from runner.config.schema import ModelConfig, Output
 from runner.model.networks import build_model
 from tests.conftest import REPO
 
@@ -24,8 +24,8 @@ BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
 
 
 def test_every_output_has_a_complete_record_in_its_module():
-    from runner.output_kinds import OUTPUT_KINDS, built_in_keys, kind_of
-    from runner.output_kinds.base import FEATURES, LOGITS, OutputKind
+    from runner.tasks.infer.kinds import OUTPUT_KINDS, built_in_keys, kind_of
+    from runner.tasks.infer.kinds.kind import FEATURES, LOGITS, OutputKind
 
     assert set(OUTPUT_KINDS) == set(Output)
     for name, kind in OUTPUT_KINDS.items():
@@ -41,8 +41,8 @@ MARGIN = '''"""``task.outputs=[margin]``: how far the top class leads the second
 
 import torch
 
-from runner.config import Output
-from runner.output_kinds.base import OutputKind, RowsWriter
+from runner.config.schema import Output
+from runner.tasks.infer.kinds.kind import OutputKind, RowsWriter
 
 
 def reduce(logits, task):
@@ -171,8 +171,8 @@ def test_masks_reduced_on_the_host_are_the_devices(tmp_path: Path):
 
 
 def test_a_negative_writer_thread_count_is_refused_in_one_line():
-    from runner.compose import compose
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
+    from runner.job.compose import compose
 
     with pytest.raises(ConfigError, match=r"task.writer_threads.*>= 0"):
         compose(["task=infer", "task.writer_threads=-1"])

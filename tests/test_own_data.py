@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.compose import compose, refusal
-from runner.errors import ConfigError
+from runner.common.errors import ConfigError
+from runner.job.compose import compose, refusal
 from tests.conftest import run_cli, run_in_process
 
 QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
@@ -40,7 +40,7 @@ def test_a_checkpoint_names_the_classes_it_predicts(image_tree: Path, tmp_path: 
 
 
 def test_model_classes_takes_a_list_as_well_as_a_file(tmp_path: Path):
-    from runner.outputs import model_classes
+    from runner.tasks.infer.outputs import model_classes
 
     cfg = compose(["model.classes=[cat,dog,bird]"]).model
     assert cfg.classes == ["cat", "dog", "bird"]

@@ -16,11 +16,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from runner.config import Crop, Decoder, OnCorrupt, StoreSide
-from runner.data.storage import cache as engine
+from runner.config.schema import Crop, Decoder, OnCorrupt, StoreSide
+from runner.data.decode.decoders import CorruptFileStop, ImageDecoder, read_jpeg_header
+from runner.data.storage import convert as engine
 from runner.data.storage import packed
-from runner.data.storage.cache import META, CacheError, DiskFull
-from runner.data.storage.decode import CorruptFileStop, ImageDecoder, read_jpeg_header
+from runner.data.storage.convert import META, CacheError, DiskFull
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.packed import (
     DATA,
@@ -176,9 +176,10 @@ def test_a_valid_store_opens_where_no_lock_can_be_made(source: Path, tmp_path: P
 KILLED_PACKING = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    from runner.config import Decoder, OnCorrupt, StoreSide
-    from runner.data.storage import cache as engine, packed
-    from runner.data.storage.decode import ImageDecoder
+    from runner.config.schema import Decoder, OnCorrupt, StoreSide
+    from runner.data.storage import packed
+    from runner.data.storage import convert as engine
+    from runner.data.decode.decoders import ImageDecoder
     from runner.data.storage.folder import FolderStorage
 
     source, cache = Path(sys.argv[1]), Path(sys.argv[2])
@@ -232,7 +233,7 @@ def test_a_killed_packing_resumes_to_the_same_images(source: Path, tmp_path: Pat
 
 
 def test_encode_stored_reports_an_undecodable_file():
-    from runner.data.storage.decode import CorruptImageError
+    from runner.data.decode.decoders import CorruptImageError
 
     with pytest.raises(CorruptImageError):
         encode_stored(b"\xff\xd8\xff" + bytes(300), spec_for(Path("/x")))
@@ -274,10 +275,10 @@ def test_pipeline_serves_packed_batches_with_a_cold_page_cache(source: Path, tmp
 @pytest.mark.parametrize("loader", ["memmap", "ram"])
 def test_a_cache_at_a_stored_size_is_cropped_to_the_image_size_on_the_device(
         source: Path, tmp_path: Path, loader: str, monkeypatch):
-    from runner.compose import compose
     from runner.data import build_data_path
-    from runner.data.augment import BatchAugment
+    from runner.data.decode.crops import BatchAugment
     from runner.data.storage import build_storage, resolve_dataset
+    from runner.job.compose import compose
 
     def data_path(*extra: str):
         config = compose([f"dataset.path={source}", "dataset.image_size=[32,32]",
@@ -312,8 +313,8 @@ def test_a_cache_at_a_stored_size_is_cropped_to_the_image_size_on_the_device(
 
 
 def test_a_store_size_below_the_image_size_is_refused():
-    from runner.compose import compose
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
+    from runner.job.compose import compose
 
     with pytest.raises(ConfigError, match=r"dataset.store_size=100 .*shorter side of "
                                           r"dataset.image_size=\[224, 224\]"):
@@ -343,7 +344,7 @@ def test_prepare_packed_builds_the_store_a_run_opens_and_prints_the_sizes(
     actual = os.path.getsize(printed / DATA)
     assert 0.7 < estimate / actual < 1.4
 
-    from runner.compose import compose
+    from runner.job.compose import compose
 
     calls = []
     real = packed._convert
@@ -388,7 +389,7 @@ _ENCODE = packed._encode_chunk
 
 def test_two_clean_builds_are_the_same_bytes(source: Path, tmp_path: Path, monkeypatch):
     """Chunks finish in any order in the worker processes; they are written in index order."""
-    from runner.data.storage import cache as engine
+    from runner.data.storage import convert as engine
 
     monkeypatch.setattr(engine, "CHUNK", 4)  # several chunks, finishing out of order
     monkeypatch.setattr(packed, "_encode_chunk", _first_chunk_last)
@@ -451,8 +452,8 @@ def test_the_rebuild_command_of_a_damaged_store_is_accepted_when_pasted(source: 
     store_size below the default image size is refused) and is quoted for a shell."""
     import shlex
 
-    from runner.compose import compose
     from runner.data.storage.packed import packed_spec
+    from runner.job.compose import compose
     from runner.prepare import main as prepare_main
 
     spaced = tmp_path / "my images"
@@ -468,13 +469,13 @@ def test_the_rebuild_command_of_a_damaged_store_is_accepted_when_pasted(source: 
 
 
 # --- loader=packed loader.decoder=nvjpeg: the plumbing, with torchvision's batched decoder on
-# the CPU standing in for the GPU (runner/data/nvjpeg.py) --------------------------------------
+# the CPU standing in for the GPU (runner/data/device/nvjpeg.py) --------------------------------------
 
 def gpu_decoded_store(source: Path, cache: Path):
-    from runner.config import LoaderConfig, StorageName
-    from runner.data.nvjpeg import GpuDecodedBatches
-    from runner.data.storage.decode import FALLBACK
-    from runner.data.storage.encoded import ReadBytes
+    from runner.config.schema import LoaderConfig, StorageName
+    from runner.data.decode.decoders import FALLBACK
+    from runner.data.decode.encoded import ReadBytes
+    from runner.data.device.nvjpeg import GpuDecodedBatches
     from tests.conftest import make_loader
 
     folder = FolderStorage(source, ReadBytes(ImageDecoder(FALLBACK, SIZE, Crop.center)),

@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.config import Decoder, OnCorrupt
-from runner.data import pagecache, reencode
-from runner.data.pagecache import ColdPageCache, resident_fraction
-from runner.data.storage.decode import ImageDecoder
+from runner.config.schema import Decoder, OnCorrupt
+from runner.data.decode import reencode
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.sources import pagecache
+from runner.data.sources.pagecache import ColdPageCache, resident_fraction
 from runner.data.storage.folder import FolderStorage, open_image_folder
 from runner.data.storage.memmap import MemmapSpec, open_cache
 from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli

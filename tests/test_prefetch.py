@@ -12,12 +12,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from runner.config import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.loader import BatchStream, collate
-from runner.data.nvjpeg import GpuDecodedBatches
-from runner.data.prefetch import CpuPrefetcher, CudaStreamPrefetcher
-from runner.data.storage.decode import ImageDecoder
-from runner.data.storage.encoded import ReadBytes
+from runner.config.schema import Crop, Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.decode.encoded import ReadBytes
+from runner.data.device.nvjpeg import GpuDecodedBatches
+from runner.data.device.prefetch import CpuPrefetcher, CudaStreamPrefetcher
+from runner.data.loading.loader import BatchStream, collate
 from runner.data.storage.folder import FolderStorage
 from runner.model.networks import UInt8Input
 from tests.conftest import (
@@ -176,7 +176,7 @@ def test_gpu_decoding_keeps_the_loaders_workers_from_epoch_to_epoch(tmp_path: Pa
 
 
 def test_encoded_batches_pack_into_one_buffer():
-    from runner.data.storage.base import Sample
+    from runner.data.protocol import Sample
 
     read = ReadBytes(None)
     items = [Sample(read(bytearray([1, 2, 3]), 2**40 + 7), 0, 0),
@@ -192,7 +192,7 @@ def test_gpu_prefetch_advances_its_source_inside_the_side_stream(monkeypatch):
     stream, so they overlap the step. Stand-in CUDA calls record where each batch was made."""
     import contextlib
 
-    from runner.data import prefetch
+    from runner.data.device import prefetch
 
     inside = [False]
 
@@ -315,7 +315,7 @@ def test_nvjpeg_pixels_are_close_to_cpu_decoding(tmp_path: Path):
 def _groups_against_one_by_one(device: torch.device) -> None:
     """nvjpeg's grouped finish (one resize per size, window and flip) gives each image the
     pixels it gets alone, flipped or not, enlarged or reduced or only cropped."""
-    from runner.data.storage.decode import Box, resize_crop_many
+    from runner.data.decode.decoders import Box, resize_crop_many
 
     gen = torch.Generator().manual_seed(0)
     imgs = [torch.randint(0, 256, (3, 60, 80), generator=gen, dtype=torch.uint8).to(device)

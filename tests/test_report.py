@@ -121,7 +121,7 @@ def test_a_data_path_sweep_runs_with_the_users_model(sweep_preset: str, model: l
     whichever side of sweep= it is given on, and the sweep still sweeps."""
     from omegaconf import open_dict
 
-    from runner.compose import to_config
+    from runner.job.compose import to_config
 
     for overrides in ([f"sweep={sweep_preset}", *model], [*model, f"sweep={sweep_preset}"]):
         cfg = compose_config(*overrides, hydra=True)

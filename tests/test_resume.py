@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.errors import Interrupted
+from runner.common.errors import Interrupted
 from tests.conftest import (
     SMALL_DATASET,
     encode,
@@ -34,7 +34,7 @@ class Recorder:
 
         self.steps: list[tuple[tuple[int, ...], int, float]] = []
         self.epochs_validated = 0
-        real_step, real_validate = runner.tasks.TrainStep.__call__, runner.tasks.validation.Validation.__call__
+        real_step, real_validate = runner.tasks.TrainStep.__call__, runner.tasks.train.validation.Validation.__call__
         recorder = self
 
         def step(self, batch) -> None:
@@ -52,7 +52,7 @@ class Recorder:
             return real_validate(self)
 
         monkeypatch.setattr(runner.tasks.TrainStep, "__call__", step)
-        monkeypatch.setattr(runner.tasks.validation.Validation, "__call__", validate)
+        monkeypatch.setattr(runner.tasks.train.validation.Validation, "__call__", validate)
 
 
 def read_metrics_file(path: Path) -> dict:
@@ -117,7 +117,7 @@ def test_resume_auto_starts_fresh_goes_on_and_leaves_a_finished_run_alone(
 @pytest.mark.slow
 def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path: Path,
                                                                       cache_dir: Path):
-    from runner.checkpoint import CheckpointError
+    from runner.tasks.checkpoint import CheckpointError
 
     run_in_process(*COMMON, "run.epochs=1", run_dir=tmp_path / "first")
     with pytest.raises(CheckpointError, match="global batch is 8 images .* a global batch of 4"):
@@ -141,10 +141,10 @@ def test_an_epoch_resumed_at_a_batch_continues_the_same_permutation():
 
 
 def test_device_crops_are_drawn_from_each_images_crop_seed():
-    from runner.data.augment import BatchAugment
+    from runner.data.decode.crops import BatchAugment
+    from runner.data.decode.decoders import crop_uniforms
     from runner.data.order import BatchOrder
     from runner.data.path import crop_draws
-    from runner.data.storage.decode import crop_uniforms
 
     def draws_of(seed: int, epoch: int, index: list[int]) -> torch.Tensor:
         order = BatchOrder(100, 4, shuffle=True, drop_last=False, seed=seed)
@@ -186,7 +186,7 @@ def test_checkpoints_every_few_steps_only_the_latest_kept_or_none_at_all(tmp_pat
 RECORDING = """
     import json, os, time
     import runner.tasks
-    from runner.errors import Interrupted
+    from runner.common.errors import Interrupted
 
     real = runner.tasks.TrainStep.__call__
     done = [0]
@@ -485,7 +485,7 @@ def test_a_sweep_stopped_by_sigterm_keeps_its_finished_jobs_when_started_again(
 @pytest.mark.slow
 def test_resume_refuses_another_dataset_or_crop_naming_the_difference(tmp_path: Path,
                                                                       cache_dir: Path):
-    from runner.checkpoint import CheckpointError
+    from runner.tasks.checkpoint import CheckpointError
 
     source = make_tree(tmp_path / "src", {f"c{c}/{k:02d}.jpg": encode(photo(48, 64, 10 * c + k))
                                           for c in range(3) for k in range(10)})
@@ -559,11 +559,10 @@ def test_a_checkpoint_of_another_device_takes_this_devices_optimizer_options():
     checkpoint resumed under fp16 on CUDA crashed at its first step otherwise)."""
     import torch
 
-    from runner import checkpoint
-    from runner.config import ModelConfig, TaskConfig, TaskName
+    from runner.config.schema import ModelConfig, TaskConfig, TaskName
     from runner.model.networks import build_model
-    from runner.optim import optimizer_options
-    from runner.tasks import TrainStep
+    from runner.tasks import TrainStep, checkpoint
+    from runner.tasks.train.optim import optimizer_options
 
     step = TrainStep(build_model(ModelConfig("tiny"), 3, torch.device("cpu")),
                      TaskConfig(TaskName.train), total_steps=2)
@@ -612,7 +611,7 @@ def schema_keys(schema=None, prefix: str = "") -> list[str]:
     import dataclasses
     import typing
 
-    from runner.config import Config
+    from runner.config.schema import Config
 
     schema = schema or Config
     hints = typing.get_type_hints(schema)
@@ -627,9 +626,9 @@ def schema_keys(schema=None, prefix: str = "") -> list[str]:
 
 
 def test_every_schema_key_is_refused_applied_fitted_or_free_at_a_resume():
-    """A key added to runner/config.py fails here until it is put in one of checkpoint's
+    """A key added to runner/config/schema.py fails here until it is put in one of checkpoint's
     lists: refused when it differs (MUST_MATCH), applied with a log line, or free."""
-    from runner import checkpoint
+    from runner.tasks import checkpoint
 
     lists = {name: getattr(checkpoint, name) for name in (
         "MUST_MATCH", "SCHEDULE_KEYS", "OPTIMIZER_KEYS", "APPLIED_KEYS", "FITTED_KEYS",
@@ -643,7 +642,7 @@ def test_every_schema_key_is_refused_applied_fitted_or_free_at_a_resume():
 
 
 def config_of(*overrides: str):
-    from runner.compose import to_config
+    from runner.job.compose import to_config
     from tests.conftest import compose_config
 
     return to_config(compose_config(*SMALL_DATASET, "logger=none", *overrides))
@@ -653,8 +652,8 @@ def config_of(*overrides: str):
                                     "model.std=[0.5,0.5,0.5]", "dataset.store_quality=75",
                                     "dataset.val_fraction=0.2", "loader=memmap"])
 def test_a_resume_that_changes_the_images_is_refused_naming_the_key(tmp_path: Path, change):
-    from runner import checkpoint
-    from runner.config import to_plain
+    from runner.config.schema import to_plain
+    from runner.tasks import checkpoint
 
     path = tmp_path / "checkpoint.pt"
     torch.save({"model": {}, "optimizer": {}, "scaler": {}, "epoch": 1,
@@ -670,8 +669,8 @@ def test_a_resume_applies_a_changed_augmentation_or_loss_with_one_line_each(tmp_
                                                                             caplog):
     import logging
 
-    from runner import checkpoint
-    from runner.config import to_plain
+    from runner.config.schema import to_plain
+    from runner.tasks import checkpoint
 
     path = tmp_path / "checkpoint.pt"
     torch.save({"model": {}, "optimizer": {}, "scaler": {}, "epoch": 1,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import Crop, Decoder, OnCorrupt
-from runner.data.storage.decode import ImageDecoder
+from runner.config.schema import Crop, Decoder, OnCorrupt
+from runner.data.decode.decoders import ImageDecoder
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.rival import screen_file
 from tests.conftest import encode, make_tree, photo, read_metrics, run_in_process
@@ -104,7 +104,7 @@ def test_a_file_dali_fails_on_inside_its_pipeline_fails_the_run_with_the_reason(
     passes the screen; DALI's decoder then stops the pipeline: the run fails with one line
     that says so and names the fix (a sweep goes on)."""
     dali_or_skip()
-    from runner.errors import UserError
+    from runner.common.errors import UserError
 
     good = encode(photo(60, 80, index=60))
     (tree / "c1" / "cut.jpg").write_bytes(good[:300] + b"\xff\xd9")
@@ -153,9 +153,9 @@ def test_without_dali_installed_a_run_is_skipped_naming_the_install(tree: Path,
 
 def test_on_corrupt_fail_stops_on_a_screened_file(tree: Path):
     dali_or_skip()
-    from runner.compose import compose
+    from runner.data.decode.decoders import CorruptFileStop
     from runner.data.storage.dali import DaliStorage
-    from runner.data.storage.decode import CorruptFileStop
+    from runner.job.compose import compose
 
     config = compose([f"dataset.path={tree}", "loader=dali"])
     folder = FolderStorage(tree, ImageDecoder(Decoder.simplejpeg, SIZE), OnCorrupt.fail)
@@ -225,8 +225,8 @@ def test_a_closed_rival_leaves_no_threads_behind(tree: Path, tmp_path: Path, riv
     """A sweep runs its jobs in one process: a rival's threads left running took the
     cores from the jobs after it (memmap measured at 20,000 img/s instead of 79,000)."""
     (dali_or_skip if rival == "dali" else ffcv_or_skip)()
-    from runner.compose import compose
     from runner.data import build_data_path
+    from runner.job.compose import compose
 
     before = os_threads()
     overrides = ffcv_common(tree, tmp_path) if rival == "ffcv" else common(tree, tmp_path)

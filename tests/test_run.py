@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.logger import summary_of
+from runner.job.logger import summary_of
 from tests.conftest import (
     SMALL_DATASET,
     encode,

@@ -1,4 +1,4 @@
-"""metrics.json against its one declaration (runner/measure/schema.py): real runs, in process."""
+"""metrics.json against its one declaration (runner/measure/metrics.py): real runs, in process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_DATASET, read_metrics, run_in_process
 
-from runner.errors import UserError
-from runner.measure.schema import Metrics, problems
+from runner.common.errors import UserError
+from runner.measure.metrics import Metrics, problems
 
 BASE = [*SMALL_DATASET, "logger=none", "run.timeline=true"]
 
@@ -67,7 +67,7 @@ def test_problems_names_an_undeclared_key_and_a_wrong_type():
 
 
 def test_every_declared_key_has_its_one_line_meaning():
-    source = Path(__import__("runner.measure.schema").measure.schema.__file__).read_text()
+    source = Path(__import__("runner.measure.metrics").measure.schema.__file__).read_text()
     for key in Metrics.__annotations__:
         line = next(x for x in source.splitlines() if x.strip().startswith(f"{key}:"))
         assert "#" in line and line.split("#", 1)[1].strip(), key

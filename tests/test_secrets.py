@@ -1,4 +1,4 @@
-"""No credentials inside a URL (runner/credentials.py): refused in one line, exit 2, before
+"""No credentials inside a URL (runner/config/credentials.py): refused in one line, exit 2, before
 any run folder, the secret in no output and no file."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.credentials import has_userinfo, redacted
-from runner.errors import ConfigError
+from runner.common.errors import ConfigError
+from runner.config.credentials import has_userinfo, redacted
 from tests.conftest import REPO, SMALL_DATASET
 
 SECRET = "pa55w0rd"
@@ -53,7 +53,7 @@ def test_a_url_with_credentials_is_refused_in_one_line_before_any_folder(
 
 
 def test_the_line_names_the_variables_to_use_instead(tmp_path: Path, monkeypatch, capfd):
-    from runner.credentials import argv_refusal
+    from runner.config.credentials import argv_refusal
 
     endpoint = argv_refusal(CASES["endpoint"])
     assert endpoint.startswith("dataset.endpoint_url=http://***@host:9000 holds credentials")
@@ -90,7 +90,7 @@ def test_a_url_from_an_interpolation_is_refused_too(tmp_path: Path, monkeypatch,
 
 
 def test_an_s3_endpoint_variable_with_credentials_is_refused(monkeypatch):
-    from runner.compose import compose
+    from runner.job.compose import compose
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://user:pa55w0rd@host:9000")
     with pytest.raises(ConfigError) as e:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import ConfigError
+from runner.common.errors import ConfigError
 from tests.conftest import encode, make_tree, photo, run_in_process
 from tests.test_shards import SMALL, batches, prepare_shards
 
@@ -67,7 +67,7 @@ def test_an_index_cut_short_is_made_again_from_its_tar(tmp_path, cache_dir, capl
 
 
 def test_a_missing_shard_is_one_line(tmp_path, cache_dir):
-    from runner.data.storage.listing import DatasetError
+    from runner.data.sources.listing import DatasetError
 
     out = tmp_path / "shards"
     prepare_shards(str(out))
@@ -100,7 +100,7 @@ def test_a_shard_copied_beside_itself_is_read_once_and_said(tmp_path, cache_dir,
     said = [r.getMessage() for r in caplog.records if "repeat a key" in r.getMessage()]
     assert len(said) == 1 and "12 sample(s)" in said[0] and "part-0.tar" in said[0], said
     assert figures["shard_duplicates_skipped"] == 12
-    from runner.measure.schema import problems
+    from runner.measure.metrics import problems
 
     assert problems({"shard_duplicates_skipped": 12}) == []  # a metrics.json key declared
 

@@ -106,7 +106,7 @@ def test_a_tar_set_someone_else_wrote_is_indexed_once_and_read(tmp_path, cache_d
 
 
 def test_a_sample_that_fails_its_crc_is_named_and_on_corrupt_decides(tmp_path, cache_dir):
-    from runner.data.storage.decode import CorruptFileStop
+    from runner.data.decode.decoders import CorruptFileStop
 
     out = tmp_path / "shards"
     prepare_shards(str(out))
@@ -282,7 +282,7 @@ def test_the_cache_never_passes_its_bound_and_loses_no_sample(shard_bucket, dela
 
 
 def test_eviction_drops_the_shard_needed_furthest_ahead(tmp_path):
-    from runner.data.remote.cache import ShardCache
+    from runner.data.sources.shardcache import ShardCache
 
     cache = ShardCache(tmp_path / "c", bound=3000)
     for name in ("a.tar", "b.tar", "c.tar"):
@@ -298,7 +298,7 @@ def test_eviction_drops_the_shard_needed_furthest_ahead(tmp_path):
 
 
 def _fetch_once(folder: str, counter: str) -> None:
-    from runner.data.remote.cache import ShardCache
+    from runner.data.sources.shardcache import ShardCache
 
     def write(partial: Path) -> None:
         with open(counter, "a") as f:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.compose import compose, job_refusal
-from runner.errors import ConfigError, UserError
+from runner.common.errors import ConfigError, UserError
+from runner.job.compose import compose, job_refusal
 from tests.conftest import (
     REPO,
     SMALL_DATASET,
@@ -106,7 +106,7 @@ def test_an_inference_resume_refused_says_what_an_inference_keeps(tmp_path: Path
 def test_a_record_tells_a_dead_owner_from_a_live_one():
     import socket
 
-    from runner.outcome import owner_gone, settled
+    from runner.launch.outcome import owner_gone, settled
 
     here = socket.gethostname()
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -170,7 +170,7 @@ def test_a_refused_resume_does_not_stand_for_the_parts_that_ran(tmp_path: Path):
     record's (which has none: the run's figures vanished from metrics.json and the report)."""
     import json
 
-    from runner.outcome import previous_record
+    from runner.launch.outcome import previous_record
 
     (tmp_path / "metrics.1.json").write_text(json.dumps(
         {"status": "ok", "images_per_sec": 1387.0, "steps": 3}))

@@ -69,7 +69,7 @@ def test_the_help_page_is_hydras_own(argv: list[str], tmp_path: Path,
                                      monkeypatch: pytest.MonkeyPatch, capsys):
     """The page ``help_page`` prints is the one Hydra's ``--help`` prints, byte for byte."""
     from runner.__main__ import main
-    from runner.commandline import help_page
+    from runner.job.commandline import help_page
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["runner", *argv])
@@ -82,7 +82,7 @@ def test_the_help_page_is_hydras_own(argv: list[str], tmp_path: Path,
 
 
 def test_help_is_left_to_hydra_where_the_page_would_differ():
-    from runner.commandline import help_page
+    from runner.job.commandline import help_page
 
     assert help_page(["loader=memmap"]) is None  # no --help
     assert help_page(["--help", "-cn", "other"]) is None  # another config

@@ -243,8 +243,8 @@ def test_each_sweep_job_is_one_wandb_run_in_the_sweeps_group(tmp_path: Path, cac
 
 
 def test_a_cpu_model_slowed_by_its_loader_is_told_so():
-    from runner.compose import compose
-    from runner.config import StorageName
+    from runner.config.schema import StorageName
+    from runner.job.compose import compose
     from runner.job.diagnose import verdict
 
     cfg = compose(["loader=folder", "model=tiny", "loader.num_workers=2"])
@@ -260,7 +260,7 @@ def test_a_cpu_model_slowed_by_its_loader_is_told_so():
 
 
 def test_the_default_runs_decode_threads_taking_the_models_cores_point_to_memmap():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import verdict
 
     cfg = compose([])  # the default: folder, decoded by one thread per core in process
@@ -273,7 +273,7 @@ def test_the_default_runs_decode_threads_taking_the_models_cores_point_to_memmap
 
 
 def test_a_model_probe_below_the_pipeline_is_never_named_the_limit():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import verdict
 
     cfg = compose(["loader=memmap"])
@@ -289,7 +289,7 @@ def q(median: float, width: float = 0.05) -> dict[str, float]:
 
 
 def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import Ceilings, verdict
 
     cfg = compose(["loader=memmap", "model=none"])
@@ -304,7 +304,7 @@ def test_a_stage_probed_below_the_pipeline_is_never_named_the_limit():
 
 
 def test_stages_within_each_others_spread_are_called_within_noise():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import Ceilings, verdict
 
     cfg = compose(["loader=folder", "model=none"])
@@ -340,7 +340,7 @@ def test_stage_ceilings_are_medians_of_repeated_bursts_that_ignore_one_stall():
 def test_the_objective_is_nan_unless_the_run_succeeded():
     import math
 
-    from runner.sweep import objective
+    from runner.job.sweep import objective
 
     assert objective({"status": "ok", "images_per_sec": 12.5}, "images_per_sec") == 12.5
     for m in ({"status": "failed", "images_per_sec": 12.5}, {"status": "skipped"},
@@ -350,7 +350,7 @@ def test_the_objective_is_nan_unless_the_run_succeeded():
 
 def test_autotune_searches_what_this_machine_runs_and_starts_from_the_config_as_given():
     optuna = pytest.importorskip("optuna")
-    from runner.sweep import autotune_choices, autotune_space
+    from runner.job.sweep import autotune_choices, autotune_space
     from tests.conftest import compose_config
 
     cfg = compose_config("sweep=autotune", "loader.batch_size=96", hydra=True)
@@ -385,7 +385,7 @@ def test_autotunes_first_trial_takes_an_unset_draft_as_the_run_would(no_region_b
     """loader.draft left unset (folder's default) is a value in trial 0's fixed parameters:
     what the config check makes it (auto without the region binding: simplejpeg with draft)."""
     optuna = pytest.importorskip("optuna")
-    from runner.sweep import autotune_space
+    from runner.job.sweep import autotune_space
     from tests.conftest import compose_config
 
     cfg = compose_config("sweep=autotune", f"loader.decoder={decoder}", hydra=True)
@@ -430,7 +430,7 @@ def test_autotune_writes_the_best_command_and_its_gain_over_trial_0(tmp_path: Pa
 
 
 def test_decode_advice_leaves_out_what_the_run_already_does():
-    from runner.compose import compose
+    from runner.job.compose import compose
     from runner.job.diagnose import advice_for as advice
 
     threads = advice(compose(["loader=folder", "loader.draft=true"]), "decode")

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from runner.data import synthetic
-from runner.data.synthetic import SyntheticSpec, encode_jpeg, ensure_dataset, make_image
+from runner.data.sources import synthetic
+from runner.data.sources.synthetic import SyntheticSpec, encode_jpeg, ensure_dataset, make_image
 
 
 def spectral_slope(rgb: np.ndarray) -> float:

@@ -127,7 +127,7 @@ def test_the_copy_and_compute_streams_are_drawn_as_lanes_of_their_own(tmp_path: 
 def test_a_cpu_run_records_no_device_lane(tmp_path: Path):
     from types import SimpleNamespace
 
-    from runner.loop import StepTrace
+    from runner.tasks.loop import StepTrace
 
     timeline.enable(tmp_path / ".t")
     try:
@@ -164,7 +164,7 @@ def test_the_timeline_is_also_a_chrome_trace_with_a_named_thread_per_lane(tmp_pa
     """timeline.trace.json: one complete event per span of timeline.json (µs, never
     negative), a named thread per lane, the GPU's streams a process of their own; declared
     in metrics.json's schema."""
-    from runner.measure.schema import problems
+    from runner.measure.metrics import problems
 
     timeline.enable(tmp_path / ".t")
     try:

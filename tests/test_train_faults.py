@@ -47,8 +47,8 @@ class Rates:
 
 def fresh_rates(lr: float, updates: int, **task) -> list[float]:
     """The learning rate at each optimizer step of a fresh schedule over ``updates``."""
-    from runner.config import TaskConfig, TaskName
-    from runner.optim import build_schedule
+    from runner.config.schema import TaskConfig, TaskName
+    from runner.tasks.train.optim import build_schedule
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     schedule = build_schedule(optimizer, TaskConfig(TaskName.train, lr=lr, **task), updates, 8)
@@ -99,14 +99,14 @@ def test_a_resume_with_another_lr_and_a_longer_plan_applies_both(tmp_path: Path,
 
 
 def _cosine():
-    from runner.config import ScheduleName
+    from runner.config.schema import ScheduleName
 
     return ScheduleName.cosine
 
 
 def test_a_resume_that_would_train_another_model_is_still_refused_in_one_line(
         tmp_path: Path, cache_dir: Path):
-    from runner.checkpoint import CheckpointError
+    from runner.tasks.checkpoint import CheckpointError
 
     run_in_process(*COMMON, "run.steps=3", run_dir=tmp_path / "a")
     with pytest.raises(CheckpointError, match="task.optimizer: checkpoint 'sgd', this run "
@@ -121,9 +121,8 @@ def test_a_resumed_step_takes_the_new_lr_and_plan_from_the_optimizer_step_it_rea
     """The same at the step's level (no run folder): a checkpoint of 4 of a 4-step plan at
     lr 0.1, restored into a step of an 8-step plan at lr 0.3 (one-cycle, which keeps its
     own rates in the optimizer's groups)."""
-    from runner import checkpoint
-    from runner.config import ScheduleName, TaskConfig, TaskName
-    from runner.tasks import TrainStep
+    from runner.config.schema import ScheduleName, TaskConfig, TaskName
+    from runner.tasks import TrainStep, checkpoint
     from tests.test_training import batches, small_model
 
     old = TaskConfig(TaskName.train, lr=0.1, schedule=ScheduleName.onecycle)
@@ -194,7 +193,7 @@ def test_a_nan_in_the_last_steps_fails_before_the_final_checkpoint(tmp_path: Pat
                                                                    monkeypatch):
     """The last step's loss is NaN: no log point reads it before the run ends; the end
     reads it and writes no checkpoint of NaN weights over the epoch's."""
-    from runner.errors import Diverged
+    from runner.common.errors import Diverged
 
     nan_from(monkeypatch, 16)
     run_dir = tmp_path / "run"
@@ -214,7 +213,7 @@ def test_a_nan_found_while_a_signal_stops_the_run_fails_it(tmp_path: Path, cache
     import signal
 
     import runner.tasks
-    from runner.errors import Diverged
+    from runner.common.errors import Diverged
 
     nan_from(monkeypatch, 3)
     real = runner.tasks.TrainStep.__call__
@@ -236,7 +235,7 @@ def test_a_nan_found_while_a_signal_stops_the_run_fails_it(tmp_path: Path, cache
 
 def test_a_learning_rate_that_diverges_fails_the_run(tmp_path: Path, cache_dir: Path):
     """No injection: task.lr=1e30 blows the weights up within a few steps."""
-    from runner.errors import Diverged
+    from runner.common.errors import Diverged
 
     run_dir = tmp_path / "run"
     with pytest.raises(Diverged):
@@ -247,8 +246,8 @@ def test_a_learning_rate_that_diverges_fails_the_run(tmp_path: Path, cache_dir: 
 
 
 def test_the_step_fails_at_the_read_after_a_nan_and_names_the_first_such_step():
-    from runner.config import TaskConfig, TaskName
-    from runner.errors import Diverged
+    from runner.common.errors import Diverged
+    from runner.config.schema import TaskConfig, TaskName
     from runner.tasks import TrainStep
     from tests.test_training import batches, small_model
 
@@ -266,7 +265,7 @@ def test_the_step_fails_at_the_read_after_a_nan_and_names_the_first_such_step():
 
 
 def test_json_files_hold_null_for_non_finite_numbers(tmp_path: Path):
-    from runner.atomic import write_json
+    from runner.common.atomic import write_json
 
     path = tmp_path / "x.json"
     write_json(path, {"loss": float("nan"), "rows": [{"top1": float("inf")}, -math.inf, 1.5],

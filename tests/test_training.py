@@ -12,12 +12,11 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner import checkpoint
-from runner.compose import compose
-from runner.config import OptimizerName, ScheduleName, TaskConfig, TaskName
+from runner.config.schema import OptimizerName, ScheduleName, TaskConfig, TaskName
+from runner.job.compose import compose
 from runner.model.networks import UInt8Input
-from runner.optim import Ema, param_groups
-from runner.tasks import TrainStep
+from runner.tasks import TrainStep, checkpoint
+from runner.tasks.train.optim import Ema, param_groups
 
 CPU = torch.device("cpu")
 
@@ -183,9 +182,9 @@ def test_the_quick_recipe_trains_with_validation_and_keeps_the_best(tmp_path: Pa
 
 
 def test_a_held_out_split_is_the_same_every_time_and_never_trained_on():
-    from runner.config import Split
+    from runner.config.schema import Split
+    from runner.data.sources.listing import list_images
     from runner.data.storage import resolve_dataset
-    from runner.data.storage.listing import list_images
 
     cfg = compose(["dataset.num_images=60", "dataset.num_classes=3",
                    "dataset.source_size=[96,128]", "dataset.val_fraction=0.2"])
@@ -210,8 +209,8 @@ def flat_batch(colours: list[int], size: int = 16) -> TensorDict:
 
 
 def augment(**kwargs):
-    from runner.config import AugmentConfig
-    from runner.data.transforms import TrainAugment
+    from runner.config.schema import AugmentConfig
+    from runner.data.device.augment import TrainAugment
 
     start = kwargs.pop("start_step", 0)
     return TrainAugment(AugmentConfig(**kwargs), seed=0, start_step=start)
@@ -220,7 +219,7 @@ def augment(**kwargs):
 @pytest.mark.parametrize("kwargs", [{"color_jitter": 0.4}, {"auto": "randaugment"},
                                     {"auto": "trivialaugment"}, {"erasing": 1.0}])
 def test_each_image_gets_its_own_draw_and_a_batch_position_the_same(kwargs):
-    from runner.config import AutoAugmentName
+    from runner.config.schema import AutoAugmentName
 
     if "auto" in kwargs:
         kwargs = {**kwargs, "auto": AutoAugmentName(kwargs["auto"])}
@@ -281,7 +280,7 @@ def test_the_loss_of_a_mixed_batch_weighs_both_labels():
 @pytest.mark.parametrize("loader", ["memmap", "folder"])
 def test_a_run_with_augmentation_trains_and_validates_without_it(tmp_path: Path,
                                                                  cache_dir: Path, loader):
-    from runner.tasks.validation import validation_config
+    from runner.tasks.train.validation import validation_config
     from tests.conftest import SMALL_DATASET, run_in_process
 
     over = [*SMALL_DATASET, f"loader={loader}", "dataset.crop=random", "logger=none",
@@ -289,20 +288,20 @@ def test_a_run_with_augmentation_trains_and_validates_without_it(tmp_path: Path,
             "task.augment.mixup=0.2", "task.augment.cutmix=1.0", "task.augment.erasing=0.25",
             "task.augment.auto=trivialaugment"]
     assert not validation_config(compose(over)).task.augment.active
-    import runner.data.transforms
+    import runner.data.device.augment
 
     calls = []
-    real = runner.data.transforms.TrainAugment.__call__
+    real = runner.data.device.augment.TrainAugment.__call__
 
     def counted(self, batch):
         calls.append(batch["image"].shape[0])
         real(self, batch)
 
-    runner.data.transforms.TrainAugment.__call__ = counted
+    runner.data.device.augment.TrainAugment.__call__ = counted
     try:
         m = run_in_process(*over, "task.ema_decay=0.9", run_dir=tmp_path / "run")
     finally:
-        runner.data.transforms.TrainAugment.__call__ = real
+        runner.data.device.augment.TrainAugment.__call__ = real
     assert m["status"] == "ok" and m["loss_last"] is not None
     assert len(calls) == m["steps"]  # every training batch, on every storage
     # what the recipe costs, timed on its own: the augmentation, the optimizer, the EMA
@@ -367,7 +366,7 @@ def test_a_new_optimizer_is_its_enum_value_and_one_record(monkeypatch):
     record says, and a few steps train with it."""
     from enum import Enum
 
-    from runner.optim import OPTIMIZERS, OptimizerKind
+    from runner.tasks.train.optim import OPTIMIZERS, OptimizerKind
 
     extra = Enum("OptimizerName", {"rmsprop": "rmsprop"})
     monkeypatch.setitem(OPTIMIZERS, extra.rmsprop, OptimizerKind(
@@ -398,7 +397,7 @@ def test_a_new_schedule_is_its_enum_value_and_one_record(monkeypatch):
     reading the key its record names."""
     from enum import Enum
 
-    from runner.optim import SCHEDULES, ScheduleKind
+    from runner.tasks.train.optim import SCHEDULES, ScheduleKind
 
     extra = Enum("ScheduleName", {"exponential": "exponential"})
     monkeypatch.setitem(SCHEDULES, extra.exponential, ScheduleKind(
@@ -414,7 +413,7 @@ def test_a_new_schedule_is_its_enum_value_and_one_record(monkeypatch):
 
 
 def test_every_optimizer_and_schedule_has_a_record_whose_keys_are_task_keys():
-    from runner.optim import OPTIMIZERS, SCHEDULES
+    from runner.tasks.train.optim import OPTIMIZERS, SCHEDULES
 
     assert set(OPTIMIZERS) == set(OptimizerName) and set(SCHEDULES) == set(ScheduleName)
     fields = set(TaskConfig.__dataclass_fields__)

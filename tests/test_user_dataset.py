@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner.compose import compose, refusal
-from runner.config import DatasetConfig, LoaderConfig, StorageName
-from runner.errors import ConfigError
+from runner.common.errors import ConfigError
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
+from runner.job.compose import compose, refusal
 from tests.conftest import REPO, run_cli, run_in_process
 
 # A user's module: items of three kinds, map-style (with class names) and iterable (none)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import encode, make_tree, photo, run_in_process
 
-from runner.config import ModelConfig
+from runner.config.schema import ModelConfig
 from runner.model.networks import build_model
 
 BASE = ["logger=none", "diagnose=true", "dataset.image_size=[32,32]", "loader.batch_size=4",

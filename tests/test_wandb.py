@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.logger import init_args, scrubbed, summary_of, swept
+from runner.job.logger import init_args, scrubbed, summary_of, swept
 from tests.conftest import SMALL_DATASET, compose_config, read_metrics, run_cli, wandb_records
 
 DEFAULTS = {"mode": "offline", "project": "runner", "group": "the-sweep", "job_type": "train",
@@ -43,7 +43,7 @@ def test_the_wandb_environment_wins_then_the_keys_given_then_the_settings_files(
 
 
 def test_the_schema_sets_no_logger_key_so_none_overrides_the_environment():
-    from runner.compose import to_config
+    from runner.job.compose import to_config
 
     logger = to_config(compose_config()).logger
     assert (logger.mode, logger.project, logger.entity, logger.group, logger.tags) == (

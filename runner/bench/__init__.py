@@ -26,14 +26,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from runner.atomic import dumps
-from runner.config import Config, StorageName
+from runner.common.atomic import dumps
+from runner.config.schema import Config, StorageName
 from runner.data import build_data_path
-from runner.data.storage.decode import DECODERS
-from runner.logger import NullLogger
-from runner.loop import LoopOptions, run_loop
+from runner.data.decode.decoders import DECODERS
 from runner.measure.clock import burst
+from runner.measure.metrics import NullLogger
 from runner.tasks import DataOnlyStep
+from runner.tasks.loop import LoopOptions, run_loop
 
 CPU = torch.device("cpu")
 # what the bench compares against each other: the image folder as it is (decoded every

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from runner.bench.infer import bench_infer, make_weights, naive_rate, runner_job, stand_ins
-from runner.compose import compose
+from runner.config.rules import model_configs
+from runner.data.sources.listing import list_images
 from runner.data.storage import resolve_dataset
-from runner.data.storage.listing import list_images
+from runner.job.compose import compose
 from runner.measure.stats import median
-from runner.rules import model_configs
 
 NAIVE = "naive script"
 WARMUP = 3  # steps of each job before its timed ones

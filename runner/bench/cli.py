@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 
 import runner.bench
-from runner.atomic import dumps
 from runner.bench import run_with_targets
 from runner.bench.contention import bench_contention
 from runner.bench.gil import bench_gil
 from runner.bench.loaders import bench_loaders, loader_targets, print_report
 from runner.bench.overhead import bench_overhead
 from runner.bench.stores import bench_stores, print_store_targets
-from runner.compose import job_refusal
-from runner.errors import EXIT_USER_ERROR, ConfigError
+from runner.common.atomic import dumps
+from runner.common.errors import EXIT_USER_ERROR, ConfigError
+from runner.job.compose import job_refusal
 
 
 def command_line() -> argparse.ArgumentParser:

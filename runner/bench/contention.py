@@ -11,8 +11,8 @@ import time
 
 from runner.bench import MEMMAP, PACKED, loader, runner_rate
 from runner.bench.stores import _row
-from runner.compose import compose
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
+from runner.job.compose import compose
 from runner.measure.stats import median
 
 BURNER = """

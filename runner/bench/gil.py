@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 
 from runner.bench import FOLDER, loader
-from runner.compose import compose
+from runner.data.decode.decoders import DECODERS, DecoderUnavailable
 from runner.data.storage import build_storage, resolve_dataset
-from runner.data.storage.decode import DECODERS, DecoderUnavailable
+from runner.job.compose import compose
 from runner.measure.clock import burst
 from runner.measure.stats import median
 

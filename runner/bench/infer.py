@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from runner.compose import compose
-from runner.config import DatasetConfig, ModelConfig
+from runner.config.schema import DatasetConfig, ModelConfig
+from runner.data.sources.listing import list_images
 from runner.data.storage import resolve_dataset
-from runner.data.storage.listing import list_images
+from runner.job.compose import compose
 from runner.measure.stats import median
 
 MODEL = "mobilenet_v3_small"
@@ -81,7 +81,7 @@ CROP_FRACTION = DatasetConfig.crop_fraction  # the default the runner jobs run w
 def naive_models(models: list[ModelConfig], classes: int, device: torch.device) -> list:
     """Each model as a script loads it: (network, mean, std, the embedding it last saw)."""
     from runner.model.networks import build_model, split_input
-    from runner.outputs import classifier_of
+    from runner.tasks.infer.outputs import classifier_of
 
     loaded = []
     for m in models:

@@ -31,13 +31,13 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from runner.bench import FOLDER, MEMMAP, cpu_decoders, loader, runner_rate, timed_rate
 from runner.bench.gil import one_thread_rate
 from runner.bench.stores import bench_stores
-from runner.compose import compose
-from runner.config import Config, DatasetConfig
-from runner.data.loader import BatchStream, InProcessBatches, shutdown_workers
+from runner.config.schema import Config, DatasetConfig
+from runner.data.decode.decoders import DecoderUnavailable
+from runner.data.loading.loader import BatchStream, InProcessBatches, shutdown_workers
 from runner.data.order import BatchOrder
 from runner.data.storage import build_storage, decoded_once, resolve_dataset
-from runner.data.storage.decode import DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
+from runner.job.compose import compose
 from runner.measure.stats import median
 
 

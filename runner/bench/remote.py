@@ -2,8 +2,8 @@
 
 One run, one machine, the same photos (the generated default dataset, packed at the stored
 size) in two layouts: tar shards (``loader=shards``) and one object per stored JPEG
-(``loader=folder`` over a URL). rclone's ``serve s3`` (runner/data/remote/loopback.py)
-serves both on loopback behind a delay line (runner/data/remote/delayline.py) at 0, 10 and
+(``loader=folder`` over a URL). rclone's ``serve s3`` (runner/bench/servers/loopback.py)
+serves both on loopback behind a delay line (runner/bench/servers/delayline.py) at 0, 10 and
 50 ms round trip, named by ``dataset.endpoint_url``; moto, which answers range requests
 (rclone does not), serves the run whose cache is too small for its shards (read around the
 cache by ranges), named by ``AWS_ENDPOINT_URL``. (moto's Python server answers ~250 small
@@ -23,7 +23,7 @@ compared with the same epoch of the local shards. Then:
   with rclone's FUSE mount through a 10 ms line of their own, read as local files: the
   objects (``loader=folder``) and a packed store of them (``loader=packed``, its
   ``dataset.cache_dir`` on the mount), each against the same on local disk
-  (runner/data/remote/fardisk.py). The mount's daemon runs on the servers' core: it stands
+  (runner/data/sources/fardisk.py). The mount's daemon runs on the servers' core: it stands
   for a network file system's client, which in production is the kernel's (NFS, Lustre)
   and costs far less CPU than rclone's userspace FUSE, HTTP and Go runtime; its CPU per
   image is printed, so the cost moved off the client is shown, not hidden. (rclone's mount
@@ -57,11 +57,11 @@ from typing import Any
 
 import torch
 
-from runner.config import Decoder, StorageName
-from runner.data.remote.delayline import DelayLineProcess
-from runner.data.remote.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
-from runner.data.remote.stream import SHARDS_PER_BLOCK
-from runner.data.storage.tarshards import SHARD_LIST
+from runner.bench.servers.delayline import DelayLineProcess
+from runner.bench.servers.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
+from runner.config.schema import Decoder, StorageName
+from runner.data.sources.shardstream import SHARDS_PER_BLOCK
+from runner.data.storage.tarformat import SHARD_LIST
 from runner.data.threads import cores
 from runner.measure.stats import median
 
@@ -106,7 +106,7 @@ def webdataset_rate(urls: list[str], size: list[int], batch_size: int) -> float:
     """images/s of one epoch of webdataset's own pipeline over ``urls`` (``pipe:curl``)."""
     import webdataset as wds
 
-    from runner.data.storage.decode import ImageDecoder
+    from runner.data.decode.decoders import ImageDecoder
 
     decoder = ImageDecoder(Decoder.region, tuple(size), fraction=0.875)
 
@@ -166,7 +166,7 @@ def far_mount(endpoint: str, mountpoint: Path):
     """rclone's FUSE mount of the folders served over HTTP at ``endpoint`` (a far disk: a
     local path with the link's latency), its daemon pinned with the servers, or None,
     said, where FUSE is missing."""
-    from runner.data.remote.loopback import RcloneMount
+    from runner.bench.servers.loopback import RcloneMount
 
     try:
         mount = RcloneMount.http(endpoint, mountpoint)

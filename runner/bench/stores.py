@@ -15,12 +15,12 @@ from collections.abc import Callable
 import torch
 
 from runner.bench import FOLDER, MEMMAP, PACKED, runner_rate
-from runner.compose import compose
-from runner.config import StorageName
+from runner.config.schema import StorageName
+from runner.data.decode.decoders import DECODERS, DecoderUnavailable
 from runner.data.order import BatchOrder
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
-from runner.data.storage.decode import DECODERS, DecoderUnavailable
 from runner.data.storage.decoded import DecodedStorage
+from runner.job.compose import compose
 from runner.measure.clock import burst
 from runner.measure.stats import median
 
@@ -44,7 +44,7 @@ def stored_jpegs(storage, count: int = 256) -> list[bytes]:
 def full_decoders() -> dict[str, Callable[[bytes], torch.Tensor]]:
     """Every CPU decoder available here (the registry's), as a full decode of one JPEG to a
     CHW uint8 tensor (a view of the decoder's HWC pixels)."""
-    from runner.data.storage.decode import Box, decode_region, read_jpeg_header
+    from runner.data.decode.decoders import Box, decode_region, read_jpeg_header
 
     out: dict[str, Callable[[bytes], torch.Tensor]] = {}
     for name, kind in DECODERS.items():
@@ -96,7 +96,7 @@ def grid_crop_rate(storage: DecodedStorage, size: tuple[int, int], batch_size: i
     """images/s of a batched gather plus the batched float ``grid_sample`` random crop on the
     CPU: the device crop memmap/ram random crops ran through on a CPU device before they
     were cut per image (what ``BatchAugment`` still does on a GPU)."""
-    from runner.data.augment import BatchAugment
+    from runner.data.decode.crops import BatchAugment
 
     augment = BatchAugment(size)
     order = BatchOrder(len(storage), min(batch_size, len(storage)), shuffle=True,

@@ -20,34 +20,34 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.config import Config, Crop, LoaderConfig, PageCache, RunConfig, TaskName
-from runner.data.augment import BatchAugment, CenterCrop
-from runner.data.loader import (
-    BatchStream,
-    batch_order,
-    build_loader,
-    drops_remainder,
-    shutdown_workers,
-)
-from runner.data.normalize import (
+from runner.common.errors import ConfigError
+from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig, TaskName
+from runner.data.decode.crops import BatchAugment, CenterCrop
+from runner.data.decode.decoders import DECODERS
+from runner.data.device.normalize import (
     HOST_DTYPES,
     Converted,
     HostConvert,
     check_host_dtype,
     host_convert,
 )
-from runner.data.nvjpeg import GpuDecodedBatches
+from runner.data.device.nvjpeg import GpuDecodedBatches
+from runner.data.device.prefetch import build_prefetcher
+from runner.data.loading.loader import (
+    BatchStream,
+    batch_order,
+    build_loader,
+    drops_remainder,
+    shutdown_workers,
+)
 from runner.data.order import BatchOrder, count_images
-from runner.data.pagecache import ColdPageCache
-from runner.data.prefetch import build_prefetcher
+from runner.data.protocol import Storage, StorageKind
+from runner.data.sources.pagecache import ColdPageCache
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
-from runner.data.storage.base import Storage, StorageKind
-from runner.data.storage.cache import human_bytes
-from runner.data.storage.decode import DECODERS
+from runner.data.storage.convert import human_bytes
 from runner.data.storage.ram import memory_available
 from runner.data.threads import RowPool
-from runner.distributed import Ranks, barrier
-from runner.errors import ConfigError
+from runner.launch.distributed import Ranks, barrier
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class DataPath:
         self.page_cache = page_cache
         self.convert = convert  # loader.host_dtype: float batches made on the host
         self.steps_per_epoch = len(stream.loader)
-        self.train_augment = None  # task.augment (runner/data/transforms.py), training only
+        self.train_augment = None  # task.augment (runner/data/device/augment.py), training only
         # crops on a CPU device: image by image on the runner's threads (threads.py)
         self.rows = RowPool() if device.type == "cpu" and augment is not None else None
 
@@ -260,7 +260,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         progress: progress bars for one-off work (the default dataset, a cache conversion).
         every_image: read every image of an epoch once (validation), the last batches
             padded and masked, even where training would drop the remainder
-            (``runner.data.loader.drops_remainder``).
+            (``runner.data.loading.loader.drops_remainder``).
     """
     ranks = ranks or Ranks()
     check_host_dtype(config)  # before any work
@@ -321,7 +321,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
     data = DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
                     augment=augment, page_cache=page_cache, convert=convert)
     if config.task.name is TaskName.train and config.task.augment.active:
-        from runner.data.transforms import TrainAugment
+        from runner.data.device.augment import TrainAugment
 
         data.train_augment = TrainAugment(config.task.augment, config.seed, ranks.rank,
                                           start_step)

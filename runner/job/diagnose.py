@@ -40,17 +40,17 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from runner.atomic import write_json
-from runner.config import Config, to_plain
+from runner.common.atomic import write_json
+from runner.config.schema import Config, to_plain
 from runner.data import DataPath
-from runner.data.loader import decode_threads
-from runner.data.normalize import HOST_DTYPES, as_batches_come
-from runner.data.pagecache import can_evict, evict
+from runner.data.device.normalize import HOST_DTYPES, as_batches_come
+from runner.data.loading.loader import decode_threads
+from runner.data.protocol import Storage
+from runner.data.sources.pagecache import can_evict, evict
 from runner.data.storage import STORAGES, choices, decoded_once
 from runner.data.storage import advice as storage_advice
-from runner.data.storage.base import Storage
 from runner.data.threads import cores, torch_threads
-from runner.distributed import local_module
+from runner.launch.distributed import local_module
 from runner.measure.clock import burst, synchronize
 from runner.measure.stats import quantiles
 from runner.model.compile import step_amp

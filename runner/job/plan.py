@@ -8,11 +8,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from runner import checkpoint
-from runner.config import Config
+from runner.config.schema import Config
 from runner.data import DataPath
-from runner.distributed import Ranks
-from runner.tasks import Task
+from runner.launch.distributed import Ranks
+from runner.tasks import Task, checkpoint
 
 log = logging.getLogger("runner")
 

@@ -5,7 +5,7 @@ What the job does is its task's (runner/tasks/); this module runs every task the
 Whatever happens, the job's outcome lands in ``metrics.json`` in its run folder:
 ``status=ok`` with the figures, ``status=skipped`` with the reason when this machine cannot
 run the combination (no CUDA for device=cuda, a decoder library missing), or ``status=failed``
-with the error. A skip exits 0 so a sweep goes on. Figures: runner/results.py; verdict: diagnose.py.
+with the error. A skip exits 0 so a sweep goes on. Figures: runner/tasks/results.py; verdict: diagnose.py.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import environment, outcome, outputs, results
-from runner.compose import to_config
-from runner.config import Config, flatten, to_plain
+from runner.common.errors import Interrupted
+from runner.config.schema import Config, flatten, to_plain
 from runner.data import DataPath, build_data_path
-from runner.distributed import (
+from runner.job import environment
+from runner.job.compose import to_config
+from runner.job.diagnose import diagnose, shared_probes
+from runner.job.logger import build_logger, run_identity
+from runner.job.plan import plan_run
+from runner.launch import outcome
+from runner.launch.distributed import (
     Ranks,
     agreed_stops,
     broadcast,
@@ -37,17 +42,15 @@ from runner.distributed import (
     process_group,
     ranks_from_env,
 )
-from runner.errors import Interrupted
-from runner.job.diagnose import diagnose, shared_probes
-from runner.job.plan import plan_run
-from runner.logger import MetricLogger, NullLogger, build_logger, run_identity
-from runner.loop import LoopOptions, LoopResult, run_loop
 from runner.measure import profile, timeline
 from runner.measure.clock import StepClock
+from runner.measure.metrics import MetricLogger, NullLogger
 from runner.measure.stats import plural
 from runner.model.amp import check_amp
-from runner.predictions import merge_rank_files
-from runner.tasks import RunContext, Task, task_for
+from runner.tasks import RunContext, Task, results, task_for
+from runner.tasks.infer import outputs
+from runner.tasks.infer.predictions import merge_rank_files
+from runner.tasks.loop import LoopOptions, LoopResult, run_loop
 
 log = logging.getLogger("runner")
 
@@ -106,7 +109,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if ranks.main:
                 outcome.save_metrics(run_dir / "metrics.json", metrics)
                 if metrics["status"] in ("ok", "interrupted"):
-                    # a sweep's wandb runs are said once, at its end (runner/sweep.py),
+                    # a sweep's wandb runs are said once, at its end (runner/job/sweep.py),
                     # unless this job stops the sweep
                     said_once = sweep and metrics["status"] == "ok"
                     wandb_run = job.logger.location if job and not said_once else None

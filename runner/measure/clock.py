@@ -112,7 +112,7 @@ class SharedCores:
     CPU time (/proc/stat) less this process's and its workers' own, over the window's wall
     time. A virtual machine's steal time (the host running other guests on these cores)
     counts as busy too: it slows the run the same way. A figure measured while another job
-    ran on the same cores is not this configuration's figure (runner/results.py flags it)."""
+    ran on the same cores is not this configuration's figure (runner/tasks/results.py flags it)."""
 
     def __init__(self) -> None:
         self.start = self._sample()

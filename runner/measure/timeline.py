@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runner.atomic import dumps
+from runner.common.atomic import dumps
 
 LIMIT = 200_000  # spans kept per process
 STEPS_SHOWN = 4  # consecutive steps drawn after warm-up
@@ -161,7 +161,7 @@ def nvtx_on() -> bool:
     return _state["nvtx"]
 
 
-# the loop's stage names (runner/loop.py) as the timeline's lanes name them
+# the loop's stage names (runner/tasks/loop.py) as the timeline's lanes name them
 NVTX_NAMES = {"data_wait": "wait", "compute": "step"}
 
 

@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
-from runner.config import AmpConfig, AmpName
-from runner.errors import Unavailable
+from runner.common.errors import Unavailable
+from runner.config.schema import AmpConfig, AmpName
 
 DTYPES = {AmpName.off: None, AmpName.fp16: torch.float16, AmpName.bf16: torch.bfloat16}
 

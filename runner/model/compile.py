@@ -41,8 +41,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from runner.atomic import replacing
-from runner.config import (
+from runner.common.atomic import replacing
+from runner.common.errors import Unavailable
+from runner.config.rules import model_configs
+from runner.config.schema import (
     AmpConfig,
     AmpName,
     CompileConfig,
@@ -53,10 +55,9 @@ from runner.config import (
     TaskName,
     data_path_alone,
 )
-from runner.data.loader import drops_remainder
-from runner.data.normalize import as_batches_come
-from runner.distributed import Ranks, replicate
-from runner.errors import Unavailable
+from runner.data.device.normalize import as_batches_come
+from runner.data.loading.loader import drops_remainder
+from runner.launch.distributed import Ranks, replicate
 from runner.measure.clock import synchronize
 from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
 from runner.model.networks import (
@@ -66,7 +67,6 @@ from runner.model.networks import (
     split_input,
     trace_batch,
 )
-from runner.rules import model_configs
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _torchscript(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, tr
 
 class Traced(nn.Module):
     """A TorchScript module with the eager model it was traced from kept as ``_orig_mod``
-    (where torch.compile keeps it): ``runner.distributed.local_module`` finds the network
+    (where torch.compile keeps it): ``runner.launch.distributed.local_module`` finds the network
     there, so a checkpoint holds the network's own state_dict (``features...``), never the
     traced graph's (``0.scale``, ``1.features...``), and loads back into it. A traced
     module shares its parameters and buffers with the eager one: training either trains

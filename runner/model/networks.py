@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.config import (
+from runner.common.errors import ConfigError, Unavailable
+from runner.config.schema import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     NO_MODEL,
@@ -31,8 +32,7 @@ from runner.config import (
     ModelSource,
     import_target,
 )
-from runner.data.normalize import affine, normalize
-from runner.errors import ConfigError, Unavailable
+from runner.data.device.normalize import affine, normalize
 
 
 def main_output(out: Any) -> torch.Tensor:
@@ -49,7 +49,7 @@ class UInt8Input(nn.Module):
 
     Under autocast the result is already in the autocast dtype, so a half-precision model
     never materializes a float32 copy of the batch. A floating batch was normalized on the
-    host (``loader.host_dtype``, runner/data/normalize.py, the same ``normalize``): it is
+    host (``loader.host_dtype``, runner/data/device/normalize.py, the same ``normalize``): it is
     only cast to that dtype.
     """
 
@@ -144,7 +144,7 @@ def _closest(name: str, known: list[str]) -> str:
 def check_model(cfg: ModelConfig) -> None:
     """A ConfigError naming the fix for a model that cannot be built; an ``Unavailable``
     (a skip) for one that needs a package this machine lacks."""
-    from runner.config import ConfigError
+    from runner.config.schema import ConfigError
 
     if cfg.source is ModelSource.torchvision:
         if cfg.name in (NO_MODEL, *OWN):
@@ -184,7 +184,7 @@ def _timm(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
     except ImportError as e:
         raise Unavailable("model=timm needs the timm package: pip install -e '.[timm]'") from e
     if not timm.is_model(name):
-        from runner.config import ConfigError
+        from runner.config.schema import ConfigError
 
         raise ConfigError(f"model.name={name} is not a timm model"
                           f"{_closest(name, timm.list_models())}")
@@ -230,7 +230,7 @@ def network_state(state: dict) -> dict:
 
 def saved_class_names(state: Any) -> list[str] | None:
     """The class names a runner checkpoint was trained with (its data's fingerprint keeps
-    them, runner/checkpoint.py); None for a plain state_dict or an older checkpoint."""
+    them, runner/tasks/checkpoint.py); None for a plain state_dict or an older checkpoint."""
     if isinstance(state, dict) and "model" in state and "epoch" in state:
         names = (state.get("data") or {}).get("class_names")
         if isinstance(names, list | tuple) and names:
@@ -241,7 +241,7 @@ def saved_class_names(state: Any) -> list[str] | None:
 def read_weights_file(path: str) -> tuple[dict, list[str] | None]:
     """The state_dict in a local weights file, and the class names it was trained with
     when it is a runner checkpoint that keeps them; a ConfigError naming the fix."""
-    from runner.config import ConfigError
+    from runner.config.schema import ConfigError
 
     file = Path(path).expanduser()
     if not file.is_file():
@@ -290,7 +290,7 @@ def _with_aux(cfg: ModelConfig, state: dict | None) -> ModelConfig:
 
 def class_count(cfg: ModelConfig, dataset_classes: int, state: dict | None, train: bool) -> int:
     """How many classes the model's head has (the module docstring says how it is chosen)."""
-    from runner.config import ConfigError
+    from runner.config.schema import ConfigError
 
     if cfg.num_classes is not None:
         return cfg.num_classes
@@ -314,7 +314,7 @@ def load_weights(backbone: nn.Module, path: str, state: dict | None = None,
                  replace_head: bool = False) -> None:
     """A local state_dict into the network, strictly: a mismatch names the keys; with
     ``replace_head`` the tensors whose shape differs (the head) keep their new values."""
-    from runner.config import ConfigError
+    from runner.config.schema import ConfigError
 
     if state is None:
         state = read_weights(path)
@@ -378,7 +378,7 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
 
 def split_input(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(its uint8 input layer, the network itself) of a model ``build_model`` made (DDP and
-    torch.compile unwrapped first, runner/distributed.py's ``local_module``); a model of
+    torch.compile unwrapped first, runner/launch/distributed.py's ``local_module``); a model of
     another shape is all network, behind an identity."""
     if isinstance(model, nn.Sequential) and len(model) == 2:
         return model[0], model[1]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runner.errors import Unavailable
+from runner.common.errors import Unavailable
 from runner.model.networks import main_output, trace_batch
 
 INPUT, OUTPUT = "image", "output"

@@ -15,13 +15,13 @@ import importlib
 import torch
 from torch import nn
 
-from runner.config import AmpConfig, Config, TaskConfig, TaskName, data_path_alone
-from runner.loop import Step
-from runner.outputs import Outputs, Reduce
-from runner.tasks.base import RunContext, Task
+from runner.config.schema import AmpConfig, Config, TaskConfig, TaskName, data_path_alone
 from runner.tasks.data_only import DataOnlyStep, DataOnlyTask
-from runner.tasks.infer import InferStep
-from runner.tasks.train import TrainStep
+from runner.tasks.infer.inference import InferStep
+from runner.tasks.infer.outputs import Outputs, Reduce
+from runner.tasks.loop import Step
+from runner.tasks.task import RunContext, Task
+from runner.tasks.train.training import TrainStep
 
 
 def _registry() -> dict[TaskName, type]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from tensordict import TensorDict
 
-from runner.loop import Step
-from runner.tasks.base import TaskBase
+from runner.tasks.loop import Step
+from runner.tasks.task import TaskBase
 
 
 class DataOnlyTask(TaskBase):

@@ -22,7 +22,7 @@ included. Packed stores at 256 for 224 by default, so its centre crop is a windo
 stored JPEG with no resize. With ``dataset.crop=random`` the runner's own storages draw each
 image's crop from the same per-image seed (DALI and FFCV draw theirs): folder, packed and
 shards decode it; memmap and ram cut it from the stored image per batch on the device
-(runner/data/augment.py). ``dataset.store_size=256`` stores memmap and ram images larger
+(runner/data/decode/crops.py). ``dataset.store_size=256`` stores memmap and ram images larger
 than the output so those crops have pixels to choose from, and one store then serves
 centre and random crops; at the output size, the centre crop and the whole side are two
 stores. ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
@@ -36,15 +36,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName
-from runner.data.remote.url import is_url
-from runner.data.storage.base import Storage, StorageKind
-from runner.data.storage.decode import DECODERS, concrete_decoder
-from runner.data.storage.listing import EXTENSIONS, check_no_loop, is_image_name
-from runner.data.storage.tarshards import MANIFEST
-from runner.data.synthetic import SyntheticSpec, ensure_dataset
-from runner.errors import ConfigError, UserError
-from runner.records import records
+from runner.common.errors import ConfigError, UserError
+from runner.common.registry import records
+from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.data.decode.decoders import DECODERS, concrete_decoder
+from runner.data.protocol import Storage, StorageKind
+from runner.data.sources.listing import EXTENSIONS, check_no_loop, is_image_name
+from runner.data.sources.synthetic import SyntheticSpec, ensure_dataset
+from runner.data.sources.url import is_url
+from runner.data.storage.tarformat import MANIFEST
 
 STORAGES: dict[StorageName, StorageKind] = records(__name__, StorageName, StorageKind,
                                                   "loader={}")
@@ -52,14 +52,14 @@ STORAGES: dict[StorageName, StorageKind] = records(__name__, StorageName, Storag
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
     """``dataset.manifest`` or ``dataset.path``, or the generated default dataset (made
-    once, then reused). A URL (runner/data/remote/) stays a string, checked readable now
+    once, then reused). A URL (runner/data/sources/) stays a string, checked readable now
     with one request (a RemoteError naming it and what to set, before any work)."""
     for key in ("manifest", "path"):
         value = getattr(cfg, key)
         if is_url(value):
-            from runner.data.remote.client import check_url
-            from runner.data.remote.listing import is_manifest
-            from runner.data.remote.url import RemoteURL
+            from runner.data.sources.objectstore import check_url
+            from runner.data.sources.remote_listing import is_manifest
+            from runner.data.sources.url import RemoteURL
 
             check_url(value, cfg.endpoint_url, is_file=is_manifest(RemoteURL.parse(value)))
             return value

@@ -35,12 +35,13 @@ from pathlib import Path
 
 import torch
 
-from runner.config import Crop, DatasetConfig, LoaderConfig, StorageName
+from runner.common.errors import UserError
+from runner.config.schema import Crop, DatasetConfig, LoaderConfig, StorageName
+from runner.data.decode.decoders import CPU_DECODERS
 from runner.data.order import BatchOrder
-from runner.data.storage.base import StorageKind
-from runner.data.storage.decode import CPU_DECODERS
+from runner.data.protocol import StorageKind
+from runner.data.sources.listing import DatasetError, printable
 from runner.data.storage.folder import FolderStorage, open_folder
-from runner.data.storage.listing import DatasetError, printable
 from runner.data.storage.rival import (
     RivalStorage,
     RivalUnavailable,
@@ -48,7 +49,6 @@ from runner.data.storage.rival import (
     screen_samples,
 )
 from runner.data.threads import cores
-from runner.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from runner.config import DatasetConfig
+from runner.config.schema import DatasetConfig
 from runner.data.order import split_padding, unpad
-from runner.data.storage.base import (
+from runner.data.protocol import (
     Probe,
     Sample,
     SkippedFile,
@@ -30,7 +30,7 @@ from runner.measure import timeline
 
 class DecodedStorage(Dataset):
     """Images (N, 3, H, W) uint8 and labels (N,) int64, minus the slots of skipped files
-    (the ``Storage`` protocol, runner/data/storage/base.py).
+    (the ``Storage`` protocol, runner/data/protocol.py).
 
     Args:
         images: the pixel tensor (a MemoryMappedTensor, or a tensor in RAM).
@@ -51,7 +51,7 @@ class DecodedStorage(Dataset):
     decodes_per_epoch = False
     random_crops = False  # center crops decoded once; random ones happen on the device
     # what the model gets (dataset.image_size): a store at dataset.store_size is cropped
-    # to it on the device (runner/data/augment.py); None: images are stored at it
+    # to it on the device (runner/data/decode/crops.py); None: images are stored at it
     output_size: tuple[int, int] | None = None
     crop_fraction = 1.0  # the share of the stored shorter side a centre crop keeps
     _probe_rows: RowPool | None = None  # the verdict's probe gathers with its own threads
@@ -160,7 +160,7 @@ class DecodedStorage(Dataset):
         """``n`` images as the model gets them (center crops of a larger store)."""
         images = self.gather(torch.arange(min(n, len(self))))[0]["image"]
         if self.output_size is not None and tuple(self.image_shape[1:]) != self.output_size:
-            from runner.data.augment import CenterCrop  # the loader's device stage
+            from runner.data.decode.crops import CenterCrop  # the loader's device stage
 
             images = CenterCrop(self.output_size, self.crop_fraction)(images)
         return cycle_rows(images.contiguous(), n)

@@ -1,7 +1,7 @@
 """``loader=ffcv``: FFCV's ``.beton`` and its Loader over ``dataset.path``, measured the
 runner's way (the rival for datasets stored once and decoded per epoch, like packed).
 
-Conversion, with the runner's cache engine (runner/data/storage/cache.py: keyed by the
+Conversion, with the runner's cache engine (runner/data/storage/convert.py: keyed by the
 source's layout and every file's stat and content hash, rebuilt when stale, built in
 ``<key>.partial`` and published by a rename, refused with the rebuild command when
 damaged; ``python -m runner.prepare ffcv`` builds it ahead): the files DALI would stop on
@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.config import Crop, DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.config.schema import Crop, DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.data.decode.decoders import CPU_DECODERS
 from runner.data.order import BatchOrder
-from runner.data.storage.base import StorageKind
-from runner.data.storage.cache import (
+from runner.data.protocol import StorageKind
+from runner.data.storage.convert import (
     META,
     SOURCE_DTYPE,
     SOURCES,
@@ -44,7 +45,6 @@ from runner.data.storage.cache import (
     file_record,
     skipped_files,
 )
-from runner.data.storage.decode import CPU_DECODERS
 from runner.data.storage.folder import FolderStorage, open_folder
 from runner.data.storage.packed import default_store_size, stored_hw
 from runner.data.storage.rival import (
@@ -140,7 +140,7 @@ class _Stored(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         from PIL import Image
 
-        from runner.data.storage.decode import upright_rgb
+        from runner.data.decode.decoders import upright_rgb
 
         path, label = self.samples[i]
         with Image.open(path) as img:

@@ -1,5 +1,5 @@
 """``loader=folder``: a folder of images (or a manifest), every image read and decoded on
-every epoch; which images and labels: runner/data/storage/listing.py."""
+every epoch; which images and labels: runner/data/sources/listing.py."""
 
 from __future__ import annotations
 
@@ -10,19 +10,8 @@ from pathlib import Path
 
 import torch
 
-from runner.config import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.order import unpad
-from runner.data.remote.fardisk import is_far
-from runner.data.remote.url import is_url
-from runner.data.storage.base import (
-    Probe,
-    Sample,
-    SkippedFile,
-    StorageKind,
-    StoreFootprint,
-    cycle_rows,
-)
-from runner.data.storage.decode import (
+from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.decode.decoders import (
     DECODERS,
     FALLBACK,
     CorruptFileStop,
@@ -30,14 +19,25 @@ from runner.data.storage.decode import (
     ImageDecoder,
     check_decoder,
 )
-from runner.data.storage.encoded import ReadBytes
-from runner.data.storage.listing import (
+from runner.data.decode.encoded import ReadBytes
+from runner.data.order import unpad
+from runner.data.protocol import (
+    Probe,
+    Sample,
+    SkippedFile,
+    StorageKind,
+    StoreFootprint,
+    cycle_rows,
+)
+from runner.data.sources.fardisk import is_far
+from runner.data.sources.listing import (
     DatasetError,
     Listing,
     list_images,
     open_image_folder,
     printable,
 )
+from runner.data.sources.url import is_url
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def read_file(path: str) -> bytearray:
 
 
 class FolderStorage(torch.utils.data.Dataset):
-    """Reads and decodes one file per item (the ``Storage`` protocol, runner/data/storage/base.py).
+    """Reads and decodes one file per item (the ``Storage`` protocol, runner/data/protocol.py).
 
     Args:
         path: the folder (class folders, or unlabelled images) or a manifest.
@@ -285,8 +285,8 @@ class FolderStorage(torch.utils.data.Dataset):
 
 class RemoteFolderStorage(FolderStorage):
     """An image folder (or manifest) in a store, one object per image (``dataset.path=s3://
-    ...``): listed as a local folder is (runner/data/remote/listing.py), each image fetched
-    by the read engine (runner/data/remote/engine.py) and decoded like a local file.
+    ...``): listed as a local folder is (runner/data/sources/remote_listing.py), each image fetched
+    by the read engine (runner/data/sources/readengine.py) and decoded like a local file.
 
     ``will_need`` (the loader calls it for each batch it queues, a few ahead of the one it
     decodes) starts the batch's fetches at once, all of them concurrently on the engine's
@@ -302,7 +302,7 @@ class RemoteFolderStorage(FolderStorage):
 
     def __init__(self, listing: Listing, decode: ImageDecoder | ReadBytes,
                  on_corrupt: OnCorrupt, engine):
-        from runner.data.remote.engine import Ahead
+        from runner.data.sources.readengine import Ahead
 
         super().__init__(listing.root, decode, on_corrupt, listing)
         self.engine = engine
@@ -349,7 +349,7 @@ class RemoteFolderStorage(FolderStorage):
 class FarFolderStorage(RemoteFolderStorage):
     """A local folder on a far disk (a network mount): listed as a local folder, each file
     read by the read engine over obstore's LocalStore, many in flight
-    (runner/data/remote/fardisk.py)."""
+    (runner/data/sources/fardisk.py)."""
 
     def keys_of(self, samples: list[tuple[str, int]]) -> list[str]:
         return [os.path.abspath(path).lstrip("/") for path, _ in samples]
@@ -364,9 +364,9 @@ class FarFolderStorage(RemoteFolderStorage):
 
 def far_engine():
     """The read engine over this machine's own files."""
-    from runner.data.remote.client import LOCAL_SCHEME, ObjectStore
-    from runner.data.remote.engine import ReadEngine
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import LOCAL_SCHEME, ObjectStore
+    from runner.data.sources.readengine import ReadEngine
+    from runner.data.sources.url import RemoteURL
 
     return ReadEngine(ObjectStore(RemoteURL(LOCAL_SCHEME, "", "")))
 
@@ -374,10 +374,10 @@ def far_engine():
 def open_remote_folder(loader: LoaderConfig, dataset: DatasetConfig, url: str,
                        decode: ImageDecoder | ReadBytes) -> RemoteFolderStorage:
     """The images at the URL ``url`` (checked readable already), one object each."""
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.engine import ReadEngine
-    from runner.data.remote.listing import list_remote
-    from runner.data.remote.url import RemoteURL
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.readengine import ReadEngine
+    from runner.data.sources.remote_listing import list_remote
+    from runner.data.sources.url import RemoteURL
 
     store = ObjectStore(RemoteURL.parse(url), dataset.endpoint_url)
     listing = list_remote(dataset, url, store)
@@ -405,7 +405,7 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
         if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
             decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
                                                 fraction=decode.fraction))
-    if is_url(path):  # one object per image, in a store (runner/data/remote/)
+    if is_url(path):  # one object per image, in a store (runner/data/sources/)
         return open_remote_folder(loader, dataset, path, decode)
     listing = list_images(dataset, path)
     far, why = is_far([p for p, _ in listing.samples], dataset.far_disk)

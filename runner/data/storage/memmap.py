@@ -2,7 +2,7 @@
 
 A store holds ``images.memmap`` (N, 3, H, W) uint8 and ``labels.memmap`` (N,) int64, both
 tensordict ``MemoryMappedTensor`` files, beside the engine's ``sources.bin`` and
-``meta.json`` (runner/data/storage/cache.py: keyed, fingerprinted, resumable, reserved,
+``meta.json`` (runner/data/storage/convert.py: keyed, fingerprinted, resumable, reserved,
 published atomically, checked). Slot ``i`` holds file ``i`` of the folder in ImageFolder
 order; an undecodable file leaves its slot zero and is listed as skipped. The images are
 ``dataset.image_size``, or that size scaled to ``dataset.store_size`` (cropped to the output
@@ -38,15 +38,17 @@ import torch
 from tensordict import MemoryMappedTensor
 from tqdm import tqdm
 
-from runner.config import Crop, DatasetConfig, LoaderConfig, Split, StorageName, StoreSide
+from runner.config.schema import Crop, DatasetConfig, LoaderConfig, Split, StorageName, StoreSide
+from runner.data.decode.decoders import CPU_DECODERS, ImageDecoder, check_decoder
 from runner.data.pool import parallel_imap
-from runner.data.storage.base import (
+from runner.data.protocol import (
     SkippedFile,
     StorageKind,
     StoreFootprint,
     image_nbytes,
 )
-from runner.data.storage.cache import (
+from runner.data.sources.listing import split_positions
+from runner.data.storage.convert import (
     META,
     SOURCE_DTYPE,
     SOURCES,
@@ -59,10 +61,8 @@ from runner.data.storage.cache import (
     reserve,
     skipped_files,
 )
-from runner.data.storage.decode import CPU_DECODERS, ImageDecoder, check_decoder
 from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import FolderStorage, open_folder
-from runner.data.storage.listing import split_positions
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                     progress: bool = True) -> FolderStorage:
     """The folder a decode-once store is made from: every image of it (no split), decoded
     at the stored size with the deterministic centre crop (random crops of training
-    batches happen on the device, runner/data/augment.py)."""
+    batches happen on the device, runner/data/decode/crops.py)."""
     check_decoder(loader.decoder)
     crop = Crop.whole if dataset.crop is Crop.whole else Crop.center
     decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft,

@@ -19,7 +19,7 @@ the transpose into the model's input layer, in float, and is not done.)
 A store holds ``images.bin`` (the JPEGs back to back, in dataset order), ``index.bin`` (per
 source file: offset, size, stored height and width, label and a CRC-32 of its bytes; size 0
 for an undecodable file) beside the engine's ``sources.bin`` and ``meta.json``
-(runner/data/storage/cache.py: keyed, fingerprinted, resumable, reserved, published
+(runner/data/storage/convert.py: keyed, fingerprinted, resumable, reserved, published
 atomically, checked). The JPEGs are encoded by worker processes and written in index
 order, so two builds of the same folder are the same bytes. A stored image that no
 longer decodes is checked against its CRC: damage to the store is named as such, with the
@@ -48,11 +48,21 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from runner.config import DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.data.decode.decoders import (
+    DECODERS,
+    CorruptImageError,
+    ImageDecoder,
+    JpegHeader,
+    read_jpeg_header,
+    region_window,
+    resize_into,
+    upright_rgb,
+)
 from runner.data.order import split_padding, unpad
 from runner.data.pool import parallel_imap
-from runner.data.storage.base import Probe, Sample, SkippedFile, StorageKind, StoreFootprint
-from runner.data.storage.cache import (
+from runner.data.protocol import Probe, Sample, SkippedFile, StorageKind, StoreFootprint
+from runner.data.storage.convert import (
     META,
     SOURCE_DTYPE,
     SOURCES,
@@ -64,16 +74,6 @@ from runner.data.storage.cache import (
     file_record,
     reserve,
     skipped_files,
-)
-from runner.data.storage.decode import (
-    DECODERS,
-    CorruptImageError,
-    ImageDecoder,
-    JpegHeader,
-    read_jpeg_header,
-    region_window,
-    resize_into,
-    upright_rgb,
 )
 from runner.data.storage.folder import FolderStorage, open_folder
 from runner.measure import timeline
@@ -318,10 +318,10 @@ class PackedStorage(FolderStorage):
 
     def read_through(self, engine) -> None:
         """Read the store through the read engine ``engine`` (over this machine's files:
-        runner/data/remote/fardisk.py), as ranges of its data file, a coming batch's
+        runner/data/sources/fardisk.py), as ranges of its data file, a coming batch's
         started together by ``will_need`` and many in flight: the store is on a far disk,
         where one blocking ``pread`` per decode thread would wait a round trip each."""
-        from runner.data.remote.engine import Ahead
+        from runner.data.sources.readengine import Ahead
 
         self.engine, self.ahead = engine, Ahead()
         self._key = os.path.abspath(self.path).lstrip("/")
@@ -424,7 +424,7 @@ class PackedStorage(FolderStorage):
         PIL's fallback, the checksum that names damage to the store, the skip."""
         if not self.native_batches:
             return super().decode_slice(out, positions, indices)
-        from runner.data.storage import _jpegregion
+        from runner.data.decode import _jpegregion
 
         decoder: ImageDecoder = self.decode
         size = tuple(decoder.size)
@@ -535,8 +535,8 @@ def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 
 def read_far(storage: PackedStorage, setting: bool | None) -> None:
     """A store on a far disk (``dataset.far_disk``, else a few of its images' ``pread``s
-    timed: runner/data/remote/fardisk.py) is read through the read engine."""
-    from runner.data.remote.fardisk import is_far, spread
+    timed: runner/data/sources/fardisk.py) is read through the read engine."""
+    from runner.data.sources.fardisk import is_far, spread
 
     spans = list(zip(spread(storage.offsets), spread(storage.sizes)))  # not every image's
     far, why = is_far([str(storage.path)], setting, spans)
@@ -568,7 +568,7 @@ KIND = StorageKind(
     storage=PackedStorage,
     summary="JPEGs re-encoded once at dataset.store_size into one file, decoded every epoch",
     # nvjpeg: each batch's stored JPEGs (one pread each) decoded batched on the GPU
-    # (runner/data/nvjpeg.py), cropped there with the CPU path's boxes
+    # (runner/data/device/nvjpeg.py), cropped there with the CPU path's boxes
     decoders=frozenset(DECODERS),
     knobs=("loader.decoder", "loader.draft", "loader.num_workers"),
     advice={"decode": "a smaller dataset.store_size (fewer pixels to decode per image)"},

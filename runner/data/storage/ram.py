@@ -4,7 +4,7 @@ The tensor lives in shared memory, so DataLoader workers map it instead of copyi
 is read from the memmap cache when one is valid for this dataset (the whole folder, its
 files opened once as memmap.py's readers open them, the split's slots served), else the
 images the run reads are decoded straight into memory with every core. It is never page-locked as a whole: the batched path gathers
-into pinned batch buffers already (runner/data/buffers.py), and pinning the dataset would take
+into pinned batch buffers already (runner/data/loading/buffers.py), and pinning the dataset would take
 it out of shared memory, give every rank its own copy and, through the caching host
 allocator's power-of-two rounding, pin up to twice its size. A dataset that does not fit is
 refused before anything is loaded.
@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runner.config import DatasetConfig, LoaderConfig, StorageName
-from runner.data.storage.base import StorageKind, image_nbytes, shared_empty
-from runner.data.storage.cache import check_skipped, chunk_ranges, skipped_files, valid_cache
-from runner.data.storage.decode import CPU_DECODERS
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
+from runner.data.decode.decoders import CPU_DECODERS
+from runner.data.protocol import StorageKind, image_nbytes, shared_empty
+from runner.data.sources.listing import DatasetError
+from runner.data.storage.convert import check_skipped, chunk_ranges, skipped_files, valid_cache
 from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.listing import DatasetError
 from runner.data.storage.memmap import (
     MemmapSpec,
     build_memmap,

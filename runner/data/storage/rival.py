@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from runner.common.errors import Unavailable
+from runner.data.decode.decoders import read_jpeg_header
 from runner.data.order import BatchOrder
-from runner.data.storage.base import Probe, SkippedFile
-from runner.data.storage.decode import read_jpeg_header
+from runner.data.protocol import Probe, SkippedFile
 from runner.data.storage.folder import FolderStorage
-from runner.errors import Unavailable
 
 PNG = b"\x89PNG\r\n\x1a\n"
 HEAD = 64 * 1024  # bytes read to find a JPEG's frame header (all of most files)

@@ -30,7 +30,7 @@ manifest that does not list it is named in one line and not read; the files a co
 skipped (the manifest's ``skipped``) are in the run's ``skipped_files``.
 
 **Remote shards** (``dataset.path=s3://...``): fetched ahead of need, whole, into the
-node-local cache bounded by ``dataset.cache_bytes`` (runner/data/remote/stream.py, cache.py);
+node-local cache bounded by ``dataset.cache_bytes`` (runner/data/sources/shardstream.py, cache.py);
 a cold start's first batches, and samples the cache has no room for, by range requests.
 Writing shards: shardwrite.py.
 """
@@ -48,18 +48,18 @@ from typing import Any
 
 import torch
 
-from runner.config import DatasetConfig, LoaderConfig, StorageName
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
+from runner.data.decode.decoders import DECODERS
 from runner.data.order import BatchOrder, split_padding
-from runner.data.remote.stream import SHARDS_PER_BLOCK, RemoteShards
-from runner.data.remote.url import RemoteURL, is_url
-from runner.data.storage.base import SkippedFile, StorageKind, StoreFootprint
-from runner.data.storage.cache import human_bytes
-from runner.data.storage.decode import DECODERS
+from runner.data.protocol import SkippedFile, StorageKind, StoreFootprint
+from runner.data.sources.listing import DatasetError
+from runner.data.sources.shardstream import SHARDS_PER_BLOCK, RemoteShards
+from runner.data.sources.url import RemoteURL, is_url
+from runner.data.storage.convert import human_bytes
 from runner.data.storage.folder import FolderStorage
-from runner.data.storage.listing import DatasetError
 from runner.data.storage.packed import PackedStorage, packed_spec
 from runner.data.storage.shardwrite import build_shards, cache_folder, convert_to_shards
-from runner.data.storage.tarshards import (
+from runner.data.storage.tarformat import (
     MANIFEST,
     SHARD_LIST,
     ShardIndex,
@@ -438,9 +438,9 @@ def _node_indexes(url: RemoteURL, meta: dict, objects: dict, engine, cache
 
 def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
                        decode) -> ShardsStorage:
-    from runner.data.remote.cache import ShardCache
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.engine import ReadEngine
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.readengine import ReadEngine
+    from runner.data.sources.shardcache import ShardCache
 
     url = RemoteURL.parse(text)
     if url.prefix.endswith(MANIFEST):
@@ -492,8 +492,8 @@ def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
 
 def _decoder(loader: LoaderConfig, dataset: DatasetConfig):
     """The decoder a folder of ``dataset`` would use (its size, crop and fallbacks)."""
-    from runner.data.storage.decode import FALLBACK, ImageDecoder, check_decoder
-    from runner.data.storage.encoded import ReadBytes
+    from runner.data.decode.decoders import FALLBACK, ImageDecoder, check_decoder
+    from runner.data.decode.encoded import ReadBytes
 
     check_decoder(loader.decoder)
     decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,

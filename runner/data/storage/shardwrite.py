@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from runner.config import DatasetConfig, LoaderConfig
-from runner.data.remote.url import RemoteURL, is_url
-from runner.data.storage.cache import CacheError
+from runner.config.schema import DatasetConfig, LoaderConfig
+from runner.data.sources.url import RemoteURL, is_url
+from runner.data.storage.convert import CacheError
 from runner.data.storage.packed import PackedStorage, build_packed, open_packed
-from runner.data.storage.tarshards import (
+from runner.data.storage.tarformat import (
     DEFAULT_SHARD_BYTES,
     MANIFEST,
     SHARD_LIST,
@@ -116,9 +116,9 @@ def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 def stage_remote(dataset: DatasetConfig, text: str) -> Path:
     """A local copy of the images at the URL ``text`` (to pack), with a manifest that keeps
     their order and labels; reused when complete."""
-    from runner.data.remote.client import ObjectStore
-    from runner.data.remote.engine import ReadEngine
-    from runner.data.remote.listing import list_remote
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.readengine import ReadEngine
+    from runner.data.sources.remote_listing import list_remote
 
     store = ObjectStore(RemoteURL.parse(text), dataset.endpoint_url)
     listing = list_remote(dataset, text, store)
@@ -187,7 +187,7 @@ def _write_out(packed: PackedStorage, out: str | Path, dataset: DatasetConfig,
         target = Path(out).expanduser()
         write_packed_as_shards(packed, target, shard_bytes, facts)
         return target
-    from runner.data.remote.client import check_bucket_writable
+    from runner.data.sources.objectstore import check_bucket_writable
 
     url = RemoteURL.parse(out)
     store = check_bucket_writable(out, dataset.endpoint_url)

@@ -1,7 +1,7 @@
 """``dataset.target=module:function``: your own torch ``Dataset`` as the run's storage.
 
 ``function()`` (imported as ``model.target`` is, from the current folder first:
-runner/config.py ``import_target``) returns a map-style ``Dataset`` (``__len__``,
+runner/config/schema.py ``import_target``) returns a map-style ``Dataset`` (``__len__``,
 ``__getitem__``) or an ``IterableDataset`` whose items are ``(image, label)``:
 
 - **image**: a uint8 CHW tensor (1 or 3 channels), a uint8 HWC (or HW) numpy array, or a
@@ -53,9 +53,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from runner.config import DatasetConfig, Decoder, LoaderConfig, StorageName, import_target
+from runner.common.errors import ConfigError
+from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName, import_target
 from runner.data.order import BatchOrder, split_padding, unpad
-from runner.data.storage.base import (
+from runner.data.protocol import (
     Probe,
     Sample,
     SkippedFile,
@@ -64,8 +65,7 @@ from runner.data.storage.base import (
     cycle_rows,
     stack_images,
 )
-from runner.data.storage.listing import UNLABELLED
-from runner.errors import ConfigError
+from runner.data.sources.listing import UNLABELLED
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)

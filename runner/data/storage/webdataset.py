@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from runner.config import DatasetConfig, LoaderConfig, StorageName
+from runner.common.errors import UserError
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
+from runner.data.decode.decoders import CPU_DECODERS
 from runner.data.order import BatchOrder
-from runner.data.storage.base import StorageKind
-from runner.data.storage.decode import CPU_DECODERS
+from runner.data.protocol import StorageKind
 from runner.data.storage.rival import RivalStorage, RivalUnavailable
 from runner.data.storage.shards import ShardsStorage, open_shards
-from runner.errors import UserError
 
 log = logging.getLogger(__name__)
 

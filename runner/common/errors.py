@@ -1,0 +1,37 @@
+"""The exceptions that decide how a run ends: skipped, a user's mistake, or interrupted."""
+
+# The exit status of a user's mistake, a usage error included (argparse's): every command
+# (python -m runner and its tools) exits with it, the console holding the one line to fix.
+EXIT_USER_ERROR = 2
+
+
+class Unavailable(RuntimeError):
+    """This machine cannot run this combination (no CUDA, a missing library, a dtype the
+    device lacks). The run is recorded as ``status=skipped`` with this message as the
+    reason, and exits 0 so a sweep goes on. The message names what is missing."""
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a bad value, a missing folder, a damaged cache, a full
+    disk). The run fails with this one line, which names the fix; the traceback goes to
+    runner.log only."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that composes but cannot be run; the message names key and fix."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped from outside: Ctrl-C (SIGINT) or SIGTERM (kill, SLURM,
+    ``docker stop``). Raised in the main thread by the signal handler in runner/launch/outcome.py
+    (``Signals``)."""
+
+    def __init__(self, signal_name: str = "SIGINT"):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+class Diverged(UserError):
+    """Training went non-finite: a loss that is NaN or infinite (or weights that are, where
+    a checkpoint would hold them). The run fails there, naming the first such step, and
+    writes no checkpoint after it: the last one written before stays."""

@@ -1,0 +1,648 @@
+"""JPEG decoding for ``loader.decoder``: pil, simplejpeg, jpeg4py, torchvision, region.
+
+Every decoder goes through the same steps so they return the same pixels:
+1. one pass over the JPEG markers reads the frame size, the channel count and the EXIF
+   orientation (``read_jpeg_header``);
+2. the crop box is chosen on the oriented full-size image: the centred
+   ``dataset.crop_fraction`` of the shorter side, or a random-resized crop decided by the
+   image's crop seed (``crop_uniforms``, ``random_box``: the same box, as a share of the
+   image, on every storage and device);
+3. the decoder decodes, at a reduced DCT scale when ``loader.draft`` allows it; ``region``
+   decodes only the crop's window, always at the smallest power-of-two scale that keeps
+   it at least the output size (``decode_region``);
+4. the EXIF orientation is applied as tensor flips/transposes;
+5. the crop is resized to ``dataset.image_size`` (antialiased bilinear on uint8; none when
+   the window is that size already; enlargements by the binding's bilinear,
+   ``upsample_job``).
+
+Anything the chosen decoder cannot read (a PNG, a PNG named .JPEG, a CMYK JPEG, a decoder
+error) falls back to PIL, which decodes nearly everything to RGB. Images stay uint8 (CHW)
+throughout: float conversion happens on the device, inside the model.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+
+from runner.common.errors import Unavailable, UserError
+from runner.config.schema import Crop, DatasetConfig, Decoder
+from runner.data.protocol import stack_images
+
+
+class CorruptImageError(RuntimeError):
+    """No decoder, the fallback included, could read this file."""
+
+
+class CorruptFileStop(CorruptImageError, UserError):
+    """``dataset.on_corrupt=fail`` met an undecodable file; the message names it."""
+
+
+class DecoderUnavailable(Unavailable):
+    """The chosen decoder cannot run on this machine (a missing library or device)."""
+
+
+@dataclass(frozen=True)
+class JpegHeader:
+    height: int
+    width: int
+    components: int  # 1 grayscale, 3 YCbCr/RGB, 4 CMYK/YCCK
+    orientation: int = 1  # EXIF orientation, 1..8
+
+    @property
+    def oriented_hw(self) -> tuple[int, int]:
+        """Size after the EXIF orientation is applied (5..8 swap height and width)."""
+        return (self.width, self.height) if self.orientation >= 5 else (self.height, self.width)
+
+
+# Start-of-frame markers carry the image size; C4 (DHT), C8 (JPG) and CC (DAC) do not.
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def is_jpeg(data: bytes | bytearray) -> bool:
+    return data[:3] == b"\xff\xd8\xff"
+
+
+def read_jpeg_header(data: bytes | bytearray) -> JpegHeader | None:
+    """Frame size, channel count and EXIF orientation, or None when this is not a readable JPEG.
+
+    Reads only the segments before the image data, so it costs microseconds.
+    """
+    if not is_jpeg(data):
+        return None
+    n, i, orientation = len(data), 2, 1
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        segment = data[i + 4 : i + 2 + length]
+        if marker == 0xE1 and segment[:6] == b"Exif\x00\x00":
+            orientation = _exif_orientation(bytes(segment[6:]))
+        elif marker in _SOF_MARKERS:
+            if len(segment) < 6:
+                return None
+            height = int.from_bytes(segment[1:3], "big")
+            width = int.from_bytes(segment[3:5], "big")
+            if height == 0 or width == 0:
+                return None
+            return JpegHeader(height, width, segment[5], orientation)
+        elif marker == 0xDA:  # start of scan before any frame header
+            return None
+        i += 2 + length
+    return None
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """The Orientation tag (0x0112) of IFD0 in a TIFF-structured EXIF block, else 1."""
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    order = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for k in range(count):
+        entry = ifd + 2 + 12 * k
+        if entry + 12 > len(tiff):
+            break
+        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
+            value = int.from_bytes(tiff[entry + 8 : entry + 10], order)
+            return value if 1 <= value <= 8 else 1
+    return 1
+
+
+# --- any image PIL reads, as 8-bit RGB ---------------------------------------------------------
+
+def upright_rgb(img: Image.Image) -> Image.Image:
+    """An image PIL opened (a JPEG, PNG, WebP, BMP, TIFF, the first frame of a GIF), upright
+    (EXIF orientation applied) and 8-bit RGB: 16- and 32-bit integer grayscale is scaled to
+    8 bits (PIL's own conversion would clip it at 255: a white image), a float image in
+    0..1 is scaled by 255, palettes and alpha are dropped as ``convert("RGB")`` does."""
+    img = ImageOps.exif_transpose(img)
+    if img.mode.startswith(("I;16", "I")) or img.mode == "F":
+        values = np.asarray(img, dtype=np.float64 if img.mode == "F" else np.int64)
+        if img.mode == "F":
+            scaled = np.clip(values * 255.0 if values.max(initial=0) <= 1.0 else values, 0, 255)
+        else:  # 16-bit data (the common case) to 8 bits; smaller values as they are
+            scaled = values >> 8 if values.max(initial=0) > 255 else values
+        img = Image.fromarray(np.ascontiguousarray(scaled.astype(np.uint8)), "L")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+# --- orientation ----------------------------------------------------------------------------
+
+def apply_orientation(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Turn a CHW image stored with EXIF ``orientation`` upright (PIL's exif_transpose)."""
+    if orientation == 2:
+        return img.flip(2)
+    if orientation == 3:
+        return img.flip(1, 2)
+    if orientation == 4:
+        return img.flip(1)
+    if orientation == 5:
+        return img.transpose(1, 2)
+    if orientation == 6:
+        return img.transpose(1, 2).flip(2)
+    if orientation == 7:
+        return img.transpose(1, 2).flip(1, 2)
+    if orientation == 8:
+        return img.transpose(1, 2).flip(1)
+    return img
+
+
+# --- geometry -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Box:
+    """A crop in pixel coordinates of the upright image: top, left, height, width."""
+
+    top: float
+    left: float
+    height: float
+    width: float
+
+    def scaled(self, sy: float, sx: float) -> Box:
+        return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx)
+
+
+def center_box(h: int, w: int, out_h: int, out_w: int, fraction: float = 1.0) -> Box:
+    """The region a centre crop keeps: ``fraction`` of the image along the side that
+    limits it (for a square output: that share of the shorter side), centred. 0.875 is
+    "resize 256, crop 224"; 1.0 keeps the whole shorter side ("resize 224, crop 224")."""
+    scale = max(out_h / h, out_w / w) / fraction
+    ch, cw = min(h, out_h / scale), min(w, out_w / scale)
+    return Box((h - ch) / 2, (w - cw) / 2, ch, cw)
+
+
+ATTEMPTS = 10  # torchvision's RandomResizedCrop: tries per image before the fallback crop
+# the uniforms that decide one image's random crop: an area and an aspect per attempt, then
+# the window's place (top, left) and the horizontal flip
+CROP_UNIFORMS = 2 * ATTEMPTS + 3
+SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # RandomResizedCrop's defaults
+
+
+def crop_uniforms(seed: int) -> list[float]:
+    """The ``CROP_UNIFORMS`` draws of the image whose crop seed is ``seed`` (the batch order
+    gives each image of each epoch one): every storage and device crops from these."""
+    return torch.rand(CROP_UNIFORMS, generator=torch.Generator().manual_seed(seed),
+                      dtype=torch.float64).tolist()
+
+
+def random_box(h: int, w: int, u: list[float], scale: tuple[float, float] = SCALE,
+               ratio: tuple[float, float] = RATIO) -> tuple[Box, bool]:
+    """torchvision's RandomResizedCrop.get_params decided by the uniforms ``u``
+    (``crop_uniforms``), and the flip: ``(box, flip)``.
+
+    Kept continuous (no rounding of the window until it is cut): the same uniforms give
+    the same box, as a share of the image, on an image of any size with the same aspect;
+    so the folder, its packed store at 256 and the GPU decoders crop the same region of
+    the same picture for the same seed."""
+    area = h * w
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    for k in range(ATTEMPTS):
+        target = area * (scale[0] + u[k] * (scale[1] - scale[0]))
+        aspect = math.exp(lo + u[ATTEMPTS + k] * (hi - lo))
+        cw, ch = math.sqrt(target * aspect), math.sqrt(target / aspect)
+        if cw <= w and ch <= h:
+            top, left = u[2 * ATTEMPTS] * (h - ch), u[2 * ATTEMPTS + 1] * (w - cw)
+            return Box(top, left, ch, cw), u[2 * ATTEMPTS + 2] < 0.5
+    return fallback_box(h, w, ratio), u[2 * ATTEMPTS + 2] < 0.5
+
+
+def fallback_box(h: int, w: int, ratio: tuple[float, float] = RATIO) -> Box:
+    """RandomResizedCrop's crop when no attempt fits: the whole image, clipped to the
+    ratio range, centred."""
+    if w / h < min(ratio):
+        cw, ch = w, w / min(ratio)
+    elif w / h > max(ratio):
+        cw, ch = h * max(ratio), h
+    else:
+        cw, ch = w, h
+    return Box((h - ch) / 2, (w - cw) / 2, ch, cw)
+
+
+def pixel_window(box: Box, h: int, w: int) -> tuple[int, int, int, int]:
+    """The integer window (top, left, height, width) a box cuts from an h x w image."""
+    top, left = int(round(box.top)), int(round(box.left))
+    ch = max(1, min(int(round(box.height)), h - top))
+    cw = max(1, min(int(round(box.width)), w - left))
+    return top, left, ch, cw
+
+
+def resize_crop_many(imgs: list[torch.Tensor], box: Box, size: tuple[int, int]
+                     ) -> torch.Tensor:
+    """Crop ``box`` from each of ``imgs`` (one size) and resize it to ``size`` (antialiased
+    bilinear), as one contiguous N x C x H x W batch; a window of the output size already
+    is only copied (a centre crop of 224 from a store at 256 with
+    ``dataset.crop_fraction=0.875``). One interpolation for the group (on the GPU a batch
+    of same-sized images with a centre crop is one group: a few kernels, not a few per
+    image), the same pixels as one image at a time: the kernel computes each on its own.
+
+    Calls the interpolation kernel directly: the same kernel torchvision's resized_crop
+    uses, without its wrapper (about 100 us per 224x224 image less on this CPU). Its uint8
+    fast path is CPU-only; elsewhere (nvjpeg's CUDA images) the resize runs in float.
+    """
+    top, left, ch, cw = pixel_window(box, *imgs[0].shape[-2:])
+    crops = [img[:, top : top + ch, left : left + cw] for img in imgs]
+    crop = torch.stack(crops)
+    if (ch, cw) == tuple(size):  # the crop is the output size already: no resize
+        return crop
+    if crop.device.type == "cpu":
+        return F.interpolate(crop, size=list(size), mode="bilinear", antialias=True,
+                             align_corners=False).contiguous()
+    return F.interpolate(crop.float(), size=list(size), mode="bilinear", antialias=True,
+                         align_corners=False).round_().clamp_(0, 255).to(crop.dtype)
+
+
+def upsample_job(dst: torch.Tensor, img: torch.Tensor, flip: bool = False) -> tuple | None:
+    """The libjpeg binding's job that enlarges ``img`` (3 x h x w uint8 on the CPU, any
+    strides) into ``dst`` (a contiguous CHW uint8 slot) and flips it when asked; None when
+    it is not an enlargement on both axes, or its rows are not contiguous pixels of one
+    channel (or the binding is not built): ``resize_into``'s torch path then. Bilinear with
+    half-pixel centres and clamped edges, which is what the antialiased resize computes
+    when it enlarges. Measured here on one core, 150x150 -> 224x224: 197 us for a CHW
+    window against torch's 294 us (its channels-last kernel: 217 us on an HWC buffer, so an
+    HWC window goes to torch)."""
+    h, w = img.shape[-2:]
+    oh, ow = dst.shape[-2:]
+    if (_UPSAMPLE is None or h > oh or w > ow or img.dtype != torch.uint8
+            or dst.dtype != torch.uint8 or img.device.type != "cpu" or img.shape[0] != 3
+            or not dst.is_contiguous() or img.stride(-1) != 1):
+        return None  # (an HWC buffer's view: torch's channels-last kernel is faster there)
+    sc, sy, sx = img.stride()
+    return (img.data_ptr(), sc, sy, sx, h, w, dst.data_ptr(), oh, ow, flip)
+
+
+def upsample(jobs: list[tuple]) -> None:
+    """``upsample_job``'s jobs, run in one call without the GIL (the tensors behind the
+    addresses are the caller's, held while it runs)."""
+    if jobs:
+        _UPSAMPLE(jobs)
+
+
+def _binding_upsample() -> Callable[[list], None] | None:
+    try:
+        from runner.data.decode import _jpegregion
+    except ImportError:
+        return None
+    return getattr(_jpegregion, "upsample_batch", None)
+
+
+def resize_into(dst: torch.Tensor, img: torch.Tensor, flip: bool = False) -> None:
+    """A CPU image (CHW, any strides) resized to ``dst``'s size, flipped when asked, written
+    into ``dst`` (a CHW slot of a batch): an enlargement by the binding's bilinear
+    (``upsample_job``), anything else by torch's antialiased uint8 resize (an HWC buffer's
+    permuted view is its fast channels-last path), with one copy and no intermediate
+    contiguous image."""
+    job = upsample_job(dst, img, flip)
+    if job is not None:
+        upsample([job])
+        return
+    size = list(dst.shape[-2:])
+    if list(img.shape[-2:]) != size:
+        img = F.interpolate(img[None], size=size, mode="bilinear", antialias=True,
+                            align_corners=False)[0]
+    dst.copy_(img.flip(2) if flip else img)
+
+
+_UPSAMPLE = _binding_upsample()
+
+
+# --- decoders -------------------------------------------------------------------------------
+
+# A JPEG header can promise any size; past this (PIL's decompression-bomb threshold, twice
+# Image.MAX_IMAGE_PIXELS) a hostile or broken file is refused instead of decoded. PIL applies
+# the same limit to everything that falls back to it.
+MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
+# Each takes the file's bytes and the minimum (height, width) the decode may shrink to in the
+# DCT domain (None: full size), and returns a CHW uint8 tensor in stored (not upright)
+# orientation. Only pil and simplejpeg can decode at a reduced scale.
+
+DecodeFn = Callable[[bytes, "tuple[int, int] | None"], torch.Tensor]
+
+
+# PIL hands out read-only arrays; they are only read (the resize writes a new tensor), so
+# torch's warning about non-writable arrays is noise here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _hwc(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def decode_pil(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    img = Image.open(io.BytesIO(data))
+    if min_hw is not None:
+        img.draft("RGB", (min_hw[1], min_hw[0]))  # picks a scale >= the requested size
+    return _hwc(np.asarray(img.convert("RGB")))
+
+
+def decode_simplejpeg(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    import simplejpeg
+
+    h, w = min_hw if min_hw is not None else (0, 0)
+    return _hwc(simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=h, min_width=w))
+
+
+def decode_jpeg4py(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    import jpeg4py
+
+    jpeg = jpeg4py.JPEG(np.frombuffer(data, np.uint8))
+    try:
+        return _hwc(jpeg.decode())
+    except Exception:
+        # jpeg4py hands a decompressor back to its pool when the JPEG object dies; one that
+        # failed (a truncated file) is left in a state that corrupts memory on a later
+        # decode (seen: hangs at 100% CPU, malloc aborts, segfaults). Destroy it instead.
+        handle, jpeg.decompressor = jpeg.decompressor, None
+        if handle is not None:
+            handle.release()
+        raise
+
+
+def decode_torchvision(data: bytes, min_hw: tuple[int, int] | None) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    raw = torch.frombuffer(data, dtype=torch.uint8)
+    return decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=False)
+
+
+def _check_region() -> None:
+    try:
+        from runner.data.decode import _jpegregion  # noqa: F401
+    except ImportError as e:
+        raise DecoderUnavailable(
+            "loader.decoder=region needs the runner's libjpeg binding, built by the "
+            "install when libjpeg's headers are there: apt-get install "
+            "libjpeg62-turbo-dev, then pip install -e . again; or pick "
+            "loader.decoder=simplejpeg") from e
+
+
+def _check_jpeg4py() -> None:
+    try:
+        import jpeg4py
+
+        probe = Image.new("RGB", (8, 8))
+        buf = io.BytesIO()
+        probe.save(buf, "JPEG")
+        jpeg4py.JPEG(np.frombuffer(buf.getvalue(), np.uint8)).decode()
+    except ImportError as e:
+        raise DecoderUnavailable(
+            "loader.decoder=jpeg4py needs the jpeg4py package: pip install -e '.[jpeg4py]'"
+        ) from e
+    except Exception as e:  # jpeg4py imports fine but cannot dlopen libturbojpeg
+        raise DecoderUnavailable(
+            "loader.decoder=jpeg4py needs libturbojpeg: apt-get install libturbojpeg0 "
+            f"({type(e).__name__}: {e}); or pick loader.decoder=simplejpeg"
+        ) from e
+
+
+def _check_nvjpeg() -> None:
+    if not torch.cuda.is_available():
+        raise DecoderUnavailable("loader.decoder=nvjpeg decodes on the GPU and needs CUDA")
+
+
+@dataclass(frozen=True)
+class DecoderKind:
+    """A decoder's registry record: what callers would otherwise guess from its name.
+
+    Attributes:
+        name: its ``loader.decoder``.
+        decode: bytes and the minimum (height, width) a DCT-scaled decode may shrink to ->
+            CHW uint8 in stored orientation; None when it has its own path (the window
+            decode of ``region``, the GPU's batched decode of ``nvjpeg``).
+        scales: ``loader.draft`` may decode at a reduced DCT scale.
+        region: decodes only the crop's window (random crops cost what centre crops do).
+        cuda: decodes on the GPU, batch by batch (``runner/data/device/nvjpeg.py``).
+        check: raises ``DecoderUnavailable`` naming the fix when it cannot run here.
+    """
+
+    name: Decoder
+    decode: DecodeFn | None = None
+    scales: bool = False
+    region: bool = False
+    cuda: bool = False
+    check: Callable[[], None] | None = None
+
+    def available(self) -> bool:
+        try:
+            check_decoder(self.name)
+        except DecoderUnavailable:
+            return False
+        return True
+
+
+DECODERS: dict[Decoder, DecoderKind] = {k.name: k for k in (
+    DecoderKind(Decoder.pil, decode_pil, scales=True),
+    DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True),
+    DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py),
+    DecoderKind(Decoder.torchvision, decode_torchvision),
+    DecoderKind(Decoder.region, region=True, check=_check_region),
+    DecoderKind(Decoder.nvjpeg, cuda=True, check=_check_nvjpeg),
+)}
+CPU_DECODERS = frozenset(d for d, k in DECODERS.items() if not k.cuda)
+# what a folder falls back to for files the chosen decoder cannot read, and what decodes
+# the CPU fallbacks and example images of a GPU decoder
+FALLBACK = Decoder.pil
+
+
+def concrete_decoder(decoder: Decoder) -> Decoder:
+    """``loader.decoder=auto`` as the decoder it runs: region when its binding is built,
+    else simplejpeg (which ``LoaderConfig`` pairs with ``loader.draft``)."""
+    if decoder is not Decoder.auto:
+        return decoder
+    return Decoder.region if DECODERS[Decoder.region].available() else Decoder.simplejpeg
+
+
+def check_decoder(decoder: Decoder) -> None:
+    """Raise DecoderUnavailable, naming the fix, if ``decoder`` cannot run here."""
+    check = DECODERS[decoder].check
+    if check is not None:
+        check()
+
+
+# --- region decoding ------------------------------------------------------------------------
+
+def region_scale(box: Box, size: tuple[int, int]) -> int:
+    """The largest DCT scale denominator (1, 2, 4, 8) that keeps ``box`` at least ``size``."""
+    denom = 1
+    while denom < 8 and box.height / (2 * denom) >= size[0] and box.width / (2 * denom) >= size[1]:
+        denom *= 2
+    return denom
+
+
+def stored_window(top: int, left: int, h: int, w: int, height: int, width: int,
+                  orientation: int) -> tuple[int, int, int, int]:
+    """The window (top, left, h, w) of an upright image, in the coordinates of the image as
+    stored (``height`` x ``width``) before its EXIF ``orientation`` is applied."""
+    bottom, right = top + h, left + w
+    if orientation >= 5:  # transposed: upright rows are stored columns
+        rows, cols = (left, right), (top, bottom)
+        flip_rows, flip_cols = orientation in (6, 7), orientation in (7, 8)
+    else:
+        rows, cols = (top, bottom), (left, right)
+        flip_rows, flip_cols = orientation in (3, 4), orientation in (2, 3)
+    if flip_rows:
+        rows = (height - rows[1], height - rows[0])
+    if flip_cols:
+        cols = (width - cols[1], width - cols[0])
+    return rows[0], cols[0], rows[1] - rows[0], cols[1] - cols[0]
+
+
+def region_window(header: JpegHeader, box: Box, size: tuple[int, int]
+                  ) -> tuple[int, int, int, int, int]:
+    """Where the binding decodes ``box`` of an image: ``(denom, top, left, height,
+    width)``, the largest DCT scale that keeps the box at least ``size`` and the integer
+    window at that scale, in the image's stored orientation. The window is the one the full
+    decode at that scale would crop (``pixel_window``'s rounding)."""
+    denom = region_scale(box, size)
+    height, width = -(-header.height // denom), -(-header.width // denom)  # libjpeg's sizes
+    uh, uw = (width, height) if header.orientation >= 5 else (height, width)
+    oh, ow = header.oriented_hw
+    top, left, h, w = pixel_window(box.scaled(uh / oh, uw / ow), uh, uw)
+    return (denom, *stored_window(top, left, h, w, height, width, header.orientation))
+
+
+def decode_region(data: bytes, header: JpegHeader, box: Box, size: tuple[int, int]
+                  ) -> tuple[torch.Tensor, Box]:
+    """The upright pixels of ``box`` (and the box within them), decoded alone
+    (``region_window``): the full decode's crop, up to libjpeg's upsampling at the
+    window's edges."""
+    from runner.data.decode import _jpegregion
+
+    denom, st, sl, sh, sw = region_window(header, box, size)
+    # a window of most of the width is decoded in whole rows and cut after (the binding
+    # decides: libjpeg's column crop costs more than it saves there)
+    pixels = _jpegregion.decode(data, denom, st, sl, sh, sw)
+    img = torch.frombuffer(pixels, dtype=torch.uint8).view(sh, sw, 3)
+    img = apply_orientation(img.permute(2, 0, 1), header.orientation)
+    return img, Box(0, 0, *img.shape[-2:])
+
+
+@dataclass(frozen=True)
+class ImageDecoder:
+    """Bytes in, an upright, cropped and resized CHW uint8 tensor out.
+
+    Args:
+        decoder: which JPEG decoder to try first.
+        size: output (height, width).
+        crop: center (deterministic), random (random-resized-crop + horizontal flip) or
+            whole (no crop).
+        draft: allow a reduced-scale DCT decode when the crop is at most half-size.
+        fraction: the share of the shorter side a centre crop keeps
+            (``dataset.crop_fraction``).
+    """
+
+    decoder: Decoder
+    size: tuple[int, int]
+    crop: Crop = Crop.center
+    draft: bool = False
+    fraction: float = DatasetConfig.crop_fraction
+
+    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor:
+        """Decode ``data``; a random crop draws from the image's crop ``seed`` (None: from
+        torch's global RNG)."""
+        header = read_jpeg_header(data)
+        if header is not None and header.height * header.width > MAX_PIXELS:
+            raise CorruptImageError(
+                f"{header.width}x{header.height} pixels is over the {MAX_PIXELS:,}-pixel limit "
+                "(PIL's decompression-bomb limit): a file this large would take "
+                f"{3 * header.height * header.width / 2**30:.1f} GiB to decode")
+        # CMYK/YCCK JPEGs: the libjpeg-turbo wrappers disagree on the colour conversion, PIL
+        # does it right, so they go straight to the fallback.
+        if header is not None and header.components in (1, 3):
+            try:
+                img = self._decode_jpeg(data, header, seed)
+            except Exception:  # any decoder error: let PIL try before calling it corrupt
+                img = None
+            if img is not None:
+                return img
+        return self._decode_fallback(data, seed)
+
+    @property
+    def item_shape(self) -> tuple[int, int, int]:
+        return (3, *self.size)
+
+    @property
+    def image_decoder(self) -> ImageDecoder:
+        """The decoder that gives pixels: this one (``ReadBytes`` has one too)."""
+        return self
+
+    @staticmethod
+    def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Decoded images as one batch tensor (in shared memory inside a worker)."""
+        return stack_images(images)
+
+    def box_for(self, h: int, w: int, seed: int | None = None) -> tuple[Box, bool]:
+        """The crop on an upright image of this size, and whether to flip it: the centre
+        (``fraction`` of the shorter side), the whole image, or a random-resized crop
+        decided by the image's crop ``seed``."""
+        if self.crop is Crop.random:
+            u = crop_uniforms(seed) if seed is not None else torch.rand(
+                CROP_UNIFORMS, dtype=torch.float64).tolist()
+            return random_box(h, w, u)
+        if self.crop is Crop.whole:
+            return Box(0, 0, h, w), False
+        return center_box(h, w, *self.size, self.fraction), False
+
+    def finish(self, img: torch.Tensor, box: Box, flip: bool = False) -> torch.Tensor:
+        """Crop, resize and maybe flip an upright CHW image, on its device (on the CPU with
+        ``resize_into``, as a packed store's batch decode does: the same pixels)."""
+        if img.device.type != "cpu":
+            return self.finish_many([img], box, flip)[0]
+        top, left, ch, cw = pixel_window(box, *img.shape[-2:])
+        out = torch.empty((img.shape[0], *self.size), dtype=img.dtype)
+        resize_into(out, img[:, top : top + ch, left : left + cw], flip)
+        return out
+
+    def finish_many(self, imgs: list[torch.Tensor], box: Box, flip: bool = False
+                    ) -> torch.Tensor:
+        """``finish`` of upright images of one size with one box and flip, on their device,
+        as one N x C x H x W batch (nvjpeg's batches: one resize for the group; on the CPU,
+        where the stand-in of the tests decodes, ``finish``'s own path image by image)."""
+        if imgs[0].device.type == "cpu":
+            return torch.stack([self.finish(img, box, flip) for img in imgs])
+        out = resize_crop_many(imgs, box, self.size)
+        return out.flip(3).contiguous() if flip else out
+
+    def _decode_jpeg(self, data: bytes, header: JpegHeader, seed: int | None) -> torch.Tensor:
+        oh, ow = header.oriented_hw
+        box, flip = self.box_for(oh, ow, seed)
+        kind = DECODERS[self.decoder]
+        if kind.region:
+            return self.finish(*decode_region(data, header, box, self.size), flip)
+        min_hw = None
+        if self.draft and kind.scales:
+            # The decode only needs to be as large as the crop will be after resizing.
+            shrink = max(self.size[0] / box.height, self.size[1] / box.width)
+            if shrink <= 0.5:
+                min_hw = (math.ceil(header.height * shrink), math.ceil(header.width * shrink))
+        img = kind.decode(data, min_hw)
+        if img.shape[0] != 3:
+            raise ValueError(f"decoder returned {img.shape[0]} channels")
+        img = apply_orientation(img, header.orientation)
+        dh, dw = img.shape[-2:]
+        return self.finish(img, box.scaled(dh / oh, dw / ow), flip)
+
+    def _decode_fallback(self, data: bytes, seed: int | None) -> torch.Tensor:
+        try:
+            with Image.open(io.BytesIO(data)) as pil:
+                img = _hwc(np.asarray(upright_rgb(pil)))
+        except Exception as e:
+            raise CorruptImageError(f"{type(e).__name__}: {e}") from e
+        return self.finish(img, *self.box_for(*img.shape[-2:], seed))

@@ -1,0 +1,234 @@
+"""The shard format of ``loader=shards``: WebDataset's tar layout, with an index per shard.
+
+A shard is a POSIX tar whose members are ``<key>.jpg`` (the stored JPEG) and ``<key>.cls``
+(the class index as decimal text), one pair per sample: what WebDataset, and the tools that
+read its layout, read as they are. Beside each shard ``<shard>.idx.json`` holds, per sample,
+its key, the byte offset and size of its JPEG inside the tar, its label, the JPEG's height
+and width, its CRC-32, its source name and its position in the dataset (``positions``);
+``manifest.json`` lists the shards (name, bytes, samples) with the classes, the count and
+what the store was made from.
+
+The samples are written in a shuffled order (a permutation of the dataset drawn from
+``shuffle_seed``, recorded in the manifest as ``shuffle``): written in dataset order, a
+shard held one or two classes, so the shard shuffle and sample buffer of WebDataset (or any
+tool that streams shards) gave batches of one class. The runner reads a shard set with
+``positions`` back in dataset order (shards.py), so its own order, by (seed, epoch), is
+unaffected.
+The index makes a sample one ``pread`` (or one range request) and a shuffled, exactly
+resumable order cheap, as MosaicML Streaming's ``index.json`` does.
+
+``write_shards`` writes a packed store's JPEGs (re-encoded once at ``dataset.store_size``,
+runner/data/storage/packed.py) as shards of about ``shard_bytes`` each, so DCT-scaled and
+region decode and the one crop definition hold on shards as on packed. ``index_tar``
+indexes a tar someone else wrote (any WebDataset shard: ``.jpg``/``.jpeg``/``.png``/...
+images, an optional ``.cls``); ``loader=shards`` caches that index on first use.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import posixpath
+import tarfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from runner.common.atomic import write_json
+from runner.data.decode.decoders import read_jpeg_header
+
+FORMAT, VERSION = "runner-shards", 1
+MANIFEST = "manifest.json"
+SHARD_LIST = "shards"  # the manifest's list of shards
+INDEX_SUFFIX = ".idx.json"
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
+LABEL_EXTS = ("cls", "cls2", "label")
+DEFAULT_SHARD_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardIndex:
+    """One shard's samples, column by column (``<shard>.idx.json``)."""
+
+    shard: str
+    nbytes: int
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    labels: list[int]
+    heights: list[int]
+    widths: list[int]
+    crcs: list[int]
+    names: list[str]
+    upright: list[bool]  # a JPEG with no EXIF rotation (the batch decode's assumption)
+    positions: list[int] | None = None  # each sample's place in the dataset (None: a set
+    # written in dataset order, or a tar someone else wrote)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, **self.__dict__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShardIndex:
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k != "positions"}
+        return cls(**fields, positions=data.get("positions"))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def index_name(shard: str) -> str:
+    return shard.removesuffix(".tar") + INDEX_SUFFIX
+
+
+def image_facts(data: bytes) -> tuple[int, int, bool]:
+    """(height, width, upright) of an image's bytes; JPEGs from their header alone."""
+    header = read_jpeg_header(data)
+    if header is not None:
+        return header.height, header.width, header.orientation == 1 and \
+            header.components in (1, 3)
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as img:
+            return img.height, img.width, False
+    except Exception:  # not an image: the decode says so, as for a file
+        return 0, 0, False
+
+
+# --- writing ------------------------------------------------------------------------------
+
+class ShardWriter:
+    """Writes samples into tar shards of about ``shard_bytes`` in ``folder``, and the index
+    of each; ``close`` returns the shards' manifest entries."""
+
+    def __init__(self, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 pattern: str = "shard-{:06d}.tar"):
+        self.folder, self.shard_bytes, self.pattern = Path(folder), shard_bytes, pattern
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.entries: list[dict[str, Any]] = []
+        self._tar: tarfile.TarFile | None = None
+        self._index: ShardIndex | None = None
+
+    def _open(self) -> None:
+        name = self.pattern.format(len(self.entries))
+        self._file = open(self.folder / (name + ".partial"), "wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._index = ShardIndex(name, 0, [], [], [], [], [], [], [], [], [], [])
+
+    def _member(self, name: str, data: bytes) -> int:
+        """Add one member; returns the offset of its data in the tar."""
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = len(data), 0o644, 0  # same bytes on every build
+        info.uname = info.gname = ""
+        offset = self._tar.offset + tarfile.BLOCKSIZE  # a USTAR header is one block
+        self._tar.addfile(info, io.BytesIO(data))
+        return offset
+
+    def add(self, key: str, jpeg: bytes, label: int, height: int, width: int,
+            name: str, position: int) -> None:
+        if self._tar is not None and self._tar.offset + len(jpeg) + 2048 > self.shard_bytes \
+                and len(self._index):
+            self._finish()
+        if self._tar is None:
+            self._open()
+        index = self._index
+        offset = self._member(f"{key}.jpg", jpeg)
+        self._member(f"{key}.cls", str(label).encode())
+        for column, value in (("keys", key), ("offsets", offset), ("sizes", len(jpeg)),
+                              ("labels", label), ("heights", height), ("widths", width),
+                              ("crcs", zlib.crc32(jpeg)), ("names", name), ("upright", True),
+                              ("positions", position)):
+            getattr(index, column).append(value)
+
+    def _finish(self) -> None:
+        self._tar.close()  # writes the end-of-archive blocks
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        name = self._index.shard
+        final = self.folder / name
+        os.replace(self.folder / (name + ".partial"), final)
+        self._index.nbytes = final.stat().st_size
+        write_json(self.folder / index_name(name), self._index.to_json())
+        self.entries.append({"name": name, "index": index_name(name),
+                             "bytes": self._index.nbytes, "count": len(self._index)})
+        self._tar = self._index = None
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._tar is not None:
+            self._finish()
+        return self.entries
+
+
+def write_manifest(folder: Path, entries: list[dict[str, Any]], classes: list[str],
+                   **facts: Any) -> dict[str, Any]:
+    manifest = {"format": FORMAT, "version": VERSION, "classes": classes,
+                "count": sum(e["count"] for e in entries), SHARD_LIST: entries, **facts}
+    write_json(Path(folder) / MANIFEST, manifest)
+    return manifest
+
+
+# --- indexing a tar someone else wrote ----------------------------------------------------
+
+def split_key(member: str) -> tuple[str, str]:
+    """WebDataset's rule: the key is the path up to the first dot of its last part, the
+    extension the rest (``a/b.c.jpg`` -> ``a/b``, ``c.jpg``)."""
+    folder, base = posixpath.split(member)
+    stem, _, ext = base.partition(".")
+    return posixpath.join(folder, stem) if folder else stem, ext.lower()
+
+
+def index_tar(fileobj: BinaryIO, shard: str, nbytes: int) -> ShardIndex:
+    """The index of a WebDataset tar: per key, its image member (the first of
+    ``IMAGE_EXTS``) and its label (``.cls``; -1 when there is none). A tar cut short is
+    indexed as far as its member headers go (said once); a sample whose bytes it lost
+    stays in the index and reads as unreadable (its size is not there), so it is counted
+    in ``skipped_files``."""
+    images: dict[str, tuple[int, int, str]] = {}
+    labels: dict[str, int] = {}
+    order: list[str] = []
+    with tarfile.open(fileobj=fileobj, mode="r:") as tar:
+        try:
+            for info in _members(tar):
+                key, ext = split_key(info.name)
+                if ext in IMAGE_EXTS and key not in images:
+                    images[key] = (info.offset_data, info.size, info.name)
+                    order.append(key)
+                elif ext in LABEL_EXTS and key not in labels:
+                    text = tar.extractfile(info).read().decode("utf-8", "replace").strip()
+                    labels[key] = int(text) if text.lstrip("-").isdigit() else -1
+        except (tarfile.ReadError, EOFError) as e:
+            log.warning("%s is cut short (%s) after %d sample(s): those past its end are not "
+                        "in its index, the last one's bytes read as unreadable", shard, e,
+                        len(order))
+    index = ShardIndex(shard, nbytes, [], [], [], [], [], [], [], [], [])
+    for key in order:
+        offset, size, name = images[key]
+        fileobj.seek(offset)
+        data = fileobj.read(size)
+        height, width, upright = image_facts(data)
+        for column, value in (("keys", key), ("offsets", offset), ("sizes", size),
+                              ("labels", labels.get(key, -1)), ("heights", height),
+                              ("widths", width), ("crcs", zlib.crc32(data)),
+                              ("names", name), ("upright", upright)):
+            getattr(index, column).append(value)
+    return index
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    for info in tar:
+        if info.isfile():
+            yield info
+
+
+def load_json(data: bytes | str, what: str) -> dict[str, Any]:
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} holds a {type(value).__name__}, not an object")
+    return value

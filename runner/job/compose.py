@@ -1,0 +1,202 @@
+"""A config composed and checked: Hydra's composition, the schema's checks, the rules across
+groups (runner/config/rules.py), the decoder the storage takes and the model names, before any
+work is done (no dataset generated, no store
+converted).
+
+``to_config`` turns a composed DictConfig into the validated ``Config`` (``python -m
+runner`` calls it first thing); ``compose`` composes overrides exactly as the command line
+does, for commands and tests that run outside a Hydra job; a config Hydra refuses to
+compose (``loader.batch_size=abc``, ``dataset.crop=centre``) is a ConfigError in one line.
+
+``refusal`` is ``python -m runner``'s check of its own command line, before ``hydra.main``
+makes the run folder: every config error (a typo, a type, a choice, a range, two keys that
+contradict each other) is one line, status 2, and no folder. A multirun is refused when a
+value of one of its sweeps cannot be composed, or when none of its jobs could run; a
+sweep whose jobs fail only in some combinations still runs the others (each failed job is
+recorded in its folder and named at the end, runner/job/sweep.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from runner.common.errors import ConfigError
+from runner.config.credentials import argv_refusal, check_overrides
+from runner.config.rules import check_config, model_configs
+from runner.config.schema import Config, config_dir
+from runner.job.commandline import (
+    OTHER_CONFIG_FLAGS,
+    VALUE_FLAGS,
+    composition_message,
+    register_configs,
+)
+
+# (runner.data.storage and runner.model.networks import torch: they are imported where a
+# config that composed is checked, so --help, a typo and a completion answer without it)
+
+
+def check_models(config: Config) -> None:
+    """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
+    from runner.model.networks import check_model
+
+    for model in model_configs(config):
+        check_model(model)
+
+
+def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve and validate a composed config; raises ConfigError naming the bad key.
+    ``overrides``: what it was composed from, where known (a task key given to a task that
+    does not read it is refused even at its default value)."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # an interpolation that does not resolve, a missing value
+        raise ConfigError(str(e)) from e
+    assert isinstance(obj, Config)
+    check_config(obj, overrides)  # the rules across groups (runner/config/rules.py)
+    from runner.data.storage import settle_loader
+
+    # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
+    settle_loader(obj.loader, obj.dataset)
+    check_models(obj)
+    return obj
+
+
+def compose(overrides: list[str]) -> Config:
+    """The validated config for ``overrides``, composed exactly as ``python -m runner``
+    composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    check_overrides(overrides)  # a URL's credentials, before Hydra's messages repeat them
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        try:
+            cfg = hydra_compose("config", overrides=overrides)
+        except Exception as e:
+            message = composition_message(e)
+            if message is None:
+                raise
+            raise ConfigError(message) from e
+        return to_config(cfg, overrides)
+
+
+# Hydra's flags after which nothing runs (help, completion, --info): nothing to check
+_NOTHING_RUNS = {"-h", "--help", "--hydra-help", "-sc", "--shell-completion", "-i", "--info",
+                 "--version"}
+# flags that point Hydra at another config: this check would compose the wrong one
+_OTHER_CONFIG = OTHER_CONFIG_FLAGS | {"--experimental-rerun"}
+# flags that print the config instead of running it: it must compose, not be runnable
+_PRINT_ONLY = {"-c", "--cfg", "--resolve", "-p", "--package"}
+MAX_JOBS_CHECKED = 64  # of a sweep's jobs, looking for one that can run
+
+
+def runs_nothing(argv: list[str]) -> bool:
+    """A flag after which Hydra runs no job (help, completion, --info): nothing to check,
+    no run folder."""
+    return bool({a.split("=", 1)[0] for a in argv if a.startswith("-")} & _NOTHING_RUNS)
+
+
+def refusal(argv: list[str]) -> str | None:
+    """Why ``python -m runner argv`` must not start (one line), or None: the config composed
+    and validated exactly as the job will be, before Hydra makes any folder.
+
+    What only the job can find (a missing folder, a decoder this machine lacks) is left to
+    it; so is anything this check does not recognize (Hydra's own message then stands)."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if flags & (_NOTHING_RUNS | _OTHER_CONFIG):
+        return None
+    overrides, after_flag = [], False
+    for arg in argv:
+        if not arg.startswith("-") and not after_flag:
+            overrides.append(arg)
+        after_flag = arg in VALUE_FLAGS
+    runnable = not flags & _PRINT_ONLY
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the job says its warnings (once) when it runs
+    try:
+        if flags & {"-m", "--multirun"} or "hydra.mode=MULTIRUN" in overrides:
+            return _sweep_refusal(overrides, runnable)
+        return job_refusal(overrides, runnable)
+    finally:
+        logging.disable(quiet)
+
+
+def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
+    """Why one job of these overrides cannot run, or None."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    if argv_refusal(overrides):  # a URL's credentials, before Hydra's messages repeat them
+        return argv_refusal(overrides)
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        try:
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+        except Exception as e:  # Hydra's refusal, in one line where it is the user's
+            return composition_message(e)
+    if not runnable:
+        return None
+    HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in the job
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        config = to_config(cfg, overrides)
+        from runner.data.storage import check_dataset_found  # torch: once the config is good
+
+        # a dataset folder that is not there, or holds no image: said before the run folder
+        check_dataset_found(config.dataset)
+    except ConfigError as e:
+        return str(e).splitlines()[0]
+    except Exception:  # skipped (Unavailable) or failed by the job itself, as before
+        return None
+    return None
+
+
+def _sweep_refusal(overrides: list[str], runnable: bool) -> str | None:
+    """Why a multirun of these overrides must not start: a value of a sweep that does not
+    compose, or no job (of the first ``MAX_JOBS_CHECKED``) that could run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        return composition_message(e)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    sweeps: list[list[str]] = []
+    for o in parsed:
+        if o.is_sweep_override():
+            try:
+                key = o.get_key_element()
+                sweeps.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+            except Exception:  # interval(...) and the like: the sweeper draws the values
+                continue
+    for values in sweeps:  # each value alone: a type, choice or key it cannot take
+        for value in values:
+            why = job_refusal([*fixed, value], runnable=False)
+            if why:
+                return why
+    if not runnable:
+        return None
+    jobs = list(itertools.islice(_jobs(fixed, sweeps), MAX_JOBS_CHECKED + 1))
+    first = None
+    for job in jobs[:MAX_JOBS_CHECKED]:
+        why = job_refusal(job)
+        if why is None:
+            return None  # one job can run: the sweep goes on (a failed job is recorded)
+        first = first or why
+    if len(jobs) > MAX_JOBS_CHECKED:
+        return None  # the rest were not checked: the jobs say it themselves
+    return f"{first} (every job of this sweep would stop there)" if len(jobs) > 1 else first
+
+
+def _jobs(fixed: list[str], sweeps: list[list[str]]) -> Iterator[list[str]]:
+    """The sweep's jobs in Hydra's order: the fixed overrides and one value of each sweep."""
+    for combination in itertools.product(*sweeps):
+        yield [*fixed, *combination]

@@ -1,0 +1,10 @@
+"""``task=train``: its life cycle and step (training.py), the optimizer, schedule and EMA
+(optim.py), and validation after each epoch (validation.py)."""
+
+def __getattr__(name: str):
+    """``TASK`` (what runner/tasks/__init__.py's registry reads), imported on first use so that
+    the modules here can be imported alone (runner/tasks/checkpoint.py imports optim.py)."""
+    if name == "TASK":
+        from runner.tasks.train.training import TASK
+        return TASK
+    raise AttributeError(name)

@@ -1,0 +1,106 @@
+"""``task=train``'s validation: loss, top-1 and top-5 over ``dataset.val_path`` (or the images
+``dataset.val_fraction`` holds out) after each epoch, through a data path of its own.
+
+Under torch.distributed each rank scores its own share of the images (padded to the same
+number of batches on every rank, the padding rows masked out) and the sums are all-reduced:
+every image counts exactly once, and no rank waits on another that ran out of batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from runner.common.errors import ConfigError
+from runner.config.schema import (
+    AmpConfig,
+    AugmentConfig,
+    Config,
+    Crop,
+    PageCache,
+    PrefetchConfig,
+    PrefetchName,
+    Split,
+    StorageName,
+)
+from runner.data import DataPath, build_data_path
+from runner.launch.distributed import Ranks
+from runner.model.amp import autocast
+
+
+def validation_config(config: Config) -> Config:
+    """The data path of ``dataset.val_path`` (or of the images ``dataset.val_fraction``
+    holds out): decoded with the run's decoder, center crops, in order, every image once,
+    from a warm page cache."""
+    if config.dataset.val_path is not None:
+        dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path,
+                                      manifest=None, val_fraction=0.0)
+    else:  # the held-out side of dataset.val_fraction's split of the training images
+        dataset = dataclasses.replace(config.dataset, split=Split.val)
+    dataset = dataclasses.replace(dataset, crop=Crop.center, page_cache=PageCache.warm)
+    task = dataclasses.replace(config.task, augment=AugmentConfig())  # images as they are
+    loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,
+                                 drop_last=False)
+    return dataclasses.replace(config, dataset=dataset, loader=loader, task=task,
+                               prefetch=PrefetchConfig(PrefetchName.none))
+
+
+class Validation:
+    """Top-1 accuracy of the trained model over ``dataset.val_path`` (after each epoch).
+
+    Args:
+        data: the validation data path (``validation_config``), one epoch per call.
+        model: the model being trained.
+        amp: the run's autocast.
+        classes: the training set's classes; the validation folder must have the same.
+        ranks: this process's place under torch.distributed (``data`` is its share).
+    """
+
+    def __init__(self, data: DataPath, model: nn.Module, amp: AmpConfig, classes: list[str],
+                 ranks: Ranks | None = None):
+        if data.classes != list(classes):
+            raise ConfigError(f"dataset.val_path={data.storage.root} has classes "
+                              f"{data.classes[:5]}..., the training folder {list(classes)[:5]}"
+                              "...: they must be the same class folders")
+        self.data, self.model, self.amp = data, model, amp
+        self.ranks = ranks or Ranks()
+
+    @classmethod
+    def for_run(cls, config: Config, model: nn.Module, amp: AmpConfig, device: torch.device,
+                classes: list[str], progress: bool, ranks: Ranks | None = None) -> Validation:
+        data = build_data_path(validation_config(config), device, ranks, epochs=1,
+                               progress=progress, every_image=True)
+        return cls(data, model, amp, classes, ranks)
+
+    def __call__(self, model: nn.Module | None = None) -> dict[str, float]:
+        """Loss, top-1 and top-5 of ``model`` (default: the model being trained; an EMA's
+        network is given with the same uint8 input layer) over the validation images."""
+        model = model if model is not None else self.model
+        device = self.data.device
+        # correct top-1, correct top-5, loss and images: one tensor, one all-reduce
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), autocast(self.amp, device):
+            for batch in self.data.device_batches():
+                logits = model(batch["image"]).float()
+                top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+                hit = top == batch["label"][:, None]
+                loss = F.cross_entropy(logits, batch["label"], reduction="none")
+                valid = batch["valid"].double() if "valid" in batch.keys() \
+                    else torch.ones(len(loss), dtype=torch.float64, device=device)
+                sums += torch.stack([(hit[:, 0] * valid).sum(), (hit.any(dim=1) * valid).sum(),
+                                     (loss.double() * valid).sum(), valid.sum()])
+        model.train(was_training)
+        if self.ranks.enabled:  # every rank's share, each image once
+            dist.all_reduce(sums)
+        correct1, correct5, loss, total = sums.tolist()
+        n = max(total, 1)
+        return {"top1": correct1 / n, "top5": correct5 / n, "loss": loss / n}
+
+    def close(self) -> None:
+        self.data.close()
