@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import runner.selfcheck as selfcheck
-from runner.selfcheck import CHECKS, Row, main
+import runner.bench.selfcheck as selfcheck
+from runner.bench.selfcheck import CHECKS, Row, main
 
 ROOT = Path(__file__).resolve().parent.parent
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
@@ -101,7 +101,7 @@ def test_the_rows_code_runs_on_the_cpu(tmp_path: Path):
 
 
 def test_a_sync_says_whether_the_data_path_or_the_step_made_it_and_where(monkeypatch):
-    from runner.selfcheck import SyncError, _steps
+    from runner.bench.selfcheck import SyncError, _steps
 
     monkeypatch.setattr(selfcheck, "DEVICE", "cpu")
     sync = "called a synchronizing CUDA operation"
