@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from runner.errors import EXIT_USER_ERROR  # the standard library's alone
+
 
 def main(argv: list[str] | None = None) -> int:
-    from runner.bench.selfcheck import main as selfcheck
-
+    try:
+        from runner.bench.selfcheck import main as selfcheck
+    except ModuleNotFoundError as e:  # a node without one of the project's dependencies
+        if not e.name or e.name.split(".")[0] == "runner":
+            raise
+        print(f"missing the project's dependencies {e.name}: bring them as wheels (README, "
+              "'Self-check on an offline GPU node') and run again")
+        return EXIT_USER_ERROR
     return selfcheck(argv)
 
 
