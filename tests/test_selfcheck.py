@@ -4,6 +4,7 @@ code run on the CPU (their speed claims mean nothing there; their code paths do)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import runner.selfcheck as selfcheck
-from runner.selfcheck import CHECKS, Row, main
+import runner.bench.selfcheck as selfcheck
+from runner.bench.selfcheck import CHECKS, Row, harness, main
 
 ROOT = Path(__file__).resolve().parent.parent
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
@@ -53,7 +54,7 @@ def test_a_missing_package_is_named_once_with_the_rows_it_leaves_untested(monkey
     quick_ddp(monkeypatch)
     monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch_tensorrt" else object())
-    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")  # every row may run: none is asked
+    monkeypatch.setattr(harness, "DEVICE", "cpu")  # every row may run: none is asked
     main(["--only", "ddp"])
     missing = [line for line in capsys.readouterr().out.splitlines()
                if line.startswith("missing:")]
@@ -63,7 +64,7 @@ def test_a_missing_package_is_named_once_with_the_rows_it_leaves_untested(monkey
 def test_an_asked_row_that_cannot_run_fails(monkeypatch, capsys):
     monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch_tensorrt" else object())
-    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")  # past the GPU's absence: the package
+    monkeypatch.setattr(harness, "DEVICE", "cpu")  # past the GPU's absence: the package
     assert main(["--only", "tensorrt"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "torch_tensorrt not installed" in out
@@ -73,7 +74,7 @@ def test_missing_project_dependencies_stop_it_with_one_line(monkeypatch, capsys)
     real = selfcheck.importlib.util.find_spec
     monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
                         lambda name, *a: None if name == "tensordict" else real(name, *a))
-    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
     assert main([]) == 2
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("missing the project's dependencies tensordict:")
@@ -84,6 +85,64 @@ def test_list_names_every_row_and_what_fails_it(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [c.name for c in CHECKS]
     assert all(len(line) > 40 for line in lines)  # each says its claim
+
+
+def test_each_row_that_ran_shows_the_seconds_it_took(monkeypatch, capsys):
+    """A row's time runs from its check's previous row (or the check's start); the rows
+    left untested show none."""
+    import time
+
+    def two_rows(args) -> list[Row]:
+        time.sleep(0.3)
+        first = Row("slow row", True, "ran")
+        return [first, Row("quick row", True, "ran")]
+
+    for check in CHECKS:
+        if check.name == "ddp":
+            monkeypatch.setattr(check, "run", two_rows)
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_tensorrt" else object())
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    assert main(["--only", "ddp", "tensorrt", "--no-build"]) == 1
+    out = capsys.readouterr().out
+    summary = out.split(" untested in ")[1].splitlines()[1:]
+    times = dict(re.fullmatch(r"PASS +([\d.]+) s  (\w+ row) +ran", line).group(2, 1)
+                 for line in summary if line.startswith("PASS"))
+    assert float(times["slow row"]) >= 0.3 and float(times["quick row"]) < 0.2, out
+    # the asked row that could not run took no time: a blank where the seconds go
+    failed = [line for line in summary if line.startswith("FAIL")]
+    assert len(failed) == 1 and re.fullmatch(r"FAIL {16}tensorrt +torch_tensorrt not installed",
+                                             failed[0]), out
+
+
+def test_the_command_says_a_missing_dependency_in_one_line():
+    # the package's import needs the project's dependencies; the command names the missing one
+    code = ("import sys; sys.modules['tensordict'] = None; from runner.selfcheck import main; "
+            "raise SystemExit(main([]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.splitlines() == [
+        "missing the project's dependencies tensordict: bring them as wheels (README, "
+        "'Self-check on an offline GPU node') and run again"]
+
+
+def test_the_bench_runs_it_as_a_sub_command(capsys):
+    from runner.bench.cli import main as bench
+
+    assert bench(["selfcheck", "--list"]) == 0
+    via_bench = capsys.readouterr().out
+    assert main(["--list"]) == 0
+    assert via_bench == capsys.readouterr().out and "tensorrt-job" in via_bench
+
+
+def test_the_region_decoder_is_built_from_the_source_pyproject_names():
+    from runner.bench.selfcheck.node import region_extension
+
+    name, source = region_extension()
+    assert source.is_file() and source.suffix == ".c", source
+    assert ROOT.joinpath(*name.split(".")[:-1]).is_dir(), name
 
 
 @pytest.mark.slow
@@ -101,9 +160,9 @@ def test_the_rows_code_runs_on_the_cpu(tmp_path: Path):
 
 
 def test_a_sync_says_whether_the_data_path_or_the_step_made_it_and_where(monkeypatch):
-    from runner.selfcheck import SyncError, _steps
+    from runner.bench.selfcheck.harness import SyncError, _steps
 
-    monkeypatch.setattr(selfcheck, "DEVICE", "cpu")
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
     sync = "called a synchronizing CUDA operation"
 
     class Batches:

@@ -11,7 +11,9 @@ rounds, with their range), the figures written as JSON under ``outputs/bench``.
 - ``overhead`` (overhead.py): the loop's own cost per batch against a DataLoader's;
 - ``infer`` (infer.py, ablation.py): an inference job with three models against the naive
   script, and what each change buys;
-- ``remote`` (remote.py): shards and one object per JPEG over a delay line, a far disk.
+- ``remote`` (remote.py): shards and one object per JPEG over a delay line, a far disk;
+- ``selfcheck`` (selfcheck/): every GPU claim of the project, a row each that can fail
+  (also ``python -m runner.selfcheck``).
 
 The command line is cli.py. This module holds what the benches share: the storages they
 compare, the CPU decoders, and the runner's own rate of a config through its loop.

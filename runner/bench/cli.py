@@ -78,10 +78,18 @@ def command_line() -> argparse.ArgumentParser:
     from runner.bench.remote import add_parser as add_remote
 
     add_remote(sub, [sized, written])
+    sub.add_parser("selfcheck", add_help=False,  # its own command line: main() hands it over
+                   help="every GPU claim, a row each that can fail (python -m runner.selfcheck;"
+                        " selfcheck --help)").set_defaults(overrides=[])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["selfcheck"]:  # python -m runner.selfcheck's own options
+        from runner.bench.selfcheck import main as selfcheck
+
+        return selfcheck(argv[1:])
     args = command_line().parse_args(argv)
     why = job_refusal(args.overrides, runnable=False)  # a typo, a type, a choice: no work
     if why:

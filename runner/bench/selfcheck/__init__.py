@@ -1,0 +1,232 @@
+"""``python -m runner.selfcheck``: every GPU claim of the project, a row each that can fail.
+
+Run it first on a GPU node, from a source checkout, with the torch the node has (nothing
+of the project installed; the small pure-Python dependencies from a wheelhouse, see the
+README). It prints which torch, CUDA and GPU it certified, which missing package leaves
+which row untested, then one row per claim with its figure and its verdict. ``--list``
+prints every row and what makes it fail, without running anything.
+
+- **sync**: the training recipes run with no per-step host sync (``torch.cuda``'s sync
+  debug mode set to "error" over the timed steps, the data path's threads included):
+  ``recipe=quick``; AdamW + EMA + clipping + accumulation; every ``task.augment`` option;
+  memmap random crops on the device. Fails on the first implicit sync (an ``.item()``, a
+  blocking copy, a boolean mask's ``nonzero``).
+- **prefetch**: memmap + ``prefetch=gpu`` + resnet50 bf16 training within 5% of the same
+  step on a batch already on the device: plain, ``model.channels_last=true`` and random
+  crops; and channels_last against not (fails when channels_last is slower).
+- **transfers**: uint8 batches cross PCIe > 3x faster than float32; pinned > 1.2x pageable.
+- **timing**: a source with a known host delay against a step of known GPU time:
+  ``gpu_idle_frac`` as expected, the epoch-end pause left out, batches pinned.
+- **inductor**: ``compile=inductor`` for training and for inference, verified against
+  eager (fails on a mismatch or an error), its speed against eager shown.
+- **gpu-decode**: ``loader.decoder=nvjpeg`` >= 5x the best CPU decoder with as many workers
+  as the node has cores, for a folder and for ``loader=packed`` (which must also give the
+  CPU path's pixels: mean |difference| < 2 of 255).
+- **pinned**: every batch the folder, packed and memmap loaders hand over is pinned.
+- **fp16**, **fp16-numbers**: fp16 training with no per-step sync; a first step that
+  overflows, then 5 steps against a reference SGD.
+- **infer**: ``task=infer`` with two classifiers (probs, embeddings) and a segmentation
+  model (masks) in bf16 on the GPU against the same run in float32 on the CPU.
+- **resume**: a CUDA checkpoint (fused AdamW, EMA, bf16, dropout, a stop in the middle of
+  an accumulation) resumed gives the weights an uninterrupted run gives.
+- **tensorrt**, **tensorrt-job**: ``compile=tensorrt`` fp16 >= 1.5x eager fp16, verified,
+  and the engine reused; ``python -m runner task=infer compile=tensorrt`` run twice.
+- **dali-gpu**: ``loader=dali`` decodes on the GPU into the run's batches.
+- **ddp**: two ranks through the project's process group; NCCL needs two GPUs, so on one
+  GPU the row says so and runs the ranks on gloo.
+
+Rows that need a package the node lacks (TensorRT, DALI) are *untested*, listed apart from
+the passes; a row asked for by ``--only`` that cannot run is a failure. Without CUDA every
+GPU row is untested and only the rows that need no GPU run. Exit status 1 when a row fails.
+Each row prints the seconds it took (its check's total follows the check's rows).
+
+The package: this module collects the rows (``CHECKS``, in the order they run), runs them
+and prints the table; harness.py holds what rows build on (the row record, the sync
+detector, the timers); node.py what is said of the node first; the rows live by what they
+check: train_rows.py (sync, fp16, fp16-numbers, resume, ddp), copy_rows.py (prefetch,
+transfers, timing, pinned), decode_rows.py (gpu-decode, dali-gpu), model_rows.py (inductor,
+tensorrt, tensorrt-job, infer). ``python -m runner.selfcheck`` and
+``python -m runner.bench selfcheck`` run :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+import traceback
+
+import torch
+
+from runner.bench.selfcheck import harness
+from runner.bench.selfcheck.copy_rows import (
+    check_pinned_storages,
+    check_prefetch,
+    check_timing,
+    check_transfers,
+)
+from runner.bench.selfcheck.decode_rows import check_dali, check_nvjpeg
+from runner.bench.selfcheck.harness import Check, Row, _first_line, lap, on_cuda
+from runner.bench.selfcheck.model_rows import (
+    check_inductor,
+    check_infer,
+    check_tensorrt,
+    check_tensorrt_job,
+)
+from runner.bench.selfcheck.node import build_region, header, missing_dependencies
+from runner.bench.selfcheck.train_rows import (
+    check_ddp,
+    check_fp16_numbers,
+    check_fp16_training,
+    check_resume,
+    check_sync,
+)
+
+CHECKS: list[Check] = [
+    Check("sync", "each recipe (recipe=quick; AdamW + EMA + clipping + accumulation; every "
+          "task.augment option; memmap random crops) trains 8 steps with no implicit host "
+          "sync; fails on the first sync the debug mode catches", check_sync),
+    Check("prefetch", "prefetch=gpu's step within 5% of the model alone (plain, "
+          "channels_last, random crops) with no sync; fails above 1.05x; and channels_last "
+          "fails when slower than NCHW", check_prefetch),
+    Check("transfers", "uint8 over PCIe > 3x faster than float32, pinned > 1.2x pageable",
+          lambda a: check_transfers(a.size, a.batch_size)),
+    Check("timing", "gpu_idle_frac within 0.15 of a known idle share, epoch pauses left out, "
+          "every batch pinned", lambda a: check_timing(min(a.batch_size, 64))),
+    Check("inductor", "compile=inductor train and infer match eager within the amp "
+          "tolerance; fails on a mismatch or an error", check_inductor),
+    Check("gpu-decode", "nvjpeg >= 5x the best CPU decoder with a worker per core, folder and "
+          "packed (packed also the CPU's pixels); fails below 5x", check_nvjpeg),
+    Check("pinned", "every batch of folder, packed and memmap is pinned; fails on one "
+          "pageable tensor", lambda a: check_pinned_storages(min(a.batch_size, 64))),
+    Check("fp16", "amp=fp16 training with no per-step sync",
+          lambda a: check_fp16_training(a.size, min(a.batch_size, 64))),
+    Check("fp16-numbers", "an fp16 step that overflows is skipped, then 5 steps match a "
+          "reference SGD within 1e-2", lambda a: check_fp16_numbers(64, 32)),
+    Check("infer", "two classifiers and a segmenter, bf16 on the GPU vs float32 on the CPU: "
+          "probs within 0.02, embeddings at cosine >= 0.99, masks >= 95% alike",
+          check_infer),
+    Check("resume", "a CUDA checkpoint resumed mid-accumulation gives an uninterrupted run's "
+          "weights and EMA (within the GPU's own run-to-run difference)", check_resume),
+    Check("tensorrt", "compile=tensorrt fp16 >= 1.5x eager fp16, verified; a cached engine "
+          "takes a short last batch without a rebuild",
+          lambda a: check_tensorrt(a.size, a.batch_size), packages=("torch_tensorrt",)),
+    Check("tensorrt-job", "python -m runner task=infer compile=tensorrt (fp16, bf16, both "
+          "engine formats) runs, and its second run reuses the engine",
+          lambda a: check_tensorrt_job(), packages=("torch_tensorrt",)),
+    Check("dali-gpu", "the DALI loader decodes into device batches of the run's shape", check_dali,
+          packages=("nvidia.dali",)),
+    Check("ddp", "2 ranks through the project's process group end with replicas in sync "
+          "(NCCL on 2 GPUs; on fewer, gloo, and the row says NCCL is untested)",
+          lambda a: check_ddp(), cuda=False),
+]
+
+
+NAMES = [c.name for c in CHECKS]
+
+
+def missing(check: Check) -> list[str]:
+    """The packages a check needs that this Python cannot import."""
+    out = []
+    for name in check.packages:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def table(rows: list[Row]) -> str:
+    """A line per row: its verdict, the seconds it took (a column only where a row that ran
+    has them), what it claims, its figure."""
+    if not rows:
+        return ""
+    width = max(len(r.check) for r in rows)
+    verdict = {True: "PASS", False: "FAIL", None: "UNTESTED"}
+    timed = any(r.ok is not None and r.seconds is not None for r in rows)
+
+    def took(r: Row) -> str:
+        if not timed:
+            return ""
+        shown = r.ok is not None and r.seconds is not None
+        return f"{r.seconds:6.1f} s  " if shown else " " * 10
+
+    return "\n".join(f"{verdict[r.ok]:<8}  {took(r)}{r.check:<{width}}  {r.figure}"
+                     for r in rows)
+
+
+def listing() -> str:
+    width = max(len(c.name) for c in CHECKS)
+    return "\n".join(f"{c.name:<{width}}  {'GPU' if c.cuda else 'any'}  {c.claim}"
+                     + (f" [needs {', '.join(c.packages)}]" if c.packages else "")
+                     for c in CHECKS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.selfcheck", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--only", nargs="*", choices=NAMES,
+                        help="these rows only; one that cannot run here is a failure")
+    parser.add_argument("--list", action="store_true", help="each row and what fails it")
+    parser.add_argument("--no-build", action="store_true",
+                        help="never compile the region decoder's binding in place")
+    args = parser.parse_args(argv)
+    if args.list:
+        print(listing())
+        return 0
+    cuda = on_cuda() and torch.cuda.is_available() or harness.DEVICE == "cpu"
+    print(header(), flush=True)
+    lacking_deps = missing_dependencies()
+    if lacking_deps:
+        print(f"missing the project's dependencies {', '.join(lacking_deps)}: bring them as "
+              "wheels (README, 'Self-check on an offline GPU node') and run again")
+        from runner.common.errors import EXIT_USER_ERROR
+
+        return EXIT_USER_ERROR
+    if cuda and not args.no_build:
+        print(build_region(), flush=True)
+    lacking = {c.name: missing(c) for c in CHECKS}
+    said = sorted({p for names in lacking.values() for p in names})
+    if said:
+        print("missing: " + "; ".join(
+            f"{p} (untested: {', '.join(n for n, m in lacking.items() if p in m)})"
+            for p in said), flush=True)
+    rows: list[Row] = []
+    started = time.perf_counter()
+    for check in CHECKS:
+        asked = bool(args.only) and check.name in args.only
+        if args.only and not asked:
+            continue
+        why = None
+        if check.cuda and not cuda:
+            why = "no CUDA device here"
+        elif lacking[check.name]:
+            why = f"{', '.join(lacking[check.name])} not installed"
+        if why is not None:
+            # an explicitly requested row that cannot run fails; otherwise it is untested
+            rows.append(Row(check.name, False if asked else None, why, seconds=None))
+            continue
+        before, t0 = len(rows), time.perf_counter()
+        lap()  # the check's first row counts from here
+        try:
+            rows += check.run(args)
+        except Exception as e:  # one broken path never hides the others
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(check.name, False, f"{type(e).__name__}: {_first_line(e)}"))
+        print(table(rows[before:]) + f"\n          ({check.name}: "
+              f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    done = [r for r in rows if r.ok is not None]
+    untested = [r for r in rows if r.ok is None]
+    passed = sum(bool(r.ok) for r in done)
+    print(f"\n{passed} passed, {len(done) - passed} failed, {len(untested)} untested in "
+          f"{time.perf_counter() - started:.0f} s")
+    print(table(done))
+    if untested:
+        print("\nuntested here:\n" + table(untested))
+    return 1 if any(r.ok is False for r in rows) else 0
+

@@ -1,0 +1,241 @@
+"""What every self-check row builds on: the row and check records, where the rows run
+(``RUNNER_SELFCHECK_DEVICE``), the timers, the training pipeline and step a row drives, and
+the sync detector.
+
+- A :class:`Row` is one claim's verdict: passed, failed, or untested (``ok=None``), with its
+  figure and the wall time it took (``seconds``: since the row before it in its check, or
+  since the check began, by :func:`lap`; the harness laps when a check starts).
+- :func:`_steps` times a pipeline's steps under torch's sync debug mode "error" and turns an
+  implicit sync into a :class:`SyncError` naming the data path or the step, and the line
+  (:func:`_where`: the project's deepest frame, then the library's).
+- :func:`_pipeline`, :func:`_train_step`, :func:`_synthetic_batch` build what
+  ``python -m runner`` would run; :func:`_run_job` runs ``python -m runner`` itself in a child
+  process from the checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import runner
+
+ROOT = Path(runner.__file__).resolve().parent.parent  # the checkout (or site-packages)
+HERE = Path(__file__).resolve().parent  # the self-check's own modules: never "where"
+
+
+# where the rows run: CUDA; RUNNER_SELFCHECK_DEVICE=cpu runs every row's code on the CPU at
+# a small size (the test suite does, so a row's code is exercised where CI runs; its speed
+# claims mean nothing there)
+DEVICE = os.environ.get("RUNNER_SELFCHECK_DEVICE", "cuda")
+
+
+_LAST_LAP = [time.perf_counter()]
+
+
+def lap() -> float:
+    """Seconds since the last lap (a row made, or a check begun), and a new lap starts."""
+    now = time.perf_counter()
+    seconds, _LAST_LAP[0] = now - _LAST_LAP[0], now
+    return seconds
+
+
+@dataclass
+class Row:
+    check: str
+    ok: bool | None  # None: untested here (a package or the GPU missing)
+    figure: str
+    # wall time of this row: since its check's previous row, or the check's start; None for
+    # a row the harness marks untested without running it
+    seconds: float | None = field(default_factory=lap)
+
+
+@dataclass
+class Check:
+    """One group of rows: what it claims (and so what makes it fail), what it needs."""
+
+    name: str
+    claim: str
+    run: Callable[[argparse.Namespace], list[Row]]
+    packages: tuple[str, ...] = ()  # importable modules it needs beyond the project's
+    cuda: bool = True
+
+
+def on_cuda() -> bool:
+    return DEVICE == "cuda"
+
+
+def _device() -> torch.device:
+    return torch.device(DEVICE)
+
+
+def _ms(fn: Callable[[], None], repeats: int) -> float:
+    """ms per call of ``fn`` after one warm-up call: CUDA events on the GPU."""
+    fn()
+    if not on_cuda():
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1000 * (time.perf_counter() - start) / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def _sync() -> None:
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
+def _loader(member: str) -> str:
+    """``loader=<name>`` for a StorageName member (the names live in the registry, not
+    here; the project is imported only when a row runs)."""
+    from runner.config.schema import StorageName
+
+    return f"loader={getattr(StorageName, member.lower()).value}"
+
+
+def _gpu_decoder() -> str:
+    """The decoder that decodes on the GPU, by its registry record."""
+    from runner.data.decode.decoders import DECODERS
+
+    return next(d for d, k in DECODERS.items() if k.cuda).value
+
+
+def _pipeline(*overrides: str):
+    from runner.api import Pipeline
+
+    return Pipeline(*overrides, "logger=none", "run.progress=false", f"device={DEVICE}")
+
+
+def _endless(pipeline):
+    """The pipeline's batches epoch after epoch (one epoch per pass): a row may need more
+    steps than one epoch has (batch 256 of the default dataset: 8 a pass)."""
+    while True:
+        yield from pipeline
+
+
+class SyncError(RuntimeError):
+    """A step synchronized with the host under sync debug mode "error"."""
+
+
+def _steps(pipeline, step, n: int, sync_check: bool, warmup: int = 3) -> float:
+    """ms per step (the batch's arrival included) over ``n`` steps after ``warmup``; the
+    timed ones under sync debug mode "error" when asked: an implicit device sync raises
+    SyncError naming where it happened (the data path or the step, and the line). A sync
+    in the step lets the steps finish without the check; one in the data path ends them
+    (its generator is gone)."""
+    batches = _endless(pipeline)
+    for _ in range(warmup):
+        step(next(batches))
+    _sync()
+    start = time.perf_counter()
+    failure = None
+    if sync_check and on_cuda():
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n):
+            try:
+                batch = next(batches)
+            except RuntimeError as e:
+                if not _is_sync(e):
+                    raise
+                raise SyncError(f"data path, {_where(e)}: {_first_line(e)}") from e
+            try:
+                step(batch)
+            except RuntimeError as e:
+                if not _is_sync(e):
+                    raise
+                failure = failure or SyncError(f"step, {_where(e)}: {_first_line(e)}")
+                if on_cuda():
+                    torch.cuda.set_sync_debug_mode(0)
+    finally:
+        if on_cuda():
+            torch.cuda.set_sync_debug_mode(0)
+    _sync()
+    seconds = time.perf_counter() - start
+    if failure is not None:
+        raise failure
+    return 1000 * seconds / n
+
+
+def _is_sync(e: BaseException) -> bool:
+    return "synchroniz" in str(e)
+
+
+def _where(e: BaseException) -> str:
+    """The project's deepest line in ``e``'s traceback, and the last line beyond it (a
+    library's), as ``file:line (function)``: where a sync came from."""
+    import traceback as tb
+
+    frames = tb.extract_tb(e.__traceback__)
+    ours = [f for f in frames if "runner" in Path(f.filename).parts
+            and Path(f.filename).resolve().parent != HERE]
+    parts = []
+    if ours:
+        f = ours[-1]
+        path = Path(f.filename)
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        parts.append(f"{shown}:{f.lineno} ({f.name})")
+    if frames and (not ours or frames[-1] is not ours[-1]):
+        f = frames[-1]
+        parts.append(f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} ({f.name})")
+    return " -> ".join(parts) or "no Python frame"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:110]
+
+
+def _train_step(pipeline, total_steps: int):
+    """The run's training step for the pipeline's config (model, task, amp), as
+    ``python -m runner`` builds it."""
+    from runner.model.compile import step_amp
+    from runner.model.networks import build_model
+    from runner.tasks import make_step
+
+    cfg = pipeline.config
+    model = build_model(cfg.model, len(pipeline.classes), pipeline.device)
+    return make_step(cfg.task, {cfg.model.name: model}, step_amp(cfg), pipeline.device,
+                     total_steps, steps_per_epoch=len(pipeline),
+                     global_batch=cfg.loader.batch_size * cfg.task.accumulate)
+
+
+def _synthetic_batch(batch: int, size: int, device: torch.device, classes: int = 10,
+                     seed: int = 0):
+    from tensordict import TensorDict
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return TensorDict({
+        "image": torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8,
+                               generator=generator).to(device),
+        "label": torch.randint(0, classes, (batch,), generator=generator).to(device),
+        "index": torch.arange(batch, device=device)}, batch_size=[batch])
+
+
+def _pythonpath() -> str:
+    """The checkout first on a child's path: a source checkout runs without an install."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def _run_job(overrides: list[str], run_dir: Path, env: dict[str, str]) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "runner", *overrides,
+                           "logger=none", "run.progress=false", "diagnose=false",
+                           f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode, (out[-1][:110] if out else "")

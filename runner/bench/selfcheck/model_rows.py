@@ -1,0 +1,243 @@
+"""The rows of a model's outputs on the GPU against a reference: ``compile=inductor`` for
+training and inference against eager (``inductor``), ``compile=tensorrt`` against eager fp16
+and its engine reused (``tensorrt``, ``tensorrt-job``), and ``task=infer`` in bf16 on the GPU
+against float32 on the CPU (``infer``)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from runner.bench.selfcheck import harness
+from runner.bench.selfcheck.harness import (
+    ROOT,
+    Row,
+    _device,
+    _ms,
+    _pythonpath,
+    _run_job,
+    _synthetic_batch,
+    on_cuda,
+)
+
+
+def check_inductor(args: argparse.Namespace) -> list[Row]:
+    """compile=inductor for train and infer through the project's compile_model (which
+    verifies the compiled model against eager), and its step time against eager."""
+    from runner.config.schema import (
+        AmpConfig,
+        AmpName,
+        CompileConfig,
+        CompileName,
+        ModelConfig,
+        TaskConfig,
+        TaskName,
+    )
+    from runner.model.compile import compile_model, verify
+    from runner.model.networks import build_model
+    from runner.tasks import InferStep, TrainStep
+
+    device = _device()
+    name, size, batch = ("resnet18", 160, 64) if on_cuda() else ("tiny", 64, 8)
+    amp = AmpConfig(AmpName.bf16)
+    cfg = CompileConfig(CompileName.inductor)
+    data = _synthetic_batch(batch, size, device)
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for task in (TaskName.train, TaskName.infer):
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(name), 10, device, train=task is TaskName.train)
+            eager = copy.deepcopy(model)
+            compiled, seconds = compile_model(model, cfg, amp, task, data["image"], [batch],
+                                              Path(cache))
+            diff = verify(eager, compiled, data["image"], cfg, amp,
+                          train=task is TaskName.train)
+            if task is TaskName.train:
+                steps = {k: TrainStep(m, TaskConfig(TaskName.train), 100, amp, device)
+                         for k, m in (("eager", eager), ("inductor", compiled))}
+            else:
+                steps = {k: InferStep({k: m}, TaskConfig(TaskName.infer), amp=amp,
+                                      device=device)
+                         for k, m in (("eager", eager), ("inductor", compiled))}
+            ms = {k: _ms(lambda s=s: s(data), 10) for k, s in steps.items()}
+            rows.append(Row(f"compile=inductor {task.value} ({name}, batch {batch}, bf16): "
+                            "verified against eager", True,
+                            f"max diff {diff:.3g}; {ms['inductor']:.1f} vs eager "
+                            f"{ms['eager']:.1f} ms/step ({ms['eager'] / ms['inductor']:.2f}x);"
+                            f" compiled in {seconds:.0f} s"))
+    return rows
+
+
+def check_tensorrt(size: int, batch: int) -> list[Row]:
+    try:
+        import torch_tensorrt  # noqa: F401
+    except ImportError:
+        return [Row("compile=tensorrt fp16 vs eager fp16, resnet50", None,
+                    "torch-tensorrt not installed: pip install -e '.[tensorrt]'")]
+    from runner.config.schema import (
+        AmpConfig,
+        AmpName,
+        CompileConfig,
+        CompileName,
+        ModelConfig,
+        TaskName,
+    )
+    from runner.model.amp import autocast
+    from runner.model.compile import compile_model, verify
+    from runner.model.networks import build_model
+
+    device = torch.device("cuda")
+    model = build_model(ModelConfig("resnet50"), 1000, device).eval()
+    x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, device=device)
+    amp = AmpConfig(AmpName.fp16)
+    cfg = CompileConfig(CompileName.tensorrt)
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        engine, seconds = compile_model(model, cfg, amp, TaskName.infer, x, [batch], Path(cache))
+        diff = verify(model, engine, x, cfg, amp, train=False)
+
+        def eager() -> None:
+            with torch.inference_mode(), autocast(amp, device):
+                model(x)
+
+        def trt() -> None:
+            with torch.inference_mode():
+                engine(x)
+
+        e_ms, t_ms = _ms(eager, 20), _ms(trt, 20)
+        rows.append(Row("compile=tensorrt fp16 vs eager fp16, resnet50 (>= 1.5x), verified",
+                        e_ms / t_ms >= 1.5, f"{e_ms:.2f} vs {t_ms:.2f} ms ({e_ms / t_ms:.2f}x, "
+                                            f"max diff {diff:.3g}, built in {seconds:.0f} s)"))
+        short = batch // 2 + 1
+        import torch_tensorrt
+
+        built_again, build = [], torch_tensorrt.compile
+
+        def counting(*args, **kwargs):
+            built_again.append(1)
+            return build(*args, **kwargs)
+
+        torch_tensorrt.compile = counting  # a reuse calls no build
+        try:
+            reused, _ = compile_model(model, cfg, amp, TaskName.infer, x, [batch, short],
+                                      Path(cache))
+        finally:
+            torch_tensorrt.compile = build
+        with torch.inference_mode():
+            out = reused(x[:short])
+        rows.append(Row("cached TensorRT engine reused on a short last batch (no build)",
+                        tuple(out.shape) == (short, 1000) and not built_again,
+                        f"batch {short} of {batch}: {tuple(out.shape)}; engines built the "
+                        f"second time: {len(built_again)}"))
+    return rows
+
+
+def check_tensorrt_job() -> list[Row]:
+    """``python -m runner task=infer compile=tensorrt`` for fp16 and bf16, both engine
+    formats, each run twice (the second must reuse the engine), on a dataset whose last
+    batch is short and one whose last batch is a single image."""
+    try:
+        import torch_tensorrt  # noqa: F401
+    except ImportError:
+        return [Row("python -m runner task=infer compile=tensorrt (fp16, bf16, both formats)",
+                    None, "torch-tensorrt not installed: pip install -e '.[tensorrt]'")]
+    import subprocess
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "RUNNER_CACHE": scratch, "WANDB_SILENT": "true",
+               "PYTHONPATH": _pythonpath()}
+        for images, last in ((70, "short"), (65, "single image")):
+            for amp in ("fp16", "bf16"):
+                for fmt in ("exported_program", "torchscript"):
+                    said = []
+                    for attempt in (1, 2):
+                        run_dir = Path(scratch) / f"{images}-{amp}-{fmt}-{attempt}"
+                        proc = subprocess.run(
+                            [sys.executable, "-m", "runner", "task=infer", "compile=tensorrt",
+                             f"amp={amp}", f"compile.engine_format={fmt}", "model=tiny",
+                             f"dataset.num_images={images}", "dataset.image_size=[64,64]",
+                             "loader.batch_size=32", "logger=none", "run.progress=false",
+                             "diagnose=false", f"hydra.run.dir={run_dir}"],
+                            capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+                        out = proc.stdout + proc.stderr
+                        said.append((proc.returncode, "reusing the TensorRT engine" in out,
+                                     out.strip().splitlines()[-1][:80] if out.strip() else ""))
+                    ok = said[0][0] == 0 and said[1][0] == 0 and said[1][1]
+                    rows.append(Row(f"task=infer compile=tensorrt amp={amp} {fmt}, last batch "
+                                    f"{last}, run twice", ok,
+                                    "second run reused the engine" if ok else
+                                    f"exit {said[0][0]}/{said[1][0]}: {said[-1][2]}"))
+    return rows
+
+
+def check_infer(args: argparse.Namespace) -> list[Row]:
+    """Two classifiers in one task=infer pass (probs, embeddings) and a segmentation model
+    (masks), bf16 on the GPU and float32 on the CPU, the same weights and images: probs
+    within 0.02, embeddings at cosine >= 0.99, masks the same on >= 95% of pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from runner.config.schema import ModelConfig
+    from runner.model.networks import build_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        torch.manual_seed(0)
+        for name, classes in (("resnet18", 10), ("tiny", 10)):
+            torch.save(build_model(ModelConfig(name), classes, torch.device("cpu"))[1]
+                       .state_dict(), tmp / f"{name}.pt")
+        seg = "lraspp_mobilenet_v3_large"
+        torch.save(build_model(ModelConfig(seg, num_classes=4), 0, torch.device("cpu"),
+                               train=False)[1].state_dict(), tmp / "seg.pt")
+        env = {**os.environ, "RUNNER_CACHE": str(tmp / "cache"), "WANDB_SILENT": "true",
+               "PYTHONPATH": _pythonpath()}
+        data = ["task=infer", "dataset.num_images=48", "dataset.image_size=[128,128]",
+                "loader.batch_size=16"]
+        classify = [*data, "task.outputs=[probs,embeddings]",
+                    f"+models=[{{name:resnet18,weights:{tmp / 'resnet18.pt'},alias:a}},"
+                    f"{{name:tiny,weights:{tmp / 'tiny.pt'},alias:b}}]"]
+        segment = [*data, "dataset.crop=whole", f"model.name={seg}",
+                   f"model.weights={tmp / 'seg.pt'}", "task.outputs=[masks]"]
+        gpu_side = [f"device={harness.DEVICE}", "amp=bf16"]
+        for what, job in (("classify", classify), ("segment", segment)):
+            for side, extra in (("gpu", gpu_side), ("cpu", ["device=cpu", "amp=off"])):
+                code, last = _run_job([*job, *extra], tmp / f"{what}-{side}", env)
+                if code != 0:
+                    rows.append(Row(f"task=infer {what} on {side}", False,
+                                    f"exit {code}: {last}"))
+                    return rows
+        a, b = tmp / "classify-gpu", tmp / "classify-cpu"
+        worst_p, worst_cos = 0.0, 1.0
+        for alias in ("a", "b"):
+            p = np.abs(np.load(a / f"{alias}.probs.npy") - np.load(b / f"{alias}.probs.npy"))
+            worst_p = max(worst_p, float(p.max()))
+            x, y = np.load(a / f"{alias}.embeddings.npy"), np.load(b / f"{alias}.embeddings.npy")
+            cos = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1)
+                                    + 1e-12)
+            worst_cos = min(worst_cos, float(cos.min()))
+        same_files = (a / "files.txt").read_text() == (b / "files.txt").read_text()
+        rows.append(Row("task=infer, 2 models in one pass, bf16 on the GPU vs float32 on the "
+                        "CPU: probs and embeddings", same_files and worst_p <= 0.02
+                        and worst_cos >= 0.99,
+                        f"max |probs diff| {worst_p:.4f}; min embedding cosine "
+                        f"{worst_cos:.4f}{'' if same_files else '; different files'}"))
+        cpu_masks = tmp / "segment-cpu" / "masks" / seg
+        masks = sorted(cpu_masks.rglob("*.png"))  # as the images lie: class folders
+        agree = []
+        for cpu_mask in masks:
+            gpu_mask = tmp / "segment-gpu" / "masks" / seg / cpu_mask.relative_to(cpu_masks)
+            agree.append(float((np.asarray(Image.open(gpu_mask)) ==
+                                np.asarray(Image.open(cpu_mask))).mean()))
+        share = min(agree) if agree else 0.0
+        rows.append(Row(f"task=infer masks ({seg}), bf16 on the GPU vs float32 on the CPU",
+                        bool(masks) and share >= 0.95,
+                        f"{len(masks)} masks; the least alike agree on {share:.1%} of pixels"))
+    return rows
