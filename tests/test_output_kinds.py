@@ -30,7 +30,7 @@ def test_every_output_has_a_complete_record_in_its_module():
     assert set(OUTPUT_KINDS) == set(Output)
     for name, kind in OUTPUT_KINDS.items():
         assert isinstance(kind, OutputKind) and kind.name is name
-        assert (REPO / "runner" / "output_kinds" / f"{name.value}.py").is_file()
+        assert (REPO / "runner" / "tasks" / "infer" / "kinds" / f"{name.value}.py").is_file()
         assert kind.keys and callable(kind.reduce) and callable(kind.writer) and kind.files
         assert kind.needs in (LOGITS, FEATURES)
         assert all(kind_of(key) is kind for key in kind.keys)
@@ -64,12 +64,12 @@ def test_an_output_kind_is_its_enum_value_and_its_module(tmp_path: Path):
     shutil.copytree(REPO / "runner", copy / "runner",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "conf", copy / "conf")
-    config = copy / "runner" / "config.py"
+    config = copy / "runner" / "config" / "schema.py"
     text = config.read_text()
     line = '    masks = "masks"'
     assert line in text
     config.write_text(text.replace(line, line + '\n    margin = "margin"', 1))
-    (copy / "runner" / "output_kinds" / "margin.py").write_text(MARGIN)
+    (copy / "runner" / "tasks" / "infer" / "kinds" / "margin.py").write_text(MARGIN)
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "runner", *BASE, "dataset.num_images=10",
