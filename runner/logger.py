@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 from runner import environment
 from runner.config import LoggerConfig, LoggerName, flatten
 from runner.credentials import redacted
+from runner.records import Registry
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class MetricLogger(Protocol):
 
 class NullLogger:
     """``logger=none``: needs no wandb at all."""
+
+    name = LoggerName.none
 
     run_id: str | None = None
 
@@ -139,6 +142,8 @@ class WandbLogger:
         name: the run's display name: the swept overrides in a sweep (``run_identity``).
         group: the sweep this run belongs to, when ``cfg.group`` is unset.
     """
+
+    name = LoggerName.wandb
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any],
                  name: str | None, group: str | None, run_id: str | None = None):
@@ -299,7 +304,7 @@ def _sweep_arguments(sweep_dir: Path) -> list[str] | None:
     return None
 
 
-LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.none: NullLogger}
+LOGGERS: Registry[type] = Registry(LoggerName, "logger={}", (WandbLogger, NullLogger))
 
 
 def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str | None,

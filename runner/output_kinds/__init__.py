@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from runner.config import Output
 from runner.output_kinds.base import OutputKind
-from runner.records import records
+from runner.records import Registry
 
-OUTPUT_KINDS: dict[Output, OutputKind] = records(__name__, Output, OutputKind,
-                                                 "task.outputs=[{}]")
+OUTPUT_KINDS: Registry[OutputKind] = Registry.from_modules(__name__, Output, "task.outputs=[{}]",
+                                                          OutputKind)
 
 
 def kind_of(key: str) -> OutputKind | None:

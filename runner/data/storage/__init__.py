@@ -44,10 +44,10 @@ from runner.data.storage.listing import EXTENSIONS, check_no_loop, is_image_name
 from runner.data.storage.tarshards import MANIFEST
 from runner.data.synthetic import SyntheticSpec, ensure_dataset
 from runner.errors import ConfigError, UserError
-from runner.records import records
+from runner.records import Registry
 
-STORAGES: dict[StorageName, StorageKind] = records(__name__, StorageName, StorageKind,
-                                                  "loader={}")
+STORAGES: Registry[StorageKind] = Registry.from_modules(__name__, StorageName, "loader={}",
+                                                      StorageKind)
 
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
@@ -121,8 +121,9 @@ def holds_images(folder: Path) -> bool:
 
 def unset_draft(decoder: Decoder) -> bool:
     """What an unset ``loader.draft`` means with ``loader.decoder=decoder``: on only where
-    ``auto`` falls back to simplejpeg (the pair auto stands for), off for a decoder named."""
-    return decoder is Decoder.auto and concrete_decoder(decoder) is Decoder.simplejpeg
+    ``auto`` falls back to a decoder that scales (simplejpeg: the pair auto stands for; the
+    region decoder crops instead), off for a decoder named."""
+    return decoder is Decoder.auto and DECODERS[concrete_decoder(decoder)].scales
 
 
 def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) -> None:

@@ -36,6 +36,7 @@ from PIL import Image, ImageOps
 from runner.config import Crop, DatasetConfig, Decoder
 from runner.data.storage.base import stack_images
 from runner.errors import Unavailable, UserError
+from runner.records import Registry
 
 
 class CorruptImageError(RuntimeError):
@@ -447,14 +448,14 @@ class DecoderKind:
         return True
 
 
-DECODERS: dict[Decoder, DecoderKind] = {k.name: k for k in (
+DECODERS: Registry[DecoderKind] = Registry(Decoder, "loader.decoder={}", (
     DecoderKind(Decoder.pil, decode_pil, scales=True),
     DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True),
     DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py),
     DecoderKind(Decoder.torchvision, decode_torchvision),
     DecoderKind(Decoder.region, region=True, check=_check_region),
     DecoderKind(Decoder.nvjpeg, cuda=True, check=_check_nvjpeg),
-)}
+), aliases=[Decoder.auto])  # auto: the fastest built here (concrete_decoder)
 CPU_DECODERS = frozenset(d for d, k in DECODERS.items() if not k.cuda)
 # what a folder falls back to for files the chosen decoder cannot read, and what decodes
 # the CPU fallbacks and example images of a GPU decoder
