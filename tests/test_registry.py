@@ -201,6 +201,6 @@ def test_no_switch_on_a_component_outside_its_own_module():
     allowed = homes()
     found = [line for path in sorted(RUNNER.rglob("*.py")) for enum, line in switches(path)
              if not any(path == h or h in path.parents
-                     for h in allowed.get(enum, {RUNNER / "config.py"}))
+                        for h in allowed.get(enum, {RUNNER / "config.py"}))
              and (str(path.relative_to(REPO)), enum) not in LEFT]
     assert found == []

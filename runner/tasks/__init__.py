@@ -19,7 +19,9 @@ from runner.loop import Step
 from runner.outputs import Outputs, Reduce
 from runner.records import Registry
 from runner.tasks.base import RunContext, Task
-from runner.tasks.data_only import DataOnlyTask
+from runner.tasks.data_only import DataOnlyStep, DataOnlyTask  # noqa: F401 (re-exported)
+from runner.tasks.infer import InferStep  # noqa: F401 (re-exported)
+from runner.tasks.train import TrainStep  # noqa: F401 (re-exported)
 
 TASKS: Registry[type] = Registry.from_modules(__name__, TaskName, "task={}", type)
 

@@ -431,6 +431,9 @@ class DecoderKind:
         region: decodes only the crop's window (random crops cost what centre crops do).
         cuda: decodes on the GPU, batch by batch (``runner/data/nvjpeg.py``).
         check: raises ``DecoderUnavailable`` naming the fix when it cannot run here.
+        package: the distribution that is it, named as the decoder (its version goes in
+            metrics.json's environment); None: read another way (Pillow's as ``pillow``,
+            the region binding's libturbojpeg, nvJPEG's with CUDA).
     """
 
     name: Decoder
@@ -439,6 +442,7 @@ class DecoderKind:
     region: bool = False
     cuda: bool = False
     check: Callable[[], None] | None = None
+    package: str | None = None
 
     def available(self) -> bool:
         try:
@@ -450,9 +454,9 @@ class DecoderKind:
 
 DECODERS: Registry[DecoderKind] = Registry(Decoder, "loader.decoder={}", (
     DecoderKind(Decoder.pil, decode_pil, scales=True),
-    DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True),
-    DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py),
-    DecoderKind(Decoder.torchvision, decode_torchvision),
+    DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True, package="simplejpeg"),
+    DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py, package="jpeg4py"),
+    DecoderKind(Decoder.torchvision, decode_torchvision, package="torchvision"),
     DecoderKind(Decoder.region, region=True, check=_check_region),
     DecoderKind(Decoder.nvjpeg, cuda=True, check=_check_nvjpeg),
 ), aliases=[Decoder.auto])  # auto: the fastest built here (concrete_decoder)
