@@ -81,6 +81,27 @@ def test_an_unknown_name_is_the_same_one_line_error_in_every_registry(where: str
         assert registry[member.value] is registry[member]
 
 
+def group_of(registry: Registry) -> Path:
+    return REPO / "conf" / registry.setting.removesuffix("={}")
+
+
+GROUPS = sorted(w for w, r in REGISTRIES.items() if group_of(r).is_dir())
+
+
+def test_the_config_groups_are_registries():
+    assert {REGISTRIES[w].setting for w in GROUPS} == \
+        {"loader={}", "compile={}", "prefetch={}", "logger={}", "task={}"}
+
+
+@pytest.mark.parametrize("where", GROUPS)
+def test_a_registry_picked_by_a_config_group_has_one_preset_per_record(where: str):
+    """``loader=``, ``compile=``, ``prefetch=``, ``logger=``, ``task=``: conf/<group>/ holds
+    one preset per record, named after it."""
+    registry = REGISTRIES[where]
+    presets = {p.stem for p in group_of(registry).glob("*.yaml")}
+    assert presets == {m.value for m in registry}
+
+
 class Colour(Enum):
     red = "red"
     blue = "blue"
