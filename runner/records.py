@@ -53,28 +53,31 @@ class Registry(dict, Generic[R]):
 
     def __init__(self, names: type[Enum], setting: str, records: Iterable[R],
                  aliases: Iterable[Enum] = ()):
+        records = list(records)
         super().__init__({r.name: r for r in records})  # type: ignore[attr-defined]
         self.names, self.setting, self.aliases = names, setting, frozenset(aliases)
         strays = [k for k in self if not isinstance(k, names) or k in self.aliases]
         missing = [m for m in names if m not in self and m not in self.aliases]
-        if strays or missing:
+        twice = [k for k in self if sum(r.name is k for r in records) > 1]  # type: ignore
+        if strays or missing or twice:
             raise ImportError(f"every {names.__name__} needs one record in its registry: "
-                              + "; ".join([*(f"none for {self._says(m)}" for m in missing),
-                                           *(f"{k!r} is no member" for k in strays)]))
+                              + "; ".join([*(f"none for {_pick(setting, m)}" for m in missing),
+                                           *(f"{k!r} is no member" for k in strays),
+                                           *(f"two for {_pick(setting, k)}" for k in twice)]))
 
     @classmethod
     def from_modules(cls, package: str, names: type[Enum], setting: str,
                      record: type = object) -> Registry:
         """Every member's ``KIND`` in its own module, ``<package>.<member value>``: a
         ``record`` whose ``name`` is that member (else an ImportError naming the file)."""
-        found = {}
+        found = []
         for name in names:
             kind = getattr(importlib.import_module(f"{package}.{name.value}"), "KIND", None)
             if not isinstance(kind, record) or getattr(kind, "name", None) is not name:
                 raise ImportError(f"{package.replace('.', '/')}/{name.value}.py must define "
-                                  f"KIND, the {record.__name__} of {cls._say(setting, name)}")
-            found[name] = kind
-        return cls(names, setting, found.values())
+                                  f"KIND, the {record.__name__} of {_pick(setting, name)}")
+            found.append(kind)
+        return cls(names, setting, found)
 
     def __missing__(self, key: Any) -> R:
         """A member's value as a string is the member; anything else is an ``UnknownName``."""
@@ -82,11 +85,9 @@ class Registry(dict, Generic[R]):
         if isinstance(key, str) and member is not None and member in self:
             return self[member]
         choices = ", ".join(m.value for m in self.names if m in self)
-        raise UnknownName(f"{self._says(key)} is invalid: choose one of {choices}")
+        raise UnknownName(f"{_pick(self.setting, key)} is invalid: choose one of {choices}")
 
-    def _says(self, key: Any) -> str:
-        return self._say(self.setting, key)
 
-    @staticmethod
-    def _say(setting: str, key: Any) -> str:
-        return setting.format(key.value if isinstance(key, Enum) else key)
+def _pick(setting: str, key: Any) -> str:
+    """How a user picks ``key``: ``loader=packed``."""
+    return setting.format(key.value if isinstance(key, Enum) else key)

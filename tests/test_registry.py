@@ -122,6 +122,8 @@ def test_a_registry_refuses_a_member_without_a_record_or_a_record_without_a_memb
         Registry(Colour, "paint={}", [*map(Paint, Colour), Paint("green")])
     with pytest.raises(ImportError, match="none for paint=any"):
         Registry(Colour, "paint={}", [Paint(Colour.red), Paint(Colour.blue)])
+    with pytest.raises(ImportError, match="two for paint=red"):
+        Registry(Colour, "paint={}", [*map(Paint, Colour), Paint(Colour.red)])
 
 
 def test_a_package_registry_names_the_module_that_lacks_its_record():
