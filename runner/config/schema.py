@@ -107,6 +107,12 @@ class TaskName(Enum):
     train = "train"
     infer = "infer"
 
+    @property
+    def trains(self) -> bool:
+        """The model learns (train mode, gradients all-reduced over ranks, task.augment):
+        the one fact of a task the layers below runner/tasks/ (data, model) ask for."""
+        return self is TaskName.train
+
 
 class Output(Enum):  # what task=infer keeps of each model's output
     topk = "topk"  # predictions.csv: the top-k classes and their probabilities

@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
-from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig, TaskName
+from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig
 from runner.data.decode.crops import BatchAugment, CenterCrop
 from runner.data.decode.decoders import DECODERS
 from runner.data.device.normalize import (
@@ -320,7 +320,7 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
                                stream, device)
     data = DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
                     augment=augment, page_cache=page_cache, convert=convert)
-    if config.task.name is TaskName.train and config.task.augment.active:
+    if config.task.name.trains and config.task.augment.active:
         from runner.data.device.augment import TrainAugment
 
         data.train_augment = TrainAugment(config.task.augment, config.seed, ranks.rank,

@@ -131,13 +131,13 @@ def _decoders() -> dict[str, Any]:
     backs them: libturbojpeg, torchvision's image backend."""
     import torchvision
 
-    from runner.config.schema import Decoder
+    from runner.data.decode.decoders import DECODERS
     from runner.data.storage import STORAGES
 
-    own = (Decoder.pil, Decoder.region, Decoder.auto, Decoder.nvjpeg)  # read elsewhere
-    names = [d.value for d in Decoder if d not in own]
-    names += [name.value for name, kind in STORAGES.items() if kind.own_loader]
-    out: dict[str, Any] = {name: _distribution(name) for name in names}
+    out: dict[str, Any] = {name.value: _distribution(kind.package)
+                           for name, kind in DECODERS.items() if kind.package}
+    out.update({name.value: _distribution(name.value) for name, kind in STORAGES.items()
+                if kind.own_loader})
     out.update(libturbojpeg=_read(_libturbojpeg),
                torchvision_image_backend=_read(torchvision.get_image_backend),
                onnxruntime=_package("onnxruntime") or _package("onnxruntime-gpu"))

@@ -33,12 +33,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from runner.common.registry import Registry
 from runner.config.credentials import redacted
 from runner.config.schema import LoggerConfig, LoggerName, flatten
 from runner.job import environment
 from runner.measure.metrics import MetricLogger, NullLogger
 
 log = logging.getLogger(__name__)
+
+
+class NoLogger(NullLogger):
+    """``logger=none``: needs no wandb at all (runner/measure/metrics.py's ``NullLogger``,
+    the record of its registry)."""
+
+    name = LoggerName.none
 
 
 # logger key: (wandb's setting, the environment variable it is read from)
@@ -114,6 +122,8 @@ class WandbLogger:
         name: the run's display name: the swept overrides in a sweep (``run_identity``).
         group: the sweep this run belongs to, when ``cfg.group`` is unset.
     """
+
+    name = LoggerName.wandb
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any],
                  name: str | None, group: str | None, run_id: str | None = None):
@@ -274,7 +284,7 @@ def _sweep_arguments(sweep_dir: Path) -> list[str] | None:
     return None
 
 
-LOGGERS: dict[LoggerName, type] = {LoggerName.wandb: WandbLogger, LoggerName.none: NullLogger}
+LOGGERS: Registry[type] = Registry(LoggerName, "logger={}", (WandbLogger, NoLogger))
 
 
 def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str | None,

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map
 
 from runner.common.atomic import replacing
 from runner.common.errors import Unavailable
+from runner.common.registry import Registry
 from runner.config.rules import model_configs
 from runner.config.schema import (
     AmpConfig,
@@ -309,7 +310,7 @@ class Backend:
                               "compile=inductor or compile=eager under torchrun")
 
 
-BACKENDS: dict[Enum, Backend] = {b.name: b for b in (
+BACKENDS: Registry[Backend] = Registry(CompileName, "compile={}", (
     Backend(CompileName.eager, None),
     Backend(CompileName.torchscript, _torchscript,
             under_ddp="cannot trace a DistributedDataParallel model"),
@@ -320,10 +321,7 @@ BACKENDS: dict[Enum, Backend] = {b.name: b for b in (
     Backend(CompileName.onnxruntime, _onnxruntime, autocast=False,
             trains="runs an exported inference graph and cannot train",
             float32="runs the exported float32 graph", requires=_require_onnxruntime),
-)}
-_missing = [n.value for n in CompileName if n not in BACKENDS]
-if _missing:
-    raise ImportError(f"runner/model/compile.py has no Backend record for compile={_missing}")
+))
 
 
 def uses_autocast(cfg: CompileConfig) -> bool:
@@ -344,7 +342,7 @@ def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: Ta
         cache: where engines that can be cached are kept (TensorRT).
     """
     backend = BACKENDS[cfg.name]
-    train = task is TaskName.train
+    train = task.trains
     device = example.device
     backend.check(device, train, amp)
     if backend.build is None and device.type != "cuda":
@@ -442,7 +440,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     configs = model_configs(config)
     if data_path_alone(config):
         return RunModels({})
-    train = config.task.name is TaskName.train
+    train = config.task.name.trains
     if train and len(storage.classes) == 1:
         log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
                     "its loss goes to 0; point dataset.path at the folder that holds the "

@@ -6,6 +6,8 @@ Its point is the data path's speed: a run of one process with no length asked
 
 from __future__ import annotations
 
+from typing import Any
+
 from tensordict import TensorDict
 
 from runner.tasks.loop import Step
@@ -20,8 +22,13 @@ class DataOnlyTask(TaskBase):
 
     def build(self, total_steps: int) -> Step:
         self.total_steps = total_steps
-        self.step = DataOnlyStep()
+        self.step = self.make_step()
         return self.step
+
+    @staticmethod
+    def make_step(*args: Any, **kwargs: Any) -> DataOnlyStep:
+        """No model: the batch loaded and moved, nothing else."""
+        return DataOnlyStep()
 
 
 class DataOnlyStep:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.rules import model_configs
-from runner.config.schema import Config, TaskName
+from runner.config.schema import Config
 from runner.data.sources.listing import printable
 from runner.data.storage import STORAGES
 from runner.measure.clock import STAGES
@@ -294,7 +294,7 @@ def summary_line(cfg: Config, figures: dict[str, Any], world: int = 1) -> str | 
             f"{figures['ms_per_step']:.1f} ms/step, data wait "
             f"{100 * figures['data_wait_frac']:.0f}% of step time "
             f"({figures['timed_steps']} timed steps)")
-    if cfg.task.name is TaskName.train and "loss_first" in figures:
+    if cfg.task.name.trains and "loss_first" in figures:
         line += f"; loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f}"
     parts = [f"{name} {figures[key]:.2f} ms" for key, name in (
         ("augment_ms", "augmentation"), ("optimizer_ms", "optimizer step"),

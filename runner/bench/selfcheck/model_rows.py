@@ -41,7 +41,7 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
     )
     from runner.model.compile import compile_model, verify
     from runner.model.networks import build_model
-    from runner.tasks import InferStep, TrainStep
+    from runner.tasks import make_step
 
     device = _device()
     name, size, batch = ("resnet18", 160, 64) if on_cuda() else ("tiny", 64, 8)
@@ -52,19 +52,13 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory() as cache:
         for task in (TaskName.train, TaskName.infer):
             torch.manual_seed(0)
-            model = build_model(ModelConfig(name), 10, device, train=task is TaskName.train)
+            model = build_model(ModelConfig(name), 10, device, train=task.trains)
             eager = copy.deepcopy(model)
             compiled, seconds = compile_model(model, cfg, amp, task, data["image"], [batch],
                                               Path(cache))
-            diff = verify(eager, compiled, data["image"], cfg, amp,
-                          train=task is TaskName.train)
-            if task is TaskName.train:
-                steps = {k: TrainStep(m, TaskConfig(TaskName.train), 100, amp, device)
-                         for k, m in (("eager", eager), ("inductor", compiled))}
-            else:
-                steps = {k: InferStep({k: m}, TaskConfig(TaskName.infer), amp=amp,
-                                      device=device)
-                         for k, m in (("eager", eager), ("inductor", compiled))}
+            diff = verify(eager, compiled, data["image"], cfg, amp, train=task.trains)
+            steps = {k: make_step(TaskConfig(task), {k: m}, amp, device, 100)
+                     for k, m in (("eager", eager), ("inductor", compiled))}
             ms = {k: _ms(lambda s=s: s(data), 10) for k, s in steps.items()}
             rows.append(Row(f"compile=inductor {task.value} ({name}, batch {batch}, bf16): "
                             "verified against eager", True,

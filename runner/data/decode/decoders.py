@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from runner.common.errors import Unavailable, UserError
+from runner.common.registry import Registry
 from runner.config.schema import Crop, DatasetConfig, Decoder
 from runner.data.protocol import stack_images
 
@@ -430,6 +431,9 @@ class DecoderKind:
         region: decodes only the crop's window (random crops cost what centre crops do).
         cuda: decodes on the GPU, batch by batch (``runner/data/device/nvjpeg.py``).
         check: raises ``DecoderUnavailable`` naming the fix when it cannot run here.
+        package: the distribution that is it, named as the decoder (its version goes in
+            metrics.json's environment); None: read another way (Pillow's as ``pillow``,
+            the region binding's libturbojpeg, nvJPEG's with CUDA).
     """
 
     name: Decoder
@@ -438,6 +442,7 @@ class DecoderKind:
     region: bool = False
     cuda: bool = False
     check: Callable[[], None] | None = None
+    package: str | None = None
 
     def available(self) -> bool:
         try:
@@ -447,14 +452,14 @@ class DecoderKind:
         return True
 
 
-DECODERS: dict[Decoder, DecoderKind] = {k.name: k for k in (
+DECODERS: Registry[DecoderKind] = Registry(Decoder, "loader.decoder={}", (
     DecoderKind(Decoder.pil, decode_pil, scales=True),
-    DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True),
-    DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py),
-    DecoderKind(Decoder.torchvision, decode_torchvision),
+    DecoderKind(Decoder.simplejpeg, decode_simplejpeg, scales=True, package="simplejpeg"),
+    DecoderKind(Decoder.jpeg4py, decode_jpeg4py, check=_check_jpeg4py, package="jpeg4py"),
+    DecoderKind(Decoder.torchvision, decode_torchvision, package="torchvision"),
     DecoderKind(Decoder.region, region=True, check=_check_region),
     DecoderKind(Decoder.nvjpeg, cuda=True, check=_check_nvjpeg),
-)}
+), aliases=[Decoder.auto])  # auto: the fastest built here (concrete_decoder)
 CPU_DECODERS = frozenset(d for d, k in DECODERS.items() if not k.cuda)
 # what a folder falls back to for files the chosen decoder cannot read, and what decodes
 # the CPU fallbacks and example images of a GPU decoder

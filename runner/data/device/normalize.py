@@ -38,7 +38,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
-from runner.config.schema import Config, HostDtype, TaskName
+from runner.config.schema import Config, HostDtype
 from runner.data.loading.buffers import BufferPool
 
 HOST_DTYPES: dict[HostDtype, torch.dtype | None] = {
@@ -87,7 +87,7 @@ def host_dtype_problem(config: Config) -> str | None:
                 "over its own batches")
     if DECODERS[config.loader.decoder].cuda:
         return f"loader.decoder={config.loader.decoder.value} decodes on the GPU"
-    if config.task.name is TaskName.train and config.task.augment.active:
+    if config.task.name.trains and config.task.augment.active:
         return "task.augment works on uint8 pixels on the device, after the copy"
     norms = {(tuple(m.mean), tuple(m.std)) for m in model_configs(config)}
     if len(norms) > 1:

@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.errors import Unavailable
+from runner.common.registry import Registry
 from runner.config.schema import PrefetchConfig, PrefetchName
 from runner.data.order import count_images
 from runner.data.threads import (
@@ -61,6 +62,8 @@ class Unprefetched:
         depth: unused.
     """
 
+    name = PrefetchName.none
+
     def __init__(self, source: Iterable, device: torch.device | None = None, depth: int = 0):
         self.source = source
 
@@ -79,6 +82,8 @@ class CpuPrefetcher:
         device: unused (every prefetcher is built with the same arguments).
         depth: the most batches kept ready.
     """
+
+    name = PrefetchName.cpu
 
     def __init__(self, source: Iterable, device: torch.device | None = None, depth: int = 2):
         self.source = source
@@ -162,6 +167,8 @@ class CudaStreamPrefetcher:
         depth: batches gathered and copied ahead of the one in use.
     """
 
+    name = PrefetchName.gpu
+
     def __init__(self, source: Iterable[TensorDict], device: torch.device, depth: int = 2):
         if device.type != "cuda":
             raise Unavailable(
@@ -241,11 +248,8 @@ class CudaStreamPrefetcher:
         return {"prefetch_copy_ms": 1000 * self.copy_seconds() / max(steps, 1)}
 
 
-PREFETCHERS: dict[PrefetchName, type] = {
-    PrefetchName.none: Unprefetched,
-    PrefetchName.cpu: CpuPrefetcher,
-    PrefetchName.gpu: CudaStreamPrefetcher,
-}
+PREFETCHERS: Registry[type] = Registry(PrefetchName, "prefetch={}",
+                                       (Unprefetched, CpuPrefetcher, CudaStreamPrefetcher))
 
 
 def build_prefetcher(cfg: PrefetchConfig, source: Iterable, device: torch.device):

@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader, Dataset
 
-from runner.config.schema import Config, LoaderConfig, TaskName
+from runner.config.schema import Config, LoaderConfig
 from runner.data.loading.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.protocol import Sample, SkippedFile, Storage
@@ -237,8 +237,7 @@ def drops_remainder(config: Config, world: int, every_image: bool = False) -> bo
     last batches are padded and masked instead, so every image counts once."""
     if every_image:
         return False
-    train = config.task.name is TaskName.train
-    return config.loader.drop_last or (train and world > 1)
+    return config.loader.drop_last or (config.task.name.trains and world > 1)
 
 
 def check_lanes(lanes: int, nodes: int, global_batch: int) -> None:

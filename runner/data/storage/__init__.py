@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 
 from runner.common.errors import ConfigError, UserError
-from runner.common.registry import records
+from runner.common.registry import Registry
 from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.decode.decoders import DECODERS, concrete_decoder
 from runner.data.protocol import Storage, StorageKind
@@ -46,8 +46,8 @@ from runner.data.sources.synthetic import SyntheticSpec, ensure_dataset
 from runner.data.sources.url import is_url
 from runner.data.storage.tarformat import MANIFEST
 
-STORAGES: dict[StorageName, StorageKind] = records(__name__, StorageName, StorageKind,
-                                                  "loader={}")
+STORAGES: Registry[StorageKind] = Registry.from_modules(__name__, StorageName, "loader={}",
+                                                      StorageKind)
 
 
 def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
@@ -121,8 +121,9 @@ def holds_images(folder: Path) -> bool:
 
 def unset_draft(decoder: Decoder) -> bool:
     """What an unset ``loader.draft`` means with ``loader.decoder=decoder``: on only where
-    ``auto`` falls back to simplejpeg (the pair auto stands for), off for a decoder named."""
-    return decoder is Decoder.auto and concrete_decoder(decoder) is Decoder.simplejpeg
+    ``auto`` falls back to a decoder that scales (simplejpeg: the pair auto stands for; the
+    region decoder crops instead), off for a decoder named."""
+    return decoder is Decoder.auto and DECODERS[concrete_decoder(decoder)].scales
 
 
 def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) -> None:

@@ -85,9 +85,19 @@ class InferTask(TaskBase):
                                   before_compile=tap)
         self.models = self.built.models
         self.writers = self._outputs(reducers)
-        self.step = InferStep(self.models, cfg.task, reducers, self.writers, step_amp(cfg),
-                              ctx.device, self.start_step)
+        self.step = self.make_step(cfg.task, self.models, step_amp(cfg), ctx.device,
+                                   total_steps, reducers, self.writers, self.start_step)
         return self.step
+
+    @staticmethod
+    def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
+                  device: torch.device, total_steps: int,
+                  reducers: dict[str, Reduce] | None = None, outputs: Outputs | None = None,
+                  first_step: int = 0, steps_per_epoch: int = 1,
+                  global_batch: int | None = None) -> InferStep:
+        """Every model of the pass (``InferStep``), its outputs reduced by ``reducers`` and
+        written by ``outputs`` (None: timed, nothing written)."""
+        return InferStep(models, cfg, reducers, outputs, amp, device, first_step)
 
     def _outputs(self, reducers: dict[str, Reduce]) -> Outputs | None:
         """A writer per model, its files opened (created, or continued)."""
@@ -170,7 +180,7 @@ class InferTask(TaskBase):
         return {}
 
 
-TASK = InferTask
+KIND = InferTask  # its registry record (runner/tasks/__init__.py)
 
 
 class InferStep:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.common.registry import Registry
 from runner.config.schema import OptimizerName, ScheduleName, TaskConfig
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class OptimizerKind:
 SGD = OptimizerKind(OptimizerName.sgd, torch.optim.SGD, keys=("momentum", "nesterov"),
                     cycles_momentum=lambda cfg: cfg.momentum > 0, prepare=fill_momentum)
 ADAMW = OptimizerKind(OptimizerName.adamw, torch.optim.AdamW, keys=("betas", "eps"))
-OPTIMIZERS: dict[Enum, OptimizerKind] = {k.name: k for k in (SGD, ADAMW)}
+OPTIMIZERS: Registry[OptimizerKind] = Registry(OptimizerName, "task.optimizer={}", (SGD, ADAMW))
 
 
 def build_optimizer(model: nn.Module, cfg: TaskConfig, device: torch.device,
@@ -234,12 +235,12 @@ def _onecycle(optimizer: torch.optim.Optimizer, cfg: TaskConfig, span: Span) -> 
         cycle_momentum=OPTIMIZERS[cfg.optimizer].cycles_momentum(cfg))
 
 
-SCHEDULES: dict[Enum, ScheduleKind] = {k.name: k for k in (
+SCHEDULES: Registry[ScheduleKind] = Registry(ScheduleName, "task.schedule={}", (
     ScheduleKind(ScheduleName.constant, _constant),
     ScheduleKind(ScheduleName.cosine, _cosine, keys=("min_lr",)),
     ScheduleKind(ScheduleName.step, _step, keys=("step_epochs", "step_gamma")),
     ScheduleKind(ScheduleName.onecycle, _onecycle, own_warmup=True),
-)}
+))
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_updates: int,
@@ -258,17 +259,6 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_upda
 # (a resume compares them with the checkpoint's: runner/tasks/checkpoint.py)
 OPTIMIZER_TASK_KEYS = tuple(dict.fromkeys(k for kind in OPTIMIZERS.values() for k in kind.keys))
 SCHEDULE_TASK_KEYS = tuple(dict.fromkeys(k for kind in SCHEDULES.values() for k in kind.keys))
-
-
-def _check_registries() -> None:
-    for enum, registry in ((OptimizerName, OPTIMIZERS), (ScheduleName, SCHEDULES)):
-        missing = [m.value for m in enum if m not in registry]
-        if missing:
-            raise ImportError(f"runner/tasks/train/optim.py has no record for {enum.__name__} "
-                              f"{', '.join(missing)}: add one to its registry")
-
-
-_check_registries()
 
 
 class AveragedNetwork(nn.Module):

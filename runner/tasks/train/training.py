@@ -107,10 +107,10 @@ class TrainTask(TaskBase):
         self.built = build_models(cfg, data.storage, ctx.device, ranks)
         self.models = self.built.models
         (model,) = self.models.values()
-        self.step = step = TrainStep(
-            model, cfg.task, total_steps, step_amp(cfg), ctx.device,
-            self.start_step + total_steps, data.steps_per_epoch,
-            cfg.loader.batch_size * ranks.world * cfg.task.accumulate, self.start_step)
+        self.step = step = self.make_step(
+            cfg.task, self.models, step_amp(cfg), ctx.device, total_steps,
+            first_step=self.start_step, steps_per_epoch=data.steps_per_epoch,
+            global_batch=cfg.loader.batch_size * ranks.world * cfg.task.accumulate)
         if self.resumed is not None:
             checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
         if cfg.dataset.val_path or cfg.dataset.val_fraction > 0:
@@ -118,6 +118,16 @@ class TrainTask(TaskBase):
                                                  data.classes, cfg.run.progress and ranks.main,
                                                  ranks)
         return step
+
+    @staticmethod
+    def make_step(cfg: TaskConfig, models: dict[str, nn.Module], amp: AmpConfig,
+                  device: torch.device, total_steps: int, reducers: Any = None,
+                  outputs: Any = None, first_step: int = 0, steps_per_epoch: int = 1,
+                  global_batch: int | None = None) -> TrainStep:
+        """The one model there is, trained (``TrainStep``; no reducers nor writers)."""
+        (model,) = models.values()
+        return TrainStep(model, cfg, total_steps, amp, device, first_step + total_steps,
+                         steps_per_epoch, global_batch, first_step)
 
     def start(self) -> None:
         if self.resumed is not None:  # dropout goes on drawing where it stopped
@@ -188,7 +198,7 @@ class TrainTask(TaskBase):
             self.validation.close()
 
 
-TASK = TrainTask
+KIND = TrainTask  # its registry record (runner/tasks/__init__.py)
 
 
 class TrainStep:

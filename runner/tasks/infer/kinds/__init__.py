@@ -10,12 +10,12 @@ reduces and writes by these records; it names no kind.
 
 from __future__ import annotations
 
-from runner.common.registry import records
+from runner.common.registry import Registry
 from runner.config.schema import Output
 from runner.tasks.infer.kinds.kind import OutputKind
 
-OUTPUT_KINDS: dict[Output, OutputKind] = records(__name__, Output, OutputKind,
-                                                 "task.outputs=[{}]")
+OUTPUT_KINDS: Registry[OutputKind] = Registry.from_modules(__name__, Output, "task.outputs=[{}]",
+                                                          OutputKind)
 
 
 def kind_of(key: str) -> OutputKind | None:
