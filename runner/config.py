@@ -418,7 +418,9 @@ class LoaderConfig:
     batch_size: int = key(64, resume="fitted", at_least=1, autotune=(32, 64, 128, 256))
     num_workers: int = key(2, resume="free", at_least=0, note=" (0 loads in the main process)",
                            autotune=(0, 1, 2, 4, 8, 16))
-    pin_memory: bool | None = key(None, resume="free")  # unset: on when the run's device is CUDA
+    # unset: on when the run's device is CUDA (made concrete before the run, as
+    # loader.decode_threads and device=auto are: runner/compose.py's settle_machine)
+    pin_memory: bool | None = key(None, resume="free")
     # batches each worker keeps ready (num_workers > 0 only)
     prefetch_factor: int = key(2, resume="free", at_least=1)
     # keep workers between epochs (num_workers > 0 only)
@@ -803,6 +805,7 @@ class Config:
     logger: LoggerConfig = MISSING
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # auto: cuda when there is one (made concrete before the run: the run's config names it)
     device: Device = key(Device.auto, resume="applied")
     seed: int = key(0, resume="must_match")
     # after the run, time each stage alone for a short burst and name the bottleneck
