@@ -7,6 +7,19 @@ enum fails at compose time with the valid choices; range checks (a batch size of
 before any work is done. The rules across groups are in runner/rules.py; checks that need
 more than the config (a model's name, a decoder a storage takes) run in
 runner/compose.py.
+
+Each key is declared once, on its field, through ``key(default, ...)``: its range or
+choices (checked by ``check_declared``, one line naming the key, the value and the range),
+what a training resume does when it differs from the checkpoint's (``resume=``, one of
+``RESUME_POLICIES``: runner/checkpoint.py's lists), the task that alone reads it
+(``TASK_KEYS``), whether it shapes inference outputs (runner/outputs.py's ``SHAPING``),
+whether the report compares runs by it (``option=``, runner/report.py), what autotune
+searches (``autotune=``, runner/sweep.py) and its old name (``renamed_from=``,
+runner/commandline.py's ``RENAMED_KEYS``). Those lists are read from the fields
+(``keys_where``), so a new key is one field: tests/test_config_keys.py fails for a field
+that declares no resume policy. A default that depends on the machine (``device=auto``, an
+unset ``loader.pin_memory`` or ``loader.decode_threads``) is made concrete in one step,
+runner/compose.py's ``settle_machine``, so that the run's config names what ran.
 """
 
 from __future__ import annotations
