@@ -41,15 +41,27 @@ from pathlib import Path
 from typing import Any
 
 from runner.common.console import NARROWEST, WIDTH, terminal_columns
-from runner.config.schema import flatten
+from runner.config.schema import flatten, keys_where, schema_fields
 from runner.launch.outcome import settled
 from runner.measure.stats import median
 
 log = logging.getLogger(__name__)
 
-# Config keys that differ between runs without being options of the measurement.
-_NOT_OPTIONS = ("hydra.", "dataset.cache_dir", "run.progress", "logger.", "run.log_every",
-                "run.objective")
+
+def not_options() -> tuple[str, ...]:
+    """The config keys (prefixes) that differ between runs without being options of the
+    measurement: Hydra's own, and those declared ``key(..., option=False)`` in
+    runner/config/schema.py (a path, logging); a group whose every key is one, as its prefix
+    (``logger.``: a key it gains later too)."""
+    keys = set(keys_where("option", False))
+    every = [name for name, _ in schema_fields()]
+    groups = {name.rpartition(".")[0] for name in keys if "." in name}
+    whole = sorted(g for g in groups if all(k in keys for k in every if k.startswith(g + ".")))
+    single = [k for k in every if k in keys and not any(k.startswith(g + ".") for g in whole)]
+    return ("hydra.", *(g + "." for g in whole), *single)
+
+
+_NOT_OPTIONS = not_options()
 _SPAN_FOR_LOG = 10.0  # figures spanning more than this factor get a log axis
 
 

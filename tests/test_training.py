@@ -419,5 +419,5 @@ def test_every_optimizer_and_schedule_has_a_record_whose_keys_are_task_keys():
     fields = set(TaskConfig.__dataclass_fields__)
     for kind in [*OPTIMIZERS.values(), *SCHEDULES.values()]:
         assert set(kind.keys) <= fields, kind.name
-    assert checkpoint.OPTIMIZER_KEYS == ("task.weight_decay", "task.momentum",
-                                         "task.nesterov", "task.betas", "task.eps")
+    assert set(checkpoint.OPTIMIZER_KEYS) == {"task.weight_decay", "task.momentum",
+                                              "task.nesterov", "task.betas", "task.eps"}

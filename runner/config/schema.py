@@ -7,10 +7,24 @@ enum fails at compose time with the valid choices; range checks (a batch size of
 before any work is done. The rules across groups are in runner/config/rules.py; checks that need
 more than the config (a model's name, a decoder a storage takes) run in
 runner/job/compose.py.
+
+Each key is declared once, on its field, through ``key(default, ...)``: its range or
+choices (checked by ``check_declared``, one line naming the key, the value and the range),
+what a training resume does when it differs from the checkpoint's (``resume=``, one of
+``RESUME_POLICIES``: runner/tasks/checkpoint.py's lists), the task that alone reads it
+(``TASK_KEYS``), whether it shapes inference outputs (runner/tasks/infer/outputs.py's ``SHAPING``),
+whether the report compares runs by it (``option=``, runner/report.py), what autotune
+searches (``autotune=``, runner/job/sweep.py) and its old name (``renamed_from=``,
+runner/job/commandline.py's ``RENAMED_KEYS``). Those lists are read from the fields
+(``keys_where``), so a new key is one field: tests/test_config_keys.py fails for a field
+that declares no resume policy. A default that depends on the machine (``device=auto``, an
+unset ``loader.pin_memory`` or ``loader.decode_threads``) is made concrete in one step,
+runner/job/compose.py's ``settle_machine``, so that the run's config names what ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -24,6 +38,132 @@ from runner.common.errors import ConfigError
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {must}")
+
+
+# --- each key declared once: its field says what every other part of the runner does -----
+# with it, and the lists those parts keep are derived from the fields (``keys_where``)
+
+# What a training resume does when a key differs from the checkpoint's (runner/tasks/checkpoint.py)
+RESUME_POLICIES = {
+    "must_match": "refused: it would train another model, on other data or pixels of it, in "
+                  "another order, or with an optimizer whose state the checkpoint's cannot be",
+    "schedule": "applied: the learning-rate schedule is rebuilt over it",
+    "optimizer": "applied: set on the optimizer's parameter groups",
+    "applied": "applied from here on (what the step does with the same weights and data), "
+               "one log line",
+    "fitted": "fitted to the checkpoint's by code of its own, which says what it did",
+    "free": "changes nothing trained (paths, workers, logging, what is written and when)",
+}
+
+
+def key(default: Any = dataclasses.MISSING, *, factory: Any = None, resume: str | None = None,
+        at_least: float | None = None, above: float | None = None,
+        at_most: float | None = None, below: float | None = None,
+        choices: tuple[Any, ...] | None = None, note: str = "", task: str | None = None,
+        shapes_outputs: bool = False, option: bool = True,
+        autotune: bool | tuple[Any, ...] | None = None, autotune_cuda: tuple[Any, ...] = (),
+        renamed_from: str | None = None) -> Any:
+    """A config key: its default (or ``factory``) and, once, what the runner does with it.
+
+    resume: what a training resume does when it differs from the checkpoint's (one of
+        ``RESUME_POLICIES``); every leaf key has one (tests/test_resume.py).
+    at_least, above, at_most, below, choices: the values it takes (each item of a list), a
+        ConfigError naming the key, the value and the range otherwise (``note`` is said
+        after it); unset (None) passes.
+    task: the ``task=`` that alone reads it (``TASK_KEYS``): given to another task, refused.
+    shapes_outputs: another value changes what an inference run writes (a resume=auto of
+        it is refused, runner/tasks/infer/outputs.py).
+    option: the report compares runs by it (False: a path, logging; runner/report.py).
+    autotune: ``-m sweep=autotune`` searches it: its choices, or True for the choices this
+        machine's registry has (storages, decoders); ``autotune_cuda``: choices that need
+        CUDA (runner/job/sweep.py).
+    renamed_from: its old name in its group, still refused with a pointer to this one.
+    """
+    meta = {"resume": resume, "at_least": at_least, "above": above, "at_most": at_most,
+            "below": below, "choices": choices, "note": note, "task": task,
+            "shapes_outputs": shapes_outputs, "option": option, "autotune": autotune,
+            "autotune_cuda": autotune_cuda, "renamed_from": renamed_from}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def schema_fields(schema: type | None = None, prefix: str = ""
+                  ) -> list[tuple[str, dataclasses.Field]]:
+    """Every leaf key of the schema, dotted (``task.augment.mixup``, ``seed``), with its
+    field, in the schema's order (a group's own fields, a nested group's, recursively)."""
+    import typing
+
+    schema = schema or Config
+    hints = typing.get_type_hints(schema)
+    found: list[tuple[str, dataclasses.Field]] = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            found += schema_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            found.append((f"{prefix}{f.name}", f))
+    return found
+
+
+def keys_where(what: str, value: Any = True, schema: type | None = None,
+               prefix: str = "") -> tuple[str, ...]:
+    """The leaf keys whose declaration (``key``) says ``what=value``, in schema order:
+    ``keys_where("resume", "must_match")``, ``keys_where("shapes_outputs")``."""
+    return tuple(name for name, f in schema_fields(schema, prefix)
+                 if f.metadata.get(what) == value)
+
+
+def renamed_keys() -> dict[str, str]:
+    """A renamed key's old name -> its name (``renamed_from``)."""
+    return {name.rpartition(".")[0] + "." + f.metadata["renamed_from"]
+            if "." in name else f.metadata["renamed_from"]: name
+            for name, f in schema_fields() if f.metadata.get("renamed_from")}
+
+
+def range_text(f: dataclasses.Field) -> str | None:
+    """What ``f``'s declaration lets it be, as an error says it (``must be in 1..100``), or
+    None when it declares no range or choices."""
+    m = f.metadata
+    if m.get("choices"):
+        shown = [str(c) for c in m["choices"]]
+        return "must be " + (" or ".join(shown) if len(shown) < 3 else
+                             ", ".join(shown[:-1]) + " or " + shown[-1]) + m["note"]
+    low = next(((b, v) for b in ("at_least", "above") if (v := m.get(b)) is not None), None)
+    high = next(((b, v) for b in ("at_most", "below") if (v := m.get(b)) is not None), None)
+    if low is None and high is None:
+        return None
+    if low and high:
+        whole = "float" not in str(f.type) and low[0] == "at_least" and high[0] == "at_most"
+        text = (f"in {low[1]}..{high[1]}" if whole else
+                f"in {'[' if low[0] == 'at_least' else '('}{low[1]}, "
+                f"{high[1]}{']' if high[0] == 'at_most' else ')'}")
+    else:
+        bound, v = low or high
+        text = f"{dict(at_least='>=', above='>', at_most='<=', below='<')[bound]} {v}"
+    return f"must be {text}{m['note']}"
+
+
+def _within(value: Any, m: Any) -> bool:
+    if m.get("choices"):
+        return value in m["choices"]
+    return ((m["at_least"] is None or value >= m["at_least"])
+            and (m["above"] is None or value > m["above"])
+            and (m["at_most"] is None or value <= m["at_most"])
+            and (m["below"] is None or value < m["below"]))
+
+
+def check_declared(obj: Any, group: str) -> None:
+    """Each of ``obj``'s keys within what its declaration lets it be (each item of a list;
+    unset passes): a ConfigError naming ``group.key``, the value and the range."""
+    for f in dataclasses.fields(obj):
+        must = range_text(f)
+        value = getattr(obj, f.name)
+        if must is None or value is None:
+            continue
+        items = list(value) if isinstance(value, list | tuple) else [value]
+        if not all(_within(v, f.metadata) for v in items):
+            shown = list(value) if isinstance(value, list | tuple) else value
+            raise ConfigError(f"{group}.{f.name}={shown!r} is invalid: {must}")
 
 
 # ImageNet's per-channel (R, G, B) mean and standard deviation in 0..1 pixel units: the
@@ -199,56 +339,65 @@ class DatasetConfig:
 
     # a folder of images: one sub-folder per class, or the images themselves (unlabelled);
     # unset (and no manifest): the generated default dataset
-    path: str | None = None
-    labels: Labels = Labels.auto
+    path: str | None = key(None, resume="must_match")
+    labels: Labels = key(Labels.auto, resume="must_match", shapes_outputs=True)
     # a CSV (header: path[,label]) or JSON-lines file listing the images (paths relative to
     # it) and their class index or name; in place of dataset.path
-    manifest: str | None = None
+    manifest: str | None = key(None, resume="must_match", shapes_outputs=True)
     # task=train: a validation ImageFolder (same classes); loss, top-1 and top-5 after each
     # epoch
-    val_path: str | None = None
+    val_path: str | None = key(None, resume="must_match")
     # task=train: this share of the images held out for validation by a seeded split
     # (dataset.split_seed), never trained on; in place of dataset.val_path
-    val_fraction: float = 0.0
-    split_seed: int = 0
-    split: Split = Split.train  # which side of the split a data path reads (set by the runner)
-    cache_dir: str = "${oc.env:RUNNER_CACHE,'~/.cache/runner'}"
-    num_images: int = 2000  # generated default dataset only
-    num_classes: int = 10  # generated default dataset only
-    source_size: list[int] = field(default_factory=lambda: [480, 640])  # (H, W), generated
-    quality: int = 90  # JPEG quality of the generated default dataset
-    image_size: list[int] = field(default_factory=lambda: [224, 224])  # (H, W) fed to the model
-    crop: Crop = Crop.center
+    val_fraction: float = key(0.0, resume="must_match", at_least=0, below=1,
+                              note=" (0: no split; 0.1 holds out a tenth)")
+    split_seed: int = key(0, resume="must_match")
+    # which side of the split a data path reads (set by the runner)
+    split: Split = key(Split.train, resume="must_match")
+    cache_dir: str = key("${oc.env:RUNNER_CACHE,'~/.cache/runner'}", resume="free", option=False)
+    num_images: int = key(2000, resume="must_match", at_least=1)  # generated default dataset only
+    num_classes: int = key(10, resume="must_match", at_least=1)  # generated default dataset only
+    # (H, W), generated
+    source_size: list[int] = key(factory=lambda: [480, 640], resume="must_match",
+                                 shapes_outputs=True)
+    # JPEG quality of the generated default dataset
+    quality: int = key(90, resume="must_match", shapes_outputs=True, at_least=1, at_most=100)
+    # (H, W) fed to the model
+    image_size: list[int] = key(factory=lambda: [224, 224], resume="must_match")
+    crop: Crop = key(Crop.center, resume="must_match")
     # The share of the shorter side a centre crop keeps, on every storage alike (folder,
     # packed, memmap/ram, dali, ffcv). 0.875 is what ImageNet models are evaluated with
     # ("resize 256, crop 224": torchvision's references, timm's default crop_pct) and what
     # their published accuracies assume; 1.0 keeps the whole shorter side ("resize 224,
     # crop 224"), the runner's meaning before this key existed.
-    crop_fraction: float = 0.875
+    crop_fraction: float = key(0.875, resume="must_match", shapes_outputs=True, above=0, at_most=1,
+                               note=": 0.875 for resize-256-crop-224, 1.0 for the whole "
+                                    "shorter side")
     # The size images are stored at, in pixels along dataset.store_side: loader=packed
     # re-encodes each image at it (unset: image_size's larger side / crop_fraction, 256 for
     # 224, so a centre crop is a window of the stored image with no resize); memmap/ram
     # store image_size scaled to it and take the centre crop (or random ones) from it on
     # the device per batch (unset: the centre crop is stored at image_size)
-    store_size: int | None = None
-    store_side: StoreSide = StoreSide.shorter
-    store_quality: int = 90  # JPEG quality of loader=packed's re-encoded images
-    on_corrupt: OnCorrupt = OnCorrupt.skip
-    page_cache: PageCache = PageCache.warm
+    store_size: int | None = key(None, resume="must_match")
+    store_side: StoreSide = key(StoreSide.shorter, resume="must_match", shapes_outputs=True)
+    # JPEG quality of loader=packed's re-encoded images
+    store_quality: int = key(90, resume="must_match", shapes_outputs=True, at_least=1, at_most=100)
+    on_corrupt: OnCorrupt = key(OnCorrupt.skip, resume="free")
+    page_cache: PageCache = key(PageCache.warm, resume="free")
     # dataset.path, val_path and manifest may be URLs (s3://, gs://, http(s)://;
     # runner/data/sources/): an S3-compatible server's address (unset: AWS_ENDPOINT_URL)
-    endpoint_url: str | None = None
+    endpoint_url: str | None = key(None, resume="free")
     # the node-local cache of remote shards under dataset.cache_dir, at most this many
-    # bytes (unset: 10 GB)
-    cache_bytes: int | None = None
+    # bytes (10 GB)
+    cache_bytes: int = key(10 * 10**9, resume="free", above=0)
     # a local dataset.path on a network mount, read many files in flight through the read
     # engine (runner/data/sources/fardisk.py), and so a packed store under dataset.cache_dir
     # on one; unset: a local file system is local, another is told by timing a few reads
-    far_disk: bool | None = None
+    far_disk: bool | None = key(None, resume="free")
     # your own data: "module:function" (or "module.function"), a module importable from
     # the current folder, whose function returns a map-style or iterable torch Dataset of
     # (image, label); in place of dataset.path (runner/data/storage/user.py)
-    target: str | None = None
+    target: str | None = key(None, resume="must_match")
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -259,21 +408,10 @@ class DatasetConfig:
                 size,
                 "give [height, width], both >= 1, e.g. dataset.image_size=[224,224]",
             )
-        _require(self.num_images >= 1, "dataset.num_images", self.num_images, "must be >= 1")
-        _require(self.num_classes >= 1, "dataset.num_classes", self.num_classes, "must be >= 1")
-        _require(1 <= self.quality <= 100, "dataset.quality", self.quality, "must be in 1..100")
-        _require(1 <= self.store_quality <= 100, "dataset.store_quality", self.store_quality,
-                 "must be in 1..100")
-        _require(0 < self.crop_fraction <= 1, "dataset.crop_fraction", self.crop_fraction,
-                 "must be in (0, 1]: 0.875 for resize-256-crop-224, 1.0 for the whole "
-                 "shorter side")
-        _require(0 <= self.val_fraction < 1, "dataset.val_fraction", self.val_fraction,
-                 "must be in [0, 1) (0: no split; 0.1 holds out a tenth)")
+        check_declared(self, "dataset")
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
-        _require(self.cache_bytes is None or self.cache_bytes > 0, "dataset.cache_bytes",
-                 self.cache_bytes, "must be > 0 (unset: 10 GB)")
         _require(self.target is None or valid_target(self.target), "dataset.target",
                  self.target, "name your function as module:function (or module.function), "
                  "e.g. dataset.target=my_data:make_dataset, with my_data.py in the current "
@@ -289,61 +427,51 @@ class DatasetConfig:
 class LoaderConfig:
     """``loader=``: storage, decoder and every DataLoader option."""
 
-    name: StorageName = MISSING
-    decoder: Decoder = Decoder.pil
+    name: StorageName = key(MISSING, resume="must_match", shapes_outputs=True, autotune=True)
+    decoder: Decoder = key(Decoder.pil, resume="applied", shapes_outputs=True, autotune=True)
     # Decode JPEGs at a reduced scale in the DCT domain when the target is much smaller
     # than the source (pil: Image.draft, simplejpeg: min_height/min_width). Unset (folder's
     # default): on where loader.decoder=auto falls back to simplejpeg, else off; a value the
     # user gives is kept as given.
-    draft: bool | None = None
-    batch_size: int = 64
-    num_workers: int = 2
-    pin_memory: bool | None = None  # unset: on when the run's device is CUDA
-    prefetch_factor: int = 2  # batches each worker keeps ready (num_workers > 0 only)
-    persistent_workers: bool = True  # keep workers between epochs (num_workers > 0 only)
-    shuffle: bool | None = None  # unset: shuffle for task=train, dataset order for infer
+    draft: bool | None = key(None, resume="applied", shapes_outputs=True, autotune=(False, True))
+    batch_size: int = key(64, resume="fitted", at_least=1, autotune=(32, 64, 128, 256))
+    num_workers: int = key(2, resume="free", at_least=0, note=" (0 loads in the main process)",
+                           autotune=(0, 1, 2, 4, 8, 16))
+    # unset: on when the run's device is CUDA (made concrete before the run, as
+    # loader.decode_threads and device=auto are: runner/job/compose.py's settle_machine)
+    pin_memory: bool | None = key(None, resume="free")
+    # batches each worker keeps ready (num_workers > 0 only)
+    prefetch_factor: int = key(2, resume="free", at_least=1)
+    # keep workers between epochs (num_workers > 0 only)
+    persistent_workers: bool = key(True, resume="free")
+    # unset: shuffle for task=train, dataset order for infer
+    shuffle: bool | None = key(None, resume="must_match")
     # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
     # reads a memmap cache in longer contiguous stretches
-    shuffle_block: int = 1
+    shuffle_block: int = key(1, resume="must_match", at_least=1, note=" (1 is a full permutation)")
     # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
     # once in the log, and false in the run's config): every image gets its outputs
-    drop_last: bool = False
+    drop_last: bool = key(False, resume="must_match")
     # a sharded storage (loader=shards) under torch.distributed: each epoch's shards are
     # dealt to this many lanes, whole, each lane read by one node's ranks (a node fetches
     # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so
     # a resume keeps the checkpoint's, on a node count that divides it
-    lanes: int | None = None
-    batched: bool = False  # one __getitems__ call per batch instead of one call per image
+    lanes: int | None = key(None, resume="fitted", at_least=1, note=" (unset: the number of nodes)")
+    # one __getitems__ call per batch instead of one call per image
+    batched: bool = key(False, resume="free")
     # loader=folder with num_workers=0: decode with this many threads in the main process,
     # straight into reused batch buffers (unset: the cores available; 0: the main thread)
-    decode_threads: int | None = None
+    decode_threads: int | None = key(None, resume="free", at_least=0,
+                                     note=" (0: decode in the main thread; unset: one per core)")
     # loader=ffcv: how its .beton stores images: jpg (at dataset.store_quality) or raw
-    ffcv_mode: str = "jpg"
+    ffcv_mode: str = key("jpg", resume="must_match", choices=("jpg", "raw"))
     # what crosses to the device: uint8 (the model's input layer converts and normalizes
     # there), or float16/float32 converted and normalized (by model.mean/std) on the host
     # before the copy, as most scripts do (runner/data/device/normalize.py)
-    host_dtype: HostDtype = HostDtype.uint8
+    host_dtype: HostDtype = key(HostDtype.uint8, resume="applied")
 
     def __post_init__(self) -> None:
-        _require(self.batch_size >= 1, "loader.batch_size", self.batch_size, "must be >= 1")
-        _require(self.ffcv_mode in ("jpg", "raw"), "loader.ffcv_mode", self.ffcv_mode,
-                 "must be jpg or raw")
-        _require(self.decode_threads is None or self.decode_threads >= 0,
-                 "loader.decode_threads", self.decode_threads,
-                 "must be >= 0 (0: decode in the main thread; unset: one per core)")
-        _require(
-            self.num_workers >= 0,
-            "loader.num_workers",
-            self.num_workers,
-            "must be >= 0 (0 loads in the main process)",
-        )
-        _require(
-            self.prefetch_factor >= 1, "loader.prefetch_factor", self.prefetch_factor, "must be >= 1"
-        )
-        _require(self.shuffle_block >= 1, "loader.shuffle_block", self.shuffle_block,
-                 "must be >= 1 (1 is a full permutation)")
-        _require(self.lanes is None or self.lanes >= 1, "loader.lanes", self.lanes,
-                 "must be >= 1 (unset: the number of nodes)")
+        check_declared(self, "loader")
 
 
 @dataclass
@@ -352,44 +480,44 @@ class ModelConfig:
 
     # tiny, none, or any torchvision classification builder (resnet50, efficientnet_b0,
     # vit_b_16, convnext_tiny, ...); with source=timm, any timm model name
-    name: str = MISSING
-    channels_last: bool = False
-    source: ModelSource = ModelSource.torchvision
+    name: str = key(MISSING, resume="must_match", shapes_outputs=True)
+    channels_last: bool = key(False, resume="applied", shapes_outputs=True, autotune=(False, True))
+    source: ModelSource = key(ModelSource.torchvision, resume="must_match", shapes_outputs=True)
     # source=custom: "package.module:Class" (or a function) returning an nn.Module; it gets
     # num_classes=<the dataset's classes> when it accepts it, and these keyword arguments
-    target: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: str | None = key(None, resume="must_match", shapes_outputs=True)
+    kwargs: dict[str, Any] = key(factory=dict, resume="must_match", shapes_outputs=True)
     # a local state_dict (or a runner checkpoint.pt) for the network; never a download
-    weights: str | None = None
+    weights: str | None = key(None, resume="free", shapes_outputs=True)
     # its classes: unset, the head is sized from model.weights when given, else by the
     # dataset's classes (1000 for unlabelled images)
-    num_classes: int | None = None
+    num_classes: int | None = key(None, resume="must_match", shapes_outputs=True, at_least=1,
+                                  note=" (unset: from the weights or the dataset)")
     # its class names (the *_name columns): a file with one name per line, or a list
     # (model.classes=[cat,dog]); unset: those model.weights' checkpoint was trained with,
     # else the dataset's when the counts agree
-    classes: Any = None
+    classes: Any = key(None, resume="free", shapes_outputs=True)
     # its input normalization, per channel (R, G, B) in 0..1 pixel units, as torchvision
     # and timm give them: ImageNet's by default
-    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
-    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    mean: list[float] = key(factory=lambda: list(IMAGENET_MEAN), resume="must_match",
+                            shapes_outputs=True)
+    std: list[float] = key(factory=lambda: list(IMAGENET_STD), resume="must_match",
+                           shapes_outputs=True, above=0)
     # (H, W) it takes when not dataset.image_size: the batch is decoded once at the largest
     # size of the pass and resized on the device for the others
-    image_size: list[int] | None = None
+    image_size: list[int] | None = key(None, resume="must_match", shapes_outputs=True)
     # its name in outputs and figures (unset: model.name): a plain name, since it names
     # its files in the run folder (<alias>.probs.npy, masks/<alias>/)
-    alias: str | None = None
+    alias: str | None = key(None, resume="free")
     # task=train from model.weights with another class count: a new head, said so
-    replace_head: bool = False
+    replace_head: bool = key(False, resume="free")
 
     def __post_init__(self) -> None:
         for key in ("mean", "std"):
             value = list(getattr(self, key))
             _require(len(value) == 3, f"model.{key}", value, "give 3 values (R, G, B) in 0..1 "
                      "pixel units, e.g. model.mean=[0.485,0.456,0.406]")
-        _require(all(float(v) > 0 for v in self.std), "model.std", list(self.std),
-                 "must be > 0")
-        _require(self.num_classes is None or self.num_classes >= 1, "model.num_classes",
-                 self.num_classes, "must be >= 1 (unset: from the weights or the dataset)")
+        check_declared(self, "model")
         _require(self.image_size is None or (len(self.image_size) == 2 and all(
             int(v) >= 1 for v in self.image_size)), "model.image_size", self.image_size,
                  "give [height, width], both >= 1")
@@ -479,23 +607,23 @@ class AugmentConfig:
     each with its own random draw per image, on the run's device (runner/data/device/augment.py).
     Every strength at 0 (the default): none."""
 
-    color_jitter: float = 0.0  # brightness, contrast, saturation within +-this; hue +-this/4
-    auto: AutoAugmentName = AutoAugmentName.none
-    ops: int = 2  # randaugment: operations per image
-    magnitude: int = 9  # randaugment: of 31 (torchvision's scale)
-    erasing: float = 0.0  # probability of erasing a random rectangle of an image
-    mixup: float = 0.0  # > 0: MixUp, its weights drawn per image from Beta(this, this)
-    cutmix: float = 0.0  # > 0: CutMix, its box per image from Beta(this, this)
-    mix_prob: float = 1.0  # of an image being mixed at all (MixUp or CutMix, per image)
+    # brightness, contrast, saturation within +-this; hue +-this/4
+    color_jitter: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
+    auto: AutoAugmentName = key(AutoAugmentName.none, resume="applied")
+    ops: int = key(2, resume="applied", at_least=1)  # randaugment: operations per image
+    # randaugment: of 31 (torchvision's scale)
+    magnitude: int = key(9, resume="applied", at_least=0, at_most=30)
+    # probability of erasing a random rectangle of an image
+    erasing: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)")
+    # > 0: MixUp, its weights drawn per image from Beta(this, this)
+    mixup: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
+    # > 0: CutMix, its box per image from Beta(this, this)
+    cutmix: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
+    # of an image being mixed at all (MixUp or CutMix, per image)
+    mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1)
 
     def __post_init__(self) -> None:
-        for key in ("color_jitter", "erasing", "mixup", "cutmix", "mix_prob"):
-            _require(getattr(self, key) >= 0, f"task.augment.{key}", getattr(self, key),
-                     "must be >= 0 (0: off)")
-        _require(self.erasing <= 1 and self.mix_prob <= 1, "task.augment.erasing",
-                 self.erasing, "probabilities are at most 1")
-        _require(0 <= self.magnitude <= 30 and self.ops >= 1, "task.augment.magnitude",
-                 self.magnitude, "must be in 0..30, with task.augment.ops >= 1")
+        check_declared(self, "task.augment")
 
     @property
     def active(self) -> bool:
@@ -508,100 +636,93 @@ class TaskConfig:
     """``task=``: train (runner/tasks/train/optim.py: optimizer, schedule, EMA; cross-entropy) or infer
     (outputs written by threads)."""
 
-    name: TaskName = MISSING
-    optimizer: OptimizerName = OptimizerName.sgd
-    lr: float = 0.05
-    momentum: float = 0.9  # sgd
-    nesterov: bool = False  # sgd
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
-    eps: float = 1e-8  # adamw
-    weight_decay: float = 5e-4
+    name: TaskName = key(MISSING, resume="free")
+    optimizer: OptimizerName = key(OptimizerName.sgd, resume="must_match", task="train")
+    lr: float = key(0.05, resume="schedule", task="train", above=0)
+    momentum: float = key(0.9, resume="optimizer", task="train")  # sgd
+    nesterov: bool = key(False, resume="optimizer", task="train")  # sgd
+    # adamw
+    betas: list[float] = key(factory=lambda: [0.9, 0.999], resume="optimizer", task="train",
+                             at_least=0, below=1)
+    eps: float = key(1e-8, resume="optimizer", task="train")  # adamw
+    weight_decay: float = key(5e-4, resume="optimizer", task="train")
     # weight decay on normalization layers' weights and on biases too (usually not)
-    decay_norm_and_bias: bool = False
+    decay_norm_and_bias: bool = key(False, resume="must_match", task="train")
     # true: the learning rate is task.lr * global batch / 256 (the linear scaling rule)
-    scale_lr: bool = False
-    schedule: ScheduleName = ScheduleName.constant
-    warmup_steps: int = 0  # a linear warm-up over this many optimizer steps, or
-    warmup_epochs: float = 0.0  # over this many epochs' worth of them
-    min_lr: float = 0.0  # cosine: where it ends
-    step_epochs: float = 30.0  # step: every this many epochs
-    step_gamma: float = 0.1  # step: times this
-    accumulate: int = 1  # batches whose gradients add up before each optimizer step
-    clip_grad_norm: float = 0.0  # > 0: gradients clipped to this global norm
-    label_smoothing: float = 0.0
+    scale_lr: bool = key(False, resume="schedule", task="train")
+    schedule: ScheduleName = key(ScheduleName.constant, resume="schedule", task="train")
+    # a linear warm-up over this many optimizer steps, or
+    warmup_steps: int = key(0, resume="schedule", task="train", at_least=0)
+    # over this many epochs' worth of them
+    warmup_epochs: float = key(0.0, resume="schedule", task="train", at_least=0)
+    min_lr: float = key(0.0, resume="schedule", task="train")  # cosine: where it ends
+    step_epochs: float = key(30.0, resume="schedule", task="train")  # step: every this many epochs
+    step_gamma: float = key(0.1, resume="schedule", task="train")  # step: times this
+    # batches whose gradients add up before each optimizer step
+    accumulate: int = key(1, resume="must_match", task="train", at_least=1)
+    # > 0: gradients clipped to this global norm
+    clip_grad_norm: float = key(0.0, resume="applied", task="train", at_least=0,
+                                note=" (0: no clipping)")
+    label_smoothing: float = key(0.0, resume="applied", task="train", at_least=0, below=1)
     # > 0: an exponential moving average of the weights (decay warmed up from 0), updated
     # on the device after each optimizer step, validated beside them and kept in checkpoints
-    ema_decay: float = 0.0
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    ema_decay: float = key(0.0, resume="applied", task="train", at_least=0, below=1,
+                           note=" (0: no EMA; 0.9999 is usual)")
+    augment: AugmentConfig = key(factory=AugmentConfig, task="train")
     # with validation: checkpoint-best.pt holds the epoch best by this figure (val_top1,
     # val_top5, val_loss, val_ema_top1, ...)
-    best_metric: str = "val_top1"
-    topk: int = 5  # infer: how many classes each prediction keeps
+    best_metric: str = key("val_top1", resume="applied", task="train")
+    # infer: how many classes each prediction keeps
+    topk: int = key(5, resume="free", task="infer", at_least=1)
     # task=train: checkpoint.pt in the run folder at the end, when a signal stops the run,
     # and every this many epochs, steps or minutes (0: not by that measure); a SIGKILL
     # loses at most that much. checkpoint=false writes none at all (a sweep of speed runs)
-    checkpoint: bool = True
-    checkpoint_every: int = 0
-    checkpoint_every_steps: int = 0
-    checkpoint_every_minutes: float = 0.0
+    checkpoint: bool = key(True, resume="free", task="train")
+    checkpoint_every: int = key(0, resume="free", task="train", at_least=0,
+                                note=" (0: not by this measure)")
+    checkpoint_every_steps: int = key(0, resume="free", task="train", at_least=0,
+                                      note=" (0: not by this measure)")
+    checkpoint_every_minutes: float = key(0.0, resume="free", task="train", at_least=0,
+                                          note=" (0: not by this measure)")
     # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
-    keep_checkpoints: bool = False
-    write_outputs: bool = True  # infer: false writes no outputs (a speed run)
+    keep_checkpoints: bool = key(False, resume="free", task="train")
+    # infer: false writes no outputs (a speed run)
+    write_outputs: bool = key(True, resume="free", task="infer", renamed_from="write_predictions")
     # infer: threads writing the outputs off the loop's path; 0 writes each batch on the
     # loop's thread, synchronously (as a naive script does)
-    writer_threads: int = 2
+    writer_threads: int = key(2, resume="free", task="infer", at_least=0,
+                              note=" (0: written on the loop's thread)")
     # infer: where each output is reduced: device, or host (the raw logits copied, then
     # reduced there); the same outputs either way (within float rounding on a GPU)
-    reduce_on: ReduceOn = ReduceOn.device
+    reduce_on: ReduceOn = key(ReduceOn.device, resume="free", task="infer")
     # infer: what each model's outputs are kept as (runner/tasks/infer/outputs.py): topk
     # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs)
-    outputs: list[Output] = field(default_factory=lambda: [Output.topk])
+    outputs: list[Output] = key(factory=lambda: [Output.topk], resume="free", task="infer")
     # infer: embeddings are the output of this module (a name from model.named_modules());
     # unset: the classifier's input
-    embed_layer: str | None = None
+    embed_layer: str | None = key(None, resume="free", task="infer")
     # infer: your package.module:function(output, batch) -> {name: tensor per image}, called
     # on the device with each model's output; what it returns is written like the outputs
-    postprocess: str | None = None
+    postprocess: str | None = key(None, resume="free", task="infer")
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "task.lr", self.lr, "must be > 0")
-        _require(self.accumulate >= 1, "task.accumulate", self.accumulate, "must be >= 1")
+        check_declared(self, "task")
         _require(not self.nesterov or self.momentum > 0, "task.nesterov", self.nesterov,
                  "needs task.momentum > 0")
-        _require(0 <= self.ema_decay < 1, "task.ema_decay", self.ema_decay,
-                 "must be in [0, 1) (0: no EMA; 0.9999 is usual)")
-        _require(0 <= self.label_smoothing < 1, "task.label_smoothing", self.label_smoothing,
-                 "must be in [0, 1)")
-        _require(self.clip_grad_norm >= 0, "task.clip_grad_norm", self.clip_grad_norm,
-                 "must be >= 0 (0: no clipping)")
-        _require(self.warmup_steps >= 0 and self.warmup_epochs >= 0, "task.warmup_steps",
-                 self.warmup_steps, "warm-up steps and epochs must be >= 0")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "task.betas",
-                 list(self.betas), "give two values in [0, 1), e.g. [0.9,0.999]")
-        _require(self.topk >= 1, "task.topk", self.topk, "must be >= 1")
+        _require(len(self.betas) == 2, "task.betas", list(self.betas),
+                 "give two values in [0, 1), e.g. [0.9,0.999]")
         _require(self.postprocess is None or ":" in self.postprocess, "task.postprocess",
                  self.postprocess, "name your function as package.module:function")
-        for key in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_every_minutes"):
-            _require(getattr(self, key) >= 0, f"task.{key}", getattr(self, key),
-                     "must be >= 0 (0: not by this measure)")
-        _require(self.writer_threads >= 0, "task.writer_threads", self.writer_threads,
-                 "must be >= 0 (0: written on the loop's thread)")
 
 
 
 # The task.* keys one task alone reads (task.name is every task's): a key of one task given
-# to another is refused, naming both, as a typo is (runner/config/rules.py). A new key of
-# TaskConfig is declared here too.
+# to another is refused, naming both, as a typo is (runner/config/rules.py). Declared on each
+# field of TaskConfig (``key(..., task=...)``).
 TASK_KEYS: dict[TaskName, tuple[str, ...]] = {
-    TaskName.train: ("optimizer", "lr", "momentum", "nesterov", "betas", "eps", "weight_decay",
-                     "decay_norm_and_bias", "scale_lr", "schedule", "warmup_steps",
-                     "warmup_epochs", "min_lr", "step_epochs", "step_gamma", "accumulate",
-                     "clip_grad_norm", "label_smoothing", "ema_decay", "augment",
-                     "best_metric", "checkpoint", "checkpoint_every", "checkpoint_every_steps",
-                     "checkpoint_every_minutes", "keep_checkpoints"),
-    TaskName.infer: ("topk", "write_outputs", "writer_threads", "reduce_on", "outputs",
-                     "embed_layer", "postprocess"),
-}
+    t: tuple(f.name for f in dataclasses.fields(TaskConfig) if f.metadata.get("task") == t.value)
+    for t in TaskName}
+
 
 @dataclass
 class LoggerConfig:
@@ -610,84 +731,86 @@ class LoggerConfig:
     The wandb environment (WANDB_MODE, WANDB_PROJECT, ...) wins over these keys; a key left
     unset (null) is runner/job/logger.py's default where the environment says nothing."""
 
-    name: LoggerName = MISSING
-    mode: WandbMode | None = None  # unset: WANDB_MODE, else offline
-    project: str | None = None  # unset: WANDB_PROJECT, else runner
-    entity: str | None = None  # unset: WANDB_ENTITY, else wandb's own
-    group: str | None = None  # unset: WANDB_RUN_GROUP, else the sweep folder's name
-    tags: list[str] | None = None  # unset: WANDB_TAGS, else none
-    log_checkpoint: bool = False  # the checkpoint at the end as a wandb artifact (type model)
+    name: LoggerName = key(MISSING, resume="free", option=False)
+    # unset: WANDB_MODE, else offline
+    mode: WandbMode | None = key(None, resume="free", option=False)
+    # unset: WANDB_PROJECT, else runner
+    project: str | None = key(None, resume="free", option=False)
+    # unset: WANDB_ENTITY, else wandb's own
+    entity: str | None = key(None, resume="free", option=False)
+    # unset: WANDB_RUN_GROUP, else the sweep folder's name
+    group: str | None = key(None, resume="free", option=False)
+    tags: list[str] | None = key(None, resume="free", option=False)  # unset: WANDB_TAGS, else none
+    # the checkpoint at the end as a wandb artifact (type model)
+    log_checkpoint: bool = key(False, resume="free", option=False)
 
 
 @dataclass
 class PrefetchConfig:
     """``prefetch=``: how batches are staged ahead of the step."""
 
-    name: PrefetchName = MISSING
-    depth: int = 2  # batches kept ready ahead of the one in use
+    name: PrefetchName = key(MISSING, resume="free", autotune=("none", "cpu", "gpu"),
+                             autotune_cuda=("gpu",))
+    # batches kept ready ahead of the one in use
+    depth: int = key(2, resume="free", at_least=1, autotune=(2, 4))
 
     def __post_init__(self) -> None:
-        _require(self.depth >= 1, "prefetch.depth", self.depth, "must be >= 1")
+        check_declared(self, "prefetch")
 
 
 @dataclass
 class AmpConfig:
     """``amp=``: autocast dtype on the run's device (GradScaler for fp16 training)."""
 
-    name: AmpName = MISSING
+    name: AmpName = key(MISSING, resume="applied", shapes_outputs=True,
+                        autotune=("off", "bf16", "fp16"), autotune_cuda=("fp16",))
 
 
 @dataclass
 class CompileConfig:
     """``compile=``: how the model is compiled; compile time is reported apart."""
 
-    name: CompileName = MISSING
+    name: CompileName = key(MISSING, resume="applied", shapes_outputs=True,
+                            autotune=("eager", "inductor"), autotune_cuda=("inductor",))
     # every backend: run one batch through eager and compiled, fail the run if they differ
-    verify: bool = True
+    verify: bool = key(True, resume="free")
     # task=infer: weights become constants (torchscript: torch.jit.freeze +
     # optimize_for_inference; inductor: inductor's freezing)
-    freeze: bool = True
+    freeze: bool = key(True, resume="free", shapes_outputs=True)
     # inductor: torch.compile(mode=..., dynamic=...); dynamic unset lets torch decide
-    mode: CompileMode = CompileMode.default
-    dynamic: bool | None = None
+    mode: CompileMode = key(CompileMode.default, resume="free", shapes_outputs=True)
+    dynamic: bool | None = key(None, resume="free")
     # tensorrt: the file the engine is cached in (always built through torch.export /
     # dynamo): exported_program (.pt2) or torchscript (.ts); engines are cached under
     # dataset.cache_dir/tensorrt, keyed by weights, shapes, precision and versions
-    engine_format: EngineFormat = EngineFormat.exported_program
+    engine_format: EngineFormat = key(EngineFormat.exported_program, resume="free")
 
 
 @dataclass
 class RunConfig:
     """``run.*``: how long the loop runs and how it reports."""
 
-    epochs: int = 1
-    steps: int | None = None  # when set, run exactly this many steps (cycling epochs)
-    warmup_steps: int = 5  # excluded from every figure
+    epochs: int = key(1, resume="schedule", at_least=1)
+    # when set, run exactly this many steps (cycling epochs)
+    steps: int | None = key(None, resume="schedule", at_least=1, note=" or null")
+    warmup_steps: int = key(5, resume="free", at_least=0)  # excluded from every figure
     # the timed steps are split into this many consecutive windows: images_per_sec and
     # ms_per_step are their median, with the spread beside it
-    repeats: int = 3
-    log_every: int = 10
-    progress: bool = True
+    repeats: int = key(3, resume="free", at_least=1)
+    log_every: int = key(10, resume="free", at_least=1, option=False)
+    progress: bool = key(True, resume="free", option=False)
     # each timed window should last at least this many seconds: a data-only run
     # (model=none) with no run.epochs or run.steps on the command line is lengthened until
     # they do; other runs say so in their flags
-    window_seconds: float = 1.0
+    window_seconds: float = key(1.0, resume="free", at_least=0, note=" (0: windows by steps alone)")
     # the figure of metrics.json the job returns to a Hydra sweeper (an optimizer
     # maximizes or minimizes it); failed and skipped runs return NaN
-    objective: str = "images_per_sec"
+    objective: str = key("images_per_sec", resume="free", option=False)
     # timeline.png/json: every process's stages over a few steps after warm-up
-    timeline: bool = True
+    timeline: bool = key(True, resume="free")
 
     def __post_init__(self) -> None:
-        _require(self.epochs >= 1, "run.epochs", self.epochs, "must be >= 1")
-        _require(self.repeats >= 1, "run.repeats", self.repeats, "must be >= 1")
-        _require(
-            self.steps is None or self.steps >= 1, "run.steps", self.steps, "must be >= 1 or null"
-        )
-        _require(self.warmup_steps >= 0, "run.warmup_steps", self.warmup_steps, "must be >= 0")
-        _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
-        _require(self.window_seconds >= 0, "run.window_seconds", self.window_seconds,
-                 "must be >= 0 (0: windows by steps alone)")
+        check_declared(self, "run")
 
 
 @dataclass
@@ -701,21 +824,22 @@ class Config:
     logger: LoggerConfig = MISSING
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    device: Device = Device.auto
-    seed: int = 0
+    # auto: cuda when there is one (made concrete before the run: the run's config names it)
+    device: Device = key(Device.auto, resume="applied")
+    seed: int = key(0, resume="must_match")
     # after the run, time each stage alone for a short burst and name the bottleneck
-    diagnose: bool = True
+    diagnose: bool = key(True, resume="free")
     # record a short torch.profiler window (trace.json in the run folder)
-    profile: bool = False
+    profile: bool = key(False, resume="free")
     # CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner picking the fastest kernels
     # for each input shape on its first use (warmed before timing, every batch size)
-    cudnn_benchmark: bool = True
+    cudnn_benchmark: bool = key(True, resume="free")
     # task=infer: several models over each batch in one pass: names (models=[resnet18,
     # resnet50]) or mappings with the keys of model. (models=[{name:resnet18,weights:a.pt},
     # ...]); what an entry leaves out is model='s. Empty: just model=
-    models: list[Any] = field(default_factory=list)
+    models: list[Any] = key(factory=list, resume="free")
     # task=train: continue from this checkpoint.pt (model, optimizer, scaler, epoch)
-    resume: str | None = None
+    resume: str | None = key(None, resume="free")
 
 
 def config_dir() -> Path:

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from runner.common.errors import EXIT_USER_ERROR
 from runner.config.credentials import refuse_credentials
-from runner.config.schema import Config, config_dir
+from runner.config.schema import Config, config_dir, renamed_keys
 
 
 def register_configs() -> None:
@@ -292,8 +292,9 @@ def model_name_hint(name: str) -> str | None:
 
 
 # A key that was renamed -> its new name: the old name is refused as a typo is, pointing to
-# the new one (difflib would not find it: the words changed, not the spelling)
-RENAMED_KEYS = {"task.write_predictions": "task.write_outputs"}
+# the new one (difflib would not find it: the words changed, not the spelling). Declared on
+# the key's field in runner/config/schema.py (``key(..., renamed_from=...)``)
+RENAMED_KEYS = renamed_keys()
 
 
 def unknown_key_message(override: str) -> str | None:

@@ -64,7 +64,31 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
     # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
     settle_loader(obj.loader, obj.dataset)
     check_models(obj)
+    settle_machine(obj)
     return obj
+
+
+def settle_machine(config: Config) -> None:
+    """The defaults that depend on the machine, made concrete in one step, so that the
+    run's config (metrics.json's ``config``, a checkpoint's) names what ran: ``device=auto``
+    the device there is (cuda when there is one), an unset ``loader.pin_memory`` on with
+    CUDA, an unset ``loader.decode_threads`` one per core this process may run on. (An
+    unset ``loader.decoder=auto`` and ``loader.draft`` are made concrete by
+    ``settle_loader``; ``loader.shuffle`` by the task, runner/config/rules.py.) Defaults found only
+    as the run goes stay unset here and are reported as it finds them: ``loader.lanes``
+    (the nodes, or a resumed checkpoint's), ``dataset.far_disk`` (timed reads),
+    ``compile.dynamic`` (torch's choice), ``model.num_classes`` (the weights or the data)."""
+    import torch
+
+    from runner.config.schema import Device
+    from runner.data.threads import cores
+
+    if config.device is Device.auto:
+        config.device = Device.cuda if torch.cuda.is_available() else Device.cpu
+    if config.loader.pin_memory is None:
+        config.loader.pin_memory = config.device is Device.cuda
+    if config.loader.decode_threads is None:
+        config.loader.decode_threads = cores()
 
 
 def compose(overrides: list[str]) -> Config:

@@ -174,26 +174,34 @@ def _value(cfg: DictConfig, key: str) -> Any:
 
 def autotune_choices(cfg: DictConfig, cuda: bool, cores: int) -> dict[str, list]:
     """The knobs autotune searches, each with the choices this machine can run; the
-    config's current value is always one of them (trial 0 measures it)."""
+    config's current value is always one of them (trial 0 measures it).
+
+    The knobs and their choices are declared on their fields in runner/config/schema.py
+    (``key(..., autotune=...)``; a group's ``name`` is searched as the group's choice,
+    ``loader``): CUDA-only choices (``autotune_cuda``) only with CUDA, worker counts only up
+    to the cores (0 to 2 always), and ``autotune=True`` the storages and decoders this
+    machine's registries have (a storage's record says whether autotune may pick it)."""
     def with_current(key: str, choices: list) -> list:
         current = _value(cfg, key)
         return choices if current in choices or current is None else [current, *choices]
 
+    from runner.config.schema import schema_fields
     from runner.data.storage import STORAGES
 
-    workers = sorted({0, 1, 2, *(w for w in (4, 8, 16) if w <= cores)})
-    choices = {
-        "loader": [name.value for name, kind in STORAGES.items() if kind.autotune],
-        "loader.decoder": _available_decoders(cuda),
-        "loader.draft": [False, True],
-        "loader.num_workers": workers,
-        "loader.batch_size": [32, 64, 128, 256],
-        "prefetch": ["none", "cpu", *(["gpu"] if cuda else [])],
-        "prefetch.depth": [2, 4],
-        "amp": ["off", "bf16", *(["fp16"] if cuda else [])],
-        "compile": ["eager", *(["inductor"] if cuda else [])],
-        "model.channels_last": [False, True],
-    }
+    registry = {"loader.name": lambda: [name.value for name, kind in STORAGES.items()
+                                        if kind.autotune],
+                "loader.decoder": lambda: _available_decoders(cuda)}
+    choices = {}
+    for name, f in schema_fields():
+        spec = f.metadata.get("autotune")
+        if spec is None:
+            continue
+        values = registry[name]() if spec is True else [
+            v for v in spec if cuda or v not in f.metadata["autotune_cuda"]]
+        if name == "loader.num_workers":
+            values = [w for w in values if w <= max(2, cores)]
+        group, _, leaf = name.partition(".")
+        choices[group if leaf == "name" else name] = values
     return {k: with_current(k, v) for k, v in choices.items()}
 
 

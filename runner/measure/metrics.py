@@ -27,7 +27,7 @@ class Metrics(TypedDict, total=False):
     pid: int  # the process that ran it
     host: str  # the machine it ran on (with pid: whether a running record's owner lives)
     overrides: list  # the command line's overrides, as Hydra received them
-    config: dict  # the resolved config (runner/config/schema.py's schema)
+    config: dict  # the resolved config, the machine's defaults made concrete (compose.py)
     started_at: str  # local time the run started, ISO 8601
     versions: dict  # python and torch versions
     environment: dict  # the machine and its libraries: CPU, GPU, torch/CUDA, decoders

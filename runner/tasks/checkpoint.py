@@ -36,8 +36,9 @@ A resume trains with this run's settings, never silently the checkpoint's:
   decoder, the device) is this run's, one log line for each that changed;
 - the per-rank batch and the lanes are fitted to the checkpoint's (``FITTED_KEYS``), and
   the rest (``FREE_KEYS``: paths, workers, logging, inference's keys) changes nothing
-  trained. Every key of the schema (runner/config/schema.py) is in exactly one of these lists or
-  the two below (tests/test_resume.py checks it);
+  trained. Each key of the schema declares which of these it is, once, on its field in
+  runner/config/schema.py (``key(..., resume=...)``), and these lists are read from there
+  (tests/test_resume.py fails for a field that declares none);
 - the learning rate and its schedule (``task.lr``, ``task.scale_lr``, ``task.schedule``,
   its warm-up, ``task.min_lr``, ``task.step_*``) and the plan's length (``run.steps`` or
   ``run.epochs``, which count the whole run, the checkpoint's steps included) are applied:
@@ -65,10 +66,11 @@ from torch import nn
 
 from runner.common.atomic import replacing
 from runner.common.errors import ConfigError, Diverged, UserError
+from runner.config.schema import keys_where
 from runner.data.threads import cuda_index
 from runner.launch.distributed import local_module, ranks_from_env
 from runner.model.networks import split_input
-from runner.tasks.train.optim import OPTIMIZER_TASK_KEYS, SCHEDULE_TASK_KEYS, optimizer_options
+from runner.tasks.train.optim import optimizer_options
 
 log = logging.getLogger("runner")
 
@@ -288,64 +290,35 @@ def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
     return None if source is None else {**load(source, config), "source": str(source)}
 
 
-# What a checkpoint must share with the run that resumes it: a different value would train
-# another model (its input normalization and size included), on other data or other pixels
-# of it (the split, the crops, the stored images' size and JPEG quality, the storage), in
-# another order, or with another optimizer (or other parameter groups) whose state the
-# checkpoint's cannot be. (loader.batch_size may change with the world size: FITTED_KEYS)
-MUST_MATCH = ("model.name", "model.source", "model.target", "model.kwargs",
-              "model.num_classes", "model.mean", "model.std", "model.image_size",
-              "dataset.path", "dataset.target", "dataset.manifest", "dataset.labels",
-              "dataset.val_path", "dataset.val_fraction", "dataset.split_seed", "dataset.split",
-              "dataset.num_images", "dataset.num_classes", "dataset.source_size",
-              "dataset.quality", "dataset.image_size", "dataset.crop", "dataset.crop_fraction",
-              "dataset.store_size", "dataset.store_side", "dataset.store_quality",
-              "loader.name", "loader.ffcv_mode", "loader.drop_last", "loader.shuffle",
-              "loader.shuffle_block", "seed", "task.optimizer", "task.decay_norm_and_bias",
-              "task.accumulate")
-
+# What a resume does with each key of the schema, declared on its field in runner/config/schema.py
+# (``key(..., resume=...)``; tests/test_resume.py fails for a field that declares none):
+#
+# must_match: what a checkpoint must share with the run that resumes it: a different value
+# would train another model (its input normalization and size included), on other data or
+# other pixels of it (the split, the crops, the stored images' size and JPEG quality, the
+# storage), in another order, or with another optimizer (or other parameter groups) whose
+# state the checkpoint's cannot be. (loader.batch_size may change with the world size:
+# FITTED_KEYS)
+MUST_MATCH = keys_where("resume", "must_match")
 # What a resume applies when it differs from the checkpoint's (said in the log): the
-# learning rate, its schedule and the plan's length (the schedule is rebuilt over them)...
-# (the keys each schedule reads: its record in runner/tasks/train/optim.py)...
-SCHEDULE_KEYS = ("task.lr", "task.scale_lr", "task.schedule", "task.warmup_steps",
-                 "task.warmup_epochs", *(f"task.{k}" for k in SCHEDULE_TASK_KEYS),
-                 "run.steps", "run.epochs")
-# ... and the optimizer's other hyperparameters (set on its parameter groups; each
-# optimizer's keys: its record)
-OPTIMIZER_KEYS = ("task.weight_decay", *(f"task.{k}" for k in OPTIMIZER_TASK_KEYS))
+# learning rate, its schedule and the plan's length (the schedule is rebuilt over them; the
+# keys each schedule reads are also in its record in runner/tasks/train/optim.py)...
+SCHEDULE_KEYS = keys_where("resume", "schedule")
+# ... and the optimizer's other hyperparameters (set on its parameter groups)
+OPTIMIZER_KEYS = keys_where("resume", "optimizer")
 # ... and what the step does from here on with the same weights, data and order (the
 # augmentation, the loss, clipping, the EMA, the precision and compiler, how the same
 # images are decoded, the device): taken from this run as it is built, one log line each
 # (``note_applied``)
-APPLIED_KEYS = ("task.augment.color_jitter", "task.augment.auto", "task.augment.ops",
-                "task.augment.magnitude", "task.augment.erasing", "task.augment.mixup",
-                "task.augment.cutmix", "task.augment.mix_prob", "task.label_smoothing",
-                "task.clip_grad_norm", "task.ema_decay", "task.best_metric", "amp.name",
-                "compile.name", "loader.decoder", "loader.draft", "loader.host_dtype",
-                "model.channels_last", "device")
+APPLIED_KEYS = keys_where("resume", "applied")
 # Fitted to the resume by code of their own, which says what it did: the per-rank batch
 # keeps the global batch (``fit_world``), the lanes stay the checkpoint's (``keep_lanes``)
-FITTED_KEYS = ("loader.batch_size", "loader.lanes")
+FITTED_KEYS = keys_where("resume", "fitted")
 # What does not change what is trained: where files are and how they are fetched, how
 # fast (workers, prefetch, cuDNN's autotuner, the compiler's mode), what is logged,
 # measured or written and when, inference's own keys, and model.weights (the
 # checkpoint's weights replace them) or model.classes (names in outputs)
-FREE_KEYS = ("dataset.cache_dir", "dataset.on_corrupt", "dataset.page_cache",
-             "dataset.endpoint_url", "dataset.cache_bytes", "dataset.far_disk",
-             "loader.num_workers", "loader.pin_memory", "loader.prefetch_factor",
-             "loader.persistent_workers", "loader.batched", "loader.decode_threads",
-             "model.weights", "model.classes", "model.alias", "model.replace_head",
-             "task.name", "task.checkpoint", "task.checkpoint_every",
-             "task.checkpoint_every_steps", "task.checkpoint_every_minutes",
-             "task.keep_checkpoints", "task.topk", "task.write_outputs",
-             "task.writer_threads", "task.reduce_on", "task.outputs", "task.embed_layer",
-             "task.postprocess", "logger.name", "logger.mode", "logger.project",
-             "logger.entity", "logger.group", "logger.tags", "logger.log_checkpoint",
-             "prefetch.name",
-             "prefetch.depth", "compile.verify", "compile.freeze", "compile.mode",
-             "compile.dynamic", "compile.engine_format", "run.warmup_steps", "run.repeats",
-             "run.log_every", "run.progress", "run.window_seconds", "run.objective",
-             "run.timeline", "diagnose", "profile", "cudnn_benchmark", "models", "resume")
+FREE_KEYS = keys_where("resume", "free")
 
 
 def note_applied(state: dict[str, Any], config: Any) -> list[str]:

@@ -70,8 +70,6 @@ from runner.data.storage.tarformat import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_BYTES = 10 * 10**9
-
 # --- where the shards are -----------------------------------------------------------------
 
 class LocalShards:
@@ -446,7 +444,7 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     if url.prefix.endswith(MANIFEST):
         url = RemoteURL(url.scheme, url.bucket, url.prefix[: -len(MANIFEST)].rstrip("/"))
     engine = ReadEngine(ObjectStore(url, dataset.endpoint_url))
-    bound = dataset.cache_bytes or DEFAULT_CACHE_BYTES
+    bound = dataset.cache_bytes
     cache = ShardCache(cache_folder(dataset, "remote", f"{url}|{dataset.endpoint_url}"),
                        bound)
     indexes, classes, skipped = _remote_set(url, dataset, engine, cache)

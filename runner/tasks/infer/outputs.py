@@ -92,6 +92,7 @@ from runner.config.schema import (
     ModelConfig,
     ReduceOn,
     TaskConfig,
+    keys_where,
     to_plain,
 )
 from runner.data.sources.listing import printable
@@ -657,14 +658,13 @@ def _keep_rows(path: Path, keep: np.ndarray, count: int, chunk: int = 1 << 14) -
         del out, array
 
 
-# What shapes an inference run's outputs beyond each model (and beyond checkpoint.MUST_MATCH,
-# checked too): another value at a resume would put rows of two settings into one output
-SHAPING = ("amp.name", "compile.name", "compile.mode", "compile.freeze", "dataset.manifest",
-           "dataset.labels", "dataset.crop_fraction", "dataset.store_side",
-           "dataset.store_quality", "dataset.source_size", "dataset.quality", "loader.name",
-           "loader.decoder", "loader.draft")
-MODEL_SHAPING = ("source", "target", "kwargs", "weights", "num_classes", "classes", "mean",
-                 "std", "image_size", "channels_last")
+# What shapes an inference run's outputs (and beyond checkpoint.MUST_MATCH, checked too):
+# another value at a resume would put rows of two settings into one output. Declared on each
+# field in runner/config/schema.py (``key(..., shapes_outputs=True)``): the run's keys, and each
+# model's own (of model= and of every models=[...] entry; its name is recorded above them)
+SHAPING = tuple(k for k in keys_where("shapes_outputs") if not k.startswith("model."))
+MODEL_SHAPING = tuple(k for k in keys_where("shapes_outputs", schema=ModelConfig)
+                      if k != "name")
 FILE = " (file)"  # a file's size and time, beside its path
 
 

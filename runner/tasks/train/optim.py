@@ -255,12 +255,6 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TaskConfig, total_upda
     return main if kind.own_warmup else after_warmup(optimizer, main, span.warmup)
 
 
-# the task.* keys the optimizer and the schedule read, besides task.lr and the warm-up's
-# (a resume compares them with the checkpoint's: runner/tasks/checkpoint.py)
-OPTIMIZER_TASK_KEYS = tuple(dict.fromkeys(k for kind in OPTIMIZERS.values() for k in kind.keys))
-SCHEDULE_TASK_KEYS = tuple(dict.fromkeys(k for kind in SCHEDULES.values() for k in kind.keys))
-
-
 class AveragedNetwork(nn.Module):
     """The EMA's averaged copy of a network (``module``), called like it; its state_dict's
     keys are ``module.<name>``, as AveragedModel's were (without ``n_averaged``)."""
