@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from runner.common.text import printable
 from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.decode.decoders import (
     DECODERS,
@@ -35,7 +36,6 @@ from runner.data.sources.listing import (
     Listing,
     list_images,
     open_image_folder,
-    printable,
 )
 from runner.data.sources.url import is_url
 from runner.measure import timeline
