@@ -50,7 +50,8 @@ from runner.common.text import human_bytes, printable
 from runner.config.schema import OnCorrupt
 from runner.data.decode.decoders import CorruptFileStop
 from runner.data.protocol import SkippedFile
-from runner.data.storage.folder import FolderStorage, read_file
+from runner.data.sources.files import read_file
+from runner.data.storage.folder import FolderStorage
 
 log = logging.getLogger(__name__)
 
