@@ -58,13 +58,13 @@ class FolderStorage(torch.utils.data.Dataset):
         if not isinstance(source, Files):
             source = Files(open_image_folder(source))
         self.source = source
-        self.root, self.classes, self.samples = source.root, source.listing.classes, \
-            source.samples
+        listing = source.listing
+        self.root, self.classes, self.samples = listing.root, listing.classes, listing.samples
         self.decode = decode
         self.on_corrupt = on_corrupt
         # files the listing left out (a FIFO, a socket: a read would wait forever)
         self.known_skipped: list[SkippedFile] = [SkippedFile(p, f"{UNREADABLE}: {why}")
-                                                 for p, why in source.listing.skipped]
+                                                 for p, why in listing.skipped]
 
     def _serve(self, folder: FolderStorage, keep: list[int], skipped: list[SkippedFile]
                ) -> None:
@@ -297,7 +297,8 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
         if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
             decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
                                                 fraction=decode.fraction))
-    return FolderStorage(open_files(dataset, path), decode, dataset.on_corrupt)
+    files = open_files(dataset, path)  # listed, and read from where they are, decided once
+    return FolderStorage(files, decode, dataset.on_corrupt)
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
