@@ -157,3 +157,38 @@ def test_the_folder_storage_decides_no_source_and_has_one_class():
     storages = [n for n, v in vars(folder).items()
                 if isinstance(v, type) and v.__module__ == folder.__name__]
     assert storages == ["FolderStorage"]
+
+
+def test_a_bucket_staged_to_pack_keeps_its_listings_names_labels_and_bytes(s3_server, s3_env,
+                                                                          cache_dir):
+    """``prepare packed|shards dataset.path=s3://...`` stages the objects through the store's
+    Files (stage_remote): each image under its name in the listing, with its class."""
+    import csv
+    import os
+    from pathlib import Path
+
+    from runner.data.sources.files import StoreFiles, open_files
+    from runner.data.storage.shardwrite import stage_remote
+    from runner.job.compose import compose
+    from tests.test_remote import SMALL, local_dataset
+
+    root = local_dataset(cache_dir)
+    name = f"flow-staging-{os.getpid()}"
+    s3_server.make_bucket(name)
+    s3_server.upload(root, name, "train")
+    dataset = compose(SMALL).dataset
+    local, remote = open_files(dataset, root), open_files(dataset, f"s3://{name}/train")
+    try:
+        assert isinstance(remote, StoreFiles)
+        names = [local.name_of(i) for i in range(len(local.samples))]
+        assert [remote.name_of(i) for i in range(len(remote.samples))] == names
+    finally:
+        remote.close()
+    manifest = stage_remote(dataset, f"s3://{name}/train")
+    with open(manifest, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["path", "label"]
+    assert rows[1:] == [[f"files/{n}", local.listing.classes[label]]
+                        for n, (_, label) in zip(names, local.samples)]
+    assert all((manifest.parent / row[0]).read_bytes() == Path(path).read_bytes()
+               for row, (path, _) in zip(rows[1:], local.samples))
