@@ -192,3 +192,15 @@ def test_a_bucket_staged_to_pack_keeps_its_listings_names_labels_and_bytes(s3_se
                         for n, (_, label) in zip(names, local.samples)]
     assert all((manifest.parent / row[0]).read_bytes() == Path(path).read_bytes()
                for row, (path, _) in zip(rows[1:], local.samples))
+
+
+def test_a_stores_messages_name_its_server_with_no_password_even_one_holding_a_slash():
+    """objectstore.py masks userinfo with the refusal's pattern (credentials.redacted), not
+    a second, weaker one of its own (which left a password holding '/' in the message)."""
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.url import RemoteURL
+
+    store = ObjectStore(RemoteURL.parse("s3://bucket/x"), "http://AKIA:se/cr+et@host:9000")
+    assert store.where() == "the server at http://host:9000"
+    plain = ObjectStore(RemoteURL.parse("s3://bucket/x"), "http://127.0.0.1:9")
+    assert plain.where() == "the server at http://127.0.0.1:9"
