@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.common.errors import EXIT_USER_ERROR, UserError
+from runner.common.text import human_bytes
 from runner.config.schema import Config, ConfigError, StorageName
 from runner.data.decode.reencode import Reencoding, describe, reencode_folder
 from runner.data.protocol import StorageKind, StoreFootprint
 from runner.data.storage import STORAGES, resolve_dataset
-from runner.data.storage.convert import human_bytes
 from runner.data.storage.folder import FolderStorage, open_folder
 from runner.data.storage.ram import memory_available
 from runner.job.compose import compose

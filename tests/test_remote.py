@@ -297,10 +297,10 @@ def test_a_folder_on_a_far_mount_is_read_many_files_in_flight(bucket, cache_dir,
         try:
             far = [(b["index"].clone(), b["label"].clone(), b["image"].clone()) for b in pipe]
             figures = pipe.storage.figures()
-            kind = type(pipe.storage).__name__
+            kind = type(pipe.storage.source).__name__
         finally:
             pipe.close()
-        assert kind == "FarFolderStorage"
+        assert kind == "FarFiles"
         assert_same(local, far)
         assert figures["remote_requests"] == 60 and figures["remote_window"] > 2
         plain = batches(f"dataset.path={mount.mountpoint / 'train'}", "dataset.far_disk=false",
@@ -329,7 +329,7 @@ def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_eng
     pipe = runner.pipeline(*SMALL, f"dataset.path={root}", "dataset.far_disk=true",
                            loader="folder")
     try:
-        assert type(pipe.storage).__name__ == "FarFolderStorage"
+        assert type(pipe.storage.source).__name__ == "FarFiles"
     finally:
         pipe.close()
 

@@ -52,9 +52,9 @@ def has_userinfo(text: str) -> bool:
     return bool(_USERINFO.search(text))
 
 
-def redacted(text: str) -> str:
-    """``text`` with every URL's userinfo replaced by ``***``."""
-    return _USERINFO.sub(r"\1***@", text)
+def redacted(text: str, mask: str = "***@") -> str:
+    """``text`` with every URL's userinfo replaced by ``mask`` ("": left out)."""
+    return _USERINFO.sub(lambda m: m.group(1) + mask, text)
 
 
 # the keys whose values a store reads as URLs (runner/data/sources/)

@@ -3,7 +3,8 @@
 The folders follow a batch, in the order it is made:
 
 1. ``sources/``: where the bytes come from: the images a dataset holds and their labels
-   (listing.py, remote_listing.py for a bucket), the default dataset (synthetic.py), object
+   (listing.py, remote_listing.py for a bucket) and what reads them, decided once (files.py:
+   local files, a far disk's, a store's objects), the default dataset (synthetic.py), object
    stores and URLs (url.py, objectstore.py), the read engine for far links (readengine.py,
    fardisk.py), remote shards read ahead into the node-local shard cache (shardstream.py,
    shardcache.py), and a cold page cache (pagecache.py);

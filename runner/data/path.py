@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
+from runner.common.text import human_bytes
 from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig
 from runner.data.decode.crops import BatchAugment, CenterCrop
 from runner.data.decode.decoders import DECODERS
@@ -44,7 +45,6 @@ from runner.data.order import BatchOrder, count_images
 from runner.data.protocol import Storage, StorageKind
 from runner.data.sources.pagecache import ColdPageCache
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
-from runner.data.storage.convert import human_bytes
 from runner.data.storage.ram import memory_available
 from runner.data.threads import RowPool
 from runner.launch.distributed import Ranks, barrier

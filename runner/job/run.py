@@ -23,6 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.common.errors import Interrupted
+from runner.common.text import plural
 from runner.config.schema import Config, flatten, to_plain
 from runner.data import DataPath, build_data_path
 from runner.job import environment
@@ -45,7 +46,6 @@ from runner.launch.distributed import (
 from runner.measure import profile, timeline
 from runner.measure.clock import StepClock
 from runner.measure.metrics import MetricLogger, NullLogger
-from runner.measure.stats import plural
 from runner.model.amp import check_amp
 from runner.tasks import RunContext, Task, results, task_for
 from runner.tasks.infer import outputs

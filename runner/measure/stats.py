@@ -25,9 +25,3 @@ def median(values: list[float]) -> float:
     none."""
     return quantiles(values)["median"] if len(values) else math.nan
 
-
-def plural(n: int, noun: str) -> str:
-    """``1 step``, ``2 steps``, ``1 class``, ``3 classes``."""
-    if n == 1:
-        return f"1 {noun}"
-    return f"{n:,} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{n:,} {noun}s"

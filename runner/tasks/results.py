@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from runner.common.text import printable
 from runner.config.rules import model_configs
 from runner.config.schema import Config
-from runner.data.sources.listing import printable
 from runner.data.storage import STORAGES
 from runner.measure.clock import STAGES
 from runner.measure.stats import quantiles

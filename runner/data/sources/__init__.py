@@ -12,6 +12,9 @@
   round trip needs, bounded in bytes; retries with jittered back-off;
 - fardisk.py: a local path on a network mount (NFS, SMB, FUSE) told far and read through
   the engine;
+- files.py: an image folder's listing and what reads its bytes, decided once
+  (``open_files``): this machine's files, a far disk's through the engine, or a store's
+  objects; ``loader=folder`` only decodes what it reads;
 - shardcache.py, shardstream.py: remote shards fetched ahead of need into the node-local
   shard cache, bounded in bytes (``loader=shards``);
 - pagecache.py: ``dataset.page_cache=cold``, the dataset read from the device, not from RAM.

@@ -11,7 +11,7 @@ is local without a probe.
 ``dataset.far_disk=true|false`` decides instead of the probe. A packed store (one large
 file, ``loader=packed``) is told the same way, by timing ``pread``s of a few of its images.
 
-A far folder is then read as a folder in a store is (``RemoteFolderStorage``): obstore's
+A far folder is then read as a folder in a store is (``FarFiles``, files.py): obstore's
 ``LocalStore`` behind the same ``ReadEngine``, whose window settles at rate x round trip
 (the engine's docstring); obstore runs each read on its own blocking-I/O threads, off the
 GIL, so hundreds can be in flight. A far packed store is read the same way: each coming batch's

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.common.errors import UserError
+from runner.common.text import printable
 from runner.config.schema import DatasetConfig, Labels, Split
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,6 @@ UNLABELLED = -1  # the label of an image that has none
 
 class DatasetError(UserError):
     """The dataset folder is missing, empty or unusable; the message says which and why."""
-
-
-def printable(path: str) -> str:
-    """``path`` as valid UTF-8 text: bytes that are not UTF-8 (a file name from another
-    system's encoding) appear as ``\\xNN`` escapes instead of failing a write."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 @dataclass

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from runner.common.errors import ConfigError
+from runner.config.credentials import redacted
 from runner.data.sources.url import RemoteURL
 
 T = TypeVar("T")
@@ -238,8 +239,8 @@ class ObjectStore:
     def where(self) -> str:
         """The server, as a message names it (never a credential)."""
         endpoint = endpoint_for(self.url, self.endpoint_url)
-        return f"the server at {without_userinfo(endpoint)}" if endpoint else \
-            f"the server of {without_userinfo(str(self.url))}"
+        return f"the server at {redacted(endpoint, '')}" if endpoint else \
+            f"the server of {redacted(str(self.url), '')}"
 
     def _plain_client_name(self) -> str:
         return "botocore" if self.url.scheme == "s3" else "a plain GET"
@@ -255,7 +256,7 @@ class ObjectStore:
         else:
             return self.get(key)[start:end]
         return range_body(status, content_range, body, start, end,
-                          without_userinfo(f"{self.url.store_url}/{key}"), self.where())
+                          redacted(f"{self.url.store_url}/{key}", ""), self.where())
 
     def _s3_client(self) -> Any:
         """botocore's S3 client of this store (its endpoint, region and credentials, as
@@ -312,14 +313,6 @@ class ObjectStore:
 
 
 # --- ranges answered with status 200 --------------------------------------------------------
-
-USERINFO = re.compile(r"(?<=://)[^/@]*@")
-
-
-def without_userinfo(url: str) -> str:
-    """``url`` without the ``user:password@`` of its host (a message never holds it)."""
-    return USERINFO.sub("", url)
-
 
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 

@@ -46,11 +46,12 @@ from filelock import FileLock
 
 from runner.common.atomic import dumps, write_json
 from runner.common.errors import UserError
+from runner.common.text import human_bytes, printable
 from runner.config.schema import OnCorrupt
 from runner.data.decode.decoders import CorruptFileStop
 from runner.data.protocol import SkippedFile
-from runner.data.sources.listing import printable
-from runner.data.storage.folder import FolderStorage, read_file
+from runner.data.sources.files import read_file
+from runner.data.storage.folder import FolderStorage
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +70,6 @@ class CacheError(UserError, RuntimeError):
 
 class DiskFull(UserError, OSError):
     """Not enough free space for a store; the message gives the bytes needed and free."""
-
-
-def human_bytes(nbytes: float) -> str:
-    """``1.52 GB``, ``12.3 MB``, ``900 B``: decimal units, about three significant figures
-    (never "0.00 GB" for a few megabytes)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 999.5 or unit == "TB":
-            break
-        nbytes /= 1000
-    if unit == "B":
-        return f"{nbytes:,.0f} B"
-    digits = 0 if abs(nbytes) >= 99.5 else 1 if abs(nbytes) >= 9.95 else 2
-    return f"{nbytes:,.{digits}f} {unit}"
 
 
 class StoreSpec:

@@ -36,11 +36,12 @@ from pathlib import Path
 import torch
 
 from runner.common.errors import UserError
+from runner.common.text import printable
 from runner.config.schema import Crop, DatasetConfig, LoaderConfig, StorageName
 from runner.data.decode.decoders import CPU_DECODERS
 from runner.data.order import BatchOrder
 from runner.data.protocol import StorageKind
-from runner.data.sources.listing import DatasetError, printable
+from runner.data.sources.listing import DatasetError
 from runner.data.storage.folder import FolderStorage, open_folder
 from runner.data.storage.rival import (
     RivalStorage,

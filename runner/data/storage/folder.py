@@ -1,15 +1,16 @@
 """``loader=folder``: a folder of images (or a manifest), every image read and decoded on
-every epoch; which images and labels: runner/data/sources/listing.py."""
+every epoch; which images and labels, and what reads their bytes (this machine's files, a
+far disk's, a store's objects): runner/data/sources/files.py."""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
 
 import torch
 
+from runner.common.text import printable
 from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
 from runner.data.decode.decoders import (
     DECODERS,
@@ -29,53 +30,35 @@ from runner.data.protocol import (
     StoreFootprint,
     cycle_rows,
 )
-from runner.data.sources.fardisk import is_far
-from runner.data.sources.listing import (
-    DatasetError,
-    Listing,
-    list_images,
-    open_image_folder,
-    printable,
-)
-from runner.data.sources.url import is_url
+from runner.data.sources.files import Files, open_files
+from runner.data.sources.listing import DatasetError, open_image_folder
 from runner.measure import timeline
-
-log = logging.getLogger(__name__)
 
 UNREADABLE = "unreadable"  # how the error of a file that could not be read begins
 
 
-def read_file(path: str) -> bytearray:
-    """The whole file in a writable buffer (torch.frombuffer needs one; no extra copy)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    return buf if got == size else buf[:got]
-
-
 class FolderStorage(torch.utils.data.Dataset):
-    """Reads and decodes one file per item (the ``Storage`` protocol, runner/data/protocol.py).
+    """Decodes one image per item from the bytes its ``Files`` reads (the ``Storage``
+    protocol, runner/data/protocol.py): where the bytes come from (this machine's files, a
+    far disk's, a store's objects) is the Files' (runner/data/sources/files.py).
 
     Args:
-        path: the folder (class folders, or unlabelled images) or a manifest.
+        source: the images and what reads them (``open_files``), or a folder (class
+            folders, or unlabelled images) read as local files.
         decode: bytes -> CHW uint8 tensor of the output size (an ``ImageDecoder``), or
             ``ReadBytes`` when the GPU decodes (loader.decoder=nvjpeg).
         on_corrupt: skip (return a SkippedFile, counted by the loop) or fail (raise with the path).
-        listing: the images, when listed already (else: ``path`` as class folders).
     """
 
     decodes_per_epoch = True
     image_bytes = None  # one file per image
 
-    def __init__(self, path: str | Path, decode: ImageDecoder | ReadBytes, on_corrupt: OnCorrupt,
-                 listing: Listing | None = None):
-        listing = listing or open_image_folder(path)
+    def __init__(self, source: Files | str | Path, decode: ImageDecoder | ReadBytes,
+                 on_corrupt: OnCorrupt):
+        if not isinstance(source, Files):
+            source = Files(open_image_folder(source))
+        self.source = source
+        listing = source.listing
         self.root, self.classes, self.samples = listing.root, listing.classes, listing.samples
         self.decode = decode
         self.on_corrupt = on_corrupt
@@ -87,9 +70,10 @@ class FolderStorage(torch.utils.data.Dataset):
                ) -> None:
         """Set up a storage built from ``folder`` (a cache or a rival's pipeline over it) to
         serve the files ``keep``, ``skipped`` listed as undecodable: the folder's root,
-        classes, decoder and ``on_corrupt`` without listing the folder again."""
-        self.root, self.classes = folder.root, folder.classes
-        self.samples = [folder.samples[i] for i in keep]
+        classes, decoder and ``on_corrupt`` without listing the folder again (its files, if
+        read at all, read as local files: ``Files.kept``)."""
+        self.source = folder.source.kept(keep)
+        self.root, self.classes, self.samples = folder.root, folder.classes, self.source.samples
         self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
         self.known_skipped = list(skipped)
 
@@ -98,8 +82,8 @@ class FolderStorage(torch.utils.data.Dataset):
 
     @property
     def files(self) -> list[str]:
-        """Every file an epoch reads."""
-        return [path for path, _ in self.samples]
+        """Every local file an epoch reads (none for a store's objects)."""
+        return self.source.files
 
     @property
     def item_shape(self) -> tuple[int, ...] | None:
@@ -109,7 +93,7 @@ class FolderStorage(torch.utils.data.Dataset):
         """Nothing to do: files are opened and closed per read."""
 
     def name_of(self, index: int) -> str:
-        return os.path.relpath(self.samples[index][0], self.root)
+        return self.source.name_of(index)
 
     def names(self) -> list[str]:
         """Every file's path relative to the root, in storage order."""
@@ -144,12 +128,21 @@ class FolderStorage(torch.utils.data.Dataset):
         return item
 
     def will_need(self, index: torch.Tensor) -> None:
-        """A hint that the items of ``index`` are read soon (a packed store starts reading
-        them); nothing for a folder: opening each file to say so would cost a read's worth."""
+        """A hint that the items of ``index`` are read soon: a read engine starts fetching
+        them (a packed store starts reading them)."""
+        self.source.will_need(index)
 
     def read(self, index: int) -> bytearray | memoryview:
-        """The encoded bytes of item ``index``: its file, read whole."""
-        return read_file(self.samples[index][0])
+        """The encoded bytes of item ``index``, as its Files reads them."""
+        return self.source.read(index)
+
+    def figures(self) -> dict:
+        """The read engine's requests, bytes, retries, window and round trip (nothing for
+        local files)."""
+        return self.source.figures()
+
+    def close(self) -> None:
+        self.source.close()
 
     def check_stored(self, index: int, data: bytes | bytearray) -> None:
         """Nothing to check for a folder's own file (a store checks its copy's checksum)."""
@@ -283,107 +276,6 @@ class FolderStorage(torch.utils.data.Dataset):
         return found
 
 
-class RemoteFolderStorage(FolderStorage):
-    """An image folder (or manifest) in a store, one object per image (``dataset.path=s3://
-    ...``): listed as a local folder is (runner/data/sources/remote_listing.py), each image fetched
-    by the read engine (runner/data/sources/readengine.py) and decoded like a local file.
-
-    ``will_need`` (the loader calls it for each batch it queues, a few ahead of the one it
-    decodes) starts the batch's fetches at once, all of them concurrently on the engine's
-    I/O thread; ``read`` then waits only for an image not fetched yet. A fetch that still
-    fails after the engine's retries reads as an unreadable file: skipped, or with
-    ``dataset.on_corrupt=fail`` an error naming its URL.
-
-    Args:
-        listing: the images, their URLs and labels.
-        decode, on_corrupt: as FolderStorage.
-        engine: the read engine of the images' store.
-    """
-
-    def __init__(self, listing: Listing, decode: ImageDecoder | ReadBytes,
-                 on_corrupt: OnCorrupt, engine):
-        from runner.data.sources.readengine import Ahead
-
-        super().__init__(listing.root, decode, on_corrupt, listing)
-        self.engine = engine
-        self.keys = self.keys_of(self.samples)
-        self.ahead = Ahead()
-
-    def keys_of(self, samples: list[tuple[str, int]]) -> list[str]:
-        """Each image's key in the engine's store (its URL without the store's)."""
-        prefix = len(self.engine.store.url.store_url) + 1
-        return [url[prefix:] for url, _ in samples]
-
-    @property
-    def files(self) -> list[str]:
-        """No local files: a cold page cache does not apply."""
-        return []
-
-    def name_of(self, index: int) -> str:
-        return self.samples[index][0][len(str(self.root)) + 1:]
-
-    def will_need(self, index: torch.Tensor) -> None:
-        """Start fetching a coming batch's images now, concurrently."""
-        from runner.data.order import split_padding
-
-        self.ahead.start(split_padding(index)[0].tolist(), lambda todo: self.engine.get_many(
-            [self.keys[i] for i in todo], 256 << 10))
-
-    def read(self, index: int) -> bytearray:
-        """Item ``index``'s object, fetched by the engine (started by ``will_need``)."""
-        future = self.ahead.take(index, lambda i: self.engine.get(self.keys[i], 256 << 10))
-        try:
-            return bytearray(future.result())
-        except Exception as e:  # the engine gave up: unreadable, named by its URL
-            raise OSError(f"{self.samples[index][0]}: {type(e).__name__} after "
-                          f"{self.engine.attempts} tries") from e
-
-    def figures(self) -> dict:
-        """The read engine's requests, bytes, retries, window and round trip."""
-        return self.engine.stats.figures()
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class FarFolderStorage(RemoteFolderStorage):
-    """A local folder on a far disk (a network mount): listed as a local folder, each file
-    read by the read engine over obstore's LocalStore, many in flight
-    (runner/data/sources/fardisk.py)."""
-
-    def keys_of(self, samples: list[tuple[str, int]]) -> list[str]:
-        return [os.path.abspath(path).lstrip("/") for path, _ in samples]
-
-    @property
-    def files(self) -> list[str]:  # local files: dataset.page_cache=cold evicts them
-        return [path for path, _ in self.samples]
-
-    def name_of(self, index: int) -> str:
-        return FolderStorage.name_of(self, index)
-
-
-def far_engine():
-    """The read engine over this machine's own files."""
-    from runner.data.sources.objectstore import LOCAL_SCHEME, ObjectStore
-    from runner.data.sources.readengine import ReadEngine
-    from runner.data.sources.url import RemoteURL
-
-    return ReadEngine(ObjectStore(RemoteURL(LOCAL_SCHEME, "", "")))
-
-
-def open_remote_folder(loader: LoaderConfig, dataset: DatasetConfig, url: str,
-                       decode: ImageDecoder | ReadBytes) -> RemoteFolderStorage:
-    """The images at the URL ``url`` (checked readable already), one object each."""
-    from runner.data.sources.objectstore import ObjectStore
-    from runner.data.sources.readengine import ReadEngine
-    from runner.data.sources.remote_listing import list_remote
-    from runner.data.sources.url import RemoteURL
-
-    store = ObjectStore(RemoteURL.parse(url), dataset.endpoint_url)
-    listing = list_remote(dataset, url, store)
-    return RemoteFolderStorage(listing, decode, dataset.on_corrupt, ReadEngine(store))
-
-
 def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """label, index and (for padded distributed shards) valid, for a list of samples."""
     fields = {"label": torch.tensor([s.label for s in samples], dtype=torch.int64),
@@ -405,18 +297,12 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
         if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
             decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
                                                 fraction=decode.fraction))
-    if is_url(path):  # one object per image, in a store (runner/data/sources/)
-        return open_remote_folder(loader, dataset, path, decode)
-    listing = list_images(dataset, path)
-    far, why = is_far([p for p, _ in listing.samples], dataset.far_disk)
-    if far:
-        log.info("%s: %s, read through the read engine, many files in flight", path, why)
-        return FarFolderStorage(listing, decode, dataset.on_corrupt, far_engine())
-    return FolderStorage(path, decode, dataset.on_corrupt, listing)
+    files = open_files(dataset, path)  # listed, and read from where they are, decided once
+    return FolderStorage(files, decode, dataset.on_corrupt)
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
-    if isinstance(folder, RemoteFolderStorage) and not isinstance(folder, FarFolderStorage):
+    if not folder.source.local:
         return StoreFootprint("the source objects (remote)", 0, on_disk=False)
     total = sum(os.path.getsize(p) for p in folder.files if os.path.exists(p))
     return StoreFootprint("the source files", total, on_disk=False)

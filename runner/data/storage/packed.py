@@ -541,7 +541,7 @@ def read_far(storage: PackedStorage, setting: bool | None) -> None:
     spans = list(zip(spread(storage.offsets), spread(storage.sizes)))  # not every image's
     far, why = is_far([str(storage.path)], setting, spans)
     if far:
-        from runner.data.storage.folder import far_engine
+        from runner.data.sources.files import far_engine
 
         log.info("%s: %s, read through the read engine, many images in flight",
                  storage.path, why)

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from runner.common.text import human_bytes
 from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
 from runner.data.decode.decoders import DECODERS
 from runner.data.order import BatchOrder, split_padding
@@ -55,7 +56,6 @@ from runner.data.protocol import SkippedFile, StorageKind, StoreFootprint
 from runner.data.sources.listing import DatasetError
 from runner.data.sources.shardstream import SHARDS_PER_BLOCK, RemoteShards
 from runner.data.sources.url import RemoteURL, is_url
-from runner.data.storage.convert import human_bytes
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.packed import PackedStorage, packed_spec
 from runner.data.storage.shardwrite import build_shards, cache_folder, convert_to_shards

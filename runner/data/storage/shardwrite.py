@@ -116,27 +116,23 @@ def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 def stage_remote(dataset: DatasetConfig, text: str) -> Path:
     """A local copy of the images at the URL ``text`` (to pack), with a manifest that keeps
     their order and labels; reused when complete."""
-    from runner.data.sources.objectstore import ObjectStore
-    from runner.data.sources.readengine import ReadEngine
-    from runner.data.sources.remote_listing import list_remote
+    from runner.data.sources.files import open_files
 
-    store = ObjectStore(RemoteURL.parse(text), dataset.endpoint_url)
-    listing = list_remote(dataset, text, store)
+    files = open_files(dataset, text)  # the store's objects, listed (StoreFiles)
+    listing = files.listing
     stage = cache_folder(dataset, "staging", f"{text}|{dataset.endpoint_url}")
     done = stage / "manifest.csv"
     if done.is_file():
         return done
-    engine = ReadEngine(store)
-    root = str(listing.root).rstrip("/") + "/"
-    prefix = len(store.url.store_url) + 1
     rows = []
-    futures = [(u[len(root):], label, engine.get(u[prefix:])) for u, label in listing.samples]
+    futures = [(files.name_of(i), label, files.engine.get(files.keys[i]))
+               for i, (_, label) in enumerate(listing.samples)]
     for name, label, future in futures:
         target = stage / "files" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(bytes(future.result()))
         rows.append((f"files/{name}", listing.classes[label] if label >= 0 else ""))
-    engine.close()
+    files.close()
     import csv
 
     partial = stage / "manifest.csv.partial"

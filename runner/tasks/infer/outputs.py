@@ -85,6 +85,7 @@ import torch
 from torch import nn
 
 from runner.common.atomic import replacing, write_atomic, write_json
+from runner.common.text import printable
 from runner.config.rules import model_configs
 from runner.config.schema import (
     Config,
@@ -95,7 +96,6 @@ from runner.config.schema import (
     keys_where,
     to_plain,
 )
-from runner.data.sources.listing import printable
 from runner.data.threads import bind_cuda, cuda_index
 from runner.model.networks import main_output
 from runner.tasks.checkpoint import CheckpointError

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.common.atomic import replacing
-from runner.data.sources.listing import printable
+from runner.common.text import printable
 
 HEADER = ("index,file,label,label_name,pred,pred_name,prob,topk_classes,topk_names,"
           "topk_probs\n")

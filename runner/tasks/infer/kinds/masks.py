@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from runner.common.atomic import replacing
+from runner.common.text import printable
 from runner.config.schema import Output, TaskConfig
-from runner.data.sources.listing import printable
 from runner.tasks.infer.kinds.kind import OutputKind, WriterContext
 
 
