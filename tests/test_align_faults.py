@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import encode, make_tree, photo, run_in_process
 
 from runner.config.schema import ConfigError
 from runner.data.sources.listing import DatasetError, list_images, read_manifest
 from runner.job.compose import compose
+from tests.conftest import encode, make_tree, photo, run_in_process
 
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
         "dataset.image_size=[32,32]", "loader.batch_size=4", "run.warmup_steps=0"]

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.tasks import TrainStep, checkpoint
 from runner.tasks.train.optim import AveragedNetwork, Ema
-from tests.test_training import batches, small_model, task
+from tests.tasks.train.test_training import batches, small_model, task
 
 # --- the EMA ----------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import encode, make_tree, photo, run_in_process, stopped_after
 from PIL import Image
 
 from runner.common.errors import ConfigError, UserError
@@ -21,6 +20,7 @@ from runner.config.schema import ModelConfig
 from runner.data.storage import STORAGES
 from runner.job.compose import compose
 from runner.model.networks import build_model
+from tests.conftest import encode, make_tree, photo, run_in_process, stopped_after
 
 CPU = torch.device("cpu")
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",

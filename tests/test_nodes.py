@@ -126,8 +126,8 @@ def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight
     from runner.job.compose import compose
     from runner.tasks.checkpoint import GlobalBatchError, fit_world, load
     from tests.conftest import read_metrics
+    from tests.tasks.test_checkpoint import RECORDING
     from tests.test_failures import sitecustomize
-    from tests.test_resume import RECORDING
 
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
            **sitecustomize(tmp_path / "inject", RECORDING)}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_same
-from tests.test_shards import batches, prepare_shards
+from tests.data.storage.test_shards import batches, prepare_shards
 
 
 def rclone_answers_ranges_with_200(endpoint: str, bucket: str, key: str) -> bool:

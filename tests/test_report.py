@@ -10,7 +10,7 @@ import pytest
 
 from runner.report import find_runs, ranking, varying, within_noise, write_report
 from tests.conftest import compose_config
-from tests.test_sweep import fake_run
+from tests.job.test_sweep import fake_run
 
 
 def sweep(root: Path, rates: dict[tuple[str, str], float], model: str = "none") -> Path:

@@ -14,7 +14,7 @@ import torch
 import runner.selfcheck as selfcheck
 from runner.selfcheck import CHECKS, Row, main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                              reason="checks the behaviour without CUDA")
 

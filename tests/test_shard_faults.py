@@ -17,7 +17,7 @@ import pytest
 
 from runner.common.errors import ConfigError
 from tests.conftest import encode, make_tree, photo, run_in_process
-from tests.test_shards import SMALL, batches, prepare_shards
+from tests.data.storage.test_shards import SMALL, batches, prepare_shards
 
 RUN = ["logger=none", "diagnose=false", "run.timeline=false", "run.progress=false",
        "run.warmup_steps=0", "loader=shards"]

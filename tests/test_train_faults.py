@@ -123,7 +123,7 @@ def test_a_resumed_step_takes_the_new_lr_and_plan_from_the_optimizer_step_it_rea
     own rates in the optimizer's groups)."""
     from runner.config.schema import ScheduleName, TaskConfig, TaskName
     from runner.tasks import TrainStep, checkpoint
-    from tests.test_training import batches, small_model
+    from tests.tasks.train.test_training import batches, small_model
 
     old = TaskConfig(TaskName.train, lr=0.1, schedule=ScheduleName.onecycle)
     new = TaskConfig(TaskName.train, lr=0.3, schedule=ScheduleName.onecycle)
@@ -249,7 +249,7 @@ def test_the_step_fails_at_the_read_after_a_nan_and_names_the_first_such_step():
     from runner.common.errors import Diverged
     from runner.config.schema import TaskConfig, TaskName
     from runner.tasks import TrainStep
-    from tests.test_training import batches, small_model
+    from tests.tasks.train.test_training import batches, small_model
 
     step = TrainStep(small_model(), TaskConfig(TaskName.train), total_steps=6)
     data = batches(6)

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_DATASET, read_metrics, run_in_process
 
 from runner.common.errors import UserError
 from runner.measure.metrics import Metrics, problems
+from tests.conftest import SMALL_DATASET, read_metrics, run_in_process
 
 BASE = [*SMALL_DATASET, "logger=none", "run.timeline=true"]
 

@@ -21,7 +21,7 @@ from runner.model.compile import build_models
 from runner.model.networks import build_model
 from runner.report import write_report
 from tests.conftest import SMALL_DATASET, read_metrics, run_cli, run_in_process
-from tests.test_sweep import fake_run
+from tests.job.test_sweep import fake_run
 
 CPU = torch.device("cpu")
 # in 0..1 units: a model of its own normalization, so the host must use the model's

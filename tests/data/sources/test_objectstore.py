@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL_DATASET, assert_same, read_metrics, run_cli
+from tests.conftest import REPO, SMALL_DATASET, assert_same, read_metrics, run_cli
 
 pytest.importorskip("obstore", reason="pip install -e '.[dev]'")
 
@@ -229,7 +229,7 @@ def test_a_run_on_a_bucket_stopped_mid_epoch_resumes_exactly(layout, bucket, s3_
                                                             tmp_path):
     """A SIGTERM mid-epoch (as the signal handler raises it), then resume=auto: the steps
     together see the batches, crops and losses of an uninterrupted run."""
-    from tests.test_resume import run
+    from tests.tasks.test_checkpoint import run
 
     url, loader = f"s3://{bucket}/train", "loader=folder"
     if layout == "shards":
@@ -265,7 +265,7 @@ def test_the_bench_runs_its_servers_on_a_core_apart_from_the_client():
         "                  'me': [sorted(t) for t in threads], 'said': said}))\n"
         "child.kill()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).parents[1])
+                          timeout=60, cwd=REPO)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     cpus = sorted(os.sched_getaffinity(0))
     assert got["child"] == [cpus[-1]]

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import encode, make_tree, photo, read_metrics, run_in_process, stopped_after
 from PIL import Image
 
 from runner.config.schema import ModelConfig
@@ -19,6 +18,15 @@ from runner.data.sources.listing import UNLABELLED, list_images
 from runner.data.storage import STORAGES
 from runner.job.compose import compose
 from runner.model.networks import build_model
+from tests.conftest import (
+    REPO,
+    encode,
+    make_tree,
+    photo,
+    read_metrics,
+    run_in_process,
+    stopped_after,
+)
 
 CPU = torch.device("cpu")
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
@@ -313,7 +321,7 @@ def test_inference_killed_with_sigkill_resumes_from_its_saved_state(tmp_path: Pa
     over = [*BASE, f"dataset.path={data}", "loader.batch_size=2", "run.epochs=1",
             "task.outputs=[topk,probs,embeddings]", "run.progress=false"]
     killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, *over, f"hydra.run.dir={killed}"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import encode, make_tree, photo, run_in_process
 
 from runner.config.schema import ModelConfig, Output
 from runner.model.networks import build_model
-from tests.conftest import REPO
+from tests.conftest import REPO, encode, make_tree, photo, run_in_process
 
 BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
         "dataset.image_size=[32,32]", "loader.batch_size=4", "run.warmup_steps=0",

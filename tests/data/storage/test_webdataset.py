@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.test_shards import batches, prepare_shards
+from tests.data.storage.test_shards import batches, prepare_shards
 
 
 def by_index(got: list) -> dict[int, tuple[int, torch.Tensor]]:

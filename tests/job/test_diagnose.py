@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import encode, make_tree, photo, run_in_process
 
 from runner.config.schema import ModelConfig
 from runner.model.networks import build_model
+from tests.conftest import encode, make_tree, photo, run_in_process
 
 BASE = ["logger=none", "diagnose=true", "dataset.image_size=[32,32]", "loader.batch_size=4",
         "run.warmup_steps=1", "run.window_seconds=0.05"]
