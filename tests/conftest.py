@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,14 @@ def stray_processes(marker: str) -> list[str]:
         if pid.isdigit() and marker.encode() in cmdline:
             found.append(pid)
     return found
+
+
+def sitecustomize(folder: Path, code: str) -> dict[str, str]:
+    """An environment whose Python processes run ``code`` at start-up (a fault injected
+    into the runner's own processes, DataLoader workers and torchrun ranks included)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(code))
+    return {"PYTHONPATH": os.pathsep.join([str(folder), str(REPO)])}
 
 
 def read_metrics(run_dir: Path) -> dict:

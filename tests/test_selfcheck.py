@@ -132,3 +132,11 @@ def test_a_sync_says_whether_the_data_path_or_the_step_made_it_and_where(monkeyp
 
     with pytest.raises(RuntimeError, match="out of memory"):  # not a sync: raised as it is
         _steps(list(range(20)), other, 8, sync_check=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_selfcheck_passes_on_a_gpu():
+    from runner.selfcheck import main
+
+    assert main(["--batch-size", "64", "--only", "prefetch", "transfers", "fp16"]) == 0

@@ -9,11 +9,12 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from runner.common.errors import Unavailable
-from runner.config.schema import ConfigError, Decoder
+from runner.common.errors import ConfigError, Unavailable
+from runner.config.schema import Decoder, ModelConfig
 from runner.data.decode.decoders import DECODERS
 from runner.job.commandline import register_configs, unknown_key_message
-from runner.job.compose import to_config
+from runner.job.compose import compose, to_config
+from runner.model.networks import build_model
 from tests.conftest import REPO, compose_config, make_loader, run_cli
 
 CONF = REPO / "conf"
@@ -62,7 +63,7 @@ def build_amp_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.config.schema import ModelConfig, TaskName
+    from runner.config.schema import TaskName
     from runner.model.compile import compile_model
     from runner.model.networks import build_model
 
@@ -75,7 +76,6 @@ def build_compile_preset(config, tmp_path: Path, image_tree: Path) -> None:
 
 
 def build_model_preset(config, tmp_path: Path, image_tree: Path) -> None:
-    from runner.model.networks import build_model
 
     model = build_model(config.model, num_classes=3, device=CPU)
     if config.model.name == "none":
@@ -87,7 +87,6 @@ def build_model_preset(config, tmp_path: Path, image_tree: Path) -> None:
 def build_task_preset(config, tmp_path: Path, image_tree: Path) -> None:
     from tensordict import TensorDict
 
-    from runner.config.schema import ModelConfig
     from runner.model.networks import build_model
     from runner.tasks import make_step
 
@@ -329,3 +328,11 @@ def test_a_presets_header_says_each_thing_once(path: Path):
     for i in range(len(words) - 3):
         four = tuple(words[i:i + 4])
         assert first.setdefault(four, i) >= i - 3, f"{path.name}: '{' '.join(four)}' twice"
+
+
+@pytest.mark.parametrize("alias", ["../evil", "sub/name", "..", ".hidden", "a\\b", ""])
+def test_an_alias_that_is_not_a_plain_name_is_refused_at_the_config_check(alias: str):
+    for over in ([f"model.alias='{alias}'"], [f"+models=[{{name:tiny,alias:'{alias}'}}]"]):
+        with pytest.raises(ConfigError, match="alias") as refused:
+            compose(["task=infer", *over])
+        assert "\n" not in str(refused.value)

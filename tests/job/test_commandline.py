@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from runner.data.storage.convert import META
 from runner.job.commandline import bad_value_message
 from runner.job.compose import refusal
-from tests.conftest import run_cli
+from tests.conftest import (
+    encode,
+    make_tree,
+    photo,
+    read_metrics,
+    run_cli,
+)
 
 # (the overrides, what the line must say, the suggestion it must make or None)
 ERRORS = {
@@ -250,3 +257,36 @@ def test_every_task_key_belongs_to_one_task():
     assert sorted(owned) == sorted(fields)  # each once, none missing
     reads = {k for kind in [*OPTIMIZERS.values(), *SCHEDULES.values()] for k in kind.keys}
     assert reads <= set(TASK_KEYS[TaskName.train])
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
+             for c in range(2) for k in range(12)}
+    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
+    return make_tree(tmp_path / "src", files)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unlabelled training", "damaged cache"])
+def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
+        tmp_path: Path, cache_dir: Path, source: Path, case: str):
+    # (a missing folder is refused before any run folder: tests/test_own_data.py)
+    common = ["logger=none", "hydra.run.dir=run", "run.progress=false"]
+    if case == "unlabelled training":
+        args = [f"dataset.path={source}", "dataset.labels=none", "dataset.image_size=[24,32]",
+                *common]
+        expect = "needs labelled images"
+    else:
+        args = [f"dataset.path={source}", "dataset.image_size=[24,32]", "loader=memmap",
+                "model=none", "run.steps=1", *common]
+        run_cli(*args, cwd=tmp_path)
+        (next(cache_dir.rglob(META))).write_text("[]")
+        expect = "--rebuild"
+    proc = run_cli(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expect in errors[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "Traceback" in (tmp_path / "run" / "runner.log").read_text()
+    m = read_metrics(tmp_path / "run")
+    assert m["status"] == "failed" and m["user_error"] is True and expect in m["reason"]

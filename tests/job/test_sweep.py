@@ -5,6 +5,11 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +18,18 @@ import torch
 
 from runner.report import main as report_main
 from runner.report import write_report
-from tests.conftest import SMALL_DATASET, numbered_job, read_metrics, run_cli, wandb_records
+from tests.conftest import (
+    SMALL_DATASET,
+    encode,
+    job_dir,
+    make_tree,
+    numbered_job,
+    photo,
+    read_metrics,
+    run_cli,
+    sitecustomize,
+    wandb_records,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -471,10 +487,6 @@ def test_an_autotune_study_is_kept_on_disk_and_continued_when_started_again(tmp_
 def test_an_autotune_stopped_by_ctrl_c_mid_trial_continues_where_it_stopped(tmp_path: Path,
                                                                            cache_dir: Path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    import os
-    import signal
-    import subprocess
-    import sys
 
     import optuna
 
@@ -499,3 +511,43 @@ def test_an_autotune_stopped_by_ctrl_c_mid_trial_continues_where_it_stopped(tmp_
     assert states.count("COMPLETE") + states.count("FAIL") == len(states) == 4
     assert states[1] == "FAIL"  # the trial Ctrl-C stopped, run anew as trial 3
     assert read_metrics(numbered_job(tmp_path / "sweep", 0))["status"] == "ok"  # not run again
+
+
+@pytest.mark.slow
+def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path,
+                                                                   cache_dir: Path):
+    run_cli(*SMALL_DATASET, "model=none", "logger=none", "run.steps=1", "hydra.run.dir=warm",
+            cwd=tmp_path)  # the default dataset, made before the crash is injected
+    env = sitecustomize(tmp_path / "inject", """
+        import multiprocessing, os, signal
+        import runner.data.decode.decoders as decode
+        real = decode.ImageDecoder.__call__
+        def crashing(self, data, rng=None):
+            if multiprocessing.parent_process() is not None:  # a DataLoader worker
+                os.kill(os.getpid(), signal.SIGSEGV)  # a native decoder's crash
+            return real(self, data, rng)
+        decode.ImageDecoder.__call__ = crashing
+    """)
+    proc = run_cli("-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
+                   "run.steps=4", "run.window_seconds=0", "loader.num_workers=1,0",
+                   "hydra.sweep.dir=sweep",
+                   cwd=tmp_path, env=env, check=False)
+    first = read_metrics(job_dir(tmp_path / "sweep", "loader.num_workers=1"))
+    second = read_metrics(job_dir(tmp_path / "sweep", "loader.num_workers=0"))
+    assert first["status"] == "failed"
+    assert re.search("DataLoader worker .*(exited unexpectedly|killed by signal)", first["reason"])
+    assert second["status"] == "ok" and second["steps"] == 4  # the sweep went on
+    assert proc.returncode == 1  # and says, at the end, that a job failed
+    assert re.search(r"job \S*loader.num_workers=1\S* \(failed\)", proc.stdout + proc.stderr)
+
+@pytest.mark.slow
+def test_a_sweep_names_every_failed_jobs_reason(tmp_path: Path, cache_dir: Path):
+    # flat folders (unlabelled images) that training refuses when each job opens its data
+    # (a folder that is not there is refused before the sweep starts: tests/test_own_data.py)
+    for name in ("flat_a", "flat_b"):
+        make_tree(tmp_path / name, {"one.jpg": encode(photo(16, 16))})
+    proc = run_cli("-m", f"dataset.path={tmp_path}/flat_a,{tmp_path}/flat_b",
+                   "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert "flat_a" in out and "flat_b" in out and "2 failed" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,13 @@ from runner.config.schema import (
     CompileConfig,
     CompileName,
     ModelConfig,
+    TaskConfig,
     TaskName,
 )
 from runner.model import compile as compiling
+from runner.model.compile import TOLERANCE, backbone_in, batch_dynamic_shapes, tolerance
 from runner.model.networks import UInt8Input, build_model
+from runner.tasks import InferStep
 from tests.conftest import (
     SMALL_DATASET,
     export_dynamic,
@@ -104,7 +108,6 @@ def test_a_wrong_backend_fails_the_run_with_the_difference(tmp_path: Path, cache
 @pytest.mark.slow
 def test_compile_time_is_reported_and_kept_out_of_the_figures(tmp_path: Path, cache_dir: Path,
                                                               monkeypatch):
-    import time
 
     real = compiling.BACKENDS[CompileName.torchscript]
 
@@ -180,8 +183,7 @@ def test_tensorrt_fp16_is_close_to_eager_and_its_engine_is_reused(tmp_path: Path
 def test_an_exported_engine_module_survives_the_infer_steps_eval():
     """``ExportedProgram.module()`` (what a cached TensorRT engine loads as) raises from
     train()/eval(); the infer step calls eval() on every model it runs."""
-    from runner.config.schema import AmpConfig, AmpName, TaskConfig, TaskName
-    from runner.tasks import InferStep
+    from runner.config.schema import AmpConfig, AmpName, TaskName
 
     backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)).eval()
     x = torch.rand(2, 3, 8, 8)
@@ -316,3 +318,73 @@ def test_a_compiled_runs_checkpoint_holds_the_plain_network(backend: str, tmp_pa
     resumed = run_in_process(*common, "compile=eager", "run.epochs=2",
                              f"resume={tmp_path / 'train'}", run_dir=tmp_path / "resume")
     assert resumed["status"] == "ok" and resumed["start_step"] == 8
+
+
+def test_a_tensorrt_engine_giving_a_dict_is_read_back_in_float32():
+    """compile=tensorrt on a segmentation network: the engine's output is a dict."""
+    from runner.model.compile import _HeadThenEngine
+
+    class DictEngine(nn.Module):
+        def forward(self, x):
+            return {"out": x.half() * 2, "aux": x.half()}
+
+    wrapped = _HeadThenEngine(nn.Identity(), DictEngine(), torch.float16)
+    out = wrapped(torch.ones(2, 3, 4, 4))
+    assert set(out) == {"out", "aux"}
+    assert out["out"].dtype == torch.float32 and torch.equal(out["out"], torch.full_like(
+        out["out"], 2.0))
+
+
+def test_the_engine_cache_export_takes_a_short_last_batch(tmp_path: Path):
+    backbone = build_model(ModelConfig("tiny"), 5, CPU)[1].eval()
+    full = torch.randn(8, 3, 32, 32)
+    program = export_dynamic(backbone, full)
+    torch.export.save(program, tmp_path / "engine.pt2")
+    loaded = torch.export.load(tmp_path / "engine.pt2").module()
+    with torch.no_grad():
+        for n in (8, 3, 1):  # the full batch, a short last batch, one image
+            assert torch.allclose(loaded(full[:n]), backbone(full[:n]), atol=1e-5)
+    (spec,) = batch_dynamic_shapes(8)
+    assert spec[0].min == 1 and spec[0].max == 8
+
+@pytest.mark.parametrize(("amp", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                            ("off", torch.float32)])
+def test_tensorrt_gets_the_backbone_in_the_amp_dtype(amp: str, dtype: torch.dtype):
+    from runner.model.amp import DTYPES
+
+    model = build_model(ModelConfig("tiny"), 5, CPU)
+    wanted = DTYPES[AmpConfig(AmpName(amp)).name] or torch.float32
+    assert wanted == dtype
+    converted = backbone_in(model[1], wanted)
+    assert {p.dtype for p in converted.parameters()} == {dtype}
+    assert {p.dtype for p in model[1].parameters()} == {torch.float32}  # eager untouched
+
+def test_fp32_verification_allows_for_tf32_on_cuda():
+    assert tolerance(None, CPU) == TOLERANCE[None]
+    assert tolerance(None, torch.device("cuda")) >= 1e-2  # cuDNN's TF32 default
+    assert tolerance(torch.float16, torch.device("cuda")) == TOLERANCE[torch.float16]
+
+@pytest.mark.cuda
+def test_a_cached_tensorrt_engine_takes_the_short_last_batch(tmp_path: Path):
+    pytest.importorskip("torch_tensorrt")
+    from runner.config.schema import CompileConfig
+    from runner.model.compile import compile_model
+
+    device = torch.device("cuda")
+    model = build_model(ModelConfig("tiny"), 5, device).eval()
+    x = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8, device=device)
+    cfg, amp = CompileConfig(CompileName.tensorrt), AmpConfig(AmpName.fp16)
+    compile_model(model, cfg, amp, TaskName.infer, x, [8], tmp_path)  # builds, caches
+    reused, _ = compile_model(model, cfg, amp, TaskName.infer, x, [8, 3], tmp_path)
+    assert len(list(tmp_path.glob("*.pt2"))) == 1  # the engine format's suffix
+    with torch.inference_mode():
+        assert reused(x[:3]).shape == (3, 5)
+
+@pytest.mark.cuda
+def test_a_cuda_run_turns_cudnns_autotuner_on_unless_told_not_to(tmp_path, cache_dir):
+    import torch
+
+    for flag in ("true", "false"):
+        run_in_process(*SMALL_DATASET, "logger=none", "diagnose=false", "run.steps=3",
+                       "device=cuda", f"cudnn_benchmark={flag}", run_dir=tmp_path / flag)
+        assert torch.backends.cudnn.benchmark is (flag == "true")

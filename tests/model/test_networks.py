@@ -4,6 +4,7 @@ own nn.Module, local weights, checkpoints and resume, readable predictions, runn
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import re
 import subprocess
@@ -13,11 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.common.errors import Unavailable
-from runner.config.schema import ConfigError, ModelConfig, ModelSource
+from runner.common.errors import ConfigError, Unavailable
+from runner.config.schema import ModelConfig, ModelSource
 from runner.job.compose import compose
 from runner.model.networks import build_model
-from tests.conftest import REPO, SMALL_DATASET, encode, make_tree, photo, read_metrics, run_cli
+from tests.conftest import (
+    REPO,
+    SMALL_DATASET,
+    encode,
+    make_tree,
+    photo,
+    read_metrics,
+    run_cli,
+    run_in_process,
+)
 
 CPU = torch.device("cpu")
 UINT8 = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
@@ -220,7 +230,6 @@ def test_the_readme_training_script_runs_as_written(tmp_path: Path, cache_dir: P
 
 @pytest.mark.slow
 def test_training_on_a_single_class_is_warned_about(tmp_path: Path, cache_dir: Path, caplog):
-    import logging
 
     from tests.conftest import run_in_process
 
@@ -251,3 +260,64 @@ def test_a_model_resize_runs_under_cpu_bfloat16():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = UInt8Input(size=(24, 24))(x)
     assert y.shape == (2, 3, 24, 24) and y.dtype == torch.bfloat16
+
+
+@pytest.fixture
+def twelve(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "data", {f"{c}/{k}.jpg": encode(photo(40, 52, 10 * i + k))
+                                         for i, c in enumerate(["a", "b"]) for k in range(6)})
+
+@pytest.mark.parametrize("task", ["train", "infer"])
+def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
+        twelve: Path, tmp_path: Path, task: str):
+    from runner.common.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        run_in_process("model=tiny", f"task={task}", "logger=none", "diagnose=false",
+                       f"dataset.path={twelve}", "dataset.image_size=[1,1]", "run.steps=2",
+                       run_dir=tmp_path / "run")
+    message = str(e.value)
+    assert "dataset.image_size=[1, 1] is too small for model tiny" in message
+    side = int(message.split("the smallest square size it takes is ")[1].split(":")[0])
+    assert f"dataset.image_size=[{side},{side}]" in message
+    # the size it names works
+    m = run_in_process("model=tiny", f"task={task}", "logger=none", "diagnose=false",
+                       f"dataset.path={twelve}", f"dataset.image_size=[{side},{side}]",
+                       "run.steps=2", run_dir=tmp_path / "ok")
+    assert m["status"] == "ok"
+
+def test_weights_files_of_one_name_in_two_folders_get_their_folders_in_the_names(tmp_path: Path):
+    from runner.config.rules import model_configs
+    from runner.job.compose import compose
+
+    cfg = compose(["task=infer", "+models=[{name:tiny,weights:/x/a/best.pt},"
+                   "{name:tiny,weights:/x/b/best.pt}]"])
+    assert [m.label for m in model_configs(cfg)] == ["tiny-a-best", "tiny-b-best"]
+
+def test_one_weights_file_twice_asks_for_an_alias_not_other_weights(tmp_path: Path):
+    from runner.common.errors import ConfigError
+    from runner.config.rules import model_configs
+    from runner.job.compose import compose
+
+    with pytest.raises(ConfigError, match="one weights file /x/best.pt.*give each entry an alias"):
+        model_configs(compose(["task=infer", "+models=[{name:tiny,weights:/x/best.pt},"
+                               "{name:tiny,weights:/x/best.pt}]"]))
+
+
+def test_model_classes_takes_a_list_as_well_as_a_file(tmp_path: Path):
+    from runner.tasks.infer.outputs import model_classes
+
+    cfg = compose(["model.classes=[cat,dog,bird]"]).model
+    assert cfg.classes == ["cat", "dog", "bird"]
+    assert model_classes(cfg, 3, []) == ["cat", "dog", "bird"]
+    names = tmp_path / "names.txt"
+    names.write_text("a\nb\n")
+    assert model_classes(compose([f"model.classes={names}"]).model, 2, []) == ["a", "b"]
+    with pytest.raises(ConfigError, match="has 3 names, model tiny has 2"):
+        model_classes(cfg, 2, [])
+    with pytest.raises(ConfigError, match="model.classes=.*a list of names"):
+        compose(["model.classes=[]"])
+    # the names a checkpoint was trained with come after model.classes, before the data's
+    plain = compose([]).model
+    assert model_classes(plain, 2, ["x", "y"], ["cat", "dog"]) == ["cat", "dog"]
+    assert model_classes(plain, 2, ["x", "y"], None) == ["x", "y"]

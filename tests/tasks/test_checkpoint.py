@@ -3,21 +3,33 @@
 
 from __future__ import annotations
 
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from runner.common.errors import Interrupted
+from runner.tasks import TrainStep, checkpoint
 from tests.conftest import (
+    REPO,
     SMALL_DATASET,
     encode,
     job_dir,
     make_tree,
     photo,
     read_metrics,
+    run_cli,
     run_in_process,
 )
+from tests.tasks.train.test_training import small_model, task
 
 COMMON = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false",
           "dataset.crop=random", "run.epochs=3"]  # 60 images, batch 8: 8 steps an epoch
@@ -56,7 +68,6 @@ class Recorder:
 
 
 def read_metrics_file(path: Path) -> dict:
-    import json
 
     return json.loads(path.read_text())
 
@@ -211,12 +222,11 @@ RECORDING = """
                          ids=["first-step", "mid-epoch", "epoch-boundary"])
 def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_sees(
         tmp_path: Path, cache_dir: Path, loader: str, stop: int):
-    import json
     import os
     import subprocess
     import sys
 
-    from tests.test_failures import sitecustomize
+    from tests.conftest import sitecustomize
 
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
            **sitecustomize(tmp_path / "inject", RECORDING)}
@@ -252,7 +262,6 @@ def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_se
 @pytest.mark.slow
 def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_path: Path,
                                                                        cache_dir: Path):
-    from tests.conftest import run_cli
 
     sweep = ["-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
              "run.steps=3", "loader=folder,memmap,ram", "hydra.sweep.dir=sweep"]
@@ -273,8 +282,7 @@ def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_pat
 
 @pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, cache_dir: Path):
-    from tests.conftest import run_cli
-    from tests.test_failures import sitecustomize
+    from tests.conftest import sitecustomize
 
     env = {**sitecustomize(tmp_path / "inject", RECORDING), "RECORD": str(tmp_path / "rec")}
     args = [*SMALL_DATASET, "diagnose=false", "run.epochs=2", "resume=auto",
@@ -292,14 +300,13 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, cache_dir: P
 @pytest.mark.slow
 def test_a_sigterm_to_torchrun_stops_every_rank_at_one_step_and_the_resume_is_exact(
         tmp_path: Path, cache_dir: Path):
-    import json
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    from tests.test_failures import sitecustomize
+    from tests.conftest import sitecustomize
 
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
            **sitecustomize(tmp_path / "inject", RECORDING), "STOP_AT": "-1"}
@@ -406,10 +413,8 @@ def test_hydras_submitit_launcher_requeues_a_preempted_job_which_resumes_exactly
     import signal
     import subprocess
     import sys
-    import time
 
-    from tests.conftest import stray_processes
-    from tests.test_failures import sitecustomize
+    from tests.conftest import sitecustomize, stray_processes
 
     env = {**os.environ, "WANDB_SILENT": "true", **sitecustomize(tmp_path / "inject", SLOW_STEPS)}
     command = [sys.executable, "-m", "runner", "-m", "hydra/launcher=submitit_local",
@@ -448,7 +453,6 @@ def test_a_sweep_stopped_by_sigterm_keeps_its_finished_jobs_when_started_again(
     import signal
     import subprocess
     import sys
-    import time
 
     command = [sys.executable, "-m", "runner", "-m", *SMALL_DATASET, "model=none",
                "logger=none", "diagnose=false", "run.steps=4000", "run.window_seconds=0",
@@ -517,7 +521,6 @@ def test_resume_refuses_another_dataset_or_crop_naming_the_difference(tmp_path: 
                          ids=["killed-after-the-last-checkpoint", "stopped-in-the-verdict"])
 def test_resume_auto_finishes_a_run_stopped_after_its_last_step(tmp_path: Path,
                                                                 cache_dir: Path, left: str):
-    import json
 
     common = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false",
               "dataset.crop=random", "run.epochs=1", "resume=auto"]
@@ -539,7 +542,6 @@ def test_resume_auto_finishes_a_run_stopped_after_its_last_step(tmp_path: Path,
 def test_a_sweep_given_one_more_value_runs_only_the_new_job(tmp_path: Path, cache_dir: Path):
     """Job folders are named by their overrides: a value added to a swept list does not
     shift the others onto another job's folder (which re-ran and overwrote them)."""
-    from tests.conftest import run_cli
 
     sweep = ["-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
              "run.steps=3", "hydra.sweep.dir=sweep"]
@@ -687,3 +689,202 @@ def test_a_resume_applies_a_changed_augmentation_or_loss_with_one_line_each(tmp_
         "resume: amp.name off -> bf16: this run's value is applied from here on",
         "resume: loader.decoder pil -> simplejpeg: this run's value is applied from here on",
     ]
+
+
+def test_a_half_written_checkpoint_of_a_killed_run_is_removed(tmp_path: Path, caplog):
+    from runner.tasks import checkpoint
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f".checkpoint.pt.tmp{gone.pid}"
+    live = tmp_path / f".checkpoint.pt.tmp{os.getpid()}"  # a live run's write: kept
+    other = tmp_path / "notes.tmp1"
+    for f in (stale, live, other):
+        f.write_bytes(b"x" * 100)
+    task = SimpleNamespace(checkpoint=True)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        checkpoint.Checkpointer(task, tmp_path, {}, None)
+    assert not stale.exists() and live.exists() and other.exists()
+    said = [r.getMessage() for r in caplog.records if "half-written" in r.getMessage()]
+    assert len(said) == 1 and stale.name in said[0]
+
+
+TWO_RANKS = [o for o in SMALL_DATASET if not o.startswith(("dataset.num_images", "loader.batch"))] \
+    + ["dataset.num_images=44", "loader.batch_size=4", "model=custom",
+       "model.target=tests.nets:TwoLayer", "logger=none", "diagnose=false",
+       "run.timeline=false"]  # 44 images, 2 ranks x 4: 5 steps an epoch, 4 images dropped
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_records_its_drop_and_resumes_on_one(tmp_path: Path,
+                                                                       cache_dir: Path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         "-m", "runner", *TWO_RANKS, "run.epochs=1", "hydra.run.dir=two"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    saved = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
+    assert saved["world"] == 2 and saved["steps"] == saved["steps_per_epoch"] == 5
+    assert saved["config"]["loader"]["drop_last"] is True  # what the 2 ranks did
+    # the same command on one process, one epoch more: batch 8 and the last batch dropped
+    one = run_in_process(*TWO_RANKS, "run.epochs=2", f"resume={tmp_path / 'two'}",
+                         run_dir=tmp_path / "one")
+    assert one["status"] == "ok" and one["start_step"] == 5 and one["steps"] == 5
+    resumed = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    assert resumed["config"]["loader"]["batch_size"] == 8
+    assert resumed["config"]["loader"]["drop_last"] is True
+    # a checkpoint written before this record (drop_last: false from 2 ranks) resumes too
+    saved["config"]["loader"]["drop_last"] = False
+    torch.save(saved, tmp_path / "older.pt")
+    older = run_in_process(*TWO_RANKS, "run.epochs=2", f"resume={tmp_path / 'older.pt'}",
+                           run_dir=tmp_path / "older")
+    assert older["status"] == "ok" and older["start_step"] == 5
+
+
+TRAIN_RUN = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false"]
+
+def test_a_resume_that_would_train_another_model_is_still_refused_in_one_line(
+        tmp_path: Path, cache_dir: Path):
+    from runner.tasks.checkpoint import CheckpointError
+
+    run_in_process(*TRAIN_RUN, "run.steps=3", run_dir=tmp_path / "a")
+    with pytest.raises(CheckpointError, match="task.optimizer: checkpoint 'sgd', this run "
+                                              "'adamw'") as refused:
+        run_in_process(*TRAIN_RUN, "run.steps=6", "task.optimizer=adamw",
+                       f"resume={tmp_path / 'a'}", run_dir=tmp_path / "b")
+    assert "\n" not in str(refused.value)
+
+
+class FakeCuda:
+    """``count`` GPUs, one random state each (bytes full of the index), set calls kept."""
+
+    def __init__(self, count: int, current: int = 0):
+        self.count, self.current = count, current
+        self.sets: list[tuple[int, torch.Tensor]] = []
+
+    def index(self, device) -> int:
+        if isinstance(device, torch.device):
+            return self.current if device.index is None else device.index
+        if isinstance(device, str):
+            return self.index(torch.device(device))
+        return int(device)
+
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        i = self.index(device)
+        if i >= self.count:
+            raise RuntimeError(f"invalid device ordinal {i}")
+        return torch.full((16,), i, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device="cuda") -> None:
+        i = self.index(device)
+        if i >= self.count:  # as torch.cuda.default_generators[i] fails
+            raise IndexError(f"no CUDA device {i}: {self.count} visible")
+        self.sets.append((i, state.clone()))
+
+    def patch(self, monkeypatch) -> FakeCuda:
+        import torch.cuda.random as cuda_random
+
+        fakes = {"is_available": lambda: True, "is_initialized": lambda: True,
+                 "device_count": lambda: self.count, "current_device": lambda: self.current,
+                 "get_rng_state": self.get_rng_state, "set_rng_state": self.set_rng_state}
+        for name, fake in fakes.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+            if hasattr(cuda_random, name):
+                monkeypatch.setattr(cuda_random, name, fake)
+        return self
+
+def test_a_checkpoint_from_an_8_gpu_node_resumes_on_a_1_gpu_node(tmp_path: Path, monkeypatch):
+    step = TrainStep(small_model(), task(lr=0.1), total_steps=2)
+    node = FakeCuda(8, current=5).patch(monkeypatch)  # this rank drove cuda:5 of 8
+    path = checkpoint.save(tmp_path / "c.pt", step, 1, 2, {}, {})
+    rng = checkpoint.load(path)["rng"]  # weights_only: the format loads safely
+    assert rng["rank"] == 0 and rng["world"] == 1
+    assert list(rng["cuda"]) == [0]  # one state, the run's device's: not 8
+    assert torch.equal(rng["cuda"][0], node.get_rng_state(5))
+    # the device given wins over the current one
+    assert torch.equal(checkpoint.rng_state(torch.device("cuda", 2))["cuda"][0],
+                       node.get_rng_state(2))
+
+    small = FakeCuda(1, current=0).patch(monkeypatch)
+    checkpoint.restore_rng({"rng": rng})
+    assert [(i, int(s[0])) for i, s in small.sets] == [(0, 5)]  # cuda:5's state on cuda:0
+    assert torch.equal(torch.get_rng_state(), rng["cpu"][0])
+
+def test_an_older_checkpoint_with_every_gpus_state_resumes_on_fewer(monkeypatch):
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    old = {"rng": {"cpu": torch.get_rng_state(), "cuda": states}}  # get_rng_state_all's
+    one = FakeCuda(1).patch(monkeypatch)
+    checkpoint.restore_rng(old)
+    assert [(i, int(s[0])) for i, s in one.sets] == [(0, 0)]
+    two = FakeCuda(2, current=1).patch(monkeypatch)
+    checkpoint.restore_rng(old)
+    assert [(i, int(s[0])) for i, s in two.sets] == [(1, 1)]  # this device's entry
+    beyond = FakeCuda(4, current=3).patch(monkeypatch)
+    checkpoint.restore_rng({"rng": {"cpu": torch.get_rng_state(), "cuda": states[:2]}})
+    assert [(i, int(s[0])) for i, s in beyond.sets] == [(3, 0)]  # none for it: the first
+
+def cpu_seed(seed: int) -> None:
+    """The CPU generator seeded (torch.manual_seed would seed the fake GPUs too)."""
+    torch.random.default_generator.manual_seed(seed)
+
+def test_each_rank_restores_its_own_random_state_and_no_other(monkeypatch, caplog):
+    cuda = FakeCuda(2).patch(monkeypatch)
+    saved = {}
+    for rank in (0, 1):  # each rank on its own GPU, its own CPU seed
+        monkeypatch.setattr(checkpoint, "_rank_world", lambda rank=rank: (rank, 2))
+        cuda.current = rank
+        cpu_seed(100 + rank)
+        saved[rank] = checkpoint.rng_state()
+        assert saved[rank]["rank"] == rank and list(saved[rank]["cuda"]) == [rank]
+    both = {"rank": 0, "world": 2, "cpu": {r: saved[r]["cpu"][r] for r in (0, 1)},
+            "cuda": {r: saved[r]["cuda"][r] for r in (0, 1)}}
+
+    for rank in (0, 1):  # every rank's states in the checkpoint: each takes its own
+        monkeypatch.setattr(checkpoint, "_rank_world", lambda rank=rank: (rank, 2))
+        cuda.current, cuda.sets = rank, []
+        cpu_seed(7)
+        checkpoint.restore_rng({"rng": both})
+        assert torch.equal(torch.get_rng_state(), saved[rank]["cpu"][rank])
+        assert [(i, int(s[0])) for i, s in cuda.sets] == [(rank, rank)]
+
+    # rank 0's checkpoint (under torchrun rank 0 alone writes): rank 1 keeps its own seed's
+    monkeypatch.setattr(checkpoint, "_rank_world", lambda: (1, 2))
+    cuda.current, cuda.sets = 1, []
+    cpu_seed(7)
+    mine = torch.get_rng_state()
+    with caplog.at_level(logging.INFO, logger="runner"):
+        checkpoint.restore_rng({"rng": saved[0]})
+    assert torch.equal(torch.get_rng_state(), mine) and cuda.sets == []
+    assert "rank 1 draws from its own seed" in caplog.text
+
+    # a world of another size: nobody restores, with a warning
+    monkeypatch.setattr(checkpoint, "_rank_world", lambda: (0, 1))
+    cuda.current = 0
+    caplog.clear()
+    checkpoint.restore_rng({"rng": saved[0]})
+    assert torch.equal(torch.get_rng_state(), mine) and cuda.sets == []
+    assert "2 process(es), this run has 1" in caplog.text
+
+
+QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
+         "run.progress=false", "logger=none", "model=tiny", "loader.num_workers=0"]
+
+def predictions(run_dir: Path) -> list[dict]:
+    with open(run_dir / "predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+def test_a_checkpoint_names_the_classes_it_predicts(image_tree: Path, tmp_path: Path):
+    """Trained on class folders, then given as model.weights to infer on the same images
+    unlabelled: pred_name is the class folders' names, not 0, 1, 2."""
+    train = tmp_path / "train"
+    run_in_process(f"dataset.path={image_tree}", "run.steps=2", "diagnose=false", *QUICK,
+                   run_dir=train)
+    infer = tmp_path / "infer"
+    run_in_process("task=infer", f"dataset.path={image_tree}", "dataset.labels=none",
+                   f"model.weights={train / 'checkpoint.pt'}", "diagnose=false", *QUICK,
+                   run_dir=infer)
+    rows = predictions(infer)
+    assert rows and {r["label_name"] for r in rows} == {""}  # the images are unlabelled
+    assert {r["pred_name"] for r in rows} <= {"bird", "cat", "Dog"}
+    assert set(rows[0]["topk_names"].split()) == {"bird", "cat", "Dog"}

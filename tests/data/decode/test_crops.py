@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import runner
-from runner.config.schema import Decoder, StorageName
+from runner.config.schema import (
+    Decoder,
+    StorageName,
+)
+from runner.data.decode.crops import BatchAugment
 from runner.data.decode.decoders import DECODERS, center_box
 from runner.data.storage import STORAGES
 from runner.job.compose import compose
@@ -214,7 +219,6 @@ def test_the_packed_batch_decode_gives_the_per_image_pixels(tree: Path, tmp_path
 def test_the_bindings_enlargement_is_the_antialiased_resize():
     """The binding's bilinear (random crops that are enlargements: nearly all of them)
     against torch's antialiased uint8 resize, on HWC buffers and CHW windows, flipped."""
-    import torch.nn.functional as F
 
     from runner.data.decode.decoders import resize_into, upsample_job
 
@@ -282,3 +286,28 @@ def test_the_stores_bench_holds_packed_to_its_decode_limit_and_memmap_to_the_gri
                    "CPU, batch 64"]
     assert grid == (pytest.approx(5.2), 5.0)
     assert not any("packed random / packed center" in what for what in targets)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("size", [(375, 500), (3000, 4000)])
+def test_batched_boxes_are_the_decoders_boxes_pixel_for_pixel(size, device):
+    """The device's batched boxes (memmap/ram random crops on a GPU) are the integer windows
+    the decoders cut for the same seeds (``random_box`` + ``pixel_window``): float64 like
+    them, so no box rounds to a neighbouring pixel (in float32, 1 and 6 of these 20,000
+    boxes did)."""
+    from runner.data.decode.decoders import pixel_window, random_box
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    h, w = size
+    aug = BatchAugment((24, 24))
+    draws = aug.draws(list(range(20_000)))
+    on_device = {k: v.to(device) for k, v in draws.items()}
+    boxes = aug.boxes(20_000, h, w, torch.device(device), draws=on_device)
+    got = torch.stack([boxes.top, boxes.left, boxes.height, boxes.width], 1).long().tolist()
+    want, flips = [], []
+    for u in draws["crop_uniforms"].tolist():
+        box, flip = random_box(h, w, u)
+        want.append(list(pixel_window(box, h, w)))
+        flips.append(flip)
+    assert got == want and boxes.flip.tolist() == flips

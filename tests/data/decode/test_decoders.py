@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
 
-from runner.config.schema import Crop, Decoder
+from runner.config.schema import Crop, Decoder, OnCorrupt
 from runner.data.decode.decoders import (
     CorruptImageError,
     DecoderUnavailable,
@@ -20,7 +25,13 @@ from runner.data.decode.decoders import (
     check_decoder,
     read_jpeg_header,
 )
-from tests.conftest import encode, photo
+from runner.data.storage.folder import FolderStorage
+from tests.conftest import (
+    REPO,
+    encode,
+    make_tree,
+    photo,
+)
 
 CPU_DECODERS = [Decoder.pil, Decoder.simplejpeg, Decoder.jpeg4py, Decoder.torchvision]
 # region decodes only the crop's window, at a power-of-two scale when the crop is large
@@ -242,3 +253,63 @@ def test_region_decode_decodes_only_the_window(monkeypatch):
         assert h * denom < 480 or w * denom < 640  # a window, never the whole image
         narrow += w * denom < 640
     assert narrow > 0  # some windows leave columns out too
+
+
+SIZE = (24, 32)
+
+def folder_of(root: Path, on_corrupt: OnCorrupt = OnCorrupt.skip) -> FolderStorage:
+    return FolderStorage(root, ImageDecoder(Decoder.simplejpeg, SIZE), on_corrupt)
+
+JPEG4PY_AFTER_TRUNCATED = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from runner.config.schema import Decoder
+    from runner.data.decode.decoders import CorruptImageError, ImageDecoder
+    good, truncated = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes()
+    decode = ImageDecoder(Decoder.jpeg4py, (32, 32))
+    reference = decode(good)
+    try:
+        decode(truncated)
+    except CorruptImageError:
+        pass
+    for _ in range(200):
+        assert bool((decode(good) == reference).all())
+    print("ok")
+""")
+
+@pytest.mark.slow
+def test_jpeg4py_survives_a_truncated_file_then_200_good_ones(tmp_path: Path):
+    pytest.importorskip("jpeg4py")
+    from runner.common.errors import Unavailable
+    from runner.data.decode.decoders import check_decoder
+
+    try:
+        check_decoder(Decoder.jpeg4py)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    data = encode(photo(480, 640, index=3))
+    (tmp_path / "good.jpg").write_bytes(data)
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 3])
+    for _ in range(3):  # it aborted every time before the fix
+        proc = subprocess.run([sys.executable, "-c", JPEG4PY_AFTER_TRUNCATED,
+                               str(tmp_path / "good.jpg"), str(tmp_path / "cut.jpg")],
+                              env={**os.environ, "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+def test_an_image_claiming_billions_of_pixels_is_skipped_not_decoded():
+    data = bytearray(encode(photo(16, 16)))
+    sof = data.index(b"\xff\xc0")  # baseline frame header: height, width at +5, +7
+    data[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") + (60000).to_bytes(2, "big")
+    with pytest.raises(CorruptImageError, match="pixel limit"):
+        ImageDecoder(Decoder.simplejpeg, SIZE)(bytes(data))
+
+@pytest.mark.parametrize("content", [b"", b"\xff\xd8", b"GIF89a" + bytes(50), bytes(4096),
+                                     b"\x89PNG\r\n\x1a\n" + bytes(30)])
+def test_empty_truncated_and_foreign_files_are_counted_skips(tmp_path: Path, content: bytes):
+    root = make_tree(tmp_path / "tree", {"a/good.jpg": encode(photo(16, 16)),
+                                         "a/bad.jpg": content})
+    folder = folder_of(root)
+    items = [folder[i] for i in range(len(folder))]
+    skipped = [i for i in items if not hasattr(i, "image")]
+    assert len(skipped) == 1 and "bad.jpg" in skipped[0].path

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms.v2 import RandAugment, TrivialAugmentWide
 
 from runner.config.schema import AugmentConfig, AutoAugmentName
+from runner.data.decode.crops import BatchAugment
 from runner.data.device import augment as T
 from runner.data.device.augment import (
     NUM_BINS,
@@ -536,3 +538,34 @@ def test_the_hue_shift_is_torchvisions_adjust_hue_per_image_with_no_host_value(d
     with HostTensors(x, factors) as log:
         adjust_hue(x, factors)
     assert log.host == [], log.host
+
+
+CPU = torch.device("cpu")
+
+def test_batched_augmentation_matches_a_per_image_reference():
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (16, 3, 40, 48), dtype=torch.uint8)
+    aug = BatchAugment((40, 48))
+    boxes = aug.boxes(16, 40, 48, CPU)
+    out = aug.apply(images, boxes)
+    assert out.shape == (16, 3, 40, 48) and out.dtype == torch.uint8
+    for k in range(16):
+        t, left = int(boxes.top[k]), int(boxes.left[k])
+        h, w = int(boxes.height[k]), int(boxes.width[k])
+        assert 0 <= t and t + h <= 40 and 0 <= left and left + w <= 48
+        crop = images[k : k + 1, :, t : t + h, left : left + w].float()
+        ref = F.interpolate(crop, size=(40, 48), mode="bilinear", align_corners=False)[0]
+        ref = ref.round().clamp(0, 255)
+        if boxes.flip[k]:
+            ref = ref.flip(-1)
+        assert (out[k].float() - ref).abs().max() <= 1.0  # float rounding only
+    assert boxes.flip.any() and not boxes.flip.all()
+    assert len({(int(a), int(b)) for a, b in zip(boxes.height, boxes.width)}) > 8
+
+def test_augmentation_draws_on_the_device_with_no_host_round_trip(monkeypatch):
+    aug = BatchAugment((24, 24))
+    calls = []
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: calls.append(1) or real_item(self))
+    aug(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8))
+    assert calls == []  # no .item(): nothing leaves the device per image

@@ -3,6 +3,9 @@ overwritten under a holder, RAM refused when it does not fit, augmentation on ba
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,14 @@ from runner.data.sources.listing import DatasetError
 from runner.data.storage import ram
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import MemmapSpec, open_cache
-from tests.conftest import encode, make_loader, make_tree, photo
+from tests.conftest import (
+    REPO,
+    SMALL_DATASET,
+    encode,
+    make_loader,
+    make_tree,
+    photo,
+)
 
 SIZE = (16, 16)
 
@@ -168,11 +178,7 @@ def test_batch_augment_crops_each_image_differently():
 @pytest.mark.slow
 def test_the_loader_benchmark_runs_end_to_end(tmp_path: Path, cache_dir: Path):
     """A smoke run on tiny data: every measurement happens and the JSON lands."""
-    import json
-    import subprocess
-    import sys
 
-    from tests.conftest import REPO
 
     proc = subprocess.run(
         [sys.executable, "-m", "runner.bench", "loaders", "--size", "32",  # default batch 256
@@ -189,3 +195,16 @@ def test_the_loader_benchmark_runs_end_to_end(tmp_path: Path, cache_dir: Path):
     data = json.loads(result.read_text())
     assert {t["what"].split(" /")[0] for t in data["targets"]} >= {"memmap", "ram"}
     assert data["rates"]["memmap"] > 0 and len(data["folder_vs_naive_rounds"]) == 1
+
+
+def test_a_batch_whose_buffers_cannot_fit_in_memory_is_refused_in_one_line(
+        tmp_path: Path, cache_dir: Path, monkeypatch):
+    from runner.common.errors import ConfigError
+    from runner.data import build_data_path, path
+    from runner.job.compose import compose
+
+    monkeypatch.setattr(path, "memory_available", lambda: 10 * 3 * 48 * 48)
+    config = compose([*SMALL_DATASET, "loader.batch_size=50", "model=none"])
+    with pytest.raises(ConfigError, match=r"loader.batch_size=50 needs .* per batch of 50 "
+                                          r"images .* use a smaller loader.batch_size"):
+        build_data_path(config, torch.device("cpu"), epochs=1, progress=False)

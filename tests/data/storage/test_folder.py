@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,6 @@ def test_threads_can_be_iterated_under_inference_mode(image_tree: Path):
 
 def test_a_dead_class_link_one_class_and_a_deleted_file_are_each_said(tmp_path, caplog):
     import logging
-    import os
 
     from runner.config.schema import Decoder as D
     from runner.config.schema import OnCorrupt as O
@@ -206,3 +206,17 @@ def test_a_dead_class_link_one_class_and_a_deleted_file_are_each_said(tmp_path, 
     (root / "only" / "b.jpg").unlink()  # deleted during the run
     skipped = storage[1]
     assert skipped.error.startswith("unreadable")
+
+
+SIZE = (24, 32)
+
+def folder_of(root: Path, on_corrupt: OnCorrupt = OnCorrupt.skip) -> FolderStorage:
+    return FolderStorage(root, ImageDecoder(Decoder.simplejpeg, SIZE), on_corrupt)
+
+def test_a_missing_class_folder_image_read_mid_run_is_a_skip(tmp_path: Path):
+    root = make_tree(tmp_path / "tree", {f"a/{k}.jpg": encode(photo(16, 16, index=k))
+                                         for k in range(3)})
+    folder = folder_of(root)
+    (root / "a" / "1.jpg").unlink()  # deleted after the listing
+    items = [folder[i] for i in range(len(folder))]
+    assert sum(not hasattr(i, "image") for i in items) == 1

@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from runner.common.errors import ConfigError
 from runner.config.schema import ModelConfig, Output
+from runner.job.compose import compose
 from runner.model.networks import build_model
 from tests.conftest import REPO, encode, make_tree, photo, run_in_process
 
@@ -170,8 +173,31 @@ def test_masks_reduced_on_the_host_are_the_devices(tmp_path: Path):
 
 
 def test_a_negative_writer_thread_count_is_refused_in_one_line():
-    from runner.common.errors import ConfigError
-    from runner.job.compose import compose
 
     with pytest.raises(ConfigError, match=r"task.writer_threads.*>= 0"):
         compose(["task=infer", "task.writer_threads=-1"])
+
+
+CPU = torch.device("cpu")
+
+QUIET_INFER = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
+        "dataset.image_size=[32,32]", "loader.batch_size=4", "run.warmup_steps=0",
+        "run.progress=false", "run.epochs=1"]
+
+def test_two_images_of_one_name_get_a_mask_each(tmp_path: Path):
+    """photo.jpg and photo.png used to both become masks/<model>/photo.png."""
+    src = make_tree(tmp_path / "scenes", {"photo.jpg": encode(photo(40, 52, 0)),
+                                          "photo.png": encode(photo(60, 36, 1), "PNG")})
+    torch.manual_seed(0)
+    model = build_model(ModelConfig("lraspp_mobilenet_v3_large", num_classes=4), 0, CPU,
+                        train=False).eval()
+    torch.save(model[1].state_dict(), tmp_path / "seg.pt")
+    m = run_in_process(*QUIET_INFER, f"dataset.path={src}", "dataset.crop=whole",
+                       "dataset.image_size=[64,64]", "model.name=lraspp_mobilenet_v3_large",
+                       f"model.weights={tmp_path / 'seg.pt'}", "task.outputs=[masks]",
+                       run_dir=tmp_path / "run")
+    assert m["status"] == "ok"
+    masks = tmp_path / "run" / "masks" / "lraspp_mobilenet_v3_large"
+    assert sorted(p.name for p in masks.iterdir()) == ["photo.jpg.png", "photo.png.png"]
+    assert Image.open(masks / "photo.jpg.png").size == (52, 40)  # each at its own source size
+    assert Image.open(masks / "photo.png.png").size == (36, 60)

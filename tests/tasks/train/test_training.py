@@ -4,11 +4,15 @@ recipes compose."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 
@@ -17,6 +21,7 @@ from runner.job.compose import compose
 from runner.model.networks import UInt8Input
 from runner.tasks import TrainStep, checkpoint
 from runner.tasks.train.optim import Ema, param_groups
+from tests.conftest import SMALL_DATASET, encode, make_tree, photo, run_in_process
 
 CPU = torch.device("cpu")
 
@@ -421,3 +426,361 @@ def test_every_optimizer_and_schedule_has_a_record_whose_keys_are_task_keys():
         assert set(kind.keys) <= fields, kind.name
     assert checkpoint.OPTIMIZER_KEYS == ("task.weight_decay", "task.momentum",
                                          "task.nesterov", "task.betas", "task.eps")
+
+
+TRAIN_RUN = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false"]
+
+def strict_json(path: Path) -> dict:
+    """The file as JSON, refusing NaN and Infinity (which JSON does not have)."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{path.name} holds {name}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+class Rates:
+    """The learning rate of every parameter group in force at each training step (the
+    rate that step's optimizer update uses), and the last step object."""
+
+    def __init__(self, monkeypatch):
+        import runner.tasks
+
+        self.before: list[list[float]] = []
+        self.step = None
+        real = runner.tasks.TrainStep.__call__
+        rates = self
+
+        def call(self, batch) -> None:
+            rates.step = self
+            rates.before.append([g["lr"] for g in self.optimizer.param_groups])
+            real(self, batch)
+
+        monkeypatch.setattr(runner.tasks.TrainStep, "__call__", call)
+
+def fresh_rates(lr: float, updates: int, **task) -> list[float]:
+    """The learning rate at each optimizer step of a fresh schedule over ``updates``."""
+    from runner.config.schema import TaskConfig, TaskName
+    from runner.tasks.train.optim import build_schedule
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    schedule = build_schedule(optimizer, TaskConfig(TaskName.train, lr=lr, **task), updates, 8)
+    rates = []
+    for _ in range(updates + 1):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates  # [k]: in force at update k (the last: after the plan's last update)
+
+def test_a_resume_with_another_lr_and_a_longer_plan_applies_both(tmp_path: Path,
+                                                                 cache_dir: Path, monkeypatch,
+                                                                 caplog):
+    """6 steps of cosine at task.lr=0.05, resumed with task.lr=0.5 over run.steps=12: steps
+    7..12 run at the rates of a fresh cosine of 12 steps at 0.5 (not the checkpoint's 0.05,
+    not a cosine of 6 steps climbing back from 0), and metrics.json's lr_last is the
+    optimizer's."""
+    schedule = ["task.schedule=cosine", "task.warmup_steps=2", "task.min_lr=0.001"]
+    run_in_process(*TRAIN_RUN, *schedule, "task.lr=0.05", "run.steps=6", run_dir=tmp_path / "a")
+    rates = Rates(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        resumed = run_in_process(*TRAIN_RUN, *schedule, "task.lr=0.5", "run.steps=12",
+                                 f"resume={tmp_path / 'a'}", run_dir=tmp_path / "b")
+    monkeypatch.undo()
+    assert resumed["status"] == "ok" and resumed["start_step"] == 6 and resumed["steps"] == 6
+    expected = fresh_rates(0.5, 12, schedule=_cosine(), warmup_steps=2, min_lr=0.001)
+    assert len(rates.before) == 6
+    for k, groups in enumerate(rates.before):  # every parameter group, at step 7 + k
+        assert groups == pytest.approx([expected[6 + k]] * len(groups), rel=1e-12, abs=0), k
+    final = [g["lr"] for g in rates.step.optimizer.param_groups]
+    assert final == pytest.approx([expected[12]] * len(final), rel=1e-12, abs=0)
+    written = strict_json(tmp_path / "b" / "metrics.json")
+    assert written["lr_last"] == pytest.approx(final[0], rel=1e-12, abs=0)
+    assert written["config"]["task"]["lr"] == 0.5
+    said = [r.getMessage() for r in caplog.records if "applied" in r.getMessage()]
+    assert len(said) == 1 and "task.lr 0.05 -> 0.5" in said[0] and "6 -> 12" in said[0], said
+    # its own checkpoint resumes as it was saved: the same rate, nothing said as changed
+    caplog.clear()
+    rates = Rates(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        more = run_in_process(*TRAIN_RUN, *schedule, "task.lr=0.5", "run.steps=14",
+                              f"resume={tmp_path / 'b'}", run_dir=tmp_path / "c")
+    monkeypatch.undo()
+    assert more["status"] == "ok" and more["start_step"] == 12
+    expected = fresh_rates(0.5, 14, schedule=_cosine(), warmup_steps=2, min_lr=0.001)
+    assert [g[0] for g in rates.before] == pytest.approx(expected[12:14], rel=1e-12, abs=0)
+
+def _cosine():
+    from runner.config.schema import ScheduleName
+
+    return ScheduleName.cosine
+
+def test_a_resumed_step_takes_the_new_lr_and_plan_from_the_optimizer_step_it_reached(
+        tmp_path: Path):
+    """The same at the step's level (no run folder): a checkpoint of 4 of a 4-step plan at
+    lr 0.1, restored into a step of an 8-step plan at lr 0.3 (one-cycle, which keeps its
+    own rates in the optimizer's groups)."""
+    from runner.config.schema import ScheduleName, TaskConfig, TaskName
+    from runner.tasks import TrainStep, checkpoint
+
+    old = TaskConfig(TaskName.train, lr=0.1, schedule=ScheduleName.onecycle)
+    new = TaskConfig(TaskName.train, lr=0.3, schedule=ScheduleName.onecycle)
+    first = TrainStep(small_model(), old, total_steps=4)
+    data = batches(8)
+    for batch in data[:4]:
+        first(batch)
+    path = checkpoint.save(tmp_path / "c.pt", first, 1, 4, {}, {})
+    second = TrainStep(small_model(seed=5), new, total_steps=4, plan_steps=8)
+    checkpoint.restore(second, torch.load(path, weights_only=True))
+    straight = TrainStep(small_model(), new, total_steps=8)  # the schedule alone is compared
+    for batch in data[:4]:
+        straight(batch)
+    for batch in data[4:]:
+        assert second.lr == pytest.approx(straight.lr, rel=1e-12, abs=0)
+        second(batch)
+        straight(batch)
+    assert second.lr == pytest.approx(straight.lr, rel=1e-12, abs=0)
+    assert [g["max_lr"] for g in second.optimizer.param_groups] == [0.3, 0.3]
+
+def nan_from(monkeypatch, step: int) -> None:
+    """The loss of the run's ``step``-th step (1-based) is NaN; its backward makes the
+    weights NaN, so every loss after it is NaN too, as in a real divergence."""
+    import runner.tasks
+
+    real = runner.tasks.TrainStep.loss
+
+    def loss(self, logits, batch):
+        value = real(self, logits, batch)
+        return value * float("nan") if self.steps == step - 1 else value
+
+    monkeypatch.setattr(runner.tasks.TrainStep, "loss", loss)
+
+def finite_state(path: Path) -> dict:
+    state = torch.load(path, weights_only=True)
+    for name, tensor in state["model"].items():
+        if tensor.is_floating_point():
+            assert torch.isfinite(tensor).all(), f"{path.name}: {name} is not finite"
+    return state
+
+def test_a_nan_loss_fails_the_run_at_its_step_and_keeps_the_good_checkpoint(
+        tmp_path: Path, cache_dir: Path, monkeypatch):
+    nan_from(monkeypatch, 5)
+    run_dir = tmp_path / "run"
+    error = None
+    try:
+        run_in_process(*TRAIN_RUN, "run.steps=10", "task.checkpoint_every_steps=2",
+                       run_dir=run_dir)
+    except Exception as e:  # the run's failure, re-raised after metrics.json is written
+        error = e
+    metrics = strict_json(run_dir / "metrics.json")
+    assert metrics["status"] == "failed", metrics.get("reason")
+    assert error is not None and metrics["reason"] == str(error)
+    assert "step 5" in metrics["reason"] and "nan" in metrics["reason"], metrics["reason"]
+    assert "\n" not in metrics["reason"]
+    assert finite_state(run_dir / "checkpoint.pt")["steps"] == 4  # the last good one
+
+def test_a_nan_in_the_last_steps_fails_before_the_final_checkpoint(tmp_path: Path,
+                                                                   cache_dir: Path,
+                                                                   monkeypatch):
+    """The last step's loss is NaN: no log point reads it before the run ends; the end
+    reads it and writes no checkpoint of NaN weights over the epoch's."""
+    from runner.common.errors import Diverged
+
+    nan_from(monkeypatch, 16)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Diverged):
+        run_in_process(*TRAIN_RUN, "run.epochs=2", "task.checkpoint_every=1",
+                       "run.log_every=100", "run.repeats=1", run_dir=run_dir)
+    metrics = strict_json(run_dir / "metrics.json")
+    assert metrics["status"] == "failed" and "step 16" in metrics["reason"], metrics
+    assert finite_state(run_dir / "checkpoint.pt")["steps"] == 8
+
+def test_a_nan_found_while_a_signal_stops_the_run_fails_it(tmp_path: Path, cache_dir: Path,
+                                                          monkeypatch):
+    """SIGTERM after a NaN loss: the stop reads the losses, and the run is failed at the
+    NaN's step (not interrupted, with a continue command and no checkpoint of NaNs)."""
+    import os
+    import signal
+
+    import runner.tasks
+    from runner.common.errors import Diverged
+
+    nan_from(monkeypatch, 3)
+    real = runner.tasks.TrainStep.__call__
+
+    def call(self, batch) -> None:
+        real(self, batch)
+        if self.steps == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler stops after this step
+
+    monkeypatch.setattr(runner.tasks.TrainStep, "__call__", call)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Diverged):
+        run_in_process(*TRAIN_RUN, "run.steps=10", "run.log_every=100", "run.repeats=1",
+                       run_dir=run_dir)
+    metrics = strict_json(run_dir / "metrics.json")
+    assert metrics["status"] == "failed" and "step 3" in metrics["reason"], metrics
+    assert not (run_dir / "checkpoint.pt").exists()
+
+def test_a_learning_rate_that_diverges_fails_the_run(tmp_path: Path, cache_dir: Path):
+    """No injection: task.lr=1e30 blows the weights up within a few steps."""
+    from runner.common.errors import Diverged
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(Diverged):
+        run_in_process(*TRAIN_RUN, "run.steps=12", "task.lr=1e30", run_dir=run_dir)
+    metrics = strict_json(run_dir / "metrics.json")
+    assert metrics["status"] == "failed" and "step " in metrics["reason"], metrics
+    assert not (run_dir / "checkpoint.pt").exists()  # no checkpoint of blown-up weights
+
+def test_the_step_fails_at_the_read_after_a_nan_and_names_the_first_such_step():
+    from runner.common.errors import Diverged
+    from runner.config.schema import TaskConfig, TaskName
+    from runner.tasks import TrainStep
+
+    step = TrainStep(small_model(), TaskConfig(TaskName.train), total_steps=6)
+    data = batches(6)
+    for batch in data[:2]:
+        step(batch)
+    assert math.isfinite(step.read()["loss"])
+    step.losses[2] = float("inf")  # as the step would store it, on the device
+    step.steps = 4
+    with pytest.raises(Diverged, match="the loss is inf at step 3"):
+        step.read()
+    with pytest.raises(Diverged, match="step 3"):  # once found, the same error
+        step.close()
+
+
+class FakeDDP(nn.Module):
+    """DDP's interface: a ``no_sync`` context; the flag is read at forward and backward."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.local = False
+        self.entered = 0
+        self.forwards: list[bool] = []
+        self.backwards: list[bool] = []
+        next(module.parameters()).register_hook(self._backward)
+
+    def _backward(self, grad: torch.Tensor) -> None:
+        self.backwards.append(self.local)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.local, self.entered = True, self.entered + 1
+        try:
+            yield
+        finally:
+            self.local = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards.append(self.local)
+        return self.module(x)
+
+# accumulate=3 over 7 batches: 1, 2, 4, 5 local; 3 and 6 end an update, 7 ends the run
+LOCAL = [True, True, False, True, True, False, False]
+
+def test_accumulated_batches_skip_the_all_reduce_but_an_updates_last_and_the_runs_last():
+    ddp = FakeDDP(small_model())
+    step = TrainStep(ddp, task(lr=0.1, accumulate=3), total_steps=7)
+    for batch in batches(7):
+        step(batch)
+    assert ddp.forwards == LOCAL and ddp.backwards == LOCAL and ddp.entered == 4
+    assert step.micro == 1  # the 7th batch waits for close
+    step.close()
+    assert step.micro == 0 and step.schedule.last_epoch == 3
+    # behind torch.compile too (its wrapper hands no_sync through)
+    assert TrainStep(torch.compile(FakeDDP(small_model())), task(accumulate=2),
+                     total_steps=4)._no_sync is not None
+    # a plain model: no context at all
+    assert TrainStep(small_model(), task(accumulate=3), total_steps=7)._no_sync is None
+
+def test_a_checkpoint_mid_accumulation_under_ddp_says_its_gradients_are_local(
+        tmp_path: Path, caplog):
+    step = TrainStep(FakeDDP(small_model()), task(lr=0.1, accumulate=3), total_steps=7)
+    for batch in batches(4):
+        step(batch)
+    path = checkpoint.save(tmp_path / "c.pt", step, 0.5, 4, {}, {})
+    state = checkpoint.load(path)
+    assert state["micro"] == 1 and state["local_grads"] is True
+    again = TrainStep(FakeDDP(small_model(1)), task(lr=0.1, accumulate=3), total_steps=3,
+                      plan_steps=7)
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        checkpoint.restore(again, state)
+    assert again.micro == 1 and "rank 0's alone" in caplog.text
+    for batch in batches(3):  # the resumed 5th batch is local, the 6th ends the update
+        again(batch)
+    assert again.model.forwards == [True, False, False]
+
+@pytest.fixture
+def gloo_world_of_one():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+def test_real_ddp_all_reduces_once_per_optimizer_step_and_trains_the_same(gloo_world_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(small_model())
+    step = TrainStep(ddp, task(lr=0.1, accumulate=3), total_steps=7)
+    reduced: list[int] = []  # the batches (1-based) whose backward all-reduced
+
+    def count(state, bucket):
+        reduced.append(step.steps + 1)
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())  # world of one: the mean is the gradient itself
+        return fut
+
+    ddp.register_comm_hook(None, count)
+    plain = TrainStep(small_model(), task(lr=0.1, accumulate=3), total_steps=7)
+    for batch in batches(7):
+        step(batch)
+        plain(batch)
+    step.close()
+    plain.close()
+    assert sorted(set(reduced)) == [3, 6, 7]
+    for p, q in zip(ddp.module.parameters(), plain.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
+         "run.progress=false", "logger=none", "model=tiny", "loader.num_workers=0"]
+
+def test_training_says_model_classes_is_not_its_classes(image_tree: Path, tmp_path: Path,
+                                                        caplog):
+    """model.classes names an inference's outputs: a training run given it says, in one
+    warning, that the data's classes are used (it was ignored without a word)."""
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        run_in_process(f"dataset.path={image_tree}", "model.classes=[x]", "run.steps=2",
+                       "diagnose=false", *QUICK, run_dir=tmp_path / "train")
+    said = [r.getMessage() for r in caplog.records if "model.classes" in r.getMessage()]
+    assert len(said) == 1 and "not used in training" in said[0] and "cat" in said[0], said
+
+
+COMMON = ["logger=none", "diagnose=false", "run.timeline=false", "dataset.image_size=[32,32]",
+          "loader.batch_size=16", "loader.shuffle=false", "run.warmup_steps=0",
+          "run.progress=false"]
+
+BROKEN = b"\xff\xd8\xff not really a JPEG"
+
+def folder(root: Path, bad: range) -> Path:
+    """48 images in sorted order (three classes of 16), those of ``bad`` undecodable."""
+    files = {}
+    for k in range(48):
+        files[f"{'abc'[k // 16]}/{k:02d}.jpg"] = BROKEN if k in bad else \
+            encode(photo(40, 52, k))
+    return make_tree(root, files)
+
+def test_training_counts_an_epoch_with_an_undecodable_batch_whole(tmp_path: Path):
+    data = folder(tmp_path / "data", range(16, 32))  # class b: every image broken
+    over = ["task=train", *COMMON, f"dataset.path={data}", "run.epochs=2"]
+    m = run_in_process(*over, run_dir=tmp_path / "run")
+    assert m["status"] == "ok" and m["steps"] == 6 and len(m["skipped_files"]) == 16
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", map_location="cpu",
+                       weights_only=False)
+    assert state["epoch"] == 2 and state["steps"] == 6
+    again = run_in_process(*over, "resume=auto", run_dir=tmp_path / "run")
+    assert again["status"] == "ok" and again["steps"] == 6  # finished: not read again
+    more = run_in_process(*over[:-1], "run.epochs=3", "resume=auto", run_dir=tmp_path / "run")
+    assert more["start_step"] == 6 and more["steps"] == 3  # the third epoch alone

@@ -1,5 +1,5 @@
-"""Figures that cannot contradict each other: no stage longer than the step it is part of,
-and no verdict field that says more than the verdict's sentence."""
+"""runner/tasks/results.py: figures that cannot contradict each other (no stage longer than the
+step it is part of, merged ranks' shares of the run's step)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,12 @@ def window(seconds: float, augment: float, wait: float = 0.0, steps: int = 10) -
               "compute": seconds - augment - wait}
     return Window(steps=steps, images=8 * steps, seconds=seconds, stages=stages)
 
-
 def result_of(windows: list[Window]) -> LoopResult:
     timed = Window()
     for w in windows:
         timed.add(w)
     return LoopResult(timed=timed, repeats=windows, steps=timed.steps + 2,
                       images=timed.images + 16, warmup_steps=2)
-
 
 def test_no_stage_is_longer_than_the_step_after_a_slow_first_window():
     """A slow first window (first uses of augmentation ops) lifts the stages' mean over all
@@ -40,7 +38,6 @@ def test_no_stage_is_longer_than_the_step_after_a_slow_first_window():
     for s in STAGES:
         assert figures[f"{s}_ms"] == pytest.approx(figures[f"{s}_frac"] * step)
 
-
 def test_the_optimizer_and_ema_are_shares_of_the_step_and_of_its_compute():
     figures = loop_figures(result_of([window(4.0, 1.0), window(2.0, 0.5),
                                       window(2.0, 0.5)]), [])
@@ -52,12 +49,10 @@ def test_the_optimizer_and_ema_are_shares_of_the_step_and_of_its_compute():
     assert figures["ema_ms"] == pytest.approx(figures["compute_ms"])  # never beyond compute
     assert figures["optimizer_ms"] <= figures["compute_ms"] <= figures["ms_per_step"]
 
-
 def ms_in(line: str) -> dict[str, float]:
     return {name: float(v) for v, name in re.findall(r"([\d.]+) ms(?:/(step))?", line)
             if name} | {name: float(v) for name, v in re.findall(
                 r"(augmentation|optimizer step|EMA update) ([\d.]+) ms", line)}
-
 
 @pytest.mark.slow
 def test_a_training_run_prints_no_part_longer_than_its_step(tmp_path: Path, cache_dir: Path):
@@ -79,30 +74,6 @@ def test_a_training_run_prints_no_part_longer_than_its_step(tmp_path: Path, cach
     assert set(printed) == {"step", "augmentation", "optimizer step", "EMA update"}
     for name in ("augmentation", "optimizer step", "EMA update"):
         assert printed[name] <= printed["step"], line
-
-
-def test_no_verdict_leaves_bound_and_stage_null():
-    """A disturbed run's sentence gives no verdict: ``bound`` and ``stage`` (what a script
-    reads) must not give one either."""
-    from runner.job.compose import compose
-    from runner.job.diagnose import Ceilings, verdict
-
-    cfg = compose(["model=tiny"])
-    q = {"gather": 5_000.0, "model": 900.0}
-    ceilings = Ceilings(dict(q), {k: dict.fromkeys(("min", "q1", "median", "q3", "max"), v)
-                                  for k, v in q.items()})
-    figures = {"images_per_sec": 800.0, "data_wait_frac": 0.01, "spread_frac": 0.05}
-    calm = verdict(cfg, figures, ceilings)
-    assert calm.bound == "model" and calm.stage == "model"
-    assert calm.sentence.startswith("model-bound")
-    flag = "disturbed: other processes used 1.5 cores while it was timed"
-    v = verdict(cfg, {**figures, "flags": [flag]}, ceilings)
-    assert v.sentence.startswith("no verdict")
-    assert v.bound is None and v.stage is None
-    record = v.as_dict()
-    assert record["bound"] is None and record["stage"] is None
-    assert record["ceilings"] == q  # the stage figures are still there to read
-
 
 def test_merged_ranks_give_each_stage_as_a_share_of_the_runs_step():
     """Under torch.distributed the run's step is its slowest rank's: every stage (the
