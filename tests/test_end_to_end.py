@@ -21,6 +21,8 @@ from tests.conftest import (
     wandb_records,
 )
 
+pytestmark = pytest.mark.process  # every test here starts a process
+
 REQUIRED = {"status", "reason", "images_per_sec", "ms_per_step", "data_wait_frac", "steps",
             "images", "skipped_files", "config"}
 

@@ -267,6 +267,7 @@ def test_every_plot_has_a_title_plain_numbers_and_axes_from_zero(tmp_path: Path,
         check_figure(fig)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_reports_plots_go_to_wandb_in_the_sweeps_group(tmp_path: Path):
     """``--wandb``: the plots as images and results.csv as a table, read back from the

@@ -86,6 +86,7 @@ def test_list_names_every_row_and_what_fails_it(capsys):
     assert all(len(line) > 40 for line in lines)  # each says its claim
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_rows_code_runs_on_the_cpu(tmp_path: Path):
     """The resume and infer rows end to end on the CPU (RUNNER_SELFCHECK_DEVICE=cpu):

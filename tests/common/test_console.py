@@ -99,6 +99,7 @@ def runner_console(*args: str, cwd: Path, cache: Path) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_wandb_offline_is_one_line_of_ours_per_run_and_once_per_sweep(tmp_path: Path):
     common = [*SMALL_DATASET, "run.steps=3", "run.warmup_steps=1", "diagnose=false",
@@ -257,6 +258,7 @@ def on_a_terminal(args: list[str], cwd: Path, columns: int = 100) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_run_on_a_terminal_keeps_to_its_width_and_prefixes_nothing(tmp_path: Path,
                                                                      cache_dir: Path):

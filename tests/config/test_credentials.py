@@ -63,6 +63,7 @@ def test_the_line_names_the_variables_to_use_instead(tmp_path: Path, monkeypatch
     assert "http(s) client sends none" in argv_refusal(CASES["val_path"])
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [CASES["endpoint"], CASES["path-s3"]], ids=["endpoint", "s3"])
 def test_python_m_runner_refuses_credentials_and_writes_nothing(argv: list[str],

@@ -115,8 +115,13 @@ BUILDERS = {"loader": build_loader_preset, "prefetch": build_prefetch_preset,
             "logger": build_logger_preset}
 
 
-@pytest.mark.parametrize(("group", "preset"),
-                         [p for p in PRESETS if p[0] not in ("sweep", "recipe")])
+# building these starts a process: inductor's C++ compiler, wandb's service
+STARTS_A_PROCESS = {("compile", "inductor"), ("logger", "wandb")}
+
+
+@pytest.mark.parametrize(("group", "preset"), [
+    pytest.param(*p, marks=pytest.mark.process) if p in STARTS_A_PROCESS else p
+    for p in PRESETS if p[0] not in ("sweep", "recipe")])
 def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path, tmp_path: Path):
     """Every preset builds its real object here, or (on a machine that cannot run it) is
     refused with a reason naming what is missing, the way a run records a skip."""
@@ -232,6 +237,7 @@ def test_unknown_key_suggests_the_valid_one():
 
 
 
+@pytest.mark.process
 def test_a_renamed_key_points_to_its_new_name(tmp_path: Path):
     # task.write_predictions gated every output kind, not only predictions: now write_outputs
     message = unknown_key_message("task.write_predictions=false")
@@ -245,6 +251,7 @@ def test_a_renamed_key_points_to_its_new_name(tmp_path: Path):
     assert "Did you mean task.write_outputs?" in proc.stderr
     assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_dir: Path):
     proc = run_cli("loader.batchsize=3", cwd=tmp_path, check=False)
@@ -262,6 +269,7 @@ def test_cli_rejects_typos_and_bad_values_before_any_work(tmp_path: Path, cache_
     assert not cache_dir.exists()  # failed before the default dataset was made
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_misspelt_model_in_models_is_refused_before_any_dataset_is_made(tmp_path: Path,
                                                                        cache_dir: Path):

@@ -135,6 +135,7 @@ def test_the_verdict_fits_its_budget_and_times_the_model_in_several_bursts():
     assert 3 <= len(rates) <= 5 and len(set(rates)) > 1  # a spread, not one sample repeated
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_run_beside_another_job_says_its_figures_are_disturbed(tmp_path: Path,
                                                                  cache_dir: Path):
@@ -167,6 +168,7 @@ def test_a_run_beside_another_job_says_its_figures_are_disturbed(tmp_path: Path,
     assert busy["images_per_sec"] >= 0.25 * quiet["images_per_sec"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_measures_memmap_after_folder_and_packed_as_memmap_alone(tmp_path: Path,
                                                                           cache_dir: Path):

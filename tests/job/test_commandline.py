@@ -88,6 +88,7 @@ def assert_one_line_refusal(proc, says: str, suggestion: str | None) -> None:
         assert noise not in out
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(ERRORS))
 def test_every_config_error_is_one_line_status_2_and_no_folder(kind: str, tmp_path: Path):
@@ -102,6 +103,7 @@ def test_every_config_error_is_one_line_status_2_and_no_folder(kind: str, tmp_pa
     assert not cache.exists()  # no dataset generated, no store converted
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_bad_value_leaves_an_existing_run_folder_untouched(tmp_path: Path):
     run = tmp_path / "run"
@@ -122,6 +124,7 @@ def test_a_bad_value_leaves_an_existing_run_folder_untouched(tmp_path: Path):
     assert tree(tmp_path) == before  # nothing appended, no metrics.<k>.json kept aside
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cfg_still_prints_a_config_with_a_range_error(tmp_path: Path):
     """``--cfg job`` prints the composed config (range checks are the run's), and makes
@@ -266,6 +269,7 @@ def source(tmp_path: Path) -> Path:
     files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
     return make_tree(tmp_path / "src", files)
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["unlabelled training", "damaged cache"])
 def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(

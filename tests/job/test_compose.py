@@ -56,6 +56,7 @@ def test_a_model_named_beside_models_that_do_not_hold_it_is_refused():
         assert job_refusal(["task=infer", *fine]) is None, fine
 
 
+@pytest.mark.process
 def test_a_missing_or_empty_dataset_folder_is_refused_before_any_run_folder(tmp_path: Path):
     missing = tmp_path / "nope"
     empty = tmp_path / "empty"

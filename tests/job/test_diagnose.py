@@ -142,6 +142,7 @@ def test_a_short_runs_verdict_stays_within_its_budget(data: dict[str, Path], tmp
     assert b["seconds"] <= b["budget_seconds"] + 8 * step + 0.5, b
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_verdict_probes_a_batch_no_larger_than_the_loops(tmp_path: Path, cache_dir: Path):
     """loader.batch_size=1000000 on 64 images runs batches of 64; the verdict's probes did

@@ -25,6 +25,7 @@ def fresh_environment():
     environment._collected.cache_clear()
 
 
+@pytest.mark.process  # wandb's service
 def test_a_run_records_its_environment_in_metrics_report_and_wandb(tmp_path: Path,
                                                                     cache_dir: Path):
     run_dir = tmp_path / "run"

@@ -98,6 +98,7 @@ def history(records: list) -> list[dict]:
             for h in kind(records, "history")]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_run_honours_the_wandb_environment_and_logs_what_users_look_at(tmp_path: Path,
                                                                         cache_dir: Path):
@@ -136,6 +137,7 @@ def test_a_run_honours_the_wandb_environment_and_logs_what_users_look_at(tmp_pat
             assert secret.encode() not in path.read_bytes(), f"secret written to {path}"
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_wandb_mode_disabled_writes_no_run(tmp_path: Path, cache_dir: Path):
     proc = run_cli(*SMALL_DATASET, "model=none", "run.steps=4", "diagnose=false",
@@ -147,6 +149,7 @@ def test_wandb_mode_disabled_writes_no_run(tmp_path: Path, cache_dir: Path):
     assert "wandb sync" not in proc.stdout + proc.stderr  # no run to upload
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweeps_runs_are_grouped_by_it_and_named_by_what_it_sweeps(tmp_path: Path,
                                                                      cache_dir: Path,

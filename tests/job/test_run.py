@@ -34,6 +34,7 @@ def one_error_line(proc: subprocess.CompletedProcess, expect: str) -> str:
     assert len(lines) == 1 and expect in lines[0], out
     return lines[0]
 
+@pytest.mark.process
 @pytest.mark.slow  # python -m runner in a subprocess
 def test_hydra_run_dir_naming_a_file_is_one_line(tmp_path: Path):
     (tmp_path / "afile").write_text("not a folder")
@@ -58,6 +59,7 @@ READ_ONLY = """
     os.mkdir, os.open = mkdir, open_
 """
 
+@pytest.mark.process
 @pytest.mark.slow  # python -m runner in a subprocess, three times
 @pytest.mark.parametrize("where", ["working folder", "output folder", "existing output folder"])
 def test_a_read_only_run_folder_is_one_line(tmp_path: Path, where: str):
@@ -96,6 +98,7 @@ def test_a_run_folder_that_can_be_made_is_unchanged(tmp_path: Path, monkeypatch)
         check_run_folder(["hydra.run.dir=elsewhere"])
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_runs_started_together_get_their_own_folders(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "run.steps=1", "hydra.run.dir=warm",
@@ -111,6 +114,7 @@ def test_runs_started_together_get_their_own_folders(tmp_path: Path, cache_dir: 
     pids = {read_metrics(f.parent)["pid"] for f in found}
     assert pids == {p.pid for p in procs}  # each its own metrics.json, none overwritten
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["", "+", "++"])
 def test_a_run_folder_in_use_is_refused_and_its_results_kept(tmp_path: Path, cache_dir: Path,
@@ -131,6 +135,7 @@ def test_a_run_folder_in_use_is_refused_and_its_results_kept(tmp_path: Path, cac
     assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- the live run's own\n"
     assert (run_dir / "runner.log").read_text() == "the live run's log\n"
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_run_keeps_its_steps_and_leaves_no_process(

@@ -34,6 +34,7 @@ from tests.conftest import (
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_survives_skips_and_failures_and_reports(tmp_path: Path, cache_dir: Path):
     proc = run_cli("-m", *SMALL_DATASET, "model=none", "logger=none", "diagnose=false",
@@ -162,6 +163,7 @@ def test_plots_stay_readable_at_30_runs_with_a_100x_span(tmp_path: Path):
         assert w >= 900 and h >= 0.3 * 120 * 32  # a row per run, not squeezed
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_verdict_names_decode_for_a_slow_folder_decoder(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "loader.decoder=pil",
@@ -172,6 +174,7 @@ def test_the_verdict_names_decode_for_a_slow_folder_decoder(tmp_path: Path, cach
     assert b["sentence"].startswith("data-bound: pipeline") and "slowest stage decode" in b["sentence"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_dir: Path):
     # 16 steps, not 6: the pipeline's figure is a median over windows of a few steps, and
@@ -200,6 +203,7 @@ def test_the_verdict_names_the_model_when_data_is_in_ram(tmp_path: Path, cache_d
     assert stages[-1] == "model", stages
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_probes_each_data_path_once(tmp_path: Path, cache_dir: Path):
     """The jobs of a sweep that share a data path share its ceilings: the first job of
@@ -226,6 +230,7 @@ def test_a_sweep_probes_each_data_path_once(tmp_path: Path, cache_dir: Path):
     assert len(kept) == 2  # one per data path
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_diagnose_false_skips_the_burst(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "model=none", "logger=none", "diagnose=false", "run.steps=3",
@@ -233,6 +238,7 @@ def test_diagnose_false_skips_the_burst(tmp_path: Path, cache_dir: Path):
     assert "bottleneck" not in read_metrics(tmp_path / "run")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_profiler_writes_a_chrome_trace_with_the_stages(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "profile=true", "logger=none", "diagnose=false", "run.steps=12",
@@ -243,6 +249,7 @@ def test_the_profiler_writes_a_chrome_trace_with_the_stages(tmp_path: Path, cach
     assert {"data_wait", "copy", "compute"} <= names
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_each_sweep_job_is_one_wandb_run_in_the_sweeps_group(tmp_path: Path, cache_dir: Path):
     run_cli("-m", *SMALL_DATASET, "model=none", "diagnose=false", "run.steps=3",
@@ -411,6 +418,7 @@ def test_autotunes_first_trial_takes_an_unset_draft_as_the_run_would(no_region_b
     assert first.params["loader.draft"] is (decoder == "auto")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_any_hydra_sweeper_can_optimize_the_runner(tmp_path: Path, cache_dir: Path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
@@ -424,6 +432,7 @@ def test_any_hydra_sweeper_can_optimize_the_runner(tmp_path: Path, cache_dir: Pa
     assert proc.returncode == 0
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_autotune_writes_the_best_command_and_its_gain_over_trial_0(tmp_path: Path,
                                                                     cache_dir: Path):
@@ -462,6 +471,7 @@ def test_decode_advice_leaves_out_what_the_run_already_does():
     assert "dataset.store_size" in packed and "loader=packed" not in packed
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_an_autotune_study_is_kept_on_disk_and_continued_when_started_again(tmp_path: Path,
                                                                           cache_dir: Path):
@@ -483,6 +493,7 @@ def test_an_autotune_study_is_kept_on_disk_and_continued_when_started_again(tmp_
     assert third["status"] == "ok" and third["images_per_sec"] > 0, third.get("reason")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_an_autotune_stopped_by_ctrl_c_mid_trial_continues_where_it_stopped(tmp_path: Path,
                                                                            cache_dir: Path):
@@ -513,6 +524,7 @@ def test_an_autotune_stopped_by_ctrl_c_mid_trial_continues_where_it_stopped(tmp_
     assert read_metrics(numbered_job(tmp_path / "sweep", 0))["status"] == "ok"  # not run again
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path,
                                                                    cache_dir: Path):
@@ -540,6 +552,7 @@ def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path
     assert proc.returncode == 1  # and says, at the end, that a job failed
     assert re.search(r"job \S*loader.num_workers=1\S* \(failed\)", proc.stdout + proc.stderr)
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_names_every_failed_jobs_reason(tmp_path: Path, cache_dir: Path):
     # flat folders (unlabelled images) that training refuses when each job opens its data

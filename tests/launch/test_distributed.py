@@ -94,6 +94,8 @@ UNEVEN = [o for o in SMALL_DATASET if not o.startswith("dataset.num_images")]
 UNEVEN.append("dataset.num_images=61")  # 61 images, 2 ranks, batch 8: a padded last batch
 
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", ["folder", "packed", "dali"])
 def test_two_ranks_infer_every_image_exactly_once(tmp_path: Path, cache_dir: Path, loader: str):
@@ -112,6 +114,8 @@ def test_two_ranks_infer_every_image_exactly_once(tmp_path: Path, cache_dir: Pat
     assert not list((tmp_path / "run").glob("*.rank*.csv"))
 
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_two_ranks_train_in_sync_and_only_rank_0_writes(tmp_path: Path, cache_dir: Path):
     proc = torchrun(*UNEVEN, "loader=memmap", "run.epochs=2", "diagnose=false",
@@ -132,6 +136,8 @@ def test_two_ranks_train_in_sync_and_only_rank_0_writes(tmp_path: Path, cache_di
     assert read_metrics(tmp_path / "again")["status"] == "ok"
 
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_a_sweep_under_torchrun_joins_and_leaves_a_group_per_job(tmp_path: Path,
                                                                  cache_dir: Path):
@@ -200,6 +206,8 @@ def _equal_counts_rank(rank: int, world: int, port: int, cache: str, out: str) -
     finally:
         dist.destroy_process_group()
 
+@pytest.mark.process
+@pytest.mark.ranks
 def test_every_rank_gets_the_same_whole_batches_and_validation_counts_each_image_once(
         tmp_path: Path, private_cache: Path):
     from runner.data.storage import resolve_dataset
@@ -250,6 +258,8 @@ def global_steps(tmp_path: Path, record: str, world: int) -> list[tuple[list[int
     return [(sorted(i for r in step for i in r[0]), sum(r[1] for r in step))
             for step in zip(*ranks)]
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_four_ranks_stopped_and_resumed_on_two_read_what_two_ranks_read_straight(
         tmp_path: Path, cache_dir: Path):
@@ -372,6 +382,8 @@ def two_nodes(tmp_path: Path, s3_env: dict, *overrides: str, ranks: int = 2) -> 
         assert p.returncode == 0, out[-4000:]
     return outs
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_two_nodes_each_fetch_their_share_of_a_bucket_and_train_in_step(
         tmp_path: Path, s3_server, s3_env, delay_line, cache_dir: Path):
@@ -465,6 +477,8 @@ def spec_for(root: Path) -> MemmapSpec:
 def build(root: Path, cache: Path, on_corrupt: OnCorrupt = OnCorrupt.skip):
     return ensure_cache(folder_of(root, on_corrupt), spec_for(root), cache, progress=False)
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_under_torchrun_rank_0_reports_the_failing_ranks_error(tmp_path: Path,
                                                               cache_dir: Path):

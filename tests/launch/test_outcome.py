@@ -20,6 +20,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.process
 def test_a_record_tells_a_dead_owner_from_a_live_one():
     import socket
 
@@ -42,6 +43,7 @@ def test_a_record_tells_a_dead_owner_from_a_live_one():
     assert not owner_gone({k: v for k, v in dead.items() if k != "host"})
     assert settled({**dead, "status": "ok"})["status"] == "ok"
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_run_killed_by_sigkill_is_reported_dead_and_the_next_run_says_so(
         tmp_path: Path, cache_dir: Path, capsys):
@@ -97,6 +99,7 @@ def test_a_refused_resume_does_not_stand_for_the_parts_that_ran(tmp_path: Path):
     assert previous_record(tmp_path)["images_per_sec"] == 900.0  # the latest that ran
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_killed_run_leaves_a_running_record_with_its_windows(tmp_path: Path,
                                                                cache_dir: Path):

@@ -67,7 +67,7 @@ def test_problems_names_an_undeclared_key_and_a_wrong_type():
 
 
 def test_every_declared_key_has_its_one_line_meaning():
-    source = Path(__import__("runner.measure.metrics").measure.schema.__file__).read_text()
+    source = Path(__import__("runner.measure.metrics").measure.metrics.__file__).read_text()
     for key in Metrics.__annotations__:
         line = next(x for x in source.splitlines() if x.strip().startswith(f"{key}:"))
         assert "#" in line and line.split("#", 1)[1].strip(), key

@@ -35,6 +35,7 @@ def test_spans_are_recorded_only_when_enabled_and_clipped_to_the_window(tmp_path
         timeline.disable()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "lanes", "stages"), [
     (["loader.num_workers=2"], {"worker 0", "worker 1", "main"},
@@ -141,6 +142,7 @@ def test_a_cpu_run_records_no_device_lane(tmp_path: Path):
         timeline.disable()
 
 
+@pytest.mark.process
 @pytest.mark.cuda
 def test_a_cuda_run_draws_its_copy_and_compute_streams(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "prefetch=gpu", "loader=memmap", "logger=none",

@@ -124,6 +124,7 @@ def test_compile_time_is_reported_and_kept_out_of_the_figures(tmp_path: Path, ca
     assert m["compile_max_diff"]["tiny"] < 1e-3
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_tensorrt_without_cuda_is_a_skip_naming_what_is_missing(tmp_path: Path, cache_dir: Path):
     if torch.cuda.is_available():
@@ -134,6 +135,7 @@ def test_tensorrt_without_cuda_is_a_skip_naming_what_is_missing(tmp_path: Path, 
     assert m["status"] == "skipped" and "needs CUDA" in m["reason"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_several_models_share_one_pass(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "task=infer", "models=[tiny,resnet18]", "compile=torchscript",
@@ -149,6 +151,7 @@ def test_several_models_share_one_pass(tmp_path: Path, cache_dir: Path):
     assert set(m["compile_max_diff"]) == {"tiny", "resnet18"}
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_models_needs_infer_and_distinct_names(tmp_path: Path):
     for bad, why in [(["task=train", "models=[tiny,resnet18]"], "needs task=infer"),

@@ -141,6 +141,7 @@ def test_infer_reads_in_dataset_order_unless_asked():
         compose(["task=infer", "resume=x.pt"])
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_train_checkpoint_resume_continues_the_loss_then_infer_with_its_weights(
         tmp_path: Path, cache_dir: Path):
@@ -171,6 +172,7 @@ def test_train_checkpoint_resume_continues_the_loss_then_infer_with_its_weights(
     assert correct > 0.5  # trained weights, not random ones
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_validation_folder_reports_top1_each_epoch(tmp_path: Path, cache_dir: Path):
     val = make_tree(tmp_path / "val", {f"{c}/{k}.jpg": encode(photo(48, 48, index=k))
@@ -214,6 +216,7 @@ def test_the_readme_script_is_about_30_lines():
     assert 20 <= len(readme_script().strip().splitlines()) <= 40
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_readme_training_script_runs_as_written(tmp_path: Path, cache_dir: Path):
     root = make_tree(tmp_path / "data", {f"c{c}/{k}.jpg": encode(photo(64, 80, index=9 * c + k))

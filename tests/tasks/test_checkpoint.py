@@ -217,6 +217,8 @@ RECORDING = """
 """
 
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize(("loader", "stop"), [("memmap", 1), ("memmap", 2), ("folder", 3)],
                          ids=["first-step", "mid-epoch", "epoch-boundary"])
@@ -259,6 +261,7 @@ def test_two_torchrun_ranks_stopped_and_resumed_see_what_an_uninterrupted_run_se
         assert [s[2] for s in together] == pytest.approx([s[2] for s in straight], abs=1e-5)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_path: Path,
                                                                        cache_dir: Path):
@@ -280,6 +283,7 @@ def test_a_sweep_started_again_keeps_its_finished_jobs_and_runs_the_rest(tmp_pat
         assert after[k]["pid"] != before[k]["pid"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, cache_dir: Path):
     from tests.conftest import sitecustomize
@@ -297,6 +301,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, cache_dir: P
     assert read_metrics(tmp_path / "run")["start_step"] == 5
 
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_a_sigterm_to_torchrun_stops_every_rank_at_one_step_and_the_resume_is_exact(
         tmp_path: Path, cache_dir: Path):
@@ -402,6 +408,7 @@ SLOW_STEPS = """
 """
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_hydras_submitit_launcher_requeues_a_preempted_job_which_resumes_exactly(
         tmp_path: Path, cache_dir: Path):
@@ -446,6 +453,7 @@ def test_hydras_submitit_launcher_requeues_a_preempted_job_which_resumes_exactly
     assert losses == pytest.approx(straight, abs=1e-6)  # as if it had never stopped
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_stopped_by_sigterm_keeps_its_finished_jobs_when_started_again(
         tmp_path: Path, cache_dir: Path):
@@ -538,6 +546,7 @@ def test_resume_auto_finishes_a_run_stopped_after_its_last_step(tmp_path: Path,
     assert third == read_metrics(run_dir) == again
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_given_one_more_value_runs_only_the_new_job(tmp_path: Path, cache_dir: Path):
     """Job folders are named by their overrides: a value added to a swept list does not
@@ -691,6 +700,7 @@ def test_a_resume_applies_a_changed_augmentation_or_loss_with_one_line_each(tmp_
     ]
 
 
+@pytest.mark.process
 def test_a_half_written_checkpoint_of_a_killed_run_is_removed(tmp_path: Path, caplog):
     from runner.tasks import checkpoint
 
@@ -714,6 +724,8 @@ TWO_RANKS = [o for o in SMALL_DATASET if not o.startswith(("dataset.num_images",
        "model.target=tests.nets:TwoLayer", "logger=none", "diagnose=false",
        "run.timeline=false"]  # 44 images, 2 ranks x 4: 5 steps an epoch, 4 images dropped
 
+@pytest.mark.process
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_a_checkpoint_of_two_ranks_records_its_drop_and_resumes_on_one(tmp_path: Path,
                                                                        cache_dir: Path):

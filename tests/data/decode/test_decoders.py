@@ -277,6 +277,7 @@ JPEG4PY_AFTER_TRUNCATED = textwrap.dedent("""
     print("ok")
 """)
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_jpeg4py_survives_a_truncated_file_then_200_good_ones(tmp_path: Path):
     pytest.importorskip("jpeg4py")

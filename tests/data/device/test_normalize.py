@@ -136,6 +136,7 @@ def test_what_cannot_follow_a_float_batch_is_refused(overrides, said, cache_dir:
     assert "loader.host_dtype=uint8" in str(caught.value)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_sweep_over_host_dtype_and_size_composes_and_draws_the_copy(tmp_path: Path,
                                                                        cache_dir: Path):

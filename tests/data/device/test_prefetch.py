@@ -82,6 +82,7 @@ def test_empty_source_and_an_empty_loader():
     assert list(CpuPrefetcher([], depth=3)) == []
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_bf16_autocast_trains_the_tiny_model_on_cpu(tmp_path: Path, cache_dir: Path):
     run_cli(*SMALL_DATASET, "amp=bf16", "logger=none", "run.epochs=4", "hydra.run.dir=run",
@@ -91,6 +92,7 @@ def test_bf16_autocast_trains_the_tiny_model_on_cpu(tmp_path: Path, cache_dir: P
     assert m["loss_last"] < m["loss_first"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 @pytest.mark.parametrize(("override", "why"), [

@@ -175,6 +175,7 @@ def test_batch_augment_crops_each_image_differently():
     assert torch.equal(out, BatchAugment((24, 24))(images))  # seeded: reproducible
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_loader_benchmark_runs_end_to_end(tmp_path: Path, cache_dir: Path):
     """A smoke run on tiny data: every measurement happens and the JSON lands."""

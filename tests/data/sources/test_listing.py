@@ -187,6 +187,7 @@ def test_a_socket_in_an_unlabelled_folder_is_skipped(tmp_path: Path):
     assert [p for p, _ in listing.samples] == [str(root / f"img{k}.jpg") for k in range(3)]
     assert listing.skipped == [(str(path), "a socket")]
 
+@pytest.mark.process
 def test_a_dataset_root_that_is_a_symlink_loop_is_one_line(tmp_path: Path):
     loop = tmp_path / "loop"
     os.symlink(loop, loop)

@@ -143,6 +143,7 @@ def test_dataset_endpoint_url_is_honoured_without_the_variable(bucket, cache_dir
     assert sum(len(b[0]) for b in got) == 60 and delay_line.stats.requests >= 60
 
 
+@pytest.mark.process
 def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_dir,
                                                                   tmp_path, s3_env):
     local = str(local_dataset(cache_dir))
@@ -170,6 +171,7 @@ def test_a_run_on_a_bucket_trains_and_infers_as_on_its_local_copy(bucket, cache_
                 assert secret not in path.read_text(errors="replace"), path
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", ["no-bucket", "no-prefix", "unreachable", "denied"])
 def test_bad_remote_input_is_one_line_and_exit_2(case, s3_server, delay_line, s3_env,
                                                  tmp_path, cache_dir):
@@ -256,6 +258,7 @@ def test_a_run_on_a_bucket_stopped_mid_epoch_resumes_exactly(layout, bucket, s3_
     assert [s[2] for s in together] == pytest.approx([s[2] for s in straight.steps], abs=1e-6)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_bench_runs_its_servers_on_a_core_apart_from_the_client():
     """bench remote pins the servers and delay lines to one core and itself (the client,
@@ -365,6 +368,7 @@ def test_a_packed_store_forced_far_reads_its_ranges_through_the_engine(cache_dir
         engine.merge_gap)
 
 
+@pytest.mark.server
 def test_a_packed_store_on_a_far_mount_is_told_far_and_gives_its_local_batches(
         cache_dir, tmp_path):
     """A packed store served over HTTP (``rclone serve http``) behind a 20 ms delay line and
@@ -478,6 +482,7 @@ def rclone_shards(tmp_path: Path, cache_dir, monkeypatch):
             pytest.skip("this rclone answers range requests with 206: nothing to test")
         yield "s3://bucket/shards", local
 
+@pytest.mark.server
 def test_shards_behind_a_server_that_answers_ranges_with_200_are_read(rclone_shards, caplog):
     url, local = rclone_shards
     figures: dict = {}
@@ -530,6 +535,7 @@ def engine_of(url: str):
 
     return ReadEngine(ObjectStore(RemoteURL.parse(url)))
 
+@pytest.mark.server
 def test_a_server_that_ignores_ranges_is_sliced(server):
     Answers.mode = "whole"
     engine = engine_of(server)
@@ -540,6 +546,7 @@ def test_a_server_that_ignores_ranges_is_sliced(server):
     finally:
         engine.close()
 
+@pytest.mark.server
 def test_an_answer_that_is_neither_the_range_nor_the_object_stops_in_one_line(server):
     from runner.data.sources.objectstore import RangeAnswerError
 
@@ -555,6 +562,7 @@ def test_an_answer_that_is_neither_the_range_nor_the_object_stops_in_one_line(se
     assert "bytes 0-9/10240" in message, message
     assert Answers.gets <= 2 and engine.stats.retries == 0  # no crawl of retries
 
+@pytest.mark.server
 def test_what_the_server_did_is_said_without_a_credential_of_its_url():
     from runner.data.sources.objectstore import ObjectStore, RangeAnswerError, range_body
     from runner.data.sources.url import RemoteURL

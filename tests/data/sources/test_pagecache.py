@@ -85,6 +85,7 @@ def test_when_eviction_does_not_take_the_run_says_unknown(files, monkeypatch):
     assert other.state == "unknown" and "posix_fadvise" in other.note
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", ["folder", "memmap"])
 def test_a_cold_run_records_it_and_measures_the_disk(tmp_path: Path, cache_dir: Path, loader):
@@ -163,6 +164,7 @@ def test_an_interrupted_reencode_resumes(source: Path, tmp_path: Path, monkeypat
     assert manifest["images"] == 13
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_reencode_command_reports_bytes_and_the_path(source: Path, tmp_path: Path):
     proc = subprocess.run(

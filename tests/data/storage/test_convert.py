@@ -128,6 +128,7 @@ def test_on_corrupt_fail_is_honoured_when_a_cache_exists(source: Path, tmp_path:
         open_cache(folder_of(source, OnCorrupt.fail), spec_for(source), tmp_path / "cache",
                    progress=False)
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_memmap_run_lists_skipped_files_in_metrics(tmp_path: Path, cache_dir: Path,
                                                      source: Path):

@@ -149,6 +149,7 @@ KILLED_CONVERSION = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_killed_conversion_resumes_to_identical_bytes(source: Path, tmp_path: Path,
                                                         monkeypatch):

@@ -201,6 +201,7 @@ KILLED_PACKING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_killed_packing_resumes_to_the_same_images(source: Path, tmp_path: Path,
                                                     monkeypatch):

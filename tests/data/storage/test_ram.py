@@ -38,6 +38,7 @@ except ConfigError as e:
 print("left", left)
 """
 
+@pytest.mark.process
 def test_the_batch_memory_check_holds_to_ulimit_v(tmp_path: Path):
     """A batch the machine holds but ``ulimit -v`` does not is refused in one line (it
     passed the MemAvailable check and failed in the allocator)."""

@@ -160,6 +160,7 @@ def target(module: Path, function: str) -> str:
 
 # --- through python -m runner ----------------------------------------------------------------
 
+@pytest.mark.process
 def test_a_map_style_dataset_trains_through_python_m_runner(tmp_path: Path):
     """uint8 CHW tensors of three sizes, resized to dataset.image_size: 2 epochs of 24
     images in batches of 8 are 6 steps, a checkpoint, and one line naming what does not
@@ -176,6 +177,7 @@ def test_a_map_style_dataset_trains_through_python_m_runner(tmp_path: Path):
     assert "loader.decoder" in log and "dataset.crop" in log
 
 
+@pytest.mark.process
 def test_an_iterable_dataset_infers_in_its_own_order_with_workers(tmp_path: Path):
     """An IterableDataset of numpy arrays, no __len__ (counted by one pass), read by 2
     workers: every item once, in the Dataset's order (each worker converts its share),
@@ -322,6 +324,7 @@ NET = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("spelling", ["my_nets:Net", "my_nets.Net"])
 def test_the_runner_script_finds_a_custom_model_in_the_current_folder(
         tmp_path: Path, image_tree: Path, spelling: str):

@@ -16,6 +16,7 @@ def by_index(got: list) -> dict[int, tuple[int, torch.Tensor]]:
             for i, label, image in zip(index, labels, images)}
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("where", ["local", "bucket"])
 def test_webdatasets_pipeline_reads_every_image_once_with_the_same_crop(
         where, tmp_path, cache_dir, request):

@@ -223,7 +223,7 @@ def test_every_output_matches_the_model_run_directly(labelled: Path, tmp_path: P
 def test_an_embedding_layer_and_a_postprocess_are_written(labelled: Path, tmp_path: Path):
     over = [*BASE, f"dataset.path={labelled}", "run.epochs=1",
             "task.outputs=[embeddings]", "task.embed_layer=features.2",
-            "task.postprocess=nets:top_logit"]
+            "task.postprocess=tests.nets:top_logit"]
     m = run_in_process(*over, run_dir=tmp_path / "run")
     assert m["status"] == "ok"
     emb = np.load(tmp_path / "run" / "tiny.embeddings.npy")
@@ -314,6 +314,7 @@ runpy.run_module("runner", run_name="__main__")
 """
 
 
+@pytest.mark.process
 def test_inference_killed_with_sigkill_resumes_from_its_saved_state(tmp_path: Path):
     """SIGKILL leaves no time to save: the state saved every few seconds of work (every
     step here) lets resume=auto go on from there, to the bytes of an uninterrupted run."""

@@ -32,7 +32,7 @@ def test_every_output_has_a_complete_record_in_its_module():
     assert set(OUTPUT_KINDS) == set(Output)
     for name, kind in OUTPUT_KINDS.items():
         assert isinstance(kind, OutputKind) and kind.name is name
-        assert (REPO / "runner" / "output_kinds" / f"{name.value}.py").is_file()
+        assert (REPO / "runner" / "tasks" / "infer" / "kinds" / f"{name.value}.py").is_file()
         assert kind.keys and callable(kind.reduce) and callable(kind.writer) and kind.files
         assert kind.needs in (LOGITS, FEATURES)
         assert all(kind_of(key) is kind for key in kind.keys)
@@ -57,6 +57,7 @@ KIND = OutputKind(Output.margin, ("margin",), reduce, RowsWriter,
 '''
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a copy of the package, a run in a subprocess
 def test_an_output_kind_is_its_enum_value_and_its_module(tmp_path: Path):
     """What adding an output kind takes, run for real: a copy of the package with one more

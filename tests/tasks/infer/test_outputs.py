@@ -115,7 +115,7 @@ def test_a_wrong_postprocess_fails_in_one_line_naming_it(labelled, helpers, tmp_
     assert said in str(e.value) and "\n" not in str(e.value)
 
 def test_a_right_postprocess_still_writes_its_rows(labelled, tmp_path):
-    m = post_run(labelled, tmp_path / "run", "nets:top_logit", "task.outputs=[logits]")
+    m = post_run(labelled, tmp_path / "run", "tests.nets:top_logit", "task.outputs=[logits]")
     assert m["status"] == "ok"
     top = np.load(tmp_path / "run" / "tiny.top_logit.npy")
     logits = np.load(tmp_path / "run" / "tiny.logits.npy")
@@ -234,6 +234,7 @@ def test_writer_threads_bind_to_the_runs_gpu(monkeypatch):
     assert bound == []  # a CPU run touches no CUDA API
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", ["folder", "memmap"])
 def test_an_infer_run_over_a_non_utf8_file_name_keeps_every_prediction(

@@ -719,6 +719,7 @@ def gloo_world_of_one():
     finally:
         dist.destroy_process_group()
 
+@pytest.mark.ranks
 def test_real_ddp_all_reduces_once_per_optimizer_step_and_trains_the_same(gloo_world_of_one):
     from torch.nn.parallel import DistributedDataParallel
 
