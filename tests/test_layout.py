@@ -236,6 +236,7 @@ def named_storages(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_storage_and_decoder_names_are_written_only_where_they_are_defined():
     """A caller that writes ``if name == "packed"`` (or a list of decoders) holds a fact in
     the wrong place: it asks the storage's or decoder's registry record instead."""

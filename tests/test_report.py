@@ -113,6 +113,7 @@ def test_a_sweep_partly_without_a_model_says_which_share(tmp_path: Path):
     assert "**1 of 3 runs ran `model=none`**" in report.split("| run |")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sweep_preset", ["loaders", "decoders", "rivals"])
 @pytest.mark.parametrize("model", [["model=resnet18"],
                                    ["model=custom", "model.target=tests.nets:TwoLayer"]])
@@ -241,6 +242,7 @@ def check_figure(fig) -> None:
             assert overlap_w <= 1 or overlap_h <= 1, (ax.get_title(), box, area)
 
 
+@pytest.mark.slow
 def test_every_plot_has_a_title_plain_numbers_and_axes_from_zero(tmp_path: Path, figures):
     # the batch size varies (a log2 axis), over more than 10x (a log images/s axis)
     for k, (loader, rate) in enumerate((("folder", 300.0), ("memmap", 9_000.0))):

@@ -20,6 +20,7 @@ def test_every_loop_is_timed_on_the_same_items_with_its_cost_per_batch():
         assert o["per_batch_us"][key] == pytest.approx(1e6 * o[key] / 40)  # 40 batches
 
 
+@pytest.mark.slow
 def test_the_overhead_bench_prints_every_loops_row(tmp_path: Path, capsys):
     main(["overhead", "--items", "3000", "--batch-size", "30", "--rounds", "1",
           "--workers", "1", "--out", str(tmp_path)])

@@ -115,12 +115,14 @@ BUILDERS = {"loader": build_loader_preset, "prefetch": build_prefetch_preset,
             "logger": build_logger_preset}
 
 
-# building these starts a process: inductor's C++ compiler, wandb's service
-STARTS_A_PROCESS = {("compile", "inductor"), ("logger", "wandb")}
+# building these starts a process (inductor's C++ compiler, wandb's service) or takes seconds
+MARKS = {("compile", "inductor"): pytest.mark.process, ("logger", "wandb"): pytest.mark.process,
+         ("compile", "onnxruntime"): pytest.mark.slow, ("model", "timm"): pytest.mark.slow,
+         ("model", "resnet50"): pytest.mark.slow}
 
 
 @pytest.mark.parametrize(("group", "preset"), [
-    pytest.param(*p, marks=pytest.mark.process) if p in STARTS_A_PROCESS else p
+    pytest.param(*p, marks=MARKS[p]) if p in MARKS else p
     for p in PRESETS if p[0] not in ("sweep", "recipe")])
 def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path, tmp_path: Path):
     """Every preset builds its real object here, or (on a machine that cannot run it) is
@@ -140,6 +142,7 @@ def test_preset_composes_and_builds(group: str, preset: str, image_tree: Path, t
         pytest.skip(f"{group}={preset}: {e}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", [p for g, p in PRESETS if g == "sweep"])
 def test_sweep_presets_compose_into_valid_jobs(preset: str):
     """Each named matrix composes, and every job it would launch is a valid config."""
@@ -191,6 +194,7 @@ def test_auto_falling_back_to_simplejpeg_pairs_it_with_draft_unless_told(no_regi
     assert (config.loader.decoder, config.loader.draft) == (Decoder.simplejpeg, draft)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoder", ["pil", "region"])
 def test_draft_left_unset_is_off_for_a_decoder_the_user_names(decoder):
     if not DECODERS[Decoder(decoder)].available():
@@ -200,6 +204,7 @@ def test_draft_left_unset_is_off_for_a_decoder_the_user_names(decoder):
     assert to_config(compose_config("loader=memmap")).loader.draft is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -291,6 +296,7 @@ def test_every_model_name_is_checked_when_the_config_is_composed():
         compose(["model.name=resnett18"])
 
 
+@pytest.mark.slow
 def test_a_loader_with_no_batches_is_a_users_mistake_not_a_bug(tmp_path: Path, image_tree: Path):
     from runner.data import build_data_path
     from runner.job.compose import compose
@@ -338,6 +344,7 @@ def test_a_presets_header_says_each_thing_once(path: Path):
         assert first.setdefault(four, i) >= i - 3, f"{path.name}: '{' '.join(four)}' twice"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alias", ["../evil", "sub/name", "..", ".hidden", "a\\b", ""])
 def test_an_alias_that_is_not_a_plain_name_is_refused_at_the_config_check(alias: str):
     for over in ([f"model.alias='{alias}'"], [f"+models=[{{name:tiny,alias:'{alias}'}}]"]):

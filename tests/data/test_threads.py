@@ -118,6 +118,7 @@ def test_the_report_ranks_no_disturbed_run_and_leaves_it_out_of_the_switches(tmp
     assert "| loader | folder | ram | 0 |" in switches  # no ratio drawn from it
 
 
+@pytest.mark.slow
 def test_the_verdict_fits_its_budget_and_times_the_model_in_several_bursts():
     from runner.job.compose import compose
     from runner.job.diagnose import model_ceiling

@@ -135,6 +135,7 @@ def test_cfg_still_prints_a_config_with_a_range_error(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_sweep_with_some_invalid_jobs_goes_on_and_one_with_none_is_refused():
     """A multirun is refused when no job could run; when some can, it runs them and the
     others are recorded as failed (tests/test_sweep.py)."""
@@ -170,6 +171,7 @@ def test_the_message_of_a_bad_value_names_what_the_key_takes():
         "amp=fp8 is invalid: it fails")  # not a leaf of the schema: the reason as given
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("command", "says", "suggestion"), [
     (["runner.prepare", "sizes", "dataset.crop=centre"], "dataset.crop=centre is invalid",
      "Did you mean dataset.crop=center?"),
@@ -198,6 +200,7 @@ def test_prepare_and_bench_refuse_bad_overrides_in_the_same_style(
     assert list(tmp_path.iterdir()) == []  # no store, no dataset, no bench output
 
 
+@pytest.mark.slow
 def test_a_key_of_the_other_task_is_refused_even_at_its_default():
     """A task key the run's task does not read is refused as a typo is: named in the
     overrides (even at its default value), or set by a recipe; the run's own keys, and the

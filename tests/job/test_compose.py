@@ -43,6 +43,7 @@ def test_an_infer_setting_that_does_nothing_is_refused(tmp_path: Path, override:
         to_config(compose_config("task=infer", override))
 
 
+@pytest.mark.slow
 def test_a_model_named_beside_models_that_do_not_hold_it_is_refused():
     with pytest.raises(ConfigError, match=r"^model=resnet18 and models=\[tiny\]: .* so "
                                           r"resnet18 would not run: add it, "

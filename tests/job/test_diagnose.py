@@ -194,6 +194,7 @@ def test_the_verdicts_infer_step_takes_a_task_with_embeddings(task):
 QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
          "run.progress=false", "logger=none", "model=tiny", "loader.num_workers=0"]
 
+@pytest.mark.slow
 def test_a_verdict_from_too_few_steps_says_so_on_the_console(image_tree: Path,
                                                              tmp_path: Path, caplog):
     caplog.set_level(logging.INFO)

@@ -148,6 +148,7 @@ def test_flags_reach_the_report(tmp_path: Path):
     assert "few timed steps (6; time at least 15)" in table.splitlines()[2]
 
 
+@pytest.mark.slow
 def test_plots_stay_readable_at_30_runs_with_a_100x_span(tmp_path: Path):
     from PIL import Image
 

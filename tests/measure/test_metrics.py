@@ -23,6 +23,7 @@ def checked(run_dir: Path, returned: dict) -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_a_train_run_writes_only_declared_keys(tmp_path: Path, cache_dir: Path):
     m = run_in_process(*BASE, "run.epochs=2", "dataset.val_fraction=0.2", "task.ema_decay=0.9",
                        run_dir=tmp_path / "run")
@@ -34,6 +35,7 @@ def test_a_train_run_writes_only_declared_keys(tmp_path: Path, cache_dir: Path):
         assert key in record, key
 
 
+@pytest.mark.slow
 def test_an_infer_run_writes_only_declared_keys(tmp_path: Path, cache_dir: Path):
     m = run_in_process(*BASE, "task=infer", "task.outputs=[topk,probs]", "run.epochs=1",
                        run_dir=tmp_path / "run")
@@ -41,6 +43,7 @@ def test_an_infer_run_writes_only_declared_keys(tmp_path: Path, cache_dir: Path)
     assert record["predictions"] == 60 and "models" in record and "write_wait_frac" in record
 
 
+@pytest.mark.slow
 def test_a_data_only_run_and_a_resumed_one_write_only_declared_keys(tmp_path: Path,
                                                                       cache_dir: Path):
     m = run_in_process(*BASE, "model=none", "run.steps=4", run_dir=tmp_path / "run")

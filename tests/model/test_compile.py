@@ -48,6 +48,7 @@ def model_and_batch(name: str, train: bool, size: int = 32, device=CPU):
 INDUCTOR = pytest.mark.slow  # inductor compiles C++ kernels: 10-30 s each here
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "name", "task"), [
     (CompileName.torchscript, "tiny", TaskName.train),
     (CompileName.torchscript, "tiny", TaskName.infer),

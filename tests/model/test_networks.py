@@ -33,6 +33,7 @@ CPU = torch.device("cpu")
 UINT8 = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mobilenet_v3_small", "efficientnet_b0", "squeezenet1_1",
                                   "regnet_y_400mf"])
 def test_any_torchvision_classifier_with_the_datasets_classes(name: str):
@@ -46,6 +47,7 @@ def test_an_unknown_model_name_is_a_config_error_with_suggestions():
         compose(["model.name=resnet5"])
 
 
+@pytest.mark.slow
 def test_timm_models_build_or_skip_naming_the_install(monkeypatch):
     cfg = compose(["model=timm", "model.name=resnet18"]).model
     assert cfg.source is ModelSource.timm
@@ -63,6 +65,7 @@ def test_timm_models_build_or_skip_naming_the_install(monkeypatch):
         build_model(cfg, 4, CPU)
 
 
+@pytest.mark.slow
 def test_your_own_module_by_import_path_with_keyword_arguments():
     cfg = compose(["model=custom", "model.target=tests.nets:TwoLayer", "+model.kwargs.width=12"]
                   ).model
@@ -98,6 +101,7 @@ def test_local_weights_load_and_a_mismatch_names_the_keys(tmp_path: Path):
         build_model(ModelConfig("tiny", weights=str(tmp_path / "none.pt")), 3, CPU)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "resnet18", "mobilenet_v3_small"])
 def test_inference_sizes_the_head_from_the_weights(tmp_path: Path, name: str):
     """A 1000-class (here 12-class) checkpoint runs on a 3-class or unlabelled folder."""
@@ -133,6 +137,7 @@ def test_a_model_larger_than_the_decode_raises_the_decode_size():
     assert list(cfg.dataset.image_size) == [96, 80]
 
 
+@pytest.mark.slow
 def test_infer_reads_in_dataset_order_unless_asked():
     assert compose(["task=infer"]).loader.shuffle is False
     assert compose(["task=train"]).loader.shuffle is True
@@ -270,6 +275,7 @@ def twelve(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "data", {f"{c}/{k}.jpg": encode(photo(40, 52, 10 * i + k))
                                          for i, c in enumerate(["a", "b"]) for k in range(6)})
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["train", "infer"])
 def test_an_image_size_the_model_cannot_take_names_the_setting_and_the_size(
         twelve: Path, tmp_path: Path, task: str):
@@ -307,6 +313,7 @@ def test_one_weights_file_twice_asks_for_an_alias_not_other_weights(tmp_path: Pa
                                "{name:tiny,weights:/x/best.pt}]"]))
 
 
+@pytest.mark.slow
 def test_model_classes_takes_a_list_as_well_as_a_file(tmp_path: Path):
     from runner.tasks.infer.outputs import model_classes
 

@@ -30,6 +30,7 @@ def saved_tiny(tmp_path: Path, classes: int = 5) -> tuple[torch.nn.Module, Path]
     return model, path
 
 
+@pytest.mark.slow
 def test_export_writes_the_uint8_model_with_a_dynamic_batch(tmp_path: Path, capsys):
     model, weights = saved_tiny(tmp_path)
     out = tmp_path / "m" / "tiny.onnx"
@@ -54,6 +55,7 @@ def test_export_writes_the_uint8_model_with_a_dynamic_batch(tmp_path: Path, caps
         assert not np.allclose(model(x).numpy(), got, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_an_export_that_differs_from_eager_is_refused(tmp_path: Path, capsys, monkeypatch):
     forward = exporting.OnnxRuntimeModel.forward
     monkeypatch.setattr(exporting.OnnxRuntimeModel, "forward",
@@ -74,6 +76,7 @@ def test_export_usage_errors_are_one_line(tmp_path: Path, capsys):
     assert "tolerance=abc is invalid" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compile_onnxruntime_predicts_as_eager(tmp_path: Path, cache_dir: Path):
     common = [*SMALL_DATASET, "task=infer", "logger=none", "diagnose=false",
               "run.timeline=false", "task.outputs=[probs]"]
@@ -89,6 +92,7 @@ def test_compile_onnxruntime_predicts_as_eager(tmp_path: Path, cache_dir: Path):
     np.testing.assert_allclose(runs["onnxruntime"], runs["eager"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compile_onnxruntime_takes_batches_converted_on_the_host(tmp_path: Path,
                                                                 cache_dir: Path):
     m = run_in_process(*SMALL_DATASET, "task=infer", "logger=none", "diagnose=false",
@@ -97,6 +101,7 @@ def test_compile_onnxruntime_takes_batches_converted_on_the_host(tmp_path: Path,
     assert m["status"] == "ok" and m["compile_max_diff"]["tiny"] < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, said", [
     ([], "cannot train: use task=infer"),  # task=train, the default
     (["task=infer", "amp=bf16"], "use amp=off"),
@@ -109,6 +114,7 @@ def test_what_onnxruntime_cannot_run_is_skipped_in_one_line(overrides, said, tmp
     assert "\n" not in m["reason"]
 
 
+@pytest.mark.slow
 def test_cuda_without_its_execution_provider_is_unavailable(tmp_path: Path):
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has CUDA's execution provider")
@@ -118,6 +124,7 @@ def test_cuda_without_its_execution_provider_is_unavailable(tmp_path: Path):
         exporting.session(onnx_model, torch.device("cuda"))
 
 
+@pytest.mark.slow
 def test_the_verdict_probes_onnxruntime_with_the_batches_it_takes(tmp_path: Path,
                                                                   cache_dir: Path):
     """The bottleneck verdict times the model alone on a synthetic batch: of the dtype the

@@ -659,6 +659,7 @@ def config_of(*overrides: str):
     return to_config(compose_config(*SMALL_DATASET, "logger=none", *overrides))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["dataset.crop_fraction=1.0", "model.mean=[0.5,0.5,0.5]",
                                     "model.std=[0.5,0.5,0.5]", "dataset.store_quality=75",
                                     "dataset.val_fraction=0.2", "loader=memmap"])
@@ -756,6 +757,7 @@ def test_a_checkpoint_of_two_ranks_records_its_drop_and_resumes_on_one(tmp_path:
 
 TRAIN_RUN = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.timeline=false"]
 
+@pytest.mark.slow
 def test_a_resume_that_would_train_another_model_is_still_refused_in_one_line(
         tmp_path: Path, cache_dir: Path):
     from runner.tasks.checkpoint import CheckpointError
@@ -886,6 +888,7 @@ def predictions(run_dir: Path) -> list[dict]:
     with open(run_dir / "predictions.csv", newline="") as f:
         return list(csv.DictReader(f))
 
+@pytest.mark.slow
 def test_a_checkpoint_names_the_classes_it_predicts(image_tree: Path, tmp_path: Path):
     """Trained on class folders, then given as model.weights to infer on the same images
     unlabelled: pred_name is the class folders' names, not 0, 1, 2."""

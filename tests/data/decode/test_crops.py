@@ -106,6 +106,7 @@ def test_every_runner_storage_is_held_against_the_reference():
                                              if not k.own_loader and k.reads_path}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", ["0.875", "1.0"])
 def test_a_centre_crop_is_the_same_pixels_on_every_storage(tree: Path, tmp_path: Path,
                                                            fraction: str):
@@ -150,6 +151,7 @@ def test_the_rivals_take_the_same_centre_crop(tree: Path, tmp_path: Path, rival:
                                                            diff(got, whole))
 
 
+@pytest.mark.slow
 def test_a_random_crop_is_the_same_box_on_every_storage(tree: Path, tmp_path: Path):
     """Random crops: the same seed and batch position give the same region of the same
     image on a folder, its packed store and a decode-once store (cut on the device)."""
@@ -288,6 +290,7 @@ def test_the_stores_bench_holds_packed_to_its_decode_limit_and_memmap_to_the_gri
     assert not any("packed random / packed center" in what for what in targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("size", [(375, 500), (3000, 4000)])
 def test_batched_boxes_are_the_decoders_boxes_pixel_for_pixel(size, device):

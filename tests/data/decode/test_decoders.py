@@ -82,6 +82,7 @@ def test_orientation_matches_pil_exif_transpose(orientation: int):
     assert torch.equal(ours, torch.from_numpy(np.array(upright)).permute(2, 0, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoder", CPU_DECODERS)
 @pytest.mark.parametrize(("src", "size"), [((480, 640), (224, 224)), ((96, 128), (48, 64))])
 def test_every_decoder_gives_pils_pixels(decoder: Decoder, src, size):
@@ -199,6 +200,7 @@ def region_and_full(data: bytes, size, crop: Crop, seed: int) -> tuple[torch.Ten
             full(bytearray(data), seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("orientation", range(1, 9))
 @pytest.mark.parametrize("crop", [Crop.center, Crop.random])
 def test_region_decode_matches_the_full_decode_of_the_same_box(orientation: int, crop: Crop):
@@ -217,6 +219,7 @@ def test_region_decode_matches_the_full_decode_of_the_same_box(orientation: int,
         assert bool(edge.all()), (seed, rows.tolist(), cols.tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crop", [Crop.center, Crop.random])
 def test_region_decode_at_a_reduced_scale_stays_close(crop: Crop):
     """Large crops of a large photo decode at 1/2 or 1/4 scale: within a few grey levels of

@@ -62,6 +62,7 @@ def batched(x: torch.Tensor, ops: list[str], mags: list[float]) -> torch.Tensor:
     return apply_ops(x, index, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(32, 40), (32, 32)])
 @pytest.mark.parametrize("space", ["randaugment", "trivialaugment"])
 @pytest.mark.parametrize("op", OP_NAMES)
@@ -80,6 +81,7 @@ def test_each_operation_on_a_group_equals_torchvision_image_by_image(op, space, 
             assert torch.equal(got[i], expected), (op, m, (got[i] != expected).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("space", ["randaugment", "trivialaugment"])
 def test_images_of_one_batch_each_go_through_their_own_operations(space):
     """A mixed batch, two rounds: grouped, applied and scattered back to the right images."""
@@ -154,6 +156,7 @@ def count_kernels(monkeypatch) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow
 def test_operation_calls_per_batch_do_not_grow_with_the_batch(monkeypatch):
     calls = count_kernels(monkeypatch)
     per_batch = {}
@@ -207,6 +210,7 @@ def aten_ops(fn) -> OpLog:
     return log
 
 
+@pytest.mark.slow
 def test_aten_operations_per_batch_depend_on_the_operations_not_the_batch():
     def run(n, per_image=False):
         batch = flat_like(n, 8, 8)

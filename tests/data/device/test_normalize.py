@@ -39,6 +39,7 @@ def first_batch(*overrides: str):
         data.close()
 
 
+@pytest.mark.slow
 def test_the_same_images_give_the_same_model_input_for_every_host_dtype(cache_dir: Path):
     inputs, labels = {}, {}
     for dtype in HostDtype:
@@ -74,6 +75,7 @@ def test_normalize_is_the_formula():
     torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=2e-3)
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_traced_on_the_batches_it_will_get(cache_dir: Path):
     """torchscript traces the input layer's branch: on float batches, not on uint8 (which
     would normalize them a second time)."""
@@ -93,6 +95,7 @@ def test_a_compiled_model_is_traced_on_the_batches_it_will_get(cache_dir: Path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_run_reports_the_copy_and_the_conversion(tmp_path: Path, cache_dir: Path):
     m = run_in_process(*SMALL_DATASET, "run.steps=4", "logger=none", "diagnose=false",
                        "loader.host_dtype=float16", "run.timeline=false",
@@ -105,6 +108,7 @@ def test_a_run_reports_the_copy_and_the_conversion(tmp_path: Path, cache_dir: Pa
     assert saved["loss_last"] is not None
 
 
+@pytest.mark.slow
 def test_the_memory_check_sizes_a_float_batch_by_its_dtype(cache_dir: Path, monkeypatch):
     config = compose([*SMALL_DATASET, "loader=ram", "dataset.image_size=[32,32]"])
     data = build_data_path(config, CPU, epochs=1, progress=False)  # the store, made once
@@ -122,6 +126,7 @@ def test_the_memory_check_sizes_a_float_batch_by_its_dtype(cache_dir: Path, monk
             build_data_path(float_config, CPU, epochs=1, progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, said", [
     (["loader=ram", "dataset.crop=random"], "crops its decoded images on the device"),
     (["task.augment.color_jitter=0.4"], "task.augment"),
@@ -156,6 +161,7 @@ def test_a_sweep_over_host_dtype_and_size_composes_and_draws_the_copy(tmp_path: 
     assert "![copy](copy.png)" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_copy_plot_is_drawn_only_when_the_size_varies(tmp_path: Path):
     for k, (dtype, side) in enumerate([("uint8", 224), ("float32", 224), ("uint8", 512),
                                        ("float32", 512)]):

@@ -41,6 +41,7 @@ def snapshot(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b["index"].clone(), b["image"].clone()) for b in batches]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cpu_prefetch_yields_exactly_the_plain_batches(image_tree: Path, workers: int):
     plain = snapshot(folder_stream(image_tree, workers))

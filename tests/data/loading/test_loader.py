@@ -12,6 +12,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.slow
 def test_a_batch_size_larger_than_the_dataset_is_a_batch_of_the_dataset(tmp_path: Path,
                                                                         cache_dir: Path):
     """loader.batch_size=1000000 allocated buffers for a million images (150 GB at 224)."""

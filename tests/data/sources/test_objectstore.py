@@ -317,6 +317,7 @@ def test_a_folder_on_a_far_mount_is_read_many_files_in_flight(bucket, cache_dir,
         assert_same(local, plain)
 
 
+@pytest.mark.slow
 def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_engine(
         cache_dir):
     import runner
@@ -343,6 +344,7 @@ def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_eng
         pipe.close()
 
 
+@pytest.mark.slow
 def test_a_packed_store_forced_far_reads_its_ranges_through_the_engine(cache_dir):
     """``dataset.far_disk=true`` on a packed store on local disk: each batch's stored JPEGs
     read as ranges of its one file through the read engine, to the batches of plain
@@ -438,6 +440,7 @@ def test_fetches_started_ahead_survive_an_epochs_short_last_batch():
     assert pickle.loads(pickle.dumps(ahead)).pending == {}  # another process starts empty
 
 
+@pytest.mark.slow
 def test_a_closed_packed_store_says_so_when_read(cache_dir):
     import errno
 

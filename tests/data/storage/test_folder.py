@@ -85,6 +85,7 @@ def test_on_corrupt_fail_stops_with_the_path(tree_with_corrupt: Path, path: str)
         list(BatchStream(loader, epochs=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [True, False])
 def test_no_worker_outlives_the_stream(image_tree: Path, tree_with_corrupt: Path,
                                        persistent: bool):
@@ -141,6 +142,7 @@ def test_dataloader_options_pass_through_and_respect_zero_workers():
     assert "prefetch_factor" not in dataloader_kwargs(loader_config(num_workers=0), False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crop", [Crop.center, Crop.random])
 @pytest.mark.parametrize("decoder", [Decoder.pil, Decoder.simplejpeg])
 def test_every_path_gives_identical_batches_for_the_same_seed(image_tree: Path,

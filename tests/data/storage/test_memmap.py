@@ -107,6 +107,7 @@ def test_a_damaged_cache_is_a_clear_error_not_garbage(source: Path, tmp_path: Pa
         memmap_storage(folder, tmp_path / "cache")
 
 
+@pytest.mark.slow
 def test_prepare_rebuild_repairs_a_damaged_cache(source: Path, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
     overrides = [f"dataset.path={source}", f"dataset.image_size=[{SIZE[0]},{SIZE[1]}]",

@@ -242,6 +242,7 @@ def test_encode_stored_reports_an_undecodable_file():
 
 # --- through the runner ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_packed_runs_train_and_infer_in_dataset_order(source: Path, tmp_path: Path):
     from tests.conftest import run_in_process
 
@@ -273,6 +274,7 @@ def test_pipeline_serves_packed_batches_with_a_cold_page_cache(source: Path, tmp
 
 # --- dataset.store_size for memmap and ram --------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["memmap", "ram"])
 def test_a_cache_at_a_stored_size_is_cropped_to_the_image_size_on_the_device(
         source: Path, tmp_path: Path, loader: str, monkeypatch):
@@ -324,6 +326,7 @@ def test_a_store_size_below_the_image_size_is_refused():
 
 # --- python -m runner.prepare packed / sizes ------------------------------------------------------
 
+@pytest.mark.slow
 def test_prepare_packed_builds_the_store_a_run_opens_and_prints_the_sizes(
         source: Path, tmp_path: Path, capsys, monkeypatch):
     from runner.data.storage import build_storage, resolve_dataset
@@ -388,6 +391,7 @@ def _first_chunk_last(chunk):
 _ENCODE = packed._encode_chunk
 
 
+@pytest.mark.slow
 def test_two_clean_builds_are_the_same_bytes(source: Path, tmp_path: Path, monkeypatch):
     """Chunks finish in any order in the worker processes; they are written in index order."""
     from runner.data.storage import convert as engine
@@ -447,6 +451,7 @@ def test_enospc_while_writing_is_the_disk_full_error(source: Path, tmp_path: Pat
         open_store(source, tmp_path / "cache")
 
 
+@pytest.mark.slow
 def test_the_rebuild_command_of_a_damaged_store_is_accepted_when_pasted(source: Path,
                                                                        tmp_path: Path):
     """It names every override that selects the store (dataset.image_size included, or a

@@ -46,6 +46,7 @@ def batches(*overrides: str, loader: str = "shards", epochs: int = 1, figures: d
         pipe.close()
 
 
+@pytest.mark.slow
 def test_prepared_shards_are_webdataset_shards_with_an_index(tmp_path, cache_dir):
     wds = pytest.importorskip("webdataset")
     out = tmp_path / "shards"
@@ -67,6 +68,7 @@ def test_prepared_shards_are_webdataset_shards_with_an_index(tmp_path, cache_dir
     assert seen == indexed and len(seen) == 60
 
 
+@pytest.mark.slow
 def test_shards_written_from_a_far_packed_store_are_the_local_ones(tmp_path, cache_dir):
     # dataset.far_disk=true: the packed store's images read through the read engine, asked
     # for ahead in runs (one range each), to the same bytes as plain preads
@@ -78,6 +80,7 @@ def test_shards_written_from_a_far_packed_store_are_the_local_ones(tmp_path, cac
         assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "far" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_shards_decode_as_the_packed_store_does(tmp_path, cache_dir):
     out = tmp_path / "shards"
     prepare_shards(str(out))
@@ -86,6 +89,7 @@ def test_shards_decode_as_the_packed_store_does(tmp_path, cache_dir):
     assert_same(packed, shards)
 
 
+@pytest.mark.slow
 def test_a_tar_set_someone_else_wrote_is_indexed_once_and_read(tmp_path, cache_dir):
     wds = pytest.importorskip("webdataset")
     folder, tars = tmp_path / "folder", tmp_path / "tars"
@@ -110,6 +114,7 @@ def test_a_tar_set_someone_else_wrote_is_indexed_once_and_read(tmp_path, cache_d
     assert [p.stat().st_mtime_ns for p in saved] == stamp  # reused, not indexed again
 
 
+@pytest.mark.slow
 def test_a_sample_that_fails_its_crc_is_named_and_on_corrupt_decides(tmp_path, cache_dir):
     from runner.data.decode.decoders import CorruptFileStop
 
@@ -139,6 +144,7 @@ def written_labels(out: Path) -> list[list[int]]:
     return [json.loads((out / s["index"]).read_text())["labels"] for s in manifest["shards"]]
 
 
+@pytest.mark.slow
 def test_shards_are_written_with_the_classes_mixed_in_an_order_the_seed_fixes(tmp_path,
                                                                               cache_dir):
     """Written in dataset order, the first shards held one class each (60 images of 3
@@ -176,6 +182,7 @@ def main_error(argv: list[str]) -> str:
     return err.getvalue().strip()
 
 
+@pytest.mark.slow
 def test_the_runner_numbers_shuffled_shards_by_their_place_in_the_dataset(tmp_path,
                                                                          cache_dir):
     """Sample i of loader=shards is the dataset's image i, whatever shard holds it: its
@@ -365,6 +372,7 @@ def foreign_tars(folder: Path, parts: int = 2, per: int = 12, labelled=(True, Tr
                     tar.addfile(info, io.BytesIO(data))
     return folder
 
+@pytest.mark.slow
 def test_a_missing_index_is_made_again_from_its_tar(tmp_path, cache_dir, caplog):
     out = tmp_path / "shards"
     prepare_shards(str(out))
@@ -376,6 +384,7 @@ def test_a_missing_index_is_made_again_from_its_tar(tmp_path, cache_dir, caplog)
     said = [r.getMessage() for r in caplog.records if "indexed again" in r.getMessage()]
     assert len(said) == 1 and manifest["shards"][1]["index"] in said[0]
 
+@pytest.mark.slow
 def test_an_index_cut_short_is_made_again_from_its_tar(tmp_path, cache_dir, caplog):
     out = tmp_path / "shards"
     prepare_shards(str(out))
@@ -387,6 +396,7 @@ def test_an_index_cut_short_is_made_again_from_its_tar(tmp_path, cache_dir, capl
     assert sum(len(b[0]) for b in got) == 60
     assert any("cannot be read" in r.getMessage() for r in caplog.records)
 
+@pytest.mark.slow
 def test_a_missing_shard_is_one_line(tmp_path, cache_dir):
     from runner.data.sources.listing import DatasetError
 
@@ -433,6 +443,7 @@ def test_tars_whose_keys_restart_in_each_are_not_copies(tmp_path, cache_dir, cap
     assert not any("repeat a key" in r.getMessage() for r in caplog.records)
     assert figures.get("shard_duplicates_skipped", 0) == 0
 
+@pytest.mark.slow
 def test_a_tar_beside_a_manifest_that_does_not_list_it_is_named(tmp_path, cache_dir, caplog):
     out = tmp_path / "shards"
     prepare_shards(str(out))
@@ -444,6 +455,7 @@ def test_a_tar_beside_a_manifest_that_does_not_list_it_is_named(tmp_path, cache_
     said = [r.getMessage() for r in caplog.records if "extra.tar" in r.getMessage()]
     assert len(said) == 1 and "not read" in said[0], said
 
+@pytest.mark.slow
 def test_inference_rows_of_shards_made_of_a_folder_keep_the_source_names(tmp_path, cache_dir):
     import runner
 

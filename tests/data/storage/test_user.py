@@ -193,6 +193,7 @@ def test_an_iterable_dataset_infers_in_its_own_order_with_workers(tmp_path: Path
     assert m["images"] == 22 and m["steps"] == 3
 
 
+@pytest.mark.slow
 def test_an_iterable_dataset_that_splits_itself_among_workers_is_refused(in_folder: Path,
                                                                            tmp_path: Path):
     """Each worker already takes every n-th item: a Dataset that splits itself too would
@@ -208,6 +209,7 @@ def test_an_iterable_dataset_that_splits_itself_among_workers_is_refused(in_fold
 
 # --- in this process (each kind of item, train and infer, resume) -----------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("function", ["numpys", "pils", "stream_tensors", "stream_pils"])
 def test_every_kind_of_item_trains(in_folder: Path, tmp_path: Path, function: str):
     m = run_in_process(target(in_folder, function), "run.epochs=1", *QUICK,
@@ -216,6 +218,7 @@ def test_every_kind_of_item_trains(in_folder: Path, tmp_path: Path, function: st
     assert m["status"] == "ok" and m["images"] == images and m["steps"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("function", ["tensors", "stream_pils"])
 def test_inference_writes_every_item(in_folder: Path, tmp_path: Path, function: str):
     run_dir = tmp_path / "run"
@@ -237,6 +240,7 @@ def test_unlabelled_items_infer_and_refuse_training(in_folder: Path, tmp_path: P
         run_in_process(target(in_folder, "unlabelled"), *QUICK, run_dir=tmp_path / "train")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switches", [
     ("loader.num_workers=2", "diagnose=true"),  # forked workers; the verdict probes getitem
     ("loader.batched=true", "loader.num_workers=0"),  # one gather per batch, in process
@@ -253,6 +257,7 @@ def test_the_runners_switches_apply_to_your_dataset(in_folder: Path, tmp_path: P
         assert "getitem" in verdict["ceilings"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("function", ["pils", "stream_tensors"])
 def test_a_stopped_run_on_your_dataset_resumes(in_folder: Path, tmp_path: Path,
                                                function: str):
@@ -268,6 +273,7 @@ def test_a_stopped_run_on_your_dataset_resumes(in_folder: Path, tmp_path: Path,
 
 # --- bad targets and items: one line naming the value and the fix ----------------------------
 
+@pytest.mark.slow
 def test_a_bad_target_is_refused_before_any_run_folder(tmp_path: Path, monkeypatch):
     user_module(tmp_path, "my_bad")
     monkeypatch.chdir(tmp_path)

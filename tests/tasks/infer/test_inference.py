@@ -179,6 +179,7 @@ def direct(cfg_overrides: list[str], path: Path, model: torch.nn.Module) -> tupl
     return logits, seen["x"].flatten(1)
 
 
+@pytest.mark.slow
 def test_every_output_matches_the_model_run_directly(labelled: Path, tmp_path: Path):
     """Two models in one pass, each with its own weights, class count, class names and
     normalization; probs, logits, embeddings and top-k equal the models run directly."""
@@ -234,6 +235,7 @@ def test_an_embedding_layer_and_a_postprocess_are_written(labelled: Path, tmp_pa
     assert not (tmp_path / "run" / "predictions.csv").exists()  # topk was not asked
 
 
+@pytest.mark.slow
 def test_masks_are_written_at_the_source_size(tmp_path: Path):
     sizes = [(40, 52), (60, 36), (33, 47)]
     src = make_tree(tmp_path / "scenes", {f"s{k}.jpg": encode(photo(h, w, k))
@@ -267,6 +269,7 @@ def test_masks_of_a_classifier_are_refused_in_one_line(labelled: Path, tmp_path:
                        "task.outputs=[masks]", run_dir=tmp_path / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("older", [False, True], ids=["partial", "older-runner-names"])
 def test_a_stopped_inference_run_resumes_to_the_same_bytes(labelled: Path, tmp_path: Path,
                                                           monkeypatch, older: bool):
@@ -354,6 +357,7 @@ def twelve(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "data", {f"{c}/{k}.jpg": encode(photo(40, 52, 10 * i + k))
                                          for i, c in enumerate(["a", "b"]) for k in range(6)})
 
+@pytest.mark.slow
 def test_an_inference_resume_logs_one_story(twelve: Path, tmp_path: Path, caplog):
     """It never says "no checkpoint, starting fresh" and then "resuming"."""
     import logging
@@ -418,6 +422,7 @@ def resume_refused(run_dir: Path, over: list[str], *changed: str) -> str:
     assert "\n" not in message, message
     return message
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, key, old, new", [
     ("model.weights=B", "model.weights", "a.pt", "b.pt"),
     ("+models=[{name:tiny,weights:A,alias:a},{name:tiny,weights:B,alias:b}]", "models",
@@ -469,6 +474,7 @@ def test_the_same_settings_still_resume(stopped, tmp_path: Path):
     assert len(rows(run_dir / "predictions.csv")) == 15
     assert np.load(run_dir / "tiny.probs.npy").shape == (15, 3)
 
+@pytest.mark.slow
 def test_a_finished_run_asked_for_more_says_so_and_refuses(tmp_path: Path):
     """A finished run resumed with another output used to report ok and write nothing."""
     data = make_tree(tmp_path / "data", {f"{k}.jpg": encode(photo(40, 52, k))
@@ -495,6 +501,7 @@ def test_a_finished_run_whose_weights_changed_is_not_reported_as_done(tmp_path: 
     message = resume_refused(tmp_path / "run", over)
     assert "finished" in message and "model.weights" in message, message
 
+@pytest.mark.slow
 def test_inference_ignores_drop_last_and_says_so_once(tmp_path: Path, caplog):
     data = make_tree(tmp_path / "data", {f"{k:02d}.jpg": encode(photo(40, 52, k))
                                          for k in range(15)})  # 3 batches of 4, then 3
@@ -520,6 +527,7 @@ def with_broken(tmp_path: Path) -> Path:
 
 GOOD = [f"{k:02d}.jpg" for k in range(10) if k not in (1, 9)]
 
+@pytest.mark.slow
 def test_a_resumed_run_with_undecodable_images_writes_the_same_bytes(with_broken: Path,
                                                                     tmp_path: Path):
     over = [*QUIET_INFER, f"dataset.path={with_broken}", "task.outputs=[topk,probs,embeddings]"]
@@ -540,6 +548,7 @@ def predictions(run_dir: Path) -> list[dict]:
     with open(run_dir / "predictions.csv", newline="") as f:
         return list(csv.DictReader(f))
 
+@pytest.mark.slow
 def test_an_inference_names_its_classes_from_a_list(image_tree: Path, tmp_path: Path):
     """model.classes=[...] in a task=infer run: the outputs' identity records the list (it
     took the list for a file's path and failed with a TypeError)."""
@@ -578,6 +587,7 @@ def check_finished(run_dir: Path, m: dict, over: list[str], bad: int = 16) -> No
     again = run_in_process(*over, "resume=auto", run_dir=run_dir)
     assert again["status"] == "ok" and again["predictions"] == 32  # finished, and it is
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, bad", [("middle", range(16, 32)), ("last", range(32, 48))])
 def test_inference_with_a_whole_batch_undecodable_finishes_its_outputs(tmp_path: Path,
                                                                        where: str, bad: range):
@@ -587,6 +597,7 @@ def test_inference_with_a_whole_batch_undecodable_finishes_its_outputs(tmp_path:
     check_finished(tmp_path / "run", m, over)
     assert {Path(p).name for p in m["skipped_files"]} == {f"{k:02d}.jpg" for k in bad}
 
+@pytest.mark.slow
 def test_inference_over_a_truncated_shard_finishes_its_outputs(tmp_path: Path, cache_dir):
     from runner.data.storage.tarformat import ShardWriter, write_manifest
 

@@ -103,6 +103,7 @@ def written(run: Path) -> dict[str, bytes]:
             if p.is_file() and p.name.endswith(keep) and "hydra" not in p.parts}
 
 
+@pytest.mark.slow
 def test_reducing_on_the_host_and_writing_synchronously_write_the_same_bytes(
         labelled: Path, tmp_path: Path):
     """Every output (top-k CSV, probabilities, logits, embeddings) reduced on the device or
@@ -152,6 +153,7 @@ def test_on_a_gpu_the_hosts_reduction_gives_the_devices_outputs(labelled: Path,
     assert [r.split(",")[4] for r in rows[0]] == [r.split(",")[4] for r in rows[1]]
 
 
+@pytest.mark.slow
 def test_masks_reduced_on_the_host_are_the_devices(tmp_path: Path):
     src = make_tree(tmp_path / "scenes", {f"s{k}.jpg": encode(photo(40 + 4 * k, 52, k))
                                           for k in range(3)})
@@ -185,6 +187,7 @@ QUIET_INFER = ["task=infer", "logger=none", "diagnose=false", "run.timeline=fals
         "dataset.image_size=[32,32]", "loader.batch_size=4", "run.warmup_steps=0",
         "run.progress=false", "run.epochs=1"]
 
+@pytest.mark.slow
 def test_two_images_of_one_name_get_a_mask_each(tmp_path: Path):
     """photo.jpg and photo.png used to both become masks/<model>/photo.png."""
     src = make_tree(tmp_path / "scenes", {"photo.jpg": encode(photo(40, 52, 0)),

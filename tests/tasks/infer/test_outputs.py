@@ -100,6 +100,7 @@ def test_a_postprocess_that_returns_one_row_is_refused_before_anything_is_writte
         post_run(labelled, run, f"{helpers}:one_row", "task.outputs=[logits]")
     assert not list(run.glob("*.npy")) and not (run / "files.txt").exists()
 
+@pytest.mark.slow
 @pytest.mark.parametrize("function, said", [
     ("raises", "raised ValueError: boom on two lines"),
     ("a_list", "returned a list"),

@@ -282,6 +282,7 @@ def test_the_loss_of_a_mixed_batch_weighs_both_labels():
     assert float(step.loss(logits, b)) == pytest.approx(float(expected.mean()), rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["memmap", "folder"])
 def test_a_run_with_augmentation_trains_and_validates_without_it(tmp_path: Path,
                                                                  cache_dir: Path, loader):
@@ -470,6 +471,7 @@ def fresh_rates(lr: float, updates: int, **task) -> list[float]:
         schedule.step()
     return rates  # [k]: in force at update k (the last: after the plan's last update)
 
+@pytest.mark.slow
 def test_a_resume_with_another_lr_and_a_longer_plan_applies_both(tmp_path: Path,
                                                                  cache_dir: Path, monkeypatch,
                                                                  caplog):
@@ -559,6 +561,7 @@ def finite_state(path: Path) -> dict:
             assert torch.isfinite(tensor).all(), f"{path.name}: {name} is not finite"
     return state
 
+@pytest.mark.slow
 def test_a_nan_loss_fails_the_run_at_its_step_and_keeps_the_good_checkpoint(
         tmp_path: Path, cache_dir: Path, monkeypatch):
     nan_from(monkeypatch, 5)
@@ -576,6 +579,7 @@ def test_a_nan_loss_fails_the_run_at_its_step_and_keeps_the_good_checkpoint(
     assert "\n" not in metrics["reason"]
     assert finite_state(run_dir / "checkpoint.pt")["steps"] == 4  # the last good one
 
+@pytest.mark.slow
 def test_a_nan_in_the_last_steps_fails_before_the_final_checkpoint(tmp_path: Path,
                                                                    cache_dir: Path,
                                                                    monkeypatch):
@@ -592,6 +596,7 @@ def test_a_nan_in_the_last_steps_fails_before_the_final_checkpoint(tmp_path: Pat
     assert metrics["status"] == "failed" and "step 16" in metrics["reason"], metrics
     assert finite_state(run_dir / "checkpoint.pt")["steps"] == 8
 
+@pytest.mark.slow
 def test_a_nan_found_while_a_signal_stops_the_run_fails_it(tmp_path: Path, cache_dir: Path,
                                                           monkeypatch):
     """SIGTERM after a NaN loss: the stop reads the losses, and the run is failed at the
@@ -619,6 +624,7 @@ def test_a_nan_found_while_a_signal_stops_the_run_fails_it(tmp_path: Path, cache
     assert metrics["status"] == "failed" and "step 3" in metrics["reason"], metrics
     assert not (run_dir / "checkpoint.pt").exists()
 
+@pytest.mark.slow
 def test_a_learning_rate_that_diverges_fails_the_run(tmp_path: Path, cache_dir: Path):
     """No injection: task.lr=1e30 blows the weights up within a few steps."""
     from runner.common.errors import Diverged
@@ -748,6 +754,7 @@ def test_real_ddp_all_reduces_once_per_optimizer_step_and_trains_the_same(gloo_w
 QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
          "run.progress=false", "logger=none", "model=tiny", "loader.num_workers=0"]
 
+@pytest.mark.slow
 def test_training_says_model_classes_is_not_its_classes(image_tree: Path, tmp_path: Path,
                                                         caplog):
     """model.classes names an inference's outputs: a training run given it says, in one
@@ -773,6 +780,7 @@ def folder(root: Path, bad: range) -> Path:
             encode(photo(40, 52, k))
     return make_tree(root, files)
 
+@pytest.mark.slow
 def test_training_counts_an_epoch_with_an_undecodable_batch_whole(tmp_path: Path):
     data = folder(tmp_path / "data", range(16, 32))  # class b: every image broken
     over = ["task=train", *COMMON, f"dataset.path={data}", "run.epochs=2"]
