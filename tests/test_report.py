@@ -22,6 +22,7 @@ def sweep(root: Path, rates: dict[tuple[str, str], float], model: str = "none") 
     return root
 
 
+@pytest.mark.slow
 def test_each_switch_is_given_per_storage_not_one_median_across_them(tmp_path: Path):
     # prefetch=cpu buys 15% on the two storages at 100k img/s, nothing on the two bound
     # by their decode: one median across all four would say "1.08x faster" for every one

@@ -21,7 +21,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
 
 def quick_ddp(monkeypatch) -> list[str]:
     """The one row that runs without CUDA, replaced by a quick one that records its call
-    (its own torchrun run is exercised by tests/test_distributed.py)."""
+    (its own torchrun run is exercised by tests/launch/test_distributed.py)."""
     ran: list[str] = []
     for check in CHECKS:
         if check.name == "ddp":

@@ -30,7 +30,7 @@ def test_every_group_has_presets_and_a_builder():
     assert {"loader", "model", "task", "logger"} <= set(GROUPS)
     assert all(any(g == group for g, _ in PRESETS) for group in GROUPS)
     # a new group gets built below too; sweeps and recipes are whole-config presets
-    # (tests/test_sweep.py, tests/test_training.py)
+    # (tests/job/test_sweep.py, tests/tasks/train/test_training.py)
     assert set(GROUPS) - {"sweep", "recipe"} == set(BUILDERS)
 
 

@@ -138,7 +138,7 @@ def test_cfg_still_prints_a_config_with_a_range_error(tmp_path: Path):
 @pytest.mark.slow
 def test_a_sweep_with_some_invalid_jobs_goes_on_and_one_with_none_is_refused():
     """A multirun is refused when no job could run; when some can, it runs them and the
-    others are recorded as failed (tests/test_sweep.py)."""
+    others are recorded as failed (tests/job/test_sweep.py)."""
     assert refusal(["-m", "loader.shuffle_block=1,0", "loader=folder,memmap"]) is None
     why = refusal(["-m", "loader.shuffle_block=0", "loader=folder,memmap"])
     assert why == ("loader.shuffle_block=0 is invalid: must be >= 1 (1 is a full permutation) "
@@ -277,7 +277,7 @@ def source(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case", ["unlabelled training", "damaged cache"])
 def test_a_users_mistake_is_one_line_and_status_2_the_traceback_in_the_log(
         tmp_path: Path, cache_dir: Path, source: Path, case: str):
-    # (a missing folder is refused before any run folder: tests/test_own_data.py)
+    # (a missing folder is refused before any run folder: tests/job/test_compose.py)
     common = ["logger=none", "hydra.run.dir=run", "run.progress=false"]
     if case == "unlabelled training":
         args = [f"dataset.path={source}", "dataset.labels=none", "dataset.image_size=[24,32]",

@@ -14,6 +14,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.slow
 def test_a_torchvision_name_as_model_preset_says_model_name():
     from runner.job.commandline import unknown_choice_message
 

@@ -372,6 +372,7 @@ def test_the_objective_is_nan_unless_the_run_succeeded():
         assert math.isnan(objective(m, "images_per_sec"))
 
 
+@pytest.mark.slow
 def test_autotune_searches_what_this_machine_runs_and_starts_from_the_config_as_given():
     optuna = pytest.importorskip("optuna")
     from runner.job.sweep import autotune_choices, autotune_space
@@ -557,7 +558,7 @@ def test_a_decoder_crash_in_a_worker_fails_that_run_not_the_sweep(tmp_path: Path
 @pytest.mark.slow
 def test_a_sweep_names_every_failed_jobs_reason(tmp_path: Path, cache_dir: Path):
     # flat folders (unlabelled images) that training refuses when each job opens its data
-    # (a folder that is not there is refused before the sweep starts: tests/test_own_data.py)
+    # (a folder that is not there is refused before the sweep starts: tests/job/test_compose.py)
     for name in ("flat_a", "flat_b"):
         make_tree(tmp_path / name, {"one.jpg": encode(photo(16, 16))})
     proc = run_cli("-m", f"dataset.path={tmp_path}/flat_a,{tmp_path}/flat_b",

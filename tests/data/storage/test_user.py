@@ -231,6 +231,7 @@ def test_inference_writes_every_item(in_folder: Path, tmp_path: Path, function: 
         assert {r["label_name"] for r in rows} == {"dark", "light"}
 
 
+@pytest.mark.slow
 def test_unlabelled_items_infer_and_refuse_training(in_folder: Path, tmp_path: Path):
     """Label None: -1 in predictions; training on it is refused, naming why."""
     run_dir = tmp_path / "infer"
@@ -352,6 +353,7 @@ def test_the_runner_script_finds_a_custom_model_in_the_current_folder(
     assert metrics(only_run(work))["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_the_dotted_form_builds_the_same_model():
     from runner.model.networks import build_model
 

@@ -314,6 +314,7 @@ def test_a_run_with_augmentation_trains_and_validates_without_it(tmp_path: Path,
     assert m["augment_ms"] > 0 and m["optimizer_ms"] > 0 and m["ema_ms"] > 0
 
 
+@pytest.mark.slow
 def test_one_cycle_takes_any_warm_up_and_short_plans():
     for warmup, total in ((1, 10), (1, 100), (0, 3), (5, 6)):
         step = TrainStep(small_model(), task(schedule=ScheduleName.onecycle,
