@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +33,81 @@ def private_cache(tmp_path_factory) -> Path:
         yield path
 
 
+# What a test starts, besides this process: the tiers are cut by these markers.
+OUTSIDE = ("process", "server", "ranks", "slow")
+# a test that takes one of these fixtures talks to a loopback server
+SERVER_FIXTURES = {"s3_server"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true",
+                     help="run every test; without it (and without -m or a test's node id) only "
+                          "the unit tier runs: the tests marked none of " + ", ".join(OUTSIDE))
+
+
+def unit_tier(config) -> bool:
+    """Plain ``python -m pytest`` runs the unit tier; ``--all``, ``-m EXPR`` or a test named by
+    its node id (``file.py::test``) runs what it says."""
+    return not (config.getoption("--all") or config.getoption("markexpr")
+                or any("::" in arg for arg in config.args))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` (``pytest -m cuda`` selects them on a GPU machine) are skipped
-    where there is no CUDA device, never left to fail."""
+    """Marks a test taking a server fixture ``server``; leaves the tests marked
+    process/server/ranks/slow out of the unit tier; skips tests marked ``cuda`` (``pytest -m
+    cuda`` selects them on a GPU machine) where there is no CUDA device, never left to fail."""
+    for item in items:
+        if SERVER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.server)
+    if unit_tier(config):
+        outside = [i for i in items if any(i.get_closest_marker(m) for m in OUTSIDE)]
+        if outside:
+            config.hook.pytest_deselected(items=outside)
+            left = set(map(id, outside))
+            items[:] = [i for i in items if id(i) not in left]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# what a library runs to look at the machine (ctypes.util.find_library, platform.processor):
+# a few milliseconds, not a process of the test's own
+PROBES = {"ldconfig", "ldconfig.real", "uname", "gcc", "cc", "ld", "objdump", "lscpu"}
+
+
+@pytest.fixture(autouse=True)
+def unit_starts_nothing(request, monkeypatch):
+    """In the unit tier a test that starts a process (beyond a library's look at the machine)
+    or joins a process group fails, naming the marker it lacks (``process`` or ``ranks``), so
+    the tier stays fast and its marks true."""
+    if not unit_tier(request.config):
+        yield
+        return
+    import multiprocessing.util
+
+    import torch.distributed
+
+    def refused(marker: str, what: str):
+        pytest.fail(f"{request.node.nodeid} {what}: mark it @pytest.mark.{marker}", pytrace=False)
+
+    execute_child = subprocess.Popen._execute_child
+
+    def guarded(self, args, executable, *rest, **kwargs):
+        program = executable or (args if isinstance(args, (str, bytes)) else args[0])
+        if os.path.basename(os.fsdecode(program).split()[0]) not in PROBES:
+            refused("process", f"starts a process ({os.fsdecode(program)})")
+        return execute_child(self, args, executable, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds",
+                        lambda *a, **k: refused("process", "spawns a process"))
+    if torch.distributed.is_available():
+        monkeypatch.setattr(torch.distributed, "init_process_group",
+                            lambda *a, **k: refused("ranks", "joins a process group"))
+    yield
 
 
 def photo(h: int = 96, w: int = 128, index: int = 0) -> np.ndarray:
@@ -150,6 +217,14 @@ def stray_processes(marker: str) -> list[str]:
         if pid.isdigit() and marker.encode() in cmdline:
             found.append(pid)
     return found
+
+
+def sitecustomize(folder: Path, code: str) -> dict[str, str]:
+    """An environment whose Python processes run ``code`` at start-up (a fault injected
+    into the runner's own processes, DataLoader workers and torchrun ranks included)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(code))
+    return {"PYTHONPATH": os.pathsep.join([str(folder), str(REPO)])}
 
 
 def read_metrics(run_dir: Path) -> dict:

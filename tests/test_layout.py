@@ -236,6 +236,7 @@ def named_storages(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_storage_and_decoder_names_are_written_only_where_they_are_defined():
     """A caller that writes ``if name == "packed"`` (or a list of decoders) holds a fact in
     the wrong place: it asks the storage's or decoder's registry record instead."""
@@ -282,6 +283,7 @@ def test_every_storage_has_a_complete_record_a_preset_and_a_module():
             assert f"loader={name.value}" in overrides
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a copy of the package, run in a subprocess
 def test_a_storage_is_its_enum_value_its_preset_and_its_module(tmp_path: Path):
     """What adding a storage takes, run for real: a copy of the package with one more enum

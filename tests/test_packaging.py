@@ -1,6 +1,6 @@
 """pyproject.toml's dependencies: torch and torchvision as the supported range (an install
 beside a torch in it keeps that torch), CI's exact pair in .ci/constraints.txt and the lowest
-pair's fast tier in .ci/run; no test tooling and no kornia in a plain install."""
+pair's unit tier in .ci/run; no test tooling and no kornia in a plain install."""
 
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ def test_ci_installs_the_exact_pair_and_runs_the_fast_tier_on_the_lowest():
     assert any(re.search(r"pip install -e \S+ -c \.ci/constraints\.txt$", c)
                for c in commands), commands
     assert any("-c .ci/constraints-low.txt" in c and "pip install" in c for c in commands)
-    fast = [c for c in commands if 'pytest -m "not slow"' in c]
-    assert fast and '"$low/bin/python" -m pytest' in fast[0], fast
+    tests = [c for c in commands if "-m pytest" in c]
+    assert tests[0] == "python -m pytest --all", tests  # the README's command: every test
+    unit = [c for c in tests if '"$low/bin/python" -m pytest' in c]
+    assert unit and "--all" not in unit[0] and " -m " not in unit[0].split("pytest", 1)[1], unit
 
 
 def test_a_plain_install_pulls_no_test_tooling_and_no_kornia():

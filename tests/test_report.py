@@ -10,7 +10,7 @@ import pytest
 
 from runner.report import find_runs, ranking, varying, within_noise, write_report
 from tests.conftest import compose_config
-from tests.test_sweep import fake_run
+from tests.job.test_sweep import fake_run
 
 
 def sweep(root: Path, rates: dict[tuple[str, str], float], model: str = "none") -> Path:
@@ -22,6 +22,7 @@ def sweep(root: Path, rates: dict[tuple[str, str], float], model: str = "none") 
     return root
 
 
+@pytest.mark.slow
 def test_each_switch_is_given_per_storage_not_one_median_across_them(tmp_path: Path):
     # prefetch=cpu buys 15% on the two storages at 100k img/s, nothing on the two bound
     # by their decode: one median across all four would say "1.08x faster" for every one
@@ -113,6 +114,7 @@ def test_a_sweep_partly_without_a_model_says_which_share(tmp_path: Path):
     assert "**1 of 3 runs ran `model=none`**" in report.split("| run |")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sweep_preset", ["loaders", "decoders", "rivals"])
 @pytest.mark.parametrize("model", [["model=resnet18"],
                                    ["model=custom", "model.target=tests.nets:TwoLayer"]])
@@ -241,6 +243,7 @@ def check_figure(fig) -> None:
             assert overlap_w <= 1 or overlap_h <= 1, (ax.get_title(), box, area)
 
 
+@pytest.mark.slow
 def test_every_plot_has_a_title_plain_numbers_and_axes_from_zero(tmp_path: Path, figures):
     # the batch size varies (a log2 axis), over more than 10x (a log images/s axis)
     for k, (loader, rate) in enumerate((("folder", 300.0), ("memmap", 9_000.0))):
@@ -267,6 +270,7 @@ def test_every_plot_has_a_title_plain_numbers_and_axes_from_zero(tmp_path: Path,
         check_figure(fig)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_reports_plots_go_to_wandb_in_the_sweeps_group(tmp_path: Path):
     """``--wandb``: the plots as images and results.csv as a table, read back from the

@@ -15,14 +15,14 @@ import torch
 import runner.bench.selfcheck as selfcheck
 from runner.bench.selfcheck import CHECKS, Row, harness, main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                              reason="checks the behaviour without CUDA")
 
 
 def quick_ddp(monkeypatch) -> list[str]:
     """The one row that runs without CUDA, replaced by a quick one that records its call
-    (its own torchrun run is exercised by tests/test_distributed.py)."""
+    (its own torchrun run is exercised by tests/launch/test_distributed.py)."""
     ran: list[str] = []
     for check in CHECKS:
         if check.name == "ddp":
@@ -145,6 +145,7 @@ def test_the_region_decoder_is_built_from_the_source_pyproject_names():
     assert ROOT.joinpath(*name.split(".")[:-1]).is_dir(), name
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_rows_code_runs_on_the_cpu(tmp_path: Path):
     """The resume and infer rows end to end on the CPU (RUNNER_SELFCHECK_DEVICE=cpu):
@@ -191,3 +192,11 @@ def test_a_sync_says_whether_the_data_path_or_the_step_made_it_and_where(monkeyp
 
     with pytest.raises(RuntimeError, match="out of memory"):  # not a sync: raised as it is
         _steps(list(range(20)), other, 8, sync_check=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_selfcheck_passes_on_a_gpu():
+    from runner.selfcheck import main
+
+    assert main(["--batch-size", "64", "--only", "prefetch", "transfers", "fp16"]) == 0

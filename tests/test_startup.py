@@ -34,6 +34,7 @@ def heavy(modules: set[str]) -> list[str]:
     return sorted(m for m in modules if m.split(".")[0] in HEAVY)
 
 
+@pytest.mark.process
 def test_help_does_not_import_torch(tmp_path: Path):
     proc, modules = imports_of("--help", "loader=memmap", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -44,6 +45,7 @@ def test_help_does_not_import_torch(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.process
 def test_a_typo_does_not_import_torch(tmp_path: Path):
     for argv in (["loader.batchsize=128"], ["+loader.batchsize=128"],
                  ["loader.batch_size=abc"], ["loader.batch_size=0"]):
@@ -54,6 +56,7 @@ def test_a_typo_does_not_import_torch(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.process
 def test_a_completion_does_not_import_torch(tmp_path: Path):
     proc, modules = imports_of("-sc", "query=bash", cwd=tmp_path,
                                env={"COMP_LINE": "runner loader.ba", "COMP_POINT": "16"})

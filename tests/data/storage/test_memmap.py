@@ -1,0 +1,317 @@
+"""The memmap cache: same pixels as the folder loader, resumable, rebuilt when stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.config.schema import Decoder, OnCorrupt
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.storage import convert as engine
+from runner.data.storage import memmap
+from runner.data.storage.convert import META, CacheError, ensure_cache
+from runner.data.storage.folder import FolderStorage
+from runner.data.storage.memmap import MemmapSpec
+from runner.prepare import main as prepare_main
+from tests.conftest import REPO, encode, make_tree, photo
+
+SIZE = (24, 32)
+
+
+def decode() -> ImageDecoder:
+    return ImageDecoder(Decoder.simplejpeg, SIZE)
+
+
+def spec_for(root: Path) -> MemmapSpec:
+    return MemmapSpec(root.resolve(), SIZE, "simplejpeg", False, fraction=0.875)
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
+             for c in range(3) for k in range(9)}
+    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
+    files["c2/x.png"] = encode(photo(48, 64, index=99), "PNG")
+    return make_tree(tmp_path / "src", files)
+
+
+def build(source: Path, cache: Path, **kwargs):
+    folder = FolderStorage(source, decode(), OnCorrupt.skip)
+    path, meta = ensure_cache(folder, spec_for(source), cache, progress=False, **kwargs)
+    return folder, path, meta
+
+
+def test_cache_holds_the_folder_loaders_pixels_and_labels(source: Path, tmp_path: Path):
+    folder, path, meta = build(source, tmp_path / "cache")
+    storage = memmap_storage(folder, tmp_path / "cache")
+    assert meta["count"] == len(folder) == 29
+    assert [Path(s["path"]).name for s in meta["skipped"]] == ["broken.jpg"]
+    assert len(storage) == 28  # the broken file is left out
+    for i in range(len(storage)):
+        slot = int(storage.slots[i])
+        expected = folder[slot]
+        got = storage[i]
+        assert torch.equal(got.image, expected.image) and got.label == expected.label
+    meta_json = json.loads((path / META).read_text())  # JSON, not pickle
+    assert meta_json["image_size"] == list(SIZE) and meta_json["settings"]["decoder"] == "simplejpeg"
+
+
+def memmap_storage(folder: FolderStorage, cache: Path):
+    from runner.data.storage.memmap import open_cache
+
+    return open_cache(folder, spec_for(folder.root), cache, progress=False)
+
+
+def test_a_valid_cache_is_reused_and_a_changed_source_rebuilt(source: Path, tmp_path: Path,
+                                                              monkeypatch):
+    cache = tmp_path / "cache"
+    build(source, cache)
+    real_convert = memmap._convert
+    calls = []
+    monkeypatch.setattr(memmap, "_convert", lambda *a: calls.append(1) or real_convert(*a))
+    build(source, cache)
+    assert calls == []  # reused
+
+    (source / "c0" / "new.jpg").write_bytes(encode(photo(48, 64, index=500)))
+    _, _, meta = build(source, cache)
+    assert calls == [1] and meta["count"] == 30  # a file added
+
+    (source / "c0" / "img00.jpg").write_bytes(encode(photo(48, 64, index=501)))
+    build(source, cache)
+    assert calls == [1, 1]  # a file modified
+
+    (source / "c2" / "img03.jpg").unlink()
+    _, _, meta = build(source, cache)
+    assert calls == [1, 1, 1] and meta["count"] == 29  # a file removed
+
+    other = MemmapSpec(source.resolve(), (16, 16), "simplejpeg", False)
+    assert other.folder(cache) != spec_for(source).folder(cache)  # size: its own cache
+
+
+@pytest.mark.parametrize("damage", ["truncate", "meta"])
+def test_a_damaged_cache_is_a_clear_error_not_garbage(source: Path, tmp_path: Path, damage):
+    folder, path, _ = build(source, tmp_path / "cache")
+    if damage == "truncate":
+        with open(path / "images.memmap", "r+b") as f:
+            f.truncate(1000)
+    else:
+        (path / META).write_text("{not json")
+    with pytest.raises(CacheError, match="python -m runner.prepare memmap --rebuild"):
+        memmap_storage(folder, tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_prepare_rebuild_repairs_a_damaged_cache(source: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    overrides = [f"dataset.path={source}", f"dataset.image_size=[{SIZE[0]},{SIZE[1]}]",
+                 "loader.decoder=simplejpeg", "run.progress=false"]
+    assert prepare_main(["memmap", *overrides]) == 0
+    path = spec_for(source).folder(tmp_path / "cache")
+    with open(path / "images.memmap", "r+b") as f:
+        f.truncate(10)
+    assert prepare_main(["memmap", *overrides]) == 2  # refuses to use it
+    assert prepare_main(["memmap", "--rebuild", *overrides]) == 0
+    folder = FolderStorage(source, decode(), OnCorrupt.skip)
+    assert len(memmap_storage(folder, tmp_path / "cache")) == 28
+
+
+KILLED_CONVERSION = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from runner.config.schema import Decoder, OnCorrupt
+    from runner.data.storage import memmap
+    from runner.data.storage import convert as engine
+    from runner.data.decode.decoders import ImageDecoder
+    from runner.data.storage.folder import FolderStorage
+
+    source, cache = Path(sys.argv[1]), Path(sys.argv[2])
+    engine.CHUNK = 3
+    real = memmap._decode_chunk
+
+    def dying(chunk):
+        if chunk[0] >= 4 * engine.CHUNK:
+            time.sleep(1.0)  # let the parent record the first chunks
+        if chunk[0] == 4 * engine.CHUNK:
+            os.kill(os.getppid(), signal.SIGKILL)  # the converting process dies, hard
+            time.sleep(5)
+        return real(chunk)
+
+    memmap._decode_chunk = dying
+    folder = FolderStorage(source, ImageDecoder(Decoder.simplejpeg, (24, 32)), OnCorrupt.skip)
+    spec = memmap.MemmapSpec(source.resolve(), (24, 32), "simplejpeg", False, fraction=0.875)
+    engine.ensure_cache(folder, spec, cache, progress=False)
+""")
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_killed_conversion_resumes_to_identical_bytes(source: Path, tmp_path: Path,
+                                                        monkeypatch):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_CONVERSION, str(source), str(cache)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr  # SIGKILL
+    final = spec_for(source).folder(cache)
+    partial = final.with_name(final.name + ".partial")
+    assert not (final / META).exists()  # nothing published that looks valid
+    recorded = len((partial / "done.jsonl").read_text().splitlines())
+    assert recorded >= 1
+
+    monkeypatch.setattr(engine, "CHUNK", 3)
+    real_decode_into = memmap.decode_into
+    redone = []
+
+    def counting(target, folder, chunks, *args, **kwargs):
+        redone.extend(chunks)
+        return real_decode_into(target, folder, chunks, *args, **kwargs)
+
+    monkeypatch.setattr(memmap, "decode_into", counting)
+    _, path, meta = build(source, cache)
+    total = -(-meta["count"] // 3)
+    assert len(redone) == total - recorded  # finished chunks were not decoded again
+
+    _, reference, _ = build(source, tmp_path / "uninterrupted")
+    for name in ("images.memmap", "labels.memmap"):
+        assert (path / name).read_bytes() == (reference / name).read_bytes()
+    assert not partial.exists()
+
+
+def test_on_corrupt_fail_stops_the_conversion_with_the_path(source: Path, tmp_path: Path):
+    folder = FolderStorage(source, decode(), OnCorrupt.fail)
+    with pytest.raises(Exception, match=r"broken\.jpg"):
+        ensure_cache(folder, spec_for(source), tmp_path / "cache", progress=False)
+    assert not (spec_for(source).folder(tmp_path / "cache") / META).exists()
+
+
+# --- one store for every split; a reader keeps the store it opened -------------------------
+
+def store_configs(source: Path, cache: Path, loader: str = "memmap", **dataset):
+    from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
+
+    return (LoaderConfig(name=StorageName(loader), decoder=Decoder.simplejpeg, draft=False),
+            DatasetConfig(path=str(source), image_size=list(SIZE), cache_dir=str(cache),
+                          **dataset))
+
+
+def open_store(source: Path, cache: Path, loader: str = "memmap", **dataset):
+    from runner.data.storage.ram import open_ram
+
+    loader_cfg, dataset_cfg = store_configs(source, cache, loader, **dataset)
+    opener = memmap.open_memmap if loader == "memmap" else open_ram
+    return opener(loader_cfg, dataset_cfg, source, progress=False)
+
+
+def decoded_by_name(source: Path, **dataset) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each image's pixels and label as the folder loader decodes the same listing (the
+    split's side with ``dataset``), by name."""
+    from runner.data.storage.folder import open_folder
+
+    loader_cfg, dataset_cfg = store_configs(source, source, **dataset)
+    folder = open_folder(loader_cfg, dataset_cfg, source, progress=False,
+                         decode=ImageDecoder(Decoder.simplejpeg, SIZE, fraction=0.875))
+    out = {}
+    for i in range(len(folder)):
+        item = folder[i]
+        if hasattr(item, "image"):
+            out[folder.name_of(i)] = (item.image, item.label)
+    return out
+
+
+def assert_serves(storage, expected: dict[str, tuple[torch.Tensor, int]]) -> None:
+    names = [storage.name_of(i) for i in range(len(storage))]
+    assert names == list(expected)  # the same images, in the same order
+    for i, name in enumerate(names):
+        got = storage[i]
+        assert torch.equal(got.image, expected[name][0]), name
+        assert got.label == expected[name][1], name
+
+
+@pytest.mark.parametrize("loader", ["memmap", "ram"])
+def test_runs_with_and_without_a_split_share_one_store_and_read_their_own_pixels(
+        source: Path, tmp_path: Path, monkeypatch, loader: str):
+    """The store holds the whole folder; each run serves its side of the split: runs that
+    alternate never rebuild it for each other, and each reads the pixels and labels the
+    folder loader decodes for its own listing."""
+    cache = tmp_path / "cache"
+    real_convert = memmap._convert
+    builds = []
+    monkeypatch.setattr(memmap, "_convert", lambda *a: builds.append(1) or real_convert(*a))
+    if loader == "ram":  # ram reads the memmap store when there is one
+        memmap.build_memmap(*store_configs(source, cache), source, progress=False)
+    split = {"val_fraction": 0.25, "split_seed": 3}
+    whole, trained = decoded_by_name(source), decoded_by_name(source, **split)
+    assert 0 < len(trained) < len(whole)
+    real_decode_into = memmap.decode_into
+    decodes = []
+    monkeypatch.setattr(memmap, "decode_into",
+                        lambda *a, **k: decodes.append(1) or real_decode_into(*a, **k))
+    from runner.data.storage import ram
+    monkeypatch.setattr(ram, "decode_into", memmap.decode_into)
+    for _ in range(2):
+        assert_serves(open_store(source, cache, loader), whole)
+        assert_serves(open_store(source, cache, loader, **split), trained)
+    assert builds == [1]  # built once, for every split
+    assert len(decodes) == (0 if loader == "ram" else 1)  # ram read the store every time
+
+
+def test_ram_without_a_store_decodes_only_its_side_of_the_split(source: Path, tmp_path: Path,
+                                                                monkeypatch):
+    split = {"val_fraction": 0.25, "split_seed": 3}
+    decoded = []
+    real = memmap._decode_chunk
+    monkeypatch.setattr(memmap, "_decode_chunk",
+                        lambda chunk: decoded.append(chunk[1] - chunk[0]) or real(chunk))
+    storage = open_store(source, tmp_path / "cache", "ram", **split)
+    expected = decoded_by_name(source, **split)
+    assert_serves(storage, expected)
+    assert sum(decoded) < 29  # the held-out images were not decoded
+
+
+def test_a_reader_maps_its_own_store_again_after_another_layout_was_published(
+        source: Path, tmp_path: Path):
+    """dataset.page_cache=cold maps the store again each epoch: after another run
+    published a store of another layout under the same name, the reader still reads the
+    store it opened (its pixels under its labels), never the new one."""
+    cache = tmp_path / "cache"
+    storage = open_store(source, cache)
+    expected = decoded_by_name(source)
+    (source / "c0" / "aaa.jpg").write_bytes(encode(photo(48, 64, index=700)))  # slots shift
+    newer = open_store(source, cache)  # another run: rebuilt for its own layout
+    assert len(newer) == len(storage) + 1
+    storage.reopen()
+    assert_serves(storage, expected)
+
+
+def test_a_store_published_between_the_check_and_the_open_is_checked_again(
+        source: Path, tmp_path: Path, monkeypatch):
+    """Another run publishes its layout after this run checked the store and before it
+    opened the files: this run sees the build changed, checks again (rebuilding for its
+    own listing) and reads its own pixels."""
+    cache = tmp_path / "cache"
+    open_store(source, cache)
+    expected = decoded_by_name(source)
+    real_ensure = memmap.ensure_cache
+    intruded = []
+
+    def ensure_then_intrude(folder, spec, *args, **kwargs):
+        found = real_ensure(folder, spec, *args, **kwargs)
+        if not intruded:  # another run, on a folder with one more image, publishes now
+            intruded.append(1)
+            (source / "c0" / "aaa.jpg").write_bytes(encode(photo(48, 64, index=700)))
+            real_ensure(FolderStorage(source, decode(), OnCorrupt.skip), spec, cache,
+                        progress=False)
+            (source / "c0" / "aaa.jpg").unlink()
+        return found
+
+    monkeypatch.setattr(memmap, "ensure_cache", ensure_then_intrude)
+    storage = open_store(source, cache)
+    assert intruded == [1]
+    assert_serves(storage, expected)
