@@ -18,7 +18,7 @@ when the registry is built: a new enum value without its record stops the import
 the setting. Looking up a name a registry lacks (a member, or a member's value) raises the
 same one line everywhere, an ``UnknownName``: ``loader=foo is invalid: choose one of
 folder, memmap, ...``. A caller asks the record for a fact instead of switching on the
-name. tests/test_registry.py walks every registry against its enum.
+name. tests/common/test_registry.py walks every registry against its enum.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ what a training resume does when it differs from the checkpoint's (``resume=``, 
 whether the report compares runs by it (``option=``, runner/report.py), what autotune
 searches (``autotune=``, runner/job/sweep.py) and its old name (``renamed_from=``,
 runner/job/commandline.py's ``RENAMED_KEYS``). Those lists are read from the fields
-(``keys_where``), so a new key is one field: tests/test_config_keys.py fails for a field
+(``keys_where``), so a new key is one field: tests/config/test_keys.py fails for a field
 that declares no resume policy. A default that depends on the machine (``device=auto``, an
 unset ``loader.pin_memory`` or ``loader.decode_threads``) is made concrete in one step,
 runner/job/compose.py's ``settle_machine``, so that the run's config names what ran.
@@ -66,7 +66,7 @@ def key(default: Any = dataclasses.MISSING, *, factory: Any = None, resume: str 
     """A config key: its default (or ``factory``) and, once, what the runner does with it.
 
     resume: what a training resume does when it differs from the checkpoint's (one of
-        ``RESUME_POLICIES``); every leaf key has one (tests/test_resume.py).
+        ``RESUME_POLICIES``); every leaf key has one (tests/tasks/test_checkpoint.py).
     at_least, above, at_most, below, choices: the values it takes (each item of a list), a
         ConfigError naming the key, the value and the range otherwise (``note`` is said
         after it); unset (None) passes.

@@ -7,7 +7,7 @@ window, every figure at the end (runner/tasks/results.py, the data path, the tas
 runner/tasks/, the verdict of runner/job/diagnose.py), then how the run ended. A key is
 present only where it applies (``loss_first``: training; ``models``: inference); a
 figure that could not be measured, or is not finite, is ``null``. ``problems`` holds a
-record against this declaration (tests/test_schema.py runs it on real runs).
+record against this declaration (tests/measure/test_metrics.py runs it on real runs).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ A resume trains with this run's settings, never silently the checkpoint's:
   the rest (``FREE_KEYS``: paths, workers, logging, inference's keys) changes nothing
   trained. Each key of the schema declares which of these it is, once, on its field in
   runner/config/schema.py (``key(..., resume=...)``), and these lists are read from there
-  (tests/test_config_keys.py fails for a field that declares none);
+  (tests/config/test_keys.py fails for a field that declares none);
 - the learning rate and its schedule (``task.lr``, ``task.scale_lr``, ``task.schedule``,
   its warm-up, ``task.min_lr``, ``task.step_*``) and the plan's length (``run.steps`` or
   ``run.epochs``, which count the whole run, the checkpoint's steps included) are applied:
@@ -291,7 +291,7 @@ def resumed(config: Any, run_dir: Path) -> dict[str, Any] | None:
 
 
 # What a resume does with each key of the schema, declared on its field in runner/config/schema.py
-# (``key(..., resume=...)``; tests/test_config_keys.py fails for a field that declares none):
+# (``key(..., resume=...)``; tests/config/test_keys.py fails for a field that declares none):
 #
 # must_match: what a checkpoint must share with the run that resumes it: a different value
 # would train another model (its input normalization and size included), on other data or

@@ -15,7 +15,7 @@ operation with its own random draw per image:
   (the five geometric ones together, as one batched affine grid and ``grid_sample``), one
   scatter back. The parameters of a step travel to the device in one copy; the launches of
   a step depend on the number of operations, not on the batch size. Every operation gives
-  torchvision's own uint8 result for that image and magnitude (tests/test_augment_batched.py:
+  torchvision's own uint8 result for that image and magnitude (tests/data/device/test_augment.py:
   blends reproduce its fused multiply-add, ``_blend_fma``);
 - ``color_jitter``: torchvision's ColorJitter(s, s, s, s/4) with its factors drawn per image
   on the device and its four steps in an order drawn per batch (``colour_jitter``: the

@@ -192,9 +192,8 @@ def test_the_machines_defaults_are_made_concrete_in_the_config():
 
 
 def test_a_run_records_the_machines_defaults_it_ran_with(tmp_path: Path, cache_dir: Path):
-    from conftest import SMALL_DATASET, read_metrics, run_in_process
-
     from runner.data.threads import cores
+    from tests.conftest import SMALL_DATASET, read_metrics, run_in_process
 
     run_in_process(*SMALL_DATASET, "logger=none", "model=none", "run.steps=2",
                    "run.timeline=false", "diagnose=false", run_dir=tmp_path / "run")
