@@ -66,7 +66,7 @@ def key(default: Any = dataclasses.MISSING, *, factory: Any = None, resume: str 
     """A config key: its default (or ``factory``) and, once, what the runner does with it.
 
     resume: what a training resume does when it differs from the checkpoint's (one of
-        ``RESUME_POLICIES``); every leaf key has one (tests/tasks/test_checkpoint.py).
+        ``RESUME_POLICIES``); every leaf key has one (tests/config/test_keys.py).
     at_least, above, at_most, below, choices: the values it takes (each item of a list), a
         ConfigError naming the key, the value and the range otherwise (``note`` is said
         after it); unset (None) passes.
