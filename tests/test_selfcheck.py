@@ -115,6 +115,7 @@ def test_each_row_that_ran_shows_the_seconds_it_took(monkeypatch, capsys):
                                              failed[0]), out
 
 
+@pytest.mark.process
 def test_the_command_says_a_missing_dependency_in_one_line():
     # the package's import needs the project's dependencies; the command names the missing one
     code = ("import sys; sys.modules['tensordict'] = None; from runner.selfcheck import main; "
