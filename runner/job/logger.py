@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 
 class NoLogger(NullLogger):
-    """``logger=none``: needs no wandb at all (runner/measure/metrics.py's ``NullLogger``,
-    the record of its registry)."""
+    """The registry's record for ``logger=none``: runner/measure/metrics.py's ``NullLogger``
+    (what the tasks default to), which needs no wandb at all."""
 
     name = LoggerName.none
 

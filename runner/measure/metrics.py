@@ -152,7 +152,7 @@ class MetricLogger(Protocol):
 
 
 class NullLogger:
-    """``logger=none``: needs no wandb at all."""
+    """A logger that does nothing (``logger=none``'s, runner/job/logger.py)."""
 
     run_id: str | None = None
 

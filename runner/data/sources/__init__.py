@@ -25,7 +25,7 @@ a request per image; or shards
 tars of packed's JPEGs, 64 MiB each by default (``shard_mb=``), with an index per shard
 (runner/data/storage/tarformat.py), fetched whole on the I/O thread into the node-local
 cache and then read like local shards (a sample is one ``pread``), so a second epoch runs at
-local speed when the shards fit ``dataset.cache_bytes``. Both layouts are measured against
+local speed when the shards fit ``dataset.cache_bytes`` (10 GB by default). Both layouts are measured against
 local disk, at 0/10/50 ms round trip and with faults, by ``python -m runner.bench remote``
 (runner/bench/remote.py, through the loopback servers and delay line of
 runner/bench/servers/); why obstore: objectstore.py.

@@ -25,7 +25,7 @@ server refuses, a bucket or prefix that does not exist, a 403. The line never ho
 credential: it is written here from the error's kind and HTTP status, not copied from the
 client's message.
 
-Retries are the read engine's (engine.py: it counts them and backs off with jitter), so
+Retries are the read engine's (readengine.py: it counts them and backs off with jitter), so
 the client itself makes one attempt per call.
 
 **A range answered with status 200.** HTTP lets a server answer a range request with

@@ -4,9 +4,9 @@
 whose shards live in a store. The loader tells it each batch it queues (``will_need``) and
 the batch order is known in advance (``order``: the blocks of shards each epoch reads), so
 it fetches the shards of the next blocks before they are needed, each whole into the
-node-local cache (cache.py: bounded, furthest-ahead eviction, one fetcher per shard across
+node-local cache (shardcache.py: bounded, furthest-ahead eviction, one fetcher per shard across
 processes), in ``PART_BYTES`` range requests in flight together on the read engine
-(engine.py). The first ``RANGED_BATCHES`` batches of a cold start (of shards larger than two
+(readengine.py). The first ``RANGED_BATCHES`` batches of a cold start (of shards larger than two
 parts), and every sample whose shard the cache has no room for, are read by range requests
 instead, a batch's neighbouring samples merged into one: the first batch does not wait for
 whole shards, and a cache smaller than a block still works. Once cached, a sample is one

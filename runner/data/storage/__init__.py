@@ -1,4 +1,4 @@
-"""``loader=`` storages: where batches come from (the ``Storage`` protocol, base.py).
+"""``loader=`` storages: where batches come from (the ``Storage`` protocol, runner/data/protocol.py).
 
 Each storage is one module named after its ``loader.name``, ``runner/data/storage/<name>.py``,
 which defines its registry record ``KIND`` (a ``StorageKind``: how to open it and what
@@ -11,7 +11,7 @@ folder decodes every image on every epoch; memmap and ram decode once (memmap.py
 and then serve batches by indexed reads of one uint8 tensor (decoded.py); packed re-encodes
 once at a stored size into one file and decodes per epoch (packed.py); dali and ffcv run
 the rivals' own pipelines (rival.py); shards holds packed's JPEGs in WebDataset tars
-(shards.py). The stores built once share one engine (cache.py). user is no folder's: the
+(shards.py). The stores built once share one engine (convert.py). user is no folder's: the
 torch Dataset ``dataset.target=module:function`` returns, which replaces ``loader=``
 (user.py; its record says ``reads_path=False``).
 

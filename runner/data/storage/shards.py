@@ -4,7 +4,7 @@
 ``*.tar``; or the ``manifest.json`` itself) or an image folder, which is converted once:
 packed at ``dataset.store_size`` (packed.py), then written as shards into the cache
 (``python -m runner.prepare shards ... out=<folder or URL>`` writes them anywhere). The
-format is WebDataset's, with an index per shard (tarshards.py); a tar set someone else
+format is WebDataset's, with an index per shard (tarformat.py); a tar set someone else
 wrote is indexed on first use, the index cached under ``dataset.cache_dir``.
 
 **Reading.** Samples are decoded as packed's are (the same decoders, crop, DCT-scaled and
@@ -30,7 +30,7 @@ manifest that does not list it is named in one line and not read; the files a co
 skipped (the manifest's ``skipped``) are in the run's ``skipped_files``.
 
 **Remote shards** (``dataset.path=s3://...``): fetched ahead of need, whole, into the
-node-local cache bounded by ``dataset.cache_bytes`` (runner/data/sources/shardstream.py, cache.py);
+node-local cache bounded by ``dataset.cache_bytes`` (runner/data/sources/shardstream.py, shardcache.py);
 a cold start's first batches, and samples the cache has no room for, by range requests.
 Writing shards: shardwrite.py.
 """

@@ -4,7 +4,7 @@ of an image folder on first use.
 The images are packed first (packed.py: re-encoded once at ``dataset.store_size``, so the
 shards hold exactly what packed decodes), then written in a shuffled order (``shuffle_seed=``,
 default 0, recorded in the manifest: the same seed writes the same files) as WebDataset tars
-with an index each and one manifest (tarshards.py). ``out=`` a folder writes there; ``out=``
+with an index each and one manifest (tarformat.py). ``out=`` a folder writes there; ``out=``
 a URL writes to a temporary folder and uploads each shard and index, the manifest last (a
 reader sees the whole set or none). An image folder at a URL is first copied to a local
 staging folder (a manifest keeps its order and labels). Unset ``out=``: the cache, where

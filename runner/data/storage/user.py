@@ -175,7 +175,7 @@ def known_labels(dataset: Any, n: int) -> list[int] | None:
 
 
 class UserStorage(Dataset):
-    """A map-style Dataset of the user's as a storage (the ``Storage`` protocol, base.py).
+    """A map-style Dataset of the user's as a storage (the ``Storage`` protocol, runner/data/protocol.py).
 
     Args:
         dataset: the user's map-style Dataset.

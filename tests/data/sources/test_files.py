@@ -156,7 +156,7 @@ def test_a_bucket_staged_to_pack_keeps_its_listings_names_labels_and_bytes(s3_se
     from runner.data.sources.files import StoreFiles, open_files
     from runner.data.storage.shardwrite import stage_remote
     from runner.job.compose import compose
-    from tests.test_remote import SMALL, local_dataset
+    from tests.data.sources.test_objectstore import SMALL, local_dataset
 
     root = local_dataset(cache_dir)
     name = f"flow-staging-{os.getpid()}"

@@ -2,7 +2,7 @@
 
 Each kind is one module named after its ``Output`` value,
 ``runner/tasks/infer/kinds/<name>.py``, which defines its registry record ``KIND`` (an
-``OutputKind``, base.py: what it reads of the forward, how it is reduced, which models give
+``OutputKind``, kind.py: what it reads of the forward, how it is reduced, which models give
 it, how it is written and its files). ``OUTPUT_KINDS`` maps every ``Output`` to its record,
 found in its module: a new output kind is its enum value and its module. runner/tasks/infer/outputs.py
 reduces and writes by these records; it names no kind.
