@@ -61,16 +61,20 @@ import torch
 
 from runner.bench.selfcheck import harness
 from runner.bench.selfcheck.copy_rows import (
+    check_host_dtype,
     check_pinned_storages,
     check_prefetch,
+    check_timeline,
     check_timing,
     check_transfers,
 )
 from runner.bench.selfcheck.decode_rows import check_dali, check_nvjpeg
-from runner.bench.selfcheck.harness import Check, Row, _first_line, lap, on_cuda
+from runner.bench.selfcheck.harness import Check, Row, describe, lap, on_cuda
 from runner.bench.selfcheck.model_rows import (
     check_inductor,
     check_infer,
+    check_onnxruntime,
+    check_reduce_on,
     check_tensorrt,
     check_tensorrt_job,
 )
@@ -85,41 +89,58 @@ from runner.bench.selfcheck.train_rows import (
 
 CHECKS: list[Check] = [
     Check("sync", "each recipe (recipe=quick; AdamW + EMA + clipping + accumulation; every "
-          "task.augment option; memmap random crops) trains 8 steps with no implicit host "
-          "sync; fails on the first sync the debug mode catches", check_sync),
+          "task.augment option; memmap random crops) trains 8 steps at 64x128 px with no "
+          "implicit host sync; fails on the first sync the debug mode catches", check_sync,
+          seconds=60),
     Check("prefetch", "prefetch=gpu's step within 5% of the model alone (plain, "
           "channels_last, random crops) with no sync; fails above 1.05x; and channels_last "
-          "fails when slower than NCHW", check_prefetch),
+          "fails when slower than NCHW", check_prefetch, seconds=45),
     Check("transfers", "uint8 over PCIe > 3x faster than float32, pinned > 1.2x pageable",
-          lambda a: check_transfers(a.size, a.batch_size)),
+          lambda a: check_transfers(a.size, a.batch_size), seconds=5),
     Check("timing", "gpu_idle_frac within 0.15 of a known idle share, epoch pauses left out, "
-          "every batch pinned", lambda a: check_timing(min(a.batch_size, 64))),
-    Check("inductor", "compile=inductor train and infer match eager within the amp "
-          "tolerance; fails on a mismatch or an error", check_inductor),
+          "every batch pinned", lambda a: check_timing(min(a.batch_size, 64)), seconds=10),
+    Check("inductor", "compile=inductor train and infer (a small model) match eager within "
+          "the amp tolerance; fails on a mismatch or an error", check_inductor, seconds=40),
     Check("gpu-decode", "nvjpeg >= 5x the best CPU decoder with a worker per core, folder and "
-          "packed (packed also the CPU's pixels); fails below 5x", check_nvjpeg),
+          "packed (packed also the CPU's pixels); fails below 5x", check_nvjpeg, seconds=60),
     Check("pinned", "every batch of folder, packed and memmap is pinned; fails on one "
-          "pageable tensor", lambda a: check_pinned_storages(min(a.batch_size, 64))),
+          "pageable tensor", lambda a: check_pinned_storages(min(a.batch_size, 64)),
+          seconds=20),
     Check("fp16", "amp=fp16 training with no per-step sync",
-          lambda a: check_fp16_training(a.size, min(a.batch_size, 64))),
+          lambda a: check_fp16_training(a.size, min(a.batch_size, 64)), seconds=5),
     Check("fp16-numbers", "an fp16 step that overflows is skipped, then 5 steps match a "
-          "reference SGD within 1e-2", lambda a: check_fp16_numbers(64, 32)),
+          "reference SGD within 1e-2", lambda a: check_fp16_numbers(64, 32), seconds=5),
     Check("infer", "two classifiers and a segmenter, bf16 on the GPU vs float32 on the CPU: "
           "probs within 0.02, embeddings at cosine >= 0.99, masks >= 95% alike",
-          check_infer),
+          check_infer, seconds=60),
     Check("resume", "a CUDA checkpoint resumed mid-accumulation gives an uninterrupted run's "
-          "weights and EMA (within the GPU's own run-to-run difference)", check_resume),
+          "weights and EMA (within the GPU's own run-to-run difference)", check_resume,
+          seconds=15),
+    Check("timeline", "run.timeline's GPU copy and compute lanes from CUDA events, each in "
+          "order, a copy overlapping a compute (prefetch=gpu); fails on a missing lane, "
+          "spans out of order or no overlap", check_timeline, seconds=30),
+    Check("reduce-on", "task.reduce_on=device gives host's outputs (topk, masks) with fewer "
+          "bytes to the host; fails on another output or as many bytes", check_reduce_on,
+          seconds=15),
+    Check("host-dtype", "loader.host_dtype's copy at 224 and 512 px: float16 >= 1.6x and "
+          "float32 >= 3x uint8's, 512 px >= 3x 224 px, batches pinned; fails below",
+          check_host_dtype, seconds=10),
+    Check("onnxruntime-gpu", "compile=onnxruntime on CUDA's provider (I/O binding) verified "
+          "against eager float32, output on the GPU, speed shown; fails on a mismatch or a "
+          "CPU fallback (untested without onnxruntime-gpu)", check_onnxruntime,
+          packages=("onnxruntime", "onnx", "onnxscript"), seconds=30),
     Check("tensorrt", "compile=tensorrt fp16 >= 1.5x eager fp16, verified; a cached engine "
           "takes a short last batch without a rebuild",
-          lambda a: check_tensorrt(a.size, a.batch_size), packages=("torch_tensorrt",)),
+          lambda a: check_tensorrt(a.size, a.batch_size), packages=("torch_tensorrt",),
+          seconds=90),
     Check("tensorrt-job", "python -m runner task=infer compile=tensorrt (fp16, bf16, both "
           "engine formats) runs, and its second run reuses the engine",
-          lambda a: check_tensorrt_job(), packages=("torch_tensorrt",)),
+          lambda a: check_tensorrt_job(), packages=("torch_tensorrt",), seconds=240),
     Check("dali-gpu", "the DALI loader decodes into device batches of the run's shape", check_dali,
-          packages=("nvidia.dali",)),
+          packages=("nvidia.dali",), seconds=15),
     Check("ddp", "2 ranks through the project's process group end with replicas in sync "
           "(NCCL on 2 GPUs; on fewer, gloo, and the row says NCCL is untested)",
-          lambda a: check_ddp(), cuda=False),
+          lambda a: check_ddp(), cuda=False, seconds=30),
 ]
 
 
@@ -160,9 +181,21 @@ def table(rows: list[Row]) -> str:
 
 def listing() -> str:
     width = max(len(c.name) for c in CHECKS)
-    return "\n".join(f"{c.name:<{width}}  {'GPU' if c.cuda else 'any'}  {c.claim}"
-                     + (f" [needs {', '.join(c.packages)}]" if c.packages else "")
+    return "\n".join(f"{c.name:<{width}}  {'GPU' if c.cuda else 'any'}  {c.seconds:>4g} s  "
+                     f"{c.claim}" + (f" [needs {', '.join(c.packages)}]" if c.packages else "")
                      for c in CHECKS)
+
+
+def positive_seconds(text: str) -> float:
+    """``--budget``'s value: seconds above zero (argparse says the bad value in one line)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0, "
+                                         "e.g. --budget 330")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="each row and what fails it")
     parser.add_argument("--no-build", action="store_true",
                         help="never compile the region decoder's binding in place")
+    parser.add_argument("--budget", type=positive_seconds, metavar="SECONDS",
+                        help="run only what fits in SECONDS from the start (each row's "
+                             "expected seconds against what is left); the rest is listed "
+                             "as untested")
     args = parser.parse_args(argv)
+    started = time.perf_counter()  # --budget counts from here: the header and build too
     if args.list:
         print(listing())
         return 0
@@ -197,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{p} (untested: {', '.join(n for n, m in lacking.items() if p in m)})"
             for p in said), flush=True)
     rows: list[Row] = []
-    started = time.perf_counter()
     for check in CHECKS:
         asked = bool(args.only) and check.name in args.only
         if args.only and not asked:
@@ -211,13 +248,19 @@ def main(argv: list[str] | None = None) -> int:
             # an explicitly requested row that cannot run fails; otherwise it is untested
             rows.append(Row(check.name, False if asked else None, why, seconds=None))
             continue
+        left = None if args.budget is None else args.budget - (time.perf_counter() - started)
+        if left is not None and check.seconds > left:  # the user's window: untested, said
+            rows.append(Row(check.name, None, f"skipped by --budget {args.budget:g} s: "
+                                              f"expected {check.seconds:g} s, {max(left, 0):.0f}"
+                                              " s left", seconds=None))
+            continue
         before, t0 = len(rows), time.perf_counter()
         lap()  # the check's first row counts from here
         try:
             rows += check.run(args)
         except Exception as e:  # one broken path never hides the others
             traceback.print_exc(file=sys.stderr)
-            rows.append(Row(check.name, False, f"{type(e).__name__}: {_first_line(e)}"))
+            rows.append(Row(check.name, False, describe(e)))
         print(table(rows[before:]) + f"\n          ({check.name}: "
               f"{time.perf_counter() - t0:.0f} s)", flush=True)
     done = [r for r in rows if r.ok is not None]

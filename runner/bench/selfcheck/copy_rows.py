@@ -1,19 +1,28 @@
 """The rows of the copy to the device: ``prefetch=gpu`` within 5% of the model alone
 (``prefetch``), uint8 and pinned transfers (``transfers``), ``gpu_idle_frac`` against a
-known idle share (``timing``), and every batch of the loaders pinned (``pinned``)."""
+known idle share (``timing``), every batch of the loaders pinned (``pinned``), the
+timeline's copy and compute lanes from CUDA events (``timeline``), and
+``loader.host_dtype``'s copy time against the image size (``host-dtype``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 
 from runner.bench.selfcheck.harness import (
     Row,
     SyncError,
+    _device,
     _loader,
     _ms,
     _pipeline,
+    _pythonpath,
+    _run_job,
     _steps,
     _train_step,
     on_cuda,
@@ -189,3 +198,92 @@ def _cycles_for(seconds: float) -> int:
     torch.cuda.synchronize()
     per_cycle = start.elapsed_time(end) / 1000.0 / 1_000_000
     return int(seconds / per_cycle)
+
+
+def check_timeline(args: argparse.Namespace) -> list[Row]:
+    """``run.timeline=true`` on a ``prefetch=gpu`` training run (``python -m runner``):
+    ``timeline.json`` holds the GPU's copy-stream and compute-stream lanes, resolved from
+    CUDA events (runner/measure/timeline.py's ``record_device``): copies on the first,
+    computes on the second, each lane's spans in order (a stream runs its work in turn:
+    overlapping spans on one lane would mean the events were resolved wrongly), and a
+    copy overlapping a compute (what the two lanes are drawn to show, and prefetch=gpu's
+    side stream does). Untested on the CPU: there are no device lanes there."""
+    from runner.measure.timeline import COMPUTE_STREAM, COPY_STREAM
+
+    what = "timeline: the GPU's copy and compute lanes from CUDA events (prefetch=gpu)"
+    if not on_cuda():
+        return [Row(what, None, "untested on the CPU: the device lanes are CUDA events")]
+    with tempfile.TemporaryDirectory() as scratch:
+        run_dir = Path(scratch) / "run"
+        env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": _pythonpath()}
+        code, last = _run_job([_loader("MEMMAP"), "prefetch=gpu", "amp=bf16", "model=resnet18",
+                               f"dataset.image_size=[{args.size},{args.size}]",
+                               f"loader.batch_size={min(args.batch_size, 128)}", "run.steps=16",
+                               "run.warmup_steps=4", "run.timeline=true", "device=cuda"],
+                              run_dir, env)
+        if code != 0:
+            return [Row(what, False, f"exit {code}: {last}")]
+        try:
+            data = json.loads((run_dir / "timeline.json").read_text())
+        except (OSError, ValueError) as e:
+            return [Row(what, False, f"no timeline.json: {e}")]
+    spans = data.get("spans", [])
+    lanes = {lane: sorted((s["start"], s["end"], s["stage"]) for s in spans
+                           if s["lane"] == lane) for lane in (COPY_STREAM, COMPUTE_STREAM)}
+    copies = [(a, b) for a, b, stage in lanes[COPY_STREAM] if stage == "copy" and b > a]
+    computes = [(a, b) for a, b, stage in lanes[COMPUTE_STREAM] if stage == "compute" and b > a]
+    in_order = all(later[0] >= earlier[1] - 0.05 for lane in lanes.values()
+                   for earlier, later in zip(lane, lane[1:]))
+    overlapping = sum(any(a < d and c < b for c, d in computes) for a, b in copies)
+    ok = bool(copies) and bool(computes) and in_order and overlapping > 0
+    return [Row(what, ok, f"{len(copies)} copies, {len(computes)} computes in "
+                          f"{len(data.get('steps', []))} steps shown; each lane in order: "
+                          f"{in_order}; copies overlapping a compute: {overlapping}")]
+
+
+def check_host_dtype(args: argparse.Namespace) -> list[Row]:
+    """``loader.host_dtype`` (runner/data/device/normalize.py's ``HostConvert``): batches
+    converted on the host into page-locked buffers, then copied; the copy time against the
+    image size (the founding notes' experiment): at 224 and 512 px, float16 moves 2x and
+    float32 4x uint8's bytes, so their copies take >= 1.6x and >= 3x uint8's, and each
+    dtype's copy at 512 px >= 3x its copy at 224 px (5.2x the pixels); every converted
+    batch pinned. Untested on the CPU: a copy to the CPU moves nothing."""
+    from tensordict import TensorDict
+
+    from runner.config.schema import HostDtype, ModelConfig
+    from runner.data.device.normalize import HOST_DTYPES, HostConvert
+
+    what = "loader.host_dtype: copy time against bytes and image size"
+    if not on_cuda():
+        return [Row(what, None, "untested on the CPU: a copy to the CPU moves nothing")]
+    device = _device()
+    batch = min(args.batch_size, 64)
+    model = ModelConfig("resnet50")
+    ms: dict[tuple[int, HostDtype], float] = {}
+    convert_ms: dict[tuple[int, HostDtype], float] = {}
+    pageable = 0
+    for size in (224, 512):
+        images = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8).pin_memory()
+        host = TensorDict({"image": images}, batch_size=[batch])
+        for dtype in HostDtype:
+            if HOST_DTYPES[dtype] is not None:
+                convert = HostConvert(HOST_DTYPES[dtype], model.mean, model.std, pin=True,
+                                      batch_size=batch)
+                started = convert.seconds
+                converted = convert(host)
+                convert_ms[size, dtype] = 1000 * (convert.seconds - started)
+            else:
+                converted = host
+            image = converted["image"]
+            pageable += not image.is_pinned()
+            ms[size, dtype] = _ms(lambda t=image: t.to(device, non_blocking=True), 10)
+    u8, f16, f32 = HostDtype.uint8, HostDtype.float16, HostDtype.float32
+    by_bytes = all(ms[s, f16] >= 1.6 * ms[s, u8] and ms[s, f32] >= 3 * ms[s, u8]
+                   for s in (224, 512))
+    by_size = all(ms[512, d] >= 3 * ms[224, d] for d in HostDtype)
+    shown = "; ".join(f"{s} px: " + ", ".join(f"{d.value} {ms[s, d]:.2f}" for d in HostDtype)
+                      + " ms" for s in (224, 512))
+    converting = ", ".join(f"{d.value} at {s} px {v:.0f} ms" for (s, d), v in
+                           sorted(convert_ms.items(), key=lambda kv: (kv[0][0], kv[0][1].value)))
+    return [Row(f"{what} (batch {batch}, pinned)", by_bytes and by_size and not pageable,
+                f"copy {shown}; host conversion {converting}; pageable batches {pageable}")]

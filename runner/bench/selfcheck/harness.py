@@ -7,7 +7,10 @@ the sync detector.
   since the check began, by :func:`lap`; the harness laps when a check starts).
 - :func:`_steps` times a pipeline's steps under torch's sync debug mode "error" and turns an
   implicit sync into a :class:`SyncError` naming the data path or the step, and the line
-  (:func:`_where`: the project's deepest frame, then the library's).
+  (:func:`_where`: the project's deepest frame, then the library's). Both read the whole
+  chain of an exception (``__cause__``/``__context__``, :func:`_chain`): a sync wrapped in
+  another error, or a StopIteration a generator turned into a RuntimeError, is found by
+  its innermost cause; :func:`describe` says a failed row's innermost cause and its line.
 - :func:`_pipeline`, :func:`_train_step`, :func:`_synthetic_batch` build what
   ``python -m runner`` would run; :func:`_run_job` runs ``python -m runner`` itself in a child
   process from the checkout.
@@ -67,6 +70,10 @@ class Check:
     run: Callable[[argparse.Namespace], list[Row]]
     packages: tuple[str, ...] = ()  # importable modules it needs beyond the project's
     cuda: bool = True
+    # what it is expected to take on a fresh GPU node (``--budget`` skips it when that
+    # would not fit in what is left): an estimate, rounded up, to revise from a table's
+    # seconds
+    seconds: float = 30.0
 
 
 def on_cuda() -> bool:
@@ -150,16 +157,18 @@ def _steps(pipeline, step, n: int, sync_check: bool, warmup: int = 3) -> float:
         for _ in range(n):
             try:
                 batch = next(batches)
-            except RuntimeError as e:
-                if not _is_sync(e):
+            except Exception as e:  # a sync may reach here wrapped (in another thread's
+                sync = _sync_in(e)  # error, or a generator's RuntimeError): its cause read
+                if sync is None:
                     raise
-                raise SyncError(f"data path, {_where(e)}: {_first_line(e)}") from e
+                raise SyncError(f"data path, {_where(e)}: {_first_line(sync)}") from e
             try:
                 step(batch)
-            except RuntimeError as e:
-                if not _is_sync(e):
+            except Exception as e:
+                sync = _sync_in(e)
+                if sync is None:
                     raise
-                failure = failure or SyncError(f"step, {_where(e)}: {_first_line(e)}")
+                failure = failure or SyncError(f"step, {_where(e)}: {_first_line(sync)}")
                 if on_cuda():
                     torch.cuda.set_sync_debug_mode(0)
     finally:
@@ -172,16 +181,39 @@ def _steps(pipeline, step, n: int, sync_check: bool, warmup: int = 3) -> float:
     return 1000 * seconds / n
 
 
-def _is_sync(e: BaseException) -> bool:
-    return "synchroniz" in str(e)
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and what it was raised from or while handling, outermost first: its
+    ``__cause__``, else its ``__context__`` unless suppressed (``raise ... from None``).
+    A StopIteration inside a generator reaches the caller as ``RuntimeError("generator
+    raised StopIteration")``, the StopIteration its cause; a thread's error re-raised
+    by another keeps the first as its cause."""
+    chain: list[BaseException] = []
+    while e is not None and all(e is not seen for seen in chain):
+        chain.append(e)
+        e = e.__cause__ if e.__cause__ is not None else (
+            None if e.__suppress_context__ else e.__context__)
+    return chain
+
+
+def _sync_in(e: BaseException) -> BaseException | None:
+    """The innermost exception of ``e``'s chain that says a device synchronized (sync
+    debug mode "error"), or None."""
+    return next((x for x in reversed(_chain(e)) if "synchroniz" in str(x)), None)
+
+
+def _frames(e: BaseException) -> list:
+    """The frames of ``e``'s chain, outermost exception first: an inner exception's
+    frames are the deeper ones (where it was raised, below where it was caught)."""
+    import traceback as tb
+
+    return [f for x in _chain(e) for f in tb.extract_tb(x.__traceback__)]
 
 
 def _where(e: BaseException) -> str:
-    """The project's deepest line in ``e``'s traceback, and the last line beyond it (a
-    library's), as ``file:line (function)``: where a sync came from."""
-    import traceback as tb
-
-    frames = tb.extract_tb(e.__traceback__)
+    """The project's deepest line in ``e``'s traceback (its causes' included), and the
+    last line beyond it (a library's), as ``file:line (function)``: where a sync, or an
+    error, came from."""
+    frames = _frames(e)
     ours = [f for f in frames if "runner" in Path(f.filename).parts
             and Path(f.filename).resolve().parent != HERE]
     parts = []
@@ -199,6 +231,19 @@ def _where(e: BaseException) -> str:
 def _first_line(e: BaseException) -> str:
     lines = [line for line in str(e).splitlines() if line.strip()]
     return (lines[0] if lines else type(e).__name__)[:110]
+
+
+def describe(e: BaseException) -> str:
+    """A failed row's figure: the innermost cause of ``e`` (its type and message) and
+    where it was raised (``_where``), then what reached the harness when that differs:
+    ``StopIteration, runner/x.py:12 (fn): StopIteration (reached the harness as
+    RuntimeError: generator raised StopIteration)``."""
+    chain = _chain(e)
+    inner = chain[-1]
+    said = f"{type(inner).__name__}, {_where(e)}: {_first_line(inner)}"
+    if inner is not e:
+        said += f" (reached the harness as {type(e).__name__}: {_first_line(e)})"
+    return said
 
 
 def _train_step(pipeline, total_steps: int):

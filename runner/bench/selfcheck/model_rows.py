@@ -1,7 +1,9 @@
 """The rows of a model's outputs on the GPU against a reference: ``compile=inductor`` for
 training and inference against eager (``inductor``), ``compile=tensorrt`` against eager fp16
-and its engine reused (``tensorrt``, ``tensorrt-job``), and ``task=infer`` in bf16 on the GPU
-against float32 on the CPU (``infer``)."""
+and its engine reused (``tensorrt``, ``tensorrt-job``), ``task=infer`` in bf16 on the GPU
+against float32 on the CPU (``infer``), ``task.reduce_on=device`` against ``host``
+(``reduce-on``) and ``compile=onnxruntime`` on CUDA's execution provider against eager
+(``onnxruntime-gpu``)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from runner.bench.selfcheck.harness import (
 
 def check_inductor(args: argparse.Namespace) -> list[Row]:
     """compile=inductor for train and infer through the project's compile_model (which
-    verifies the compiled model against eager), and its step time against eager."""
+    verifies the compiled model against eager), and its step time against eager, with the
+    project's small model (``tiny``): what is claimed is the compiled numbers."""
     from runner.config.schema import (
         AmpConfig,
         AmpName,
@@ -44,7 +47,9 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
     from runner.tasks import make_step
 
     device = _device()
-    name, size, batch = ("resnet18", 160, 64) if on_cuda() else ("tiny", 64, 8)
+    # a small model: the claim is the compiled graph's numbers (its compile time grows
+    # with the graph, a resnet18's took most of a minute); its speed is only shown
+    name, size, batch = ("tiny", 128, 64) if on_cuda() else ("tiny", 64, 8)
     amp = AmpConfig(AmpName.bf16)
     cfg = CompileConfig(CompileName.inductor)
     data = _synthetic_batch(batch, size, device)
@@ -235,3 +240,121 @@ def check_infer(args: argparse.Namespace) -> list[Row]:
                         bool(masks) and share >= 0.95,
                         f"{len(masks)} masks; the least alike agree on {share:.1%} of pixels"))
     return rows
+
+
+def check_reduce_on(args: argparse.Namespace) -> list[Row]:
+    """``task.reduce_on=device`` against ``host`` (runner/tasks/infer/outputs.py's
+    ``Reduce``) on the same forward of a 1000-class classifier (``topk``) and a
+    segmentation model (``masks``): the same outputs (what the writers write: the same
+    files), and fewer bytes crossing to the host (the reduced tensors against the raw
+    logits ``host`` copies). Runs on the CPU too (``RUNNER_SELFCHECK_DEVICE=cpu``: the
+    bytes are those a GPU would copy)."""
+    from runner.config.schema import (
+        AmpConfig,
+        AmpName,
+        ModelConfig,
+        Output,
+        ReduceOn,
+        TaskConfig,
+        TaskName,
+    )
+    from runner.model.amp import autocast
+    from runner.model.networks import build_model, main_output, split_input
+    from runner.tasks.infer.outputs import Reduce
+
+    device = _device()
+    amp = AmpConfig(AmpName.bf16)
+    classifier, size, batch = ("resnet18", 160, 64) if on_cuda() else ("tiny", 64, 4)
+    rows = []
+    for what, model_cfg, classes, output in (
+            ("topk", ModelConfig(classifier), 1000, Output.topk),
+            ("masks", ModelConfig("lraspp_mobilenet_v3_large", num_classes=21), 0,
+             Output.masks)):
+        torch.manual_seed(0)
+        model = build_model(model_cfg, classes, device, train=False).eval()
+        x = _synthetic_batch(batch, size, device)["image"]
+        kept, crossed = {}, {}
+        for where in (ReduceOn.device, ReduceOn.host):
+            cfg = TaskConfig(TaskName.infer, outputs=[output], reduce_on=where)
+            reduce = Reduce(cfg, split_input(model)[1])
+            reduce.start()
+            with torch.inference_mode(), autocast(amp, device):
+                out = model(x)
+                kept[where] = {k: v.cpu() for k, v in reduce(out, None).items()}
+            raw = main_output(out)  # what host copies: the raw logits
+            crossed[where] = sum(t.nelement() * t.element_size() for t in (
+                kept[where].values() if where is ReduceOn.device else [raw]))
+        dev, host = kept[ReduceOn.device], kept[ReduceOn.host]
+        same = dev.keys() == host.keys()
+        detail = []
+        for key in dev.keys() & host.keys():
+            a, b = dev[key], host[key]
+            if a.is_floating_point():
+                gap = (a.float() - b.float()).abs().max().item()
+                same &= gap <= 1e-4
+                detail.append(f"{key} max diff {gap:.2g}")
+            else:
+                share = (a == b).float().mean().item()
+                same &= share >= 0.999  # an exact tie may break either way
+                detail.append(f"{key} {share:.2%} equal")
+        fewer = crossed[ReduceOn.device] < crossed[ReduceOn.host]
+        rows.append(Row(f"task.reduce_on=device vs host, {what} ({model_cfg.name}): the same "
+                        "outputs, fewer bytes to the host", same and fewer,
+                        f"{'; '.join(sorted(detail))}; {crossed[ReduceOn.device] / 1e3:,.0f} "
+                        f"vs {crossed[ReduceOn.host] / 1e3:,.0f} kB per batch of {batch}"))
+    return rows
+
+
+def check_onnxruntime(args: argparse.Namespace) -> list[Row]:
+    """``compile=onnxruntime`` (runner/model/onnx.py) on CUDA's execution provider with I/O
+    binding, against eager float32 (its graph is float32): verified by the project's
+    ``verify`` (a mismatch fails the row), run by the CUDA provider (not a fallback to the
+    CPU's) with its output on the GPU; its speed against eager shown. Untested without
+    onnxruntime-gpu (no CUDA provider) and on the CPU."""
+    import onnxruntime
+
+    what = "compile=onnxruntime on CUDA's provider vs eager float32"
+    providers = onnxruntime.get_available_providers()
+    if "CUDAExecutionProvider" not in providers:
+        return [Row(what, None, f"untested: onnxruntime has {', '.join(providers)}, no CUDA "
+                                "provider (pip install onnxruntime-gpu)")]
+    if not on_cuda():
+        return [Row(what, None, "untested on the CPU: the claim is CUDA's provider")]
+    from runner.config.schema import (
+        AmpConfig,
+        AmpName,
+        CompileConfig,
+        CompileName,
+        ModelConfig,
+        TaskName,
+    )
+    from runner.model.compile import compile_model, verify
+    from runner.model.networks import build_model
+
+    device = _device()
+    size, batch = 160, 64
+    model = build_model(ModelConfig("resnet18"), 1000, device, train=False).eval()
+    x = _synthetic_batch(batch, size, device)["image"]
+    amp, cfg = AmpConfig(AmpName.off), CompileConfig(CompileName.onnxruntime)
+    with tempfile.TemporaryDirectory() as cache:
+        compiled, seconds = compile_model(model, cfg, amp, TaskName.infer, x, [batch],
+                                          Path(cache))
+    diff = verify(model, compiled, x, cfg, amp, train=False)  # CompileMismatch: a failure
+    with torch.inference_mode():
+        out = compiled(x)
+    provider = compiled.providers[0] if compiled.providers else "none"
+
+    def eager() -> None:
+        with torch.inference_mode():
+            model(x)
+
+    def ort() -> None:
+        with torch.inference_mode():
+            compiled(x)
+
+    e_ms, o_ms = _ms(eager, 10), _ms(ort, 10)
+    ok = provider == "CUDAExecutionProvider" and out.device.type == "cuda"
+    return [Row(f"{what} (resnet18, batch {batch}, {size}px): verified, on the GPU", ok,
+                f"max diff {diff:.3g}; provider {provider}, output on {out.device.type}; "
+                f"{o_ms:.1f} vs eager {e_ms:.1f} ms ({e_ms / o_ms:.2f}x); exported and "
+                f"warmed in {seconds:.0f} s")]

@@ -19,14 +19,13 @@ from runner.bench.selfcheck.harness import (
     Row,
     SyncError,
     _device,
-    _first_line,
     _loader,
     _pipeline,
     _pythonpath,
     _steps,
     _synthetic_batch,
     _train_step,
-    _where,
+    describe,
     on_cuda,
 )
 
@@ -47,29 +46,38 @@ RECIPES: list[tuple[str, list[str]]] = [
 ]
 
 
+# the sync row's images: whether an op synchronizes does not depend on the shape, and
+# small images keep the ten recipes' steps (and their memmap store) quick
+SYNC_SIZE = (64, 128)
+
+
 def check_sync(args: argparse.Namespace) -> list[Row]:
-    """Each recipe: memmap + prefetch=gpu + bf16, 8 steps under sync debug "error"."""
-    size, batch = (args.size, min(args.batch_size, 128)) if on_cuda() else (64, 16)
+    """Each recipe: memmap + prefetch=gpu + bf16, 8 steps under sync debug "error", at
+    ``SYNC_SIZE``; a recipe that fails (its pipeline's build included) is a failed row
+    naming its innermost cause and line, and the other recipes still run."""
+    (height, width), batch = SYNC_SIZE, min(args.batch_size, 128) if on_cuda() else 16
     model = "resnet18" if on_cuda() else "tiny"
     rows = []
     for what, overrides in RECIPES:
-        pipeline = _pipeline(_loader("MEMMAP"),
-                             f"prefetch={'gpu' if on_cuda() else 'cpu'}",
-                             "amp=bf16", f"model={model}", f"loader.batch_size={batch}",
-                             f"dataset.image_size=[{size},{size}]", *overrides)
-        try:
+        pipeline = None
+        try:  # the pipeline's build too: one recipe's failure never hides the others'
+            pipeline = _pipeline(_loader("MEMMAP"),
+                                 f"prefetch={'gpu' if on_cuda() else 'cpu'}",
+                                 "amp=bf16", f"model={model}", f"loader.batch_size={batch}",
+                                 f"dataset.image_size=[{height},{width}]", *overrides)
             step = _train_step(pipeline, 11)
             ms = _steps(pipeline, step, 8, sync_check=True)
             rows.append(Row(f"no per-step sync: {what}", True,
-                            f"8 steps of {model}, none synced ({ms:.1f} ms/step)"))
+                            f"8 steps of {model} at {height}x{width} px, none synced "
+                            f"({ms:.1f} ms/step)"))
         except SyncError as e:
             rows.append(Row(f"no per-step sync: {what}", False, str(e)))
-        except Exception as e:  # one recipe's failure never hides the others'
+        except Exception as e:
             traceback.print_exc(file=sys.stderr)
-            rows.append(Row(f"no per-step sync: {what}", False,
-                            f"{type(e).__name__}, {_where(e)}: {_first_line(e)}"))
+            rows.append(Row(f"no per-step sync: {what}", False, describe(e)))
         finally:
-            pipeline.close()
+            if pipeline is not None:
+                pipeline.close()
     return rows
 
 
