@@ -201,3 +201,233 @@ def test_selfcheck_passes_on_a_gpu():
     from runner.selfcheck import main
 
     assert main(["--batch-size", "64", "--only", "prefetch", "transfers", "fp16"]) == 0
+
+
+# --- a failed row names its innermost cause and line (issue 53, item 1) ----------------------
+
+def _raise_stop() -> None:
+    raise StopIteration  # the innermost cause: the row must name this line
+
+
+def _exhausted():
+    yield 0
+    _raise_stop()  # inside a generator: the caller gets "generator raised StopIteration"
+
+
+def test_a_row_that_fails_names_its_innermost_cause_and_line(monkeypatch, capsys):
+    def failing(args) -> list[Row]:
+        batches = _exhausted()
+        next(batches)
+        next(batches)  # RuntimeError("generator raised StopIteration") from StopIteration
+        return []
+
+    for check in CHECKS:
+        if check.name == "ddp":
+            monkeypatch.setattr(check, "run", failing)
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    assert main(["--only", "ddp", "--no-build"]) == 1
+    failed = [line for line in capsys.readouterr().out.split(" untested in ")[1].splitlines()
+              if line.startswith("FAIL")]
+    line = _raise_stop.__code__.co_firstlineno + 1
+    assert len(failed) == 1, failed
+    assert re.search(rf"StopIteration, .*test_selfcheck\.py:{line} \(_raise_stop\)",
+                     failed[0]), failed[0]
+    assert "reached the harness as RuntimeError: generator raised StopIteration" in failed[0]
+
+
+def test_a_sync_wrapped_in_another_error_is_found_by_its_cause(monkeypatch):
+    """A sync raised in the data path reaches the harness wrapped (a thread's error re-raised,
+    a generator's RuntimeError): still a SyncError, naming the sync's own line."""
+    from runner.bench.selfcheck.harness import SyncError, _steps
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+
+    def synced() -> None:
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    def batches():
+        for k in range(20):
+            if k == 5:
+                try:
+                    synced()
+                except RuntimeError as e:
+                    raise RuntimeError("the prefetch thread failed") from e
+            yield k
+
+    line = synced.__code__.co_firstlineno + 1
+    with pytest.raises(SyncError, match=rf"data path, .*test_selfcheck\.py:{line} \(synced\)"
+                                        r": called a synchronizing"):
+        _steps(batches(), lambda batch: None, 8, sync_check=True)
+
+
+def test_a_recipe_whose_pipeline_fails_to_build_keeps_the_rows_already_collected(monkeypatch):
+    import argparse
+
+    from runner.bench.selfcheck import train_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    built = []
+
+    class Fake:
+        def close(self) -> None:
+            pass
+
+    def pipeline(*overrides: str):
+        built.append(overrides)
+        if len(built) == 2:
+            raise ValueError("no such store")
+        return Fake()
+
+    monkeypatch.setattr(train_rows, "_pipeline", pipeline)
+    monkeypatch.setattr(train_rows, "_train_step", lambda p, n: lambda batch: None)
+    monkeypatch.setattr(train_rows, "_steps", lambda *a, **k: 1.0)
+    rows = train_rows.check_sync(argparse.Namespace(size=224, batch_size=256))
+    assert len(rows) == len(train_rows.RECIPES) == len(built)
+    assert [r.ok for r in rows] == [True, False] + [True] * (len(rows) - 2)
+    assert re.search(r"ValueError, .*test_selfcheck\.py:\d+ \(pipeline\): no such store",
+                     rows[1].figure), rows[1].figure
+    # the sync row's images are small: the shape does not decide whether an op syncs
+    assert all("dataset.image_size=[64,128]" in o for o in built)
+
+
+# --- --budget: what would not fit is untested, said so (item 5) ------------------------------
+
+def test_budget_skips_the_checks_that_would_not_fit_and_lists_them_untested(monkeypatch,
+                                                                            capsys):
+    import time
+
+    from runner.bench.selfcheck.harness import Check
+
+    ran = []
+
+    def run(name: str, sleep: float):
+        def rows(args) -> list[Row]:
+            ran.append(name)
+            time.sleep(sleep)
+            return [Row(f"{name} row", True, "ran")]
+        return rows
+
+    checks = [Check("first", "takes a second", run("first", 1.0), cuda=False, seconds=0.1),
+              # fits the budget at the start, not after the first check's second
+              Check("second", "expects 2.5 s", run("second", 0), cuda=False, seconds=2.5),
+              Check("third", "expects 0.1 s", run("third", 0), cuda=False, seconds=0.1),
+              Check("huge", "expects an hour", run("huge", 0), cuda=False, seconds=3600)]
+    monkeypatch.setattr(selfcheck, "CHECKS", checks)
+    assert main(["--budget", "3", "--no-build"]) == 0
+    out = capsys.readouterr().out
+    assert ran == ["first", "third"], out
+    assert out.split(" passed, ")[0].splitlines()[-1] == "2", out
+    untested = out.split("untested here:")[1].splitlines()
+    skipped = [line for line in untested if line.startswith("UNTESTED")]
+    assert len(skipped) == 2, out
+    left = re.search(r"second +skipped by --budget 3 s: expected 2\.5 s, ([\d.]+) s left",
+                     skipped[0])
+    assert left and float(left.group(1)) < 2.5, skipped[0]
+    assert re.search(r"huge +skipped by --budget 3 s: expected 3600 s", skipped[1]), skipped[1]
+
+
+def test_budget_refuses_a_bad_value_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--budget", "-5"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m runner.selfcheck: error: argument --budget: '-5' is "
+                              "not a number of seconds above 0"), err
+
+
+def test_every_check_declares_its_expected_seconds_and_the_listing_shows_them(capsys):
+    assert main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for check, line in zip(CHECKS, lines):
+        assert 0 < check.seconds < 600
+        assert re.search(rf"^{re.escape(check.name)} +(GPU|any) +{check.seconds:g} s  ", line)
+
+
+# --- the rows of the claims added since the H200 run (item 4) -------------------------------
+
+def test_the_rows_of_the_new_claims_are_listed():
+    names = [c.name for c in CHECKS]
+    assert {"timeline", "reduce-on", "host-dtype", "onnxruntime-gpu"} <= set(names)
+
+
+def test_the_reduce_on_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
+    """task.reduce_on=device against host on the CPU: the same top-k and masks, fewer bytes
+    (those a GPU would copy to the host)."""
+    import argparse
+
+    from runner.bench.selfcheck.model_rows import check_reduce_on
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    rows = check_reduce_on(argparse.Namespace(size=224, batch_size=256))
+    assert [r.ok for r in rows] == [True, True], [r.figure for r in rows]
+    assert "topk_classes 100.00% equal" in rows[0].figure
+    assert "masks 100.00% equal" in rows[1].figure
+
+
+def test_the_reduce_on_row_fails_when_host_gives_other_outputs(monkeypatch):
+    import argparse
+
+    from runner.bench.selfcheck.model_rows import check_reduce_on
+    from runner.tasks.infer import outputs
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    real = outputs.Reduce.__call__
+
+    def shifted(self, out, batch):
+        kept = real(self, out, batch)
+        return {k: v + 1 if self.on_host else v for k, v in kept.items()}
+
+    monkeypatch.setattr(outputs.Reduce, "__call__", shifted)
+    rows = check_reduce_on(argparse.Namespace(size=224, batch_size=256))
+    assert [r.ok for r in rows] == [False, False], [r.figure for r in rows]
+
+
+def test_the_rows_whose_claims_need_cuda_say_so_on_the_cpu(monkeypatch):
+    """Untested on the CPU, with the reason: the timeline's device lanes are CUDA events, a
+    copy to the CPU moves nothing, onnxruntime's CUDA provider is CUDA's."""
+    import argparse
+
+    from runner.bench.selfcheck.copy_rows import check_host_dtype, check_timeline
+    from runner.bench.selfcheck.model_rows import check_onnxruntime
+
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    args = argparse.Namespace(size=224, batch_size=256)
+    for check, reason in ((check_timeline, "CUDA events"), (check_host_dtype, "moves nothing"),
+                          (check_onnxruntime, "CUDA")):
+        rows = check(args)
+        assert len(rows) == 1 and rows[0].ok is None and reason in rows[0].figure, rows
+
+
+# --- recipe=quick's device stage makes no tensor from a host value (item 2) -----------------
+
+def test_recipe_quick_device_stage_makes_no_tensor_from_host_values(tmp_path):
+    """What the sync row cannot see on the CPU, checked where it can be: recipe=quick's work
+    on the device after the copy (memmap's random crops, batched as on a GPU, then
+    task.augment's colour jitter with its hue shift in torch) hands no operation a tensor made
+    from a Python value (on a GPU a blocking host copy each step, as kornia's hsv_to_rgb
+    was)."""
+    from runner.api import Pipeline
+    from runner.data.path import CROP_DRAWS
+    from tests.data.device.test_augment import HostTensors
+
+    pipeline = Pipeline("recipe=quick", "loader=memmap", "prefetch=none", "device=cpu",
+                        "model=none", "logger=none", "run.progress=false",
+                        "dataset.num_images=48", "dataset.image_size=[64,128]",
+                        "loader.batch_size=8")
+    try:
+        data = pipeline.data
+        assert data.augment is not None and data.train_augment is not None
+        assert data.train_augment.colour  # quick's colour jitter
+        batch = data.to_device(next(iter(data)))
+        draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()}
+        assert draws  # the crops' draws travel with the batch
+        known = list(batch.values(include_nested=True, leaves_only=True))
+        data.train_augment(batch.clone())  # once before: first-use constants
+        with HostTensors(*known) as log:
+            batch["image"] = data.augment(batch["image"], draws)  # the GPU's batched crops
+            data.train_augment(batch)
+        assert log.host == [], log.host
+        assert batch["image"].shape[-2:] == (64, 128)
+    finally:
+        pipeline.close()

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         left = None if args.budget is None else args.budget - (time.perf_counter() - started)
         if left is not None and check.seconds > left:  # the user's window: untested, said
             rows.append(Row(check.name, None, f"skipped by --budget {args.budget:g} s: "
-                                              f"expected {check.seconds:g} s, {max(left, 0):.0f}"
+                                              f"expected {check.seconds:g} s, {max(left, 0):.1f}"
                                               " s left", seconds=None))
             continue
         before, t0 = len(rows), time.perf_counter()
