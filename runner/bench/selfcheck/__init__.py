@@ -7,10 +7,12 @@ which row untested, then one row per claim with its figure and its verdict. ``--
 prints every row and what makes it fail, without running anything.
 
 - **sync**: the training recipes run with no per-step host sync (``torch.cuda``'s sync
-  debug mode set to "error" over the timed steps, the data path's threads included):
-  ``recipe=quick``; AdamW + EMA + clipping + accumulation; every ``task.augment`` option;
-  memmap random crops on the device. Fails on the first implicit sync (an ``.item()``, a
-  blocking copy, a boolean mask's ``nonzero``).
+  debug mode set to "error" over the timed steps, the data path's threads included), at
+  64x128 px (the shape does not decide whether an op syncs): ``recipe=quick``; AdamW + EMA
+  + clipping + accumulation; every ``task.augment`` option; memmap random crops on the
+  device. Fails on the first implicit sync (an ``.item()``, a blocking copy, a boolean
+  mask's ``nonzero``). On the CPU the debug mode sees nothing; tests/test_selfcheck.py
+  checks there that recipe=quick's device stage makes no tensor from a host value.
 - **prefetch**: memmap + ``prefetch=gpu`` + resnet50 bf16 training within 5% of the same
   step on a batch already on the device: plain, ``model.channels_last=true`` and random
   crops; and channels_last against not (fails when channels_last is slower).
@@ -18,7 +20,8 @@ prints every row and what makes it fail, without running anything.
 - **timing**: a source with a known host delay against a step of known GPU time:
   ``gpu_idle_frac`` as expected, the epoch-end pause left out, batches pinned.
 - **inductor**: ``compile=inductor`` for training and for inference, verified against
-  eager (fails on a mismatch or an error), its speed against eager shown.
+  eager (fails on a mismatch or an error), its speed against eager shown; a small model
+  (its compile time grows with the graph).
 - **gpu-decode**: ``loader.decoder=nvjpeg`` >= 5x the best CPU decoder with as many workers
   as the node has cores, for a folder and for ``loader=packed`` (which must also give the
   CPU path's pixels: mean |difference| < 2 of 255).
@@ -27,6 +30,14 @@ prints every row and what makes it fail, without running anything.
   overflows, then 5 steps against a reference SGD.
 - **infer**: ``task=infer`` with two classifiers (probs, embeddings) and a segmentation
   model (masks) in bf16 on the GPU against the same run in float32 on the CPU.
+- **timeline**: ``run.timeline``'s GPU copy and compute lanes from CUDA events on a
+  ``prefetch=gpu`` run: both there, each lane's spans in order, a copy overlapping a compute.
+- **reduce-on**: ``task.reduce_on=device`` gives ``host``'s outputs (top-k of 1000 classes,
+  masks) with fewer bytes crossing to the host (runs on the CPU too).
+- **host-dtype**: ``loader.host_dtype``'s copy at 224 and 512 px: float16 >= 1.6x and
+  float32 >= 3x uint8's time, 512 px >= 3x 224 px's, the converted batches pinned.
+- **onnxruntime-gpu**: ``compile=onnxruntime`` on CUDA's execution provider verified against
+  eager float32, its output on the GPU (untested without ``onnxruntime-gpu``).
 - **resume**: a CUDA checkpoint (fused AdamW, EMA, bf16, dropout, a stop in the middle of
   an accumulation) resumed gives the weights an uninterrupted run gives.
 - **tensorrt**, **tensorrt-job**: ``compile=tensorrt`` fp16 >= 1.5x eager fp16, verified,
@@ -37,15 +48,21 @@ prints every row and what makes it fail, without running anything.
 
 Rows that need a package the node lacks (TensorRT, DALI) are *untested*, listed apart from
 the passes; a row asked for by ``--only`` that cannot run is a failure. Without CUDA every
-GPU row is untested and only the rows that need no GPU run. Exit status 1 when a row fails.
+GPU row is untested and only the rows that need no GPU run. Exit status 1 when a row fails;
+a failed row names its innermost cause and its line (``harness.describe``: a StopIteration
+a generator turned into a RuntimeError is named as the StopIteration, where it was raised).
 Each row prints the seconds it took (its check's total follows the check's rows).
+``--budget SECONDS`` fits the run in a window: each check declares the seconds it is
+expected to take on a fresh node (``Check.seconds``, shown by ``--list``), and a check that
+would not fit in what is left of the budget (counted from the start, the header included) is
+skipped and listed as untested with the reason; a later, shorter one may still run.
 
 The package: this module collects the rows (``CHECKS``, in the order they run), runs them
 and prints the table; harness.py holds what rows build on (the row record, the sync
 detector, the timers); node.py what is said of the node first; the rows live by what they
 check: train_rows.py (sync, fp16, fp16-numbers, resume, ddp), copy_rows.py (prefetch,
-transfers, timing, pinned), decode_rows.py (gpu-decode, dali-gpu), model_rows.py (inductor,
-tensorrt, tensorrt-job, infer). ``python -m runner.selfcheck`` and
+transfers, timing, pinned, timeline, host-dtype), decode_rows.py (gpu-decode, dali-gpu),
+model_rows.py (inductor, tensorrt, tensorrt-job, infer, reduce-on, onnxruntime-gpu). ``python -m runner.selfcheck`` and
 ``python -m runner.bench selfcheck`` run :func:`main`.
 """
 

@@ -13,7 +13,7 @@ the sync detector.
   its innermost cause; :func:`describe` says a failed row's innermost cause and its line.
 - :func:`_pipeline`, :func:`_train_step`, :func:`_synthetic_batch` build what
   ``python -m runner`` would run; :func:`_run_job` runs ``python -m runner`` itself in a child
-  process from the checkout.
+  process from the checkout (:func:`_start_job` without waiting: jobs side by side).
 """
 
 from __future__ import annotations
@@ -277,10 +277,27 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
+def _start_job(overrides: list[str], run_dir: Path, env: dict[str, str]
+               ) -> subprocess.Popen:
+    """``python -m runner`` started in a child process (``_job_result`` waits for it): jobs
+    that need not wait for each other run side by side."""
+    return subprocess.Popen([sys.executable, "-m", "runner", *overrides,
+                             "logger=none", "run.progress=false", "diagnose=false",
+                             f"hydra.run.dir={run_dir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT)
+
+
+def _job_result(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    """(exit status, the last line it said) of a job ``_start_job`` started."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    lines = (out or "").strip().splitlines()
+    return proc.returncode, (lines[-1][:110] if lines else "")
+
+
 def _run_job(overrides: list[str], run_dir: Path, env: dict[str, str]) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "runner", *overrides,
-                           "logger=none", "run.progress=false", "diagnose=false",
-                           f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    out = (proc.stdout + proc.stderr).strip().splitlines()
-    return proc.returncode, (out[-1][:110] if out else "")
+    return _job_result(_start_job(overrides, run_dir, env))
