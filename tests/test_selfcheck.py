@@ -350,6 +350,7 @@ def test_the_rows_of_the_new_claims_are_listed():
     assert {"timeline", "reduce-on", "host-dtype", "onnxruntime-gpu"} <= set(names)
 
 
+@pytest.mark.slow
 def test_the_reduce_on_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
     """task.reduce_on=device against host on the CPU: the same top-k and masks, fewer bytes
     (those a GPU would copy to the host)."""
@@ -401,6 +402,7 @@ def test_the_rows_whose_claims_need_cuda_say_so_on_the_cpu(monkeypatch):
 
 # --- recipe=quick's device stage makes no tensor from a host value (item 2) -----------------
 
+@pytest.mark.slow
 def test_recipe_quick_device_stage_makes_no_tensor_from_host_values(tmp_path):
     """What the sync row cannot see on the CPU, checked where it can be: recipe=quick's work
     on the device after the copy (memmap's random crops, batched as on a GPU, then
