@@ -235,6 +235,23 @@ def test_a_row_that_fails_names_its_innermost_cause_and_line(monkeypatch, capsys
     assert "reached the harness as RuntimeError: generator raised StopIteration" in failed[0]
 
 
+def test_the_rows_a_check_yielded_before_it_failed_are_kept(monkeypatch, capsys):
+    def half(args):
+        yield Row("first row", True, "ran")
+        raise OSError("the second path broke")
+
+    for check in CHECKS:
+        if check.name == "ddp":
+            monkeypatch.setattr(check, "run", half)
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    assert main(["--only", "ddp", "--no-build"]) == 1
+    summary = capsys.readouterr().out.split(" untested in ")[1].splitlines()[1:]
+    assert [line.split()[0] for line in summary] == ["PASS", "FAIL"], summary
+    assert "first row" in summary[0]
+    assert re.search(r"OSError, .*test_selfcheck\.py:\d+ \(half\): the second path broke",
+                     summary[1]), summary[1]
+
+
 def test_a_sync_wrapped_in_another_error_is_found_by_its_cause(monkeypatch):
     """A sync raised in the data path reaches the harness wrapped (a thread's error re-raised,
     a generator's RuntimeError): still a SyncError, naming the sync's own line."""
@@ -359,7 +376,7 @@ def test_the_reduce_on_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
     from runner.bench.selfcheck.model_rows import check_reduce_on
 
     monkeypatch.setattr(harness, "DEVICE", "cpu")
-    rows = check_reduce_on(argparse.Namespace(size=224, batch_size=256))
+    rows = list(check_reduce_on(argparse.Namespace(size=224, batch_size=256)))
     assert [r.ok for r in rows] == [True, True], [r.figure for r in rows]
     assert "topk_classes 100.00% equal" in rows[0].figure
     assert "masks 100.00% equal" in rows[1].figure
@@ -379,7 +396,7 @@ def test_the_reduce_on_row_fails_when_host_gives_other_outputs(monkeypatch):
         return {k: v + 1 if self.on_host else v for k, v in kept.items()}
 
     monkeypatch.setattr(outputs.Reduce, "__call__", shifted)
-    rows = check_reduce_on(argparse.Namespace(size=224, batch_size=256))
+    rows = list(check_reduce_on(argparse.Namespace(size=224, batch_size=256)))
     assert [r.ok for r in rows] == [False, False], [r.figure for r in rows]
 
 

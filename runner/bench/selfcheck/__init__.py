@@ -51,6 +51,7 @@ the passes; a row asked for by ``--only`` that cannot run is a failure. Without 
 GPU row is untested and only the rows that need no GPU run. Exit status 1 when a row fails;
 a failed row names its innermost cause and its line (``harness.describe``: a StopIteration
 a generator turned into a RuntimeError is named as the StopIteration, where it was raised).
+A check may yield its rows: those it yielded before failing are kept beside the failure.
 Each row prints the seconds it took (its check's total follows the check's rows).
 ``--budget SECONDS`` fits the run in a window: each check declares the seconds it is
 expected to take on a fresh node (``Check.seconds``, shown by ``--list``), and a check that
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         before, t0 = len(rows), time.perf_counter()
         lap()  # the check's first row counts from here
         try:
-            rows += check.run(args)
+            for row in check.run(args):  # a generator's rows are kept as they come
+                rows.append(row)
         except Exception as e:  # one broken path never hides the others
             traceback.print_exc(file=sys.stderr)
             rows.append(Row(check.name, False, describe(e)))

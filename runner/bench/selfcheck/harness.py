@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +67,7 @@ class Check:
 
     name: str
     claim: str
-    run: Callable[[argparse.Namespace], list[Row]]
+    run: Callable[[argparse.Namespace], Iterable[Row]]  # a list, or a generator
     packages: tuple[str, ...] = ()  # importable modules it needs beyond the project's
     cuda: bool = True
     # what it is expected to take on a fresh GPU node (``--budget`` skips it when that

@@ -12,6 +12,7 @@ import copy
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -247,7 +248,7 @@ def check_infer(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def check_reduce_on(args: argparse.Namespace) -> list[Row]:
+def check_reduce_on(args: argparse.Namespace) -> Iterator[Row]:
     """``task.reduce_on=device`` against ``host`` (runner/tasks/infer/outputs.py's
     ``Reduce``) on the same forward of a 1000-class classifier (``topk``) and a
     segmentation model (``masks``): the same outputs (what the writers write: the same
@@ -270,7 +271,6 @@ def check_reduce_on(args: argparse.Namespace) -> list[Row]:
     device = _device()
     amp = AmpConfig(AmpName.bf16)
     classifier, size, batch = ("resnet18", 160, 64) if on_cuda() else ("tiny", 64, 4)
-    rows = []
     for what, model_cfg, classes, output in (
             ("topk", ModelConfig(classifier), 1000, Output.topk),
             ("masks", ModelConfig("lraspp_mobilenet_v3_large", num_classes=21), 0,
@@ -306,11 +306,10 @@ def check_reduce_on(args: argparse.Namespace) -> list[Row]:
                 same &= share >= 0.999
                 detail.append(f"{key} {share:.2%} equal")
         fewer = crossed[ReduceOn.device] < crossed[ReduceOn.host]
-        rows.append(Row(f"task.reduce_on=device vs host, {what} ({model_cfg.name}): the same "
-                        "outputs, fewer bytes to the host", same and fewer,
-                        f"{'; '.join(sorted(detail))}; {crossed[ReduceOn.device] / 1e3:,.0f} "
-                        f"vs {crossed[ReduceOn.host] / 1e3:,.0f} kB per batch of {batch}"))
-    return rows
+        yield Row(f"task.reduce_on=device vs host, {what} ({model_cfg.name}): the same "
+                  "outputs, fewer bytes to the host", same and fewer,
+                  f"{'; '.join(sorted(detail))}; {crossed[ReduceOn.device] / 1e3:,.0f} "
+                  f"vs {crossed[ReduceOn.host] / 1e3:,.0f} kB per batch of {batch}")
 
 
 def check_onnxruntime(args: argparse.Namespace) -> list[Row]:
