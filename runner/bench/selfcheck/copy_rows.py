@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from runner.bench.selfcheck.harness import (
 )
 
 
-def check_prefetch(args: argparse.Namespace) -> list[Row]:
+def check_prefetch(args: argparse.Namespace) -> Iterator[Row]:
     """memmap + prefetch=gpu + resnet50 bf16 training, no sync, within 5% of the model
     alone: plain, channels_last, random crops; then channels_last against not."""
     size, batch = (args.size, args.batch_size) if on_cuda() else (64, 16)
@@ -40,7 +41,6 @@ def check_prefetch(args: argparse.Namespace) -> list[Row]:
               # full batches only: the model alone is timed on one full batch
               "loader.drop_last=true"]
     alone: dict[str, float] = {}
-    rows = []
     for what, extra in (("plain", []), ("channels_last", ["model.channels_last=true"]),
                         ("random crops", ["dataset.crop=random"])):
         pipeline = _pipeline(*common, *extra)
@@ -55,15 +55,14 @@ def check_prefetch(args: argparse.Namespace) -> list[Row]:
         finally:
             pipeline.close()
         ratio = loop_ms / alone[what]
-        rows.append(Row(f"prefetch=gpu within 5% of the model alone, {what} ({model}, batch "
-                        f"{batch}, {size}px, bf16 train)", ratio <= 1.05 and synced is None,
-                        f"{loop_ms:.1f} vs {alone[what]:.1f} ms/step ({ratio:.3f}x)"
-                        + (f"; synced: {synced}" if synced else "")))
+        yield Row(f"prefetch=gpu within 5% of the model alone, {what} ({model}, batch "
+                  f"{batch}, {size}px, bf16 train)", ratio <= 1.05 and synced is None,
+                  f"{loop_ms:.1f} vs {alone[what]:.1f} ms/step ({ratio:.3f}x)"
+                  + (f"; synced: {synced}" if synced else ""))
     speedup = alone["plain"] / alone["channels_last"]
-    rows.append(Row(f"model.channels_last=true faster than NCHW ({model} bf16 train step)",
-                    speedup >= 1.0, f"{alone['channels_last']:.1f} vs {alone['plain']:.1f} "
-                                    f"ms/step ({speedup:.2f}x)"))
-    return rows
+    yield Row(f"model.channels_last=true faster than NCHW ({model} bf16 train step)",
+              speedup >= 1.0, f"{alone['channels_last']:.1f} vs {alone['plain']:.1f} "
+                              f"ms/step ({speedup:.2f}x)")
 
 
 def check_transfers(size: int, batch: int) -> list[Row]:
@@ -86,7 +85,7 @@ def check_transfers(size: int, batch: int) -> list[Row]:
     return rows
 
 
-def check_timing(batch: int) -> list[Row]:
+def check_timing(batch: int) -> Iterator[Row]:
     """Timing calibration: a batch source with a known host delay per batch and an
     epoch-end pause, through the project's prefetchers, loop and clock, against a step of
     known GPU time: gpu_idle_frac near (delay - gpu) / delay, never above 1, the pause not
@@ -121,7 +120,6 @@ def check_timing(batch: int) -> list[Row]:
     def step(_batch) -> None:
         torch.cuda._sleep(cycles)  # known GPU time, launched without a sync
 
-    rows = []
     for name in (PrefetchName.none, PrefetchName.gpu):
         clock = StepClock(device)
         batches = build_prefetcher(PrefetchConfig(name), source(), device)
@@ -134,14 +132,13 @@ def check_timing(batch: int) -> list[Row]:
         expected = (delay - gpu) / delay
         ok = idle is not None and 0.0 <= idle <= 1.0 and abs(idle - expected) < 0.15 \
             and not unpinned
-        rows.append(Row(f"timing calibration, prefetch={name.value}: gpu_idle_frac near "
-                        "(delay - gpu) / delay, epoch-end pauses left out, batches pinned",
-                        ok, f"gpu_idle_frac {idle if idle is None else round(idle, 3)} "
-                            f"(expected {expected:.2f}); unpinned batches {len(unpinned)}"))
-    return rows
+        yield Row(f"timing calibration, prefetch={name.value}: gpu_idle_frac near "
+                  "(delay - gpu) / delay, epoch-end pauses left out, batches pinned",
+                  ok, f"gpu_idle_frac {idle if idle is None else round(idle, 3)} "
+                      f"(expected {expected:.2f}); unpinned batches {len(unpinned)}")
 
 
-def check_pinned_storages(batch: int) -> list[Row]:
+def check_pinned_storages(batch: int) -> Iterator[Row]:
     """Every batch the project's own loaders hand over on a CUDA run is in pinned memory
     (what makes its copy asynchronous): the folder, packed and memmap storages, in process
     and with worker processes. Fails on the first pageable batch."""
@@ -151,12 +148,11 @@ def check_pinned_storages(batch: int) -> list[Row]:
     from runner.job.compose import compose
 
     device = torch.device("cuda")
-    rows = []
     for extra in ([loader(FOLDER)], [loader(FOLDER), "loader.num_workers=2"],
                   [loader(PACKED), "dataset.store_size=256"], [loader(MEMMAP)]):
         if extra[0] == loader(PACKED) and not DECODERS[Decoder.region].available():
-            rows.append(Row(f"every batch pinned: {' '.join(extra)}", None, "untested: "
-                            f"{loader(PACKED)} needs the region decoder's binding, not built here"))
+            yield Row(f"every batch pinned: {' '.join(extra)}", None, "untested: "
+                      f"{loader(PACKED)} needs the region decoder's binding, not built here")
             continue
         config = compose([*extra, "model=none", "logger=none", "device=cuda", "prefetch=none",
                           f"loader.batch_size={batch}"])
@@ -171,9 +167,8 @@ def check_pinned_storages(batch: int) -> list[Row]:
                     break
         finally:
             data.close()
-        rows.append(Row(f"every batch pinned: {' '.join(extra)}", seen > 0 and pageable == 0,
-                        f"{seen} batches, {pageable} pageable tensors"))
-    return rows
+        yield Row(f"every batch pinned: {' '.join(extra)}", seen > 0 and pageable == 0,
+                  f"{seen} batches, {pageable} pageable tensors")
 
 
 def _timed_step(fn):

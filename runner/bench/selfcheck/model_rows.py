@@ -31,7 +31,7 @@ from runner.bench.selfcheck.harness import (
 )
 
 
-def check_inductor(args: argparse.Namespace) -> list[Row]:
+def check_inductor(args: argparse.Namespace) -> Iterator[Row]:
     """compile=inductor for train and infer through the project's compile_model (which
     verifies the compiled model against eager), and its step time against eager, with the
     project's small model (``tiny``): what is claimed is the compiled numbers."""
@@ -55,7 +55,6 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
     amp = AmpConfig(AmpName.bf16)
     cfg = CompileConfig(CompileName.inductor)
     data = _synthetic_batch(batch, size, device)
-    rows = []
     with tempfile.TemporaryDirectory() as cache:
         for task in (TaskName.train, TaskName.infer):
             torch.manual_seed(0)
@@ -67,12 +66,11 @@ def check_inductor(args: argparse.Namespace) -> list[Row]:
             steps = {k: make_step(TaskConfig(task), {k: m}, amp, device, 100)
                      for k, m in (("eager", eager), ("inductor", compiled))}
             ms = {k: _ms(lambda s=s: s(data), 10) for k, s in steps.items()}
-            rows.append(Row(f"compile=inductor {task.value} ({name}, batch {batch}, bf16): "
-                            "verified against eager", True,
-                            f"max diff {diff:.3g}; {ms['inductor']:.1f} vs eager "
-                            f"{ms['eager']:.1f} ms/step ({ms['eager'] / ms['inductor']:.2f}x);"
-                            f" compiled in {seconds:.0f} s"))
-    return rows
+            yield Row(f"compile=inductor {task.value} ({name}, batch {batch}, bf16): "
+                      "verified against eager", True,
+                      f"max diff {diff:.3g}; {ms['inductor']:.1f} vs eager "
+                      f"{ms['eager']:.1f} ms/step ({ms['eager'] / ms['inductor']:.2f}x);"
+                      f" compiled in {seconds:.0f} s")
 
 
 def check_tensorrt(size: int, batch: int) -> list[Row]:
