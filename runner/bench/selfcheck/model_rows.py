@@ -306,8 +306,8 @@ def check_reduce_on(args: argparse.Namespace) -> Iterator[Row]:
         fewer = crossed[ReduceOn.device] < crossed[ReduceOn.host]
         yield Row(f"task.reduce_on=device vs host, {what} ({model_cfg.name}): the same "
                   "outputs, fewer bytes to the host", same and fewer,
-                  f"{'; '.join(sorted(detail))}; {crossed[ReduceOn.device] / 1e3:,.0f} "
-                  f"vs {crossed[ReduceOn.host] / 1e3:,.0f} kB per batch of {batch}")
+                  f"{'; '.join(sorted(detail))}; {crossed[ReduceOn.device] / 1e3:,.1f} "
+                  f"vs {crossed[ReduceOn.host] / 1e3:,.1f} kB to the host per batch of {batch}")
 
 
 def check_onnxruntime(args: argparse.Namespace) -> list[Row]:
