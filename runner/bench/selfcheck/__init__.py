@@ -29,7 +29,8 @@ prints every row and what makes it fail, without running anything.
 - **fp16**, **fp16-numbers**: fp16 training with no per-step sync; a first step that
   overflows, then 5 steps against a reference SGD.
 - **infer**: ``task=infer`` with two classifiers (probs, embeddings) and a segmentation
-  model (masks) in bf16 on the GPU against the same run in float32 on the CPU.
+  model (masks) in bf16 on the GPU against the same run in float32 on the CPU (each CPU
+  reference job runs beside its GPU job).
 - **timeline**: ``run.timeline``'s GPU copy and compute lanes from CUDA events on a
   ``prefetch=gpu`` run: both there, each lane's spans in order, a copy overlapping a compute.
 - **reduce-on**: ``task.reduce_on=device`` gives ``host``'s outputs (top-k of 1000 classes,
@@ -63,8 +64,8 @@ and prints the table; harness.py holds what rows build on (the row record, the s
 detector, the timers); node.py what is said of the node first; the rows live by what they
 check: train_rows.py (sync, fp16, fp16-numbers, resume, ddp), copy_rows.py (prefetch,
 transfers, timing, pinned, timeline, host-dtype), decode_rows.py (gpu-decode, dali-gpu),
-model_rows.py (inductor, tensorrt, tensorrt-job, infer, reduce-on, onnxruntime-gpu). ``python -m runner.selfcheck`` and
-``python -m runner.bench selfcheck`` run :func:`main`.
+model_rows.py (inductor, tensorrt, tensorrt-job, infer, reduce-on, onnxruntime-gpu).
+``python -m runner.selfcheck`` and ``python -m runner.bench selfcheck`` run :func:`main`.
 """
 
 from __future__ import annotations
