@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -376,3 +377,30 @@ def assert_same(a: list, b: list) -> None:
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
         assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
+
+
+# --- small trees and readers several test modules share ----------------------------------------
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    """Two classes of twelve 48x64 JPEGs and one truncated file (a module that needs another
+    tree defines its own ``source``, which takes precedence)."""
+    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
+             for c in range(2) for k in range(12)}
+    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
+    return make_tree(tmp_path / "src", files)
+
+
+@pytest.fixture
+def with_broken(tmp_path: Path) -> Path:
+    """Ten images in sorted order, two of them broken: one in the first batch of 4, one in
+    the third."""
+    files = {f"{k:02d}.jpg": encode(photo(40, 52, k)) for k in range(10)}
+    files["01.jpg"] = b"\xff\xd8\xff not really a JPEG"
+    files["09.jpg"] = b"not an image at all"
+    return make_tree(tmp_path / "data", files)
+
+
+def predictions(run_dir: Path) -> list[dict]:
+    with open(run_dir / "predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))

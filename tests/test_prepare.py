@@ -5,23 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from runner.data.storage.convert import META
-from tests.conftest import (
-    encode,
-    make_tree,
-    photo,
-)
 
 SIZE = (24, 32)
 
-@pytest.fixture
-def source(tmp_path: Path) -> Path:
-    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
-             for c in range(2) for k in range(12)}
-    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
-    return make_tree(tmp_path / "src", files)
 
 def test_prepare_memmap_with_loader_ram_builds_the_cache_ram_reads(source: Path,
                                                                   tmp_path: Path, capsys):

@@ -17,9 +17,6 @@ from runner.data.storage.convert import META
 from runner.job.commandline import bad_value_message
 from runner.job.compose import refusal
 from tests.conftest import (
-    encode,
-    make_tree,
-    photo,
     read_metrics,
     run_cli,
 )
@@ -265,12 +262,6 @@ def test_every_task_key_belongs_to_one_task():
     assert reads <= set(TASK_KEYS[TaskName.train])
 
 
-@pytest.fixture
-def source(tmp_path: Path) -> Path:
-    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
-             for c in range(2) for k in range(12)}
-    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
-    return make_tree(tmp_path / "src", files)
 
 @pytest.mark.process
 @pytest.mark.slow

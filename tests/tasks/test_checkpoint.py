@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from tests.conftest import (
     job_dir,
     make_tree,
     photo,
+    predictions,
     read_metrics,
     run_cli,
     run_in_process,
@@ -884,9 +884,6 @@ def test_each_rank_restores_its_own_random_state_and_no_other(monkeypatch, caplo
 QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
          "run.progress=false", "logger=none", "model=tiny", "loader.num_workers=0"]
 
-def predictions(run_dir: Path) -> list[dict]:
-    with open(run_dir / "predictions.csv", newline="") as f:
-        return list(csv.DictReader(f))
 
 @pytest.mark.slow
 def test_a_checkpoint_names_the_classes_it_predicts(image_tree: Path, tmp_path: Path):

@@ -24,7 +24,6 @@ from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import MemmapSpec, open_cache
 from tests.conftest import (
     encode,
-    make_tree,
     photo,
     read_metrics,
     run_cli,
@@ -32,12 +31,6 @@ from tests.conftest import (
 
 SIZE = (24, 32)
 
-@pytest.fixture
-def source(tmp_path: Path) -> Path:
-    files = {f"c{c}/img{k:02d}.jpg": encode(photo(48, 64, index=10 * c + k))
-             for c in range(2) for k in range(12)}
-    files["c1/broken.jpg"] = encode(photo(48, 64))[:200]
-    return make_tree(tmp_path / "src", files)
 
 def folder_of(root: Path, on_corrupt: OnCorrupt = OnCorrupt.skip) -> FolderStorage:
     return FolderStorage(root, ImageDecoder(Decoder.simplejpeg, SIZE), on_corrupt)

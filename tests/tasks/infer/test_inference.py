@@ -33,6 +33,7 @@ from tests.conftest import (
     encode,
     make_tree,
     photo,
+    predictions,
     read_metrics,
     run_in_process,
     stopped_after,
@@ -516,14 +517,6 @@ def test_inference_ignores_drop_last_and_says_so_once(tmp_path: Path, caplog):
     assert caplog.text.count("loader.drop_last") == 1, caplog.text
     assert compose(["task=train", "loader.drop_last=true"]).loader.drop_last is True
 
-@pytest.fixture
-def with_broken(tmp_path: Path) -> Path:
-    """Ten images in sorted order, two of them broken: one in the first batch of 4, one in
-    the third."""
-    files = {f"{k:02d}.jpg": encode(photo(40, 52, k)) for k in range(10)}
-    files["01.jpg"] = b"\xff\xd8\xff not really a JPEG"
-    files["09.jpg"] = b"not an image at all"
-    return make_tree(tmp_path / "data", files)
 
 GOOD = [f"{k:02d}.jpg" for k in range(10) if k not in (1, 9)]
 
@@ -544,9 +537,6 @@ def test_a_resumed_run_with_undecodable_images_writes_the_same_bytes(with_broken
 QUICK = ["dataset.image_size=[16,16]", "loader.batch_size=4", "run.warmup_steps=1",
          "run.progress=false", "logger=none", "model=tiny", "loader.num_workers=0"]
 
-def predictions(run_dir: Path) -> list[dict]:
-    with open(run_dir / "predictions.csv", newline="") as f:
-        return list(csv.DictReader(f))
 
 @pytest.mark.slow
 def test_an_inference_names_its_classes_from_a_list(image_tree: Path, tmp_path: Path):

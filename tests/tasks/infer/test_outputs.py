@@ -161,14 +161,6 @@ def save_tiny(path: Path, seed: int, classes: int = 3) -> Path:
     torch.save(build_model(ModelConfig("tiny"), classes, CPU)[1].state_dict(), path)
     return path
 
-@pytest.fixture
-def with_broken(tmp_path: Path) -> Path:
-    """Ten images in sorted order, two of them broken: one in the first batch of 4, one in
-    the third."""
-    files = {f"{k:02d}.jpg": encode(photo(40, 52, k)) for k in range(10)}
-    files["01.jpg"] = b"\xff\xd8\xff not really a JPEG"
-    files["09.jpg"] = b"not an image at all"
-    return make_tree(tmp_path / "data", files)
 
 GOOD = [f"{k:02d}.jpg" for k in range(10) if k not in (1, 9)]
 
