@@ -450,3 +450,32 @@ def test_recipe_quick_device_stage_makes_no_tensor_from_host_values(tmp_path):
         assert batch["image"].shape[-2:] == (64, 128)
     finally:
         pipeline.close()
+
+
+def test_topk_classes_that_tie_count_as_equal_within_float_rounding():
+    """On an H200 the reduce-on row failed at 96.9% "equal" classes on one forward: tied
+    bf16 logits let each side's topk list either class first, and the GPU's and the CPU's
+    softmax differ by 1e-8, which exact equality took for a real difference."""
+    from runner.bench.selfcheck.model_rows import tied_ranks
+
+    device = torch.tensor([[0.01000002, 0.01, 0.005]])
+    host = torch.tensor([[0.01, 0.01000002, 0.005]])  # the tie, listed the other way
+    assert tied_ranks(device, host).tolist() == [[True, True, True]]
+    other = torch.tensor([[0.01, 0.0099, 0.005]])  # a real difference at rank 1 is one
+    assert tied_ranks(device, other).tolist() == [[True, False, True]]
+    assert not (device == host).all()  # what the row compared before
+
+
+def test_the_header_names_the_commit_that_ran(monkeypatch, tmp_path: Path):
+    """An earlier commit quoted 8,511 img/s on the same H200 path and nobody could say which
+    commit: the header names it, from .git or, in a copy without one, RUNNER_COMMIT."""
+    from runner.bench.selfcheck import node
+
+    head = (ROOT / ".git").is_dir() and (ROOT / ".git" / "HEAD").read_text()
+    if head:
+        assert node.commit() != "" and "unknown" not in node.commit()
+    monkeypatch.setattr(node, "ROOT", tmp_path)  # a copy without .git
+    monkeypatch.delenv("RUNNER_COMMIT", raising=False)
+    assert "unknown commit" in node.commit()
+    monkeypatch.setenv("RUNNER_COMMIT", "abc1234")
+    assert node.commit() == "abc1234" and "commit abc1234" in node.header()

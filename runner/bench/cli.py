@@ -75,6 +75,13 @@ def command_line() -> argparse.ArgumentParser:
     i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
     i.add_argument("--compile", default="inductor", help="ablation: the backend added")
     i.add_argument("--outputs", default="topk,embeddings", help="task.outputs of the jobs")
+    d = sub.add_parser("gpudecode", help="loader.decoder=nvjpeg against the best CPU decoder: "
+                                         "the three GPU-decode targets (CUDA)",
+                       parents=[written, overridden])
+    d.add_argument("--batch-size", type=int, default=128)
+    d.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    d.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    d.add_argument("--workers", type=int, default=0, help="loader workers (0: one per core)")
     from runner.bench.remote import add_parser as add_remote
 
     add_remote(sub, [sized, written])
@@ -112,6 +119,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from runner.bench.ablation import bench_infer_parts
 
         return run_with_targets("infer", bench_infer_parts, args)
+    if args.command == "gpudecode":
+        from runner.bench.gpudecode import bench_gpu_decode
+
+        return run_with_targets("gpudecode", bench_gpu_decode, args)
     if args.command == "gil":
         bench_gil(args)
         return 0

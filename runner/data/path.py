@@ -288,8 +288,9 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         loader = storage.own_loader(order, device)
     elif streams:
         loader = storage.stream_loader(order, loader_cfg, pin)
-    else:
-        loader = build_loader(storage, config.loader, order, pin)
+    else:  # encoded bytes for the GPU are not pinned: nvJPEG reads them on the host
+        gpu_decodes = DECODERS[config.loader.decoder].cuda
+        loader = build_loader(storage, config.loader, order, pin and not gpu_decodes)
     if DECODERS[config.loader.decoder].cuda:  # a stage above the loader: decode on the GPU
         loader = GpuDecodedBatches(loader, storage, device)
     if len(loader) == 0:

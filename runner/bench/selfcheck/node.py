@@ -5,6 +5,7 @@ decoder's binding compiled in place when the checkout lacks it."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import re
 import subprocess
@@ -94,6 +95,30 @@ def supported_torch() -> str:
     return "unknown"
 
 
+def commit() -> str:
+    """Which commit of the project runs: read from the checkout's .git (no git process),
+    else ``RUNNER_COMMIT`` (a copy without .git, as a GPU node is sent), else unknown: two
+    runs' figures are compared only for the same commit."""
+    git = ROOT / ".git"
+    try:
+        if git.is_file():  # a worktree's .git names its folder
+            git = (ROOT / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:7]
+        ref = head[5:]
+        common = git / "commondir"
+        base = (git / common.read_text().strip()).resolve() if common.is_file() else git
+        if (base / ref).is_file():
+            return (base / ref).read_text().strip()[:7]
+        for line in (base / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line[:7]
+    except (OSError, IndexError):
+        pass
+    return os.environ.get("RUNNER_COMMIT") or "an unknown commit (no .git; set RUNNER_COMMIT)"
+
+
 def header() -> str:
     import torchvision
 
@@ -104,4 +129,4 @@ def header() -> str:
            if torch.cuda.is_available() else "no CUDA device")
     return (f"runner.selfcheck certifies torch {torch.__version__} + torchvision "
             f"{torchvision.__version__} on {gpu}, Python {platform.python_version()}, "
-            f"{cores()} cores (the project supports {supported_torch()})")
+            f"{cores()} cores (the project supports {supported_torch()}), commit {commit()}")

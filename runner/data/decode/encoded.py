@@ -1,7 +1,10 @@
 """``loader.decoder=nvjpeg`` on the storage side: items are the files' bytes, undecoded.
 
-The storage reads each file into a 1-D uint8 tensor and packs a batch of them into one
-buffer plus offsets; ``runner.data.device.nvjpeg.GpuDecodedBatches`` decodes them on the GPU.
+The storage reads each file into a 1-D uint8 tensor (the file's own buffer, the crop seed
+appended in place) and packs a batch of them into one buffer plus offsets (in a loader
+worker, straight into shared memory); the batch is not pinned (nvJPEG reads it on the
+host): the bytes are copied once between the read and the decoder.
+``runner.data.device.nvjpeg.GpuDecodedBatches`` decodes them on the GPU.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ class ReadBytes:
     def __call__(self, data: bytearray, seed: int | None = None) -> torch.Tensor:
         """The bytes, then 8 bytes of the image's random-crop seed (-1: none): the GPU draws
         its crop from the same seed as a CPU decode would (``pack`` splits them off)."""
-        seed = -1 if seed is None else seed
-        tail = torch.frombuffer(bytearray(seed.to_bytes(SEED_BYTES, "little", signed=True)),
-                                dtype=torch.uint8)
-        return torch.cat([torch.frombuffer(data, dtype=torch.uint8), tail])
+        tail = (-1 if seed is None else seed).to_bytes(SEED_BYTES, "little", signed=True)
+        if isinstance(data, bytearray):  # a file read whole: the seed appended in place
+            data.extend(tail)
+        else:
+            data = bytearray(data) + tail
+        return torch.frombuffer(data, dtype=torch.uint8)
 
     @staticmethod
     def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -42,7 +47,14 @@ class ReadBytes:
         lengths = torch.tensor([len(b) for b in images], dtype=torch.int64)
         offsets = torch.zeros(len(images) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        return {"jpeg": torch.cat(images), "jpeg_offsets": offsets, "crop_seed": seeds}
+        out = None
+        if torch.utils.data.get_worker_info() is not None:
+            # in a loader worker: packed straight into shared memory, as default_collate
+            # does, so the batch crosses to the main process without another copy
+            total = int(offsets[-1])
+            out = images[0].new(images[0]._typed_storage()._new_shared(total)).resize_(total)
+        return {"jpeg": torch.cat(images, out=out), "jpeg_offsets": offsets,
+                "crop_seed": seeds}
 
 
 SEED_BYTES = 8
