@@ -5,6 +5,7 @@ onto the pixels the decoders and the device's augmentation really produce."""
 from __future__ import annotations
 
 import io
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from runner.data.decode.boxgeometry import (
     pad,
     unpad,
 )
-from runner.data.decode.crops import BatchAugment, CenterCrop
+from runner.data.decode.crops import BatchAugment, Boxes, CenterCrop
 from runner.data.decode.decoders import Box, ImageDecoder
 
 HW = (300, 400)
@@ -200,16 +201,28 @@ def test_pad_and_unpad():
         pad(boxes, labels, max_boxes=2)
 
 
-def test_device_random_crops_move_the_padded_boxes_as_per_image():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def on(device: str, crops: Boxes) -> Boxes:
+    return Boxes(*(getattr(crops, f.name).to(device) for f in fields(Boxes)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_random_crops_move_the_padded_boxes_as_per_image(device):
     """BatchAugment's crops of a store (the windows the decoders cut for the same seeds) move
     a padded batch's boxes as map_boxes moves each image's, and as torchvision does."""
     n = len(SEEDS)
     per_image = [random_boxes(int(k) % 7 * 9, seed=k) for k in SEEDS]  # 0 to 54 boxes
-    batch = pad([b for b, _ in per_image], [lab for _, lab in per_image])
+    batch = {k: v.to(device) for k, v in pad([b for b, _ in per_image],
+                                             [lab for _, lab in per_image]).items()}
     aug = BatchAugment(SIZE)
-    crops = aug.boxes(n, *HW, torch.device("cpu"), draws=BatchAugment.draws(list(SEEDS)))
-    out_boxes, out_labels, counts = map_padded(batch["boxes"], batch["box_labels"],
-                                               batch["box_count"], crops, SIZE)
+    draws = {k: v.to(device) for k, v in BatchAugment.draws(list(SEEDS)).items()}
+    crops = aug.boxes(n, *HW, torch.device(device), draws=draws)
+    out = map_padded(batch["boxes"], batch["box_labels"], batch["box_count"], crops, SIZE)
+    assert out[0].device.type == device
+    out_boxes, out_labels, counts = (t.cpu() for t in out)
+    crops, batch = on("cpu", crops), {k: v.cpu() for k, v in batch.items()}
     assert out_boxes.shape == batch["boxes"].shape
     decoder = ImageDecoder(Decoder.pil, SIZE, Crop.random)
     rows = unpad(out_boxes, out_labels, counts)
@@ -226,19 +239,23 @@ def test_device_random_crops_move_the_padded_boxes_as_per_image():
     assert counts.sum() < batch["box_count"].sum()  # the crops dropped some
 
 
-def test_device_random_crops_boxes_land_on_the_augmented_pixels():
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_random_crops_boxes_land_on_the_augmented_pixels(device):
     data, boxes, labels = rectangles_png()
     with Image.open(io.BytesIO(data)) as img:
         store = torch.from_numpy(np.asarray(img.convert("RGB"))).permute(2, 0, 1)
     seeds = list(range(6))
-    images = store[None].expand(len(seeds), -1, -1, -1).contiguous()
+    images = store[None].expand(len(seeds), -1, -1, -1).contiguous().to(device)
     aug = BatchAugment(SIZE)
-    crops = aug.boxes(len(seeds), *HW, torch.device("cpu"), draws=BatchAugment.draws(seeds))
-    out = aug.apply(images, crops)
-    batch = pad([boxes] * len(seeds), [labels] * len(seeds))
-    kept = map_padded(batch["boxes"], batch["box_labels"], batch["box_count"], crops, SIZE)
-    slivers = map_padded(batch["boxes"], batch["box_labels"], batch["box_count"], crops, SIZE,
-                         min_side=1e-6)
+    draws = {k: v.to(device) for k, v in BatchAugment.draws(seeds).items()}
+    crops = aug.boxes(len(seeds), *HW, torch.device(device), draws=draws)
+    out = aug.apply(images, crops).cpu()  # one grid_sample for the batch
+    batch = {k: v.to(device) for k, v in pad([boxes] * len(seeds),
+                                             [labels] * len(seeds)).items()}
+    kept = [t.cpu() for t in map_padded(batch["boxes"], batch["box_labels"],
+                                        batch["box_count"], crops, SIZE)]
+    slivers = [t.cpu() for t in map_padded(batch["boxes"], batch["box_labels"],
+                                           batch["box_count"], crops, SIZE, min_side=1e-6)]
     for k, ((b, _), (s, _)) in enumerate(zip(unpad(*kept), unpad(*slivers))):
         assert_boxes_on_pixels(out[k], b, s)
 
