@@ -433,21 +433,30 @@ def _coco_json(path: Path, split: str | None) -> Path:
     return files[0]
 
 
-def _coco_images_dir(file: Path, root: Path, first: str | None) -> Path:
+def _coco_images_dir(file: Path, root: Path, names: list[str]) -> Path:
+    """Where the images of ``file`` are: of the usual places, the one holding most of the
+    first listed ones (one missing image does not send the search elsewhere)."""
     split = file.stem.removeprefix("instances_")
     base = file.parent.parent if file.parent.name == "annotations" else file.parent
     candidates = [base / split, base / "images" / split, base / "images", base, file.parent]
     if root.is_dir():
         candidates.insert(0, root / split)
-    if first is None:
-        return candidates[0] if candidates[0].is_dir() else base
-    for folder in candidates:
-        if (folder / first).is_file():
-            return folder
-    raise DatasetError(
-        f"the images of {printable(str(file))} are not found: its first image "
-        f"{printable(first)} is in none of {', '.join(printable(str(c)) for c in candidates)}; "
-        f"put them in {printable(str(base / split))}")
+    candidates = list(dict.fromkeys(candidates))
+    if not names:
+        return next((c for c in candidates if c.is_dir()), base)
+    found = [sum((folder / n).is_file() for n in names) for folder in candidates]
+    if max(found) == 0:
+        raise DatasetError(
+            f"the images of {printable(str(file))} are not found: its first image "
+            f"{printable(names[0])} is in none of "
+            f"{', '.join(printable(str(c)) for c in candidates)}; put them in "
+            f"{printable(str(base / split))}")
+    return candidates[found.index(max(found))]
+
+
+def _whole(value: object) -> bool:
+    """An id COCO's files use: a whole number (not a bool, a list, a string)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite_bbox(value: object) -> list[float] | None:
@@ -474,20 +483,22 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
                            "'images', 'annotations' and 'categories' lists")
     report = _Report()
     source = str(file)
-    categories = sorted((c for c in data["categories"] if isinstance(c, dict) and "id" in c),
-                        key=lambda c: c["id"])
+    categories = sorted((c for c in data["categories"] if isinstance(c, dict)
+                         and _whole(c.get("id"))), key=lambda c: c["id"])
     class_of = {c["id"]: k for k, c in enumerate(categories)}
     classes = [str(c.get("name", c["id"])) for c in categories]
     listed: dict[int, tuple[str, int, int]] = {}
     for entry in data["images"]:
         try:
+            if not _whole(entry["id"]):
+                raise TypeError
             listed[entry["id"]] = (str(entry["file_name"]), int(entry["height"]),
                                    int(entry["width"]))
         except (KeyError, TypeError, ValueError):
             report.skip("malformed", source, f"image entry {str(entry)[:80]}: no id, "
                         "file_name, height and width; skipped")
     folder = Path(images).expanduser() if images is not None else _coco_images_dir(
-        file, root, next(iter(listed.values()))[0] if listed else None)
+        file, root, [name for name, _, _ in list(listed.values())[:20]])
     # annotations grouped by image
     per_image: dict[int, list[tuple[list[float], int, str]]] = {}
     for ann in data.get("annotations") or []:
@@ -495,7 +506,7 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
             report.skip("malformed", source, f"annotation {str(ann)[:60]} is not an object")
             continue
         where = f"annotation {ann.get('id', '?')}"
-        if ann.get("image_id") not in listed:
+        if not _whole(ann.get("image_id")) or ann["image_id"] not in listed:
             report.skip("annotation_without_image", source,
                         f"{where}: image_id {ann.get('image_id')!r} is not in 'images'; "
                         "skipped")
@@ -508,7 +519,7 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
             report.skip("malformed", source, f"{where}: bbox {str(ann.get('bbox'))[:60]} is "
                         "not 4 finite numbers (x, y, w, h); skipped")
             continue
-        if ann.get("category_id") not in class_of:
+        if not _whole(ann.get("category_id")) or ann["category_id"] not in class_of:
             report.skip("class_out_of_range", source,
                         f"{where}: category_id {ann.get('category_id')!r} is not among the "
                         f"{len(classes)} categories; the box is dropped")

@@ -228,7 +228,7 @@ def ensure_shapes(spec: ShapesSpec, cache_dir: str | Path, progress: bool = True
             for _ in parallel_imap(_write_one, jobs, workers=workers, chunksize=16):
                 bar.update()
         write_atomic(partial / "data.yaml", yaml.safe_dump(
-            {"path": ".", "train": "images/train", "val": "images/val",
+            {"train": "images/train", "val": "images/val",
              "names": list(CLASSES)}, sort_keys=False).encode())
         write_json(partial / "dataset.json", {"version": VERSION, **spec.__dict__,
                                               "classes": list(CLASSES)})

@@ -181,13 +181,16 @@ def test_coco_bad_input_is_counted_and_reported_with_its_reason(tmp_path):
         {"id": 4, "image_id": 1, "category_id": 7, "bbox": [1, 1, 0, 5]},    # degenerate
         {"id": 5, "image_id": 1, "category_id": 7, "bbox": [90, 70, 20, 20]},  # clipped
         {"id": 6, "image_id": 1, "category_id": 7, "bbox": [1, 1, "a", 2]},  # malformed
+        {"id": 7, "image_id": [1], "category_id": 7, "bbox": [1, 1, 2, 2]},  # not an id
+        {"id": 8, "image_id": 1, "category_id": {"a": 1}, "bbox": [1, 1, 2, 2]},  # nor this
+        [1, 2],                                                              # not an object
     ], images=[{"id": 1, "file_name": "1.jpg", "height": 80, "width": 100},
                {"id": 3, "file_name": "gone.jpg", "height": 8, "width": 8}])
     labels = read_coco(file)
     one = labels.targets[str(tmp_path / "val2017" / "1.jpg")]
     assert torch.allclose(one.boxes, torch.tensor([[90.0, 70, 100, 80]]))
-    assert labels.counts == {"annotation_without_image": 1, "class_out_of_range": 1,
-                             "malformed": 2, "degenerate": 1, "clipped": 1,
+    assert labels.counts == {"annotation_without_image": 2, "class_out_of_range": 2,
+                             "malformed": 3, "degenerate": 1, "clipped": 1,
                              "image_missing": 1, "not_annotated": 2}
     why = reasons(labels.skipped)
     assert any("annotation 1: image_id 9 is not in 'images'" in w for w in why)
@@ -213,3 +216,18 @@ def test_which_coco_file_and_unknown_layouts(tmp_path):
         read_labels(tmp_path / "plain")
     with pytest.raises(DatasetError, match="not one of auto, yolo, coco"):
         read_labels(tmp_path, "voc")
+
+
+def test_coco_images_found_beside_the_annotations_despite_a_missing_first_one(tmp_path):
+    file = coco(tmp_path, [], images=[
+        {"id": 5, "file_name": "0-gone.jpg", "height": 8, "width": 8},
+        {"id": 1, "file_name": "1.jpg", "height": 80, "width": 100}])
+    image(tmp_path / "images" / "unrelated.jpg", 8, 8)  # another candidate folder
+    labels = read_coco(file)
+    assert labels.root == tmp_path / "val2017"
+    assert labels.counts["image_missing"] == 1
+    (tmp_path / "elsewhere").mkdir()
+    moved = tmp_path / "elsewhere" / file.name
+    file.rename(moved)
+    with pytest.raises(DatasetError, match="its first image 0-gone.jpg is in none of"):
+        read_coco(moved)
