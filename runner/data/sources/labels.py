@@ -355,7 +355,8 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
         _class_file_names(labels, labels.parent, root)
     report = _Report()
     image_paths = _sorted_images(images)
-    stems = {os.path.splitext(os.path.relpath(p, images))[0]: p for p in image_paths}
+    stem_of = {p: os.path.splitext(os.path.relpath(p, images))[0] for p in image_paths}
+    stems = set(stem_of.values())  # a.jpg and a.png both take labels/a.txt, as in ultralytics
     # label files, and the ones with no image
     label_of: dict[str, Path] = {}
     walked, _, _ = walk(labels, [os.path.realpath(labels)])
@@ -372,7 +373,7 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
                             f"no image {stem}.* under {printable(str(images))}; its boxes are "
                             "not used")
     parsed: dict[str, tuple[Path, np.ndarray, np.ndarray, list[int]]] = {}
-    for stem, image in stems.items():
+    for image, stem in stem_of.items():
         file = label_of.get(stem)
         if file is None:
             report.count("no_label_file", image)

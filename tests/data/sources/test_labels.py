@@ -108,6 +108,12 @@ def test_yolo_polygons_exif_sizes_and_classes_without_names(tmp_path):
     assert (r.height, r.width) == (40, 20)  # the upright size the runner decodes
     assert torch.allclose(r.boxes, torch.tensor([[5.0, 10, 15, 30], [2, 4, 6, 24]]))
     assert labels.classes == ["0", "1", "2", "3", "4"] and labels.skipped == []
+    # two images of one stem share its label file
+    image(root / "images" / "r.png", 10, 10)
+    both = read_yolo(root)
+    assert [both.targets[str(root / "images" / n)].labels.tolist() for n in ("r.jpg", "r.png")
+            ] == [[4, 1], [4, 1]]
+    assert not both.counts
 
 
 def test_yolo_split_folders_and_classes_txt(tmp_path):
