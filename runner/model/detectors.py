@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from runner.common.errors import ConfigError
 from runner.model.networks import UInt8Input, load_weights, read_weights_file
@@ -102,13 +104,7 @@ def label_offset(name: str) -> int:
 # --- the batched input transform -----------------------------------------------------------
 
 
-def _transform_base():
-    from torchvision.models.detection.transform import GeneralizedRCNNTransform
-
-    return GeneralizedRCNNTransform
-
-
-class BatchedTransform(_transform_base()):
+class BatchedTransform(GeneralizedRCNNTransform):
     """``GeneralizedRCNNTransform`` on a batch tensor at once (the module docstring);
     a list of images goes to torchvision's own per-image path."""
 
@@ -130,8 +126,6 @@ class BatchedTransform(_transform_base()):
         return math.floor(h * scale), math.floor(w * scale)
 
     def forward(self, images, targets=None):
-        from torchvision.models.detection.image_list import ImageList
-
         if not isinstance(images, torch.Tensor):
             return super().forward(images, targets)
         if images.dim() != 4:
