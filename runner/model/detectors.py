@@ -1,0 +1,278 @@
+"""torchvision's detectors by name, behind the runner's uint8 input, fed and read as padded
+tensors.
+
+A detection batch carries, beside ``image`` (uint8 NCHW) and ``label``, its boxes padded
+to the batch's most boxes per image: ``boxes`` float32 [B, M, 4] (xyxy, pixels of the image
+as the model gets it), ``box_labels`` int64 [B, M] (the dataset's classes, 0..C-1),
+``box_count`` int64 [B]; the rows past ``box_count`` hold 0 and -1. Predictions come back
+the same way (``as_padded``): ``boxes`` [B, K, 4], ``box_scores`` [B, K], ``box_labels``
+[B, K], ``box_count`` [B], K the model's most detections per image, so every batch's
+predictions have one shape.
+
+``build_detector(name, num_classes, image_size)`` gives a ``Detector``: an ``nn.Sequential``
+of the runner's ``UInt8Input`` (mean 0, std 1: uint8 -> float/255 once, on the device,
+outside autocast, as torchvision's detectors take their images) and the torchvision network
+(``model[1]``: what checkpoints and ``weights`` hold, under torchvision's own keys, so a
+torchvision state_dict saved to a file loads). Its ``forward(images, targets=None)`` returns
+the dict of losses in train mode (``targets``: the padded batch, or anything indexed by
+those keys) and the padded predictions in eval mode.
+
+Random init (``weights=None, weights_backbone=None``: nothing is downloaded) or a local
+state_dict file (``weights``; another class count only with ``replace_head``, as
+runner/model/networks.py's ``load_weights`` does for classifiers).
+
+The class count: ``num_classes`` is the dataset's; the head's follows each model's
+convention (``DETECTORS``). Faster R-CNN and SSD score a background class 0 (a softmax
+over num_classes + 1: labels go in shifted by one, and come out shifted back); RetinaNet
+and FCOS score each class with its own sigmoid (no background: num_classes, labels as they
+are; torchvision's COCO weights have 91 only because COCO's ids run to 90, id 0 unused).
+
+The input transform: torchvision's ``GeneralizedRCNNTransform`` normalizes, resizes and pads
+each image of a list, one at a time. ``BatchedTransform`` replaces it: the same arithmetic
+on the whole batch tensor (one normalize, one interpolate only when the size changes, one
+pad to the model's stride), with its ``min_size``/``max_size`` (SSD: ``fixed_size``) set to
+the run's image size, so the batch is not resized again; a list of images still takes
+torchvision's own path. ``tests/model/test_detectors.py`` checks both give the same
+tensors and boxes.
+
+The losses (train mode, summed by ``total_loss``): Faster R-CNN ``loss_classifier``,
+``loss_box_reg``, ``loss_objectness``, ``loss_rpn_box_reg``; RetinaNet ``classification``,
+``bbox_regression``; FCOS ``classification``, ``bbox_regression``, ``bbox_ctrness``; SSD
+``bbox_regression``, ``classification``.
+
+Between the padded tensors and torchvision's lists (its API: one dict per image) the
+conversions are whole-batch tensor ops plus the one list comprehension that builds or
+reads those dicts: ``as_targets`` (one host sync for the counts, none per image) drops the
+padding and any box of no area (x2 <= x1 or y2 <= y1: torchvision refuses them in
+training); ``as_padded`` pads torchvision's per-image results to K.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+from runner.common.errors import ConfigError
+from runner.model.networks import UInt8Input, load_weights, read_weights_file
+
+# padding of the rows past ``box_count``
+PAD_BOX, PAD_LABEL = 0.0, -1
+
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """What the runner needs to know of one torchvision detector."""
+
+    background: bool  # the head scores a background class 0 (num_classes + 1 outputs)
+    losses: tuple[str, ...]  # the names of the losses its train-mode forward returns
+    fixed_size: bool = False  # its transform resizes to one fixed size (SSD)
+
+
+RCNN_LOSSES = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
+
+DETECTORS: dict[str, DetectorSpec] = {
+    "fasterrcnn_mobilenet_v3_large_320_fpn": DetectorSpec(True, RCNN_LOSSES),
+    "retinanet_resnet50_fpn": DetectorSpec(False, ("classification", "bbox_regression")),
+    "ssdlite320_mobilenet_v3_large": DetectorSpec(True, ("bbox_regression", "classification"),
+                                                  fixed_size=True),
+    "fcos_resnet50_fpn": DetectorSpec(False, ("classification", "bbox_regression",
+                                              "bbox_ctrness")),
+}
+
+
+def is_detector(name: str) -> bool:
+    return name in DETECTORS
+
+
+def head_classes(name: str, num_classes: int) -> int:
+    """The class count of ``name``'s head for a dataset of ``num_classes`` classes."""
+    return num_classes + 1 if DETECTORS[name].background else num_classes
+
+
+def label_offset(name: str) -> int:
+    """What the dataset's class k is in ``name``'s labels: k + this."""
+    return 1 if DETECTORS[name].background else 0
+
+
+# --- the batched input transform -----------------------------------------------------------
+
+
+class BatchedTransform(GeneralizedRCNNTransform):
+    """``GeneralizedRCNNTransform`` on a batch tensor at once (the module docstring);
+    a list of images goes to torchvision's own per-image path."""
+
+    @classmethod
+    def like(cls, old: nn.Module, image_size: tuple[int, int]) -> BatchedTransform:
+        """A transform with ``old``'s normalization and stride that leaves images of
+        ``image_size`` (H, W) at their size."""
+        h, w = (int(v) for v in image_size)
+        fixed = (w, h) if old.fixed_size is not None else None  # torchvision's is (W, H)
+        return cls(min(h, w), max(h, w), list(old.image_mean), list(old.image_std),
+                   size_divisible=old.size_divisible, fixed_size=fixed)
+
+    def output_size(self, h: int, w: int) -> tuple[int, int]:
+        """The size torchvision's ``resize`` gives an image of (h, w)."""
+        if self.fixed_size is not None:
+            return int(self.fixed_size[1]), int(self.fixed_size[0])
+        size = self.torch_choice(self.min_size) if self.training else self.min_size[-1]
+        scale = min(size / min(h, w), self.max_size / max(h, w))
+        return math.floor(h * scale), math.floor(w * scale)
+
+    def forward(self, images, targets=None):
+        if not isinstance(images, torch.Tensor):
+            return super().forward(images, targets)
+        if images.dim() != 4:
+            raise ValueError(f"a batch of images is expected as [B, C, H, W], got "
+                             f"{tuple(images.shape)}")
+        if not images.is_floating_point():
+            raise TypeError(f"expected floating images (in [0, 1]), got {images.dtype}")
+        dtype, device = images.dtype, images.device
+        mean = torch.as_tensor(self.image_mean, dtype=dtype, device=device).view(1, -1, 1, 1)
+        std = torch.as_tensor(self.image_std, dtype=dtype, device=device).view(1, -1, 1, 1)
+        x = (images - mean) / std
+        h, w = x.shape[-2:]
+        size = (h, w) if self.training and self._skip_resize else self.output_size(h, w)
+        if targets is not None:
+            targets = [dict(t) for t in targets]  # torchvision's: never the caller's dicts
+        if size != (h, w):
+            x = nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False)
+            if targets is not None:
+                ratio = torch.tensor([size[1] / w, size[0] / h] * 2, device=device)
+                for t in targets:  # torchvision's list of dicts
+                    t["boxes"] = t["boxes"] * ratio.to(t["boxes"].dtype)
+        stride = float(self.size_divisible)
+        ph = int(math.ceil(size[0] / stride) * stride) - size[0]
+        pw = int(math.ceil(size[1] / stride) * stride) - size[1]
+        if ph or pw:
+            x = nn.functional.pad(x, (0, pw, 0, ph))
+        return ImageList(x, [tuple(size)] * x.shape[0]), targets
+
+
+# --- padded tensors <-> torchvision's lists ------------------------------------------------
+
+
+def valid_boxes(boxes: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[B, M] bool: the rows within ``count`` whose box has an area."""
+    within = torch.arange(boxes.shape[1], device=boxes.device) < count.to(boxes.device)[:, None]
+    return within & (boxes[..., 2] > boxes[..., 0]) & (boxes[..., 3] > boxes[..., 1])
+
+
+def as_targets(batch: Mapping[str, torch.Tensor], offset: int = 0) -> list[dict[str, torch.Tensor]]:
+    """A padded batch's ``boxes``/``box_labels``/``box_count`` as torchvision's targets
+    (one dict of ``boxes`` and ``labels`` per image), labels + ``offset``; padding and boxes
+    of no area left out."""
+    boxes, labels = batch["boxes"], batch["box_labels"]
+    keep = valid_boxes(boxes, batch["box_count"])
+    per_image = keep.sum(1).tolist()  # the one host sync
+    kept_boxes = boxes[keep].float().split(per_image)
+    kept_labels = (labels[keep].long() + offset).split(per_image)
+    return [{"boxes": b, "labels": lab} for b, lab in zip(kept_boxes, kept_labels)]
+
+
+def as_padded(results: list[dict[str, torch.Tensor]], max_detections: int | None = None,
+              offset: int = 0) -> dict[str, torch.Tensor]:
+    """torchvision's per-image ``boxes``/``scores``/``labels`` as padded tensors:
+    ``boxes`` [B, K, 4], ``box_scores`` [B, K], ``box_labels`` [B, K] (- ``offset``: the
+    dataset's classes), ``box_count`` [B]; K = ``max_detections`` (None: the batch's most),
+    an image's detections past K dropped (torchvision sorts them by score)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    counts = [len(r["scores"]) for r in results]  # shapes: no sync
+    k = max(counts, default=0) if max_detections is None else int(max_detections)
+    device = results[0]["scores"].device if results else torch.device("cpu")
+
+    def padded(items: list[torch.Tensor], value: float, row: tuple[int, ...]) -> torch.Tensor:
+        if not items:
+            return torch.full((0, k, *row), value, device=device)
+        out = pad_sequence(items, batch_first=True, padding_value=value)
+        if out.shape[1] < k:
+            out = nn.functional.pad(out, (0, 0) * len(row) + (0, k - out.shape[1]), value=value)
+        return out
+
+    return {
+        "boxes": padded([r["boxes"][:k].float() for r in results], PAD_BOX, (4,)),
+        "box_scores": padded([r["scores"][:k].float() for r in results], 0.0, ()),
+        "box_labels": padded([r["labels"][:k].long() - offset for r in results], PAD_LABEL, ()),
+        "box_count": torch.tensor([min(c, k) for c in counts], dtype=torch.long, device=device),
+    }
+
+
+def total_loss(losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The training loss: the sum of a detector's losses (each already a mean over the
+    batch, as torchvision's reference training sums them)."""
+    if not losses:
+        raise ValueError("no losses: is the detector in train mode, with targets?")
+    return sum(losses.values())
+
+
+# --- the model -----------------------------------------------------------------------------
+
+
+def max_detections(network: nn.Module) -> int:
+    """The most detections per image ``network`` returns."""
+    heads = getattr(network, "roi_heads", None)  # Faster R-CNN keeps it on its box head
+    return int(getattr(heads, "detections_per_img", None) or network.detections_per_img)
+
+
+class Detector(nn.Sequential):
+    """``[UInt8Input, torchvision detector]`` whose forward takes the padded targets and
+    returns the losses (train) or the padded predictions (eval)."""
+
+    def __init__(self, network: nn.Module, name: str, num_classes: int):
+        super().__init__(UInt8Input(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)), network)
+        self.name = name
+        self.num_classes = num_classes  # the dataset's
+        self.offset = label_offset(name)
+        self.max_detections = max_detections(network)
+        self.class_names = None
+
+    def forward(self, images: torch.Tensor, targets: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
+        with torch.autocast(images.device.type, enabled=False):
+            x = self[0](images)  # float32 in [0, 1]: what torchvision's transform takes
+        if self.training:
+            if targets is None:
+                raise ValueError("a detector in train mode needs the batch's boxes, "
+                                 "box_labels and box_count")
+            return self[1](x, as_targets(targets, self.offset))
+        return as_padded(self[1](x), self.max_detections, self.offset)
+
+
+def _network(name: str, head: int, kwargs: dict[str, Any]) -> nn.Module:
+    import torchvision
+
+    # weights=None, weights_backbone=None: random init, nothing is downloaded
+    return torchvision.models.get_model(name, weights=None, weights_backbone=None,
+                                        num_classes=head, **kwargs)
+
+
+def build_detector(name: str, num_classes: int, image_size: tuple[int, int],
+                   weights: str | None = None, replace_head: bool = False,
+                   **kwargs: Any) -> Detector:
+    """``name``'s detector for ``num_classes`` classes (the dataset's) at ``image_size``
+    (H, W: the size of the batches it gets, which it then does not resize), randomly
+    initialized or from the local state_dict in ``weights``; ``kwargs`` go to torchvision's
+    builder (``box_score_thresh``, ``detections_per_img``, ...)."""
+    if name not in DETECTORS:
+        import difflib
+
+        near = difflib.get_close_matches(name, list(DETECTORS), n=2)
+        raise ConfigError(f"model.name={name} is not a detector the runner builds"
+                          + (f" (did you mean {', '.join(near)}?)" if near else "")
+                          + f"; choose one of {', '.join(DETECTORS)}")
+    if num_classes < 1:
+        raise ConfigError(f"a detector needs the dataset's classes: got {num_classes}")
+    network = _network(name, head_classes(name, num_classes), dict(kwargs))
+    network._runner_name = name
+    if weights:
+        state, _ = read_weights_file(weights)
+        load_weights(network, weights, state, replace_head=replace_head)
+    network.transform = BatchedTransform.like(network.transform, image_size)
+    return Detector(network, name, num_classes)

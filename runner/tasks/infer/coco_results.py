@@ -1,0 +1,105 @@
+"""A detector's predictions as a COCO results file: the JSON array pycocotools'
+``COCO.loadRes`` and ``COCOeval`` read, one object per detection::
+
+    [
+    {"image_id": 42, "category_id": 3, "bbox": [12.5, 30.0, 40.25, 18.0], "score": 0.91234},
+    ...
+    ]
+
+``bbox`` is COCO's x, y, width, height in pixels (the padded predictions of
+runner/model/detectors.py are xyxy); ``image_id`` is each image's id (the COCO
+annotations' own, or the dataset index where there are none); ``category_id`` maps the
+dataset's class index to the category id the ground truth uses (COCO's run 1..90 with
+gaps; none given: the class index itself). Boxes are rounded to ``box_decimals``, scores to
+``score_decimals`` places, so the same predictions always give the same bytes; a row with
+a non-finite box or score is left out (a file pycocotools can read beats a complete one it
+cannot).
+
+Written the way task=infer's other files are, to survive a resume byte-identically: each
+step's rows go to a part file of their own (``write_part``: one object per line, no
+brackets, whole or not at all), and ``join_parts`` writes the array from the parts in step
+order when the run completes. ``write_results`` writes rows in one go. An empty array (no
+detection at all) is valid JSON, but pycocotools' ``loadRes`` cannot take it (it reads the
+first row): evaluate that case as a mAP of 0 without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runner.common.atomic import replacing
+
+
+def result_rows(image_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                predictions: Mapping[str, torch.Tensor],
+                category_ids: Sequence[int] | None = None, box_decimals: int = 2,
+                score_decimals: int = 5) -> list[dict]:
+    """One batch's padded predictions (``boxes`` [B, K, 4] xyxy, ``box_scores``,
+    ``box_labels``, ``box_count``) as COCO result rows, image by image in batch order,
+    each image's detections in their order (torchvision's: by score)."""
+    boxes = predictions["boxes"].detach().float().cpu().numpy()
+    scores = predictions["box_scores"].detach().float().cpu().numpy()
+    labels = predictions["box_labels"].detach().cpu().numpy().astype(np.int64)
+    count = predictions["box_count"].detach().cpu().numpy()
+    ids = np.asarray(image_ids.cpu() if isinstance(image_ids, torch.Tensor) else image_ids,
+                     dtype=np.int64)
+    if ids.shape != count.shape:
+        raise ValueError(f"{ids.shape[0] if ids.ndim else ids} image ids for "
+                         f"{count.shape[0]} images of predictions")
+    keep = np.arange(boxes.shape[1])[None, :] < count[:, None]
+    keep &= np.isfinite(boxes).all(-1) & np.isfinite(scores) & (labels >= 0)
+    image, _ = np.nonzero(keep)
+    xyxy = boxes[keep].astype(np.float64)
+    xywh = np.round(np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], 1), box_decimals)
+    label = labels[keep]
+    if category_ids is not None:
+        table = np.asarray(category_ids, dtype=np.int64)
+        if label.size and label.max() >= len(table):
+            raise ValueError(f"class {int(label.max())} has no category id: "
+                             f"{len(table)} are given")
+        label = table[label]
+    score = np.round(scores[keep].astype(np.float64), score_decimals)
+    return [{"image_id": i, "category_id": c, "bbox": b, "score": s}
+            for i, c, b, s in zip(ids[image].tolist(), label.tolist(), xywh.tolist(),
+                                  score.tolist())]
+
+
+def rows_text(rows: Iterable[dict]) -> str:
+    """The rows as the lines of the array, one object each, without brackets or a final
+    comma and newline."""
+    return ",\n".join(json.dumps(row, allow_nan=False) for row in rows)
+
+
+def write_part(part: Path, rows: Iterable[dict]) -> None:
+    """One step's rows into ``part``, whole (an empty part for a step of no detections)."""
+    with replacing(Path(part)) as tmp:
+        tmp.write_text(rows_text(rows), encoding="utf-8")
+
+
+def join_parts(path: Path, parts: Iterable[Path]) -> None:
+    """The results file at ``path``, whole: the rows of ``parts``, in their order, as one
+    JSON array (a missing or empty part adds nothing)."""
+    with replacing(Path(path)) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        out.write("[")
+        first = True
+        for part in parts:
+            part = Path(part)
+            text = part.read_text(encoding="utf-8") if part.is_file() else ""
+            if not text:
+                continue
+            out.write("\n" if first else ",\n")
+            out.write(text)
+            first = False
+        out.write("\n]\n")
+
+
+def write_results(path: Path, rows: Iterable[dict]) -> None:
+    """Rows as a results file in one go."""
+    with replacing(Path(path)) as tmp:
+        text = rows_text(rows)
+        tmp.write_text("[" + (f"\n{text}" if text else "") + "\n]\n", encoding="utf-8")

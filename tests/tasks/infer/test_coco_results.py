@@ -1,0 +1,120 @@
+"""runner/tasks/infer/coco_results.py: padded predictions as a COCO results file that
+pycocotools loads and evaluates against a ground truth written here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from runner.tasks.infer.coco_results import join_parts, result_rows, write_part, write_results
+
+pytest.importorskip("pycocotools")
+
+from pycocotools.coco import COCO  # noqa: E402
+from pycocotools.cocoeval import COCOeval  # noqa: E402
+
+# the dataset's classes 0 and 1 are COCO categories 3 and 7 (ids with a gap, as COCO's)
+CATEGORIES = [3, 7]
+IMAGE_IDS = [101, 205, 307]
+
+
+def ground_truth(path) -> str:
+    boxes = {101: [(0, 0, 100, 100, 3), (150, 150, 200, 220, 7)], 205: [(10, 20, 60, 90, 7)],
+             307: []}
+    annotations = [{"id": n + 1, "image_id": image, "category_id": c,
+                    "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
+                    "iscrowd": 0}
+                   for n, (image, (x1, y1, x2, y2, c)) in enumerate(
+                       (i, b) for i, rows in boxes.items() for b in rows)]
+    path.write_text(json.dumps({
+        "images": [{"id": i, "width": 320, "height": 240, "file_name": f"{i}.jpg"}
+                   for i in IMAGE_IDS],
+        "annotations": annotations,
+        "categories": [{"id": c, "name": f"c{c}"} for c in CATEGORIES]}))
+    return str(path)
+
+
+def batch(rows: list[list[tuple]], k: int = 4) -> dict[str, torch.Tensor]:
+    """Padded predictions of (x1, y1, x2, y2, class, score) rows, junk past the counts."""
+    out = {"boxes": torch.full((len(rows), k, 4), 3.0), "box_scores": torch.ones(len(rows), k),
+           "box_labels": torch.zeros(len(rows), k, dtype=torch.long),
+           "box_count": torch.tensor([len(r) for r in rows])}
+    for i, image in enumerate(rows):
+        for j, (x1, y1, x2, y2, c, s) in enumerate(image):
+            out["boxes"][i, j] = torch.tensor([x1, y1, x2, y2])
+            out["box_labels"][i, j], out["box_scores"][i, j] = c, s
+    return out
+
+
+def evaluate(gt_file: str, results_file) -> list[float]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        truth = COCO(gt_file)
+        found = truth.loadRes(str(results_file))
+        check = COCOeval(truth, found, "bbox")
+        check.evaluate()
+        check.accumulate()
+        check.summarize()
+    return [float(v) for v in check.stats]
+
+
+def test_rows_are_cocos_xywh_with_the_category_ids_and_no_padding():
+    rows = result_rows(torch.tensor([101, 205]),
+                       batch([[(10, 20, 40.123, 60, 1, 0.912345)], []]), CATEGORIES)
+    assert rows == [{"image_id": 101, "category_id": 7, "bbox": [10.0, 20.0, 30.12, 40.0],
+                     "score": 0.91234}]
+    assert result_rows([5], batch([[(1, 2, 3, 4, 0, 0.5)]]))[0]["category_id"] == 0
+    with pytest.raises(ValueError, match="class 1 has no category id"):
+        result_rows([5], batch([[(1, 2, 3, 4, 1, 0.5)]]), [3])
+    with pytest.raises(ValueError, match="image ids"):
+        result_rows([5, 6], batch([[(1, 2, 3, 4, 0, 0.5)]]))
+
+
+def test_pycocotools_loads_the_joined_parts_and_scores_them(tmp_path):
+    gt = ground_truth(tmp_path / "instances_val.json")
+    # class 3's box shifted 23 px: IoU 77/123 = 0.626, a match at 0.50, 0.55, 0.60 of COCO's
+    # ten thresholds; class 7's boxes exact. The last image has no boxes and no detections
+    steps = [
+        ([101, 205], [[(23, 0, 123, 100, 0, 0.9), (150, 150, 200, 220, 1, 0.8)],
+                      [(10, 20, 60, 90, 1, 0.7)]]),
+        ([307], [[]]),
+    ]
+    parts = []
+    for n, (ids, rows) in enumerate(steps):
+        parts.append(tmp_path / f"{n:08d}.json")
+        write_part(parts[-1], result_rows(ids, batch(rows), CATEGORIES))
+    results = tmp_path / "results.json"
+    join_parts(results, parts)
+    assert len(json.loads(results.read_text())) == 3
+    stats = evaluate(gt, results)
+    assert stats[0] == pytest.approx((0.3 + 1.0) / 2)  # mAP over IoU 0.50:0.95
+    assert stats[1] == pytest.approx(1.0)  # mAP@0.5
+    assert stats[2] == pytest.approx(0.5)  # mAP@0.75: class 3 misses it
+
+    # the same parts join to the same bytes (a resumed run's file is a straight one's), and
+    # the rows written at once are that file too
+    first = results.read_bytes()
+    join_parts(results, parts)
+    assert results.read_bytes() == first
+    whole = tmp_path / "whole.json"
+    write_results(whole, [r for ids, rows in steps
+                          for r in result_rows(ids, batch(rows), CATEGORIES)])
+    assert whole.read_bytes() == first
+
+
+def test_perfect_detections_score_one_in_cocoeval(tmp_path):
+    gt = ground_truth(tmp_path / "gt.json")
+    rows = result_rows(IMAGE_IDS, batch([[(0, 0, 100, 100, 0, 0.9), (150, 150, 200, 220, 1, 0.8)],
+                                         [(10, 20, 60, 90, 1, 0.7)], []]), CATEGORIES)
+    write_results(tmp_path / "r.json", rows)
+    assert evaluate(gt, tmp_path / "r.json")[:3] == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_no_detections_is_an_empty_array(tmp_path):
+    write_results(tmp_path / "r.json", [])
+    join_parts(tmp_path / "j.json", [tmp_path / "missing.json"])
+    assert json.loads((tmp_path / "r.json").read_text()) == []
+    assert (tmp_path / "r.json").read_bytes() == (tmp_path / "j.json").read_bytes()
