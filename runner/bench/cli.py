@@ -75,7 +75,7 @@ def command_line() -> argparse.ArgumentParser:
     i.add_argument("--writer-threads", type=int, default=2, help="ablation: writers added")
     i.add_argument("--compile", default="inductor", help="ablation: the backend added")
     i.add_argument("--outputs", default="topk,embeddings", help="task.outputs of the jobs")
-    d = sub.add_parser("gpudecode", help="loader.decoder=nvjpeg against the best CPU decoder: "
+    d = sub.add_parser("gpudecode", help="the GPU decoder against the best CPU decoder: "
                                          "the three GPU-decode targets (CUDA)",
                        parents=[written, overridden])
     d.add_argument("--batch-size", type=int, default=128)

@@ -31,62 +31,69 @@ FREED_CORES_TARGET = 5.0  # GPU / best CPU decoder, 2 workers each
 
 
 def best_cpu_decoder() -> str:
-    """The documented best CPU decoder this node can run."""
+    """The documented best CPU decoder this node can run (region, else simplejpeg)."""
     from runner.data.decode.decoders import DECODERS, Decoder
 
-    return "region" if DECODERS[Decoder.region].available() else "simplejpeg"
+    best = Decoder.region if DECODERS[Decoder.region].available() else Decoder.simplejpeg
+    return best.value
+
+
+def gpu_decoder() -> str:
+    """The decoder that decodes on the GPU, by its registry record."""
+    from runner.data.decode.decoders import DECODERS
+
+    return next(d for d, k in DECODERS.items() if k.cuda).value
+
+
+# each measured path by its role: (storage, decoder on the GPU, workers per core)
+ROLES = ("folder_gpu", "packed_gpu", "packed_cpu", "folder_gpu_2", "folder_cpu_2")
 
 
 def configurations(workers: int, batch: int, device: str, small: bool = False
-                   ) -> dict[str, list[str]]:
-    """name -> overrides of each measured path (``small``: a few tiny images, for the CPU
-    run of the self-check's code)."""
-    cpu = best_cpu_decoder()
+                   ) -> dict[str, tuple[str, list[str]]]:
+    """role -> (name, overrides) of each measured path (``small``: a few tiny images, for
+    the CPU run of the self-check's code)."""
+    cpu, gpu = best_cpu_decoder(), gpu_decoder()
     base = ["model=none", "logger=none", f"device={device}", f"loader.batch_size={batch}"]
     if small:
         base += ["dataset.num_images=64", "dataset.image_size=[64,64]"]
     store = ["dataset.store_size=72" if small else "dataset.store_size=256"]
     folder, packed = [loader(FOLDER), *base], [loader(PACKED), *base, *store]
-    return {
-        f"folder nvjpeg, {workers} workers": [*folder, "loader.decoder=nvjpeg",
-                                              f"loader.num_workers={workers}"],
-        f"packed nvjpeg, {workers} workers": [*packed, "loader.decoder=nvjpeg",
-                                              f"loader.num_workers={workers}"],
-        f"packed {cpu}, {workers} workers": [*packed, f"loader.decoder={cpu}",
-                                             f"loader.num_workers={workers}"],
-        "folder nvjpeg, 2 workers": [*folder, "loader.decoder=nvjpeg", "loader.num_workers=2"],
-        f"folder {cpu}, 2 workers": [*folder, f"loader.decoder={cpu}", "loader.num_workers=2"],
-    }
+    paths = {"folder_gpu": (folder, gpu, workers), "packed_gpu": (packed, gpu, workers),
+             "packed_cpu": (packed, cpu, workers), "folder_gpu_2": (folder, gpu, 2),
+             "folder_cpu_2": (folder, cpu, 2)}
+    return {role: (f"{overrides[0].split('=')[1]} {decoder}, {n} workers",
+                   [*overrides, f"loader.decoder={decoder}", f"loader.num_workers={n}"])
+            for role, (overrides, decoder, n) in paths.items()}
 
 
-def measure(configs: dict[str, list[str]], rounds: int, seconds: float,
+def measure(configs: dict[str, tuple[str, list[str]]], rounds: int, seconds: float,
             device: torch.device) -> dict[str, dict]:
     """Each configuration's img/s, ``rounds`` times, alternating: median and spread."""
     from runner.job.compose import compose
 
-    rates: dict[str, list[float]] = {name: [] for name in configs}
+    rates: dict[str, list[float]] = {role: [] for role in configs}
     for _ in range(rounds):
-        for name, overrides in configs.items():
-            rates[name].append(runner_rate(compose(overrides), seconds, device))
-    return {name: {"median": statistics.median(r), "min": min(r), "max": max(r), "runs": r}
-            for name, r in rates.items()}
+        for role, (_, overrides) in configs.items():
+            rates[role].append(runner_rate(compose(overrides), seconds, device))
+    return {role: {"name": configs[role][0], "median": statistics.median(r), "min": min(r),
+                   "max": max(r), "runs": r} for role, r in rates.items()}
 
 
 def targets(result: dict[str, dict], workers: int, gpu: str) -> list[dict]:
     """The three targets from measured medians: what, figure, target, met."""
-    cpu = best_cpu_decoder()
-    rate = {name: r["median"] for name, r in result.items()}
-    folder = rate[f"folder nvjpeg, {workers} workers"]
-    packed = rate[f"packed nvjpeg, {workers} workers"] / rate[f"packed {cpu}, {workers} workers"]
-    freed = rate["folder nvjpeg, 2 workers"] / rate[f"folder {cpu}, 2 workers"]
+    rate = {role: r["median"] for role, r in result.items()}
+    folder = rate["folder_gpu"]
+    packed = rate["packed_gpu"] / rate["packed_cpu"]
+    freed = rate["folder_gpu_2"] / rate["folder_cpu_2"]
     return [
-        {"what": f"folder, nvjpeg with {workers} workers, img/s (target set for one H100/H200;"
-                 f" this is {gpu})", "figure": folder, "target": FOLDER_TARGET,
+        {"what": f"{result['folder_gpu']['name']}, img/s (target set for one H100/H200; "
+                 f"this is {gpu})", "figure": folder, "target": FOLDER_TARGET,
          "met": folder >= FOLDER_TARGET},
-        {"what": f"packed, nvjpeg / {cpu} with {workers} workers each", "figure": packed,
-         "target": PACKED_TARGET, "met": packed >= PACKED_TARGET},
-        {"what": f"folder, nvjpeg / {cpu} with 2 workers each", "figure": freed,
-         "target": FREED_CORES_TARGET, "met": freed >= FREED_CORES_TARGET},
+        {"what": f"{result['packed_gpu']['name']} / {result['packed_cpu']['name']}",
+         "figure": packed, "target": PACKED_TARGET, "met": packed >= PACKED_TARGET},
+        {"what": f"{result['folder_gpu_2']['name']} / {result['folder_cpu_2']['name']}",
+         "figure": freed, "target": FREED_CORES_TARGET, "met": freed >= FREED_CORES_TARGET},
     ]
 
 
@@ -99,16 +106,16 @@ def bench_gpu_decode(args: argparse.Namespace) -> dict:
     from runner.data.threads import cores
 
     if not torch.cuda.is_available():
-        raise SystemExit("runner.bench gpudecode: loader.decoder=nvjpeg decodes on a CUDA "
-                         "GPU and this machine has none; run it on a GPU node")
+        raise SystemExit(f"runner.bench gpudecode: loader.decoder={gpu_decoder()} decodes on "
+                         "a CUDA GPU and this machine has none; run it on a GPU node")
     workers = args.workers or cores()
     gpu = torch.cuda.get_device_name()
     configs = configurations(workers, args.batch_size, "cuda")
     result = measure(configs, args.rounds, args.seconds, torch.device("cuda"))
     print(f"\n{gpu}, {cores()} cores, batches of {args.batch_size}, medians of {args.rounds} "
           "alternating rounds (min-max):")
-    for name, r in result.items():
-        print(f"  {name:<36} {spread(r)}")
+    for r in result.values():
+        print(f"  {r['name']:<36} {spread(r)}")
     checks = targets(result, workers, gpu)
     print("\ntargets:")
     for c in checks:

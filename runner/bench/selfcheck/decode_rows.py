@@ -25,27 +25,27 @@ def check_nvjpeg(args: argparse.Namespace) -> list[Row]:
     batch = min(args.batch_size, 128)
     seconds = 2.0 if on_cuda() else 0.5
     configs = gpudecode.configurations(workers, batch, harness.DEVICE, small=not on_cuda())
-    if not DECODERS[Decoder.region].available():  # packed decodes with the region binding
-        configs = {k: v for k, v in configs.items() if not k.startswith("packed")}
+    built = DECODERS[Decoder.region].available()  # packed decodes with the region binding
+    if not built:
+        configs = {k: v for k, v in configs.items() if k not in ("packed_gpu", "packed_cpu")}
     result = gpudecode.measure(configs, 1, seconds, _device())
-    rate = {name: r["median"] for name, r in result.items()}
+    rate = {role: r["median"] for role, r in result.items()}
     cpu = gpudecode.best_cpu_decoder()
-    folder = rate[f"folder nvjpeg, {workers} workers"]
+    folder = rate["folder_gpu"]
     rows = [Row(f"loader.decoder={_gpu_decoder()} >= {gpudecode.FOLDER_TARGET:,.0f} img/s, "
                 f"folder, {workers} workers (the target of one H100/H200)",
                 folder >= gpudecode.FOLDER_TARGET, f"{folder:,.0f} img/s")]
-    gpu2, cpu2 = rate["folder nvjpeg, 2 workers"], rate[f"folder {cpu}, 2 workers"]
+    gpu2, cpu2 = rate["folder_gpu_2"], rate["folder_cpu_2"]
     rows.append(Row(f"loader.decoder={_gpu_decoder()} >= {gpudecode.FREED_CORES_TARGET:g}x "
                     f"the best CPU decoder ({cpu}), folder, 2 workers each",
                     gpu2 >= gpudecode.FREED_CORES_TARGET * cpu2,
                     f"{gpu2:,.0f} vs {cpu2:,.0f} img/s ({gpu2 / cpu2:.2f}x)"))
-    if f"packed nvjpeg, {workers} workers" not in rate:
-        rows.append(Row(f"{loader(PACKED)} decoder=nvjpeg vs on the CPU", None,
+    if not built:
+        rows.append(Row(f"{loader(PACKED)} decoder={_gpu_decoder()} vs on the CPU", None,
                         f"untested: {loader(PACKED)} decodes on the CPU with the region decoder's "
                         "binding, not built here (see the README's selfcheck section)"))
         return rows
-    rows.append(packed_pixels(batch, workers, rate[f"packed nvjpeg, {workers} workers"],
-                              rate[f"packed {cpu}, {workers} workers"]))
+    rows.append(packed_pixels(batch, workers, rate["packed_gpu"], rate["packed_cpu"]))
     return rows
 
 
