@@ -25,10 +25,13 @@ from runner.config.credentials import check_config_urls
 from runner.config.schema import (
     NO_MODEL,
     TASK_KEYS,
+    AutoAugmentName,
     Config,
+    Decoder,
     ModelConfig,
     ModelSource,
     Output,
+    StorageName,
     TaskConfig,
     TaskName,
     data_path_alone,
@@ -134,6 +137,7 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
                                          or data_path_alone(config)):
         raise ConfigError(f"dataset.val_path={dataset.val_path} reports top-1 while "
                           "training: it needs task=train and a model (not model=none)")
+    check_targets(config)
     if NO_MODEL in [m.name for m in model_configs(config)] and config.models:
         raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                           "model=none to measure the data path alone")
@@ -228,3 +232,27 @@ def check_task_keys(task: TaskConfig, given: Iterable[str] = ()) -> None:
                 f"task.{key}={_shown(value)} is a task={owner.value} key: task="
                 f"{task.name.value} does not read it (its own keys are {own}); leave it "
                 f"out, or use task={owner.value}")
+
+
+def check_targets(config: Config) -> None:
+    """Detection boxes (``dataset.targets``) go where boxes are carried so far: a folder
+    decoded on the CPU (the decoders' windows map them), no device augmentation that
+    moves pixels (randaugment's shears and turns, MixUp, CutMix)."""
+    dataset, loader, augment = config.dataset, config.loader, config.task.augment
+    if not dataset.targets.boxes:
+        return
+    given = f"dataset.targets={dataset.targets.value}"
+    if dataset.path is not None and "://" in dataset.path:
+        raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
+                          f"{dataset.path}: copy the dataset to a local folder")
+    if loader.name is not StorageName.folder:
+        raise ConfigError(f"{given} carries boxes through loader=folder so far, not "
+                          f"loader={loader.name.value}: use loader=folder")
+    if loader.decoder is Decoder.nvjpeg:
+        raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
+                          "loader.decoder=nvjpeg: use a CPU decoder (loader.decoder=auto)")
+    for key, on in (("auto", augment.auto is not AutoAugmentName.none),
+                    ("mixup", augment.mixup > 0), ("cutmix", augment.cutmix > 0)):
+        if on:
+            raise ConfigError(f"task.augment.{key} moves or mixes pixels and {given}'s boxes "
+                              f"would not follow: leave task.augment.{key} off for detection")

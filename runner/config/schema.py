@@ -219,6 +219,17 @@ class Labels(Enum):  # where dataset.path's labels come from
     none = "none"  # every image under the folder, unlabelled (inference)
 
 
+class Targets(Enum):  # dataset.targets: what an image's target is
+    none = "none"  # a class index (the class folder, a manifest's label) or none
+    auto = "auto"  # detection boxes, the layout told from the folder (YOLO or COCO)
+    yolo = "yolo"  # images/ and labels/*.txt (class cx cy w h, normalised)
+    coco = "coco"  # annotations/instances_<split>.json beside the images
+
+    @property
+    def boxes(self) -> bool:
+        return self is not Targets.none
+
+
 class Split(Enum):  # dataset.split: the two sides of dataset.val_fraction's split
     train = "train"  # the images trained on (all of them without a split)
     val = "val"  # the held-out share
@@ -341,6 +352,10 @@ class DatasetConfig:
     # unset (and no manifest): the generated default dataset
     path: str | None = key(None, resume="must_match")
     labels: Labels = key(Labels.auto, resume="must_match", shapes_outputs=True)
+    # detection: boxes per image read from a YOLO layout or COCO's JSON
+    # (runner/data/sources/labels.py; auto tells which); unset dataset.path: the generated
+    # shapes dataset (runner/data/sources/shapes.py). none: a class index per image
+    targets: Targets = key(Targets.none, resume="must_match", shapes_outputs=True)
     # a CSV (header: path[,label]) or JSON-lines file listing the images (paths relative to
     # it) and their class index or name; in place of dataset.path
     manifest: str | None = key(None, resume="must_match", shapes_outputs=True)

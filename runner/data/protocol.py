@@ -27,12 +27,16 @@ Probe = Callable[[], int]
 
 @dataclass(frozen=True)
 class Sample:
-    """One decoded image: CHW uint8, its class index and its index in the dataset."""
+    """One decoded image: CHW uint8, its class index and its index in the dataset; with
+    detection targets (``dataset.targets``), its boxes (float32 [n, 4], xyxy in the output
+    image's pixels) and their class ids (int64 [n])."""
 
     image: torch.Tensor
     label: int
     index: int
     valid: bool = True  # False: padding that evens out distributed shards
+    boxes: torch.Tensor | None = None
+    box_labels: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from runner.data.decode.decoders import (
     ImageDecoder,
     center_box,
     pixel_window,
+    source_window,
 )
 
 # A box is kept when its width and height, clipped to the output image, are both at least
@@ -69,12 +70,8 @@ def cut_window(box: Box, hw: tuple[int, int], decoded_hw: tuple[int, int] | None
     """The window the decoders cut for ``box`` (a crop on the upright ``hw`` image) from an
     image decoded at ``decoded_hw`` (a reduced DCT scale: ``loader.draft``, the region
     decoder at ``denom``; None: full size): ``pixel_window``'s integer window there, in
-    pixels of the ``hw`` image."""
-    h, w = hw
-    dh, dw = decoded_hw or hw
-    sy, sx = dh / h, dw / w
-    top, left, ch, cw = pixel_window(box.scaled(sy, sx), dh, dw)
-    return Window(top / sy, left / sx, ch / sy, cw / sx)
+    pixels of the ``hw`` image (``source_window``, which the decoders report)."""
+    return Window(*source_window(box, hw, decoded_hw))
 
 
 def decoder_window(decoder: ImageDecoder, hw: tuple[int, int], seed: int | None = None,

@@ -245,6 +245,18 @@ def pixel_window(box: Box, h: int, w: int) -> tuple[int, int, int, int]:
     return top, left, ch, cw
 
 
+def source_window(box: Box, hw: tuple[int, int], decoded_hw: tuple[int, int] | None = None
+                  ) -> tuple[float, float, float, float]:
+    """The window (top, left, height, width) in pixels of the upright ``hw`` image that a
+    crop ``box`` cuts from it decoded at ``decoded_hw`` (a reduced DCT scale; None: full
+    size): ``pixel_window``'s integer window at that scale, in ``hw``'s pixels."""
+    h, w = hw
+    dh, dw = decoded_hw or hw
+    sy, sx = dh / h, dw / w
+    top, left, ch, cw = pixel_window(box.scaled(sy, sx), dh, dw)
+    return top / sy, left / sx, ch / sy, cw / sx
+
+
 def resize_crop_many(imgs: list[torch.Tensor], box: Box, size: tuple[int, int]
                      ) -> torch.Tensor:
     """Crop ``box`` from each of ``imgs`` (one size) and resize it to ``size`` (antialiased
@@ -562,6 +574,14 @@ class ImageDecoder:
     def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor:
         """Decode ``data``; a random crop draws from the image's crop ``seed`` (None: from
         torch's global RNG)."""
+        return self.decode_window(data, seed)[0]
+
+    def decode_window(self, data: bytes, seed: int | None = None
+                      ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool]:
+        """``__call__``'s image, with the window of the upright source image it was made of
+        (top, left, height, width, in source pixels: the integer window cut at the scale
+        the image was decoded at, ``source_window``) and whether it was flipped: what a
+        detection target's boxes go through (runner/data/decode/boxgeometry.py)."""
         header = read_jpeg_header(data)
         if header is not None and header.height * header.width > MAX_PIXELS:
             raise CorruptImageError(
@@ -572,11 +592,11 @@ class ImageDecoder:
         # does it right, so they go straight to the fallback.
         if header is not None and header.components in (1, 3):
             try:
-                img = self._decode_jpeg(data, header, seed)
+                made = self._decode_jpeg(data, header, seed)
             except Exception:  # any decoder error: let PIL try before calling it corrupt
-                img = None
-            if img is not None:
-                return img
+                made = None
+            if made is not None:
+                return made
         return self._decode_fallback(data, seed)
 
     @property
@@ -625,12 +645,15 @@ class ImageDecoder:
         out = resize_crop_many(imgs, box, self.size)
         return out.flip(3).contiguous() if flip else out
 
-    def _decode_jpeg(self, data: bytes, header: JpegHeader, seed: int | None) -> torch.Tensor:
+    def _decode_jpeg(self, data: bytes, header: JpegHeader, seed: int | None
+                     ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool]:
         oh, ow = header.oriented_hw
         box, flip = self.box_for(oh, ow, seed)
         kind = DECODERS[self.decoder]
         if kind.region:
-            return self.finish(*decode_region(data, header, box, self.size), flip)
+            denom = region_scale(box, self.size)  # decoded at 1/denom: libjpeg's sizes
+            window = source_window(box, (oh, ow), (-(-oh // denom), -(-ow // denom)))
+            return self.finish(*decode_region(data, header, box, self.size), flip), window, flip
         min_hw = None
         if self.draft and kind.scales:
             # The decode only needs to be as large as the crop will be after resizing.
@@ -642,12 +665,15 @@ class ImageDecoder:
             raise ValueError(f"decoder returned {img.shape[0]} channels")
         img = apply_orientation(img, header.orientation)
         dh, dw = img.shape[-2:]
-        return self.finish(img, box.scaled(dh / oh, dw / ow), flip)
+        window = source_window(box, (oh, ow), (dh, dw))
+        return self.finish(img, box.scaled(dh / oh, dw / ow), flip), window, flip
 
-    def _decode_fallback(self, data: bytes, seed: int | None) -> torch.Tensor:
+    def _decode_fallback(self, data: bytes, seed: int | None
+                         ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool]:
         try:
             with Image.open(io.BytesIO(data)) as pil:
                 img = _hwc(np.asarray(upright_rgb(pil)))
         except Exception as e:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
-        return self.finish(img, *self.box_for(*img.shape[-2:], seed))
+        box, flip = self.box_for(*img.shape[-2:], seed)
+        return self.finish(img, box, flip), source_window(box, img.shape[-2:]), flip

@@ -194,6 +194,10 @@ def open_files(dataset: DatasetConfig, path: str | Path) -> Files:
 
         store = ObjectStore(RemoteURL.parse(path), dataset.endpoint_url)
         return StoreFiles(list_remote(dataset, path, store), ReadEngine(store))
+    if dataset.targets.boxes:  # detection: the images the labels name, with their boxes
+        from runner.data.sources.detection import list_detection
+
+        return Files(list_detection(dataset, path))
     listing = list_images(dataset, path)
     far, why = is_far([p for p, _ in listing.samples], dataset.far_disk)
     if far:

@@ -38,6 +38,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from runner.common.errors import UserError
 from runner.common.text import printable
@@ -72,6 +73,9 @@ class Listing:
     samples: list[tuple[str, int]]
     how: str
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    # detection: each sample's boxes (runner/data/sources/detection.py's DetectionTargets,
+    # in step with ``samples``); None: a class index per image
+    targets: Any = None
 
     @property
     def labelled(self) -> bool:
@@ -450,8 +454,11 @@ def split_listing(listing: Listing, fraction: float, seed: int, held_out: bool) 
     """The held-out share of ``listing`` (``held_out``) or the rest, by a permutation seeded
     with ``seed``: the same split on every run and storage; each side in listing order."""
     n = len(listing.samples)
-    samples = [listing.samples[k] for k in split_positions(n, fraction, seed, held_out)]
+    positions = split_positions(n, fraction, seed, held_out)
+    samples = [listing.samples[k] for k in positions]
     log.info("dataset.val_fraction=%g: %d of %d images %s", fraction, len(samples), n,
              "held out for validation" if held_out else "trained on")
+    targets = listing.targets.subset(positions) if listing.targets is not None else None
     return Listing(listing.root, listing.classes, samples, f"{listing.how}, "
-                   f"{'validation' if held_out else 'training'} split", listing.skipped)
+                   f"{'validation' if held_out else 'training'} split", listing.skipped,
+                   targets)

@@ -69,6 +69,10 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
     if cfg.path is not None:
         check_no_loop(Path(cfg.path).expanduser(), "dataset.path")
         return Path(cfg.path).expanduser()
+    if cfg.targets.boxes:  # detection: the generated shapes, boxes known
+        from runner.data.sources.detection import default_path
+
+        return default_path(cfg, progress)
     spec = SyntheticSpec(cfg.num_images, cfg.num_classes, *cfg.source_size, quality=cfg.quality)
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 

@@ -4,6 +4,7 @@ far disk's, a store's objects): runner/data/sources/files.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -62,9 +63,14 @@ class FolderStorage(torch.utils.data.Dataset):
         self.root, self.classes, self.samples = listing.root, listing.classes, listing.samples
         self.decode = decode
         self.on_corrupt = on_corrupt
-        # files the listing left out (a FIFO, a socket: a read would wait forever)
+        # detection: each image's boxes (runner/data/sources/detection.py), or None
+        self.targets = listing.targets
+        # files the listing left out (a FIFO, a socket: a read would wait forever), and
+        # a detection set's bad labels
         self.known_skipped: list[SkippedFile] = [SkippedFile(p, f"{UNREADABLE}: {why}")
                                                  for p, why in listing.skipped]
+        if self.targets is not None:
+            self.known_skipped += self.targets.skipped
 
     def _serve(self, folder: FolderStorage, keep: list[int], skipped: list[SkippedFile]
                ) -> None:
@@ -75,6 +81,7 @@ class FolderStorage(torch.utils.data.Dataset):
         self.source = folder.source.kept(keep)
         self.root, self.classes, self.samples = folder.root, folder.classes, self.source.samples
         self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
+        self.targets = None  # detection boxes go through loader=folder so far (rules.py)
         self.known_skipped = list(skipped)
 
     def __len__(self) -> int:
@@ -150,15 +157,19 @@ class FolderStorage(torch.utils.data.Dataset):
     def decode_data(self, index: int, data: bytearray | None, valid: bool = True,
                     seed: int | None = None) -> Sample | SkippedFile:
         """Item ``index`` from its file's bytes (None: the file could not be read); a
-        random crop from the image's crop ``seed``."""
+        random crop from the image's crop ``seed``; with detection targets, its boxes
+        through the window and flip the decoder made the image of."""
         path, label = self.samples[index]
         try:
             if not data:
                 raise CorruptImageError("empty file" if data is not None else "unreadable")
-            image = self.decode(data, seed)
+            if self.targets is None:
+                return Sample(self.decode(data, seed), label, index, valid)
+            image, window, flip = self.decode.decode_window(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
-        return Sample(image, label, index, valid)
+        boxes, box_labels = follow(self.targets[index], window, flip, image.shape[-2:])
+        return Sample(image, label, index, valid, boxes, box_labels)
 
     def unreadable(self, index: int, error: OSError) -> SkippedFile:
         """Item ``index``'s file could not be read (deleted, moved, no permission): a skip
@@ -187,7 +198,7 @@ class FolderStorage(torch.utils.data.Dataset):
             item = self[indices[k]]
             if isinstance(item, Sample):
                 out[k].copy_(item.image)
-                item = Sample(None, item.label, item.index, item.valid)
+                item = dataclasses.replace(item, image=None)
             items.append(item)
         return items
 
@@ -276,12 +287,29 @@ class FolderStorage(torch.utils.data.Dataset):
         return found
 
 
+def follow(target, window: tuple[float, float, float, float], flip: bool,
+           size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image's boxes (its ``ImageTargets``) in the output image the decoder made from
+    ``window`` of it, flipped or not, at ``size`` (runner/data/decode/boxgeometry.py's one
+    mapping and its one rule for boxes that leave the crop). The boxes are in pixels of
+    the upright image (YOLO's read from the image's own size, COCO's in its JSON's)."""
+    from runner.data.decode.boxgeometry import Window, map_boxes
+
+    return map_boxes(target.boxes, target.labels, Window(*window), tuple(size), flip)
+
+
 def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
-    """label, index and (for padded distributed shards) valid, for a list of samples."""
+    """label, index, (for padded distributed shards) valid and (with detection targets)
+    the boxes padded to the batch's most (``boxes``, ``box_labels``, ``box_count``:
+    runner/data/decode/boxgeometry.py's ``pad``), for a list of samples."""
     fields = {"label": torch.tensor([s.label for s in samples], dtype=torch.int64),
               "index": torch.tensor([s.index for s in samples], dtype=torch.int64)}
     if not all(s.valid for s in samples):  # padding rows of a distributed shard
         fields["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
+    if samples and samples[0].boxes is not None:
+        from runner.data.decode.boxgeometry import pad
+
+        fields.update(pad([s.boxes for s in samples], [s.box_labels for s in samples]))
     return fields
 
 

@@ -1,0 +1,135 @@
+"""dataset.targets: a detection set listed with its boxes, its splits, the generated shapes, and
+the boxes through loader=folder's decoders and both of its loaders (checked against
+torchvision's transforms v2 on the window each image was cut from)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.common.errors import ConfigError
+from runner.config.schema import Crop, Decoder, LoaderConfig, OnCorrupt, Split, StorageName, Targets
+from runner.data.decode.boxgeometry import Window
+from runner.data.decode.decoders import ImageDecoder
+from runner.data.sources.detection import has_val_split, list_detection
+from runner.data.sources.files import Files
+from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+from runner.data.storage.folder import FolderStorage
+from runner.job.compose import compose
+from tests.conftest import make_loader
+from tests.data.decode.test_boxgeometry import assert_same, torchvision_boxes
+from tests.data.sources.test_labels import yolo_tree
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    return ensure_shapes(ShapesSpec(num_images=24, seed=3), tmp_path_factory.mktemp("cache"),
+                         progress=False)
+
+
+def dataset_config(path: Path, **kw):
+    return dataclasses.replace(compose([]).dataset, path=str(path), targets=Targets.yolo, **kw)
+
+
+def test_the_split_folders_give_train_and_val_each_image_with_its_own_boxes(shapes: Path):
+    from runner.data.sources.labels import read_labels
+
+    train = list_detection(dataset_config(shapes), shapes)
+    val = list_detection(dataset_config(shapes, split=Split.val), shapes)
+    assert len(train.samples) + len(val.samples) == 24 and len(val.samples) > 0
+    assert not {p for p, _ in train.samples} & {p for p, _ in val.samples}
+    assert train.classes == ["circle", "square", "triangle"]
+    truth = {**read_labels(shapes, "yolo", "train").targets,
+             **read_labels(shapes, "yolo", "val").targets}
+    for listing in (train, val):
+        assert len(listing.targets) == len(listing.samples)
+        for (path, label), target in zip(listing.samples, listing.targets.items):
+            assert label == 0 and torch.equal(target.boxes, truth[path].boxes)
+    assert has_val_split(dataset_config(shapes))
+
+
+def test_a_layout_without_split_folders_is_split_by_val_fraction_in_step(tmp_path: Path):
+    sizes = {f"{k}.jpg": (40, 30) for k in range(8)}
+    labels = {str(k): f"{k % 3} 0.5 0.5 0.{k + 1} 0.5\n" for k in range(8)}
+    root = yolo_tree(tmp_path / "d", labels, sizes)
+    cfg = dataset_config(root, val_fraction=0.25)
+    assert not has_val_split(dataset_config(root))  # nothing to validate on by itself
+    train, val = list_detection(cfg, root), list_detection(
+        dataclasses.replace(cfg, split=Split.val), root)
+    assert len(train.samples) == 6 and len(val.samples) == 2
+    for listing in (train, val):
+        for (path, _), target in zip(listing.samples, listing.targets.items):
+            k = int(Path(path).stem)  # the box written for this image: width 0.(k+1) of 40
+            assert target.labels.tolist() == [k % 3]
+            assert target.boxes[0, 2] - target.boxes[0, 0] == pytest.approx(40 * (k + 1) / 10)
+
+
+@pytest.mark.parametrize("crop", [Crop.center, Crop.random])
+@pytest.mark.parametrize("decoder", [Decoder.pil, Decoder.simplejpeg])
+def test_boxes_follow_the_decoders_window_as_torchvision_v2_maps_them(shapes: Path, crop,
+                                                                       decoder):
+    """Each item's boxes are its labels through the window and flip its image was cut
+    from: torchvision v2's resized_crop (and horizontal_flip) of the same BoundingBoxes."""
+    decode = ImageDecoder(decoder, (96, 112), crop)
+    storage = FolderStorage(Files(list_detection(dataset_config(shapes), shapes)), decode,
+                            OnCorrupt.skip)
+    seen_boxes = 0
+    for index in range(len(storage)):
+        seed = 1000 + index if crop is Crop.random else None
+        item = storage[(index, seed)] if seed is not None else storage[index]
+        data = bytearray(Path(storage.samples[index][0]).read_bytes())
+        image, window, flip = decode.decode_window(data, seed)
+        assert torch.equal(image, item.image)
+        target = storage.targets[index]
+        hw = (target.height, target.width) if target.height else image.shape[-2:]
+        expected = torchvision_boxes(target.boxes, target.labels, hw, Window(*window),
+                                     (96, 112), flip)
+        assert_same((item.boxes, item.box_labels), expected)
+        seen_boxes += len(item.boxes)
+    assert seen_boxes > 10
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_carry_the_boxes_padded_through_either_loader(shapes: Path, workers):
+    """The decode threads (no workers) and the DataLoader's workers hand over the same
+    padded boxes: rows past an image's count are 0 and -1."""
+    decode = ImageDecoder(Decoder.pil, (64, 64), Crop.center)
+    storage = FolderStorage(Files(list_detection(dataset_config(shapes), shapes)), decode,
+                            OnCorrupt.skip)
+    cfg = LoaderConfig(name=StorageName.folder, batch_size=5, num_workers=workers,
+                       shuffle=False)
+    batches = [b for b, _ in make_loader(storage, cfg)]
+    for batch in batches:
+        m = batch["boxes"].shape[1]
+        assert batch["boxes"].shape == (len(batch["index"]), m, 4)
+        for row, (index, count) in enumerate(zip(batch["index"].tolist(),
+                                                 batch["box_count"].tolist())):
+            item = storage[index]
+            assert torch.equal(batch["boxes"][row, :count], item.boxes)
+            assert batch["box_labels"][row, count:].eq(-1).all()
+            assert batch["boxes"][row, count:].eq(0).all()
+
+
+def test_bad_labels_are_reported_as_skipped_files(tmp_path: Path):
+    sizes = {"a.jpg": (40, 30), "b.jpg": (40, 30)}
+    root = yolo_tree(tmp_path / "d", {"a": "0 0.5 0.5 0.2 0.2\n", "ghost": "1 0.5 0.5 0.1 0.1\n"},
+                     sizes)
+    storage = FolderStorage(Files(list_detection(dataset_config(root), root)),
+                            ImageDecoder(Decoder.pil, (24, 24)), OnCorrupt.skip)
+    assert len(storage) == 2  # b.jpg has no label file: an image with no boxes
+    assert [Path(s.path).name for s in storage.known_skipped] == ["ghost.txt"]
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["loader=memmap"], "through loader=folder so far"),
+    (["loader.decoder=nvjpeg"], "CPU decoders"),
+    (["task.augment.auto=randaugment"], "task.augment.auto"),
+    (["task.augment.mixup=0.2"], "task.augment.mixup"),
+    (["dataset.path=s3://bucket/x"], "local folder"),
+])
+def test_what_boxes_cannot_follow_yet_is_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        compose(["dataset.targets=yolo", *overrides])
