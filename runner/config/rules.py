@@ -245,9 +245,9 @@ def check_targets(config: Config) -> None:
     if dataset.path is not None and "://" in dataset.path:
         raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
                           f"{dataset.path}: copy the dataset to a local folder")
-    if loader.name is not StorageName.folder:
-        raise ConfigError(f"{given} carries boxes through loader=folder so far, not "
-                          f"loader={loader.name.value}: use loader=folder")
+    if loader.name not in (StorageName.folder, StorageName.packed):
+        raise ConfigError(f"{given} carries boxes through loader=folder and loader=packed "
+                          f"so far, not loader={loader.name.value}: use one of them")
     if loader.decoder is Decoder.nvjpeg:
         raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                           "loader.decoder=nvjpeg: use a CPU decoder (loader.decoder=auto)")

@@ -30,6 +30,7 @@ estimate (a disk too small fails at once) and reserves more if it runs over.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import io
@@ -57,6 +58,7 @@ from runner.data.decode.decoders import (
     read_jpeg_header,
     region_window,
     resize_into,
+    source_window,
     upright_rgb,
 )
 from runner.data.order import split_padding, unpad
@@ -75,7 +77,7 @@ from runner.data.storage.convert import (
     reserve,
     skipped_files,
 )
-from runner.data.storage.folder import FolderStorage, open_folder
+from runner.data.storage.folder import FolderStorage, follow, open_folder
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)
@@ -312,6 +314,9 @@ class PackedStorage(FolderStorage):
         self.sizes = table["size"][keep].tolist()
         self.heights, self.widths = table["height"][keep].tolist(), table["width"][keep].tolist()
         self.crcs = table["crc"][keep].tolist()
+        if folder.targets is not None:  # detection: each image's boxes at its stored size
+            self.targets = stored_targets(folder.targets, keep.tolist(), self.heights,
+                                          self.widths)
         self.path, self.cache, self.spec = cache / DATA, cache, spec
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -431,6 +436,7 @@ class PackedStorage(FolderStorage):
         t0 = time.perf_counter()
         items: list[Sample | SkippedFile | None] = []
         jobs, todo = [], []
+        boxes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for k in positions:
             index, seed = indices[k] if isinstance(indices[k], tuple) else (indices[k], None)
             index, valid = unpad(index)
@@ -442,6 +448,10 @@ class PackedStorage(FolderStorage):
             header = JpegHeader(self.heights[index], self.widths[index], 3)  # stored upright
             box, flip = decoder.box_for(header.height, header.width, seed)
             denom, top, left, ch, cw = region_window(header, box, size)
+            if self.targets is not None:  # the boxes through the window decoded at 1/denom
+                window = source_window(box, (header.height, header.width), (
+                    -(-header.height // denom), -(-header.width // denom)))
+                boxes[k] = follow(self.targets[index], window, flip, size)
             planar = (ch, cw) == size and not flip
             dest = memoryview(out[k].numpy()).cast("B") if planar else bytearray(ch * cw * 3)
             jobs.append((data, denom, top, left, ch, cw, dest, planar))
@@ -455,12 +465,13 @@ class PackedStorage(FolderStorage):
                 item = self.decode_data(index, data, valid, seed)
                 if isinstance(item, Sample):
                     out[k].copy_(item.image)
-                    item = Sample(None, item.label, index, valid)
+                    item = dataclasses.replace(item, image=None)
             else:
                 if not planar:
                     img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
                     resize_into(out[k], img.permute(2, 0, 1), flip)
-                item = Sample(None, self.samples[index][1], index, valid)
+                item = Sample(None, self.samples[index][1], index, valid, *boxes.get(k, (
+                    None, None)))
             items[slot] = item
         if timeline.enabled():
             timeline.record("read", t0, t1)
@@ -508,6 +519,20 @@ class PackedStorage(FolderStorage):
             return self.spec.damaged(self.cache, what)
         return CacheError(f"the packed store {self.cache} is damaged: {what}; delete it to "
                           "rebuild it")
+
+
+def stored_targets(targets, keep: list[int], heights: list[int], widths: list[int]):
+    """A detection set's targets for the stored images ``keep`` of its listing, each
+    image's boxes scaled from its source size to its stored size (``heights``,
+    ``widths``): the pixels its window is cut from."""
+    from runner.data.sources.labels import ImageTargets
+
+    out = targets.subset(keep)
+    for k, (t, h, w) in enumerate(zip(out.items, heights, widths)):
+        if t.height and t.width and (t.height, t.width) != (h, w):
+            scale = torch.tensor([w / t.width, h / t.height] * 2, dtype=torch.float32)
+            out.items[k] = ImageTargets(t.boxes * scale, t.labels, h, w, t.image_id)
+    return out
 
 
 def unpad_all(index: torch.Tensor) -> list[int]:

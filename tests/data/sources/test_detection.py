@@ -124,7 +124,7 @@ def test_bad_labels_are_reported_as_skipped_files(tmp_path: Path):
 
 
 @pytest.mark.parametrize("overrides,says", [
-    (["loader=memmap"], "through loader=folder so far"),
+    (["loader=memmap"], "through loader=folder and loader=packed so far"),
     (["loader.decoder=nvjpeg"], "CPU decoders"),
     (["task.augment.auto=randaugment"], "task.augment.auto"),
     (["task.augment.mixup=0.2"], "task.augment.mixup"),

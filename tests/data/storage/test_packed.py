@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageOps
 
 from runner.config.schema import Crop, Decoder, OnCorrupt, StoreSide
-from runner.data.decode.decoders import CorruptFileStop, ImageDecoder, read_jpeg_header
+from runner.data.decode.decoders import DECODERS, CorruptFileStop, ImageDecoder, read_jpeg_header
 from runner.data.storage import convert as engine
 from runner.data.storage import packed
 from runner.data.storage.convert import META, CacheError, DiskFull
@@ -522,3 +522,59 @@ def test_damage_in_a_packed_store_decoded_on_the_gpu_names_the_store(source: Pat
         f.write(b"\x00" * store.sizes[2])  # image 2's bytes gone, the file's size kept
     with pytest.raises(CacheError, match="damaged.*image 2"):
         list(batches)
+
+
+# --- detection: the boxes of a packed store's images ----------------------------------------
+
+@pytest.mark.parametrize("decoder", ["region", "pil"])
+def test_a_packed_detection_sets_boxes_follow_its_stored_images(tmp_path: Path, decoder):
+    """dataset.targets through loader=packed: each image's boxes scaled to its stored size,
+    then through the window its stored JPEG was cut from (the binding's batch decode or
+    the per-image path), equal to the folder's boxes within a pixel and to torchvision
+    v2's resized_crop of the stored-size boxes on the same window."""
+    import torch as t
+
+    from runner.data.decode.boxgeometry import Window
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+    from runner.job.compose import compose
+    from tests.data.decode.test_boxgeometry import assert_same, torchvision_boxes
+
+    if decoder == "region" and not DECODERS[Decoder.region].available():
+        pytest.skip("the region decoder's binding is not built")
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    base = ["dataset.targets=yolo", f"dataset.path={shapes}", "model=none", "logger=none",
+            f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.image_size=[96,96]",
+            "loader.batch_size=6", "loader.num_workers=0", "loader.shuffle=false",
+            f"loader.decoder={decoder}"]
+    from runner.data import build_data_path
+
+    got = {}
+    for name in ("packed", "folder"):
+        data = build_data_path(compose([*base, f"loader={name}"]), t.device("cpu"), epochs=1,
+                               progress=False)
+        got[name] = {int(i): (b["boxes"][r, :n], b["box_labels"][r, :n])
+                     for b in data.device_batches()
+                     for r, (i, n) in enumerate(zip(b["index"], b["box_count"].tolist()))}
+        data.close()
+    assert got["packed"].keys() == got["folder"].keys() and len(got["packed"]) == 19
+    assert sum(len(v[1]) for v in got["packed"].values()) > 10
+    for index, (boxes, labels) in got["packed"].items():
+        f_boxes, f_labels = got["folder"][index]
+        assert labels.tolist() == f_labels.tolist()
+        assert t.allclose(boxes, f_boxes, atol=1.0)  # stored at another size: within a pixel
+    # each stored image's item against v2 on the window its stored JPEG was cut from
+    data = build_data_path(compose([*base, "loader=packed"]), t.device("cpu"), epochs=1,
+                           progress=False)
+    store = data.storage
+    try:
+        for index in range(len(store)):
+            item = store[(index, 77 + index)]
+            _, window, flip = store.decode.image_decoder.decode_window(
+                bytearray(store.read(index)), 77 + index)
+            target, hw = store.targets[index], (store.heights[index], store.widths[index])
+            assert (target.height, target.width) == hw or target.height == 0
+            assert_same((item.boxes, item.box_labels),
+                        torchvision_boxes(target.boxes, target.labels, hw, Window(*window),
+                                          (96, 96), flip))
+    finally:
+        data.close()
