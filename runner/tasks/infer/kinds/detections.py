@@ -34,7 +34,10 @@ until the ranks' files are merged):
 
   ``index`` the dataset index, ``file`` the image's name, ``count`` its detections,
   ``classes`` the dataset's class indices, ``names`` their names (the model's class names
-  as for top-k, else the index), ``scores`` with 5 decimals, ``boxes`` one
+  as for top-k, else the index; a name's own white space written as ``_``, so that the
+  column splits into one name per detection: COCO's ``traffic light`` is
+  ``traffic_light`` here, and as it is in ``detections.categories.json``), ``scores`` with
+  5 decimals, ``boxes`` one
   ``x1,y1,x2,y2`` per detection with 2 decimals (the csv module quotes the field: it holds
   commas; read it with a CSV reader). ``grep dog detections.csv`` lists the images where a
   dog was found.
@@ -108,7 +111,7 @@ def csv_rows(f: Any, index: list[int], kept: dict[str, np.ndarray], name_of, cla
         buf.seek(0)
         buf.truncate()
         rows.writerow([i, printable(name_of(i)), n, " ".join(map(str, labels)),
-                       " ".join(printable(class_name(c)) for c in labels),
+                       " ".join(class_name(c) for c in labels),
                        " ".join(f"{s:.{SCORE_DECIMALS}f}" for s in scores),
                        " ".join(",".join(f"{v:.{BOX_DECIMALS}f}" for v in b) for b in boxes)])
         f.write(buf.getvalue()[:-2] + "\n")
@@ -128,14 +131,13 @@ class DetectionsWriter:
         self.categories = run_dir / f"{re.sub(r'[.]rank[0-9]+$', '', stem)}.categories.json"
         self.parts = run_dir / f".{stem}.parts"
         self.parts.mkdir(parents=True, exist_ok=True)
-
-    def names(self) -> list[str]:
-        """The class names by dataset class index: the model's, else the dataset's."""
-        return list(self.ctx.classes or self.ctx.dataset_classes)
+        # the class names by dataset class index: the model's, else the dataset's
+        self.names = list(ctx.classes or ctx.dataset_classes)
+        self.words = ["_".join(printable(n).split()) or "_" for n in self.names]
 
     def _name(self, k: int) -> str:
-        names = self.names()
-        return names[k] if 0 <= k < len(names) else str(k)
+        """Class ``k``'s name as one word of the CSV's ``names`` column."""
+        return self.words[k] if 0 <= k < len(self.words) else str(k)
 
     def write(self, step: int, index: np.ndarray, label: np.ndarray,
               kept: dict[str, np.ndarray]) -> None:
@@ -159,7 +161,7 @@ class DetectionsWriter:
         csv_parts = [self.parts / f"{k:08d}.csv" for k in range(steps)]
         join_csv(self.csv, [p for p in csv_parts if p.exists()], header=HEADER)
         join_parts(self.json, [self.parts / f"{k:08d}.json" for k in range(steps)])
-        rows = [json.dumps({"id": k, "name": printable(n)}) for k, n in enumerate(self.names())]
+        rows = [json.dumps({"id": k, "name": printable(n)}) for k, n in enumerate(self.names)]
         with replacing(self.categories) as tmp:
             tmp.write_text("[" + ("\n" + ",\n".join(rows) if rows else "") + "\n]\n",
                            encoding="utf-8")

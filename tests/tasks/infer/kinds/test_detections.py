@@ -38,7 +38,7 @@ from tests.conftest import run_in_process
 
 CPU = torch.device("cpu")
 SIZE = 64
-CLASSES = ["cat", "dog", "owl"]
+CLASSES = ["cat", "dog", "traffic light"]  # COCO's names hold spaces
 NAME = "fasterrcnn_mobilenet_v3_large_320_fpn"
 FILES = ("detections.json", "detections.csv", "detections.categories.json")
 
@@ -73,13 +73,16 @@ def writer(run: Path, shapes, create: bool = True, image_id=None) -> ModelWriter
 
 
 def infer(run: Path, model, data: list[TensorDict], cfg: TaskConfig, threads: int = 2,
-          first: int = 0, steps: int | None = None, create: bool = True) -> dict:
+          first: int = 0, steps: int | None = None, create: bool = True,
+          device: torch.device = CPU) -> dict:
     """``data``'s batches ``first``.. through one model's step and writers, as task=infer
     runs them; the run completes when ``steps`` (the plan's) are all done."""
     reduce = Reduce(cfg, None)
     shapes = output_shapes(reduce, model, data[0]["image"], contextlib.nullcontext, cfg, NAME)
-    outputs = Outputs({NAME: writer(run, shapes, create)}, threads, first_step=first)
-    step = InferStep({NAME: model}, cfg, {NAME: reduce}, outputs, first_step=first)
+    outputs = Outputs({NAME: writer(run, shapes, create)}, threads, first_step=first,
+                      device=device)
+    step = InferStep({NAME: model}, cfg, {NAME: reduce}, outputs, device=device,
+                     first_step=first)
     for batch in data[first:]:
         step(batch)
     plan = len(data) if steps is None else steps
@@ -131,12 +134,13 @@ def test_a_detectors_boxes_are_written_as_coco_results_and_csv_rows(detector, tm
         n = counts[i]
         labels = direct["box_labels"][i, :n].tolist()
         assert r["classes"].split() == [str(c) for c in labels]
-        assert r["names"].split() == [CLASSES[c] for c in labels]
+        assert r["names"].split() == [CLASSES[c].replace(" ", "_") for c in labels]
         scores = [float(s) for s in r["scores"].split()]
         assert scores == pytest.approx(direct["box_scores"][i, :n].tolist(), abs=1e-5)
         boxes = [float(v) for b in r["boxes"].split() for v in b.split(",")]
         assert len(boxes) == 4 * n
         assert boxes == pytest.approx(direct["boxes"][i, :n].flatten().tolist(), abs=0.006)
+    assert any("traffic_light" in r["names"].split() for r in table)  # one word per box
     categories = json.loads((tmp_path / "detections.categories.json").read_text())
     assert categories == [{"id": k, "name": c} for k, c in enumerate(CLASSES)]
 
@@ -237,6 +241,33 @@ def test_reducing_on_the_host_and_writing_synchronously_write_the_same_bytes(det
             runs[(reduce_on, threads)] = written(run)
     first = runs[(ReduceOn.device, 2)]
     assert all(files == first for files in runs.values())
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_hosts_reduction_gives_the_devices_detections(tmp_path):
+    """On CUDA the device's reduction is copied to pinned memory without blocking and the
+    writer threads wait for it; the host's copies the raw predictions first: the same
+    detections either way (values within float rounding)."""
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_detector(NAME, len(CLASSES), (SIZE, SIZE)).eval().to(cuda)
+    data = [b.to(cuda) for b in batches(images(10))]
+    got = {}
+    for reduce_on in (ReduceOn.device, ReduceOn.host):
+        run = tmp_path / reduce_on.value
+        assert infer(run, model, data, task(reduce_on=reduce_on), device=cuda)[
+            "predictions"] == 10
+        with open(run / "detections.csv", newline="") as f:
+            counts = [int(r["count"]) for r in csv.DictReader(f)]
+        got[reduce_on] = counts, json.loads((run / "detections.json").read_text())
+    (counts, rows), (host_counts, host_rows) = got[ReduceOn.device], got[ReduceOn.host]
+    assert counts == host_counts and len(rows) == sum(counts)
+    assert [(r["image_id"], r["category_id"]) for r in rows] == \
+        [(r["image_id"], r["category_id"]) for r in host_rows]
+    assert [v for r in rows for v in r["bbox"]] == \
+        pytest.approx([v for r in host_rows for v in r["bbox"]], abs=0.02)
+    assert [r["score"] for r in rows] == pytest.approx([r["score"] for r in host_rows],
+                                                       abs=1e-4)
 
 
 def test_a_stopped_detection_run_resumes_to_the_same_bytes(detector, tmp_path):
