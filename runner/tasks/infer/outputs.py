@@ -323,7 +323,7 @@ def check_detector(cfg: TaskConfig, detector: bool, model: str) -> None:
     if detector:
         other = [k.name.value for k in asked if not k.gives(DETECTOR)]
         if other:
-            theirs = ", ".join(k.name.value for k in OUTPUT_KINDS.values() if k.detector)
+            theirs = ",".join(k.name.value for k in OUTPUT_KINDS.values() if k.detector)
             raise ConfigError(f"task.outputs has {', '.join(other)}, but model {model} is a "
                               f"detector: it gives boxes, not class scores per image or "
                               f"pixel; use task.outputs=[{theirs}]")
