@@ -271,6 +271,7 @@ class Output(Enum):  # what task=infer keeps of each model's output
     logits = "logits"  # <model>.logits.npy
     embeddings = "embeddings"  # <model>.embeddings.npy: the classifier's input
     masks = "masks"  # masks/<model>/<file>.png: class per pixel at the source size
+    detections = "detections"  # detections.json (COCO results), detections.csv: boxes
 
 
 class ReduceOn(Enum):  # task.reduce_on: where task=infer reduces each output (softmax, top-k)

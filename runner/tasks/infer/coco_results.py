@@ -84,12 +84,28 @@ def write_part(part: Path, rows: Iterable[dict]) -> None:
 def join_parts(path: Path, parts: Iterable[Path]) -> None:
     """The results file at ``path``, whole: the rows of ``parts``, in their order, as one
     JSON array (a missing or empty part adds nothing)."""
+    _write_array(path, (Path(p).read_text(encoding="utf-8") if Path(p).is_file() else ""
+                        for p in parts))
+
+
+def join_results(path: Path, files: Iterable[Path]) -> None:
+    """Results files (whole arrays, as ``join_parts`` writes them: one per rank) as one
+    array at ``path``, their rows in the files' order."""
+    def rows(file: Path) -> str:
+        text = Path(file).read_text(encoding="utf-8")
+        if not (text.startswith("[") and text.endswith("]\n")):
+            raise ValueError(f"{file} is not a results file as join_parts writes it")
+        return text[1:-2].strip("\n")
+
+    _write_array(path, (rows(f) for f in files))
+
+
+def _write_array(path: Path, texts: Iterable[str]) -> None:
+    """Rows texts (``rows_text``'s) as one JSON array, whole, at ``path``."""
     with replacing(Path(path)) as tmp, open(tmp, "w", encoding="utf-8") as out:
         out.write("[")
         first = True
-        for part in parts:
-            part = Path(part)
-            text = part.read_text(encoding="utf-8") if part.is_file() else ""
+        for text in texts:
             if not text:
                 continue
             out.write("\n" if first else ",\n")

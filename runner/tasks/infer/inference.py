@@ -45,6 +45,8 @@ class InferTask(TaskBase):
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        if ctx.config.task.write_outputs:  # a detector's outputs or another model's: now,
+            outputs.check_models(ctx.config)  # before the data path and the models are made
         self.identity = outputs.identity(ctx.config)  # what shapes its outputs
         self.writers: Outputs | None = None
 
@@ -187,8 +189,8 @@ class InferStep:
     """Forward under inference_mode for one or several models on the same device batch.
 
     Each model's output is reduced by its output kinds' records (runner/tasks/infer/outputs.py,
-    runner/tasks/infer/kinds/: top-k, probabilities, embeddings, masks; the user's
-    post-processing), on the device or on the host (``task.reduce_on``), and only that is
+    runner/tasks/infer/kinds/: top-k, probabilities, embeddings, masks, detections; the
+    user's post-processing), on the device or on the host (``task.reduce_on``), and only that is
     handed to the writers (threads, or the loop's own with ``task.writer_threads=0``).
     Each model's forward is timed on its own (CUDA events on a GPU, read at ``close``), so
     a multi-model pass reports images/s per model as well as for the whole pass.

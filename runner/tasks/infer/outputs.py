@@ -31,6 +31,11 @@ and names none.
   ``photo.png`` of one folder keep a mask each), resized (nearest) to the source image's
   upright size. ``dataset.crop=whole``
   keeps the whole image (resized, not cropped), so the mask maps back onto it.
+- ``detections``: detectors (runner/model/detectors.py) only, and a detector gives nothing
+  else (``check_models`` refuses either at the start of the run, naming the model and the
+  kind): ``detections.json``, a COCO results file, and ``detections.csv``, one row per
+  image (``detections_<model>.*`` with several models); formats in
+  runner/tasks/infer/kinds/detections.py. Boxes are in pixels of the model's input.
 - ``task.postprocess=package.module:function``: called on the device as
   ``function(output, batch)``; the tensors it returns (``{name: tensor with one row per
   image}``) are written as ``<model>.<name>.npy``. Every batch's result is checked (shapes
@@ -75,7 +80,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -97,13 +102,18 @@ from runner.config.schema import (
     to_plain,
 )
 from runner.data.threads import bind_cuda, cuda_index
+from runner.model.detectors import DETECTORS, is_detector
 from runner.model.networks import main_output
 from runner.tasks.checkpoint import CheckpointError
 from runner.tasks.infer.kinds import OUTPUT_KINDS, built_in_keys, kind_of
 from runner.tasks.infer.kinds.kind import (
+    CLASSIFIER,
+    DETECTIONS,
+    DETECTOR,
     FEATURES,
     LOGITS,
     PARTIAL,
+    SEGMENTATION,
     KindWriter,
     RowsWriter,
     WriterContext,
@@ -113,6 +123,9 @@ from runner.tasks.infer.kinds.kind import (
 from runner.tasks.infer.predictions import rank_file
 
 log = logging.getLogger(__name__)
+
+# a detector's padded predictions (runner/model/detectors.py), what DETECTIONS kinds read
+DETECTION_KEYS = ("boxes", "box_scores", "box_labels", "box_count")
 
 FILES = "files.txt"
 STATE = "infer-state.json"
@@ -223,21 +236,27 @@ class Reduce:
             self.tap.value = None
 
     def __call__(self, out: Any, batch: Any) -> dict[str, torch.Tensor]:
-        logits = main_output(out)
-        dense = logits.dim() == 4
-        raw = {LOGITS: logits}
+        family = family_of(out)
+        raw: dict[str, Any] = {}
+        if family == DETECTOR:  # the padded predictions (runner/model/detectors.py)
+            raw[DETECTIONS] = {k: out[k] for k in DETECTION_KEYS}
+            rows = out["box_count"].shape[0]
+        else:
+            raw[LOGITS] = main_output(out)
+            rows = raw[LOGITS].shape[0]
         if self.tap is not None:
             raw[FEATURES] = self.tap.take()
         if self.on_host:  # note: a sync with the device, as the naive script's .cpu() is
-            raw = {k: v.cpu() for k, v in raw.items()}
+            raw = {k: {n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v.cpu()
+                   for k, v in raw.items()}
         kept: dict[str, torch.Tensor] = {}
         for kind in self.kinds:
-            if kind.dense is not None and kind.dense != dense:
+            if not kind.gives(family):
                 continue  # not this model's (check_outputs refused what none gives)
             reduce = kind.on_host() if self.on_host else kind.reduce
             kept.update(reduce(raw[kind.needs], self.task))
         if self.postprocess is not None:  # the user's code runs on the device either way
-            for name, value in self._post(out, batch, logits.shape[0]).items():
+            for name, value in self._post(out, batch, rows).items():
                 kept[f"post.{name}"] = value
         return kept
 
@@ -289,9 +308,50 @@ class Reduce:
         return f"rows of shape {row[0]} ({'float' if row[1] else 'integer'})"
 
 
-def check_outputs(cfg: TaskConfig, dense: bool, model: str) -> None:
+def family_of(out: Any) -> str:
+    """What a model is by what its forward gave: a detector's padded predictions (a dict
+    with ``box_count``), a segmentation model's per-pixel logits, or a classifier's."""
+    if isinstance(out, Mapping) and "box_count" in out:
+        return DETECTOR
+    return SEGMENTATION if main_output(out).dim() == 4 else CLASSIFIER
+
+
+def check_detector(cfg: TaskConfig, detector: bool, model: str) -> None:
+    """A ConfigError naming the model and the kinds: a detector gives only the detector
+    kinds (``OutputKind.detector``: detections), any other model none of them."""
+    asked = [OUTPUT_KINDS[o] for o in cfg.outputs]
+    if detector:
+        other = [k.name.value for k in asked if not k.gives(DETECTOR)]
+        if other:
+            theirs = ",".join(k.name.value for k in OUTPUT_KINDS.values() if k.detector)
+            raise ConfigError(f"task.outputs has {', '.join(other)}, but model {model} is a "
+                              f"detector: it gives boxes, not class scores per image or "
+                              f"pixel; use task.outputs=[{theirs}]")
+    else:
+        boxes = [k.name.value for k in asked if k.detector]
+        if boxes:
+            others = ", ".join(k.name.value for k in OUTPUT_KINDS.values() if not k.detector)
+            raise ConfigError(f"task.outputs has {', '.join(boxes)}, but model {model} is not "
+                              f"a detector: {', '.join(boxes)} need one, e.g. "
+                              f"model.name={next(iter(DETECTORS))}; other models give "
+                              f"{others}")
+
+
+def check_models(config: Config) -> None:
+    """At the start of an inference run, before any data or model is made: a ConfigError
+    for a detector asked for other outputs than a detector's, or another model asked for
+    a detector's (``check_detector``), by the models' names."""
+    for m in model_configs(config):
+        check_detector(config.task, is_detector(m.name), m.label)
+
+
+def check_outputs(cfg: TaskConfig, dense: bool, model: str, detector: bool = False) -> None:
     """A ConfigError for an output this model cannot give (masks of a classifier, class
-    outputs of a segmentation model), by the kinds' records (``dense``)."""
+    outputs of a segmentation model or a detector, boxes of anything but a detector), by
+    the kinds' records (``dense``, ``detector``)."""
+    check_detector(cfg, detector, model)
+    if detector:
+        return
     asked = [OUTPUT_KINDS[o] for o in cfg.outputs]
     names = ", ".join(o.value for o in cfg.outputs)
     pixels = [k.name.value for k in asked if k.dense is True]
@@ -344,15 +404,16 @@ class ModelWriter:
         names: dataset index -> file name; ``source``: index -> source file path.
         classes, dataset_classes: the model's and the dataset's class names.
         csv_name: the top-k CSV's file name; ``create``: a fresh run (else continuing one).
+        image_id: dataset index -> the image's id in a COCO results file (None: the index).
     """
 
     def __init__(self, run_dir: Path, label: str, count: int,
                  shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
                  names: Callable[[int], str], source: Callable[[int], str],
                  classes: list[str], dataset_classes: list[str], csv_name: str,
-                 create: bool):
+                 create: bool, image_id: Callable[[int], int] | None = None):
         ctx = WriterContext(Path(run_dir), label, count, names, source, classes,
-                            dataset_classes, csv_name, create)
+                            dataset_classes, csv_name, create, image_id)
         by_kind: dict[Any, dict[str, tuple[tuple[int, ...], np.dtype]]] = {}
         for key, shape in shapes.items():  # postprocess tensors: None, rows of .npy
             by_kind.setdefault(kind_of(key), {})[key] = shape
@@ -544,7 +605,8 @@ def output_shapes(reduce: Reduce, model: nn.Module, example: torch.Tensor, amp_c
     with torch.inference_mode(), amp_context():
         reduce.start()
         out = model(x)
-        check_outputs(task, main_output(out).dim() == 4, name)
+        family = family_of(out)
+        check_outputs(task, family == SEGMENTATION, name, family == DETECTOR)
         kept = reduce(out, batch)  # task.postprocess's result checked there
     shapes = {}
     for key, value in kept.items():
@@ -759,9 +821,11 @@ def files_changed(run_dir: Path) -> bool:
 
 
 def remove_parts(run_dir: Path) -> None:
-    """The CSV parts of a finished run (joined, and the state saved): gone."""
-    for parts in Path(run_dir).glob(".predictions*.parts"):
-        shutil.rmtree(parts, ignore_errors=True)
+    """The part files of a finished run (joined, and the state saved): gone (each kind's
+    ``parts``: the top-k CSV's, the detections')."""
+    for pattern in dict.fromkeys(p for kind in OUTPUT_KINDS.values() for p in kind.parts):
+        for parts in Path(run_dir).glob(pattern):
+            shutil.rmtree(parts, ignore_errors=True)
 
 
 def load_state(run_dir: Path) -> dict[str, Any] | None:

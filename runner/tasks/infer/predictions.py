@@ -44,7 +44,18 @@ def rank_file(file_name: str, rank: int) -> str:
 
 
 def merge_rank_files(run_dir: Path, world: int) -> None:
-    """Join every rank's prediction files into one, rank by rank, header once."""
+    """Join every rank's prediction files into one, rank by rank: the CSVs (top-k,
+    detections) with their header once, the COCO results files (``*.rank<r>.json``) as
+    one array."""
+    from runner.tasks.infer.coco_results import join_results
+
+    for first in sorted(Path(run_dir).glob("*.rank0.json")):
+        parts = [first.with_name(first.name.replace(".rank0.json", f".rank{r}.json"))
+                 for r in range(world)]
+        join_results(first.with_name(first.name.replace(".rank0.json", ".json")),
+                     [p for p in parts if p.is_file()])
+        for part in parts:
+            part.unlink(missing_ok=True)
     for first in sorted(Path(run_dir).glob("*.rank0.csv")):
         base = first.name.replace(".rank0.csv", ".csv")
         parts = [first.with_name(base.replace(".csv", f".rank{r}.csv")) for r in range(world)]

@@ -118,3 +118,25 @@ def test_no_detections_is_an_empty_array(tmp_path):
     join_parts(tmp_path / "j.json", [tmp_path / "missing.json"])
     assert json.loads((tmp_path / "r.json").read_text()) == []
     assert (tmp_path / "r.json").read_bytes() == (tmp_path / "j.json").read_bytes()
+
+
+def test_results_files_of_several_ranks_join_to_the_array_of_all_their_parts(tmp_path):
+    """Each rank's file is a whole array (join_parts); joined, they are the file all their
+    parts make in one go (a rank of no detections adds nothing)."""
+    from runner.tasks.infer.coco_results import join_results
+
+    steps = [([101, 205], [[(23, 0, 123, 100, 0, 0.9)], [(10, 20, 60, 90, 1, 0.7)]]),
+             ([307], [[]]), ([5], [[(1, 2, 3, 4, 1, 0.5), (2, 3, 4, 5, 0, 0.25)]])]
+    parts = []
+    for n, (ids, rows) in enumerate(steps):
+        parts.append(tmp_path / f"{n:08d}.json")
+        write_part(parts[-1], result_rows(ids, batch(rows), CATEGORIES))
+    for rank, mine in enumerate([parts[:1], parts[1:2], parts[2:]]):
+        join_parts(tmp_path / f"r.rank{rank}.json", mine)
+    join_results(tmp_path / "r.json", [tmp_path / f"r.rank{r}.json" for r in range(3)])
+    join_parts(tmp_path / "whole.json", parts)
+    assert (tmp_path / "r.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 4
+    (tmp_path / "bad.json").write_text('{"not": "an array"}')
+    with pytest.raises(ValueError, match="bad.json is not a results file"):
+        join_results(tmp_path / "x.json", [tmp_path / "bad.json"])

@@ -27,14 +27,14 @@ BASE = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
 
 def test_every_output_has_a_complete_record_in_its_module():
     from runner.tasks.infer.kinds import OUTPUT_KINDS, built_in_keys, kind_of
-    from runner.tasks.infer.kinds.kind import FEATURES, LOGITS, OutputKind
+    from runner.tasks.infer.kinds.kind import DETECTIONS, FEATURES, LOGITS, OutputKind
 
     assert set(OUTPUT_KINDS) == set(Output)
     for name, kind in OUTPUT_KINDS.items():
         assert isinstance(kind, OutputKind) and kind.name is name
         assert (REPO / "runner" / "tasks" / "infer" / "kinds" / f"{name.value}.py").is_file()
         assert kind.keys and callable(kind.reduce) and callable(kind.writer) and kind.files
-        assert kind.needs in (LOGITS, FEATURES)
+        assert kind.needs in (LOGITS, FEATURES, DETECTIONS)
         assert all(kind_of(key) is kind for key in kind.keys)
         assert name.value in built_in_keys()
 

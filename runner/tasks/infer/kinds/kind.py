@@ -1,12 +1,13 @@
 """``task.outputs``: the record of one output kind (``OutputKind``) and the writers it names.
 
-A kind says which tensor of a model's forward it reads (``needs``: the logits, or the
-features its embedding tap kept), how that is reduced to what is kept (``reduce``: on the
-device, or, with ``task.reduce_on=host``, on the host's copy of the raw tensor, as a naive
-script does), which models give it (``dense``), and how it is written (``writer``, which
-also lists its files). The writers here are shared: ``RowsWriter`` keeps each image's row
-in a ``.npy`` by dataset index; the top-k CSV and the mask PNGs have their own beside their
-records (topk.py, masks.py).
+A kind says which tensor of a model's forward it reads (``needs``: the logits, the
+features its embedding tap kept, or a detector's padded predictions), how that is reduced
+to what is kept (``reduce``: on the device, or, with ``task.reduce_on=host``, on the host's
+copy of the raw tensor, as a naive script does), which models give it (``dense``,
+``detector``: ``gives``), and how it is written (``writer``, which also lists its files).
+The writers here are shared: ``RowsWriter`` keeps each image's row in a ``.npy`` by dataset
+index; the top-k CSV, the mask PNGs and the detections have their own beside their records
+(topk.py, masks.py, detections.py).
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from runner.config.schema import Output, TaskConfig
 
 PARTIAL = ".partial"  # after the name of an array or files.txt until the run completes
 
-# what a kind reads of a forward: the model's main output, or the embedding tap's tensor
-LOGITS, FEATURES = "logits", "features"
+# what a kind reads of a forward: the model's main output, the embedding tap's tensor, or a
+# detector's padded predictions (a dict: runner/model/detectors.py's ``boxes``, ``box_scores``,
+# ``box_labels``, ``box_count``)
+LOGITS, FEATURES, DETECTIONS = "logits", "features", "detections"
+
+# what a model is, by what its forward gives (``family``)
+CLASSIFIER, SEGMENTATION, DETECTOR = "classifier", "segmentation model", "detector"
 
 
 @dataclass
@@ -41,6 +47,8 @@ class WriterContext:
     dataset_classes: list[str]
     csv_name: str  # the top-k CSV's file name
     create: bool  # a fresh run (else continuing one)
+    # dataset index -> the image's id in a COCO results file (None: the index itself)
+    image_id: Callable[[int], int] | None = None
 
 
 class KindWriter(Protocol):
@@ -69,10 +77,13 @@ class OutputKind:
         reduce: ``reduce(raw, task) -> {key: tensor}``, written with torch ops so it runs
             where ``task.reduce_on`` says: on the device, or on the host's copy of ``raw``.
         needs: what ``raw`` is: ``LOGITS`` (the model's main output, as it came, maybe half
-            precision) or ``FEATURES`` (what the embedding tap kept: a forward hook on the
-            classifier's input or ``task.embed_layer``).
+            precision), ``FEATURES`` (what the embedding tap kept: a forward hook on the
+            classifier's input or ``task.embed_layer``) or ``DETECTIONS`` (a detector's
+            padded predictions, a dict of tensors).
         dense: True: only segmentation models give it (per-pixel outputs); False: only
-            classifiers; None: any model.
+            classifiers; None: any model but a detector.
+        detector: True: only detectors give it (``dense`` then says nothing); False:
+            detectors give none of it.
         writer: ``writer(ctx, shapes)`` -> a ``KindWriter`` for this kind's keys
             (``shapes``: key -> (row shape, dtype), from a probe batch).
         reduce_host: where the host's reduction differs from ``reduce`` (None: ``reduce``'s
@@ -80,6 +91,8 @@ class OutputKind:
         settings: the ``task.`` keys that shape what it keeps (recorded in the inference
             state: a resume with another value is refused).
         files: one line on what it writes, for the docs and errors.
+        parts: globs, in the run folder, of the part folders its writer keeps until the run
+            is complete (removed once the state says so).
     """
 
     name: Output
@@ -91,9 +104,18 @@ class OutputKind:
     reduce_host: Callable[[torch.Tensor, TaskConfig], dict[str, torch.Tensor]] | None = None
     settings: tuple[str, ...] = ()
     files: str = ""
+    detector: bool = False
+    parts: tuple[str, ...] = ()
 
     def on_host(self) -> Callable[[torch.Tensor, TaskConfig], dict[str, torch.Tensor]]:
         return self.reduce_host or self.reduce
+
+    def gives(self, family: str) -> bool:
+        """Whether a model of ``family`` (``CLASSIFIER``, ``SEGMENTATION``, ``DETECTOR``)
+        gives this output."""
+        if self.detector or family == DETECTOR:
+            return self.detector and family == DETECTOR
+        return self.dense is None or self.dense == (family == SEGMENTATION)
 
 
 def unfinished(path: Path, create: bool = True) -> Path:

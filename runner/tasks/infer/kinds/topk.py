@@ -63,5 +63,5 @@ class CsvWriter:
 
 
 KIND = OutputKind(Output.topk, ("topk_probs", "topk_classes"), reduce, CsvWriter,
-                  settings=("task.topk",),
+                  settings=("task.topk",), parts=(".predictions*.parts",),
                   files="predictions.csv: the top task.topk classes and probabilities")

@@ -1,0 +1,176 @@
+"""``task.outputs=[detections]``: a detector's boxes, as a COCO results file and as one CSV
+row per image.
+
+What is read: the detector's padded predictions (runner/model/detectors.py's ``Detector``
+in eval mode: ``boxes`` [B, K, 4] xyxy, ``box_scores`` [B, K], ``box_labels`` [B, K],
+``box_count`` [B], K the model's most detections per image). ``reduce`` keeps them as
+float32 boxes and scores, int64 labels and counts, the rows past each image's count set to
+0 (labels -1), so padding never depends on what the model left there; on the device, or on
+the host's copy with ``task.reduce_on=host`` (the same ops). Only detectors give this
+output, and a detector gives no other (``OutputKind.detector``; refused at the start,
+runner/tasks/infer/outputs.py's ``check_models``).
+
+Files (``detections_<model>.*`` with several models, ``.rank<r>`` under torch.distributed
+until the ranks' files are merged):
+
+- ``detections.json``: COCO's results format (runner/tasks/infer/coco_results.py), the
+  JSON array pycocotools' ``COCO.loadRes`` and ``COCOeval`` read, one object per detection
+  in dataset order, each image's by score: ``{"image_id", "category_id", "bbox": [x, y,
+  w, h], "score"}``; boxes rounded to 2 decimals, scores to 5; a detection with a
+  non-finite box or score is left out there. ``image_id`` is the image's dataset index
+  (the ``index`` column of the CSV, whose ``file`` names the image) unless the dataset
+  gives its own ids (``WriterContext.image_id``: COCO's annotations' ids). ``category_id``
+  is the dataset's class index, 0..C-1 (detectors.py shifts a background class away);
+  their names are in ``detections.categories.json``, COCO's ``categories`` list
+  (``[{"id": 0, "name": "cat"}, ...]``), so a ground truth made with those ids evaluates
+  the file as it is. A ground truth with COCO's own category ids (1..90 with gaps) needs
+  the class index mapped to them (``coco_results.result_rows``' ``category_ids``): not
+  done here yet.
+- ``detections.csv``: one row per image (as ``predictions.csv`` is for top-k), lists
+  space-separated, in the detections' order (by score)::
+
+      index,file,count,classes,names,scores,boxes
+      0,a.jpg,2,1 0,dog cat,0.91234 0.40000,"12.50,30.00,52.75,48.00 0.00,1.00,20.00,9.50"
+
+  ``index`` the dataset index, ``file`` the image's name, ``count`` its detections,
+  ``classes`` the dataset's class indices, ``names`` their names (the model's class names
+  as for top-k, else the index; a name's own white space written as ``_``, so that the
+  column splits into one name per detection: COCO's ``traffic light`` is
+  ``traffic_light`` here, and as it is in ``detections.categories.json``), ``scores`` with
+  5 decimals, ``boxes`` one
+  ``x1,y1,x2,y2`` per detection with 2 decimals (the csv module quotes the field: it holds
+  commas; read it with a CSV reader). ``grep dog detections.csv`` lists the images where a
+  dog was found.
+
+Boxes, in both files, are in pixels of the image the model was given: the data path's
+output (``dataset.image_size``, after its resize and crop), not the source image. Mapping
+them back to source pixels (undoing the crop and the resize per image) is a later step;
+until then a box is only comparable with a ground truth in those same pixels.
+
+Resumable as the top-k CSV is: each step's rows go to a part file of their own under
+``.detections.parts`` (``<step>.csv`` and ``<step>.json``), rewritten whole when a resumed
+run does that step again; when the run completes, the parts are joined in step order, so a
+run stopped and resumed writes the bytes of a straight one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner.common.atomic import replacing
+from runner.common.text import printable
+from runner.config.schema import Output, TaskConfig
+from runner.tasks.infer.coco_results import join_parts, result_rows, write_part
+from runner.tasks.infer.kinds.kind import DETECTIONS, OutputKind, WriterContext
+from runner.tasks.infer.predictions import join_csv
+
+HEADER = "index,file,count,classes,names,scores,boxes\n"
+KEYS = ("boxes", "box_scores", "box_labels", "box_count")
+BOX_DECIMALS, SCORE_DECIMALS = 2, 5
+
+
+def reduce(predictions: dict[str, torch.Tensor], task: TaskConfig) -> dict[str, torch.Tensor]:
+    """The padded predictions as they are written: float32 boxes and scores, int64 labels
+    and counts, the padding rows 0 (labels -1). Whole-batch ops: no sync with the device."""
+    count = predictions["box_count"].long()
+    scores = predictions["box_scores"].float()
+    within = torch.arange(scores.shape[1], device=scores.device)[None, :] < count[:, None]
+    return {
+        "boxes": torch.where(within[..., None], predictions["boxes"].float(), 0.0),
+        "box_scores": torch.where(within, scores, 0.0),
+        "box_labels": torch.where(within, predictions["box_labels"].long(), -1),
+        "box_count": count,
+    }
+
+
+def file_stem(csv_name: str) -> str:
+    """The files' stem from the top-k CSV's name: ``predictions_a.rank1.csv`` ->
+    ``detections_a.rank1``."""
+    return "detections" + Path(csv_name).stem.removeprefix("predictions")
+
+
+def csv_rows(f: Any, index: list[int], kept: dict[str, np.ndarray], name_of, class_name
+             ) -> None:
+    """One batch's rows (HEADER's columns) into the open text file ``f``; rows end in
+    ``\\n``, a field with a comma, quote or newline is quoted (the csv module's rule)."""
+    buf = io.StringIO()
+    rows = csv.writer(buf)  # its "\r\n" terminator: fields with \r or \n are quoted
+    counts = kept["box_count"].tolist()
+    for row, (i, n) in enumerate(zip(index, counts)):
+        labels = kept["box_labels"][row, :n].tolist()
+        scores = kept["box_scores"][row, :n].tolist()
+        boxes = kept["boxes"][row, :n].tolist()
+        buf.seek(0)
+        buf.truncate()
+        rows.writerow([i, printable(name_of(i)), n, " ".join(map(str, labels)),
+                       " ".join(class_name(c) for c in labels),
+                       " ".join(f"{s:.{SCORE_DECIMALS}f}" for s in scores),
+                       " ".join(",".join(f"{v:.{BOX_DECIMALS}f}" for v in b) for b in boxes)])
+        f.write(buf.getvalue()[:-2] + "\n")
+
+
+class DetectionsWriter:
+    """``detections.json`` and ``detections.csv``: a part of each per step under
+    ``.detections.parts``, joined in step order when the run completes, and
+    ``detections.categories.json`` beside them."""
+
+    def __init__(self, ctx: WriterContext, shapes: dict[str, tuple[tuple[int, ...], Any]]):
+        self.ctx = ctx
+        self.arrays: dict[str, np.memmap] = {}
+        run_dir, stem = Path(ctx.run_dir), file_stem(ctx.csv_name)
+        self.csv, self.json = run_dir / f"{stem}.csv", run_dir / f"{stem}.json"
+        # one file for every rank: they all write the same bytes
+        self.categories = run_dir / f"{re.sub(r'[.]rank[0-9]+$', '', stem)}.categories.json"
+        self.parts = run_dir / f".{stem}.parts"
+        self.parts.mkdir(parents=True, exist_ok=True)
+        # the class names by dataset class index: the model's, else the dataset's
+        self.names = list(ctx.classes or ctx.dataset_classes)
+        self.words = ["_".join(printable(n).split()) or "_" for n in self.names]
+
+    def _name(self, k: int) -> str:
+        """Class ``k``'s name as one word of the CSV's ``names`` column."""
+        return self.words[k] if 0 <= k < len(self.words) else str(k)
+
+    def write(self, step: int, index: np.ndarray, label: np.ndarray,
+              kept: dict[str, np.ndarray]) -> None:
+        ids = index.tolist()
+        with replacing(self.parts / f"{step:08d}.csv") as tmp, \
+                open(tmp, "w", newline="", encoding="utf-8") as f:
+            csv_rows(f, ids, kept, self.ctx.names, self._name)
+        if self.ctx.image_id is not None:
+            ids = [int(self.ctx.image_id(i)) for i in ids]
+        predictions = {k: torch.from_numpy(np.ascontiguousarray(kept[k])) for k in KEYS}
+        write_part(self.parts / f"{step:08d}.json",
+                   result_rows(ids, predictions, box_decimals=BOX_DECIMALS,
+                               score_decimals=SCORE_DECIMALS))
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, steps: int) -> None:
+        """The run is complete: every step's parts joined, in order (the parts stay until
+        the run's state says it is done), and the class names written."""
+        csv_parts = [self.parts / f"{k:08d}.csv" for k in range(steps)]
+        join_csv(self.csv, [p for p in csv_parts if p.exists()], header=HEADER)
+        join_parts(self.json, [self.parts / f"{k:08d}.json" for k in range(steps)])
+        rows = [json.dumps({"id": k, "name": printable(n)}) for k, n in enumerate(self.names)]
+        with replacing(self.categories) as tmp:
+            tmp.write_text("[" + ("\n" + ",\n".join(rows) if rows else "") + "\n]\n",
+                           encoding="utf-8")
+
+    def files(self, complete: bool) -> list[str]:
+        return [str(self.json), str(self.csv), str(self.categories)]
+
+
+KIND = OutputKind(Output.detections, KEYS, reduce, DetectionsWriter, needs=DETECTIONS,
+                  dense=False, detector=True, parts=(".detections*.parts",),
+                  files="detections.json (COCO results) and detections.csv: each image's "
+                        "boxes, classes and scores, in the model's input pixels")
