@@ -27,11 +27,9 @@ from runner.config.schema import (
     TASK_KEYS,
     AutoAugmentName,
     Config,
-    Decoder,
     ModelConfig,
     ModelSource,
     Output,
-    StorageName,
     TaskConfig,
     TaskName,
     data_path_alone,
@@ -235,22 +233,17 @@ def check_task_keys(task: TaskConfig, given: Iterable[str] = ()) -> None:
 
 
 def check_targets(config: Config) -> None:
-    """Detection boxes (``dataset.targets``) go where boxes are carried so far: a folder
-    decoded on the CPU (the decoders' windows map them), no device augmentation that
-    moves pixels (randaugment's shears and turns, MixUp, CutMix)."""
-    dataset, loader, augment = config.dataset, config.loader, config.task.augment
+    """Detection boxes (``dataset.targets``): from a local folder, with no device
+    augmentation that moves pixels (randaugment's shears and turns, MixUp, CutMix); which
+    storages and decoders carry them, ``settle_loader`` asks their records
+    (runner/data/storage/__init__.py)."""
+    dataset, augment = config.dataset, config.task.augment
     if not dataset.targets.boxes:
         return
     given = f"dataset.targets={dataset.targets.value}"
     if dataset.path is not None and "://" in dataset.path:
         raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
                           f"{dataset.path}: copy the dataset to a local folder")
-    if loader.name not in (StorageName.folder, StorageName.packed):
-        raise ConfigError(f"{given} carries boxes through loader=folder and loader=packed "
-                          f"so far, not loader={loader.name.value}: use one of them")
-    if loader.decoder is Decoder.nvjpeg:
-        raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
-                          "loader.decoder=nvjpeg: use a CPU decoder (loader.decoder=auto)")
     for key, on in (("auto", augment.auto is not AutoAugmentName.none),
                     ("mixup", augment.mixup > 0), ("cutmix", augment.cutmix > 0)):
         if on:

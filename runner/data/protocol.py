@@ -195,6 +195,8 @@ class StorageKind:
         reads_path: it reads ``dataset.path`` (an image folder or what is built from one);
             False: the user's own Dataset (``dataset.target``, user.py), which no folder
             store, crop comparison or ``prepare`` applies to.
+        boxes: it carries detection targets (``dataset.targets``): each image's boxes
+            through its crops, padded in the batch.
     """
 
     name: StorageName
@@ -213,6 +215,7 @@ class StorageKind:
     build_options: tuple[str, ...] = ()
     urls: bool = False
     reads_path: bool = True
+    boxes: bool = False
 
     @property
     def decodes_per_epoch(self) -> bool:

@@ -142,6 +142,16 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
     kind = STORAGES[loader.name]
+    if dataset is not None and dataset.targets.boxes:
+        given = f"dataset.targets={dataset.targets.value}"
+        if not kind.boxes:
+            carry = " and ".join(f"loader={k.name.value}" for k in STORAGES.values() if k.boxes)
+            raise ConfigError(f"{given} carries boxes through {carry} so far, not "
+                              f"loader={loader.name.value}: use one of them")
+        if DECODERS[loader.decoder].cuda:
+            raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
+                              f"loader.decoder={loader.decoder.value}: use a CPU decoder "
+                              "(loader.decoder=auto)")
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))
         why = (" (it decodes on the GPU, every epoch)" if DECODERS[loader.decoder].cuda

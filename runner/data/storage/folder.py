@@ -350,4 +350,5 @@ KIND = StorageKind(
     footprint=source_footprint,
     speed_rank=3,
     urls=True,
+    boxes=True,
 )

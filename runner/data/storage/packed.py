@@ -601,4 +601,5 @@ KIND = StorageKind(
     build=build_packed,
     footprint=packed_footprint,
     speed_rank=1,
+    boxes=True,
 )
