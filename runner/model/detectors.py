@@ -204,6 +204,13 @@ def as_padded(results: list[dict[str, torch.Tensor]], max_detections: int | None
     }
 
 
+def no_boxes(batch: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Padded targets of ``batch`` images without a box (M = 0)."""
+    return {"boxes": torch.zeros((batch, 0, 4), device=device),
+            "box_labels": torch.zeros((batch, 0), dtype=torch.long, device=device),
+            "box_count": torch.zeros(batch, dtype=torch.long, device=device)}
+
+
 def total_loss(losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The training loss: the sum of a detector's losses (each already a mean over the
     batch, as torchvision's reference training sums them)."""
