@@ -341,19 +341,16 @@ def test_a_detector_name_builds_the_detector_at_the_batches_size(tmp_path: Path)
 
     cfg = compose([f"model.name={DETECTOR}"]).model  # a name the config accepts
     torch.manual_seed(0)
-    model = build_model(cfg, 3, CPU, image_size=(64, 96))
+    model = build_model(cfg, 3, CPU, image_size=(32, 48))
     assert isinstance(model, Detector) and model.training
     assert model.num_classes == 3 and model.class_names is None
     assert model._runner_name == model[1]._runner_name == DETECTOR
     transform = model[1].transform
-    assert (transform.min_size, transform.max_size) == ((64,), 96)  # not resized again
+    assert (transform.min_size, transform.max_size) == ((32,), 48)  # not resized again
     assert model[1].roi_heads.box_predictor.cls_score.out_features == 4  # + background
-    with torch.no_grad():
-        out = model.eval()(torch.randint(0, 256, (2, 3, 64, 96), dtype=torch.uint8))
-    assert out["boxes"].shape == (2, 100, 4) and out["box_count"].shape == (2,)
     # model.image_size is the size it runs at, whatever the batches'
-    own = build_model(ModelConfig(DETECTOR, image_size=[80, 80]), 3, CPU, image_size=(64, 96))
-    assert (own[1].transform.min_size, own[1].transform.max_size) == ((80,), 80)
+    own = build_model(ModelConfig(DETECTOR, image_size=[40, 40]), 3, CPU, image_size=(32, 48))
+    assert (own[1].transform.min_size, own[1].transform.max_size) == ((40,), 40)
     with pytest.raises(ConfigError, match=r"model.image_size=\[H,W\]"):
         build_model(cfg, 3, CPU)
 

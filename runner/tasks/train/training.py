@@ -29,6 +29,7 @@ from runner.config.schema import (
     AmpName,
     CompileName,
     Config,
+    HostDtype,
     TaskConfig,
     TaskName,
     to_plain,
@@ -230,7 +231,8 @@ def is_detector_run(config: Config) -> bool:
 
 def check_detector_task(config: Config) -> None:
     """A detector trains without mixing images (``task.augment.mixup``/``cutmix``: a box
-    belongs to one image), eagerly (``compile=eager``: its forward takes the boxes), and
+    belongs to one image), from uint8 batches (``loader.host_dtype``: torchvision's
+    transform normalizes), eagerly (``compile=eager``: its forward takes the boxes), and
     keeps its best checkpoint by a figure its validation gives."""
     if not is_detector_run(config):
         return
@@ -241,6 +243,10 @@ def check_detector_task(config: Config) -> None:
             raise ConfigError(f"task.augment.{key}={value} mixes two images and their "
                               f"labels, which a detector's boxes cannot follow: drop it "
                               f"(task.augment.{key}=0) to train model.name={name}")
+    if config.loader.host_dtype is not HostDtype.uint8:  # normalized by the model's own
+        raise ConfigError(f"loader.host_dtype={config.loader.host_dtype.value} normalizes on "
+                          f"the host, and model.name={name} normalizes its own way inside: "
+                          "use loader.host_dtype=uint8")
     if config.compile.name is not CompileName.eager:
         raise ConfigError(f"compile={config.compile.name.value} does not train a detector "
                           f"(model.name={name}: its forward takes the batch's boxes); use "
