@@ -61,7 +61,7 @@ from runner.data.loading.loader import drops_remainder
 from runner.launch.distributed import Ranks, local_module, replicate
 from runner.measure.clock import synchronize
 from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
-from runner.model.detectors import Detector, no_boxes, total_loss
+from runner.model.detectors import Detector, is_detector_config, no_boxes, total_loss
 from runner.model.networks import (
     build_model,
     check_input_size,
@@ -443,7 +443,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     if data_path_alone(config):
         return RunModels({})
     train = config.task.name.trains
-    if train and len(storage.classes) == 1:
+    if train and len(storage.classes) == 1 and not any(map(is_detector_config, configs)):
         log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
                     "its loss goes to 0; point dataset.path at the folder that holds the "
                     "class folders", storage.classes[0])

@@ -1,5 +1,6 @@
-"""``model=``: tiny, none, any torchvision classifier or segmentation model, any timm
-classifier, or your own ``nn.Module``; every model takes uint8 NCHW.
+"""``model=``: tiny, none, any torchvision classifier or segmentation model, torchvision's
+detectors (runner/model/detectors.py, built at the batches' size or ``model.image_size``), any
+timm classifier, or your own ``nn.Module``; every model takes uint8 NCHW.
 
 The first layer, ``UInt8Input``, converts to float and normalizes with the model's own
 ``model.mean``/``model.std`` (0..1 pixel units, ImageNet's by default) on whatever device the
@@ -17,6 +18,7 @@ tensor whose shape differs is left at its new initialization, and the log names 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,13 @@ class TinyNet(nn.Module):
 
 OWN = {"tiny": TinyNet}  # the runner's own networks, beside torchvision's
 
+# models by name that modules built on this one build (``build_model`` hands them the
+# config): runner/model/detectors.py adds torchvision's detectors when it is imported, which
+# runner/model/__init__.py does. Each builder is called as
+# ``builder(cfg, num_classes, device, train, image_size, state, names)``: ``state`` and
+# ``names`` are ``model.weights``' state_dict and class names (None without weights).
+NAMED: dict[str, Callable[..., nn.Module]] = {}
+
 
 def torchvision_classifiers() -> list[str]:
     """Every classification builder torchvision.models has (resnet50, vit_b_16, ...)."""
@@ -147,11 +156,9 @@ def check_model(cfg: ModelConfig) -> None:
     from runner.config.schema import ConfigError
 
     if cfg.source is ModelSource.torchvision:
-        from runner.model.detectors import DETECTORS
-
-        if cfg.name in (NO_MODEL, *OWN, *DETECTORS):
+        if cfg.name in (NO_MODEL, *OWN, *NAMED):
             return
-        known = torchvision_classifiers() + torchvision_segmenters() + list(DETECTORS)
+        known = torchvision_classifiers() + torchvision_segmenters() + list(NAMED)
         if cfg.name not in known:
             raise ConfigError(
                 f"model.name={cfg.name} is not a torchvision classification, segmentation "
@@ -351,59 +358,6 @@ def load_weights(backbone: nn.Module, path: str, state: dict | None = None,
     backbone.load_state_dict(state)
 
 
-def is_detector_config(cfg: ModelConfig) -> bool:
-    """Whether ``cfg`` names one of torchvision's detectors (runner/model/detectors.py)."""
-    from runner.model.detectors import is_detector
-
-    return cfg.source is ModelSource.torchvision and is_detector(cfg.name)
-
-
-def detector_classes(cfg: ModelConfig, dataset_classes: int, state: dict | None,
-                     names: list[str] | None, train: bool) -> int:
-    """A detector's class count (the dataset's kind: its head's follows the model's
-    convention): ``model.num_classes``, else in training the dataset's (refused against
-    weights of another count without ``model.replace_head``), else the checkpoint's class
-    names, the weights' head (``classes_in_detector_weights``) or the dataset's."""
-    if cfg.num_classes is not None:
-        return cfg.num_classes
-    from_weights = None
-    if state is not None:
-        from_weights = len(names) if names else classes_in_detector_weights(cfg, state)
-    if train:
-        if from_weights is not None and from_weights != dataset_classes \
-                and not cfg.replace_head:
-            raise ConfigError(
-                f"model.weights={cfg.weights} has {from_weights} classes, the dataset "
-                f"{dataset_classes}: to fine-tune it on these classes set "
-                "model.replace_head=true (a new head), or train on the same classes")
-        return dataset_classes
-    count = from_weights or dataset_classes
-    if not count:
-        raise ConfigError(f"model.name={cfg.name} needs its class count: set "
-                          "model.num_classes (or model.weights, or labelled images)")
-    return count
-
-
-def classes_in_detector_weights(cfg: ModelConfig, state: dict) -> int | None:
-    """The dataset classes a detector's state_dict was trained with: two probes of
-    PROBE_CLASSES tell which tensors follow the class count, and by how much per class
-    (a head's rows are anchors x classes); None when nothing tells."""
-    from runner.model.detectors import build_detector, head_classes
-
-    a, b = (build_detector(cfg.name, n, (64, 64))[1].state_dict() for n in PROBE_CLASSES)
-    heads = [head_classes(cfg.name, n) for n in PROBE_CLASSES]
-    found = set()
-    for k, v in a.items():
-        if k in state and v.dim() >= 1 and v.shape[0] != b[k].shape[0]:
-            per_class, rem = divmod(b[k].shape[0] - v.shape[0], heads[1] - heads[0])
-            if rem == 0 and per_class > 0 and state[k].shape[0] % per_class == 0:
-                found.add(state[k].shape[0] // per_class)
-    if len(found) != 1:
-        return None
-    head = found.pop()
-    return head - (head_classes(cfg.name, 1) - 1)
-
-
 def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
                 train: bool = True, image_size: tuple[int, int] | None = None
                 ) -> nn.Module | None:
@@ -421,8 +375,8 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     if cfg.name == NO_MODEL and cfg.source is ModelSource.torchvision:
         return None
     state, names = read_weights_file(cfg.weights) if cfg.weights else (None, None)
-    if is_detector_config(cfg):
-        return _build_detector(cfg, num_classes, device, train, image_size, state, names)
+    if cfg.source is ModelSource.torchvision and cfg.name in NAMED:
+        return NAMED[cfg.name](cfg, num_classes, device, train, image_size, state, names)
     count = class_count(cfg, num_classes, state, train)
     backbone = BACKBONES[cfg.source](cfg.name, count, _with_aux(cfg, state))
     backbone._runner_name = cfg.name
@@ -437,26 +391,6 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
-
-
-def _build_detector(cfg: ModelConfig, num_classes: int, device: torch.device, train: bool,
-                    image_size: tuple[int, int] | None, state: dict | None,
-                    names: list[str] | None) -> nn.Module:
-    """``build_model`` of a detector: random init or ``model.weights``, on ``device``."""
-    from runner.model.detectors import build_detector
-
-    size = cfg.image_size or image_size
-    if not size:
-        raise ConfigError(f"model.name={cfg.name} needs the size of the images it takes: "
-                          "set model.image_size=[H,W] (or dataset.image_size)")
-    count = detector_classes(cfg, num_classes, state, names, train)
-    model = build_detector(cfg.name, count, tuple(int(v) for v in size), **dict(cfg.kwargs))
-    if state is not None:  # torchvision's own keys, as checkpoints hold them
-        load_weights(model[1], cfg.weights, state, replace_head=cfg.replace_head)
-    model._runner_name = cfg.name
-    # the names model.weights' checkpoint was trained with (predictions name them)
-    model.class_names = names if names is not None and len(names) == count else None
-    return model.to(device)
 
 
 def split_input(model: nn.Module) -> tuple[nn.Module, nn.Module]:

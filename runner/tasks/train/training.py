@@ -7,6 +7,14 @@ checked against the checkpoint's fingerprint; after each epoch the validation im
 trained weights and the EMA's, ``checkpoint-best.pt`` keeps the best ``task.best_metric``,
 and the ``Checkpointer`` writes ``checkpoint.pt`` on its schedule and at the end (rank 0
 alone: the replicas are equal).
+
+A detector (``model.name`` one of runner/model/detectors.py's) trains on the batch's padded
+boxes (``boxes``, ``box_labels``, ``box_count``) with the sum of its own losses, under the
+same accumulation, clipping, scaler and EMA; its validation is mAP and mAP@0.5
+(``val_map``, ``val_map_50``), and ``checkpoint-best.pt`` follows ``val_map`` unless
+``task.best_metric`` names another of its figures. Mixing images (``task.augment.mixup``,
+``cutmix``), a host-normalized batch and a compiled model are refused for it
+(``check_detector_task``).
 """
 
 from __future__ import annotations
@@ -39,8 +47,8 @@ from runner.launch.distributed import local_module, parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
 from runner.model.compile import build_models, step_amp
-from runner.model.detectors import Detector, total_loss
-from runner.model.networks import is_detector_config, split_input
+from runner.model.detectors import Detector, is_detector_config, total_loss
+from runner.model.networks import split_input
 from runner.tasks import checkpoint, results
 from runner.tasks.checkpoint import unwrapped_network
 from runner.tasks.loop import Step
