@@ -35,7 +35,6 @@ from runner.common.errors import ConfigError, Diverged
 from runner.config.schema import (
     AmpConfig,
     AmpName,
-    CompileName,
     Config,
     HostDtype,
     TaskConfig,
@@ -46,7 +45,7 @@ from runner.data import DataPath
 from runner.launch.distributed import local_module, parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
-from runner.model.compile import build_models, step_amp
+from runner.model.compile import BACKENDS, build_models, step_amp
 from runner.model.detectors import Detector, is_detector_config, total_loss
 from runner.model.networks import split_input
 from runner.tasks import checkpoint, results
@@ -255,7 +254,7 @@ def check_detector_task(config: Config) -> None:
         raise ConfigError(f"loader.host_dtype={config.loader.host_dtype.value} normalizes on "
                           f"the host, and model.name={name} normalizes its own way inside: "
                           "use loader.host_dtype=uint8")
-    if config.compile.name is not CompileName.eager:
+    if BACKENDS[config.compile.name].build is not None:  # anything but the eager model
         raise ConfigError(f"compile={config.compile.name.value} does not train a detector "
                           f"(model.name={name}: its forward takes the batch's boxes); use "
                           "compile=eager")

@@ -113,10 +113,10 @@ class Validation:
 
     def detection(self, model: nn.Module) -> dict[str, float]:
         """A detector's ``map`` (COCO's, IoU 0.50:0.95) and ``map_50`` over the validation
-        images (runner/tasks/train/detection_metrics.py):
-        its padded predictions in eval mode against each batch's boxes, the padding rows
-        of a distributed shard left out; under torch.distributed the metric gathers every
-        rank's images before it computes, so each rank gets the figures of the whole split."""
+        images (runner/tasks/train/detection_metrics.py): its padded predictions in eval
+        mode against each batch's boxes, the padding rows of a distributed shard left out;
+        under torch.distributed the metric gathers every rank's images before it computes,
+        so each rank gets the figures of the whole split."""
         device = self.data.device
         metric = DetectionMAP().to(device)
         was_training = model.training
