@@ -74,6 +74,8 @@ class Validation:
                               "...: they must be the same class folders")
         self.data, self.model, self.amp = data, model, amp
         self.ranks = ranks or Ranks()
+        if isinstance(local_module(model), Detector):
+            DetectionMAP()  # torchmetrics or pycocotools missing: said now, not after an epoch
 
     @classmethod
     def for_run(cls, config: Config, model: nn.Module, amp: AmpConfig, device: torch.device,

@@ -867,7 +867,7 @@ def test_a_detectors_step_trains_on_the_sum_of_its_losses():
     assert not TrainStep(small_model(), task(), total_steps=1).detector
 
 
-@pytest.mark.slow  # 8 steps of Faster R-CNN: about 25 s on 2 loaded cores
+@pytest.mark.slow  # 8 steps of Faster R-CNN: 5 s on one core, 25-45 s on 2 loaded ones
 def test_a_resumed_detector_run_gives_the_straight_runs_weights(tmp_path: Path):
     """Stopped after 2 of 4 steps (the EMA, a one-cycle schedule, Faster R-CNN's random
     proposal sampling: its random state restored) and resumed: the straight run's weights."""

@@ -105,3 +105,23 @@ def test_a_real_detectors_figures_are_the_metrics_on_its_eval_predictions():
     for key in ("map", "map_50"):
         assert (math.isnan(got[key]) and math.isnan(want[key])) or got[key] == want[key]
     assert 0.0 <= want["map_50"] <= 1.0
+
+
+def test_a_detectors_validation_without_torchmetrics_is_refused_before_training(monkeypatch):
+    """The metric's package missing is an Unavailable when validation is made, not after
+    the first epoch's training."""
+    import builtins
+
+    from runner.common.errors import Unavailable
+
+    real = builtins.__import__
+
+    def no_torchmetrics(name, *args, **kwargs):
+        if name.startswith("torchmetrics"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchmetrics)
+    model = Detector(Scripted([]), "retinanet_resnet50_fpn", 3)
+    with pytest.raises(Unavailable, match=r"pip install -e '\.\[detection\]'"):
+        Validation(FakeData([]), model, AmpConfig(AmpName.off), CLASSES)
