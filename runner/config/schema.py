@@ -686,7 +686,8 @@ class TaskConfig:
                            note=" (0: no EMA; 0.9999 is usual)")
     augment: AugmentConfig = key(factory=AugmentConfig, task="train")
     # with validation: checkpoint-best.pt holds the epoch best by this figure (val_top1,
-    # val_top5, val_loss, val_ema_top1, ...)
+    # val_top5, val_loss, val_ema_top1, ...; a detector's: val_map, val_map_50, ... and
+    # val_map when this is left at val_top1)
     best_metric: str = key("val_top1", resume="applied", task="train")
     # infer: how many classes each prediction keeps
     topk: int = key(5, resume="free", task="infer", at_least=1)

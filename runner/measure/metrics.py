@@ -91,13 +91,17 @@ class Metrics(TypedDict, total=False):
     loss_first: float  # train: the mean loss of the first tenth of the steps
     loss_last: float  # train: the mean loss of the last tenth
     lr_last: float  # train: the learning rate in force at the end
-    epochs: list  # train: per epoch, its validation loss, top-1 and top-5 (the EMA's too)
+    epochs: list  # train: per epoch, its validation loss, top-1 and top-5, or mAP (the EMA's too)
     val_top1: float  # train with validation: the last validated epoch's top-1
     val_top5: float  # ... its top-5
     val_loss: float  # ... its loss
     val_ema_top1: float  # ... the EMA weights' top-1
     val_ema_top5: float  # ... the EMA weights' top-5
     val_ema_loss: float  # ... the EMA weights' loss
+    val_map: float | None  # a detector's: the last validated epoch's mAP (IoU 0.50:0.95)
+    val_map_50: float | None  # ... its mAP@0.5 (null: no box to measure)
+    val_ema_map: float | None  # ... the EMA weights' mAP
+    val_ema_map_50: float | None  # ... the EMA weights' mAP@0.5
     checkpoint: str | None  # train: the checkpoint written at the end (or at the stop)
     models: dict  # infer: per model, images_per_sec and ms_per_image of its forward
     predictions: int  # infer: rows written

@@ -5,3 +5,5 @@ TensorRT, onnxruntime) and its ONNX export (onnx.py, which ``compile=onnxruntime
 ``python -m runner.export`` writes). It builds on the config and the data path's
 normalization; nothing here imports the loop, a task or the run.
 """
+
+from runner.model import detectors  # noqa: F401, E402 (its detectors into networks.NAMED)

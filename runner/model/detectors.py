@@ -35,6 +35,11 @@ the run's image size, so the batch is not resized again; a list of images still 
 torchvision's own path. ``tests/model/test_detectors.py`` checks both give the same
 tensors and boxes.
 
+``model.name=<one of them>`` builds one through runner/model/networks.py's ``build_model``
+(``build_from_config``, registered in its ``NAMED`` when this module is imported, which
+runner/model/__init__.py does): at ``model.image_size``, else at the batches' size; its
+class count the dataset's, or read off ``model.weights`` (``classes_in_detector_weights``).
+
 The losses (train mode, summed by ``total_loss``): Faster R-CNN ``loss_classifier``,
 ``loss_box_reg``, ``loss_objectness``, ``loss_rpn_box_reg``; RetinaNet ``classification``,
 ``bbox_regression``; FCOS ``classification``, ``bbox_regression``, ``bbox_ctrness``; SSD
@@ -60,7 +65,14 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from runner.common.errors import ConfigError
-from runner.model.networks import UInt8Input, load_weights, read_weights_file
+from runner.config.schema import ModelConfig, ModelSource
+from runner.model.networks import (
+    NAMED,
+    PROBE_CLASSES,
+    UInt8Input,
+    load_weights,
+    read_weights_file,
+)
 
 # padding of the rows past ``box_count``
 PAD_BOX, PAD_LABEL = 0.0, -1
@@ -204,6 +216,13 @@ def as_padded(results: list[dict[str, torch.Tensor]], max_detections: int | None
     }
 
 
+def no_boxes(batch: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Padded targets of ``batch`` images without a box (M = 0)."""
+    return {"boxes": torch.zeros((batch, 0, 4), device=device),
+            "box_labels": torch.zeros((batch, 0), dtype=torch.long, device=device),
+            "box_count": torch.zeros(batch, dtype=torch.long, device=device)}
+
+
 def total_loss(losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The training loss: the sum of a detector's losses (each already a mean over the
     batch, as torchvision's reference training sums them)."""
@@ -276,3 +295,76 @@ def build_detector(name: str, num_classes: int, image_size: tuple[int, int],
         load_weights(network, weights, state, replace_head=replace_head)
     network.transform = BatchedTransform.like(network.transform, image_size)
     return Detector(network, name, num_classes)
+
+
+# --- model= (runner/model/networks.py's build_model) ---------------------------------------
+
+
+def is_detector_config(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` names one of torchvision's detectors."""
+    return cfg.source is ModelSource.torchvision and is_detector(cfg.name)
+
+
+def detector_classes(cfg: ModelConfig, dataset_classes: int, state: dict | None,
+                     names: list[str] | None, train: bool) -> int:
+    """A detector's class count (the dataset's kind: its head's follows the model's
+    convention): ``model.num_classes``, else in training the dataset's (refused against
+    weights of another count without ``model.replace_head``), else the checkpoint's class
+    names, the weights' head (``classes_in_detector_weights``) or the dataset's."""
+    if cfg.num_classes is not None:
+        return cfg.num_classes
+    from_weights = None
+    if state is not None:
+        from_weights = len(names) if names else classes_in_detector_weights(cfg.name, state)
+    if train:
+        if from_weights is not None and from_weights != dataset_classes \
+                and not cfg.replace_head:
+            raise ConfigError(
+                f"model.weights={cfg.weights} has {from_weights} classes, the dataset "
+                f"{dataset_classes}: to fine-tune it on these classes set "
+                "model.replace_head=true (a new head), or train on the same classes")
+        return dataset_classes
+    count = from_weights or dataset_classes
+    if not count:
+        raise ConfigError(f"model.name={cfg.name} needs its class count: set "
+                          "model.num_classes (or model.weights, or labelled images)")
+    return count
+
+
+def classes_in_detector_weights(name: str, state: dict) -> int | None:
+    """The dataset classes a state_dict of ``name`` was trained with: two probes of
+    PROBE_CLASSES tell which tensors follow the class count, and by how many rows per
+    class (a head's rows are anchors x classes); None when nothing tells."""
+    a, b = (build_detector(name, n, (64, 64))[1].state_dict() for n in PROBE_CLASSES)
+    heads = [head_classes(name, n) for n in PROBE_CLASSES]
+    found = set()
+    for k, v in a.items():
+        if k in state and v.dim() >= 1 and v.shape[0] != b[k].shape[0]:
+            per_class, rem = divmod(b[k].shape[0] - v.shape[0], heads[1] - heads[0])
+            if rem == 0 and per_class > 0 and state[k].shape[0] % per_class == 0:
+                found.add(state[k].shape[0] // per_class)
+    if len(found) != 1:
+        return None
+    return found.pop() - label_offset(name)
+
+
+def build_from_config(cfg: ModelConfig, num_classes: int, device: torch.device, train: bool,
+                      image_size: tuple[int, int] | None, state: dict | None,
+                      names: list[str] | None) -> Detector:
+    """``build_model`` of a detector (networks.py's ``NAMED``): at ``model.image_size``,
+    else at ``image_size`` (the batches'), random init or ``model.weights``, on ``device``."""
+    size = cfg.image_size or image_size
+    if not size:
+        raise ConfigError(f"model.name={cfg.name} needs the size of the images it takes: "
+                          "set model.image_size=[H,W] (or dataset.image_size)")
+    count = detector_classes(cfg, num_classes, state, names, train)
+    model = build_detector(cfg.name, count, tuple(int(v) for v in size), **dict(cfg.kwargs))
+    if state is not None:  # torchvision's own keys, as checkpoints hold them
+        load_weights(model[1], cfg.weights, state, replace_head=cfg.replace_head)
+    model._runner_name = cfg.name
+    # the names model.weights' checkpoint was trained with (predictions name them)
+    model.class_names = names if names is not None and len(names) == count else None
+    return model.to(device)
+
+
+NAMED.update(dict.fromkeys(DETECTORS, build_from_config))

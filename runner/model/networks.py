@@ -1,5 +1,6 @@
-"""``model=``: tiny, none, any torchvision classifier or segmentation model, any timm
-classifier, or your own ``nn.Module``; every model takes uint8 NCHW.
+"""``model=``: tiny, none, any torchvision classifier or segmentation model, torchvision's
+detectors (runner/model/detectors.py, built at the batches' size or ``model.image_size``), any
+timm classifier, or your own ``nn.Module``; every model takes uint8 NCHW.
 
 The first layer, ``UInt8Input``, converts to float and normalizes with the model's own
 ``model.mean``/``model.std`` (0..1 pixel units, ImageNet's by default) on whatever device the
@@ -17,6 +18,7 @@ tensor whose shape differs is left at its new initialization, and the log names 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,13 @@ class TinyNet(nn.Module):
 
 OWN = {"tiny": TinyNet}  # the runner's own networks, beside torchvision's
 
+# models by name that modules built on this one build (``build_model`` hands them the
+# config): runner/model/detectors.py adds torchvision's detectors when it is imported, which
+# runner/model/__init__.py does. Each builder is called as
+# ``builder(cfg, num_classes, device, train, image_size, state, names)``: ``state`` and
+# ``names`` are ``model.weights``' state_dict and class names (None without weights).
+NAMED: dict[str, Callable[..., nn.Module]] = {}
+
 
 def torchvision_classifiers() -> list[str]:
     """Every classification builder torchvision.models has (resnet50, vit_b_16, ...)."""
@@ -147,15 +156,16 @@ def check_model(cfg: ModelConfig) -> None:
     from runner.config.schema import ConfigError
 
     if cfg.source is ModelSource.torchvision:
-        if cfg.name in (NO_MODEL, *OWN):
+        if cfg.name in (NO_MODEL, *OWN, *NAMED):
             return
-        known = torchvision_classifiers() + torchvision_segmenters()
+        known = torchvision_classifiers() + torchvision_segmenters() + list(NAMED)
         if cfg.name not in known:
             raise ConfigError(
-                f"model.name={cfg.name} is not a torchvision classification or segmentation "
-                f"model{_closest(cfg.name, known)}; choose tiny, none or one of torchvision's "
-                f"{len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, convnext_tiny, "
-                "deeplabv3_mobilenet_v3_large), or model=timm / model=custom")
+                f"model.name={cfg.name} is not a torchvision classification, segmentation "
+                f"or detection model{_closest(cfg.name, known)}; choose tiny, none or one of "
+                f"torchvision's {len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, "
+                "convnext_tiny, deeplabv3_mobilenet_v3_large, "
+                "fasterrcnn_mobilenet_v3_large_320_fpn), or model=timm / model=custom")
     elif cfg.source is ModelSource.custom:
         if not cfg.target:
             raise ConfigError(
@@ -349,17 +359,24 @@ def load_weights(backbone: nn.Module, path: str, state: dict | None = None,
 
 
 def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
-                 train: bool = True) -> nn.Module | None:
+                train: bool = True, image_size: tuple[int, int] | None = None
+                ) -> nn.Module | None:
     """The model on ``device`` with its uint8 input layer, or None for ``model=none``.
 
     ``num_classes`` is the dataset's class count (0: unlabelled); the head's own count is
     ``class_count``'s; ``model.class_names``: the names a checkpoint in ``model.weights``
     was trained with (None when it keeps none or its count differs). ``model[1]`` is the network itself (what checkpoints and
     ``model.weights`` hold).
+
+    A detector (runner/model/detectors.py's ``Detector``) runs at ``model.image_size``,
+    else at ``image_size`` (H, W: the batches' size), and its ``num_classes`` is the
+    dataset's kind of count (``detector_classes``), its head sized by its own convention.
     """
     if cfg.name == NO_MODEL and cfg.source is ModelSource.torchvision:
         return None
     state, names = read_weights_file(cfg.weights) if cfg.weights else (None, None)
+    if cfg.source is ModelSource.torchvision and cfg.name in NAMED:
+        return NAMED[cfg.name](cfg, num_classes, device, train, image_size, state, names)
     count = class_count(cfg, num_classes, state, train)
     backbone = BACKBONES[cfg.source](cfg.name, count, _with_aux(cfg, state))
     backbone._runner_name = cfg.name

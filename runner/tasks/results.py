@@ -184,11 +184,11 @@ def device_figures(device) -> dict[str, str]:
 
 
 def epochs(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-epoch figures (validation loss, top-1, top-5; the EMA's too), and the last
-    epoch's as the run's."""
+    """Per-epoch figures (validation loss, top-1, top-5, or a detector's mAP figures; the
+    EMA's too), and the last validated epoch's as the run's."""
     if not rows:
         return {}
-    last = next((e for e in reversed(rows) if "val_top1" in e), {})
+    last = next((e for e in reversed(rows) if any(k.startswith("val_") for k in e)), {})
     return {"epochs": rows, **{k: v for k, v in last.items() if k.startswith("val_")}}
 
 

@@ -238,3 +238,17 @@ def test_the_verdict_on_cuda_follows_the_gpus_idle_time_not_the_hosts_wait():
     assert v.bound == "model" and "the GPU idled between steps 1%" in v.sentence
     idle = verdict(cfg, {**figures, "gpu_idle_frac": 0.4}, {"gather": 2000.0, "model": 5000.0})
     assert idle.bound == "data"
+
+
+def test_the_verdicts_model_probe_trains_a_detector_on_boxes():
+    """The model's ceiling of a detector's training step: its synthetic batch carries
+    boxes (it used to carry only labels, and a detector's step has none to train on)."""
+    from runner.job import diagnose
+    from runner.tasks import make_step
+
+    config = compose(["task=train", "model.name=fasterrcnn_mobilenet_v3_large_320_fpn",
+                      "dataset.image_size=[32,32]", "loader.batch_size=2"])
+    model = build_model(config.model, 3, CPU, image_size=(32, 32))
+    step = make_step(config.task, {"det": model}, AmpConfig(AmpName.off), CPU, total_steps=8)
+    rates = diagnose.model_ceiling(step, config, 3, CPU, budget=0.5)
+    assert rates and all(r > 0 for r in rates) and step.steps >= 2

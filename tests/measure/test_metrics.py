@@ -74,3 +74,9 @@ def test_every_declared_key_has_its_one_line_meaning():
     for key in Metrics.__annotations__:
         line = next(x for x in source.splitlines() if x.strip().startswith(f"{key}:"))
         assert "#" in line and line.split("#", 1)[1].strip(), key
+
+
+def test_a_detectors_validation_figures_are_declared():
+    """val_map and val_map_50 (the EMA's too): a float, or null where nothing was measured."""
+    record = {"val_map": 0.31, "val_map_50": None, "val_ema_map": 0.2, "val_ema_map_50": 0.5}
+    assert problems(record) == []

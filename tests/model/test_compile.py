@@ -392,3 +392,39 @@ def test_a_cuda_run_turns_cudnns_autotuner_on_unless_told_not_to(tmp_path, cache
         run_in_process(*SMALL_DATASET, "logger=none", "diagnose=false", "run.steps=3",
                        "device=cuda", f"cudnn_benchmark={flag}", run_dir=tmp_path / flag)
         assert torch.backends.cudnn.benchmark is (flag == "true")
+
+
+class DetectionStorage:
+    """What build_models reads of a storage: its classes, size and an example batch."""
+
+    classes = ["a", "b", "c"]
+
+    def __len__(self) -> int:
+        return 4
+
+    def example(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n, 3, 32, 48), dtype=torch.uint8)
+
+
+def test_a_detector_is_built_at_the_batches_size_and_warmed_on_its_losses():
+    """build_models gives a detector the example batch's size (it resizes nothing); warming
+    it for training (CUDA's eager path, inductor's) runs its losses on images without boxes
+    and leaves its weights as they were."""
+    from runner.job.compose import compose
+    from runner.launch.distributed import Ranks
+    from runner.model.detectors import Detector
+
+    config = compose(["task=train", "model.name=fasterrcnn_mobilenet_v3_large_320_fpn",
+                      "dataset.image_size=[32,48]"])
+    few = {"rpn_pre_nms_top_n_train": 50, "rpn_post_nms_top_n_train": 20,  # quick
+           "rpn_pre_nms_top_n_test": 50, "rpn_post_nms_top_n_test": 20,
+           "box_batch_size_per_image": 16}
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, kwargs=few))
+    built = compiling.build_models(config, DetectionStorage(), CPU, Ranks())
+    (model,) = built.models.values()
+    assert isinstance(model, Detector) and model.num_classes == 3
+    assert (model[1].transform.min_size, model[1].transform.max_size) == ((32,), 48)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiling._warm(model, model, DetectionStorage().example(2), [2, 1], True, None)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())

@@ -79,8 +79,10 @@ class DetectionMAP:
     def compute(self) -> dict[str, float]:
         """``map``, ``map_50``, ``map_75``, ``mar_100`` over the images so far (NaN: nothing
         to measure); nothing fed yet is NaN for each."""
-        if not self.images:
-            return {k: math.nan for k in FIGURES}
+        import torch.distributed as dist
+
+        if not self.images and not (dist.is_available() and dist.is_initialized()):
+            return {k: math.nan for k in FIGURES}  # (under DDP every rank joins the gather)
         out = self.metric.compute()
         figures = {k: float(out[k]) for k in FIGURES}
         return {k: (math.nan if v == -1 else v) for k, v in figures.items()}

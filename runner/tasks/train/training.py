@@ -7,6 +7,14 @@ checked against the checkpoint's fingerprint; after each epoch the validation im
 trained weights and the EMA's, ``checkpoint-best.pt`` keeps the best ``task.best_metric``,
 and the ``Checkpointer`` writes ``checkpoint.pt`` on its schedule and at the end (rank 0
 alone: the replicas are equal).
+
+A detector (``model.name`` one of runner/model/detectors.py's) trains on the batch's padded
+boxes (``boxes``, ``box_labels``, ``box_count``) with the sum of its own losses, under the
+same accumulation, clipping, scaler and EMA; its validation is mAP and mAP@0.5
+(``val_map``, ``val_map_50``), and ``checkpoint-best.pt`` follows ``val_map`` unless
+``task.best_metric`` names another of its figures. Mixing images (``task.augment.mixup``,
+``cutmix``), a host-normalized batch and a compiled model are refused for it
+(``check_detector_task``).
 """
 
 from __future__ import annotations
@@ -24,12 +32,21 @@ from tensordict import TensorDict
 from torch import nn
 
 from runner.common.errors import ConfigError, Diverged
-from runner.config.schema import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
+from runner.config.schema import (
+    AmpConfig,
+    AmpName,
+    Config,
+    HostDtype,
+    TaskConfig,
+    TaskName,
+    to_plain,
+)
 from runner.data import DataPath
 from runner.launch.distributed import local_module, parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
-from runner.model.compile import build_models, step_amp
+from runner.model.compile import BACKENDS, build_models, step_amp
+from runner.model.detectors import Detector, is_detector_config, total_loss
 from runner.model.networks import split_input
 from runner.tasks import checkpoint, results
 from runner.tasks.checkpoint import unwrapped_network
@@ -43,9 +60,11 @@ from runner.tasks.train.optim import (
     learning_rate,
     updates_in,
 )
-from runner.tasks.train.validation import Validation
+from runner.tasks.train.validation import DETECTION_FIGURES, Validation
 
 log = logging.getLogger("runner")
+
+BOX_KEYS = ("boxes", "box_labels", "box_count")  # a detection batch's padded targets
 
 
 class TrainTask(TaskBase):
@@ -93,6 +112,7 @@ class TrainTask(TaskBase):
                         "data's (%d: %s), and the checkpoint keeps those names", classes,
                         len(data.classes), ", ".join(map(str, data.classes[:5]))
                         + (", ..." if len(data.classes) > 5 else ""))
+        check_detector_task(self.config)
         super().prepare(data)
         if self.resumed is not None:
             checkpoint.check_epoch_length(self.resumed, data.steps_per_epoch,
@@ -152,13 +172,16 @@ class TrainTask(TaskBase):
             got = {f"val_{k}": v for k, v in self.validation().items()}
             ema = getattr(self.step, "ema", None)
             if ema is not None:  # the averaged weights behind the same uint8 input layer
-                uint8_input, _ = split_input(local_module(self.step.model))
-                averaged = torch.nn.Sequential(uint8_input, ema.model)
+                model = local_module(self.step.model)
+                if isinstance(model, Detector):  # its padded predictions, as the model's
+                    averaged = Detector(ema.model.module, model.name, model.num_classes)
+                    averaged[0] = model[0]  # the same uint8 input layer, on the device
+                else:
+                    uint8_input, _ = split_input(model)
+                    averaged = torch.nn.Sequential(uint8_input, ema.model)
                 got.update({f"val_ema_{k}": v for k, v in self.validation(averaged).items()})
             row.update(got)
-            log.info("epoch %d: validation top-1 %.1f%%, top-5 %.1f%%, loss %.4f%s", epochs,
-                     100 * got["val_top1"], 100 * got["val_top5"], got["val_loss"],
-                     f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)" if ema else "")
+            log.info("epoch %d: %s", epochs, validation_line(got))
             self.ctx.logger.log({**{k.replace("val_", "val/", 1): v for k, v in got.items()},
                                  "epoch": epochs}, step=None)
             self._keep_best(epochs, row)
@@ -167,12 +190,15 @@ class TrainTask(TaskBase):
             self.saves.after_epoch(self.step, epochs, self.ctx.data.steps_per_epoch)
 
     def _keep_best(self, epoch: int, row: dict[str, Any]) -> None:
-        """checkpoint-best.pt: the weights of the epoch with the best ``task.best_metric``."""
-        key = self.config.task.best_metric
+        """checkpoint-best.pt: the weights of the epoch with the best ``task.best_metric``
+        (``best_metric``: a detector left at the default, ``val_map``)."""
+        key = best_metric(self.config)
         if self.saves is None or key not in row:
             return
+        if row[key] is None or math.isnan(row[key]):  # nothing measured (mAP without boxes)
+            return
         better = (lambda a, b: a < b) if key.endswith("loss") else (lambda a, b: a > b)
-        if self.best is None or better(row[key], self.best):
+        if self.best is None or math.isnan(self.best) or better(row[key], self.best):
             self.best = row[key]
             per_epoch = self.ctx.data.steps_per_epoch
             path = self.saves.write(self.step, epoch * per_epoch, per_epoch, {},
@@ -200,9 +226,80 @@ class TrainTask(TaskBase):
 
 KIND = TrainTask  # its registry record (runner/tasks/__init__.py)
 
+# the augmentations that mix two images' labels: a box belongs to one image
+MIX_KEYS = ("mixup", "cutmix")
+DEFAULT_BEST = "val_top1"  # task.best_metric's default, a classifier's figure
+DETECTOR_BEST = "val_map"  # what a detector's best checkpoint is chosen by, by default
+
+
+def is_detector_run(config: Config) -> bool:
+    return is_detector_config(config.model)
+
+
+def check_detector_task(config: Config) -> None:
+    """A detector trains without mixing images (``task.augment.mixup``/``cutmix``: a box
+    belongs to one image), from uint8 batches (``loader.host_dtype``: torchvision's
+    transform normalizes), eagerly (``compile=eager``: its forward takes the boxes), and
+    keeps its best checkpoint by a figure its validation gives."""
+    if not is_detector_run(config):
+        return
+    name = config.model.name
+    for key in MIX_KEYS:
+        value = getattr(config.task.augment, key)
+        if value:
+            raise ConfigError(f"task.augment.{key}={value} mixes two images and their "
+                              f"labels, which a detector's boxes cannot follow: drop it "
+                              f"(task.augment.{key}=0) to train model.name={name}")
+    if config.loader.host_dtype is not HostDtype.uint8:  # normalized by the model's own
+        raise ConfigError(f"loader.host_dtype={config.loader.host_dtype.value} normalizes on "
+                          f"the host, and model.name={name} normalizes its own way inside: "
+                          "use loader.host_dtype=uint8")
+    if BACKENDS[config.compile.name].build is not None:  # anything but the eager model
+        raise ConfigError(f"compile={config.compile.name.value} does not train a detector "
+                          f"(model.name={name}: its forward takes the batch's boxes); use "
+                          "compile=eager")
+    key = config.task.best_metric
+    if key != DEFAULT_BEST and key.removeprefix("val_").removeprefix("ema_") \
+            not in DETECTION_FIGURES:
+        raise ConfigError(f"task.best_metric={key} is not a detector's validation figure: "
+                          f"choose one of {', '.join(detection_best_metrics())}")
+
+
+def detection_best_metrics() -> list[str]:
+    """The ``task.best_metric`` values a detector's validation gives."""
+    return [f"val_{p}{k}" for p in ("", "ema_") for k in DETECTION_FIGURES]
+
+
+def best_metric(config: Config) -> str:
+    """The figure ``checkpoint-best.pt`` is chosen by: ``task.best_metric``; for a
+    detector left at the classifier's default, ``val_map``."""
+    key = config.task.best_metric
+    return DETECTOR_BEST if key == DEFAULT_BEST and is_detector_run(config) else key
+
+
+def validation_line(got: dict[str, float]) -> str:
+    """An epoch's validation figures in words (a classifier's or a detector's)."""
+    if "val_map" in got:
+        return (f"validation mAP {got['val_map']:.3f}, mAP@0.5 {got['val_map_50']:.3f}"
+                + (f" (EMA mAP {got['val_ema_map']:.3f})" if "val_ema_map" in got else ""))
+    return (f"validation top-1 {100 * got['val_top1']:.1f}%, top-5 {100 * got['val_top5']:.1f}%, "
+            f"loss {got['val_loss']:.4f}"
+            + (f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)" if "val_ema_top1" in got else ""))
+
+
+def box_targets(batch: TensorDict) -> dict[str, torch.Tensor]:
+    """A detection batch's padded boxes (runner/model/detectors.py's layout), as the
+    detector takes them; the padding rows of a distributed shard (``valid`` false) count
+    no box."""
+    targets = {k: batch[k] for k in BOX_KEYS}
+    if "valid" in batch.keys():
+        targets["box_count"] = targets["box_count"] * batch["valid"].to(torch.long)
+    return targets
+
 
 class TrainStep:
-    """One training step: cross-entropy (``task.label_smoothing``), gradients accumulated
+    """One training step: cross-entropy (``task.label_smoothing``), or a detector's own
+    losses summed (``total_loss``: the model is a ``Detector``), gradients accumulated
     over ``task.accumulate`` batches, clipped (``task.clip_grad_norm``), an optimizer step
     with its learning-rate schedule and the EMA's update (runner/tasks/train/optim.py); losses stay on
     the device until read.
@@ -237,6 +334,8 @@ class TrainStep:
                  global_batch: int | None = None, first_step: int = 0):
         self.model = model.train()
         self.cfg = cfg
+        # a detector's loss is its own (runner/model/detectors.py), given the batch's boxes
+        self.detector = isinstance(local_module(model), Detector)
         device = device or next(model.parameters()).device
         self.base_lr = learning_rate(cfg, global_batch)  # the schedule's peak
         self.plan_steps = plan_steps or total_steps  # the schedule's length, in batches
@@ -309,8 +408,11 @@ class TrainStep:
         # DDP decides at the forward whether the backward all-reduces: both inside
         with self._no_sync() if local else contextlib.nullcontext():
             with self.autocast():
-                logits = self.model(batch["image"])
-            loss = self.loss(logits.float(), batch)
+                if self.detector:  # its losses, given the batch's boxes
+                    out = self.model(batch["image"], box_targets(batch))
+                else:
+                    logits = self.model(batch["image"])
+            loss = total_loss(out).float() if self.detector else self.loss(logits.float(), batch)
             if self.micro == 0:
                 self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss / self.cfg.accumulate).backward()

@@ -1,5 +1,7 @@
 """``task=train``'s validation: loss, top-1 and top-5 over ``dataset.val_path`` (or the images
-``dataset.val_fraction`` holds out) after each epoch, through a data path of its own.
+``dataset.val_fraction`` holds out) after each epoch, through a data path of its own; for a
+detector (runner/model/detectors.py) mAP and mAP@0.5 instead (``Validation.detection``),
+recorded as ``val_map`` and ``val_map_50``.
 
 Under torch.distributed each rank scores its own share of the images (padded to the same
 number of batches on every rank, the padding rows masked out) and the sums are all-reduced:
@@ -28,8 +30,12 @@ from runner.config.schema import (
     StorageName,
 )
 from runner.data import DataPath, build_data_path
-from runner.launch.distributed import Ranks
+from runner.launch.distributed import Ranks, local_module
 from runner.model.amp import autocast
+from runner.model.detectors import Detector
+from runner.tasks.train.detection_metrics import DetectionMAP
+
+DETECTION_FIGURES = ("map", "map_50")  # what a detector's validation records (val_map, ...)
 
 
 def validation_config(config: Config) -> Config:
@@ -68,6 +74,8 @@ class Validation:
                               "...: they must be the same class folders")
         self.data, self.model, self.amp = data, model, amp
         self.ranks = ranks or Ranks()
+        if isinstance(local_module(model), Detector):
+            DetectionMAP()  # torchmetrics or pycocotools missing: said now, not after an epoch
 
     @classmethod
     def for_run(cls, config: Config, model: nn.Module, amp: AmpConfig, device: torch.device,
@@ -78,8 +86,11 @@ class Validation:
 
     def __call__(self, model: nn.Module | None = None) -> dict[str, float]:
         """Loss, top-1 and top-5 of ``model`` (default: the model being trained; an EMA's
-        network is given with the same uint8 input layer) over the validation images."""
+        network is given with the same uint8 input layer) over the validation images; a
+        detector's mAP figures (``detection``)."""
         model = model if model is not None else self.model
+        if isinstance(local_module(model), Detector):
+            return self.detection(model)
         device = self.data.device
         # correct top-1, correct top-5, loss and images: one tensor, one all-reduce
         sums = torch.zeros(4, dtype=torch.float64, device=device)
@@ -101,6 +112,31 @@ class Validation:
         correct1, correct5, loss, total = sums.tolist()
         n = max(total, 1)
         return {"top1": correct1 / n, "top5": correct5 / n, "loss": loss / n}
+
+    def detection(self, model: nn.Module) -> dict[str, float]:
+        """A detector's ``map`` (COCO's, IoU 0.50:0.95) and ``map_50`` over the validation
+        images (runner/tasks/train/detection_metrics.py): its padded predictions in eval
+        mode against each batch's boxes, the padding rows of a distributed shard left out;
+        under torch.distributed the metric gathers every rank's images before it computes,
+        so each rank gets the figures of the whole split."""
+        device = self.data.device
+        metric = DetectionMAP().to(device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), autocast(self.amp, device):
+                for batch in self.data.device_batches():
+                    predictions = model(batch["image"])
+                    targets = {k: batch[k] for k in ("boxes", "box_labels", "box_count")}
+                    if "valid" in batch.keys():  # a shard's padding rows: not images
+                        keep = batch["valid"].bool()
+                        predictions = {k: v[keep] for k, v in predictions.items()}
+                        targets = {k: v[keep] for k, v in targets.items()}
+                    metric.update(predictions, targets)
+            figures = metric.compute()
+            return {k: figures[k] for k in DETECTION_FIGURES}
+        finally:
+            model.train(was_training)
 
     def close(self) -> None:
         self.data.close()

@@ -794,3 +794,181 @@ def test_training_counts_an_epoch_with_an_undecodable_batch_whole(tmp_path: Path
     assert again["status"] == "ok" and again["steps"] == 6  # finished: not read again
     more = run_in_process(*over[:-1], "run.epochs=3", "resume=auto", run_dir=tmp_path / "run")
     assert more["start_step"] == 6 and more["steps"] == 3  # the third epoch alone
+
+
+# --- a detector (runner/model/detectors.py): its own losses, the same bookkeeping ----------
+
+DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"  # the quickest of the four
+DET_SIZE = 32
+
+
+def detector(seed: int = 0) -> nn.Module:
+    from runner.model.detectors import build_detector
+
+    torch.manual_seed(seed)
+    return build_detector(DETECTOR, 3, (DET_SIZE, DET_SIZE), **SMALL_RCNN)
+
+
+# fewer proposals and sampled boxes than torchvision's (2000 and 512): a step in a second
+SMALL_RCNN = {"rpn_pre_nms_top_n_train": 100, "rpn_post_nms_top_n_train": 50,
+              "rpn_pre_nms_top_n_test": 50, "rpn_post_nms_top_n_test": 20,
+              "rpn_batch_size_per_image": 32, "box_batch_size_per_image": 32}
+
+
+def detection_batches(n: int, size: int = 2, seed: int = 0) -> list[TensorDict]:
+    """Batches in the data side's layout: boxes padded to the batch's most (one image of
+    each batch without any), labels padded with -1, ``label`` 0."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        count = torch.randint(1, 4, (size,), generator=g)
+        count[-1] = 0
+        m = int(count.max())
+        xy = torch.rand(size, m, 2, generator=g) * DET_SIZE / 2
+        wh = 8 + torch.rand(size, m, 2, generator=g) * DET_SIZE / 3
+        boxes = torch.cat([xy, xy + wh], dim=2)
+        labels = torch.randint(0, 3, (size, m), generator=g)
+        pad = torch.arange(m)[None, :] >= count[:, None]
+        boxes[pad], labels[pad] = 0.0, -1
+        out.append(TensorDict({
+            "image": torch.randint(0, 256, (size, 3, DET_SIZE, DET_SIZE), generator=g,
+                                   dtype=torch.uint8),
+            "label": torch.zeros(size, dtype=torch.long), "index": torch.arange(size),
+            "boxes": boxes, "box_labels": labels, "box_count": count}, batch_size=[size]))
+    return out
+
+
+def test_a_detectors_step_trains_on_the_sum_of_its_losses():
+    from runner.model.detectors import total_loss
+
+    data = detection_batches(2)
+    reference = detector()
+    torch.manual_seed(7)  # Faster R-CNN samples its proposals
+    with torch.no_grad():
+        first = total_loss(reference.train()(data[0]["image"], data[0]))
+    step = TrainStep(detector(), task(lr=0.01, accumulate=2, clip_grad_norm=1.0),
+                     total_steps=2)
+    assert step.detector
+    before = [p.detach().clone() for p in step.model.parameters()]
+    torch.manual_seed(7)
+    step(data[0])
+    assert step.micro == 1 and step.schedule.last_epoch == 0  # accumulated as a classifier's
+    assert all(torch.equal(p, b) for p, b in zip(step.model.parameters(), before))
+    step(data[1])
+    assert step.micro == 0 and step.schedule.last_epoch == 1
+    assert float(step.losses[0]) == pytest.approx(float(first), rel=1e-5)
+    assert all(math.isfinite(v) for v in step.losses.tolist())
+    assert step.read()["loss"] == pytest.approx(float(step.losses.mean()), rel=1e-6)
+    assert any(not torch.equal(p, b) for p, b in zip(step.model.parameters(), before))
+    # behind a compiled model's wrapper (its eager model as _orig_mod) still a detector's
+    from runner.model.compile import Traced
+
+    assert TrainStep(Traced(reference, reference), task(), total_steps=1).detector
+    assert not TrainStep(small_model(), task(), total_steps=1).detector
+
+
+@pytest.mark.slow  # 8 steps of Faster R-CNN: 5 s on one core, 25-45 s on 2 loaded ones
+def test_a_resumed_detector_run_gives_the_straight_runs_weights(tmp_path: Path):
+    """Stopped after 2 of 4 steps (the EMA, a one-cycle schedule, Faster R-CNN's random
+    proposal sampling: its random state restored) and resumed: the straight run's weights."""
+    cfg = task(optimizer=OptimizerName.adamw, lr=0.001, schedule=ScheduleName.onecycle,
+               ema_decay=0.5, clip_grad_norm=1.0)
+    data = detection_batches(4, seed=1)
+    straight = TrainStep(detector(), cfg, total_steps=4)
+    torch.manual_seed(11)
+    for batch in data:
+        straight(batch)
+    first = TrainStep(detector(), cfg, total_steps=2, plan_steps=4)
+    torch.manual_seed(11)
+    for batch in data[:2]:
+        first(batch)
+    path = checkpoint.save(tmp_path / "c.pt", first, 0.5, 2, {}, {})
+    second = TrainStep(detector(seed=3), cfg, total_steps=2, plan_steps=4)
+    state = torch.load(path, weights_only=False)
+    checkpoint.restore(second, state)
+    checkpoint.restore_rng(state)
+    for batch in data[2:]:
+        second(batch)
+    assert second.lr == pytest.approx(straight.lr)
+    for p, q in zip(second.model.state_dict().values(), straight.model.state_dict().values()):
+        assert torch.allclose(p.float(), q.float(), atol=1e-6)
+    for p, q in zip(second.ema.model.parameters(), straight.ema.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("task.augment.mixup=0.2", "task.augment.mixup=0.2"),
+    ("task.augment.cutmix=1.0", "task.augment.cutmix=1.0"),
+    ("compile=inductor", "compile=inductor"),
+    ("loader.host_dtype=float16", "loader.host_dtype=float16"),
+    ("task.best_metric=val_top5", "task.best_metric=val_top5"),
+])
+def test_a_detector_refuses_what_its_boxes_cannot_follow(override: str, named: str):
+    from runner.common.errors import ConfigError
+    from runner.tasks.train.training import check_detector_task
+
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        check_detector_task(compose(["task=train", f"model.name={DETECTOR}", override]))
+    check_detector_task(compose(["task=train", "model=tiny", override]))  # a classifier's
+
+
+def test_a_detectors_epochs_record_map_and_keep_the_best_by_it():
+    """on_epoch_end: val_map and val_map_50 per epoch (an epoch with nothing to measure,
+    NaN, never the best), checkpoint-best.pt by val_map unless task.best_metric says."""
+    from types import SimpleNamespace
+
+    from runner.measure.metrics import NullLogger
+    from runner.tasks.train.training import TrainTask
+
+    def run(*overrides: str) -> tuple[TrainTask, list[int]]:
+        figures = iter([{"map": math.nan, "map_50": math.nan}, {"map": 0.2, "map_50": 0.5},
+                        {"map": 0.1, "map_50": 0.6}, {"map": 0.3, "map_50": 0.4}])
+        written: list[int] = []
+        train = TrainTask.__new__(TrainTask)
+        train.config = compose(["task=train", f"model.name={DETECTOR}", *overrides])
+        train.ctx = SimpleNamespace(logger=NullLogger(), data=SimpleNamespace(steps_per_epoch=2))
+        train.validation = lambda model=None: next(figures)
+        train.step, train.best, train.epoch_figures = SimpleNamespace(ema=None), None, []
+        train.saves = SimpleNamespace(
+            write=lambda step, done, per_epoch, losses, name: written.append(done // 2),
+            after_epoch=lambda *args: None)
+        for epoch in range(1, 5):
+            train.on_epoch_end(epoch)
+        return train, written
+
+    from runner.tasks import results
+
+    train, written = run()
+    assert written == [2, 4] and train.best == 0.3
+    got = results.epochs(train.epoch_figures)  # the figures metrics.json gets
+    assert got["val_map"] == 0.3 and got["val_map_50"] == 0.4 and len(got["epochs"]) == 4
+    assert math.isnan(got["epochs"][0]["val_map"])
+    assert run("task.best_metric=val_map_50")[1] == [2, 3]
+
+
+def test_a_detectors_ema_is_validated_as_a_detector():
+    """The EMA's averaged network goes through validation behind a Detector of its own
+    (padded predictions, the same uint8 layer): before any update it is the model's
+    weights, so its figures are the model's."""
+    from types import SimpleNamespace
+
+    from runner.config.schema import AmpConfig, AmpName
+    from runner.measure.metrics import NullLogger
+    from runner.tasks.train.training import TrainTask
+    from runner.tasks.train.validation import Validation
+
+    pytest.importorskip("torchmetrics")
+    step = TrainStep(detector(), task(ema_decay=0.5), total_steps=1)
+    data = SimpleNamespace(device_batches=lambda: iter(detection_batches(1, seed=2)),
+                           device=CPU, classes=["a", "b", "c"], close=lambda: None)
+    train = TrainTask.__new__(TrainTask)
+    train.config = compose(["task=train", f"model.name={DETECTOR}"])
+    train.ctx = SimpleNamespace(logger=NullLogger(), data=SimpleNamespace(steps_per_epoch=1))
+    train.validation = Validation(data, step.model, AmpConfig(AmpName.off), data.classes)
+    train.step, train.best, train.epoch_figures, train.saves = step, None, [], None
+    train.on_epoch_end(1)
+    (row,) = train.epoch_figures
+    assert set(row) == {"epoch", "val_map", "val_map_50", "val_ema_map", "val_ema_map_50"}
+    for key in ("map", "map_50"):
+        a, b = row[f"val_{key}"], row[f"val_ema_{key}"]
+        assert a == b or (math.isnan(a) and math.isnan(b))
