@@ -162,3 +162,32 @@ def test_nvjpeg_with_a_decode_once_loader_is_a_config_error(tmp_path: Path):
     proc = run_cli("loader=memmap", "loader.decoder=nvjpeg", "hydra.run.dir=run", cwd=tmp_path,
                    check=False)
     assert proc.returncode == 2 and "loader.decoder=nvjpeg is invalid for loader=memmap" in proc.stdout + proc.stderr
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_detector_trains_validates_and_serves_on_the_generated_shapes(tmp_path: Path):
+    """dataset.targets=auto with no dataset.path: the shapes dataset is made, a detector
+    trains on its train split and is validated on its val split (val_map in metrics.json,
+    checkpoint-best.pt by it), then task=infer writes COCO results pycocotools loads."""
+    pytest.importorskip("pycocotools")
+    from pycocotools.coco import COCO
+
+    common = ["dataset.targets=auto", "model.name=fasterrcnn_mobilenet_v3_large_320_fpn",
+              "dataset.image_size=[48,48]", "dataset.num_images=20", "loader.batch_size=4",
+              "logger=none", "diagnose=false", f"dataset.cache_dir={tmp_path / 'cache'}"]
+    env = {"OMP_NUM_THREADS": "1"}
+    run_cli(*common, "run.epochs=1", "hydra.run.dir=train", cwd=tmp_path, env=env)
+    m = read_metrics(tmp_path / "train")
+    assert m["status"] == "ok" and m["epochs"][0]["val_map_50"] is not None
+    assert (tmp_path / "train" / "checkpoint-best.pt").is_file()
+    run_cli(*common, "task=infer", "task.outputs=[detections]", "hydra.run.dir=infer",
+            f"model.weights={tmp_path / 'train' / 'checkpoint-best.pt'}", cwd=tmp_path, env=env)
+    out = tmp_path / "infer"
+    rows = (out / "detections.csv").read_text().splitlines()
+    assert rows[0].startswith("index,file,count") and len(rows) == 1 + 16  # the train split
+    truth = COCO()
+    truth.dataset = {"images": [{"id": k} for k in range(16)], "annotations": [],
+                     "categories": json.loads((out / "detections.categories.json").read_text())}
+    truth.createIndex()
+    truth.loadRes(str(out / "detections.json"))  # a results file COCO's tools take

@@ -244,8 +244,7 @@ def check_targets(config: Config) -> None:
     if dataset.path is not None and "://" in dataset.path:
         raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
                           f"{dataset.path}: copy the dataset to a local folder")
-    for key, on in (("auto", augment.auto is not AutoAugmentName.none),
-                    ("mixup", augment.mixup > 0), ("cutmix", augment.cutmix > 0)):
-        if on:
-            raise ConfigError(f"task.augment.{key} moves or mixes pixels and {given}'s boxes "
-                              f"would not follow: leave task.augment.{key} off for detection")
+    if augment.auto is not AutoAugmentName.none:  # (MixUp, CutMix: the detector refuses)
+        raise ConfigError(f"task.augment.auto={augment.auto.value} turns, shears and shifts "
+                          f"pixels, and {given}'s boxes would not follow: leave "
+                          "task.augment.auto=none for detection")

@@ -33,6 +33,7 @@ from torch import nn
 
 from runner.common.errors import ConfigError, Diverged
 from runner.config.schema import (
+    NO_MODEL,
     AmpConfig,
     AmpName,
     Config,
@@ -42,11 +43,12 @@ from runner.config.schema import (
     to_plain,
 )
 from runner.data import DataPath
+from runner.data.sources.detection import has_val_split
 from runner.launch.distributed import local_module, parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
 from runner.model.compile import BACKENDS, build_models, step_amp
-from runner.model.detectors import Detector, is_detector_config, total_loss
+from runner.model.detectors import DETECTORS, Detector, is_detector_config, total_loss
 from runner.model.networks import split_input
 from runner.tasks import checkpoint, results
 from runner.tasks.checkpoint import unwrapped_network
@@ -133,7 +135,7 @@ class TrainTask(TaskBase):
             global_batch=cfg.loader.batch_size * ranks.world * cfg.task.accumulate)
         if self.resumed is not None:
             checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
-        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0:
+        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0 or has_val_split(cfg.dataset):
             self.validation = Validation.for_run(cfg, model, step_amp(cfg), ctx.device,
                                                  data.classes, cfg.run.progress and ranks.main,
                                                  ranks)
@@ -241,9 +243,17 @@ def check_detector_task(config: Config) -> None:
     belongs to one image), from uint8 batches (``loader.host_dtype``: torchvision's
     transform normalizes), eagerly (``compile=eager``: its forward takes the boxes), and
     keeps its best checkpoint by a figure its validation gives."""
+    name, boxes = config.model.name, config.dataset.targets.boxes
     if not is_detector_run(config):
+        if boxes and name != NO_MODEL:
+            raise ConfigError(f"dataset.targets={config.dataset.targets.value} gives boxes, and "
+                              f"model.name={name} is not a detector: train one (model.name="
+                              f"{', '.join(DETECTORS)}) or leave dataset.targets=none")
         return
-    name = config.model.name
+    if not boxes:
+        raise ConfigError(f"model.name={name} is a detector and trains on boxes: set "
+                          "dataset.targets=auto (a YOLO layout or COCO's JSON at dataset.path; "
+                          "without dataset.path, the generated shapes dataset)")
     for key in MIX_KEYS:
         value = getattr(config.task.augment, key)
         if value:

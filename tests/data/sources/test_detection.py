@@ -127,7 +127,6 @@ def test_bad_labels_are_reported_as_skipped_files(tmp_path: Path):
     (["loader=memmap"], "through loader=folder and loader=packed so far"),
     (["loader.decoder=nvjpeg"], "CPU decoders"),
     (["task.augment.auto=randaugment"], "task.augment.auto"),
-    (["task.augment.mixup=0.2"], "task.augment.mixup"),
     (["dataset.path=s3://bucket/x"], "local folder"),
 ])
 def test_what_boxes_cannot_follow_yet_is_refused_in_one_line(overrides, says):

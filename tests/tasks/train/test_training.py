@@ -908,8 +908,20 @@ def test_a_detector_refuses_what_its_boxes_cannot_follow(override: str, named: s
     from runner.tasks.train.training import check_detector_task
 
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
-        check_detector_task(compose(["task=train", f"model.name={DETECTOR}", override]))
+        check_detector_task(compose(["task=train", f"model.name={DETECTOR}",
+                                     "dataset.targets=auto", override]))
     check_detector_task(compose(["task=train", "model=tiny", override]))  # a classifier's
+
+
+def test_a_detector_without_boxes_and_boxes_without_a_detector_are_refused():
+    from runner.common.errors import ConfigError
+    from runner.tasks.train.training import check_detector_task
+
+    with pytest.raises(ConfigError, match="set dataset.targets=auto"):
+        check_detector_task(compose(["task=train", f"model.name={DETECTOR}"]))
+    with pytest.raises(ConfigError, match="model.name=tiny is not a detector"):
+        check_detector_task(compose(["task=train", "model=tiny", "dataset.targets=auto"]))
+    check_detector_task(compose(["task=train", "model=none", "dataset.targets=auto"]))
 
 
 def test_a_detectors_epochs_record_map_and_keep_the_best_by_it():
