@@ -132,3 +132,14 @@ def test_bad_labels_are_reported_as_skipped_files(tmp_path: Path):
 def test_what_boxes_cannot_follow_yet_is_refused_in_one_line(overrides, says):
     with pytest.raises(ConfigError, match=says):
         compose(["dataset.targets=yolo", *overrides])
+
+
+def test_prepare_picks_among_the_stores_that_carry_boxes(shapes: Path, tmp_path: Path):
+    """prepare's advice for a detection set names a store that takes dataset.targets (not
+    loader=memmap, which would refuse it)."""
+    from runner import prepare
+
+    overrides = [f"dataset.path={shapes}", "dataset.targets=yolo", "dataset.image_size=[32,32]",
+                 f"dataset.cache_dir={tmp_path / 'cache'}", "run.progress=false"]
+    names = [k.name.value for k, _ in prepare.store_sizes(prepare.compose(overrides)).stores]
+    assert names and "packed" in names and "memmap" not in names and "ram" not in names
