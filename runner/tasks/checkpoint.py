@@ -384,6 +384,15 @@ def _value(config: dict[str, Any], key: str) -> Any:
     return config
 
 
+def _has(config: dict[str, Any], key: str) -> bool:
+    """Whether ``config`` holds ``key`` at all: a checkpoint written before the key existed
+    (dataset.targets) was made at its default, which the run's own check then covers."""
+    *parents, last = key.split(".")
+    for part in parents:
+        config = config.get(part) if isinstance(config, dict) else None
+    return isinstance(config, dict) and last in config
+
+
 def check_fits(state: dict[str, Any], config: Any, path: str | Path,
                keys: tuple[str, ...] = MUST_MATCH) -> None:
     """Refuse a checkpoint of another run (model, dataset, batch order), naming what
@@ -392,7 +401,7 @@ def check_fits(state: dict[str, Any], config: Any, path: str | Path,
 
     saved, mine = state.get("config") or {}, to_plain(config)
     differ = [f"{k}: checkpoint {_value(saved, k)!r}, this run {_value(mine, k)!r}"
-              for k in keys if saved and _value(saved, k) != _value(mine, k)]
+              for k in keys if saved and _has(saved, k) and _value(saved, k) != _value(mine, k)]
     if differ and getattr(config.task.name, "value", None) == "infer":
         raise CheckpointError(f"resume=auto: {path} is the state of an inference made with "
                               "other settings (" + "; ".join(differ) + "): its outputs so far "

@@ -202,3 +202,19 @@ def test_a_run_records_the_machines_defaults_it_ran_with(tmp_path: Path, cache_d
     assert config["loader"]["decode_threads"] == cores()
     assert isinstance(config["loader"]["pin_memory"], bool)
     assert config["dataset"]["cache_bytes"] == 10 * 10**9
+
+
+def test_a_checkpoint_written_before_a_key_existed_still_resumes():
+    """dataset.targets is new: a checkpoint saved before it has no such key, which is not
+    a difference (it was made at the default); a key it has and that differs still is."""
+    from runner.config.schema import to_plain
+    from runner.job.compose import compose
+    from runner.tasks import checkpoint
+
+    config = compose(["task=train"])
+    saved = to_plain(config)
+    del saved["dataset"]["targets"]
+    checkpoint.check_fits({"config": saved}, config, "old.pt")  # resumes
+    saved["dataset"]["image_size"] = [32, 32]
+    with pytest.raises(checkpoint.CheckpointError, match="dataset.image_size"):
+        checkpoint.check_fits({"config": saved}, config, "old.pt")

@@ -71,8 +71,10 @@ class GpuDecodedBatches:
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if cuda and ahead > 0 else None
         self.index = cuda_index(device) if cuda else None
-        # a packed store's index holds each stored (upright, RGB) image's size
-        self.stored_hw = getattr(storage, "heights", None), getattr(storage, "widths", None)
+        # a packed store's index holds each stored (upright, RGB) image's size (a shard
+        # set's index does not vouch for upright RGB: its headers are parsed)
+        upright = getattr(storage, "stored_upright", False)
+        self.stored_hw = ((storage.heights, storage.widths) if upright else (None, None))
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -174,16 +176,24 @@ class GpuDecodedBatches:
                 yield rows, torch.stack([self.decoder.finish(img, box, flip)
                                          for _, img, box, flip in decoded])
             return
-        yield rows, resample_batch([img for _, img, _, _ in decoded],
-                                   [pixel_window(box, *img.shape[-2:])
-                                    for _, img, box, _ in decoded],
-                                   [flip for _, _, _, flip in decoded], tuple(self.decoder.size))
+        for part in padded_parts([img.shape for _, img, _, _ in decoded]):
+            members = [decoded[k] for k in part]
+            yield [rows[k] for k in part], resample_batch(
+                [img for _, img, _, _ in members],
+                [pixel_window(box, *img.shape[-2:]) for _, img, box, _ in members],
+                [flip for _, _, _, flip in members], tuple(self.decoder.size))
 
     def _nvjpeg(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         if not data:
             return []
+        if self.stream is not None:
+            # torchvision allocates the outputs on this stream but decodes on a stream of
+            # its own that does not wait for this one: a block this stream freed while its
+            # last resample still reads it could be written under it. The decode thread
+            # waits for its own previous batch (not the model's step) first.
+            self.stream.synchronize()
         try:  # one call for the batch: nvjpeg's batched decode
             return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
         except RuntimeError:  # one bad file fails the call: find it, one by one
@@ -212,6 +222,30 @@ class GpuDecodedBatches:
             return None
         self.cpu_fallbacks += 1
         return image
+
+
+# the most bytes one batched resample pads its images into (float32): a photo of 4000 x 3000
+# among 256 small ones would pad all 256 to its size (about 49 GB)
+PADDED_BYTES = 1 << 30
+
+
+def padded_parts(shapes: list[torch.Size], limit: int = PADDED_BYTES) -> list[list[int]]:
+    """The positions of images of ``shapes`` (C x H x W) in parts that each pad into at
+    most ``limit`` bytes of float32 (smallest images first, so like sizes share a part);
+    an image larger than the limit alone is a part of its own."""
+    order = sorted(range(len(shapes)), key=lambda k: shapes[k][-2] * shapes[k][-1])
+    parts: list[list[int]] = []
+    height = width = 0
+    for k in order:
+        c, h, w = shapes[k][-3:]
+        hh, ww = max(height, h), max(width, w)
+        if parts and (len(parts[-1]) + 1) * c * hh * ww * 4 <= limit:
+            parts[-1].append(k)
+            height, width = hh, ww
+        else:
+            parts.append([k])
+            height, width = h, w
+    return parts
 
 
 def resample_weights(start: torch.Tensor, length: torch.Tensor, out: int, size: int

@@ -54,6 +54,9 @@ class FolderStorage(torch.utils.data.Dataset):
     decodes_per_epoch = True
     image_bytes = None  # one file per image
 
+    targets = None  # detection: each image's boxes (DetectionTargets); a storage built
+    # another way (shards, a rival's) carries none
+
     def __init__(self, source: Files | str | Path, decode: ImageDecoder | ReadBytes,
                  on_corrupt: OnCorrupt):
         if not isinstance(source, Files):

@@ -304,6 +304,9 @@ class PackedStorage(FolderStorage):
     """
 
     engine = None  # the read engine, for a store on a far disk (``read_through``)
+    # every stored image is an upright RGB JPEG of the index's size (the GPU decode trusts
+    # the index instead of parsing each header)
+    stored_upright = True
 
     def __init__(self, folder: FolderStorage, cache: Path, meta: dict[str, Any],
                  spec: PackedSpec | None = None):
@@ -317,6 +320,7 @@ class PackedStorage(FolderStorage):
         if folder.targets is not None:  # detection: each image's boxes at its stored size
             self.targets = stored_targets(folder.targets, keep.tolist(), self.heights,
                                           self.widths)
+            self.known_skipped += self.targets.skipped  # bad labels, as the folder says
         self.path, self.cache, self.spec = cache / DATA, cache, spec
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)

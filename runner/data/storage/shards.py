@@ -128,6 +128,9 @@ class ShardsStorage(PackedStorage):
     """
 
     group_block = SHARDS_PER_BLOCK
+    # a shard set written elsewhere may hold rotated, CMYK or PNG images (its index says
+    # which): the GPU decode parses each header, as for a folder
+    stored_upright = False
 
     def __init__(self, root: str | Path, indexes: list[ShardIndex], classes: list[str],
                  decode, on_corrupt, source: LocalShards | RemoteShards,

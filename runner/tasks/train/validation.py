@@ -68,7 +68,10 @@ class Validation:
 
     def __init__(self, data: DataPath, model: nn.Module, amp: AmpConfig, classes: list[str],
                  ranks: Ranks | None = None):
-        if data.classes != list(classes):
+        detection = isinstance(local_module(model), Detector)
+        same = data.classes == list(classes) or (detection and data.classes == list(
+            classes)[: len(data.classes)])  # YOLO ids without names: the ids its labels use
+        if not same:
             raise ConfigError(f"dataset.val_path={data.storage.root} has classes "
                               f"{data.classes[:5]}..., the training folder {list(classes)[:5]}"
                               "...: they must be the same class folders")

@@ -123,12 +123,21 @@ def test_the_bytes_are_not_copied_between_the_read_and_the_batch(monkeypatch):
 def test_a_packed_stores_sizes_come_from_its_index_not_a_header():
     class Store:
         heights, widths = [10, 20, 30], [11, 21, 31]
+        stored_upright = True
         decode = ReadBytes(ImageDecoder(Decoder.pil, (8, 8), Crop.center))
 
     stage = GpuDecodedBatches([], Store(), torch.device("cpu"))
     headers = stage.headers({"index": torch.tensor([2, 0])}, [torch.zeros(4, dtype=torch.uint8)] * 2)
     assert [(h.height, h.width, h.components, h.orientation) for h in headers] == [
         (30, 31, 3, 1), (10, 11, 3, 1)]
+
+    class Shards(Store):  # an index that does not vouch for upright RGB: headers parsed
+        stored_upright = False
+
+    rotated = torch.frombuffer(bytearray(encode(photo(20, 30), orientation=6)), dtype=torch.uint8)
+    header = GpuDecodedBatches([], Shards(), torch.device("cpu")).headers(
+        {"index": torch.tensor([1])}, [rotated])[0]
+    assert (header.height, header.width, header.orientation) == (20, 30, 6)
 
 
 @pytest.mark.cuda
@@ -148,3 +157,20 @@ def test_random_crops_of_many_sizes_on_the_gpu_are_the_cpu_paths(tmp_path: Path)
     for i in range(6):
         expected = cpu[(i, 1000 + i)].image
         assert (out["image"][i].cpu().int() - expected.int()).abs().float().mean() < 2.0, i
+
+
+def test_a_huge_image_does_not_pad_the_whole_batch_to_its_size():
+    """One 4000 x 3000 photo among small ones would pad all of them to its size in one
+    resample (tens of GB at a batch of 256): the batch is resampled in parts under a byte
+    limit, smallest first, every image in exactly one part."""
+    from runner.data.device.nvjpeg import padded_parts
+
+    shapes = [torch.Size((3, 300, 400))] * 255 + [torch.Size((3, 4000, 3000))]
+    parts = padded_parts(shapes, limit=1 << 30)
+    assert sorted(k for p in parts for k in p) == list(range(256))
+    assert parts[-1] == [255]  # the photo alone
+    for part in parts:
+        h = max(shapes[k][1] for k in part)
+        w = max(shapes[k][2] for k in part)
+        assert len(part) == 1 or len(part) * 3 * h * w * 4 <= 1 << 30
+    assert len(parts) <= 3  # the small ones share parts: not one call each
