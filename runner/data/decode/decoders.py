@@ -577,11 +577,13 @@ class ImageDecoder:
         return self.decode_window(data, seed)[0]
 
     def decode_window(self, data: bytes, seed: int | None = None
-                      ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool]:
+                      ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool,
+                                 tuple[int, int]]:
         """``__call__``'s image, with the window of the upright source image it was made of
         (top, left, height, width, in source pixels: the integer window cut at the scale
-        the image was decoded at, ``source_window``) and whether it was flipped: what a
-        detection target's boxes go through (runner/data/decode/boxgeometry.py)."""
+        the image was decoded at, ``source_window``), whether it was flipped, and the
+        upright source's size (height, width): what a detection target's boxes go through
+        (runner/data/decode/boxgeometry.py)."""
         header = read_jpeg_header(data)
         if header is not None and header.height * header.width > MAX_PIXELS:
             raise CorruptImageError(
@@ -646,14 +648,16 @@ class ImageDecoder:
         return out.flip(3).contiguous() if flip else out
 
     def _decode_jpeg(self, data: bytes, header: JpegHeader, seed: int | None
-                     ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool]:
+                     ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool,
+                                tuple[int, int]]:
         oh, ow = header.oriented_hw
         box, flip = self.box_for(oh, ow, seed)
         kind = DECODERS[self.decoder]
         if kind.region:
             denom = region_scale(box, self.size)  # decoded at 1/denom: libjpeg's sizes
             window = source_window(box, (oh, ow), (-(-oh // denom), -(-ow // denom)))
-            return self.finish(*decode_region(data, header, box, self.size), flip), window, flip
+            return (self.finish(*decode_region(data, header, box, self.size), flip), window,
+                    flip, (oh, ow))
         min_hw = None
         if self.draft and kind.scales:
             # The decode only needs to be as large as the crop will be after resizing.
@@ -666,14 +670,16 @@ class ImageDecoder:
         img = apply_orientation(img, header.orientation)
         dh, dw = img.shape[-2:]
         window = source_window(box, (oh, ow), (dh, dw))
-        return self.finish(img, box.scaled(dh / oh, dw / ow), flip), window, flip
+        return self.finish(img, box.scaled(dh / oh, dw / ow), flip), window, flip, (oh, ow)
 
     def _decode_fallback(self, data: bytes, seed: int | None
-                         ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool]:
+                         ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool,
+                                    tuple[int, int]]:
         try:
             with Image.open(io.BytesIO(data)) as pil:
                 img = _hwc(np.asarray(upright_rgb(pil)))
         except Exception as e:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
-        box, flip = self.box_for(*img.shape[-2:], seed)
-        return self.finish(img, box, flip), source_window(box, img.shape[-2:]), flip
+        hw = tuple(img.shape[-2:])
+        box, flip = self.box_for(*hw, seed)
+        return self.finish(img, box, flip), source_window(box, hw), flip, hw

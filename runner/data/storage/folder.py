@@ -168,10 +168,10 @@ class FolderStorage(torch.utils.data.Dataset):
                 raise CorruptImageError("empty file" if data is not None else "unreadable")
             if self.targets is None:
                 return Sample(self.decode(data, seed), label, index, valid)
-            image, window, flip = self.decode.decode_window(data, seed)
+            image, window, flip, hw = self.decode.decode_window(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
-        boxes, box_labels = follow(self.targets[index], window, flip, image.shape[-2:])
+        boxes, box_labels = follow(self.targets[index], window, flip, image.shape[-2:], hw)
         return Sample(image, label, index, valid, boxes, box_labels)
 
     def unreadable(self, index: int, error: OSError) -> SkippedFile:
@@ -291,14 +291,22 @@ class FolderStorage(torch.utils.data.Dataset):
 
 
 def follow(target, window: tuple[float, float, float, float], flip: bool,
-           size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+           size: tuple[int, int], hw: tuple[int, int] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """An image's boxes (its ``ImageTargets``) in the output image the decoder made from
     ``window`` of it, flipped or not, at ``size`` (runner/data/decode/boxgeometry.py's one
     mapping and its one rule for boxes that leave the crop). The boxes are in pixels of
-    the upright image (YOLO's read from the image's own size, COCO's in its JSON's)."""
+    the upright image at the labels' size (YOLO's read from the image itself, COCO's from
+    its JSON); where that differs from the decoded image's upright size ``hw`` (a JSON's
+    width and height that are not the file's), they are scaled to it first."""
     from runner.data.decode.boxgeometry import Window, map_boxes
 
-    return map_boxes(target.boxes, target.labels, Window(*window), tuple(size), flip)
+    boxes = target.boxes
+    if hw is not None and target.height and target.width and \
+            (target.height, target.width) != tuple(hw):
+        boxes = boxes * torch.tensor([hw[1] / target.width, hw[0] / target.height] * 2,
+                                     dtype=torch.float32)
+    return map_boxes(boxes, target.labels, Window(*window), tuple(size), flip)
 
 
 def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:

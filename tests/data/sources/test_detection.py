@@ -81,10 +81,11 @@ def test_boxes_follow_the_decoders_window_as_torchvision_v2_maps_them(shapes: Pa
         seed = 1000 + index if crop is Crop.random else None
         item = storage[(index, seed)] if seed is not None else storage[index]
         data = bytearray(Path(storage.samples[index][0]).read_bytes())
-        image, window, flip = decode.decode_window(data, seed)
+        image, window, flip, hw_read = decode.decode_window(data, seed)
         assert torch.equal(image, item.image)
         target = storage.targets[index]
         hw = (target.height, target.width) if target.height else image.shape[-2:]
+        assert not target.height or tuple(hw) == hw_read  # YOLO's: the images' own sizes
         expected = torchvision_boxes(target.boxes, target.labels, hw, Window(*window),
                                      (96, 112), flip)
         assert_same((item.boxes, item.box_labels), expected)
@@ -143,3 +144,25 @@ def test_prepare_picks_among_the_stores_that_carry_boxes(shapes: Path, tmp_path:
                  f"dataset.cache_dir={tmp_path / 'cache'}", "run.progress=false"]
     names = [k.name.value for k, _ in prepare.store_sizes(prepare.compose(overrides)).stores]
     assert names and "packed" in names and "memmap" not in names and "ram" not in names
+
+
+def test_boxes_given_for_another_size_than_the_files_are_scaled_to_it(tmp_path: Path):
+    """A COCO JSON whose width and height are not the file's (a resized copy of the images,
+    say): its boxes are scaled to the decoded image's size before they follow the crop."""
+    import json
+
+    from PIL import Image
+
+    (tmp_path / "val").mkdir()
+    Image.new("RGB", (80, 60), (40, 90, 120)).save(tmp_path / "val" / "a.jpg")
+    (tmp_path / "annotations").mkdir()
+    (tmp_path / "annotations" / "instances_val.json").write_text(json.dumps({
+        "images": [{"id": 7, "file_name": "a.jpg", "width": 160, "height": 120}],
+        "annotations": [{"id": 1, "image_id": 7, "category_id": 3, "bbox": [40, 30, 80, 60],
+                         "iscrowd": 0, "area": 4800}],
+        "categories": [{"id": 3, "name": "thing"}]}))
+    cfg = dataclasses.replace(dataset_config(tmp_path), targets=Targets.coco, split=Split.val)
+    storage = FolderStorage(Files(list_detection(cfg, tmp_path)),
+                            ImageDecoder(Decoder.pil, (60, 80), Crop.whole), OnCorrupt.skip)
+    item = storage[0]  # the whole 80 x 60 file at its own size: the JSON's box halved
+    assert item.boxes.tolist() == [[20.0, 15.0, 60.0, 45.0]] and item.box_labels.tolist() == [0]

@@ -569,7 +569,7 @@ def test_a_packed_detection_sets_boxes_follow_its_stored_images(tmp_path: Path, 
     try:
         for index in range(len(store)):
             item = store[(index, 77 + index)]
-            _, window, flip = store.decode.image_decoder.decode_window(
+            _, window, flip, _ = store.decode.image_decoder.decode_window(
                 bytearray(store.read(index)), 77 + index)
             target, hw = store.targets[index], (store.heights[index], store.widths[index])
             assert (target.height, target.width) == hw or target.height == 0
