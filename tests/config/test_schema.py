@@ -282,7 +282,8 @@ def test_a_misspelt_model_in_models_is_refused_before_any_dataset_is_made(tmp_pa
                    "loader=memmap", "hydra.run.dir=run", cwd=tmp_path, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2
-    assert "model.name=resnett50 is not a torchvision classification or segmentation model" in out
+    assert "model.name=resnett50 is not a torchvision classification, segmentation or detection" \
+        " model" in out
     assert "did you mean resnet50" in out
     assert not cache_dir.exists() or not any(cache_dir.rglob("*.jpg"))  # nothing generated
 
