@@ -28,19 +28,22 @@ an interrupted generation resumes where it stopped.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from filelock import FileLock
-from tqdm import tqdm
 
-from runner.common.atomic import write_atomic, write_json
-from runner.data.pool import parallel_imap
+from runner.common.atomic import write_atomic
 from runner.data.sources.listing import split_positions
-from runner.data.sources.synthetic import _CHROMA_U, _CHROMA_V, _noise_fields, _rgb, encode_jpeg
-from runner.data.threads import cores
+from runner.data.sources.synthetic import (
+    _CHROMA_U,
+    _CHROMA_V,
+    _noise_fields,
+    _rgb,
+    encode_jpeg,
+    publish_once,
+    write_parallel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +207,7 @@ def ensure_shapes(spec: ShapesSpec, cache_dir: str | Path, progress: bool = True
     """
     import yaml
 
-    cache = Path(cache_dir).expanduser() / "datasets"
-    final = cache / spec.name
-    if (final / "dataset.json").exists():
-        return final
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / f"{spec.name}.lock")):
-        if (final / "dataset.json").exists():  # another process finished it meanwhile
-            return final
-        partial = cache / f"{spec.name}.partial"
+    def make(partial: Path, final: Path) -> dict:
         for kind in ("images", "labels"):
             for split in ("train", "val"):
                 (partial / kind / split).mkdir(parents=True, exist_ok=True)
@@ -221,16 +216,11 @@ def ensure_shapes(spec: ShapesSpec, cache_dir: str | Path, progress: bool = True
                 if not (partial / relpaths(spec, i, val)[0]).exists()]
         log.info("generating the default detection dataset (%d of %d images to write) in %s",
                  len(todo), spec.num_images, final)
-        jobs = [(spec, partial, i, val) for i in todo]
-        workers = min(cores(), max(len(todo) // 256, 1))
-        with tqdm(total=len(todo), desc="shapes dataset", unit="img",
-                  disable=not progress) as bar:
-            for _ in parallel_imap(_write_one, jobs, workers=workers, chunksize=16):
-                bar.update()
+        write_parallel(_write_one, [(spec, partial, i, val) for i in todo], "shapes dataset",
+                       progress, per_worker=256, chunksize=16)
         write_atomic(partial / "data.yaml", yaml.safe_dump(
             {"train": "images/train", "val": "images/val",
              "names": list(CLASSES)}, sort_keys=False).encode())
-        write_json(partial / "dataset.json", {"version": VERSION, **spec.__dict__,
-                                              "classes": list(CLASSES)})
-        os.replace(partial, final)
-    return final
+        return {"version": VERSION, **spec.__dict__, "classes": list(CLASSES)}
+
+    return publish_once(Path(cache_dir).expanduser() / "datasets", spec.name, make)

@@ -138,30 +138,43 @@ def ensure_dataset(spec: SyntheticSpec, cache_dir: str | Path, progress: bool = 
 
     Safe to call from several processes at once: one generates, the others wait on a lock.
     """
-    cache = Path(cache_dir).expanduser() / "datasets"
-    final = cache / spec.name
-    if (final / "dataset.json").exists():
-        return final
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / f"{spec.name}.lock")):
-        if (final / "dataset.json").exists():  # another process finished it meanwhile
-            return final
-        partial = cache / f"{spec.name}.partial"
+    def make(partial: Path, final: Path) -> dict:
         for label in range(spec.num_classes):
             (partial / f"class_{label:03d}").mkdir(parents=True, exist_ok=True)
         todo = [i for i in range(spec.num_images) if not (partial / spec.relpath(i)).exists()]
         log.info("generating the default dataset (%d of %d images to write) in %s",
                  len(todo), spec.num_images, final)
-        _generate(spec, partial, todo, progress)
-        meta = {"version": VERSION, **spec.__dict__}
+        write_parallel(_write_one, [(spec, partial, i) for i in todo], "default dataset",
+                       progress, per_worker=64, chunksize=8)
+        return {"version": VERSION, **spec.__dict__}
+
+    return publish_once(Path(cache_dir).expanduser() / "datasets", spec.name, make)
+
+
+def publish_once(cache: Path, name: str, make) -> Path:
+    """``cache/name``, made once: under a lock (one process generates, the others wait),
+    ``make(partial, final)`` fills ``cache/name.partial`` (resuming what an interrupted
+    generation left there) and returns the metadata written last as ``dataset.json``, whose
+    presence means complete; the folder is then renamed into place."""
+    final = cache / name
+    if (final / "dataset.json").exists():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / f"{name}.lock")):
+        if (final / "dataset.json").exists():  # another process finished it meanwhile
+            return final
+        partial = cache / f"{name}.partial"
+        meta = make(partial, final)
         write_json(partial / "dataset.json", meta)
         os.replace(partial, final)
     return final
 
 
-def _generate(spec: SyntheticSpec, root: Path, todo: list[int], progress: bool) -> None:
-    jobs = [(spec, root, i) for i in todo]
-    workers = min(cores(), max(len(todo) // 64, 1))
-    with tqdm(total=len(todo), desc="default dataset", unit="img", disable=not progress) as bar:
-        for _ in parallel_imap(_write_one, jobs, workers=workers, chunksize=8):
+def write_parallel(write_one, jobs: list, desc: str, progress: bool, per_worker: int,
+                   chunksize: int) -> None:
+    """``write_one`` over ``jobs`` in worker processes (one per ``per_worker`` jobs, at most
+    one per core), with a progress bar."""
+    workers = min(cores(), max(len(jobs) // per_worker, 1))
+    with tqdm(total=len(jobs), desc=desc, unit="img", disable=not progress) as bar:
+        for _ in parallel_imap(write_one, jobs, workers=workers, chunksize=chunksize):
             bar.update()

@@ -82,7 +82,7 @@ def test_written_once_in_the_yolo_layout_and_read_back(tmp_path: Path, monkeypat
     def must_not_generate(*args, **kwargs):
         raise AssertionError("a cached dataset was generated again")
 
-    monkeypatch.setattr(shapes, "parallel_imap", must_not_generate)
+    monkeypatch.setattr(shapes, "write_parallel", must_not_generate)
     assert ensure_shapes(SPEC, tmp_path, progress=False) == root
 
 

@@ -56,7 +56,7 @@ def test_dataset_is_an_image_folder_made_once(tmp_path: Path, monkeypatch):
     def must_not_generate(*args, **kwargs):
         raise AssertionError("a cached dataset was generated again")
 
-    monkeypatch.setattr(synthetic, "_generate", must_not_generate)
+    monkeypatch.setattr(synthetic, "write_parallel", must_not_generate)
     assert ensure_dataset(spec, tmp_path, progress=False) == root
 
 
