@@ -72,6 +72,7 @@ from runner.model.networks import (
     UInt8Input,
     load_weights,
     read_weights_file,
+    training_count,
 )
 
 # padding of the rows past ``box_count``
@@ -317,13 +318,7 @@ def detector_classes(cfg: ModelConfig, dataset_classes: int, state: dict | None,
     if state is not None:
         from_weights = len(names) if names else classes_in_detector_weights(cfg.name, state)
     if train:
-        if from_weights is not None and from_weights != dataset_classes \
-                and not cfg.replace_head:
-            raise ConfigError(
-                f"model.weights={cfg.weights} has {from_weights} classes, the dataset "
-                f"{dataset_classes}: to fine-tune it on these classes set "
-                "model.replace_head=true (a new head), or train on the same classes")
-        return dataset_classes
+        return training_count(cfg, dataset_classes, from_weights)
     count = from_weights or dataset_classes
     if not count:
         raise ConfigError(f"model.name={cfg.name} needs its class count: set "

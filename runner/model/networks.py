@@ -298,21 +298,27 @@ def _with_aux(cfg: ModelConfig, state: dict | None) -> ModelConfig:
     return cfg
 
 
+def training_count(cfg: ModelConfig, dataset_classes: int, from_weights: int | None) -> int:
+    """A trained model's class count: the dataset's; weights of another count
+    (``from_weights``) only with ``model.replace_head`` (a new head), else a ConfigError."""
+    from runner.config.schema import ConfigError
+
+    if from_weights is not None and from_weights != dataset_classes and not cfg.replace_head:
+        raise ConfigError(
+            f"model.weights={cfg.weights} has {from_weights} classes, the dataset "
+            f"{dataset_classes}: to fine-tune it on these classes set "
+            "model.replace_head=true (a new head), or train on the same classes")
+    return dataset_classes
+
+
 def class_count(cfg: ModelConfig, dataset_classes: int, state: dict | None, train: bool) -> int:
     """How many classes the model's head has (the module docstring says how it is chosen)."""
-    from runner.config.schema import ConfigError
 
     if cfg.num_classes is not None:
         return cfg.num_classes
     from_weights = classes_in_weights(cfg, state) if state is not None else None
     if train:
-        if from_weights is not None and from_weights != dataset_classes \
-                and not cfg.replace_head:
-            raise ConfigError(
-                f"model.weights={cfg.weights} has {from_weights} classes, the dataset "
-                f"{dataset_classes}: to fine-tune it on these classes set "
-                "model.replace_head=true (a new head), or train on the same classes")
-        return dataset_classes
+        return training_count(cfg, dataset_classes, from_weights)
     if from_weights is not None:
         return from_weights
     if dataset_classes:
