@@ -13,6 +13,7 @@ import torch
 
 from runner.common.text import printable
 from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
+from runner.data.decode.boxgeometry import Window, map_boxes, pad
 from runner.data.decode.decoders import (
     DECODERS,
     FALLBACK,
@@ -299,8 +300,6 @@ def follow(target, window: tuple[float, float, float, float], flip: bool,
     the upright image at the labels' size (YOLO's read from the image itself, COCO's from
     its JSON); where that differs from the decoded image's upright size ``hw`` (a JSON's
     width and height that are not the file's), they are scaled to it first."""
-    from runner.data.decode.boxgeometry import Window, map_boxes
-
     boxes = target.boxes
     if hw is not None and target.height and target.width and \
             (target.height, target.width) != tuple(hw):
@@ -318,8 +317,6 @@ def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
     if not all(s.valid for s in samples):  # padding rows of a distributed shard
         fields["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
     if samples and samples[0].boxes is not None:
-        from runner.data.decode.boxgeometry import pad
-
         fields.update(pad([s.boxes for s in samples], [s.box_labels for s in samples]))
     return fields
 
