@@ -12,6 +12,8 @@ rounds, with their range), the figures written as JSON under ``outputs/bench``.
 - ``infer`` (infer.py, ablation.py): an inference job with three models against the naive
   script, and what each change buys;
 - ``remote`` (remote.py): shards and one object per JPEG over a delay line, a far disk;
+- ``pairs`` (pairs.py): detection's image/label-file pairs from the folder against the
+  one-file stores, cold and warm;
 - ``gpudecode`` (gpudecode.py): ``loader.decoder=nvjpeg`` against the best CPU decoder on
   its three targets (CUDA);
 - ``selfcheck`` (selfcheck/): every GPU claim of the project, a row each that can fail

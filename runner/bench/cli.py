@@ -85,6 +85,9 @@ def command_line() -> argparse.ArgumentParser:
     from runner.bench.remote import add_parser as add_remote
 
     add_remote(sub, [sized, written])
+    from runner.bench.pairs import add_parser as add_pairs
+
+    add_pairs(sub, [sized, written])
     sub.add_parser("selfcheck", add_help=False,  # its own command line: main() hands it over
                    help="every GPU claim, a row each that can fail (python -m runner.selfcheck;"
                         " selfcheck --help)").set_defaults(overrides=[])
@@ -115,6 +118,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from runner.bench.remote import bench_remote
 
         return run_with_targets("remote", bench_remote, args)
+    if args.command == "pairs":
+        from runner.bench.pairs import bench_pairs
+
+        return run_with_targets("pairs", bench_pairs, args)
     if args.command == "infer":
         from runner.bench.ablation import bench_infer_parts
 
