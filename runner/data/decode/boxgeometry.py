@@ -176,3 +176,30 @@ def center_windows(n: int, hw: tuple[int, int], size: tuple[int, int], fraction:
 
     return Boxes(const(top), const(left), const(ch), const(cw),
                  torch.zeros(n, dtype=torch.bool, device=device))
+
+
+def shown_window(hw: tuple[int, int], size: tuple[int, int], crop: Crop, fraction: float
+                 ) -> Window:
+    """The part of an upright ``hw`` source image that an output image of ``size`` made by
+    the deterministic ``crop`` shows: the whole image, or the centre crop's window
+    (``pixel_window``'s integer window cut from the source; a store that cut it from its
+    stored image, a resize of the source, is within a stored pixel of it)."""
+    if crop is Crop.random:
+        raise ValueError("a random crop's window depends on the image's crop seed")
+    h, w = hw
+    if crop is Crop.whole:
+        return Window(0.0, 0.0, float(h), float(w))
+    return cut_window(center_box(h, w, *size, fraction), hw)
+
+
+def to_source(boxes: torch.Tensor, windows: torch.Tensor, size: tuple[int, int]
+              ) -> torch.Tensor:
+    """Boxes [B, K, 4] in pixels of output images of ``size`` back into pixels of their
+    source images, each image's ``windows`` row (top, left, height, width: [B, 4], the
+    ``Window`` it shows) undone: ``x = left + x' * width / out_w``, the same for y; the
+    inverse of ``map_boxes`` for a box the crop kept whole."""
+    out_h, out_w = size
+    w = windows.to(torch.float64)
+    scale = torch.stack([w[:, 3] / out_w, w[:, 2] / out_h] * 2, -1)[:, None, :]
+    offset = torch.stack([w[:, 1], w[:, 0]] * 2, -1)[:, None, :]
+    return (boxes.to(torch.float64) * scale + offset).to(boxes.dtype)

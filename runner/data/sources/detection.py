@@ -28,11 +28,19 @@ from runner.data.sources.listing import Listing, split_listing
 class DetectionTargets:
     """Each listed image's boxes (``ImageTargets``: float32 [n, 4] xyxy in pixels of the
     upright source image at ``height`` x ``width``, int64 [n] class ids), in listing order,
-    and what the labels left out (``skipped``: reported in ``skipped_files``)."""
+    and what the labels left out (``skipped``: reported in ``skipped_files``).
+
+    ``category_ids``: COCO's id of each class (None: the class index is the id), so served
+    detections name the categories the user's ground truth does. ``source_sizes``: each
+    image's upright source size (height, width) where ``items`` are at another size (a
+    store's), so served detections can be mapped back to the source's pixels; None: the
+    items' own sizes are the source's."""
 
     items: list[ImageTargets]
     format: str
     skipped: list[SkippedFile] = field(default_factory=list)
+    category_ids: list[int] | None = None
+    source_sizes: list[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -40,9 +48,18 @@ class DetectionTargets:
     def __getitem__(self, index: int) -> ImageTargets:
         return self.items[index]
 
+    def source_size(self, index: int) -> tuple[int, int]:
+        """Image ``index``'s upright source size (height, width)."""
+        if self.source_sizes is not None:
+            return self.source_sizes[index]
+        return self.items[index].height, self.items[index].width
+
     def subset(self, positions: list[int]) -> DetectionTargets:
         """The targets of the listed images ``positions`` (a split's side)."""
-        return DetectionTargets([self.items[k] for k in positions], self.format, self.skipped)
+        return DetectionTargets([self.items[k] for k in positions], self.format, self.skipped,
+                                self.category_ids,
+                                None if self.source_sizes is None
+                                else [self.source_sizes[k] for k in positions])
 
 
 def has_split(root: Path, format: str, split: str) -> bool:
@@ -84,7 +101,8 @@ def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
         root, format, dataset.split.value) else None
     labels = read_labels(root, format, split)
     samples = [(image, 0) for image in labels.targets]
-    targets = DetectionTargets(list(labels.targets.values()), labels.format, labels.skipped)
+    targets = DetectionTargets(list(labels.targets.values()), labels.format, labels.skipped,
+                               labels.category_ids)
     listing = Listing(labels.root, labels.classes, samples,
                       f"{labels.format} detection labels" + (f", {split} split" if split
                                                               else ""), [], targets)

@@ -109,6 +109,8 @@ class LabelSet:
             the path relative to ``root``.
         skipped: what was left out, with its reason (a file, a line, an annotation).
         counts: how many of each kind of bad input (``REASONS``'s keys).
+        category_ids: COCO's category id of each class (its ``categories``' ids, in class
+            order: 1..90 with gaps for COCO itself); None for YOLO (the class index is the id).
     """
 
     format: str
@@ -118,6 +120,7 @@ class LabelSet:
     targets: dict[str, ImageTargets]
     skipped: list[SkippedFile] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
+    category_ids: list[int] | None = None
 
     @property
     def num_boxes(self) -> int:
@@ -549,7 +552,8 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
     for image in _unlisted(folder, seen):
         report.skip("not_annotated", image, f"not listed in {file.name}; skipped")
     report.say(file)
-    return LabelSet("coco", folder, file, classes, targets, report.skipped, report.counts)
+    return LabelSet("coco", folder, file, classes, targets, report.skipped, report.counts,
+                    [c["id"] for c in categories])
 
 
 def _unlisted(folder: Path, seen: Iterable[str]) -> list[str]:

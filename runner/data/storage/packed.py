@@ -532,6 +532,7 @@ def stored_targets(targets, keep: list[int], heights: list[int], widths: list[in
     from runner.data.sources.labels import ImageTargets
 
     out = targets.subset(keep)
+    out.source_sizes = [out.source_size(k) for k in range(len(out))]
     for k, (t, h, w) in enumerate(zip(out.items, heights, widths)):
         if t.height and t.width and (t.height, t.width) != (h, w):
             scale = torch.tensor([w / t.width, h / t.height] * 2, dtype=torch.float32)

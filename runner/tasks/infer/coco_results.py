@@ -26,6 +26,7 @@ first row): evaluate that case as a mAP of 0 without it.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 from runner.common.atomic import replacing
+
+log = logging.getLogger(__name__)
 
 
 def result_rows(image_ids: Sequence[int] | np.ndarray | torch.Tensor,
@@ -119,3 +122,72 @@ def write_results(path: Path, rows: Iterable[dict]) -> None:
     with replacing(Path(path)) as tmp:
         text = rows_text(rows)
         tmp.write_text("[" + (f"\n{text}" if text else "") + "\n]\n", encoding="utf-8")
+
+
+class ServedFrame:
+    """Where a detection dataset's served boxes live: the frame a ground truth of the
+    user's own uses, so ``COCOeval`` compares ``detections.json`` with their
+    ``instances_*.json`` as they are.
+
+    - ``image_id``: each image's COCO id (its annotations'; for YOLO, its place in the set);
+    - ``category_ids``: COCO's category id of each class (1..90 with gaps for COCO; None
+      for YOLO: the class index);
+    - ``source_windows``: the window of its upright source image (top, left, height,
+      width) each output image shows under ``dataset.crop`` (whole or centre, at
+      ``dataset.image_size``; boxgeometry's ``shown_window``), so boxes go back into the
+      source's pixels (``to_source``). Under random crops there is no one window: boxes
+      stay in the model's input pixels (said once). An image whose labels gave no size (a
+      YOLO image with no boxes) has its size read from its file's header.
+
+    Args:
+        targets: the storage's ``DetectionTargets`` (its ``source_size`` per image).
+        dataset: the run's dataset config (crop, crop_fraction, image_size).
+        source: dataset index -> the image's source file (for a size the labels lack).
+    """
+
+    def __init__(self, targets, dataset, source):
+        from runner.config.schema import Crop
+
+        self.targets, self.source = targets, source
+        self.size = tuple(int(v) for v in dataset.image_size)
+        self.crop, self.fraction = dataset.crop, float(dataset.crop_fraction)
+        self.mapped = self.crop is not Crop.random
+        if not self.mapped:
+            log.warning("dataset.crop=random: served detections stay in the model's input "
+                        "pixels (a random crop has no one window to undo)")
+
+    def image_id(self, index: int) -> int:
+        return int(self.targets[index].image_id)
+
+    def _size(self, index: int) -> tuple[int, int]:
+        h, w = self.targets.source_size(index)
+        if h and w:
+            return h, w
+        from runner.data.decode.decoders import read_jpeg_header
+
+        try:
+            with open(self.source(index), "rb") as f:
+                header = read_jpeg_header(f.read(1 << 16))
+            if header is not None:
+                return header.oriented_hw
+        except OSError:
+            pass
+        from PIL import Image, ImageOps
+
+        with Image.open(self.source(index)) as im:
+            return ImageOps.exif_transpose(im).size[::-1]
+
+    def source_windows(self, index: np.ndarray) -> np.ndarray:
+        """The windows [B, 4] (top, left, height, width) of images ``index``."""
+        from runner.data.decode.boxgeometry import shown_window
+
+        return np.array([list(vars(shown_window(self._size(int(i)), self.size, self.crop,
+                                                self.fraction)).values())
+                         for i in index], dtype=np.float64).reshape(-1, 4)
+
+    def context(self) -> dict:
+        """The ``WriterContext`` fields it fills."""
+        return {"image_id": self.image_id,
+                "source_windows": self.source_windows if self.mapped else None,
+                "input_size": self.size if self.mapped else None,
+                "category_ids": self.targets.category_ids}

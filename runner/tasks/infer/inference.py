@@ -30,6 +30,7 @@ from runner.model.compile import build_models, step_amp
 from runner.model.networks import split_input
 from runner.tasks import checkpoint
 from runner.tasks.infer import outputs
+from runner.tasks.infer.coco_results import ServedFrame
 from runner.tasks.infer.outputs import Outputs, Reduce
 from runner.tasks.loop import Step
 from runner.tasks.task import RunContext, TaskBase
@@ -119,16 +120,18 @@ class InferTask(TaskBase):
             broadcast(ranks, "wait")  # for rank 0 to make the files every rank fills
         writers = {}
         arrays = False
+        source = lambda i: str(Path(storage.root) / storage.name_of(i))  # noqa: E731
+        targets = getattr(storage, "targets", None)  # a detection set's: its served frame
+        frame = ServedFrame(targets, cfg.dataset, source) if targets is not None else None
         for name in self.models:
             head = getattr(built.networks[name], "num_classes", len(storage.classes))
             writers[name] = outputs.ModelWriter(
-                run_dir, name, len(storage), shapes[name], storage.name_of,
-                lambda i: str(Path(storage.root) / storage.name_of(i)),
+                run_dir, name, len(storage), shapes[name], storage.name_of, source,
                 outputs.model_classes(built.configs[name], head, storage.classes,
                                       getattr(built.networks[name], "class_names", None)),
                 storage.classes, outputs.csv_name(name, several, ranks.rank if ranks.enabled
                                                   else None),
-                create=fresh and ranks.main)
+                create=fresh and ranks.main, targets=frame)
             arrays = arrays or bool(writers[name].arrays)
         if ranks.main and fresh and arrays:
             outputs.write_files(run_dir, len(storage), storage.name_of)

@@ -105,6 +105,7 @@ from runner.data.threads import bind_cuda, cuda_index
 from runner.model.detectors import DETECTORS, is_detector
 from runner.model.networks import main_output
 from runner.tasks.checkpoint import CheckpointError
+from runner.tasks.infer.coco_results import ServedFrame
 from runner.tasks.infer.kinds import OUTPUT_KINDS, built_in_keys, kind_of
 from runner.tasks.infer.kinds.kind import (
     CLASSIFIER,
@@ -404,16 +405,18 @@ class ModelWriter:
         names: dataset index -> file name; ``source``: index -> source file path.
         classes, dataset_classes: the model's and the dataset's class names.
         csv_name: the top-k CSV's file name; ``create``: a fresh run (else continuing one).
-        image_id: dataset index -> the image's id in a COCO results file (None: the index).
+        targets: a detection dataset's served frame (``ServedFrame``: COCO's image and
+            category ids, each image's source window), or None.
     """
 
     def __init__(self, run_dir: Path, label: str, count: int,
                  shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
                  names: Callable[[int], str], source: Callable[[int], str],
                  classes: list[str], dataset_classes: list[str], csv_name: str,
-                 create: bool, image_id: Callable[[int], int] | None = None):
+                 create: bool, targets: ServedFrame | None = None):
+        frame = {} if targets is None else targets.context()
         ctx = WriterContext(Path(run_dir), label, count, names, source, classes,
-                            dataset_classes, csv_name, create, image_id)
+                            dataset_classes, csv_name, create, **frame)
         by_kind: dict[Any, dict[str, tuple[tuple[int, ...], np.dtype]]] = {}
         for key, shape in shapes.items():  # postprocess tensors: None, rows of .npy
             by_kind.setdefault(kind_of(key), {})[key] = shape

@@ -40,14 +40,16 @@ DETECTION_FIGURES = ("map", "map_50")  # what a detector's validation records (v
 
 def validation_config(config: Config) -> Config:
     """The data path of ``dataset.val_path`` (or of the images ``dataset.val_fraction``
-    holds out): decoded with the run's decoder, center crops, in order, every image once,
-    from a warm page cache."""
+    holds out): decoded with the run's decoder, center crops (a detector's: whole images),
+    in order, every image once, from a warm page cache."""
     if config.dataset.val_path is not None:
         dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path,
                                       manifest=None, val_fraction=0.0)
     else:  # the held-out side of dataset.val_fraction's split of the training images
         dataset = dataclasses.replace(config.dataset, split=Split.val)
-    dataset = dataclasses.replace(dataset, crop=Crop.center, page_cache=PageCache.warm)
+    # a detector sees whole images (a centre crop would cut boxes at the sides away)
+    crop = Crop.whole if config.dataset.targets.boxes else Crop.center
+    dataset = dataclasses.replace(dataset, crop=crop, page_cache=PageCache.warm)
     task = dataclasses.replace(config.task, augment=AugmentConfig())  # images as they are
     loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,
                                  drop_last=False)

@@ -169,6 +169,7 @@ def test_coco_boxes_contiguous_categories_and_crowds_left_out(tmp_path):
     assert detect_format(tmp_path) == "coco"
     labels = read_labels(tmp_path)
     assert labels.format == "coco" and labels.classes == ["cat", "dog"]  # by category id
+    assert labels.category_ids == [3, 7]  # each class's own id, to serve detections by
     assert labels.root == tmp_path / "val2017"
     one = labels.targets[str(tmp_path / "val2017" / "1.jpg")]
     assert torch.allclose(one.boxes, torch.tensor([[10.0, 20, 40, 60], [0, 0, 5.5, 5]]))

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +141,24 @@ def test_results_files_of_several_ranks_join_to_the_array_of_all_their_parts(tmp
     (tmp_path / "bad.json").write_text('{"not": "an array"}')
     with pytest.raises(ValueError, match="bad.json is not a results file"):
         join_results(tmp_path / "x.json", [tmp_path / "bad.json"])
+
+
+def test_a_served_image_whose_labels_gave_no_size_is_sized_from_its_file(tmp_path):
+    """A YOLO image without boxes has no size in its labels (0 x 0): its source window
+    comes from its JPEG's header, EXIF orientation applied."""
+    from PIL import Image
+
+    from runner.config.schema import Crop, DatasetConfig
+    from runner.data.sources.detection import DetectionTargets
+    from runner.data.sources.labels import ImageTargets
+    from runner.tasks.infer.coco_results import ServedFrame
+
+    path = tmp_path / "a.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 40 x 30 (w x h), shown turned: 30 wide, 40 high
+    Image.new("RGB", (40, 30)).save(path, exif=exif)
+    items = [ImageTargets(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 0, 0, 0)]
+    frame = ServedFrame(DetectionTargets(items, "yolo"),
+                        DatasetConfig(image_size=[20, 20], crop=Crop.whole), lambda i: path)
+    assert frame.source_windows(np.array([0])).tolist() == [[0.0, 0.0, 40.0, 30.0]]
+    assert frame.context()["category_ids"] is None and frame.image_id(0) == 0

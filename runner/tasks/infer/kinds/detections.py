@@ -17,15 +17,13 @@ until the ranks' files are merged):
   JSON array pycocotools' ``COCO.loadRes`` and ``COCOeval`` read, one object per detection
   in dataset order, each image's by score: ``{"image_id", "category_id", "bbox": [x, y,
   w, h], "score"}``; boxes rounded to 2 decimals, scores to 5; a detection with a
-  non-finite box or score is left out there. ``image_id`` is the image's dataset index
-  (the ``index`` column of the CSV, whose ``file`` names the image) unless the dataset
-  gives its own ids (``WriterContext.image_id``: COCO's annotations' ids). ``category_id``
-  is the dataset's class index, 0..C-1 (detectors.py shifts a background class away);
-  their names are in ``detections.categories.json``, COCO's ``categories`` list
-  (``[{"id": 0, "name": "cat"}, ...]``), so a ground truth made with those ids evaluates
-  the file as it is. A ground truth with COCO's own category ids (1..90 with gaps) needs
-  the class index mapped to them (``coco_results.result_rows``' ``category_ids``): not
-  done here yet.
+  non-finite box or score is left out there. ``image_id`` is the image's id in the
+  dataset's labels (COCO's annotations' ids; for YOLO, its place in the label set) and
+  ``category_id`` its class's (COCO's category ids, 1..90 with gaps for COCO itself; for
+  YOLO, the class index), both from ``coco_results.ServedFrame``; the names are in
+  ``detections.categories.json``, COCO's ``categories`` list (``[{"id": 1, "name":
+  "person"}, ...]``). So ``COCOeval`` takes the user's own ``instances_val.json`` as the
+  ground truth and this file as the results, as they are.
 - ``detections.csv``: one row per image (as ``predictions.csv`` is for top-k), lists
   space-separated, in the detections' order (by score)::
 
@@ -42,10 +40,12 @@ until the ranks' files are merged):
   commas; read it with a CSV reader). ``grep dog detections.csv`` lists the images where a
   dog was found.
 
-Boxes, in both files, are in pixels of the image the model was given: the data path's
-output (``dataset.image_size``, after its resize and crop), not the source image. Mapping
-them back to source pixels (undoing the crop and the resize per image) is a later step;
-until then a box is only comparable with a ground truth in those same pixels.
+Boxes, in both files, are in pixels of the upright source image (the ground truth's
+frame): the model's boxes, in pixels of the image it was given (``dataset.image_size``,
+after its resize and crop), are mapped back through the window of the source that image
+shows (boxgeometry's ``shown_window`` and ``to_source``: the whole image, or the centre
+crop's window), on the writer threads. Under ``dataset.crop=random`` there is no one
+window: the boxes stay in input pixels, said once.
 
 Resumable as the top-k CSV is: each step's rows go to a part file of their own under
 ``.detections.parts`` (``<step>.csv`` and ``<step>.json``), rewritten whole when a resumed
@@ -68,6 +68,7 @@ import torch
 from runner.common.atomic import replacing
 from runner.common.text import printable
 from runner.config.schema import Output, TaskConfig
+from runner.data.decode.boxgeometry import to_source
 from runner.tasks.infer.coco_results import join_parts, result_rows, write_part
 from runner.tasks.infer.kinds.kind import DETECTIONS, OutputKind, WriterContext
 from runner.tasks.infer.predictions import join_csv
@@ -142,6 +143,12 @@ class DetectionsWriter:
     def write(self, step: int, index: np.ndarray, label: np.ndarray,
               kept: dict[str, np.ndarray]) -> None:
         ids = index.tolist()
+        if self.ctx.source_windows is not None:  # the boxes in their source's pixels
+            windows = torch.from_numpy(self.ctx.source_windows(index))
+            kept = {**kept, "boxes": to_source(torch.from_numpy(kept["boxes"]), windows,
+                                               self.ctx.input_size).numpy()}
+            kept["boxes"][np.arange(kept["boxes"].shape[1])[None, :]
+                          >= kept["box_count"][:, None]] = 0.0  # padding stays 0
         with replacing(self.parts / f"{step:08d}.csv") as tmp, \
                 open(tmp, "w", newline="", encoding="utf-8") as f:
             csv_rows(f, ids, kept, self.ctx.names, self._name)
@@ -149,8 +156,8 @@ class DetectionsWriter:
             ids = [int(self.ctx.image_id(i)) for i in ids]
         predictions = {k: torch.from_numpy(np.ascontiguousarray(kept[k])) for k in KEYS}
         write_part(self.parts / f"{step:08d}.json",
-                   result_rows(ids, predictions, box_decimals=BOX_DECIMALS,
-                               score_decimals=SCORE_DECIMALS))
+                   result_rows(ids, predictions, self.ctx.category_ids,
+                               box_decimals=BOX_DECIMALS, score_decimals=SCORE_DECIMALS))
 
     def flush(self) -> None:
         pass
@@ -161,7 +168,9 @@ class DetectionsWriter:
         csv_parts = [self.parts / f"{k:08d}.csv" for k in range(steps)]
         join_csv(self.csv, [p for p in csv_parts if p.exists()], header=HEADER)
         join_parts(self.json, [self.parts / f"{k:08d}.json" for k in range(steps)])
-        rows = [json.dumps({"id": k, "name": printable(n)}) for k, n in enumerate(self.names)]
+        ids = self.ctx.category_ids or range(len(self.names))
+        rows = [json.dumps({"id": int(c), "name": printable(n)})
+                for c, n in zip(ids, self.names)]
         with replacing(self.categories) as tmp:
             tmp.write_text("[" + ("\n" + ",\n".join(rows) if rows else "") + "\n]\n",
                            encoding="utf-8")
@@ -173,4 +182,4 @@ class DetectionsWriter:
 KIND = OutputKind(Output.detections, KEYS, reduce, DetectionsWriter, needs=DETECTIONS,
                   dense=False, detector=True, parts=(".detections*.parts",),
                   files="detections.json (COCO results) and detections.csv: each image's "
-                        "boxes, classes and scores, in the model's input pixels")
+                        "boxes, classes and scores, in the source images' pixels")

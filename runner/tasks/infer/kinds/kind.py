@@ -49,6 +49,13 @@ class WriterContext:
     create: bool  # a fresh run (else continuing one)
     # dataset index -> the image's id in a COCO results file (None: the index itself)
     image_id: Callable[[int], int] | None = None
+    # a detector's boxes back in source pixels: dataset indices [B] -> the window of its
+    # source image each output image shows, [B, 4] (top, left, height, width), and the
+    # output images' size (None: boxes stay in the model's input pixels)
+    source_windows: Callable[[np.ndarray], np.ndarray] | None = None
+    input_size: tuple[int, int] | None = None
+    # COCO's category id of each class (None: the class index is the id)
+    category_ids: list[int] | None = None
 
 
 class KindWriter(Protocol):

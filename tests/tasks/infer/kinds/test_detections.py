@@ -21,10 +21,13 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
-from runner.config.schema import Output, ReduceOn, TaskConfig, TaskName
+from runner.config.schema import Crop, DatasetConfig, Output, ReduceOn, TaskConfig, TaskName
+from runner.data.sources.detection import DetectionTargets
+from runner.data.sources.labels import ImageTargets
 from runner.launch.distributed import Ranks
 from runner.model.detectors import build_detector
 from runner.tasks import InferStep
+from runner.tasks.infer.coco_results import ServedFrame
 from runner.tasks.infer.inference import InferTask
 from runner.tasks.infer.outputs import (
     ModelWriter,
@@ -67,9 +70,18 @@ def task(**kw) -> TaskConfig:
     return TaskConfig(TaskName.infer, outputs=[Output.detections], **kw)
 
 
-def writer(run: Path, shapes, create: bool = True, image_id=None) -> ModelWriter:
+def writer(run: Path, shapes, create: bool = True, targets=None) -> ModelWriter:
     return ModelWriter(run, NAME, 10, shapes, lambda i: f"img/{i:02d}.jpg", str, CLASSES,
-                       CLASSES, "predictions.csv", create=create, image_id=image_id)
+                       CLASSES, "predictions.csv", create=create, targets=targets)
+
+
+def served(ids: list[int], hw: tuple[int, int], crop: Crop, category_ids=None) -> ServedFrame:
+    """The served frame of a COCO set of ``len(ids)`` images of ``hw``, shown at SIZE."""
+    items = [ImageTargets(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), *hw, i)
+             for i in ids]
+    dataset = DatasetConfig(image_size=[SIZE, SIZE], crop=crop, crop_fraction=0.875)
+    return ServedFrame(DetectionTargets(items, "coco", category_ids=category_ids), dataset,
+                       str)
 
 
 def infer(run: Path, model, data: list[TensorDict], cfg: TaskConfig, threads: int = 2,
@@ -181,10 +193,21 @@ class Replay(torch.nn.Module):
         return {k: v[rows] for k, v in self.predictions.items()}
 
 
-def test_cocoeval_scores_the_written_results_against_their_ground_truth(tmp_path):
-    """Known boxes through the kind (the padding past each count junk): a ground truth of
-    those boxes scores a mAP of 1 on the written file, with the dataset's own image ids
-    (``image_id``) and the categories file's ids; one box moved off scores less."""
+# a 128 x 96 (h x w) source shown at 64 x 64: each crop's window, worked out by hand
+# (whole: the image; centre at 0.875: 84 px of the shorter side, 64/96/0.875 = 0.762 px
+# per source px, at top (128 - 84) / 2 = 22, left (96 - 84) / 2 = 6)
+SOURCE_HW = (128, 96)
+WINDOWS = {Crop.whole: (0, 0, 128, 96), Crop.center: (22, 6, 84, 84)}
+
+
+@pytest.mark.parametrize("crop", [Crop.whole, Crop.center])
+def test_cocoeval_scores_the_written_results_against_the_users_own_ground_truth(tmp_path,
+                                                                                 crop):
+    """Known boxes (in the model's input pixels) through the kind (the padding past each
+    count junk): a ground truth of those boxes in the SOURCE images' pixels, with the
+    dataset's own image ids and COCO's category ids (1..90 with gaps), scores a mAP of 1 on
+    the written file, under the whole image and a centre crop; one box moved off scores
+    less."""
     pytest.importorskip("pycocotools")
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
@@ -192,6 +215,12 @@ def test_cocoeval_scores_the_written_results_against_their_ground_truth(tmp_path
     truth = [[(2, 3, 30, 40, 0, 0.9), (33, 10, 60, 50, 2, 0.8)], [], [(5, 5, 25, 45, 1, 0.7)],
              [(0, 0, 64, 64, 1, 0.95), (10, 12, 20, 30, 0, 0.6)]]
     ids = [101, 205, 307, 411]
+    category_ids = [1, 18, 90]
+    top, left, h, w = WINDOWS[crop]
+
+    def source(x1, y1, x2, y2):  # input pixels -> the source's
+        return (left + x1 * w / SIZE, top + y1 * h / SIZE, left + x2 * w / SIZE,
+                top + y2 * h / SIZE)
 
     def run(rows, run_dir: Path) -> list[float]:
         model = Replay(synthetic(rows))
@@ -201,19 +230,25 @@ def test_cocoeval_scores_the_written_results_against_their_ground_truth(tmp_path
         cfg = task()
         reduce = Reduce(cfg, None)
         shapes = output_shapes(reduce, model, x, contextlib.nullcontext, cfg, NAME)
-        outputs = Outputs({NAME: writer(run_dir, shapes, image_id=lambda i: ids[i])}, 2)
+        frame = served(ids, SOURCE_HW, crop, category_ids)
+        outputs = Outputs({NAME: writer(run_dir, shapes, targets=frame)}, 2)
         step = InferStep({NAME: model}, cfg, {NAME: reduce}, outputs)
         for b in data:
             step(b)
         step.close()
         categories = json.loads((run_dir / "detections.categories.json").read_text())
-        annotations = [{"id": n + 1, "image_id": ids[i], "category_id": c,
-                        "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
-                        "iscrowd": 0}
-                       for n, (i, (x1, y1, x2, y2, c, _)) in enumerate(
-                           (i, b) for i, image in enumerate(truth) for b in image)]
+        assert [c["id"] for c in categories] == category_ids
+        annotations = []
+        for i, image in enumerate(truth):
+            for box in image:
+                x1, y1, x2, y2 = source(*box[:4])
+                annotations.append({"id": len(annotations) + 1, "image_id": ids[i],
+                                    "category_id": category_ids[box[4]],
+                                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                                    "area": (x2 - x1) * (y2 - y1), "iscrowd": 0})
         gt = run_dir / "gt.json"
-        gt.write_text(json.dumps({"images": [{"id": i, "width": 64, "height": 64} for i in ids],
+        gt.write_text(json.dumps({"images": [{"id": i, "width": SOURCE_HW[1],
+                                              "height": SOURCE_HW[0]} for i in ids],
                                   "annotations": annotations, "categories": categories}))
         with contextlib.redirect_stdout(io.StringIO()):
             coco = COCO(str(gt))
