@@ -367,9 +367,10 @@ def check_whole_listing(dataset: DatasetConfig, path: Path) -> None:
     if has_split(Path(path).expanduser(), dataset.targets.value, split):
         raise ConfigError(
             f"dataset.val_fraction={dataset.val_fraction:g} splits a detection layout that "
-            f"has a {split} split of its own, which loader=memmap and loader=ram do not "
-            "store: leave dataset.val_fraction=0 (the layout's own split), or use "
-            "loader=folder or loader=packed")
+            f"has split folders of its own ({split}: its images and the others listed "
+            "together), which loader=memmap and loader=ram do not store: leave "
+            "dataset.val_fraction=0 (the layout's own split), or use loader=folder or "
+            "loader=packed")
 
 
 def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
