@@ -31,10 +31,13 @@ CROPS = {"random": ["dataset.crop=random"],
 
 
 @pytest.mark.parametrize("crop", list(CROPS))
-@pytest.mark.parametrize("loader", ["memmap", "ram"])
+@pytest.mark.parametrize("loader,device", [
+    ("memmap", "cpu"), ("ram", "cpu"),
+    pytest.param("memmap", "cuda", marks=pytest.mark.cuda)])
 def test_the_device_crops_move_a_stores_boxes_as_torchvision_v2_does(shapes: Path,
                                                                       tmp_path: Path,
-                                                                      loader: str, crop: str):
+                                                                      loader: str, device: str,
+                                                                      crop: str):
     """Each finished batch's boxes are its stored boxes through the window and flip a
     folder's decode cuts for the same image and seed (the crops the device cuts the pixels
     by), as torchvision v2's resized_crop + horizontal_flip + SanitizeBoundingBoxes map
@@ -46,7 +49,7 @@ def test_the_device_crops_move_a_stores_boxes_as_torchvision_v2_does(shapes: Pat
                       "logger=none", f"dataset.cache_dir={tmp_path / 'cache'}",
                       f"dataset.image_size=[{SIZE[0]},{SIZE[1]}]", "loader.batch_size=5",
                       "loader.num_workers=0", f"loader={loader}", *CROPS[crop]])
-    data = build_data_path(config, torch.device("cpu"), epochs=1, progress=False)
+    data = build_data_path(config, torch.device(device), epochs=1, progress=False)
     random = config.dataset.crop is Crop.random
     decoder = ImageDecoder(Decoder.pil, SIZE, config.dataset.crop,
                            fraction=config.dataset.crop_fraction)
@@ -55,8 +58,10 @@ def test_the_device_crops_move_a_stores_boxes_as_torchvision_v2_does(shapes: Pat
     try:
         assert data.augment is not None and data.storage.boxes is not None
         for batch in data:
-            host = batch.clone()
+            host = batch.clone().to("cpu")  # (finish works in place)
             out = data.finish(data.to_device(batch))
+            assert out["boxes"].device.type == device
+            out = out.to("cpu")
             assert out["image"].shape[-2:] == SIZE
             hw = tuple(host["image"].shape[-2:])
             seeds = data.stream.order.seeds_for(host["index"], 0)
