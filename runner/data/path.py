@@ -3,9 +3,9 @@
 storage (``loader=``) -> batch order -> loader (decode threads, in-process gathers or
 DataLoader workers; nvjpeg decoding above it) -> stream (epochs, skipped files, a cold page
 cache) -> prefetcher (``prefetch=``) -> the device (the copy, then random crops of
-pre-decoded images). ``python -m runner``, ``runner.pipeline(...)``, the loader benchmark,
-validation and the selfcheck all build their data path here, so a new storage or stage is
-added in one place.
+pre-decoded images, a detection batch's boxes moved with them: ``crop_boxes``).
+``python -m runner``, ``runner.pipeline(...)``, the loader benchmark, validation and the
+selfcheck all build their data path here, so a new storage or stage is added in one place.
 """
 
 from __future__ import annotations

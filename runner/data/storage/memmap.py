@@ -3,7 +3,17 @@
 A store holds ``images.memmap`` (N, 3, H, W) uint8 and ``labels.memmap`` (N,) int64, both
 tensordict ``MemoryMappedTensor`` files, beside the engine's ``sources.bin`` and
 ``meta.json`` (runner/data/storage/convert.py: keyed, fingerprinted, resumable, reserved,
-published atomically, checked).
+published atomically, checked). Slot ``i`` holds file ``i`` of the folder in ImageFolder
+order; an undecodable file leaves its slot zero and is listed as skipped. The images are
+``dataset.image_size``, or that size scaled to ``dataset.store_size`` (cropped to the output
+on the device per batch).
+
+A store holds the whole folder, whatever ``dataset.val_fraction``: a run with a split reads
+the slots of its side (``split_slots``, the split every storage makes), so runs with and
+without one share one store and never rebuild it for each other. A reader opens the files
+once, through the folder whose ``meta.json`` it checked (``pin_store``), and maps them again
+(``dataset.page_cache=cold``) from the file it holds open, never by name: a store another
+run publishes meanwhile (a rebuild after the source changed) never reaches it.
 
 A detection store (``dataset.targets``) adds a ragged side store of each image's boxes
 (runner/data/storage/decoded.py's ``RaggedBoxes``): ``boxes.memmap`` float32 [C, 4] (xyxy,
@@ -16,17 +26,8 @@ pixels. Its key holds the label format and the listing's images folder (a classi
 store and a detection store of one folder, or a layout's train and val splits, never
 share a folder), and the source's fingerprint holds every image's boxes (an edited label
 file rebuilds the store: convert.py's ``layout_fingerprint``). The readers load the table
-into memory (small beside the pixels). Slot ``i`` holds file ``i`` of the folder in ImageFolder
-order; an undecodable file leaves its slot zero and is listed as skipped. The images are
-``dataset.image_size``, or that size scaled to ``dataset.store_size`` (cropped to the output
-on the device per batch).
-
-A store holds the whole folder, whatever ``dataset.val_fraction``: a run with a split reads
-the slots of its side (``split_slots``, the split every storage makes), so runs with and
-without one share one store and never rebuild it for each other. A reader opens the files
-once, through the folder whose ``meta.json`` it checked (``pin_store``), and maps them again
-(``dataset.page_cache=cold``) from the file it holds open, never by name: a store another
-run publishes meanwhile (a rebuild after the source changed) never reaches it.
+into memory (small beside the pixels); a detection layout's own split folders and
+``dataset.val_fraction`` together are refused (``check_whole_listing``).
 
 The conversion decodes with the folder loader itself (same decoder, resize, class
 indices), in worker processes, one chunk of images per task, with a progress bar; a worker
