@@ -166,6 +166,25 @@ def test_nvjpeg_with_a_decode_once_loader_is_a_config_error(tmp_path: Path):
 
 @pytest.mark.process
 @pytest.mark.slow
+def test_a_detector_trains_and_validates_from_a_memmap_store_with_device_crops(tmp_path: Path):
+    """loader=memmap with dataset.targets: the train split decoded once into a store with
+    its boxes beside it (at a store_size larger than the output: the device cuts each
+    batch's random crops and flips, the boxes moved with them), validated after the epoch
+    (validation reads the folder)."""
+    common = ["dataset.targets=auto", "model.name=fasterrcnn_mobilenet_v3_large_320_fpn",
+              "dataset.image_size=[40,40]", "dataset.store_size=48", "dataset.num_images=10",
+              "loader=memmap", "dataset.crop=random", "loader.batch_size=4", "logger=none",
+              "diagnose=false", f"dataset.cache_dir={tmp_path / 'cache'}"]
+    run_cli(*common, "run.epochs=1", "hydra.run.dir=train", cwd=tmp_path,
+            env={"OMP_NUM_THREADS": "1"})
+    m = read_metrics(tmp_path / "train")
+    assert m["status"] == "ok" and m["epochs"][0]["val_map_50"] is not None
+    stores = sorted(p.parent.name for p in (tmp_path / "cache" / "memmap").glob("*/meta.json"))
+    assert len(stores) == 1 and "-48x48-" in stores[0] and "-yolo-" in stores[0]
+
+
+@pytest.mark.process
+@pytest.mark.slow
 def test_a_detector_trains_validates_and_serves_on_the_generated_shapes(tmp_path: Path):
     """dataset.targets=auto with no dataset.path: the shapes dataset is made, a detector
     trains on its train split and is validated on its val split (val_map in metrics.json,

@@ -3,9 +3,9 @@
 storage (``loader=``) -> batch order -> loader (decode threads, in-process gathers or
 DataLoader workers; nvjpeg decoding above it) -> stream (epochs, skipped files, a cold page
 cache) -> prefetcher (``prefetch=``) -> the device (the copy, then random crops of
-pre-decoded images). ``python -m runner``, ``runner.pipeline(...)``, the loader benchmark,
-validation and the selfcheck all build their data path here, so a new storage or stage is
-added in one place.
+pre-decoded images, a detection batch's boxes moved with them: ``crop_boxes``).
+``python -m runner``, ``runner.pipeline(...)``, the loader benchmark, validation and the
+selfcheck all build their data path here, so a new storage or stage is added in one place.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from tensordict import TensorDict
 from runner.common.errors import ConfigError
 from runner.common.text import human_bytes
 from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig
+from runner.data.decode.boxgeometry import center_windows, map_padded
 from runner.data.decode.crops import BatchAugment, CenterCrop
-from runner.data.decode.decoders import DECODERS
+from runner.data.decode.decoders import CROP_UNIFORMS, DECODERS
 from runner.data.device.normalize import (
     HOST_DTYPES,
     Converted,
@@ -159,10 +160,13 @@ class DataPath:
 
     def finish(self, batch: TensorDict) -> TensorDict:
         """The device-side stage: random crops of pre-decoded images (when asked), drawn
-        from the draws the batch carries (``crop_draws``)."""
+        from the draws the batch carries (``crop_draws``); a detection batch's boxes
+        through the same windows and flips (``crop_boxes``)."""
         if self.augment is not None:
-            draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()}
-            batch["image"] = self.augment(batch["image"], draws or None, rows=self.rows)
+            draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()} or None
+            if "boxes" in batch.keys():
+                draws = crop_boxes(self.augment, batch, draws)
+            batch["image"] = self.augment(batch["image"], draws, rows=self.rows)
         if self.train_augment is not None:  # task.augment: after the crop, per image
             self.train_augment(batch)
         return batch
@@ -212,6 +216,29 @@ class DataPath:
 
 
 CROP_DRAWS = ("crop_uniforms",)
+
+
+def crop_boxes(augment: BatchAugment | CenterCrop, batch: TensorDict, draws: dict | None
+               ) -> dict | None:
+    """Move a detection batch's padded boxes (``boxes``, ``box_labels``, ``box_count``)
+    through the windows and flips ``augment`` cuts its images by (``BatchAugment``'s
+    random-resized crops from ``draws``, ``CenterCrop``'s centre window), on the batch's
+    device with no host sync (runner/data/decode/boxgeometry.py: ``map_padded``, one rule
+    for boxes that leave the crop); returns the draws the images must be cut with (drawn
+    here when the batch carries none, so pixels and boxes share them)."""
+    image = batch["image"]
+    n, hw, device = image.shape[0], tuple(image.shape[-2:]), image.device
+    if isinstance(augment, BatchAugment):
+        if draws is None:
+            draws = {"crop_uniforms": torch.rand(n, CROP_UNIFORMS, dtype=torch.float64,
+                                                 device=device)}
+        windows = augment.boxes(n, *hw, device, draws=draws)
+    else:
+        windows = center_windows(n, hw, augment.size, augment.fraction, device)
+    batch["boxes"], batch["box_labels"], batch["box_count"] = map_padded(
+        batch["boxes"], batch["box_labels"], batch["box_count"], windows,
+        tuple(augment.size))
+    return draws
 
 
 def crop_draws(augment: BatchAugment, order: BatchOrder, pin: bool

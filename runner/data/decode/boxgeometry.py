@@ -135,6 +135,28 @@ def pad(boxes: list[torch.Tensor], labels: list[torch.Tensor], max_boxes: int | 
     return {"boxes": out, "box_labels": out_labels, "box_count": counts}
 
 
+def gather_padded(boxes: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor,
+                  counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``pad``'s form for images whose boxes lie in one flat ragged store (memmap's and
+    ram's side store, runner/data/storage/decoded.py): image ``k``'s are rows
+    ``starts[k]`` to ``starts[k] + counts[k]`` of ``boxes`` [C, 4] and ``labels`` [C]. One
+    gather and one scatter for the batch (``repeat_interleave`` turns the counts into
+    each box's row, column and source row): no Python loop over images or boxes."""
+    n, counts = len(counts), counts.to(torch.int64)
+    total = int(counts.sum())
+    m = max(int(counts.max()) if n else 0, 1)
+    out = torch.zeros((n, m, 4), dtype=torch.float32)
+    out_labels = torch.full((n, m), PAD_LABEL, dtype=torch.int64)
+    if total:
+        rows = torch.repeat_interleave(torch.arange(n), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        cols = torch.arange(total) - first
+        source = torch.repeat_interleave(starts.to(torch.int64), counts) + cols
+        out[rows, cols] = boxes.index_select(0, source).to(torch.float32)
+        out_labels[rows, cols] = labels.index_select(0, source).to(torch.int64)
+    return {"boxes": out, "box_labels": out_labels, "box_count": counts.clone()}
+
+
 def unpad(boxes: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor
           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The padded targets back as per-image (boxes [n, 4], labels [n]) (for a model that

@@ -15,6 +15,7 @@ once in the cache, with its own train/val split.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,16 @@ class DetectionTargets:
         if self.source_sizes is not None:
             return self.source_sizes[index]
         return self.items[index].height, self.items[index].width
+
+    def fingerprint(self) -> bytes:
+        """A digest of every image's boxes, class ids and size: what a store built from
+        the labels depends on (an edited label file changes it)."""
+        digest = hashlib.sha256(self.format.encode())
+        for t in self.items:
+            digest.update(b"%d %d %d;" % (t.height, t.width, len(t.labels)))
+            digest.update(t.boxes.numpy().tobytes())
+            digest.update(t.labels.numpy().tobytes())
+        return digest.digest()
 
     def subset(self, positions: list[int]) -> DetectionTargets:
         """The targets of the listed images ``positions`` (a split's side)."""

@@ -123,11 +123,14 @@ class StoreSpec:
 # --- the source's fingerprint ---------------------------------------------------------------
 
 def layout_fingerprint(folder: FolderStorage) -> str:
-    """Changes when a file is added, removed or renamed, or a class renamed; the names are
-    relative to the root, so the same folder spelled differently has the same layout."""
+    """Changes when a file is added, removed or renamed, or a class renamed (or, for a
+    detection set, a box: its label files are the source too); the names are relative to
+    the root, so the same folder spelled differently has the same layout."""
     digest = hashlib.sha256("\n".join(folder.classes).encode())
     for path, label in folder.samples:
         digest.update(b"\n" + os.fsencode(os.path.relpath(path, folder.root)) + b"\t%d" % label)
+    if folder.targets is not None:
+        digest.update(folder.targets.fingerprint())
     return digest.hexdigest()
 
 
@@ -250,8 +253,8 @@ def valid_cache(folder: Path, spec: StoreSpec, source: FolderStorage) -> dict[st
                  spec.kind, folder)
         return None
     if meta["layout"] != layout_fingerprint(source) or meta["count"] != len(source):
-        log.info("files were added, removed or renamed in the source since %s was built: "
-                 "rebuilding", folder)
+        log.info("files were added, removed or renamed (or labels edited) in the source "
+                 "since %s was built: rebuilding", folder)
         return None
     check_files(folder, meta, spec)
     changed = changed_files(folder, meta, source)

@@ -3,18 +3,28 @@
 Both loaders serve batches the same way, with one indexed read per batch
 (``torch.index_select`` into a reusable buffer); they differ only in where the tensor
 lives: a memory-mapped cache file, or RAM.
+
+A detection store (``dataset.targets``) keeps each image's boxes beside it in a ragged side
+table (``RaggedBoxes``): the boxes in pixels of the stored image, as the conversion's decode
+cut it (runner/data/decode/boxgeometry.py's one mapping and one rule, as loader=folder
+maps them at that size). A batch gathers its images' boxes into the padded form
+(``boxes``, ``box_labels``, ``box_count``) with one gather and one scatter
+(``gather_padded``); the device's crops of the store then move them with the pixels
+(runner/data/path.py: ``DataPath.finish``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from runner.config.schema import DatasetConfig
+from runner.data.decode.boxgeometry import gather_padded
 from runner.data.order import split_padding, unpad
 from runner.data.protocol import (
     Probe,
@@ -26,6 +36,51 @@ from runner.data.protocol import (
 )
 from runner.data.threads import RowPool
 from runner.measure import timeline
+
+
+@dataclass
+class RaggedBoxes:
+    """A decoded store's detection targets, one flat ragged table beside its images: slot
+    ``i``'s boxes (float32 xyxy, pixels of the stored image) and class ids are rows
+    ``offsets[i]`` to ``offsets[i] + counts[i]`` of ``boxes`` [C, 4] and ``labels`` [C].
+    ``offsets`` [N + 1] give each slot room for its source's boxes (a decode only clips or
+    drops boxes, never adds one); ``counts`` [N] are the boxes it kept (0 for a slot whose
+    file was skipped)."""
+
+    boxes: torch.Tensor
+    labels: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def room(cls, sizes: list[int]) -> RaggedBoxes:
+        """An empty table with room for ``sizes[i]`` boxes in slot ``i``."""
+        offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+        if sizes:
+            torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0, out=offsets[1:])
+        total = int(offsets[-1])
+        return cls(torch.zeros((total, 4), dtype=torch.float32),
+                   torch.zeros(total, dtype=torch.int64), offsets,
+                   torch.zeros(len(sizes), dtype=torch.int64))
+
+    def put(self, slot: int, boxes, labels) -> None:
+        """Slot ``slot``'s boxes [n, 4] and labels [n] (n at most its room)."""
+        start, n = int(self.offsets[slot]), len(labels)
+        if start + n > int(self.offsets[slot + 1]):
+            raise ValueError(f"slot {slot} has room for {int(self.offsets[slot + 1]) - start} "
+                             f"boxes, not {n}")
+        self.boxes[start : start + n] = torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4)
+        self.labels[start : start + n] = torch.as_tensor(labels, dtype=torch.int64)
+        self.counts[slot] = n
+
+    def item(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, n = int(self.offsets[slot]), int(self.counts[slot])
+        return self.boxes[start : start + n].clone(), self.labels[start : start + n].clone()
+
+    def gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The padded targets of ``slots`` (``boxes``, ``box_labels``, ``box_count``)."""
+        return gather_padded(self.boxes, self.labels, self.offsets.index_select(0, slots),
+                             self.counts.index_select(0, slots))
 
 
 class DecodedStorage(Dataset):
@@ -46,6 +101,7 @@ class DecodedStorage(Dataset):
         keep: the slots this run reads (``dataset.val_fraction``'s side of a store of the
             whole folder), in order; None: every slot. The skipped files of other slots
             are not this run's.
+        boxes: a detection store's boxes per slot (``RaggedBoxes``), or None.
     """
 
     decodes_per_epoch = False
@@ -55,13 +111,17 @@ class DecodedStorage(Dataset):
     output_size: tuple[int, int] | None = None
     crop_fraction = 1.0  # the share of the stored shorter side a centre crop keeps
     _probe_rows: RowPool | None = None  # the verdict's probe gathers with its own threads
+    # a detection set's targets as listed, by index (source sizes and COCO's ids for the
+    # detections a run serves; the batches' boxes come from ``boxes``), or None
+    targets = None
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *,
                  skipped: list[SkippedFile], classes: list[str], names: list[str],
                  root: Path | None, files: list[str] | None = None,
                  reopen: Callable[[], torch.Tensor] | None = None,
-                 keep: list[int] | None = None):
+                 keep: list[int] | None = None, boxes: RaggedBoxes | None = None):
         self.images = images
+        self.boxes = boxes
         self._files = files or []
         self._reopen = reopen
         self.labels = labels
@@ -112,7 +172,8 @@ class DecodedStorage(Dataset):
     def __getitem__(self, index: int) -> Sample:
         index, valid = unpad(index)
         slot = int(self.slots[index])
-        return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid)
+        boxes = self.boxes.item(slot) if self.boxes is not None else (None, None)
+        return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid, *boxes)
 
     def gather(self, index: torch.Tensor, out: torch.Tensor | None = None,
                rows: RowPool | None = None) -> tuple[dict, list[SkippedFile]]:
@@ -131,6 +192,8 @@ class DecodedStorage(Dataset):
                                                          out=image[a:b]), len(slots),
                          nbytes=image.numel() * image.element_size())
         batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
+        if self.boxes is not None:  # detection: the batch's boxes, padded
+            batch.update(self.boxes.gather(slots))
         if valid is not None:
             batch["valid"] = valid
         return batch, []

@@ -15,6 +15,20 @@ once, through the folder whose ``meta.json`` it checked (``pin_store``), and map
 (``dataset.page_cache=cold``) from the file it holds open, never by name: a store another
 run publishes meanwhile (a rebuild after the source changed) never reaches it.
 
+A detection store (``dataset.targets``) adds a ragged side store of each image's boxes
+(runner/data/storage/decoded.py's ``RaggedBoxes``): ``boxes.memmap`` float32 [C, 4] (xyxy,
+pixels of the stored image), ``box_labels.memmap`` int64 [C], ``box_offsets.memmap`` int64
+[N + 1] (slot ``i``'s room: its label file's box count) and ``box_counts.memmap`` int64 [N]
+(the boxes its decode kept). The conversion writes each image's boxes as the folder loader
+maps them through the window it decoded at the stored size (``follow``: clipped, those
+under a pixel dropped), a chunk's rows synced before the chunk is recorded, like its
+pixels. Its key holds the label format and the listing's images folder (a classification
+store and a detection store of one folder, or a layout's train and val splits, never
+share a folder), and the source's fingerprint holds every image's boxes (an edited label
+file rebuilds the store: convert.py's ``layout_fingerprint``). The readers load the table
+into memory (small beside the pixels); a detection layout's own split folders and
+``dataset.val_fraction`` together are refused (``check_whole_listing``).
+
 The conversion decodes with the folder loader itself (same decoder, resize, class
 indices), in worker processes, one chunk of images per task, with a progress bar; a worker
 that dies fails the conversion at once (``WorkerDied``), never hangs it. The content hash
@@ -27,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +53,7 @@ import torch
 from tensordict import MemoryMappedTensor
 from tqdm import tqdm
 
+from runner.common.errors import ConfigError
 from runner.config.schema import Crop, DatasetConfig, LoaderConfig, Split, StorageName, StoreSide
 from runner.data.decode.decoders import CPU_DECODERS, ImageDecoder, check_decoder
 from runner.data.pool import parallel_imap
@@ -61,13 +77,16 @@ from runner.data.storage.convert import (
     reserve,
     skipped_files,
 )
-from runner.data.storage.decoded import DecodedStorage
+from runner.data.storage.decoded import DecodedStorage, RaggedBoxes
 from runner.data.storage.folder import FolderStorage, open_folder
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # 2: per-file stats and content hashes (sources.bin)
 IMAGES, LABELS = "images.memmap", "labels.memmap"
+# a detection store's side store of boxes (RaggedBoxes' four tensors, raw little-endian)
+BOXES, BOX_LABELS = "boxes.memmap", "box_labels.memmap"
+BOX_OFFSETS, BOX_COUNTS = "box_offsets.memmap", "box_counts.memmap"
 
 
 def stored_size(dataset: DatasetConfig) -> tuple[int, int]:
@@ -99,6 +118,10 @@ class MemmapSpec(StoreSpec):
     # stored at the output size; 1.0 (the whole shorter side) at dataset.store_size, whose
     # centre crop is then cut on the device
     fraction: float = 1.0
+    # detection (dataset.targets): the label format, and the folder the listing's images
+    # are in, relative to the source (a layout's split folder); None: a classification store
+    targets: str | None = None
+    images: str | None = None
 
     kind = StorageName.memmap.value
     version = CACHE_VERSION
@@ -107,13 +130,15 @@ class MemmapSpec(StoreSpec):
         return {"source": str(self.source), "image_size": list(self.image_size),
                 "decoder": self.decoder, "draft": self.draft,
                 **({"crop": "whole"} if self.whole else {}),
-                **({"crop_fraction": self.fraction} if self.fraction != 1.0 else {})}
+                **({"crop_fraction": self.fraction} if self.fraction != 1.0 else {}),
+                **({"targets": self.targets, "images": self.images} if self.targets else {})}
 
     def label(self) -> str:
         h, w = self.image_size
         return (f"{h}x{w}-{self.decoder}{'-draft' if self.draft else ''}"
                 f"{'-whole' if self.whole else ''}"
-                f"{f'-crop{self.fraction:g}' if self.fraction != 1.0 else ''}")
+                f"{f'-crop{self.fraction:g}' if self.fraction != 1.0 else ''}"
+                f"{f'-{self.targets}' if self.targets else ''}")
 
     def overrides(self) -> list[str]:
         h, w = self.image_size
@@ -128,7 +153,14 @@ class MemmapSpec(StoreSpec):
             raise self.damaged(folder, f"its image size {meta.get('image_size')} is not "
                                        f"{list(self.image_size)}")
         count = meta["count"]
-        return {IMAGES: count * image_nbytes(self.image_size), LABELS: count * 8}
+        sizes = {IMAGES: count * image_nbytes(self.image_size), LABELS: count * 8}
+        if self.targets:
+            room = meta.get("boxes")
+            if not isinstance(room, int) or room < 0:
+                raise self.damaged(folder, f"its {META} has no box count")
+            sizes.update({BOXES: room * 16, BOX_LABELS: room * 8,
+                          BOX_OFFSETS: (count + 1) * 8, BOX_COUNTS: count * 8})
+        return sizes
 
     def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
                 ) -> dict[str, Any]:
@@ -137,8 +169,11 @@ class MemmapSpec(StoreSpec):
         return _convert(folder_storage, self, journal, progress)
 
 
-def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> MemmapSpec:
-    """The store ``loader=memmap`` (and ``loader=ram``, which loads it) uses for ``path``."""
+def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
+                folder: FolderStorage | None = None) -> MemmapSpec:
+    """The store ``loader=memmap`` (and ``loader=ram``, which loads it) uses for ``path``;
+    a detection store's key also takes the label format and images folder of ``folder``
+    (``decoding_folder``'s listing)."""
     source = Path(path).expanduser().resolve()
     picked = [f"dataset.path={source}",
               f"dataset.image_size=[{','.join(str(int(v)) for v in dataset.image_size)}]",
@@ -153,8 +188,19 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Mem
     fraction = stored_fraction(dataset)
     if fraction != 1.0:
         picked.append(f"dataset.crop_fraction={fraction:g}")
+    targets = images = None
+    if dataset.targets.boxes:
+        picked.append(f"dataset.targets={dataset.targets.value}")
+        if dataset.split is Split.val:
+            picked.append("dataset.split=val")
+        if folder is not None and folder.targets is not None:
+            targets = folder.targets.format
+            images = os.path.relpath(Path(folder.root).resolve(), source)
+        else:
+            targets = dataset.targets.value
     return MemmapSpec(source, stored_size(dataset), loader.decoder.value, bool(loader.draft),
-                      selected_by=tuple(picked), whole=whole, fraction=fraction)
+                      selected_by=tuple(picked), whole=whole, fraction=fraction,
+                      targets=targets, images=images)
 
 
 def stored_fraction(dataset: DatasetConfig) -> float:
@@ -211,6 +257,7 @@ class PinnedStore:
     meta: dict[str, Any]
     images: Any  # the open images.memmap (a binary file object)
     labels: torch.Tensor
+    boxes: RaggedBoxes | None = None  # a detection store's side store, read into memory
 
     @property
     def images_path(self) -> str:
@@ -257,16 +304,33 @@ def _open_pinned(folder: Path, meta: dict[str, Any]) -> PinnedStore | None:
         if json.loads(json.dumps(meta)) != now:
             return None  # another build was published there since it was checked
         images = open(IMAGES, "rb", buffering=0, opener=opener)
-        with open(LABELS, "rb", opener=opener) as f:
-            labels = torch.frombuffer(bytearray(f.read()), dtype=torch.int64)
+        labels = _read_tensor(LABELS, torch.int64, opener)
+        boxes = _read_boxes(meta, opener) if "boxes" in meta else None
     finally:
         os.close(directory)
     count = meta["count"]
     if len(labels) != count or os.fstat(images.fileno()).st_size != \
-            count * image_nbytes(tuple(meta["image_size"])):
+            count * image_nbytes(tuple(meta["image_size"])) or (
+                boxes is not None and (len(boxes.counts) != count
+                                       or len(boxes.labels) != meta["boxes"])):
         images.close()
         return None  # not the files check_files measured: look again
-    return PinnedStore(folder, meta, images, labels)
+    return PinnedStore(folder, meta, images, labels, boxes)
+
+
+def _read_tensor(name: str, dtype: torch.dtype, opener: Callable) -> torch.Tensor:
+    """A whole raw file of the store as a tensor in memory."""
+    with open(name, "rb", opener=opener) as f:
+        data = bytearray(f.read())
+    return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def _read_boxes(meta: dict[str, Any], opener: Callable) -> RaggedBoxes:
+    """A detection store's side store, in memory."""
+    boxes = _read_tensor(BOXES, torch.float32, opener).reshape(-1, 4)
+    return RaggedBoxes(boxes, _read_tensor(BOX_LABELS, torch.int64, opener),
+                       _read_tensor(BOX_OFFSETS, torch.int64, opener),
+                       _read_tensor(BOX_COUNTS, torch.int64, opener))
 
 
 def open_images(folder: Path, meta: dict[str, Any], writable: bool = False,
@@ -285,10 +349,29 @@ def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     at the stored size with the deterministic centre crop (random crops of training
     batches happen on the device, runner/data/decode/crops.py)."""
     check_decoder(loader.decoder)
+    check_whole_listing(dataset, path)
     crop = Crop.whole if dataset.crop is Crop.whole else Crop.center
     decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft,
                           stored_fraction(dataset))
     return open_folder(loader, whole_folder(dataset), path, progress, decode=decode)
+
+
+def check_whole_listing(dataset: DatasetConfig, path: Path) -> None:
+    """A detection layout with split folders of its own lists one of them without
+    ``dataset.val_fraction`` and all of it with one: a store of the whole listing
+    (``whole_folder``) cannot be split as the run lists it. Refused in one line."""
+    from runner.data.sources.detection import has_split
+
+    if not dataset.targets.boxes or dataset.val_fraction <= 0 or path is None:
+        return
+    split = dataset.split.value
+    if has_split(Path(path).expanduser(), dataset.targets.value, split):
+        raise ConfigError(
+            f"dataset.val_fraction={dataset.val_fraction:g} splits a detection layout that "
+            f"has split folders of its own ({split}: its images and the others listed "
+            "together), which loader=memmap and loader=ram do not store: leave "
+            "dataset.val_fraction=0 (the layout's own split), or use loader=folder or "
+            "loader=packed")
 
 
 def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
@@ -296,16 +379,17 @@ def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The memmap store of the folder at ``path`` (converted first if there is no valid
     one), serving the side of ``dataset.val_fraction``'s split the run reads."""
     folder = decoding_folder(loader, dataset, path, progress)
-    return open_cache(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                      progress, keep=split_slots(dataset, folder)).serving(dataset)
+    return open_cache(folder, memmap_spec(loader, dataset, path, folder),
+                      Path(dataset.cache_dir), progress,
+                      keep=split_slots(dataset, folder)).serving(dataset)
 
 
 def build_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                  progress: bool = True, rebuild: bool = False) -> Path:
     """The memmap store's folder, converted now if there is no valid one (or ``rebuild``)."""
     folder = decoding_folder(loader, dataset, path, progress)
-    return ensure_cache(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                        progress, rebuild)[0]
+    return ensure_cache(folder, memmap_spec(loader, dataset, path, folder),
+                        Path(dataset.cache_dir), progress, rebuild)[0]
 
 
 def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
@@ -316,11 +400,23 @@ def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
     # the reopen keeps the open file alive: mapped again from it, never by name; files
     # names it where it was published (what a cold page cache evicts, what the bench
     # measures on disk), a name that outlives this storage
-    return DecodedStorage(pinned.map_images(), pinned.labels,
-                          skipped=skipped_files(pinned.meta), classes=folder.classes,
-                          names=folder.names(), root=folder.root,
-                          files=[str(pinned.folder / IMAGES)], reopen=pinned.map_images,
-                          keep=keep)
+    storage = DecodedStorage(pinned.map_images(), pinned.labels,
+                             skipped=skipped_files(pinned.meta), classes=folder.classes,
+                             names=folder.names(), root=folder.root,
+                             files=[str(pinned.folder / IMAGES)], reopen=pinned.map_images,
+                             keep=keep, boxes=pinned.boxes)
+    return with_label_skips(storage, folder)
+
+
+def with_label_skips(storage: DecodedStorage, folder: FolderStorage,
+                     listed: FolderStorage | None = None) -> DecodedStorage:
+    """``storage`` reporting a detection set's bad labels too, as the folder does, and
+    holding its images' targets as listed (``targets``: source sizes, COCO's ids, for the
+    detections a run serves); ``listed``: the folder its slots number, when not ``folder``."""
+    if folder.targets is not None:
+        storage.known_skipped += folder.targets.skipped
+        storage.targets = (listed or folder).targets.subset(storage.slots.tolist())
+    return storage
 
 
 def raw_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
@@ -335,25 +431,71 @@ def _convert(folder_storage: FolderStorage, spec: MemmapSpec, journal: Journal,
     count, partial = len(folder_storage), journal.folder
     reserve(partial / IMAGES, count * image_nbytes(spec.image_size))  # zeros until decoded
     reserve(partial / SOURCES, count * SOURCE_DTYPE.itemsize)
+    boxes = box_room(folder_storage)  # detection: this run's chunks, written as they finish
+    if boxes is not None:
+        reserve(partial / BOXES, len(boxes.labels) * 16)
+        reserve(partial / BOX_LABELS, len(boxes.labels) * 8)
     if not journal.done:
         (partial / LABELS).write_bytes(folder_storage.label_tensor().numpy().tobytes())
+        if boxes is not None:
+            (partial / BOX_OFFSETS).write_bytes(boxes.offsets.numpy().tobytes())
+            (partial / BOX_COUNTS).write_bytes(boxes.counts.numpy().tobytes())
         journal.start()
     chunks = chunk_ranges(count)
     todo = journal.todo(chunks)
     images = open_images(partial, {"count": count, "image_size": spec.image_size}, writable=True)
     sources = np.memmap(partial / SOURCES, dtype=SOURCE_DTYPE, mode="r+", shape=(count,))
-    with open(partial / IMAGES, "rb+") as pixels:
+    with open(partial / IMAGES, "rb+") as pixels, BoxFiles(partial, boxes) as box_files:
         def on_chunk(chunk: tuple[int, int], skipped: list[SkippedFile]) -> None:
             sources.flush()
+            box_files.write(*chunk)  # the chunk's boxes, synced
             os.fdatasync(pixels.fileno())  # the pixels reach the disk before the record does
             journal.record(chunk[0], skipped)
 
         decode_into(images, folder_storage, todo, progress, on_chunk, total=count,
-                    already=count - sum(e - s for s, e in todo), sources=sources)
+                    already=count - sum(e - s for s, e in todo), sources=sources, boxes=boxes)
     sources.flush()
     del images
+    extra = {} if boxes is None else {"boxes": len(boxes.labels)}
     return journal.finish(image_size=list(spec.image_size), dtype="uint8",
-                          classes=folder_storage.classes)
+                          classes=folder_storage.classes, **extra)
+
+
+def box_room(folder_storage: FolderStorage) -> RaggedBoxes | None:
+    """An empty side store with room for each listed image's boxes (None: no targets)."""
+    if folder_storage.targets is None:
+        return None
+    return RaggedBoxes.room([len(t.labels) for t in folder_storage.targets.items])
+
+
+class BoxFiles:
+    """A conversion's side-store files, a chunk's rows of ``boxes`` written and synced at
+    a time (nothing to do for a classification store)."""
+
+    def __init__(self, folder: Path, boxes: RaggedBoxes | None):
+        self.folder, self.boxes, self.fds = folder, boxes, {}
+
+    def __enter__(self) -> BoxFiles:
+        if self.boxes is not None:
+            self.fds = {name: os.open(self.folder / name, os.O_WRONLY)
+                        for name in (BOXES, BOX_LABELS, BOX_COUNTS)}
+        return self
+
+    def write(self, start: int, end: int) -> None:
+        if self.boxes is None:
+            return
+        b = self.boxes
+        first, last = int(b.offsets[start]), int(b.offsets[end])
+        for name, table, at, stop in ((BOXES, b.boxes, first, last),
+                                      (BOX_LABELS, b.labels, first, last),
+                                      (BOX_COUNTS, b.counts, start, end)):
+            row = math.prod(table.shape[1:]) * table.element_size()
+            os.pwrite(self.fds[name], table[at:stop].numpy().tobytes(), at * row)
+            os.fdatasync(self.fds[name])
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 # Worker processes are forked with this set: they inherit the target mapping and the
@@ -361,9 +503,13 @@ def _convert(folder_storage: FolderStorage, spec: MemmapSpec, journal: Journal,
 _JOB: tuple[torch.Tensor, FolderStorage, np.ndarray | None] | None = None
 
 
-def _decode_chunk(chunk: tuple[int, int]) -> tuple[tuple[int, int], list[SkippedFile]]:
+def _decode_chunk(chunk: tuple[int, int]
+                  ) -> tuple[tuple[int, int], list[SkippedFile], list[tuple]]:
+    """Decode ``chunk`` into the target's rows: its (start, end), its skipped files and,
+    for detection, each decoded image's (index, boxes, labels) as numpy arrays (the
+    parent writes them into its side store)."""
     target, folder_storage, sources = _JOB
-    skipped = []
+    skipped, boxes = [], []
     for i in range(*chunk):
         row, data = file_record(folder_storage.samples[i][0])
         # decodes, or raises with the path for on_corrupt=fail
@@ -374,7 +520,9 @@ def _decode_chunk(chunk: tuple[int, int]) -> tuple[tuple[int, int], list[Skipped
             skipped.append(item)
         else:
             target[i] = item.image
-    return chunk, skipped
+            if item.boxes is not None:
+                boxes.append((i, item.boxes.numpy(), item.box_labels.numpy()))
+    return chunk, skipped, boxes
 
 
 def _init_worker() -> None:
@@ -384,9 +532,11 @@ def _init_worker() -> None:
 def decode_into(target: torch.Tensor, folder_storage: FolderStorage,
                 chunks: list[tuple[int, int]], progress: bool, on_chunk=None,
                 total: int | None = None, already: int = 0,
-                sources: np.ndarray | None = None) -> list[SkippedFile]:
+                sources: np.ndarray | None = None, boxes: RaggedBoxes | None = None
+                ) -> list[SkippedFile]:
     """Decode ``chunks`` of ``folder_storage`` into rows of ``target`` with every core,
-    recording each file's stat and content hash in ``sources`` when given.
+    recording each file's stat and content hash in ``sources`` when given, and each
+    image's boxes (at the decoded size) in ``boxes`` when given, before ``on_chunk``.
 
     ``target`` (and ``sources``) must be shared with forked children: a file mapping, or
     shared memory. A worker that dies fails this at once (``runner.data.pool.WorkerDied``).
@@ -397,8 +547,12 @@ def decode_into(target: torch.Tensor, folder_storage: FolderStorage,
                desc="decoding", disable=not progress)
     _JOB = (target, folder_storage, sources)
     try:
-        for chunk, chunk_skipped in parallel_imap(_decode_chunk, chunks, initializer=_init_worker):
+        for chunk, chunk_skipped, found in parallel_imap(_decode_chunk, chunks,
+                                                         initializer=_init_worker):
             skipped += chunk_skipped
+            if boxes is not None:
+                for i, b, lab in found:
+                    boxes.put(i, b, lab)
             if on_chunk is not None:
                 on_chunk(chunk, chunk_skipped)
             bar.update(chunk[1] - chunk[0])
@@ -420,4 +574,5 @@ KIND = StorageKind(
     build=build_memmap,
     footprint=raw_footprint,
     speed_rank=0,
+    boxes=True,  # a ragged side store beside the images, moved by the device's crops
 )

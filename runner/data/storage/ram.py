@@ -8,6 +8,10 @@ into pinned batch buffers already (runner/data/loading/buffers.py), and pinning 
 it out of shared memory, give every rank its own copy and, through the caching host
 allocator's power-of-two rounding, pin up to twice its size. A dataset that does not fit is
 refused before anything is loaded.
+
+A detection set's boxes come the same way: the memmap store's side store read into memory
+(runner/data/storage/memmap.py), or each decoded image's boxes gathered into an in-memory
+``RaggedBoxes`` (runner/data/storage/decoded.py) as the images are decoded.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from runner.data.storage.decoded import DecodedStorage
 from runner.data.storage.folder import FolderStorage
 from runner.data.storage.memmap import (
     MemmapSpec,
+    box_room,
     build_memmap,
     decode_into,
     decoding_folder,
@@ -38,6 +43,7 @@ from runner.data.storage.memmap import (
     pin_store,
     raw_footprint,
     split_slots,
+    with_label_skips,
 )
 
 log = logging.getLogger(__name__)
@@ -152,8 +158,9 @@ def open_ram(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The folder at ``path`` decoded once into memory (read from its memmap store if
     valid), serving the side of ``dataset.val_fraction``'s split the run reads."""
     folder = decoding_folder(loader, dataset, path, progress)
-    return load_ram(folder, memmap_spec(loader, dataset, path), Path(dataset.cache_dir),
-                    progress, keep=split_slots(dataset, folder)).serving(dataset)
+    return load_ram(folder, memmap_spec(loader, dataset, path, folder),
+                    Path(dataset.cache_dir), progress,
+                    keep=split_slots(dataset, folder)).serving(dataset)
 
 
 def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
@@ -171,22 +178,29 @@ def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
         images = shared_empty(shape, torch.uint8)
         with pinned.images:
             _read_file(pinned.images_path, images, progress)
-        return DecodedStorage(images, pinned.labels, skipped=skipped_files(pinned.meta),
-                              classes=folder_storage.classes, names=folder_storage.names(),
-                              root=folder_storage.root, keep=keep)
+        storage = DecodedStorage(images, pinned.labels, skipped=skipped_files(pinned.meta),
+                                 classes=folder_storage.classes,
+                                 names=folder_storage.names(), root=folder_storage.root,
+                                 keep=keep, boxes=pinned.boxes)
+        return with_label_skips(storage, folder_storage)
+    whole = folder_storage
     if keep is not None:  # the split's side alone, as a folder of it would list it
         kept = FolderStorage.__new__(FolderStorage)  # decode_into reads local files
         kept._serve(folder_storage, keep, [])
+        if folder_storage.targets is not None:  # and their boxes
+            kept.targets = folder_storage.targets.subset(keep)
         folder_storage = kept
     count = len(folder_storage)
     shape = image_shape(count, spec.image_size)
     check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
     images = shared_empty(shape, torch.uint8)
+    boxes = box_room(folder_storage)
     log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
-    skipped = decode_into(images, folder_storage, chunk_ranges(count), progress)
-    return DecodedStorage(images, folder_storage.label_tensor(), skipped=skipped,
-                          classes=folder_storage.classes, names=folder_storage.names(),
-                          root=folder_storage.root)
+    skipped = decode_into(images, folder_storage, chunk_ranges(count), progress, boxes=boxes)
+    storage = DecodedStorage(images, folder_storage.label_tensor(), skipped=skipped,
+                             classes=folder_storage.classes, names=folder_storage.names(),
+                             root=folder_storage.root, boxes=boxes)
+    return with_label_skips(storage, whole, folder_storage)
 
 
 def _valid(folder: Path, spec: MemmapSpec, source: FolderStorage
@@ -221,4 +235,5 @@ KIND = StorageKind(
     build=build_memmap,  # it loads the memmap store when there is one
     footprint=raw_footprint,
     speed_rank=0,
+    boxes=True,  # a ragged side store beside the images, moved by the device's crops
 )

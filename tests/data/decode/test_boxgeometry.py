@@ -201,6 +201,29 @@ def test_pad_and_unpad():
         pad(boxes, labels, max_boxes=2)
 
 
+def test_gather_padded_from_a_ragged_table_equals_pad_of_its_rows():
+    """memmap's and ram's side store: rows ``starts[k]`` to ``starts[k] + counts[k]`` of a
+    flat table per image (room left unused past each count), gathered for any slots in any
+    order as ``pad`` pads the same rows."""
+    from runner.data.decode.boxgeometry import gather_padded
+
+    per_image = [random_boxes(n, seed=n) for n in (3, 0, 5, 1, 0, 2)]
+    room = [n + 2 for n in (3, 0, 5, 1, 0, 2)]  # each slot with room to spare
+    starts = torch.tensor([0, *room]).cumsum(0)[:-1]
+    table = torch.full((sum(room), 4), -7.0)
+    labels = torch.full((sum(room),), -7, dtype=torch.int64)
+    for (b, lab), start in zip(per_image, starts.tolist()):
+        table[start : start + len(b)], labels[start : start + len(b)] = b, lab
+    counts = torch.tensor([len(b) for b, _ in per_image])
+    for slots in ([0, 1, 2, 3, 4, 5], [2, 2, 0], [4, 1], [5]):
+        index = torch.tensor(slots)
+        got = gather_padded(table, labels, starts[index], counts[index])
+        expected = pad([per_image[k][0] for k in slots], [per_image[k][1] for k in slots])
+        assert got.keys() == expected.keys()
+        for key in got:
+            assert torch.equal(got[key], expected[key]), (slots, key)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 

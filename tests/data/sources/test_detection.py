@@ -125,7 +125,7 @@ def test_bad_labels_are_reported_as_skipped_files(tmp_path: Path):
 
 
 @pytest.mark.parametrize("overrides,says", [
-    (["loader=memmap"], "through loader=folder and loader=packed so far"),
+    (["loader=webdataset"], "through loader=folder.* so far, not loader=webdataset"),
     (["loader.decoder=nvjpeg"], "CPU decoders"),
     (["task.augment.auto=randaugment"], "task.augment.auto"),
     (["dataset.path=s3://bucket/x"], "local folder"),
@@ -136,14 +136,17 @@ def test_what_boxes_cannot_follow_yet_is_refused_in_one_line(overrides, says):
 
 
 def test_prepare_picks_among_the_stores_that_carry_boxes(shapes: Path, tmp_path: Path):
-    """prepare's advice for a detection set names a store that takes dataset.targets (not
-    loader=memmap, which would refuse it)."""
+    """prepare's advice for a detection set names only stores that take dataset.targets
+    (memmap and ram among them: a ragged side store of boxes)."""
     from runner import prepare
 
     overrides = [f"dataset.path={shapes}", "dataset.targets=yolo", "dataset.image_size=[32,32]",
                  f"dataset.cache_dir={tmp_path / 'cache'}", "run.progress=false"]
     names = [k.name.value for k, _ in prepare.store_sizes(prepare.compose(overrides)).stores]
-    assert names and "packed" in names and "memmap" not in names and "ram" not in names
+    from runner.data.storage import STORAGES
+
+    assert {"packed", "memmap", "ram"} <= set(names)
+    assert all(STORAGES[StorageName(n)].boxes for n in names)
 
 
 def test_boxes_given_for_another_size_than_the_files_are_scaled_to_it(tmp_path: Path):

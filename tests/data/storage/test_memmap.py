@@ -315,3 +315,184 @@ def test_a_store_published_between_the_check_and_the_open_is_checked_again(
     storage = open_store(source, cache)
     assert intruded == [1]
     assert_serves(storage, expected)
+
+
+# --- detection: boxes in a ragged side store beside the images ------------------------------
+
+def boxed_tree(root: Path, images: int = 14) -> Path:
+    """A YOLO layout without split folders: images of a few sizes, 0 to 4 boxes each (some
+    reaching past the stored centre crop's edges)."""
+    from tests.data.sources.test_labels import yolo_tree
+
+    g = torch.Generator().manual_seed(5)
+    sizes, labels = {}, {}
+    for k in range(images):
+        sizes[f"{k:02d}.jpg"] = (64 + 8 * (k % 4), 48 + 6 * (k % 3))
+        rows = []
+        for _ in range(k % 5):
+            cx, cy = (0.1 + 0.8 * torch.rand(2, generator=g)).tolist()
+            bw, bh = (0.04 + 0.3 * torch.rand(2, generator=g)).tolist()
+            rows.append(f"{k % 3} {cx:.4f} {cy:.4f} {bw:.4f} {bh:.4f}")
+        labels[f"{k:02d}"] = "".join(r + "\n" for r in rows)
+    return yolo_tree(root, labels, sizes)
+
+
+@pytest.fixture
+def boxed(tmp_path: Path) -> Path:
+    return boxed_tree(tmp_path / "boxed")
+
+
+def detection_folder(source: Path, **dataset):
+    """The folder loader's listing of ``source`` (the split's side with ``dataset``),
+    decoded at the store's size and centre crop."""
+    from runner.config.schema import Targets
+    from runner.data.storage.folder import open_folder
+
+    loader_cfg, dataset_cfg = store_configs(source, source, targets=Targets.yolo, **dataset)
+    return open_folder(loader_cfg, dataset_cfg, source, progress=False,
+                       decode=ImageDecoder(Decoder.simplejpeg, SIZE, fraction=0.875))
+
+
+def open_detection(source: Path, cache: Path, loader: str = "memmap", **dataset):
+    from runner.config.schema import Targets
+
+    return open_store(source, cache, loader, targets=Targets.yolo, **dataset)
+
+
+@pytest.mark.parametrize("split", [{}, {"val_fraction": 0.25, "split_seed": 3}])
+@pytest.mark.parametrize("loader", ["memmap", "ram", "ram without a store"])
+def test_a_detection_store_serves_each_images_boxes_as_the_folder_and_torchvision_map_them(
+        boxed: Path, tmp_path: Path, loader: str, split: dict):
+    """memmap and ram (from the memmap store, or decoded into memory) serve each image's
+    boxes as loader=folder maps them through the window it decoded at the stored size, and
+    as torchvision v2's resized_crop of the labels on that window does; a batch carries
+    them padded, gathered from the side store with no per-image loop."""
+    from runner.data.decode.boxgeometry import Window, unpad
+    from tests.data.decode.test_boxgeometry import assert_same, torchvision_boxes
+
+    cache = tmp_path / "cache"
+    if loader == "ram":  # read from the memmap store
+        from runner.config.schema import Targets
+
+        memmap.build_memmap(*store_configs(boxed, cache, targets=Targets.yolo), boxed,
+                            progress=False)
+    storage = open_detection(boxed, cache, "memmap" if loader == "memmap" else "ram", **split)
+    if loader == "ram without a store":
+        assert not list(cache.rglob(META))  # decoded straight into memory
+    folder = detection_folder(boxed, **split)
+    assert [storage.name_of(i) for i in range(len(storage))] == folder.names()
+    batch, _ = storage.gather(torch.arange(len(storage)))
+    rows = unpad(batch["boxes"], batch["box_labels"], batch["box_count"])
+    boxes = 0
+    for i, (got_boxes, got_labels) in enumerate(rows):
+        expected = folder[i]
+        assert torch.equal(got_boxes, expected.boxes) and torch.equal(got_labels,
+                                                                      expected.box_labels)
+        item = storage[i]
+        assert torch.equal(item.boxes, expected.boxes) and torch.equal(item.image,
+                                                                       expected.image)
+        target = folder.targets[i]
+        _, window, flip, hw = folder.decode.decode_window(bytearray(folder.read(i)))
+        assert_same((got_boxes, got_labels),
+                    torchvision_boxes(target.boxes, target.labels, hw, Window(*window), SIZE,
+                                      flip))
+        boxes += len(got_labels)
+    labelled = sum(len(t.labels) for t in folder.targets.items)
+    assert 0 < boxes < labelled  # the stored centre crop clipped some and dropped some
+
+
+def test_detection_and_classification_stores_and_a_layouts_splits_never_share_a_folder(
+        tmp_path: Path, monkeypatch):
+    """The key holds the label format and the listing's images folder: a classification
+    store and a detection store of one folder, and a layout's train and val splits, each
+    get their own folder, so runs that alternate never rebuild each other's."""
+    from runner.config.schema import Split, Targets
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=10, height=48, width=64, seed=2),
+                           tmp_path / "shapes", progress=False)
+    cache = tmp_path / "cache"
+
+    def spec(**dataset):
+        loader_cfg, dataset_cfg = store_configs(shapes, cache, **dataset)
+        folder = memmap.decoding_folder(loader_cfg, dataset_cfg, shapes, progress=False)
+        return memmap.memmap_spec(loader_cfg, dataset_cfg, shapes, folder).folder(cache)
+
+    train, val = spec(targets=Targets.yolo), spec(targets=Targets.yolo, split=Split.val)
+    classification = memmap.memmap_spec(*store_configs(shapes, cache), shapes).folder(cache)
+    assert len({train, val, classification}) == 3
+    builds = []
+    real_convert = memmap._convert
+    monkeypatch.setattr(memmap, "_convert", lambda *a: builds.append(1) or real_convert(*a))
+    for _ in range(2):
+        assert len(open_detection(shapes, cache)) == 8
+        assert len(open_detection(shapes, cache, split=Split.val)) == 2
+    assert builds == [1, 1]  # each split built once
+
+
+def test_an_edited_label_file_rebuilds_the_store(boxed: Path, tmp_path: Path, monkeypatch):
+    """The labels are part of the source's fingerprint: a box moved in a label file (same
+    image files, same names) rebuilds the store, whose boxes then follow the edit."""
+    cache = tmp_path / "cache"
+    builds = []
+    real_convert = memmap._convert
+    monkeypatch.setattr(memmap, "_convert", lambda *a: builds.append(1) or real_convert(*a))
+    open_detection(boxed, cache)
+    open_detection(boxed, cache)
+    assert builds == [1]  # unchanged: reused
+    (boxed / "labels" / "01.txt").write_text("2 0.5 0.5 0.5 0.5\n")  # was 1 box of class 1
+    storage = open_detection(boxed, cache)
+    assert builds == [1, 1]
+    index = [storage.name_of(i) for i in range(len(storage))].index("01.jpg")
+    got = storage[index]
+    assert got.box_labels.tolist() == [2]
+    assert torch.equal(got.boxes, detection_folder(boxed)[index].boxes)
+
+
+def test_a_damaged_box_file_is_a_clear_error(boxed: Path, tmp_path: Path):
+    cache = tmp_path / "cache"
+    open_detection(boxed, cache)
+    (store,) = [p.parent for p in cache.rglob(META)]
+    with open(store / memmap.BOX_COUNTS, "r+b") as f:
+        f.truncate(8)
+    with pytest.raises(CacheError, match="damaged.*box_counts.memmap.*prepare memmap"):
+        open_detection(boxed, cache)
+
+
+def test_a_detection_layout_with_its_own_split_and_a_val_fraction_is_refused(tmp_path: Path):
+    from runner.common.errors import ConfigError
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=6, height=32, width=32, seed=2),
+                           tmp_path / "shapes", progress=False)
+    with pytest.raises(ConfigError, match="dataset.val_fraction=0.25 .* split folders of its own"):
+        open_detection(shapes, tmp_path / "cache", val_fraction=0.25)
+
+
+def failing_third_chunk(chunk):  # module level: the pool pickles it by name
+    if chunk[0] == 2 * engine.CHUNK:
+        raise RuntimeError("stopped")
+    return _REAL_DECODE_CHUNK(chunk)
+
+
+_REAL_DECODE_CHUNK = memmap._decode_chunk
+
+
+def test_an_interrupted_detection_conversion_resumes_to_identical_boxes(
+        boxed: Path, tmp_path: Path, monkeypatch):
+    """A chunk's boxes reach the disk before the chunk is recorded: a conversion stopped
+    part way and resumed gives the side store's bytes an uninterrupted one gives."""
+    monkeypatch.setattr(engine, "CHUNK", 3)
+    monkeypatch.setattr(memmap, "_decode_chunk", failing_third_chunk)
+    with pytest.raises(RuntimeError, match="stopped"):
+        open_detection(boxed, tmp_path / "cache")
+    (partial,) = (tmp_path / "cache").rglob("*.partial")
+    assert (partial / "done.jsonl").read_text().strip()  # some chunks finished
+    monkeypatch.setattr(memmap, "_decode_chunk", _REAL_DECODE_CHUNK)
+    open_detection(boxed, tmp_path / "cache")
+    open_detection(boxed, tmp_path / "reference")
+    (store,) = [p.parent for p in (tmp_path / "cache").rglob(META)]
+    (reference,) = [p.parent for p in (tmp_path / "reference").rglob(META)]
+    for name in (memmap.BOXES, memmap.BOX_LABELS, memmap.BOX_OFFSETS, memmap.BOX_COUNTS):
+        assert (store / name).read_bytes() == (reference / name).read_bytes(), name
+    assert (store / memmap.BOX_COUNTS).stat().st_size == 8 * 14
