@@ -399,6 +399,10 @@ def test_a_detection_store_serves_each_images_boxes_as_the_folder_and_torchvisio
         boxes += len(got_labels)
     labelled = sum(len(t.labels) for t in folder.targets.items)
     assert 0 < boxes < labelled  # the stored centre crop clipped some and dropped some
+    # the listed targets by index, for served detections: each image's id and source size
+    assert [(t.image_id, storage.targets.source_size(i))
+            for i, t in enumerate(storage.targets.items)] == \
+        [(t.image_id, folder.targets.source_size(i)) for i, t in enumerate(folder.targets.items)]
 
 
 def test_detection_and_classification_stores_and_a_layouts_splits_never_share_a_folder(
