@@ -326,15 +326,21 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The images at ``path`` (a folder or a manifest), each decoded on every epoch with
     ``loader.decoder`` at ``dataset.image_size`` and ``dataset.crop`` (or with ``decode``:
     a store built from the folder decodes its own way)."""
-    if decode is None:
-        check_decoder(loader.decoder)
-        decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
-                              loader.draft, dataset.crop_fraction)
-        if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
-            decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
-                                                fraction=decode.fraction))
+    decode = decode or folder_decoder(loader, dataset)
     files = open_files(dataset, path)  # listed, and read from where they are, decided once
     return FolderStorage(files, decode, dataset.on_corrupt)
+
+
+def folder_decoder(loader: LoaderConfig, dataset: DatasetConfig) -> ImageDecoder | ReadBytes:
+    """What decodes a folder's images: ``loader.decoder`` at ``dataset.image_size`` and
+    ``dataset.crop`` (bytes read for the GPU's decode)."""
+    check_decoder(loader.decoder)
+    decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
+                          loader.draft, dataset.crop_fraction)
+    if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
+        decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
+                                        fraction=decode.fraction))
+    return decode
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:

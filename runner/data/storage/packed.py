@@ -39,7 +39,14 @@ store's key has the labels' format (``settings``: a store of the same folder wit
 is another folder) and its plan the digest of the boxes as the listing parsed them
 (convert.py's ``targets_fingerprint``): an edited label file rebuilds the store. The
 listing still reads the label files at start-up (to list the images and compare that
-digest); the batches' boxes are the store's.
+digest); the batches' boxes are the store's. For a YOLO layout (not split by
+``dataset.val_fraction``) the store also keeps the stats of the files its labels were read
+from (``labels.bin``: every label file and class-name file, stat-ed before the listing read
+them; their names' digest and the labels' bad input in ``meta.json``), and a run opens a
+valid store without reading a label file (``open_without_labels``): the images listed as
+the listing lists them, one ``stat`` per label file, the store's metadata checked as the
+engine checks it; anything that differs (a label file edited, added or removed, an image
+changed) falls back to the full listing, whose digest decides whether to rebuild.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import hashlib
 import io
 import logging
 import math
@@ -82,16 +90,22 @@ from runner.data.storage.convert import (
     META,
     SOURCE_DTYPE,
     SOURCES,
+    STAT_FIELDS,
     CacheError,
     Journal,
     StoreSpec,
+    changed_files,
+    check_files,
+    check_skipped,
     chunk_ranges,
     ensure_cache,
     file_record,
+    layout_fingerprint,
+    read_meta,
     reserve,
     skipped_files,
 )
-from runner.data.storage.folder import FolderStorage, follow, open_folder
+from runner.data.storage.folder import FolderStorage, folder_decoder, follow, open_folder
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)
@@ -99,6 +113,7 @@ log = logging.getLogger(__name__)
 PACKED_VERSION = 2  # 2: a CRC-32 per stored image, written in dataset order
 DATA, INDEX = "images.bin", "index.bin"
 BOXES, TARGETS = "boxes.bin", "targets.bin"  # detection: the boxes, and each image's
+LABELS = "labels.bin"  # detection, YOLO: the stats of the label files read
 BOX_DTYPE = np.dtype([("box", "<f4", (4,)), ("label", "<i8")])
 TARGET_DTYPE = np.dtype([("start", "<i8"), ("count", "<i8"), ("image_id", "<i8")])
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
@@ -166,6 +181,8 @@ class PackedSpec(StoreSpec):
                 raise self.damaged(folder, f"its {META} lacks or mistypes: boxes")
             sizes[BOXES] = meta["boxes"] * BOX_DTYPE.itemsize
             sizes[TARGETS] = meta["count"] * TARGET_DTYPE.itemsize
+            if isinstance(meta.get("label_inputs"), dict):
+                sizes[LABELS] = meta["label_inputs"].get("count", -1) * SOURCE_DTYPE.itemsize
         return sizes
 
     def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
@@ -366,7 +383,30 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
             os.close(box_fd)
     del index, sources
     extra = {"boxes": box_end} if detection else {}
+    if detection and folder_storage.targets.inputs is not None:
+        extra.update(label_record(folder_storage, partial))
     return journal.finish(data_bytes=end, classes=folder_storage.classes, **extra)
+
+
+def inputs_digest(inputs: list[str], root: Path | str) -> str:
+    """The label files' names, relative to the listing's root (one folder spelled two ways
+    is one)."""
+    return hashlib.sha256("\n".join(os.path.relpath(p, root) for p in inputs).encode()
+                          ).hexdigest()
+
+
+def label_record(folder_storage: FolderStorage, partial: Path) -> dict[str, Any]:
+    """``labels.bin`` (the label files' stats, as the listing took them before reading
+    them) and the metadata that goes with it: their names' digest and count, and the
+    labels' bad input (reported by a run that does not read them)."""
+    targets = folder_storage.targets
+    rows = np.zeros(len(targets.inputs), dtype=SOURCE_DTYPE)
+    for field_name, column in zip(STAT_FIELDS, zip(*targets.input_stats)):
+        rows[field_name] = column
+    rows.tofile(partial / LABELS)
+    return {"label_inputs": {"digest": inputs_digest(targets.inputs, folder_storage.root),
+                             "count": len(rows)},
+            "label_skipped": [[s.path, s.error] for s in targets.skipped]}
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -674,18 +714,89 @@ def open_packed_cache(folder: FolderStorage, spec: PackedSpec, cache_root: Path,
     """The packed store of ``folder`` (converted first if there is no valid one)."""
     spec = with_targets(spec, folder)
     cache, meta = ensure_cache(folder, spec, cache_root, progress)
+    refresh_labels(cache, meta, folder)
     return PackedStorage(folder, cache, meta, spec)
+
+
+def refresh_labels(cache: Path, meta: dict[str, Any], folder: FolderStorage) -> None:
+    """A valid store whose label files' stats moved while their boxes and bad input did
+    not (a label file rewritten as it was): record the new stats, so the next open reads
+    no label file again (a read-only store keeps the old ones)."""
+    targets, record = folder.targets, meta.get("label_inputs")
+    if targets is None or targets.inputs is None or not isinstance(record, dict) or \
+            record.get("digest") != inputs_digest(targets.inputs, folder.root) or \
+            meta.get("label_skipped") != [[s.path, s.error] for s in targets.skipped]:
+        return
+    try:
+        table = np.memmap(cache / LABELS, dtype=SOURCE_DTYPE, mode="r+")
+    except OSError:
+        return
+    if len(table) == len(targets.input_stats):
+        for field_name, column in zip(STAT_FIELDS, zip(*targets.input_stats)):
+            if (table[field_name] != np.array(column)).any():
+                table[field_name] = column
+        table.flush()
+    del table
 
 
 def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True) -> PackedStorage:
     """The packed store of the folder at ``path`` (packed first if there is no valid one),
     each stored JPEG decoded per epoch with ``loader.decoder``."""
-    folder = open_folder(loader, dataset, path, progress)
-    storage = open_packed_cache(folder, packed_spec(loader, dataset, path),
-                                Path(dataset.cache_dir), progress)
+    storage = open_without_labels(loader, dataset, path) if dataset.targets.boxes else None
+    if storage is None:
+        folder = open_folder(loader, dataset, path, progress)
+        storage = open_packed_cache(folder, packed_spec(loader, dataset, path),
+                                    Path(dataset.cache_dir), progress)
     read_far(storage, dataset.far_disk)
     return storage
+
+
+def open_without_labels(loader: LoaderConfig, dataset: DatasetConfig, path: Path
+                        ) -> PackedStorage | None:
+    """A valid detection store of the YOLO layout at ``path``, opened without reading a
+    label file (the module's docstring); None when that cannot be shown so (then the full
+    listing decides)."""
+    from runner.data.sources.detection import DetectionTargets, quick_detection
+    from runner.data.sources.files import Files
+    from runner.data.sources.listing import Listing
+
+    quick = quick_detection(dataset, path)
+    if quick is None:
+        return None
+    listing, inputs, stats = quick
+    spec = dataclasses.replace(packed_spec(loader, dataset, path), targets="yolo")
+    cache = spec.folder(Path(dataset.cache_dir))
+    try:
+        meta = read_meta(cache, spec)
+    except CacheError:
+        return None
+    record = meta.get("label_inputs") if meta is not None else None
+    if meta is None or meta.get("version") != spec.version or \
+            meta.get("settings") != spec.settings() or not isinstance(record, dict) or \
+            record.get("digest") != inputs_digest(inputs, listing.root) or \
+            record.get("count") != len(inputs) or \
+            not isinstance(meta.get("label_skipped"), list):
+        return None
+    skipped = [SkippedFile(str(p), str(e)) for p, e in meta["label_skipped"]]
+    listing = Listing(listing.root, list(meta["classes"]), listing.samples, listing.how, [],
+                      DetectionTargets([], "yolo", skipped, inputs, stats))
+    folder = FolderStorage(Files(listing), folder_decoder(loader, dataset), dataset.on_corrupt)
+    if meta["count"] != len(folder) or meta["layout"] != layout_fingerprint(folder):
+        return None
+    try:
+        check_files(cache, meta, spec)
+    except CacheError:
+        return None
+    recorded = np.fromfile(cache / LABELS, dtype=SOURCE_DTYPE, count=len(inputs))
+    now = np.array(stats, dtype=[(f, SOURCE_DTYPE[f]) for f in STAT_FIELDS]).reshape(-1)
+    if len(recorded) != len(now) or any((recorded[f] != now[f]).any() for f in STAT_FIELDS):
+        return None  # a label file changed (or was touched): the full listing decides
+    if changed_files(cache, meta, folder):
+        return None
+    check_skipped(meta, folder)
+    log.info("%s: the boxes stored in %s, no label file read", path, cache)
+    return PackedStorage(folder, cache, meta, spec)
 
 
 def read_far(storage: PackedStorage, setting: bool | None) -> None:

@@ -686,3 +686,59 @@ def test_a_classification_and_a_detection_store_of_one_folder_do_not_collide(tmp
     assert (build_of(again), build_of(plain_again)) == builds  # neither rebuilt
     again.close()
     plain_again.close()
+
+
+def test_a_valid_detection_store_is_opened_without_reading_a_label_file(tmp_path: Path,
+                                                                        monkeypatch):
+    """Once built, a run over the store of a YOLO layout reads no label file (one stat
+    each): the listing's parse is never called, and the boxes are the store's. A label
+    file edited (or a new one) sends the open back to the full listing."""
+    import runner
+    from runner.data.sources import detection
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    cache = tmp_path / "cache"
+    built = detection_store(shapes, cache)
+    expected = [(built.targets[i].boxes, built.targets[i].labels) for i in range(len(built))]
+    skipped, build = list(built.known_skipped), build_of(built)
+    built.close()
+    parsed = []
+    real = detection.read_labels
+
+    def counted(*args, **kwargs):
+        parsed.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(detection, "read_labels", counted)  # what reads label files
+    store = detection_store(shapes, cache)
+    assert not parsed and build_of(store) == build
+    assert store.known_skipped == skipped and store.classes == ["circle", "square", "triangle"]
+    for i, (boxes, labels) in enumerate(expected):
+        assert torch.equal(store.targets[i].boxes, boxes)
+        assert torch.equal(store.targets[i].labels, labels)
+    store.close()
+    pipe = runner.pipeline("dataset.targets=yolo", f"dataset.path={shapes}", "model=none",
+                           f"dataset.cache_dir={cache}", "dataset.image_size=[96,96]",
+                           "loader.num_workers=0", "run.progress=false", loader="packed")
+    try:
+        assert sum(int(b["box_count"].sum()) for b in pipe) == sum(len(e[1]) for e in expected)
+    finally:
+        pipe.close()
+    assert not parsed  # a whole run's start-up: no label file parsed either
+    # a label file touched (its stat moved, its boxes not): parsed, and not rebuilt
+    label = sorted(shapes.glob("labels/train/*.txt"))[0]
+    label.write_text(label.read_text())
+    again = detection_store(shapes, cache)
+    assert len(parsed) == 1 and build_of(again) == build
+    again.close()
+    detection_store(shapes, cache).close()  # its new stat recorded: not parsed again
+    assert len(parsed) == 1
+    # a label file where there was none: parsed (new boxes: rebuilt)
+    image = next(p for p in sorted(shapes.glob("images/train/*.jpg"))
+                 if not (shapes / "labels" / "train" / f"{p.stem}.txt").exists()
+                 or not (shapes / "labels" / "train" / f"{p.stem}.txt").read_text())
+    (shapes / "labels" / "train" / f"{image.stem}.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    rebuilt = detection_store(shapes, cache)
+    assert len(parsed) == 2 and build_of(rebuilt) != build
+    rebuilt.close()
