@@ -55,8 +55,8 @@ class FolderStorage(torch.utils.data.Dataset):
     decodes_per_epoch = True
     image_bytes = None  # one file per image
 
-    targets = None  # detection: each image's boxes (DetectionTargets); a storage built
-    # another way (shards, a rival's) carries none
+    targets = None  # detection: each image's boxes (DetectionTargets; packed's and shards'
+    # their own, read from the store: packed.py, shards.py); a rival's carries none
 
     def __init__(self, source: Files | str | Path, decode: ImageDecoder | ReadBytes,
                  on_corrupt: OnCorrupt):
@@ -85,7 +85,7 @@ class FolderStorage(torch.utils.data.Dataset):
         self.source = folder.source.kept(keep)
         self.root, self.classes, self.samples = folder.root, folder.classes, self.source.samples
         self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
-        self.targets = None  # detection boxes go through loader=folder so far (rules.py)
+        self.targets = None  # a store with boxes sets its own (packed.py's StoredTargets)
         self.known_skipped = list(skipped)
 
     def __len__(self) -> int:
