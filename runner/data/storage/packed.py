@@ -438,12 +438,15 @@ class PackedStorage(FolderStorage):
         self.sizes = table["size"][keep].tolist()
         self.heights, self.widths = table["height"][keep].tolist(), table["width"][keep].tolist()
         self.crcs = table["crc"][keep].tolist()
+        self.path, self.cache, self.spec = cache / DATA, cache, spec
         if isinstance(meta.get("boxes"), int):  # detection: the boxes the store holds
-            self.targets = StoredTargets.load(cache, meta, keep, self.heights, self.widths,
-                                              folder.targets)
+            try:
+                self.targets = StoredTargets.load(cache, meta, keep, self.heights,
+                                                  self.widths, folder.targets)
+            except ValueError as e:
+                raise self.damaged(str(e)) from e
             self.known_skipped += self.targets.skipped  # bad labels, as the folder says
         self.targets_digest = meta.get("targets")
-        self.path, self.cache, self.spec = cache / DATA, cache, spec
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -678,8 +681,7 @@ class StoredTargets:
         per_image = np.fromfile(cache / TARGETS, dtype=TARGET_DTYPE, count=meta["count"])[keep]
         if len(rows) != meta["boxes"] or (per_image["start"] + per_image["count"]
                                           > len(rows)).any():
-            raise CacheError(f"the packed store {cache} is damaged: {BOXES} holds fewer boxes "
-                             f"than its {TARGETS} says; delete it to rebuild it")
+            raise ValueError(f"{BOXES} holds fewer boxes than its {TARGETS} says")
         # every kept image's boxes, back to back (as stored: an image left out has none)
         counts = per_image["count"]
         starts = np.concatenate([[0], np.cumsum(counts)])

@@ -742,3 +742,32 @@ def test_a_valid_detection_store_is_opened_without_reading_a_label_file(tmp_path
     rebuilt = detection_store(shapes, cache)
     assert len(parsed) == 2 and build_of(rebuilt) != build
     rebuilt.close()
+
+
+def test_an_interrupted_detection_packing_resumes_to_the_same_boxes(tmp_path: Path,
+                                                                   monkeypatch):
+    """Chunks finished before a crash keep their boxes; the rest are written after them, in
+    index order: the resumed store is the uninterrupted one, byte for byte."""
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    monkeypatch.setattr(engine, "CHUNK", 4)
+    monkeypatch.setattr(packed, "parallel_imap", lambda fn, jobs, **kw: map(fn, jobs))
+    real, redone = packed._encode_chunk, []
+
+    def crashing(chunk):
+        if chunk[0] == 8:
+            raise RuntimeError("killed")
+        return real(chunk)
+
+    monkeypatch.setattr(packed, "_encode_chunk", crashing)
+    with pytest.raises(RuntimeError, match="killed"):
+        detection_store(shapes, tmp_path / "cache")
+    monkeypatch.setattr(packed, "_encode_chunk", lambda c: redone.append(c) or real(c))
+    resumed = detection_store(shapes, tmp_path / "cache")
+    assert redone and redone[0][0] == 8  # the first two chunks were not encoded again
+    reference = detection_store(shapes, tmp_path / "uninterrupted")
+    for name in (DATA, packed.INDEX, packed.BOXES, packed.TARGETS):
+        assert (resumed.cache / name).read_bytes() == (reference.cache / name).read_bytes()
+    resumed.close()
+    reference.close()
