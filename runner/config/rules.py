@@ -233,17 +233,14 @@ def check_task_keys(task: TaskConfig, given: Iterable[str] = ()) -> None:
 
 
 def check_targets(config: Config) -> None:
-    """Detection boxes (``dataset.targets``): from a local folder, with no device
-    augmentation that moves pixels (randaugment's shears and turns, MixUp, CutMix); which
-    storages and decoders carry them, ``settle_loader`` asks their records
-    (runner/data/storage/__init__.py)."""
+    """Detection boxes (``dataset.targets``): with no device augmentation that moves pixels
+    (randaugment's shears and turns, MixUp, CutMix); which storages and decoders carry
+    them, and from where (a local folder, or a store at a URL), ``settle_loader`` asks
+    their records (runner/data/storage/__init__.py)."""
     dataset, augment = config.dataset, config.task.augment
     if not dataset.targets.boxes:
         return
     given = f"dataset.targets={dataset.targets.value}"
-    if dataset.path is not None and "://" in dataset.path:
-        raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
-                          f"{dataset.path}: copy the dataset to a local folder")
     if augment.auto is not AutoAugmentName.none:  # (MixUp, CutMix: the detector refuses)
         raise ConfigError(f"task.augment.auto={augment.auto.value} turns, shears and shifts "
                           f"pixels, and {given}'s boxes would not follow: leave "

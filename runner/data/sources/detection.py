@@ -9,20 +9,26 @@ folders (YOLO's ``images/train`` and ``images/val``, COCO's ``instances_train*.j
 ``instances_val*.json``) gives the split ``dataset.split`` names (validation reads ``val``);
 one without them is split by ``dataset.val_fraction`` as an image folder is.
 
+A YOLO listing also records the files its labels were read from and their stats, taken
+before reading them (``DetectionTargets.inputs``, ``input_stats``): a store that holds the
+boxes (runner/data/storage/packed.py) keeps them, and ``quick_detection`` lists the same
+images without reading a label file, so that store is opened with a ``stat`` of each
+label file instead of a parse of it.
+
 Unset ``dataset.path``: the generated shapes dataset (runner/data/sources/shapes.py), made
 once in the cache, with its own train/val split.
 """
 
 from __future__ import annotations
 
-import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.config.schema import DatasetConfig, Split
 from runner.data.protocol import SkippedFile
-from runner.data.sources.labels import ImageTargets, read_labels
-from runner.data.sources.listing import Listing, split_listing
+from runner.data.sources.labels import ImageTargets, detect_format, read_labels, yolo_inputs
+from runner.data.sources.listing import DatasetError, Listing, split_listing
 
 
 @dataclass
@@ -32,16 +38,14 @@ class DetectionTargets:
     and what the labels left out (``skipped``: reported in ``skipped_files``).
 
     ``category_ids``: COCO's id of each class (None: the class index is the id), so served
-    detections name the categories the user's ground truth does. ``source_sizes``: each
-    image's upright source size (height, width) where ``items`` are at another size (a
-    store's), so served detections can be mapped back to the source's pixels; None: the
-    items' own sizes are the source's."""
+    detections name the categories the user's ground truth does."""
 
     items: list[ImageTargets]
     format: str
     skipped: list[SkippedFile] = field(default_factory=list)
     category_ids: list[int] | None = None
-    source_sizes: list[tuple[int, int]] | None = None
+    inputs: list[str] | None = None  # the label files read (YOLO; None: COCO's one JSON)
+    input_stats: list[tuple[int, int, int, int]] | None = None  # theirs, before reading
 
     def __len__(self) -> int:
         return len(self.items)
@@ -50,27 +54,14 @@ class DetectionTargets:
         return self.items[index]
 
     def source_size(self, index: int) -> tuple[int, int]:
-        """Image ``index``'s upright source size (height, width)."""
-        if self.source_sizes is not None:
-            return self.source_sizes[index]
+        """Image ``index``'s upright source size (height, width; 0 x 0 where the labels gave
+        none: a YOLO image without boxes)."""
         return self.items[index].height, self.items[index].width
-
-    def fingerprint(self) -> bytes:
-        """A digest of every image's boxes, class ids and size: what a store built from
-        the labels depends on (an edited label file changes it)."""
-        digest = hashlib.sha256(self.format.encode())
-        for t in self.items:
-            digest.update(b"%d %d %d;" % (t.height, t.width, len(t.labels)))
-            digest.update(t.boxes.numpy().tobytes())
-            digest.update(t.labels.numpy().tobytes())
-        return digest.digest()
 
     def subset(self, positions: list[int]) -> DetectionTargets:
         """The targets of the listed images ``positions`` (a split's side)."""
         return DetectionTargets([self.items[k] for k in positions], self.format, self.skipped,
-                                self.category_ids,
-                                None if self.source_sizes is None
-                                else [self.source_sizes[k] for k in positions])
+                                self.category_ids, self.inputs, self.input_stats)
 
 
 def has_split(root: Path, format: str, split: str) -> bool:
@@ -110,10 +101,16 @@ def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
     format = dataset.targets.value
     split = dataset.split.value if dataset.val_fraction == 0 and has_split(
         root, format, dataset.split.value) else None
+    inputs = stats = None
+    if format in ("auto", "yolo") and (format == "yolo" or detect_format(root, split) == "yolo"):
+        found = yolo_inputs(root, split)
+        if found is not None:  # stat-ed before they are read: a change after is seen
+            inputs = found[2]
+            stats = [file_stat(p) for p in inputs]
     labels = read_labels(root, format, split)
     samples = [(image, 0) for image in labels.targets]
     targets = DetectionTargets(list(labels.targets.values()), labels.format, labels.skipped,
-                               labels.category_ids)
+                               labels.category_ids, inputs=inputs, input_stats=stats)
     listing = Listing(labels.root, labels.classes, samples,
                       f"{labels.format} detection labels" + (f", {split} split" if split
                                                               else ""), [], targets)
@@ -121,3 +118,37 @@ def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
         listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
                                 dataset.split is Split.val)
     return listing
+
+
+def file_stat(path: str) -> tuple[int, int, int, int]:
+    """(size, mtime_ns, ctime_ns, inode); zeros for a file that is not there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0, 0)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def quick_detection(dataset: DatasetConfig, path: str | Path
+                    ) -> tuple[Listing, list[str], list[tuple[int, int, int, int]]] | None:
+    """The listing ``list_detection`` would give, without its targets and without reading a
+    label file (a YOLO layout, not split by ``dataset.val_fraction``), with the label files
+    and their stats: for a store that holds the boxes to check against. None where it
+    cannot be listed so (COCO lists its images in its JSON)."""
+    if dataset.val_fraction > 0:
+        return None
+    root = Path(path).expanduser()
+    format = dataset.targets.value
+    split = dataset.split.value if has_split(root, format, dataset.split.value) else None
+    try:
+        if format == "auto":
+            format = detect_format(root, split)
+    except DatasetError:
+        return None
+    found = yolo_inputs(root, split) if format == "yolo" else None
+    if found is None:
+        return None
+    images, paths, inputs = found
+    listing = Listing(images, [], [(p, 0) for p in paths], "yolo detection labels" + (
+        f", {split} split" if split else ""), [], None)
+    return listing, inputs, [file_stat(p) for p in inputs]

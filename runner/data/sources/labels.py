@@ -344,6 +344,26 @@ def _sorted_images(images: Path) -> list[str]:
     return sorted(found, key=lambda p: os.path.relpath(p, images).split(os.sep))
 
 
+def yolo_inputs(path: str | Path, split: str | None = None
+                ) -> tuple[Path, list[str], list[str]] | None:
+    """What ``read_yolo`` lists and reads at ``path``, without reading a label file: the
+    images folder, its images in listing order, and the files the boxes and class names
+    come from (every ``.txt`` under the labels folder, and each place a ``data.yaml`` or
+    ``classes.txt`` is looked for, there or not); None when it is not a YOLO layout."""
+    dirs = _yolo_dirs(Path(path).expanduser(), split)
+    if dirs is None:
+        return None
+    images, labels = dirs
+    root = Path(path).expanduser()
+    walked, _, _ = walk(labels, [os.path.realpath(labels)])
+    files = sorted(os.path.join(d, f) for d, names in walked for f in names
+                   if f.endswith(".txt"))
+    names = [str(folder / name) for folder in dict.fromkeys(
+        (root, images.parent, images.parent.parent)) for name in YAML_NAMES]
+    names += [str(folder / CLASS_FILE) for folder in (labels, labels.parent, root)]
+    return images, _sorted_images(images), files + names
+
+
 def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | None = None
               ) -> LabelSet:
     """The YOLO layout at ``path`` (module docstring)."""

@@ -148,6 +148,15 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
             carry = " and ".join(f"loader={k.name.value}" for k in STORAGES.values() if k.boxes)
             raise ConfigError(f"{given} carries boxes through {carry} so far, not "
                               f"loader={loader.name.value}: use one of them")
+        if is_url(dataset.path) and kind.build is None:  # a store holds its own boxes
+            how = "".join(
+                f", or write it as loader={k.name.value}'s store, which holds the boxes "
+                f"(python -m runner.prepare {k.name.value} {given} dataset.path=<local "
+                f"folder> out=<URL>), and read that with loader={k.name.value}"
+                for k in STORAGES.values()
+                if k.boxes and k.urls and k.build is not None and "out" in k.build_options)
+            raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
+                              f"{dataset.path}: copy the dataset to a local folder{how}")
         if DECODERS[loader.decoder].cuda:
             raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                               f"loader.decoder={loader.decoder.value}: use a CPU decoder "

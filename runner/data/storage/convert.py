@@ -11,6 +11,10 @@ here, written once:
   BLAKE2b hash of its bytes (``sources.bin``). Opening compares the stats only (one ``stat``
   per file) and hashes again just the files whose stat moved, so an unchanged folder costs
   no reads, and a rewrite that kept the mtime (``cp -p``, ``rsync -a``, tar) is still seen;
+  a detection set's boxes as the listing parsed them (``targets_fingerprint``: format,
+  classes, every image's boxes, labels, size and id), so an edited label file, or labels
+  read another way, rebuilds the store instead of serving stale boxes (a store of the same
+  folder without boxes has none, and its kind's settings give it a folder of its own);
 - **resumable**: the conversion builds in ``<key>.partial``; its ``Journal`` records each
   finished chunk (``done.jsonl``) only after the chunk's bytes are synced, so a rerun after a
   kill redoes only the unfinished chunks and gives the same bytes;
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from filelock import FileLock
 
 from runner.common.atomic import dumps, write_json
@@ -123,14 +128,27 @@ class StoreSpec:
 # --- the source's fingerprint ---------------------------------------------------------------
 
 def layout_fingerprint(folder: FolderStorage) -> str:
-    """Changes when a file is added, removed or renamed, or a class renamed (or, for a
-    detection set, a box: its label files are the source too); the names are relative to
-    the root, so the same folder spelled differently has the same layout."""
+    """Changes when a file is added, removed or renamed, or a class renamed (a detection
+    set's boxes: ``targets_fingerprint``); the names are relative to the root, so the same
+    folder spelled differently has the same layout."""
     digest = hashlib.sha256("\n".join(folder.classes).encode())
     for path, label in folder.samples:
         digest.update(b"\n" + os.fsencode(os.path.relpath(path, folder.root)) + b"\t%d" % label)
-    if folder.targets is not None:
-        digest.update(folder.targets.fingerprint())
+    return digest.hexdigest()
+
+
+def targets_fingerprint(folder: FolderStorage) -> str | None:
+    """A digest of a detection set's boxes as its listing parsed them (None: no boxes):
+    changes when a label file's boxes, labels or classes change, whatever its stat says."""
+    targets = folder.targets
+    if targets is None:
+        return None
+    digest = hashlib.sha256(f"{targets.format}\n".encode() + "\n".join(folder.classes).encode())
+    for i in range(len(targets)):
+        t = targets[i]
+        digest.update(b"\n%d %d %d %d" % (t.height, t.width, t.image_id, len(t.labels)))
+        digest.update(t.boxes.to(torch.float32).contiguous().numpy().tobytes())
+        digest.update(t.labels.to(torch.int64).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -253,8 +271,11 @@ def valid_cache(folder: Path, spec: StoreSpec, source: FolderStorage) -> dict[st
                  spec.kind, folder)
         return None
     if meta["layout"] != layout_fingerprint(source) or meta["count"] != len(source):
-        log.info("files were added, removed or renamed (or labels edited) in the source "
-                 "since %s was built: rebuilding", folder)
+        log.info("files were added, removed or renamed in the source since %s was built: "
+                 "rebuilding", folder)
+        return None
+    if meta.get("targets") != targets_fingerprint(source):
+        log.info("the detection labels changed since %s was built: rebuilding", folder)
         return None
     check_files(folder, meta, spec)
     changed = changed_files(folder, meta, source)
@@ -331,8 +352,12 @@ def ensure_cache(folder_storage: FolderStorage, spec: StoreSpec, cache_root: Pat
 def conversion_plan(spec: StoreSpec, folder_storage: FolderStorage) -> dict[str, Any]:
     """What a conversion of ``folder_storage`` to ``spec`` will build: the metadata a
     finished store starts from, and what a resumed conversion must match."""
-    return {"version": spec.version, "settings": spec.settings(),
+    plan = {"version": spec.version, "settings": spec.settings(),
             "layout": layout_fingerprint(folder_storage), "count": len(folder_storage)}
+    targets = targets_fingerprint(folder_storage)
+    if targets is not None:  # detection: the boxes the store holds (or is keyed by)
+        plan["targets"] = targets
+    return plan
 
 
 class Journal:

@@ -55,8 +55,8 @@ class FolderStorage(torch.utils.data.Dataset):
     decodes_per_epoch = True
     image_bytes = None  # one file per image
 
-    targets = None  # detection: each image's boxes (DetectionTargets); a storage built
-    # another way (shards, a rival's) carries none
+    targets = None  # detection: each image's boxes (DetectionTargets; packed's and shards'
+    # their own, read from the store: packed.py, shards.py); a rival's carries none
 
     def __init__(self, source: Files | str | Path, decode: ImageDecoder | ReadBytes,
                  on_corrupt: OnCorrupt):
@@ -85,7 +85,7 @@ class FolderStorage(torch.utils.data.Dataset):
         self.source = folder.source.kept(keep)
         self.root, self.classes, self.samples = folder.root, folder.classes, self.source.samples
         self.decode, self.on_corrupt = folder.decode, folder.on_corrupt
-        self.targets = None  # detection boxes go through loader=folder so far (rules.py)
+        self.targets = None  # a store with boxes sets its own (packed.py's StoredTargets)
         self.known_skipped = list(skipped)
 
     def __len__(self) -> int:
@@ -326,15 +326,21 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The images at ``path`` (a folder or a manifest), each decoded on every epoch with
     ``loader.decoder`` at ``dataset.image_size`` and ``dataset.crop`` (or with ``decode``:
     a store built from the folder decodes its own way)."""
-    if decode is None:
-        check_decoder(loader.decoder)
-        decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
-                              loader.draft, dataset.crop_fraction)
-        if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
-            decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
-                                                fraction=decode.fraction))
+    decode = decode or folder_decoder(loader, dataset)
     files = open_files(dataset, path)  # listed, and read from where they are, decided once
     return FolderStorage(files, decode, dataset.on_corrupt)
+
+
+def folder_decoder(loader: LoaderConfig, dataset: DatasetConfig) -> ImageDecoder | ReadBytes:
+    """What decodes a folder's images: ``loader.decoder`` at ``dataset.image_size`` and
+    ``dataset.crop`` (bytes read for the GPU's decode)."""
+    check_decoder(loader.decoder)
+    decode = ImageDecoder(loader.decoder, tuple(dataset.image_size), dataset.crop,
+                          loader.draft, dataset.crop_fraction)
+    if DECODERS[loader.decoder].cuda:  # read bytes; the GPU decodes (nvjpeg.py)
+        decode = ReadBytes(ImageDecoder(FALLBACK, decode.size, decode.crop,
+                                        fraction=decode.fraction))
+    return decode
 
 
 def source_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:

@@ -26,6 +26,27 @@ longer decodes is checked against its CRC: damage to the store is named as such,
 command that rebuilds it, instead of blaming a healthy source file. The store's size is
 not known before encoding, so the conversion first encodes a sample, reserves the
 estimate (a disk too small fails at once) and reserves more if it runs over.
+
+**Detection** (``dataset.targets``): the store holds each image's boxes beside its JPEG,
+so a run reads them from the store with the images, not one label file per image.
+``boxes.bin`` holds every box, image after image in index order (``BOX_DTYPE``: xyxy
+float32 in pixels of the *stored* image, upright, as the listing's source-size boxes
+scaled by the stored size over the source size; its int64 class id), and ``targets.bin``
+per source file where its boxes start in ``boxes.bin``, how many there are and the image's
+id (COCO's, or its place in the label set); an undecodable file has none. Both are written
+with the JPEGs, chunk by chunk in index order, so two builds are the same bytes. The
+store's key has the labels' format (``settings``: a store of the same folder without boxes
+is another folder) and its plan the digest of the boxes as the listing parsed them
+(convert.py's ``targets_fingerprint``): an edited label file rebuilds the store. The
+listing still reads the label files at start-up (to list the images and compare that
+digest); the batches' boxes are the store's. For a YOLO layout (not split by
+``dataset.val_fraction``) the store also keeps the stats of the files its labels were read
+from (``labels.bin``: every label file and class-name file, stat-ed before the listing read
+them; their names' digest and the labels' bad input in ``meta.json``), and a run opens a
+valid store without reading a label file (``open_without_labels``): the images listed as
+the listing lists them, one ``stat`` per label file, the store's metadata checked as the
+engine checks it; anything that differs (a label file edited, added or removed, an image
+changed) falls back to the full listing, whose digest decides whether to rebuild.
 """
 
 from __future__ import annotations
@@ -33,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import hashlib
 import io
 import logging
 import math
@@ -68,22 +90,32 @@ from runner.data.storage.convert import (
     META,
     SOURCE_DTYPE,
     SOURCES,
+    STAT_FIELDS,
     CacheError,
     Journal,
     StoreSpec,
+    changed_files,
+    check_files,
+    check_skipped,
     chunk_ranges,
     ensure_cache,
     file_record,
+    layout_fingerprint,
+    read_meta,
     reserve,
     skipped_files,
 )
-from runner.data.storage.folder import FolderStorage, follow, open_folder
+from runner.data.storage.folder import FolderStorage, folder_decoder, follow, open_folder
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)
 
 PACKED_VERSION = 2  # 2: a CRC-32 per stored image, written in dataset order
 DATA, INDEX = "images.bin", "index.bin"
+BOXES, TARGETS = "boxes.bin", "targets.bin"  # detection: the boxes, and each image's
+LABELS = "labels.bin"  # detection, YOLO: the stats of the label files read
+BOX_DTYPE = np.dtype([("box", "<f4", (4,)), ("label", "<i8")])
+TARGET_DTYPE = np.dtype([("start", "<i8"), ("count", "<i8"), ("image_id", "<i8")])
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
                         ("width", "<i4"), ("label", "<i8"), ("crc", "<u4"), ("pad", "<u4")])
 SAMPLE = 32  # images encoded up front to estimate the store's size
@@ -118,26 +150,40 @@ class PackedSpec(StoreSpec):
     side: StoreSide
     quality: int
     selected_by: tuple[str, ...] = field(default=(), compare=False)
+    targets: str | None = None  # detection: the labels' format (the store holds boxes)
 
     kind = StorageName.packed.value
     version = PACKED_VERSION
 
     def settings(self) -> dict[str, Any]:
-        return {"source": str(self.source), "store_size": self.store_size,
-                "side": self.side.value, "quality": self.quality}
+        out = {"source": str(self.source), "store_size": self.store_size,
+               "side": self.side.value, "quality": self.quality}
+        if self.targets is not None:  # a store with boxes is not the one without
+            out["targets"] = self.targets
+        return out
 
     def label(self) -> str:
-        return f"{self.side.value}{self.store_size}-q{self.quality}"
+        boxes = f"-{self.targets}" if self.targets is not None else ""
+        return f"{self.side.value}{self.store_size}-q{self.quality}{boxes}"
 
     def overrides(self) -> list[str]:
         return list(self.selected_by) or [
             f"dataset.path={self.source}", f"dataset.store_size={self.store_size}",
-            f"dataset.store_side={self.side.value}", f"dataset.store_quality={self.quality}"]
+            f"dataset.store_side={self.side.value}", f"dataset.store_quality={self.quality}",
+            *([f"dataset.targets={self.targets}"] if self.targets is not None else [])]
 
     def file_sizes(self, folder: Path, meta: dict[str, Any]) -> dict[str, int]:
         if not isinstance(meta.get("data_bytes"), int):
             raise self.damaged(folder, f"its {META} lacks or mistypes: data_bytes")
-        return {DATA: meta["data_bytes"], INDEX: meta["count"] * INDEX_DTYPE.itemsize}
+        sizes = {DATA: meta["data_bytes"], INDEX: meta["count"] * INDEX_DTYPE.itemsize}
+        if self.targets is not None:
+            if not isinstance(meta.get("boxes"), int):
+                raise self.damaged(folder, f"its {META} lacks or mistypes: boxes")
+            sizes[BOXES] = meta["boxes"] * BOX_DTYPE.itemsize
+            sizes[TARGETS] = meta["count"] * TARGET_DTYPE.itemsize
+            if isinstance(meta.get("label_inputs"), dict):
+                sizes[LABELS] = meta["label_inputs"].get("count", -1) * SOURCE_DTYPE.itemsize
+        return sizes
 
     def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
                 ) -> dict[str, Any]:
@@ -153,8 +199,16 @@ def packed_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Pac
               f"dataset.image_size=[{','.join(str(int(v)) for v in dataset.image_size)}]",
               f"dataset.store_size={size}", f"dataset.store_side={dataset.store_side.value}",
               f"dataset.store_quality={dataset.store_quality}")
+    if dataset.targets.boxes:
+        picked += (f"dataset.targets={dataset.targets.value}",)
     return PackedSpec(source, size, dataset.store_side, dataset.store_quality,
                       selected_by=picked)
+
+
+def with_targets(spec: PackedSpec, folder: FolderStorage) -> PackedSpec:
+    """``spec`` for ``folder``: keyed by its labels' format when it lists boxes."""
+    format = folder.targets.format if folder.targets is not None else None
+    return spec if spec.targets == format else dataclasses.replace(spec, targets=format)
 
 
 # --- encoding -----------------------------------------------------------------------------
@@ -216,8 +270,25 @@ def _encode_chunk(chunk: tuple[int, int]) -> tuple[tuple[int, int], list, list[S
         except CorruptImageError as e:
             skipped.append(folder_storage.undecodable(path, e, i))  # on_corrupt=fail raises
             encoded, h, w = b"", 0, 0
-        rows.append((source, encoded, h, w, label))
+        boxes = None
+        if folder_storage.targets is not None:  # detection: its boxes at the stored size
+            boxes = stored_boxes(folder_storage.targets[i], h, w)
+        rows.append((source, encoded, h, w, label, boxes))
     return chunk, rows, skipped
+
+
+def stored_boxes(target, height: int, width: int) -> tuple[np.ndarray, int]:
+    """An image's boxes (its ``ImageTargets``, at its source size) as ``BOX_DTYPE`` rows in
+    pixels of its stored ``height`` x ``width`` image (none for an image not stored), and
+    its id."""
+    rows = np.zeros(len(target.labels) if height else 0, dtype=BOX_DTYPE)
+    if len(rows):
+        boxes = target.boxes.to(torch.float32)
+        if target.height and target.width and (target.height, target.width) != (height, width):
+            boxes = boxes * torch.tensor([width / target.width, height / target.height] * 2,
+                                         dtype=torch.float32)
+        rows["box"], rows["label"] = boxes.numpy(), target.labels.numpy()
+    return rows, int(target.image_id)
 
 
 def _init_worker() -> None:
@@ -241,10 +312,19 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
     reserve(partial / DATA, reserved, estimated=True, also=also)
     reserve(partial / INDEX, count * INDEX_DTYPE.itemsize)
     reserve(partial / SOURCES, count * SOURCE_DTYPE.itemsize)
+    detection = folder_storage.targets is not None
+    box_end = max((e.get("boxes", 0) for e in journal.done.values()), default=0)
+    if detection:  # at most every listed box (an image not stored keeps none)
+        most = sum(len(folder_storage.targets[i].labels) for i in range(count))
+        reserve(partial / BOXES, max(most, box_end) * BOX_DTYPE.itemsize)
+        reserve(partial / TARGETS, count * TARGET_DTYPE.itemsize)
     if not journal.done:
         journal.start()
     index = np.memmap(partial / INDEX, dtype=INDEX_DTYPE, mode="r+", shape=(count,))
     sources = np.memmap(partial / SOURCES, dtype=SOURCE_DTYPE, mode="r+", shape=(count,))
+    if detection:
+        per_image = np.memmap(partial / TARGETS, dtype=TARGET_DTYPE, mode="r+", shape=(count,))
+        box_fd = os.open(partial / BOXES, os.O_RDWR)
     fd = os.open(partial / DATA, os.O_RDWR)
     bar = tqdm(total=count, initial=count - sum(e - s for s, e in todo), unit="img",
                desc="packing", disable=not progress)
@@ -266,7 +346,7 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
                     reserved = grown
                 os.pwrite(fd, blob, end)
                 offset = end
-                for k, (source, encoded, h, w, label) in enumerate(rows):
+                for k, (source, encoded, h, w, label, _) in enumerate(rows):
                     index[chunk[0] + k] = (offset, len(encoded), h, w, label,
                                            zlib.crc32(encoded), 0)
                     sources[chunk[0] + k] = source
@@ -274,18 +354,59 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
                 end = offset
                 index.flush()
                 sources.flush()
+                extra = {}
+                if detection:  # the chunk's boxes after the ones before, in index order
+                    start = box_end
+                    for k, row in enumerate(rows):
+                        boxes, image_id = row[5]
+                        per_image[chunk[0] + k] = (box_end, len(boxes), image_id)
+                        box_end += len(boxes)
+                    os.pwrite(box_fd, b"".join(r[5][0].tobytes() for r in rows),
+                              start * BOX_DTYPE.itemsize)
+                    per_image.flush()
+                    os.fdatasync(box_fd)
+                    extra["boxes"] = box_end
                 os.fdatasync(fd)  # bytes and rows reach the disk before the record does
-                journal.record(chunk[0], skipped, end=end)
+                journal.record(chunk[0], skipped, end=end, **extra)
                 bar.update(chunk[1] - chunk[0])
                 turn = next(queue, None)
         os.ftruncate(fd, end)
         os.fsync(fd)
+        if detection:
+            os.ftruncate(box_fd, box_end * BOX_DTYPE.itemsize)
+            os.fsync(box_fd)
     finally:
         _JOB = None
         bar.close()
         os.close(fd)
+        if detection:
+            os.close(box_fd)
     del index, sources
-    return journal.finish(data_bytes=end, classes=folder_storage.classes)
+    extra = {"boxes": box_end} if detection else {}
+    if detection and folder_storage.targets.inputs is not None:
+        extra.update(label_record(folder_storage, partial))
+    return journal.finish(data_bytes=end, classes=folder_storage.classes, **extra)
+
+
+def inputs_digest(inputs: list[str], root: Path | str) -> str:
+    """The label files' names, relative to the listing's root (one folder spelled two ways
+    is one)."""
+    return hashlib.sha256("\n".join(os.path.relpath(p, root) for p in inputs).encode()
+                          ).hexdigest()
+
+
+def label_record(folder_storage: FolderStorage, partial: Path) -> dict[str, Any]:
+    """``labels.bin`` (the label files' stats, as the listing took them before reading
+    them) and the metadata that goes with it: their names' digest and count, and the
+    labels' bad input (reported by a run that does not read them)."""
+    targets = folder_storage.targets
+    rows = np.zeros(len(targets.inputs), dtype=SOURCE_DTYPE)
+    for field_name, column in zip(STAT_FIELDS, zip(*targets.input_stats)):
+        rows[field_name] = column
+    rows.tofile(partial / LABELS)
+    return {"label_inputs": {"digest": inputs_digest(targets.inputs, folder_storage.root),
+                             "count": len(rows)},
+            "label_skipped": [[s.path, s.error] for s in targets.skipped]}
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -317,11 +438,15 @@ class PackedStorage(FolderStorage):
         self.sizes = table["size"][keep].tolist()
         self.heights, self.widths = table["height"][keep].tolist(), table["width"][keep].tolist()
         self.crcs = table["crc"][keep].tolist()
-        if folder.targets is not None:  # detection: each image's boxes at its stored size
-            self.targets = stored_targets(folder.targets, keep.tolist(), self.heights,
-                                          self.widths)
-            self.known_skipped += self.targets.skipped  # bad labels, as the folder says
         self.path, self.cache, self.spec = cache / DATA, cache, spec
+        if isinstance(meta.get("boxes"), int):  # detection: the boxes the store holds
+            try:
+                self.targets = StoredTargets.load(cache, meta, keep, self.heights,
+                                                  self.widths, folder.targets)
+            except ValueError as e:
+                raise self.damaged(str(e)) from e
+            self.known_skipped += self.targets.skipped  # bad labels, as the folder says
+        self.targets_digest = meta.get("targets")
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -525,19 +650,60 @@ class PackedStorage(FolderStorage):
                           "rebuild it")
 
 
-def stored_targets(targets, keep: list[int], heights: list[int], widths: list[int]):
-    """A detection set's targets for the stored images ``keep`` of its listing, each
-    image's boxes scaled from its source size to its stored size (``heights``,
-    ``widths``): the pixels its window is cut from."""
-    from runner.data.sources.labels import ImageTargets
+class StoredTargets:
+    """The boxes a packed store holds, per stored image (``DetectionTargets``' reading side:
+    ``store.targets[i]`` is image ``i``'s ``ImageTargets``, at its stored size, cut from the
+    store's arrays when asked for).
 
-    out = targets.subset(keep)
-    out.source_sizes = [out.source_size(k) for k in range(len(out))]
-    for k, (t, h, w) in enumerate(zip(out.items, heights, widths)):
-        if t.height and t.width and (t.height, t.width) != (h, w):
-            scale = torch.tensor([w / t.width, h / t.height] * 2, dtype=torch.float32)
-            out.items[k] = ImageTargets(t.boxes * scale, t.labels, h, w, t.image_id)
-    return out
+    Args:
+        boxes: float32 [total, 4], every stored image's boxes, image after image.
+        labels: int64 [total], their class ids.
+        starts: int64 [n + 1], where image ``i``'s boxes start (and end: ``starts[i + 1]``).
+        heights, widths: each image's stored size (the boxes' pixels).
+        image_ids: each image's id.
+        format: the labels' format ("yolo", "coco").
+        skipped: the labels' bad input, as the listing reported it.
+    """
+
+    def __init__(self, boxes: torch.Tensor, labels: torch.Tensor, starts: list[int],
+                 heights: list[int], widths: list[int], image_ids: list[int], format: str,
+                 skipped: list[SkippedFile]):
+        self.boxes, self.labels, self.starts = boxes, labels, starts
+        self.heights, self.widths, self.image_ids = heights, widths, image_ids
+        self.format, self.skipped = format, skipped
+
+    @classmethod
+    def load(cls, cache: Path, meta: dict[str, Any], keep: np.ndarray, heights: list[int],
+             widths: list[int], listed=None) -> StoredTargets:
+        """The store's boxes of its stored images ``keep`` (positions in its index);
+        ``listed``: the folder's targets (their format and the bad input they reported)."""
+        rows = np.fromfile(cache / BOXES, dtype=BOX_DTYPE, count=meta["boxes"])
+        per_image = np.fromfile(cache / TARGETS, dtype=TARGET_DTYPE, count=meta["count"])[keep]
+        if len(rows) != meta["boxes"] or (per_image["start"] + per_image["count"]
+                                          > len(rows)).any():
+            raise ValueError(f"{BOXES} holds fewer boxes than its {TARGETS} says")
+        # every kept image's boxes, back to back (as stored: an image left out has none)
+        counts = per_image["count"]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        take = np.repeat(per_image["start"] - starts[:-1], counts) + np.arange(starts[-1])
+        if len(take) != len(rows) or (take != np.arange(len(rows))).any():
+            rows = rows[take]
+        starts = starts.tolist()
+        return cls(torch.from_numpy(np.ascontiguousarray(rows["box"])),
+                   torch.from_numpy(np.ascontiguousarray(rows["label"])), starts, heights,
+                   widths, per_image["image_id"].tolist(),
+                   listed.format if listed is not None else "stored",
+                   list(listed.skipped) if listed is not None else [])
+
+    def __len__(self) -> int:
+        return len(self.heights)
+
+    def __getitem__(self, index: int):
+        from runner.data.sources.labels import ImageTargets
+
+        a, b = self.starts[index], self.starts[index + 1]
+        return ImageTargets(self.boxes[a:b], self.labels[a:b], self.heights[index],
+                            self.widths[index], self.image_ids[index])
 
 
 def unpad_all(index: torch.Tensor) -> list[int]:
@@ -548,19 +714,91 @@ def unpad_all(index: torch.Tensor) -> list[int]:
 def open_packed_cache(folder: FolderStorage, spec: PackedSpec, cache_root: Path,
                       progress: bool = True) -> PackedStorage:
     """The packed store of ``folder`` (converted first if there is no valid one)."""
+    spec = with_targets(spec, folder)
     cache, meta = ensure_cache(folder, spec, cache_root, progress)
+    refresh_labels(cache, meta, folder)
     return PackedStorage(folder, cache, meta, spec)
+
+
+def refresh_labels(cache: Path, meta: dict[str, Any], folder: FolderStorage) -> None:
+    """A valid store whose label files' stats moved while their boxes and bad input did
+    not (a label file rewritten as it was): record the new stats, so the next open reads
+    no label file again (a read-only store keeps the old ones)."""
+    targets, record = folder.targets, meta.get("label_inputs")
+    if targets is None or targets.inputs is None or not isinstance(record, dict) or \
+            record.get("digest") != inputs_digest(targets.inputs, folder.root) or \
+            meta.get("label_skipped") != [[s.path, s.error] for s in targets.skipped]:
+        return
+    try:
+        table = np.memmap(cache / LABELS, dtype=SOURCE_DTYPE, mode="r+")
+    except OSError:
+        return
+    if len(table) == len(targets.input_stats):
+        for field_name, column in zip(STAT_FIELDS, zip(*targets.input_stats)):
+            if (table[field_name] != np.array(column)).any():
+                table[field_name] = column
+        table.flush()
+    del table
 
 
 def open_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True) -> PackedStorage:
     """The packed store of the folder at ``path`` (packed first if there is no valid one),
     each stored JPEG decoded per epoch with ``loader.decoder``."""
-    folder = open_folder(loader, dataset, path, progress)
-    storage = open_packed_cache(folder, packed_spec(loader, dataset, path),
-                                Path(dataset.cache_dir), progress)
+    storage = open_without_labels(loader, dataset, path) if dataset.targets.boxes else None
+    if storage is None:
+        folder = open_folder(loader, dataset, path, progress)
+        storage = open_packed_cache(folder, packed_spec(loader, dataset, path),
+                                    Path(dataset.cache_dir), progress)
     read_far(storage, dataset.far_disk)
     return storage
+
+
+def open_without_labels(loader: LoaderConfig, dataset: DatasetConfig, path: Path
+                        ) -> PackedStorage | None:
+    """A valid detection store of the YOLO layout at ``path``, opened without reading a
+    label file (the module's docstring); None when that cannot be shown so (then the full
+    listing decides)."""
+    from runner.data.sources.detection import DetectionTargets, quick_detection
+    from runner.data.sources.files import Files
+    from runner.data.sources.listing import Listing
+
+    quick = quick_detection(dataset, path)
+    if quick is None:
+        return None
+    listing, inputs, stats = quick
+    spec = dataclasses.replace(packed_spec(loader, dataset, path), targets="yolo")
+    cache = spec.folder(Path(dataset.cache_dir))
+    try:
+        meta = read_meta(cache, spec)
+    except CacheError:
+        return None
+    record = meta.get("label_inputs") if meta is not None else None
+    if meta is None or meta.get("version") != spec.version or \
+            meta.get("settings") != spec.settings() or not isinstance(record, dict) or \
+            record.get("digest") != inputs_digest(inputs, listing.root) or \
+            record.get("count") != len(inputs) or \
+            not isinstance(meta.get("label_skipped"), list):
+        return None
+    skipped = [SkippedFile(str(p), str(e)) for p, e in meta["label_skipped"]]
+    listing = Listing(listing.root, list(meta["classes"]), listing.samples, listing.how, [],
+                      DetectionTargets([], "yolo", skipped, inputs, stats))
+    folder = FolderStorage(Files(listing), folder_decoder(loader, dataset), dataset.on_corrupt)
+    if meta["count"] != len(folder) or meta["layout"] != layout_fingerprint(folder):
+        return None
+    try:
+        check_files(cache, meta, spec)
+    except CacheError:
+        return None
+    recorded = np.fromfile(cache / LABELS, dtype=SOURCE_DTYPE, count=len(inputs))
+    now = np.array(stats, dtype=[(f, SOURCE_DTYPE[f]) for f in STAT_FIELDS]).reshape(-1)
+    if len(recorded) != len(now) or any((recorded[f] != now[f]).any() for f in STAT_FIELDS):
+        return None  # a label file changed (or was touched): the full listing decides
+    if changed_files(cache, meta, folder):
+        return None
+    check_skipped(meta, folder)
+    log.info("%s: the boxes stored in %s, no label file read", path, cache)
+    return PackedStorage(folder, cache, meta, spec)
 
 
 def read_far(storage: PackedStorage, setting: bool | None) -> None:
@@ -582,8 +820,8 @@ def build_packed(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                  progress: bool = True, rebuild: bool = False) -> Path:
     """The packed store's folder, packed now if there is no valid one (or ``rebuild``)."""
     folder = open_folder(loader, dataset, path, progress)
-    return ensure_cache(folder, packed_spec(loader, dataset, path), Path(dataset.cache_dir),
-                        progress, rebuild)[0]
+    spec = with_targets(packed_spec(loader, dataset, path), folder)
+    return ensure_cache(folder, spec, Path(dataset.cache_dir), progress, rebuild)[0]
 
 
 def packed_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:

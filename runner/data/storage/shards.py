@@ -12,6 +12,15 @@ region decode: ``PackedStorage.decode_slice``); a sample is one ``pread`` from i
 Every sample's bytes are checked against the CRC-32 in the index: a mismatch reads as an
 unreadable file named ``<shard>/<key>``, skipped or (``dataset.on_corrupt=fail``) an error.
 
+**Boxes** (``dataset.targets``, detection): each sample's ``<key>.json`` beside its JPEG
+(tarformat.py) is read with it, in one ``pread`` (or range request) of the two adjacent
+members (``sample_spans``), its boxes parsed there and handed to the crop the JPEG is
+decoded with (``ShardTargets``): the same ``follow()`` of packed and folder, in the
+stored image's pixels. ``prepare shards`` of a detection set writes them; a shard set
+without them under ``dataset.targets`` is a DatasetError saying so, and a sample whose
+member is missing or not boxes is an unreadable sample (skipped and counted). Remote sets
+read the same spans through the same source.
+
 **Order.** Shards are shuffled in blocks of ``SHARDS_PER_BLOCK`` and the samples of a block
 among themselves (``BatchOrder`` with ``groups``): a function of (seed, epoch) and the shard
 set, so a resumed run reads exactly what an uninterrupted one does, on every rank. A set
@@ -60,6 +69,7 @@ from runner.data.storage.folder import FolderStorage
 from runner.data.storage.packed import PackedStorage, packed_spec
 from runner.data.storage.shardwrite import build_shards, cache_folder, convert_to_shards
 from runner.data.storage.tarformat import (
+    BOX_EXT,
     MANIFEST,
     SHARD_LIST,
     ShardIndex,
@@ -69,6 +79,8 @@ from runner.data.storage.tarformat import (
 )
 
 log = logging.getLogger(__name__)
+
+BOX_GAP = 4096  # at most this many bytes between a sample's image and its boxes read as one
 
 # --- where the shards are -----------------------------------------------------------------
 
@@ -134,13 +146,14 @@ class ShardsStorage(PackedStorage):
 
     def __init__(self, root: str | Path, indexes: list[ShardIndex], classes: list[str],
                  decode, on_corrupt, source: LocalShards | RemoteShards,
-                 skipped: list[SkippedFile] = (), duplicates: int = 0):
+                 skipped: list[SkippedFile] = (), duplicates: int = 0, boxes: bool = False):
         self.root, self.classes = root, classes
         self.decode, self.on_corrupt = decode, on_corrupt
         self.known_skipped = list(skipped)  # what the conversion to shards skipped
         self.duplicates = duplicates  # samples of a key met before, not read
         self.samples, self.offsets, self.sizes = [], [], []
         self.heights, self.widths, self.crcs, self.shard_of = [], [], [], []
+        self.box_offsets, self.box_sizes, self.spans = [], [], []  # boxes; what a read takes
         self.order_groups = [0]
         self.order_members = None  # the sample at each place of the shards (None: in order)
         upright = True
@@ -152,6 +165,9 @@ class ShardsStorage(PackedStorage):
             self.heights += index.heights
             self.widths += index.widths
             self.crcs += index.crcs
+            self.box_offsets += index.box_offsets or [-1] * len(index)
+            self.box_sizes += index.box_sizes or [0] * len(index)
+            self.spans += sample_spans(index, boxes)
             self.shard_of += [k] * len(index)
             self.order_groups.append(len(self.samples))
             upright = upright and all(index.upright)
@@ -160,7 +176,7 @@ class ShardsStorage(PackedStorage):
         inverse = dataset_order(indexes)
         if inverse is not None:  # numbered by place in the dataset
             for column in ("samples", "offsets", "sizes", "heights", "widths", "crcs",
-                           "shard_of"):
+                           "shard_of", "box_offsets", "box_sizes", "spans"):
                 values = getattr(self, column)
                 setattr(self, column, [values[k] for k in inverse])
             names = [names[k] for k in inverse]
@@ -171,15 +187,18 @@ class ShardsStorage(PackedStorage):
         self.spec, self.cache = None, None
         self.data_bytes = sum(self.sizes)
         self.path = None
+        self._last = threading.local()  # per decode thread: the boxes of the sample it read
+        self.targets = ShardTargets(self) if boxes else None
 
     def __del__(self) -> None:
         pass  # the source owns the descriptors
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "_last"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._last = threading.local()
 
     def name_of(self, index: int) -> str:
         """The sample's source name (what predictions name it by), else ``<shard>/<key>``."""
@@ -222,11 +241,49 @@ class ShardsStorage(PackedStorage):
         """Sample ``index``'s JPEG, checked against its CRC-32 (a mismatch is an OSError
         naming ``<shard>/<key>``: skipped, or with on_corrupt=fail an error)."""
         size = self.sizes[index]
-        data = self.source.read(self.shard_of[index], self.offsets[index], size, index)
+        start, length = self.spans[index]
+        data = self.source.read(self.shard_of[index], start, length, index)
+        if self.targets is not None and len(data) == length:  # the JPEG and its boxes
+            at, box_at, box_size = self.offsets[index] - start, \
+                self.box_offsets[index] - start, self.box_sizes[index]
+            if 0 <= box_at and box_at + box_size <= length:  # read with the JPEG
+                boxes = data[box_at:box_at + box_size]
+            else:  # not beside it (a tar written another way): a read of its own
+                boxes = self.source.read(self.shard_of[index], self.box_offsets[index],
+                                         box_size, index) if box_size > 0 else b""
+            self._last.item = (index, self.parse_boxes(index, boxes))
+            data = data[at:at + size]
         if len(data) != size or zlib.crc32(data) != self.crcs[index]:
             raise OSError(f"{self.root}/{self.samples[index][0]}: its bytes fail the CRC-32 "
                           "of the shard's index (a damaged or changed shard)")
         return data
+
+    def parse_boxes(self, index: int, data: bytes):
+        """Sample ``index``'s ``<key>.json`` as its ``ImageTargets`` in pixels of its stored
+        image (boxes given for another ``height`` x ``width`` scaled to it); an OSError
+        naming the member when it is missing or not boxes (an unreadable sample)."""
+        from runner.data.sources.labels import ImageTargets
+
+        where = f"{self.root}/{self.samples[index][0]}.{BOX_EXT}"
+        if not data:
+            raise OSError(f"{where} is missing: a detection sample needs its boxes beside "
+                          "its image")
+        try:
+            entry = json.loads(data)
+            boxes = torch.tensor(entry["boxes"], dtype=torch.float32).reshape(-1, 4)
+            labels = torch.tensor(entry["labels"], dtype=torch.int64).reshape(-1)
+            if len(boxes) != len(labels):
+                raise ValueError(f"{len(boxes)} boxes and {len(labels)} labels")
+            h, w = int(entry.get("height", 0)), int(entry.get("width", 0))
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise OSError(f"{where} is not boxes ({type(e).__name__}: {e}): it needs "
+                          '{"boxes": [[x1, y1, x2, y2], ...], "labels": [...]} in pixels of '
+                          "the image") from e
+        sh, sw = self.heights[index], self.widths[index]
+        if h and w and (h, w) != (sh, sw) and self.upright:  # to the pixels decoded
+            boxes = boxes * torch.tensor([sw / w, sh / h] * 2, dtype=torch.float32)
+            h, w = sh, sw
+        return ImageTargets(boxes, labels, h, w, int(entry.get("image_id", index)))
 
     def check_stored(self, index: int, data: bytes | bytearray) -> None:
         """Nothing more: ``read`` checked the CRC already."""
@@ -241,7 +298,61 @@ class ShardsStorage(PackedStorage):
         self.source.close()
 
 
+class ShardTargets:
+    """A shard set's boxes, as the storage's ``targets``: ``targets[i]`` is the boxes of
+    sample ``i`` that the decode thread asking for them has just read with its JPEG
+    (``ShardsStorage.read``), else read again."""
+
+    format = "shards"
+    skipped: list[SkippedFile] = []  # the labels' bad input: the manifest's skipped files
+
+    def __init__(self, storage: ShardsStorage):
+        self.storage = storage
+
+    def __len__(self) -> int:
+        return len(self.storage)
+
+    def __getitem__(self, index: int):
+        last = getattr(self.storage._last, "item", None)
+        if last is None or last[0] != index:
+            self.storage.read(index)
+            last = self.storage._last.item
+        return last[1]
+
+
 # --- opening a shard set ------------------------------------------------------------------
+
+def sample_spans(index: ShardIndex, boxes: bool) -> list[tuple[int, int]]:
+    """(offset, size) of what one read of each sample of ``index`` takes: its image, and
+    with ``boxes`` its boxes member too when the two are near (adjacent in shards the
+    runner writes: one header block between them)."""
+    if not boxes or index.box_offsets is None:
+        return list(zip(index.offsets, index.sizes))
+    spans = []
+    for o, s, bo, bs in zip(index.offsets, index.sizes, index.box_offsets, index.box_sizes):
+        start, end = min(o, bo), max(o + s, bo + bs)
+        near = bs > 0 and bo >= 0 and end - start <= s + bs + BOX_GAP
+        spans.append((start, end - start) if near else (o, s))
+    return spans
+
+
+def check_boxes(indexes: list[ShardIndex], dataset: DatasetConfig, where: str | Path) -> bool:
+    """Whether the samples' boxes are read (``dataset.targets``); a DatasetError when the
+    set holds none to read."""
+    if not dataset.targets.boxes:
+        return False
+    without = [i.shard for i in indexes if i.box_sizes is None
+               or not any(s > 0 for s in i.box_sizes)]
+    if without:
+        raise DatasetError(
+            f"dataset.targets={dataset.targets.value}: the shards at {where} hold no boxes "
+            f"(no <key>.{BOX_EXT} member beside the images of {without[0]}"
+            f"{f' and {len(without) - 1} more' if len(without) > 1 else ''}): write the "
+            "shards of your detection set with python -m runner.prepare shards "
+            f"dataset.targets={dataset.targets.value} dataset.path=<its folder> "
+            "out=<folder or URL>, or leave dataset.targets=none")
+    return True
+
 
 def dataset_order(indexes: list[ShardIndex]) -> list[int] | None:
     """The place in the shards of each sample of the dataset, in dataset order, when every
@@ -452,8 +563,9 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
                        bound)
     indexes, classes, skipped = _remote_set(url, dataset, engine, cache)
     indexes, duplicates = _without_duplicates(indexes, url)
+    boxes = check_boxes(indexes, dataset, url)
     shard_of = [k for k, i in enumerate(indexes) for _ in range(len(i))]
-    spans = [(o, s) for i in indexes for o, s in zip(i.offsets, i.sizes)]
+    spans = [span for i in indexes for span in sample_spans(i, boxes)]
     inverse = dataset_order(indexes)
     if inverse is not None:  # numbered as ShardsStorage numbers them
         shard_of, spans = [shard_of[k] for k in inverse], [spans[k] for k in inverse]
@@ -465,7 +577,7 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     source = RemoteShards(url, engine, [i.shard for i in indexes], [i.nbytes for i in indexes],
                           cache, shard_of, spans)
     return ShardsStorage(str(url), indexes, classes, decode, dataset.on_corrupt, source,
-                         skipped, duplicates)
+                         skipped, duplicates, boxes)
 
 
 def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
@@ -486,9 +598,10 @@ def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
     indexes, duplicates = _without_duplicates(indexes, folder)
     if not indexes:
         raise DatasetError(f"dataset.path={folder} holds no samples in its shards")
+    boxes = check_boxes(indexes, dataset, folder)
     source = LocalShards(folder, [i.shard for i in indexes])
     return ShardsStorage(folder, indexes, classes, decode, dataset.on_corrupt, source,
-                         skipped, duplicates)
+                         skipped, duplicates, boxes)
 
 
 def _decoder(loader: LoaderConfig, dataset: DatasetConfig):
@@ -527,4 +640,5 @@ KIND = StorageKind(
     footprint=shards_footprint,
     speed_rank=2,
     urls=True,
+    boxes=True,
 )

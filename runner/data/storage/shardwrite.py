@@ -9,6 +9,9 @@ a URL writes to a temporary folder and uploads each shard and index, the manifes
 reader sees the whole set or none). An image folder at a URL is first copied to a local
 staging folder (a manifest keeps its order and labels). Unset ``out=``: the cache, where
 ``loader=shards`` over the image folder finds them, rewritten when the packed store changed.
+A detection set (``dataset.targets``) is packed with its boxes, and each sample's boxes are
+written beside its JPEG as ``<key>.json`` (tarformat.py); the manifest's ``packed`` facts
+then name the boxes' digest, so shards in the cache are rewritten when the labels change.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from runner.data.storage.tarformat import (
     MANIFEST,
     SHARD_LIST,
     ShardWriter,
+    box_json,
     write_manifest,
 )
 
@@ -68,8 +72,12 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
         if k % READ_AHEAD == 0:  # the next images asked for together: on a far disk one
             # request per run of neighbours, locally the kernel's readahead
             packed.will_need(order[k:k + READ_AHEAD].sort().values)
+        boxes = None
+        if packed.targets is not None:  # detection: its boxes beside it, as packed holds them
+            t = packed.targets[i]
+            boxes = box_json(t.boxes, t.labels, t.image_id, packed.heights[i], packed.widths[i])
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
-                   packed.widths[i], packed.name_of(i), i)
+                   packed.widths[i], packed.name_of(i), i, boxes)
     skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
     if skipped:  # a run over these shards lists them in its skipped_files too
         log.warning("%d file(s) could not be read and are not in the shards (e.g. %s): "
@@ -81,11 +89,15 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
 def _packed_facts(packed: PackedStorage, shard_bytes: int,
                   seed: int = DEFAULT_SHUFFLE_SEED) -> dict[str, Any]:
     spec = packed.spec
-    return {"store_size": spec.store_size, "store_side": spec.side.value,
-            "store_quality": spec.quality, "shard_bytes": shard_bytes,
-            "shuffle": {"seed": seed},
-            "packed": {"folder": packed.cache.name, "data_bytes": packed.data_bytes,
-                       "count": len(packed)}}
+    facts = {"store_size": spec.store_size, "store_side": spec.side.value,
+             "store_quality": spec.quality, "shard_bytes": shard_bytes,
+             "shuffle": {"seed": seed},
+             "packed": {"folder": packed.cache.name, "data_bytes": packed.data_bytes,
+                        "count": len(packed)}}
+    if packed.targets is not None:  # detection: the boxes the shards hold
+        facts["targets"] = packed.targets.format
+        facts["packed"]["targets"] = packed.targets_digest
+    return facts
 
 
 def convert_to_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path,

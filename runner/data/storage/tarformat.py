@@ -8,6 +8,14 @@ and width, its CRC-32, its source name and its position in the dataset (``positi
 ``manifest.json`` lists the shards (name, bytes, samples) with the classes, the count and
 what the store was made from.
 
+A detection set's shards (``dataset.targets``) hold a third member per sample, right after
+its JPEG: ``<key>.json``, ``{"boxes": [[x1, y1, x2, y2], ...], "labels": [class id, ...],
+"image_id": id, "height": h, "width": w}``, the boxes xyxy in pixels of the stored image
+(``height`` x ``width``, upright), as packed stores them (packed.py). The index gives its
+offset and size too (``box_offsets``, ``box_sizes``), so the reader takes the JPEG and
+its boxes in one ``pread`` (or one range request) of the two adjacent members. A tar
+someone else wrote is indexed with its ``.json`` members the same way (``BOX_EXT``).
+
 The samples are written in a shuffled order (a permutation of the dataset drawn from
 ``shuffle_seed``, recorded in the manifest as ``shuffle``): written in dataset order, a
 shard held one or two classes, so the shard shuffle and sample buffer of WebDataset (or any
@@ -47,6 +55,7 @@ SHARD_LIST = "shards"  # the manifest's list of shards
 INDEX_SUFFIX = ".idx.json"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
 LABEL_EXTS = ("cls", "cls2", "label")
+BOX_EXT = "json"  # a sample's boxes (detection), beside its image
 DEFAULT_SHARD_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
@@ -69,14 +78,26 @@ class ShardIndex:
     upright: list[bool]  # a JPEG with no EXIF rotation (the batch decode's assumption)
     positions: list[int] | None = None  # each sample's place in the dataset (None: a set
     # written in dataset order, or a tar someone else wrote)
+    box_offsets: list[int] | None = None  # each sample's ``<key>.json`` (detection), where
+    box_sizes: list[int] | None = None  # its data starts in the tar and its size (None: no
+    # sample has one; -1 and 0: this one has none)
+
+    OPTIONAL = ("positions", "box_offsets", "box_sizes")
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, **self.__dict__}
+        return {"format": FORMAT, "version": VERSION,
+                **{k: v for k, v in self.__dict__.items()
+                   if k not in self.OPTIONAL or v is not None}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardIndex:
-        fields = {k: data[k] for k in cls.__dataclass_fields__ if k != "positions"}
-        return cls(**fields, positions=data.get("positions"))
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k not in cls.OPTIONAL}
+        return cls(**fields, **{k: data.get(k) for k in cls.OPTIONAL})
+
+    @property
+    def has_boxes(self) -> bool:
+        """Every sample has a boxes member."""
+        return self.box_sizes is not None and all(s > 0 for s in self.box_sizes)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -131,14 +152,22 @@ class ShardWriter:
         return offset
 
     def add(self, key: str, jpeg: bytes, label: int, height: int, width: int,
-            name: str, position: int) -> None:
-        if self._tar is not None and self._tar.offset + len(jpeg) + 2048 > self.shard_bytes \
-                and len(self._index):
+            name: str, position: int, boxes: bytes | None = None) -> None:
+        """One sample: its JPEG, its boxes member right after it (``boxes``: the
+        ``<key>.json`` bytes, detection only; ``box_json`` makes them), its class."""
+        extra = len(boxes) + 512 if boxes is not None else 0
+        if self._tar is not None and self._tar.offset + len(jpeg) + extra + 2048 > \
+                self.shard_bytes and len(self._index):
             self._finish()
         if self._tar is None:
             self._open()
         index = self._index
         offset = self._member(f"{key}.jpg", jpeg)
+        if boxes is not None:
+            if index.box_offsets is None:
+                index.box_offsets, index.box_sizes = [], []
+            index.box_offsets.append(self._member(f"{key}.{BOX_EXT}", boxes))
+            index.box_sizes.append(len(boxes))
         self._member(f"{key}.cls", str(label).encode())
         for column, value in (("keys", key), ("offsets", offset), ("sizes", len(jpeg)),
                               ("labels", label), ("heights", height), ("widths", width),
@@ -164,6 +193,16 @@ class ShardWriter:
         if self._tar is not None:
             self._finish()
         return self.entries
+
+
+def box_json(boxes, labels, image_id: int, height: int, width: int) -> bytes:
+    """A sample's ``<key>.json``: its boxes (float32 [n, 4] xyxy, pixels of its
+    ``height`` x ``width`` stored image) and class ids, as JSON (each float32 written so
+    that it reads back the same float32)."""
+    return json.dumps({"boxes": [[float(v) for v in row] for row in boxes.tolist()],
+                       "labels": [int(v) for v in labels.tolist()], "image_id": int(image_id),
+                       "height": int(height), "width": int(width)},
+                      separators=(",", ":")).encode()
 
 
 def write_manifest(folder: Path, entries: list[dict[str, Any]], classes: list[str],
@@ -192,6 +231,7 @@ def index_tar(fileobj: BinaryIO, shard: str, nbytes: int) -> ShardIndex:
     in ``skipped_files``."""
     images: dict[str, tuple[int, int, str]] = {}
     labels: dict[str, int] = {}
+    boxes: dict[str, tuple[int, int]] = {}
     order: list[str] = []
     with tarfile.open(fileobj=fileobj, mode="r:") as tar:
         try:
@@ -203,11 +243,16 @@ def index_tar(fileobj: BinaryIO, shard: str, nbytes: int) -> ShardIndex:
                 elif ext in LABEL_EXTS and key not in labels:
                     text = tar.extractfile(info).read().decode("utf-8", "replace").strip()
                     labels[key] = int(text) if text.lstrip("-").isdigit() else -1
+                elif ext == BOX_EXT and key not in boxes:
+                    boxes[key] = (info.offset_data, info.size)
         except (tarfile.ReadError, EOFError) as e:
             log.warning("%s is cut short (%s) after %d sample(s): those past its end are not "
                         "in its index, the last one's bytes read as unreadable", shard, e,
                         len(order))
     index = ShardIndex(shard, nbytes, [], [], [], [], [], [], [], [], [])
+    if boxes:
+        index.box_offsets = [boxes.get(k, (-1, 0))[0] for k in order]
+        index.box_sizes = [boxes.get(k, (-1, 0))[1] for k in order]
     for key in order:
         offset, size, name = images[key]
         fileobj.seek(offset)

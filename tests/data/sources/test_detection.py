@@ -128,11 +128,17 @@ def test_bad_labels_are_reported_as_skipped_files(tmp_path: Path):
     (["loader=webdataset"], "through loader=folder.* so far, not loader=webdataset"),
     (["loader.decoder=nvjpeg"], "CPU decoders"),
     (["task.augment.auto=randaugment"], "task.augment.auto"),
-    (["dataset.path=s3://bucket/x"], "local folder"),
+    (["dataset.path=s3://bucket/x"], "local folder.*prepare shards dataset.targets=yolo .*"
+                                      "read that with loader=shards"),
 ])
 def test_what_boxes_cannot_follow_yet_is_refused_in_one_line(overrides, says):
     with pytest.raises(ConfigError, match=says):
         compose(["dataset.targets=yolo", *overrides])
+
+
+def test_shards_at_a_url_carry_their_boxes_and_are_accepted():
+    config = compose(["dataset.targets=yolo", "loader=shards", "dataset.path=s3://bucket/x"])
+    assert config.loader.name is StorageName.shards
 
 
 def test_prepare_picks_among_the_stores_that_carry_boxes(shapes: Path, tmp_path: Path):

@@ -578,3 +578,196 @@ def test_a_packed_detection_sets_boxes_follow_its_stored_images(tmp_path: Path, 
                                           (96, 96), flip))
     finally:
         data.close()
+
+
+def detection_store(shapes: Path, cache: Path, *more: str) -> PackedStorage:
+    """The packed store of the shapes set ``shapes`` (its YOLO labels unless ``more`` says
+    otherwise), opened (and built) as a run opens it."""
+    from runner.job.compose import compose
+
+    config = compose(["dataset.targets=yolo", f"dataset.path={shapes}", "model=none",
+                      "logger=none", f"dataset.cache_dir={cache}", "dataset.image_size=[96,96]",
+                      *more])
+    return packed.open_packed(config.loader, config.dataset, shapes, progress=False)
+
+
+def build_of(store: PackedStorage) -> str:
+    return json.loads((store.cache / META).read_text())["build"]
+
+
+def test_a_packed_detection_store_holds_the_boxes_a_run_reads(tmp_path: Path):
+    """The boxes are stored beside the JPEGs (boxes.bin, targets.bin), at the stored size:
+    a run reads them from the store (altered there, they are what it serves), not from the
+    label files; an edited label file changes the store's fingerprint and rebuilds it."""
+    import numpy as np
+
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    cache = tmp_path / "cache"
+    store = detection_store(shapes, cache)
+    folder = packed.open_folder(store_loader(), store_dataset(shapes, cache), shapes)
+    rows = np.fromfile(store.cache / packed.BOXES, dtype=packed.BOX_DTYPE)
+    assert len(rows) == sum(len(folder.targets[i].labels) for i in range(len(folder))) > 10
+    for i in range(len(store)):  # the listing's boxes, scaled to the stored size
+        source, stored = folder.targets[i], store.targets[i]
+        assert (stored.height, stored.width) == (store.heights[i], store.widths[i])
+        scale = torch.tensor([store.widths[i] / 160, store.heights[i] / 160] * 2)
+        assert torch.allclose(stored.boxes, source.boxes * scale)
+        assert stored.labels.tolist() == source.labels.tolist()
+    first, build = store.targets[3].boxes.clone(), build_of(store)
+    store.close()
+    # the store's own boxes moved by a pixel: a run serves them (it reads the store's)
+    rows["box"] += 1
+    rows.tofile(store.cache / packed.BOXES)
+    again = detection_store(shapes, cache)
+    assert build_of(again) == build
+    assert torch.equal(again.targets[3].boxes, first + 1)
+    again.close()
+    # a label file edited: another fingerprint, the store rebuilt with the new boxes
+    label = next(p for p in sorted(shapes.glob("labels/train/*.txt")) if p.read_text())
+    lines = label.read_text().splitlines()
+    cls, cx, cy, w, h = lines[0].split()
+    label.write_text("\n".join([f"{cls} {cx} {cy} {float(w) / 2:.6f} {h}", *lines[1:]]) + "\n")
+    rebuilt = detection_store(shapes, cache)
+    assert build_of(rebuilt) != build and rebuilt.cache == again.cache
+    changed = [i for i in range(len(rebuilt))
+               if not torch.equal(rebuilt.targets[i].boxes, store_boxes_of(folder, i, rebuilt))]
+    assert len(changed) == 1  # the edited image's boxes, and no other's
+    rebuilt.close()
+
+
+def store_loader():
+    from runner.job.compose import compose
+
+    return compose([]).loader
+
+
+def store_dataset(shapes: Path, cache: Path):
+    from runner.job.compose import compose
+
+    return compose(["dataset.targets=yolo", f"dataset.path={shapes}",
+                    f"dataset.cache_dir={cache}", "dataset.image_size=[96,96]"]).dataset
+
+
+def store_boxes_of(folder: FolderStorage, i: int, store: PackedStorage) -> torch.Tensor:
+    """Image ``i``'s boxes as ``folder`` listed them, at ``store``'s stored size."""
+    rows = packed.stored_boxes(folder.targets[i], store.heights[i], store.widths[i])[0]
+    return torch.from_numpy(rows["box"])
+
+
+def test_two_builds_of_a_detection_store_are_the_same_bytes(tmp_path: Path):
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    one, two = (detection_store(shapes, tmp_path / name) for name in ("a", "b"))
+    for name in (DATA, packed.INDEX, packed.BOXES, packed.TARGETS):
+        assert (one.cache / name).read_bytes() == (two.cache / name).read_bytes(), name
+    one.close()
+    two.close()
+
+
+def test_a_classification_and_a_detection_store_of_one_folder_do_not_collide(tmp_path: Path):
+    """Packed with and without dataset.targets, one folder gives two stores in two folders:
+    opening one never rebuilds the other."""
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    cache = tmp_path / "cache"
+    boxes = detection_store(shapes, cache)
+    plain = detection_store(shapes, cache, "dataset.targets=none")
+    assert boxes.cache != plain.cache and boxes.targets is not None and plain.targets is None
+    assert not (plain.cache / packed.BOXES).exists()
+    builds = build_of(boxes), build_of(plain)
+    boxes.close()
+    plain.close()
+    again, plain_again = (detection_store(shapes, cache, *more)
+                          for more in ([], ["dataset.targets=none"]))
+    assert (build_of(again), build_of(plain_again)) == builds  # neither rebuilt
+    again.close()
+    plain_again.close()
+
+
+def test_a_valid_detection_store_is_opened_without_reading_a_label_file(tmp_path: Path,
+                                                                        monkeypatch):
+    """Once built, a run over the store of a YOLO layout reads no label file (one stat
+    each): the listing's parse is never called, and the boxes are the store's. A label
+    file edited (or a new one) sends the open back to the full listing."""
+    import runner
+    from runner.data.sources import detection
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    cache = tmp_path / "cache"
+    built = detection_store(shapes, cache)
+    expected = [(built.targets[i].boxes, built.targets[i].labels) for i in range(len(built))]
+    skipped, build = list(built.known_skipped), build_of(built)
+    built.close()
+    parsed = []
+    real = detection.read_labels
+
+    def counted(*args, **kwargs):
+        parsed.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(detection, "read_labels", counted)  # what reads label files
+    store = detection_store(shapes, cache)
+    assert not parsed and build_of(store) == build
+    assert store.known_skipped == skipped and store.classes == ["circle", "square", "triangle"]
+    for i, (boxes, labels) in enumerate(expected):
+        assert torch.equal(store.targets[i].boxes, boxes)
+        assert torch.equal(store.targets[i].labels, labels)
+    store.close()
+    pipe = runner.pipeline("dataset.targets=yolo", f"dataset.path={shapes}", "model=none",
+                           f"dataset.cache_dir={cache}", "dataset.image_size=[96,96]",
+                           "loader.num_workers=0", "run.progress=false", loader="packed")
+    try:
+        assert sum(int(b["box_count"].sum()) for b in pipe) == sum(len(e[1]) for e in expected)
+    finally:
+        pipe.close()
+    assert not parsed  # a whole run's start-up: no label file parsed either
+    # a label file touched (its stat moved, its boxes not): parsed, and not rebuilt
+    label = sorted(shapes.glob("labels/train/*.txt"))[0]
+    label.write_text(label.read_text())
+    again = detection_store(shapes, cache)
+    assert len(parsed) == 1 and build_of(again) == build
+    again.close()
+    detection_store(shapes, cache).close()  # its new stat recorded: not parsed again
+    assert len(parsed) == 1
+    # a label file where there was none: parsed (new boxes: rebuilt)
+    image = next(p for p in sorted(shapes.glob("images/train/*.jpg"))
+                 if not (shapes / "labels" / "train" / f"{p.stem}.txt").exists()
+                 or not (shapes / "labels" / "train" / f"{p.stem}.txt").read_text())
+    (shapes / "labels" / "train" / f"{image.stem}.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    rebuilt = detection_store(shapes, cache)
+    assert len(parsed) == 2 and build_of(rebuilt) != build
+    rebuilt.close()
+
+
+def test_an_interrupted_detection_packing_resumes_to_the_same_boxes(tmp_path: Path,
+                                                                   monkeypatch):
+    """Chunks finished before a crash keep their boxes; the rest are written after them, in
+    index order: the resumed store is the uninterrupted one, byte for byte."""
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    monkeypatch.setattr(engine, "CHUNK", 4)
+    monkeypatch.setattr(packed, "parallel_imap", lambda fn, jobs, **kw: map(fn, jobs))
+    real, redone = packed._encode_chunk, []
+
+    def crashing(chunk):
+        if chunk[0] == 8:
+            raise RuntimeError("killed")
+        return real(chunk)
+
+    monkeypatch.setattr(packed, "_encode_chunk", crashing)
+    with pytest.raises(RuntimeError, match="killed"):
+        detection_store(shapes, tmp_path / "cache")
+    monkeypatch.setattr(packed, "_encode_chunk", lambda c: redone.append(c) or real(c))
+    resumed = detection_store(shapes, tmp_path / "cache")
+    assert redone and redone[0][0] == 8  # the first two chunks were not encoded again
+    reference = detection_store(shapes, tmp_path / "uninterrupted")
+    for name in (DATA, packed.INDEX, packed.BOXES, packed.TARGETS):
+        assert (resumed.cache / name).read_bytes() == (reference.cache / name).read_bytes()
+    resumed.close()
+    reference.close()

@@ -518,3 +518,192 @@ def test_a_shard_set_in_a_bucket_with_an_index_missing_is_read(s3_server, s3_env
     assert sum(len(b[0]) for b in got) == 60
     said = [r.getMessage() for r in caplog.records if "indexed again" in r.getMessage()]
     assert len(said) == 1 and manifest["shards"][1]["index"] in said[0], said
+
+
+# --- detection: each sample's boxes beside its image --------------------------------------
+
+def detection_set(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A small shapes set (YOLO labels) and the overrides that read it with its boxes."""
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    shapes = ensure_shapes(ShapesSpec(num_images=24, seed=5), tmp_path / "shapes", progress=False)
+    return shapes, ["dataset.targets=yolo", f"dataset.path={shapes}", "model=none",
+                    "logger=none", "dataset.image_size=[96,96]", "loader.batch_size=6",
+                    "loader.num_workers=0", "loader.shuffle=false", "run.progress=false"]
+
+
+def box_batches(overrides: list[str], loader: str) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Every image's (pixels, boxes, labels) as the pipeline delivers them, by index."""
+    import runner
+
+    pipe = runner.pipeline(*overrides, loader=loader)
+    try:
+        return {int(i): (b["image"][r].clone(), b["boxes"][r, :n].clone(),
+                         b["box_labels"][r, :n].clone())
+                for b in pipe
+                for r, (i, n) in enumerate(zip(b["index"], b["box_count"].tolist()))}
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("crop", ["center", "random"])
+def test_detection_shards_carry_the_packed_boxes_through_the_same_crops(tmp_path, cache_dir,
+                                                                        crop):
+    """prepare shards of a detection set writes each sample's boxes as <key>.json right after
+    its JPEG; loader=shards reads them with it and crops them as packed does (the same
+    batches, pixels and boxes), and each sample's boxes equal torchvision v2's on the
+    window its stored JPEG was cut from (centre and random crops, flips among them)."""
+    from runner.data.decode.boxgeometry import Window
+    from runner.data.sources.labels import ImageTargets
+    from runner.data.storage.packed import open_packed
+    from runner.data.storage.shards import open_shards
+    from runner.job.compose import compose
+    from runner.prepare import main
+    from tests.data.decode.test_boxgeometry import assert_same as same_boxes
+    from tests.data.decode.test_boxgeometry import torchvision_boxes
+
+    shapes, base = detection_set(tmp_path)
+    base = [*base, f"dataset.crop={crop}"]
+    out = tmp_path / "written"
+    assert main(["shards", *base, f"out={out}", "shard_mb=0.05"]) == 0
+    with tarfile.open(sorted(out.glob("*.tar"))[0]) as tar:
+        names = tar.getnames()
+        entry = json.loads(tar.extractfile(names[1]).read())
+    key = names[0].removesuffix(".jpg")
+    assert names[:3] == [f"{key}.jpg", f"{key}.json", f"{key}.cls"]
+    config = compose(base)
+    packed = open_packed(config.loader, config.dataset, shapes, progress=False)
+    shards = open_shards(config.loader, config.dataset, out, progress=False)
+    try:
+        stored = packed.targets[int(key)]
+        assert torch.equal(torch.tensor(entry["boxes"]), stored.boxes)
+        assert entry["labels"] == stored.labels.tolist()
+        flips = 0
+        for index in range(len(packed)):
+            seed = 77 + index
+            got = {name: store[(index, seed)] for name, store in (("packed", packed),
+                                                                    ("shards", shards))}
+            assert torch.equal(got["packed"].image, got["shards"].image)
+            assert torch.equal(got["packed"].boxes, got["shards"].boxes)
+            assert torch.equal(got["packed"].box_labels, got["shards"].box_labels)
+            _, window, flip, _ = shards.decode.image_decoder.decode_window(
+                bytearray(shards.read(index)), seed)
+            target: ImageTargets = shards.targets[index]
+            hw = (shards.heights[index], shards.widths[index])
+            assert (target.height, target.width) == hw
+            same_boxes((got["shards"].boxes, got["shards"].box_labels),
+                       torchvision_boxes(target.boxes, target.labels, hw, Window(*window),
+                                         (96, 96), flip))
+            flips += flip
+        assert crop == "center" or 0 < flips < len(packed)
+    finally:
+        packed.close()
+        shards.close()
+    # the pipeline's batches (the decode threads' batch path): shards give packed's
+    from_packed = box_batches(base, "packed")
+    from_shards = box_batches([*base, f"dataset.path={out}"], "shards")
+    assert from_packed.keys() == from_shards.keys() and len(from_packed) == 19
+    assert sum(len(v[2]) for v in from_shards.values()) > 10
+    for index, (image, boxes, labels) in from_packed.items():
+        assert torch.equal(image, from_shards[index][0])
+        assert torch.equal(boxes, from_shards[index][1])
+        assert torch.equal(labels, from_shards[index][2])
+
+
+def test_detection_shards_read_a_samples_image_and_boxes_in_one_pread(tmp_path, cache_dir,
+                                                                      monkeypatch):
+    from runner.data.storage import shards as module
+    from runner.data.storage.shards import open_shards
+    from runner.job.compose import compose
+
+    _, base = detection_set(tmp_path)
+    config = compose(base)
+    storage = open_shards(config.loader, config.dataset, config.dataset.path, progress=False)
+    reads = []
+    real = module.LocalShards.read
+
+    def counted(self, shard, offset, size, index):
+        reads.append((offset, size, index))
+        return real(self, shard, offset, size, index)
+
+    monkeypatch.setattr(module.LocalShards, "read", counted)
+    try:
+        out = torch.empty((len(storage), 3, 96, 96), dtype=torch.uint8)
+        items = storage.decode_slice(out, range(len(storage)), list(range(len(storage))))
+    finally:
+        storage.close()
+    assert len(items) == len(reads) == 19 and all(i.boxes is not None for i in items)
+    for offset, size, index in reads:  # the JPEG and its boxes member, in one read
+        assert offset == storage.offsets[index]
+        assert offset + size == storage.box_offsets[index] + storage.box_sizes[index]
+
+
+def test_a_shard_set_without_boxes_under_dataset_targets_is_one_clear_error(tmp_path,
+                                                                            cache_dir):
+    from runner.data.sources.listing import DatasetError
+    from runner.data.storage.shards import open_shards
+    from runner.job.compose import compose
+
+    out = tmp_path / "shards"
+    prepare_shards(str(out))  # a classification set: no boxes
+    config = compose([*SMALL, "dataset.targets=yolo", f"dataset.path={out}", "loader=shards"])
+    with pytest.raises(DatasetError, match=r"hold no boxes \(no <key>\.json member.*"
+                                           r"prepare shards dataset\.targets=yolo"):
+        open_shards(config.loader, config.dataset, out, progress=False)
+    tars = foreign_tars(tmp_path / "tars")  # nor does a tar set someone else wrote
+    with pytest.raises(DatasetError, match="hold no boxes"):
+        open_shards(config.loader, config.dataset, tars, progress=False)
+
+
+def test_a_detection_samples_missing_or_broken_boxes_member_is_a_counted_skip(tmp_path,
+                                                                             cache_dir, caplog):
+    """A tar someone else wrote, with <key>.json boxes: read; a sample whose member is not
+    boxes, or missing, is skipped and counted with its name, never a crash."""
+    import runner
+
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    with tarfile.open(folder / "part-0.tar", "w") as tar:
+        for k in range(8):
+            members = {f"s{k:04d}.jpg": encode(photo(48, 64, k))}
+            if k == 3:
+                members[f"s{k:04d}.json"] = b'{"captions": "a cat"}'
+            elif k != 5:
+                members[f"s{k:04d}.json"] = json.dumps(
+                    {"boxes": [[4.0, 6.0, 30.0, 40.0]], "labels": [k % 2]}).encode()
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    pipe = runner.pipeline(*SMALL, f"dataset.path={folder}", "dataset.targets=yolo",
+                           "model=none", "dataset.crop_fraction=1.0", loader="shards")
+    try:
+        with caplog.at_level(logging.WARNING):
+            got = [(b["index"].tolist(), b["box_count"].tolist()) for b in pipe]
+        skipped = pipe.data.skipped
+    finally:
+        pipe.close()
+    indexes = [i for b in got for i in b[0]]
+    assert sorted(indexes) == [0, 1, 2, 4, 6, 7]
+    assert all(n == 1 for b in got for n in b[1])
+    assert sorted(s.rsplit("/", 1)[-1] for s in skipped) == ["s0003", "s0005"]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "s0003.json is not boxes" in said and "s0005.json is missing" in said
+
+
+def test_detection_shards_in_a_bucket_give_the_local_boxes(s3_server, s3_env, cache_dir,
+                                                           delay_line, tmp_path):
+    """prepare shards of a detection set to a bucket; loader=shards over the URL reads each
+    sample's boxes with its JPEG (the same ranges), as the local shards give them."""
+    from runner.prepare import main
+
+    _, base = detection_set(tmp_path)
+    s3_server.make_bucket("boxes")
+    assert main(["shards", *base, "out=s3://boxes/set", "shard_mb=0.05"]) == 0
+    local = box_batches(base, "shards")
+    remote = box_batches([*base, "dataset.path=s3://boxes/set"], "shards")
+    assert local.keys() == remote.keys() and len(local) == 19
+    for index, (image, boxes, labels) in local.items():
+        assert torch.equal(image, remote[index][0])
+        assert torch.equal(boxes, remote[index][1])
+        assert torch.equal(labels, remote[index][2])
