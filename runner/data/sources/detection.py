@@ -58,6 +58,9 @@ class DetectionTargets:
         none: a YOLO image without boxes)."""
         return self.items[index].height, self.items[index].width
 
+    def image_id(self, index: int) -> int:
+        return self.items[index].image_id
+
     def subset(self, positions: list[int]) -> DetectionTargets:
         """The targets of the listed images ``positions`` (a split's side)."""
         return DetectionTargets([self.items[k] for k in positions], self.format, self.skipped,

@@ -115,7 +115,10 @@ DATA, INDEX = "images.bin", "index.bin"
 BOXES, TARGETS = "boxes.bin", "targets.bin"  # detection: the boxes, and each image's
 LABELS = "labels.bin"  # detection, YOLO: the stats of the label files read
 BOX_DTYPE = np.dtype([("box", "<f4", (4,)), ("label", "<i8")])
-TARGET_DTYPE = np.dtype([("start", "<i8"), ("count", "<i8"), ("image_id", "<i8")])
+# per image: where its boxes start and how many, its id, and its upright source size (the
+# frame served detections are mapped back to)
+TARGET_DTYPE = np.dtype([("start", "<i8"), ("count", "<i8"), ("image_id", "<i8"),
+                         ("source_height", "<i4"), ("source_width", "<i4")])
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
                         ("width", "<i4"), ("label", "<i8"), ("crc", "<u4"), ("pad", "<u4")])
 SAMPLE = 32  # images encoded up front to estimate the store's size
@@ -272,15 +275,16 @@ def _encode_chunk(chunk: tuple[int, int]) -> tuple[tuple[int, int], list, list[S
             encoded, h, w = b"", 0, 0
         boxes = None
         if folder_storage.targets is not None:  # detection: its boxes at the stored size
-            boxes = stored_boxes(folder_storage.targets[i], h, w)
+            boxes = stored_boxes(folder_storage.targets[i], h, w, data)
         rows.append((source, encoded, h, w, label, boxes))
     return chunk, rows, skipped
 
 
-def stored_boxes(target, height: int, width: int) -> tuple[np.ndarray, int]:
+def stored_boxes(target, height: int, width: int, data: bytes | None = None
+                 ) -> tuple[np.ndarray, int, tuple[int, int]]:
     """An image's boxes (its ``ImageTargets``, at its source size) as ``BOX_DTYPE`` rows in
-    pixels of its stored ``height`` x ``width`` image (none for an image not stored), and
-    its id."""
+    pixels of its stored ``height`` x ``width`` image (none for an image not stored), its
+    id, and its upright source size (the labels', else read from its file's ``data``)."""
     rows = np.zeros(len(target.labels) if height else 0, dtype=BOX_DTYPE)
     if len(rows):
         boxes = target.boxes.to(torch.float32)
@@ -288,7 +292,24 @@ def stored_boxes(target, height: int, width: int) -> tuple[np.ndarray, int]:
             boxes = boxes * torch.tensor([width / target.width, height / target.height] * 2,
                                          dtype=torch.float32)
         rows["box"], rows["label"] = boxes.numpy(), target.labels.numpy()
-    return rows, int(target.image_id)
+    source = (target.height, target.width)
+    if not (source[0] and source[1]) and height and data:  # a YOLO image without boxes
+        source = upright_size(data)
+    return rows, int(target.image_id), source
+
+
+def upright_size(data: bytes) -> tuple[int, int]:
+    """An image file's size (height, width) once its EXIF orientation is applied (0 x 0
+    when it cannot be read)."""
+    header = read_jpeg_header(data)
+    if header is not None:
+        return header.oriented_hw
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            return (w, h) if im.getexif().get(0x0112, 1) >= 5 else (h, w)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def _init_worker() -> None:
@@ -358,8 +379,8 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
                 if detection:  # the chunk's boxes after the ones before, in index order
                     start = box_end
                     for k, row in enumerate(rows):
-                        boxes, image_id = row[5]
-                        per_image[chunk[0] + k] = (box_end, len(boxes), image_id)
+                        boxes, image_id, (sh, sw) = row[5]
+                        per_image[chunk[0] + k] = (box_end, len(boxes), image_id, sh, sw)
                         box_end += len(boxes)
                     os.pwrite(box_fd, b"".join(r[5][0].tobytes() for r in rows),
                               start * BOX_DTYPE.itemsize)
@@ -383,6 +404,8 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
             os.close(box_fd)
     del index, sources
     extra = {"boxes": box_end} if detection else {}
+    if detection and folder_storage.targets.category_ids is not None:  # COCO's own ids
+        extra["category_ids"] = list(folder_storage.targets.category_ids)
     if detection and folder_storage.targets.inputs is not None:
         extra.update(label_record(folder_storage, partial))
     return journal.finish(data_bytes=end, classes=folder_storage.classes, **extra)
@@ -663,14 +686,27 @@ class StoredTargets:
         image_ids: each image's id.
         format: the labels' format ("yolo", "coco").
         skipped: the labels' bad input, as the listing reported it.
+        source_sizes: each image's upright source size (height, width): the frame served
+            detections go back to.
+        category_ids: COCO's id of each class (None: the class index).
     """
 
     def __init__(self, boxes: torch.Tensor, labels: torch.Tensor, starts: list[int],
                  heights: list[int], widths: list[int], image_ids: list[int], format: str,
-                 skipped: list[SkippedFile]):
+                 skipped: list[SkippedFile], source_sizes: list[tuple[int, int]] | None = None,
+                 category_ids: list[int] | None = None):
         self.boxes, self.labels, self.starts = boxes, labels, starts
         self.heights, self.widths, self.image_ids = heights, widths, image_ids
         self.format, self.skipped = format, skipped
+        self.source_sizes = source_sizes or list(zip(heights, widths))
+        self.category_ids = category_ids
+
+    def source_size(self, index: int) -> tuple[int, int]:
+        """Image ``index``'s upright source size (height, width)."""
+        return self.source_sizes[index]
+
+    def image_id(self, index: int) -> int:
+        return self.image_ids[index]
 
     @classmethod
     def load(cls, cache: Path, meta: dict[str, Any], keep: np.ndarray, heights: list[int],
@@ -693,7 +729,10 @@ class StoredTargets:
                    torch.from_numpy(np.ascontiguousarray(rows["label"])), starts, heights,
                    widths, per_image["image_id"].tolist(),
                    listed.format if listed is not None else "stored",
-                   list(listed.skipped) if listed is not None else [])
+                   list(listed.skipped) if listed is not None else [],
+                   list(zip(per_image["source_height"].tolist(),
+                            per_image["source_width"].tolist())),
+                   meta.get("category_ids"))
 
     def __len__(self) -> int:
         return len(self.heights)

@@ -55,6 +55,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from runner.common.text import human_bytes
@@ -146,7 +147,8 @@ class ShardsStorage(PackedStorage):
 
     def __init__(self, root: str | Path, indexes: list[ShardIndex], classes: list[str],
                  decode, on_corrupt, source: LocalShards | RemoteShards,
-                 skipped: list[SkippedFile] = (), duplicates: int = 0, boxes: bool = False):
+                 skipped: list[SkippedFile] = (), duplicates: int = 0, boxes: bool = False,
+                 category_ids: list[int] | None = None):
         self.root, self.classes = root, classes
         self.decode, self.on_corrupt = decode, on_corrupt
         self.known_skipped = list(skipped)  # what the conversion to shards skipped
@@ -188,7 +190,10 @@ class ShardsStorage(PackedStorage):
         self.data_bytes = sum(self.sizes)
         self.path = None
         self._last = threading.local()  # per decode thread: the boxes of the sample it read
-        self.targets = ShardTargets(self) if boxes else None
+        self.targets = ShardTargets(self, category_ids) if boxes else None
+        # per sample, once its boxes were read: its id and upright source size (for the
+        # detections a run serves; -1: not read yet)
+        self.served = np.full((len(self.samples), 3), -1, dtype=np.int64) if boxes else None
 
     def __del__(self) -> None:
         pass  # the source owns the descriptors
@@ -283,7 +288,10 @@ class ShardsStorage(PackedStorage):
         if h and w and (h, w) != (sh, sw) and self.upright:  # to the pixels decoded
             boxes = boxes * torch.tensor([sw / w, sh / h] * 2, dtype=torch.float32)
             h, w = sh, sw
-        return ImageTargets(boxes, labels, h, w, int(entry.get("image_id", index)))
+        image_id = int(entry.get("image_id", index))
+        source = entry.get("source") or (h, w)  # the stored size, for a set without it
+        self.served[index] = (image_id, int(source[0]), int(source[1]))
+        return ImageTargets(boxes, labels, h, w, image_id)
 
     def check_stored(self, index: int, data: bytes | bytearray) -> None:
         """Nothing more: ``read`` checked the CRC already."""
@@ -306,8 +314,24 @@ class ShardTargets:
     format = "shards"
     skipped: list[SkippedFile] = []  # the labels' bad input: the manifest's skipped files
 
-    def __init__(self, storage: ShardsStorage):
+    def __init__(self, storage: ShardsStorage, category_ids: list[int] | None = None):
         self.storage = storage
+        self.category_ids = category_ids  # COCO's id of each class (the manifest's)
+
+    def _served(self, index: int) -> np.ndarray:
+        row = self.storage.served[index]
+        if row[0] < 0:  # not read in this process yet
+            self.storage.read(index)
+        return row
+
+    def image_id(self, index: int) -> int:
+        return int(self._served(index)[0])
+
+    def source_size(self, index: int) -> tuple[int, int]:
+        """Sample ``index``'s upright source size (its ``<key>.json``'s ``source``; the
+        stored size for a set written without it)."""
+        row = self._served(index)
+        return int(row[1]), int(row[2])
 
     def __len__(self) -> int:
         return len(self.storage)
@@ -370,9 +394,10 @@ def dataset_order(indexes: list[ShardIndex]) -> list[int] | None:
 
 
 def _local_set(folder: Path, dataset: DatasetConfig
-               ) -> tuple[list[ShardIndex], list[str], list[SkippedFile]]:
-    """The indexes, classes and the conversion's skipped files of a local shard set (its
-    manifest, else its ``*.tar`` indexed now and cached)."""
+               ) -> tuple[list[ShardIndex], list[str], list[SkippedFile], list[int] | None]:
+    """The indexes, classes, the conversion's skipped files and a detection set's COCO
+    category ids of a local shard set (its manifest, else its ``*.tar`` indexed now and
+    cached)."""
     manifest = folder / MANIFEST
     cache = cache_folder(dataset, "index", str(folder.resolve()))
     if manifest.is_file():
@@ -386,10 +411,11 @@ def _local_set(folder: Path, dataset: DatasetConfig
                         ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more"
                                                   if len(foreign) > 5 else ""),
                         MANIFEST, "is" if len(foreign) == 1 else "are")
-        return indexes, list(meta.get("classes", [])), _skipped_of(meta)
+        return indexes, list(meta.get("classes", [])), _skipped_of(meta), \
+            meta.get("category_ids")
     tars = sorted(p.name for p in folder.glob("*.tar"))
     cache.mkdir(parents=True, exist_ok=True)
-    return [_cached_index(folder / name, cache) for name in tars], [], []
+    return [_cached_index(folder / name, cache) for name in tars], [], [], None
 
 
 def _cached_index(tar: Path, cache: Path) -> ShardIndex:
@@ -476,8 +502,8 @@ def is_shard_set(path: Path) -> bool:
 
 
 def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
-                ) -> tuple[list[ShardIndex], list[str], list[SkippedFile]]:
-    """The indexes and classes of a shard set in a store: its manifest and indexes
+                ) -> tuple[list[ShardIndex], list[str], list[SkippedFile], list[int] | None]:
+    """As ``_local_set``, of a shard set in a store: its manifest and indexes
     (fetched together; a shard whose index is not in the store indexed from its tar, and
     said), else its ``*.tar`` fetched through the cache and indexed once."""
     store = engine.store
@@ -500,12 +526,13 @@ def _remote_set(url: RemoteURL, dataset: DatasetConfig, engine, cache
                                    objects, engine, cache))
         indexes = [_remote_tar_index(url, url.key(e["name"]), objects, engine, cache)
                    if e in lost else next(found) for e in entries]
-        return indexes, list(meta.get("classes", [])), _skipped_of(meta)
+        return indexes, list(meta.get("classes", [])), _skipped_of(meta), \
+            meta.get("category_ids")
     tars = sorted(k for k in objects if k.endswith(".tar"))
     if not tars:
         raise DatasetError(f"dataset.path={url} holds no {MANIFEST} and no .tar shards")
     indexes = [_remote_tar_index(url, key, objects, engine, cache) for key in tars]
-    return indexes, _classes_of(indexes), []
+    return indexes, _classes_of(indexes), [], None
 
 
 def _remote_tar_index(url: RemoteURL, key: str, objects: dict, engine, cache) -> ShardIndex:
@@ -561,7 +588,7 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     bound = dataset.cache_bytes
     cache = ShardCache(cache_folder(dataset, "remote", f"{url}|{dataset.endpoint_url}"),
                        bound)
-    indexes, classes, skipped = _remote_set(url, dataset, engine, cache)
+    indexes, classes, skipped, category_ids = _remote_set(url, dataset, engine, cache)
     indexes, duplicates = _without_duplicates(indexes, url)
     boxes = check_boxes(indexes, dataset, url)
     shard_of = [k for k, i in enumerate(indexes) for _ in range(len(i))]
@@ -577,7 +604,7 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     source = RemoteShards(url, engine, [i.shard for i in indexes], [i.nbytes for i in indexes],
                           cache, shard_of, spans)
     return ShardsStorage(str(url), indexes, classes, decode, dataset.on_corrupt, source,
-                         skipped, duplicates, boxes)
+                         skipped, duplicates, boxes, category_ids)
 
 
 def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
@@ -592,7 +619,7 @@ def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
         folder = folder.parent
     if not (folder.is_dir() and is_shard_set(folder)):
         folder = convert_to_shards(loader, dataset, folder, progress)
-    indexes, classes, skipped = _local_set(folder, dataset)
+    indexes, classes, skipped, category_ids = _local_set(folder, dataset)
     if not classes:
         classes = _classes_of(indexes)
     indexes, duplicates = _without_duplicates(indexes, folder)
@@ -601,7 +628,7 @@ def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
     boxes = check_boxes(indexes, dataset, folder)
     source = LocalShards(folder, [i.shard for i in indexes])
     return ShardsStorage(folder, indexes, classes, decode, dataset.on_corrupt, source,
-                         skipped, duplicates, boxes)
+                         skipped, duplicates, boxes, category_ids)
 
 
 def _decoder(loader: LoaderConfig, dataset: DatasetConfig):

@@ -75,7 +75,8 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
         boxes = None
         if packed.targets is not None:  # detection: its boxes beside it, as packed holds them
             t = packed.targets[i]
-            boxes = box_json(t.boxes, t.labels, t.image_id, packed.heights[i], packed.widths[i])
+            boxes = box_json(t.boxes, t.labels, t.image_id, packed.heights[i], packed.widths[i],
+                             packed.targets.source_size(i))
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
                    packed.widths[i], packed.name_of(i), i, boxes)
     skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
@@ -96,6 +97,8 @@ def _packed_facts(packed: PackedStorage, shard_bytes: int,
                         "count": len(packed)}}
     if packed.targets is not None:  # detection: the boxes the shards hold
         facts["targets"] = packed.targets.format
+        if packed.targets.category_ids is not None:  # COCO's own ids, for served detections
+            facts["category_ids"] = packed.targets.category_ids
         facts["packed"]["targets"] = packed.targets_digest
     return facts
 

@@ -10,8 +10,10 @@ what the store was made from.
 
 A detection set's shards (``dataset.targets``) hold a third member per sample, right after
 its JPEG: ``<key>.json``, ``{"boxes": [[x1, y1, x2, y2], ...], "labels": [class id, ...],
-"image_id": id, "height": h, "width": w}``, the boxes xyxy in pixels of the stored image
-(``height`` x ``width``, upright), as packed stores them (packed.py). The index gives its
+"image_id": id, "height": h, "width": w, "source": [h, w]}``, the boxes xyxy in pixels of
+the stored image (``height`` x ``width``, upright), as packed stores them (packed.py), and
+the source image's upright size (where served detections go back to; the manifest's
+``category_ids`` name COCO's id of each class). The index gives its
 offset and size too (``box_offsets``, ``box_sizes``), so the reader takes the JPEG and
 its boxes in one ``pread`` (or one range request) of the two adjacent members. A tar
 someone else wrote is indexed with its ``.json`` members the same way (``BOX_EXT``).
@@ -195,14 +197,17 @@ class ShardWriter:
         return self.entries
 
 
-def box_json(boxes, labels, image_id: int, height: int, width: int) -> bytes:
+def box_json(boxes, labels, image_id: int, height: int, width: int,
+             source: tuple[int, int] | None = None) -> bytes:
     """A sample's ``<key>.json``: its boxes (float32 [n, 4] xyxy, pixels of its
-    ``height`` x ``width`` stored image) and class ids, as JSON (each float32 written so
-    that it reads back the same float32)."""
-    return json.dumps({"boxes": [[float(v) for v in row] for row in boxes.tolist()],
-                       "labels": [int(v) for v in labels.tolist()], "image_id": int(image_id),
-                       "height": int(height), "width": int(width)},
-                      separators=(",", ":")).encode()
+    ``height`` x ``width`` stored image), class ids, id and (``source``) its upright source
+    size, as JSON (each float32 written so that it reads back the same float32)."""
+    entry = {"boxes": [[float(v) for v in row] for row in boxes.tolist()],
+             "labels": [int(v) for v in labels.tolist()], "image_id": int(image_id),
+             "height": int(height), "width": int(width)}
+    if source is not None:
+        entry["source"] = [int(source[0]), int(source[1])]
+    return json.dumps(entry, separators=(",", ":")).encode()
 
 
 def write_manifest(folder: Path, entries: list[dict[str, Any]], classes: list[str],

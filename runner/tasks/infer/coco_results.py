@@ -140,7 +140,8 @@ class ServedFrame:
       YOLO image with no boxes) has its size read from its file's header.
 
     Args:
-        targets: the storage's ``DetectionTargets`` (its ``source_size`` per image).
+        targets: the storage's targets (``DetectionTargets``, a store's): their
+            ``image_id``, ``source_size`` and ``category_ids``.
         dataset: the run's dataset config (crop, crop_fraction, image_size).
         source: dataset index -> the image's source file (for a size the labels lack).
     """
@@ -157,7 +158,7 @@ class ServedFrame:
                         "pixels (a random crop has no one window to undo)")
 
     def image_id(self, index: int) -> int:
-        return int(self.targets[index].image_id)
+        return int(self.targets.image_id(index))
 
     def _size(self, index: int) -> tuple[int, int]:
         h, w = self.targets.source_size(index)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +163,47 @@ def test_a_served_image_whose_labels_gave_no_size_is_sized_from_its_file(tmp_pat
                         DatasetConfig(image_size=[20, 20], crop=Crop.whole), lambda i: path)
     assert frame.source_windows(np.array([0])).tolist() == [[0.0, 0.0, 40.0, 30.0]]
     assert frame.context()["category_ids"] is None and frame.image_id(0) == 0
+
+
+def coco_set(root: Path) -> dict[str, tuple[int, tuple[int, int]]]:
+    """A COCO layout of non-square images with COCO's own ids (images 11.., categories 2,
+    5 and 90), one image without annotations; file name -> (image id, (height, width))."""
+    from PIL import Image
+
+    sizes = {"a.jpg": (90, 120), "b.jpg": (120, 90), "c.jpg": (100, 100), "d.jpg": (70, 130)}
+    (root / "val2017").mkdir(parents=True)
+    images, annotations = [], []
+    for k, (name, (h, w)) in enumerate(sizes.items()):
+        Image.new("RGB", (w, h), (40 * k, 90, 200)).save(root / "val2017" / name)
+        images.append({"id": 11 + k, "file_name": name, "height": h, "width": w})
+        if name != "c.jpg":
+            annotations.append({"id": k + 1, "image_id": 11 + k, "category_id": (2, 5, 90)[k % 3],
+                                "bbox": [5, 6, 30, 20], "area": 600, "iscrowd": 0})
+    (root / "annotations").mkdir()
+    (root / "annotations" / "instances_val2017.json").write_text(json.dumps({
+        "images": images, "annotations": annotations,
+        "categories": [{"id": 90, "name": "toothbrush"}, {"id": 2, "name": "bicycle"},
+                       {"id": 5, "name": "airplane"}]}))
+    return {i["file_name"]: (i["id"], (i["height"], i["width"])) for i in images}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["folder", "packed", "shards", "memmap", "ram"])
+def test_every_storage_serves_detections_in_the_coco_sets_own_frame(tmp_path: Path, loader):
+    """Whatever the storage (a store holds its images at another size), served detections
+    get the labels' own image ids, COCO's category ids and each image's source size."""
+    from runner.data.storage import build_storage, resolve_dataset
+    from runner.job.compose import compose
+    from runner.tasks.infer.coco_results import ServedFrame
+
+    expected = coco_set(tmp_path / "coco")
+    config = compose([f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
+                      f"loader={loader}", "dataset.image_size=[32,32]", "dataset.store_size=48",
+                      f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.crop=whole"])
+    storage = build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
+    frame = ServedFrame(storage.targets, config.dataset, lambda i: "")
+    assert frame.context()["category_ids"] == [2, 5, 90]  # class order: by category id
+    served = {Path(storage.name_of(i)).name: (frame.image_id(i), tuple(
+        frame.source_windows(np.array([i]))[0, 2:].astype(int).tolist()))
+        for i in range(len(storage))}
+    assert served == expected
