@@ -486,13 +486,19 @@ def test_an_interrupted_detection_conversion_resumes_to_identical_boxes(
         boxed: Path, tmp_path: Path, monkeypatch):
     """A chunk's boxes reach the disk before the chunk is recorded: a conversion stopped
     part way and resumed gives the side store's bytes an uninterrupted one gives."""
+    import runner.data.pool
+
     monkeypatch.setattr(engine, "CHUNK", 3)
     monkeypatch.setattr(memmap, "_decode_chunk", failing_third_chunk)
+    # chunks in order (workers finish in any order: the third could fail first)
+    cores = runner.data.pool.cores
+    monkeypatch.setattr(runner.data.pool, "cores", lambda: 1)
     with pytest.raises(RuntimeError, match="stopped"):
         open_detection(boxed, tmp_path / "cache")
+    monkeypatch.setattr(runner.data.pool, "cores", cores)
+    monkeypatch.setattr(memmap, "_decode_chunk", _REAL_DECODE_CHUNK)
     (partial,) = (tmp_path / "cache").rglob("*.partial")
     assert (partial / "done.jsonl").read_text().strip()  # some chunks finished
-    monkeypatch.setattr(memmap, "_decode_chunk", _REAL_DECODE_CHUNK)
     open_detection(boxed, tmp_path / "cache")
     open_detection(boxed, tmp_path / "reference")
     (store,) = [p.parent for p in (tmp_path / "cache").rglob(META)]
