@@ -32,9 +32,10 @@ The same work as the shards rows, each library with its own format and tool:
   runner's rows do; the first batch's wait is returned on its own.
 
 A library that is not installed gives its row's reason (``not installed: pip install
-...``) in place of a figure; the extra ``.[peers]`` installs both (not part of ``.[dev]``:
-mosaicml-streaming pins numpy<2.2 and transformers<5, and brings Oracle's, Azure's and
-Google's SDKs, ~0.7 GB).
+...``) in place of a figure, and its targets fail. LitData is part of ``.[dev]``; the extra
+``.[peers]`` adds Streaming, not part of ``.[dev]``: mosaicml-streaming pins numpy<2.2 and
+transformers<5 (downgrading .[dev]'s numpy and huggingface_hub) and brings Oracle's,
+Azure's and Google's SDKs, ~0.7 GB: install it in a venv of its own.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from runner.data.storage.tarformat import SHARD_LIST
 
 LITDATA, STREAMING = "litdata", "streaming"
 PEERS = (LITDATA, STREAMING)
-INSTALL = {LITDATA: "pip install litdata", STREAMING: "pip install mosaicml-streaming"}
+INSTALL = {LITDATA: "pip install litdata (part of .[dev])",
+           STREAMING: "pip install mosaicml-streaming (.[peers]; it pins numpy<2.2)"}
 MODULE = {LITDATA: "litdata", STREAMING: "streaming"}
 BUCKET = {LITDATA: "litdata", STREAMING: "mds"}  # the folder under the served root
 
@@ -65,7 +67,7 @@ def missing(peer: str) -> str | None:
     import importlib.util
 
     if importlib.util.find_spec(MODULE[peer]) is None:
-        return f"not installed: {INSTALL[peer]} (or pip install -e '.[peers]')"
+        return f"not installed: {INSTALL[peer]}"
     return None
 
 

@@ -45,10 +45,11 @@ compared with the same epoch of the local shards. Then:
   the served folder, read through the same line at 0, 10 and 50 ms as the library's
   documentation configures it, one worker per core, decoded to the same crop: epoch 1 from
   an empty local cache, epoch 2 from what it kept, beside the shards' epochs. A library
-  not installed says so in its row (``pip install -e ".[peers]"``) and its targets fail.
+  not installed says so in its row and its targets fail.
 
 The issue's targets are printed PASS/FAIL with the ratios. Needs ``pip install -e ".[dev]"``
-(moto, obstore, webdataset) and curl (the rival's reader).
+(moto, obstore, webdataset, litdata) and curl (the rival's reader); the Streaming row
+``pip install -e ".[dev,peers]"`` in a venv of its own (it pins numpy<2.2).
 """
 
 from __future__ import annotations
