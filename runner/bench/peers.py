@@ -291,3 +291,47 @@ def _MDSImages(decode: Decode, **kwargs):  # noqa: N802 (a class, made once stre
 _mds_class = None
 
 READERS = {LITDATA: read_litdata, STREAMING: read_streaming}
+
+
+def read_apart(peer: str, endpoint: str, cache: Path, size: tuple[int, int], batch_size: int,
+               workers: int, epochs: int = 2, timeout: float = 1800.0) -> Epochs:
+    """``READERS[peer]`` in a fresh interpreter (``python -m runner.bench.peers``), as a
+    user's training script runs it: not in the bench's process, whose runner rows have
+    started obstore's runtime (a process-wide tokio, not fork-safe). LitData's forked
+    workers then fetch with an obstore that never answers (its own guard,
+    ``obstore_usable()``, tracks only the obstore it started itself): every chunk waits
+    until ``ChunkWaitTimeoutError``. The child inherits the environment (the keys) and the
+    client's cores; its output is shown only when it fails."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="runner-peer-") as tmp:
+        out = Path(tmp) / "epochs.json"
+        ask = {"endpoint": endpoint, "cache": str(cache), "size": list(size),
+               "batch_size": batch_size, "workers": workers, "epochs": epochs}
+        proc = subprocess.run([sys.executable, "-m", "runner.bench.peers", peer,
+                               json.dumps(ask), str(out)], capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}")
+        got = json.loads(out.read_text())
+    return Epochs(rates=got["rates"], first_batch_s=got["first_batch_s"],
+                  labels=got["labels"], shapes={tuple(s) for s in got["shapes"]})
+
+
+def main(argv: list[str]) -> int:
+    """The child of ``read_apart``: ``PEER ASK_JSON OUT_JSON``."""
+    peer, ask, out = argv[0], json.loads(argv[1]), Path(argv[2])
+    got = READERS[peer](ask["endpoint"], Path(ask["cache"]), tuple(ask["size"]),
+                        ask["batch_size"], ask["workers"], ask["epochs"])
+    out.write_text(json.dumps({"rates": got.rates, "first_batch_s": got.first_batch_s,
+                               "labels": got.labels, "shapes": sorted(got.shapes)}))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

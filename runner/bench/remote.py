@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from runner.bench.peers import PEERS, READERS, stored_samples, write_peers
+from runner.bench.peers import PEERS, read_apart, stored_samples, write_peers
 from runner.bench.servers.delayline import DelayLineProcess
 from runner.bench.servers.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
 from runner.config.schema import Decoder, StorageName
@@ -347,15 +347,16 @@ def measure(args, base, size, shards: Path, objects: Path,
 def read_peer(peer: str, peers: dict[str, str | None], rows: dict[str, list[float]],
               extra: dict[str, Any], line: DelayLineProcess, work: Path, size: list[int],
               args, ms: int) -> None:
-    """Two epochs of ``peer`` (LitData, Streaming) through ``line`` with a cold cache: its
+    """Two epochs of ``peer`` (LitData, Streaming) through ``line`` with a cold cache, in a
+    fresh interpreter (``read_apart``: this one has run obstore, not fork-safe): its
     rows ``<peer> <ms> ms`` and ``... epoch 2``, or, where it cannot run or fails, the reason
     in ``peers`` (said once, and its later rounds skipped)."""
     if peers.get(peer):
         return
     line.reset_stats()
     try:
-        got = READERS[peer](line.endpoint, work / "peer-cache" / peer, (size[0], size[1]),
-                            args.batch_size, cores())
+        got = read_apart(peer, line.endpoint, work / "peer-cache" / peer, (size[0], size[1]),
+                         args.batch_size, cores())
     except Exception as e:  # its row says why; the other rows still run
         peers[peer] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(f"  the {peer} row did not run: {peers[peer]}", flush=True)
