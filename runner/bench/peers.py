@@ -17,8 +17,9 @@ The same work as the shards rows, each library with its own format and tool:
   are read through the same delay line as the shards, at 0/10/50 ms;
 - each is read with the settings its documentation gives: LitData's ``StreamingDataset``
   (``storage_options`` with the ``endpoint_url`` and keys, its README's way to a custom S3
-  endpoint; ``cache_dir`` a fresh folder; ``shuffle=True``; other knobs at their defaults,
-  the README's "defaults are tuned") in its ``StreamingDataLoader``; Streaming's
+  endpoint; ``cache_dir`` a fresh folder; ``shuffle=True``; ``max_pre_download`` and the
+  rest at their defaults, as its own ImageNet benchmark (benchmarks/litdata/
+  stream_imagenet.py) reads) in its ``StreamingDataLoader``; Streaming's
   ``StreamingDataset`` (``S3_ENDPOINT_URL``, its docs' way to an S3-compatible store;
   ``local`` a fresh folder; ``shuffle=True``, ``batch_size`` given to the dataset as its
   docs ask; ``predownload``, ``shuffle_algo`` and the rest at their defaults: "Streaming's
@@ -29,7 +30,14 @@ The same work as the shards rows, each library with its own format and tool:
   (``Decode``: ``ImageDecoder(region, size, 0.875)``, as the webdataset row);
 - two epochs from one dataset: the first from an empty local cache (cold), the second from
   what the library kept (warm). images/s counts from each epoch's first batch on, as the
-  runner's rows do; the first batch's wait is returned on its own.
+  runner's rows do; the first batch's wait is returned on its own;
+- in a fresh interpreter per measurement (``read_apart``), as a training script runs them:
+  the bench's own process has run obstore, whose runtime LitData's forked workers cannot use.
+
+Two adaptations to a loopback server, each with the library's source named where it is
+made (``read_litdata``, ``read_streaming``): LitData's obstore client is let use http://, and
+Streaming's parent-process S3 client is dropped (its own ``clean_up``) before its workers
+fork, so they do not share one keep-alive connection.
 
 A library that is not installed gives its row's reason (``not installed: pip install
 ...``) in place of a figure, and its targets fail. LitData is part of ``.[dev]``; the extra
