@@ -39,10 +39,17 @@ compared with the same epoch of the local shards. Then:
   every image delivered, none skipped, and the images/s against the clean run;
 - the rival: the ``webdataset`` library's own pipeline on the same shards over the same link
   (``pipe:curl`` per shard, its usual settings: shard shuffle, a sample shuffle buffer, a
-  ``WebLoader`` with one worker per core), decoding with the same decoder and crop.
+  ``WebLoader`` with one worker per core), decoding with the same decoder and crop;
+- the peers: LitData and MosaicML Streaming (runner/bench/peers.py), each writing the same
+  stored JPEGs in its own format with its own tool (``litdata.optimize``, ``MDSWriter``) into
+  the served folder, read through the same line at 0, 10 and 50 ms as the library's
+  documentation configures it, one worker per core, decoded to the same crop: epoch 1 from
+  an empty local cache, epoch 2 from what it kept, beside the shards' epochs. A library
+  not installed says so in its row and its targets fail.
 
 The issue's targets are printed PASS/FAIL with the ratios. Needs ``pip install -e ".[dev]"``
-(moto, obstore, webdataset) and curl (the rival's reader).
+(moto, obstore, webdataset, litdata) and curl (the rival's reader); the Streaming row
+``pip install -e ".[dev,peers]"`` in a venv of its own (it pins numpy<2.2).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from typing import Any
 
 import torch
 
+from runner.bench.peers import PEERS, read_apart, stored_samples, write_peers
 from runner.bench.servers.delayline import DelayLineProcess
 from runner.bench.servers.loopback import LoopbackRclone, LoopbackS3, aws_env_keys
 from runner.config.schema import Decoder, StorageName
@@ -129,16 +137,11 @@ def objects_folder(shards: Path, out: Path) -> Path:
     layout of the same bytes)."""
     import json
 
-    manifest = json.loads((shards / "manifest.json").read_text())
-    classes = manifest["classes"]
-    for entry in manifest[SHARD_LIST]:
-        index = json.loads((shards / entry["index"]).read_text())
-        data = (shards / entry["name"]).read_bytes()
-        for key, off, size, label in zip(index["keys"], index["offsets"], index["sizes"],
-                                         index["labels"]):
-            target = out / classes[label] / f"{key}.jpg"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data[off:off + size])
+    classes = json.loads((shards / "manifest.json").read_text())["classes"]
+    for key, data, label in stored_samples(shards):
+        target = out / classes[label] / f"{key}.jpg"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
     return out
 
 
@@ -200,6 +203,8 @@ def bench_remote(args: argparse.Namespace) -> dict:
     shards = work / "served" / "shardset"  # served by rclone, read locally as the baseline
     assert prepare([SHARDS, *base, f"out={shards}", f"shard_mb={args.shard_mb}"]) == 0
     objects = objects_folder(shards, work / "served" / "objects")
+    # LitData's and Streaming's formats of the same JPEGs, in chunks of the shards' size
+    peers = write_peers(shards, work / "served", int(args.shard_mb * 2**20))
     stores = work / "served" / "stores"  # the packed store of the objects, for the far disk
     epoch_rate([*base, f"dataset.path={objects}", f"dataset.cache_dir={stores}"], PACKED)
     server, rclone = LoopbackS3(), LoopbackRclone(work / "served", auth=False)
@@ -214,7 +219,7 @@ def bench_remote(args: argparse.Namespace) -> dict:
         server.make_bucket("bench")
         server.upload(shards, "bench", "set")
         return measure(args, base, size, shards, objects, (line, object_line, web_line), work,
-                       server, far_side=[web.proc.pid, web_line.pid])
+                       server, far_side=[web.proc.pid, web_line.pid], peers=peers)
     finally:
         for part in (line, object_line, web_line, server, rclone, web):
             part.close()
@@ -228,14 +233,17 @@ def bench_remote(args: argparse.Namespace) -> dict:
 
 def measure(args, base, size, shards: Path, objects: Path,
             lines: tuple[DelayLineProcess, DelayLineProcess, DelayLineProcess],
-            work: Path, server: LoopbackS3, far_side: list[int]) -> dict:
+            work: Path, server: LoopbackS3, far_side: list[int],
+            peers: dict[str, str | None] | None = None) -> dict:
     line, fast, web_line = lines
+    # per peer library, None (it runs) or why its row has no figure
+    peers = dict(peers or {peer: "not written" for peer in PEERS})
     # rclone (fast) is reached through its own delay line, named by dataset.endpoint_url;
     # moto (for range reads: the cache-bound run) through AWS_ENDPOINT_URL
     objects_url = ["dataset.path=s3://objects", f"dataset.endpoint_url={fast.endpoint}", REGION]
     shards_url = ["dataset.path=s3://shardset", f"dataset.endpoint_url={fast.endpoint}"]
     rows: dict[str, list[float]] = {}
-    extra: dict[str, Any] = {"bytes": {}, "first_batch_s": []}
+    extra: dict[str, Any] = {"bytes": {}, "first_batch_s": [], "peers": peers}
     total = sum(p.stat().st_size for p in shards.glob("*.tar"))
     caches = iter(range(10**6))
 
@@ -288,6 +296,8 @@ def measure(args, base, size, shards: Path, objects: Path,
             add(f"objects {ms} ms", epoch_rate([*base, *objects_url], FOLDER)[0][0])
             if ms == 10:
                 extra["bytes"]["objects, 1 epoch"] = fast.stats.bytes_down
+            for peer in PEERS:
+                read_peer(peer, peers, rows, extra, fast, work, size, args, ms)
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rows.items()),
               flush=True)
     if mount is not None:
@@ -334,10 +344,59 @@ def measure(args, base, size, shards: Path, objects: Path,
     return report(rows, extra, args)
 
 
+def read_peer(peer: str, peers: dict[str, str | None], rows: dict[str, list[float]],
+              extra: dict[str, Any], line: DelayLineProcess, work: Path, size: list[int],
+              args, ms: int) -> None:
+    """Two epochs of ``peer`` (LitData, Streaming) through ``line`` with a cold cache, in a
+    fresh interpreter (``read_apart``: this one has run obstore, not fork-safe): its
+    rows ``<peer> <ms> ms`` and ``... epoch 2``, or, where it cannot run or fails, the reason
+    in ``peers`` (said once, and its later rounds skipped)."""
+    if peers.get(peer):
+        return
+    line.reset_stats()
+    try:
+        got = read_apart(peer, line.endpoint, work / "peer-cache" / peer, (size[0], size[1]),
+                         args.batch_size, cores())
+    except Exception as e:  # its row says why; the other rows still run
+        peers[peer] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print(f"  the {peer} row did not run: {peers[peer]}", flush=True)
+        return
+    short = [len(labels) for labels in got.labels if len(labels) != args.images]
+    if short:  # every image, every epoch, or the figure is not the same work
+        peers[peer] = f"read {short} images of {args.images} in an epoch"
+        print(f"  the {peer} row is void: {peers[peer]}", flush=True)
+        return
+    rows.setdefault(f"{peer} {ms} ms", []).append(got.rates[0])
+    rows.setdefault(f"{peer} {ms} ms epoch 2", []).append(got.rates[1])
+    if ms == 10:
+        extra["bytes"][f"{peer}, 2 epochs"] = line.stats.bytes_down
+        extra.setdefault("peer_first_batch_s", {}).setdefault(peer, []).append(
+            got.first_batch_s)
+
+
+def peer_targets(rows: dict[str, list[float]], peers: dict[str, str | None]) -> list[tuple]:
+    """shards >= 1.2x each peer (so the best of them) at 10 and 50 ms, epoch 1 (cold) and 2
+    (warm): a peer without figures fails its targets, its reason in the line."""
+    checks = []
+    for ms in (10, 50):
+        for epoch, said in (("", "epoch 1 (cold)"), (" epoch 2", "epoch 2 (warm)")):
+            for peer in PEERS:
+                mine, theirs = rows.get(f"shards {ms} ms{epoch}"), rows.get(f"{peer} {ms} ms{epoch}")
+                value = median(mine) / median(theirs) if mine and theirs else 0.0
+                why = f" ({peers[peer]})" if peers.get(peer) else ""
+                checks.append((f"shards / {peer} at {ms} ms, {said}{why}", value, 1.2))
+    return checks
+
+
 def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
     print("\nimages/s (median of rounds, range in brackets)")
     for name, values in rows.items():
         print(f"  {name:28s} {median(values):>9,.0f}  ({spread(values)})")
+    for peer, why in extra.get("peers", {}).items():
+        if why:
+            print(f"  {peer:28s} {why}")
+    for peer, firsts in extra.get("peer_first_batch_s", {}).items():
+        print(f"{peer}'s cold first batch at 10 ms: median {median(firsts):.2f} s")
     print(f"cold first batch at 10 ms: median {median(extra['first_batch_s']):.2f} s "
           f"({min(extra['first_batch_s']):.2f}-{max(extra['first_batch_s']):.2f})")
     if "mount_cpu_ms" in extra:
@@ -375,6 +434,7 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
          ratio("objects 10 ms, faults", "objects 10 ms"), 0.9),
         ("shards at 10 ms / webdataset's pipeline at 10 ms",
          ratio("shards 10 ms", "webdataset 10 ms"), 1.5),
+        *peer_targets(rows, extra.get("peers", {})),
     ]
     targets = [{"what": w, "ratio": v, "target": t, "met": v >= t} for w, v, t in checks]
     first = median(extra["first_batch_s"])
@@ -397,7 +457,8 @@ def report(rows: dict[str, list[float]], extra: dict[str, Any], args) -> dict:
 
 def add_parser(sub, parents: list) -> None:
     r = sub.add_parser("remote", help="shards and one object per JPEG over a delay line at "
-                                      "0/10/50 ms against local disk, and webdataset's pipeline",
+                                      "0/10/50 ms against local disk, webdataset's pipeline, "
+                                      "LitData and MosaicML Streaming",
                        parents=parents)
     r.add_argument("--images", type=int, default=2000, help="photos in the generated dataset")
     r.add_argument("--batch-size", type=int, default=64)
