@@ -358,7 +358,17 @@ def data_fingerprint(storage: Any) -> dict[str, Any]:
     for i in range(len(storage)):
         digest.update(f"\n{storage.name_of(i)}\t{labels[i]}".encode(errors="backslashreplace"))
     return {"images": len(storage), "classes": len(storage.classes),
-            "digest": digest.hexdigest()[:16], "class_names": list(storage.classes)}
+            "digest": digest.hexdigest()[:16], "class_names": list(storage.classes),
+            "order": order_kind(storage)}
+
+
+def order_kind(storage: Any) -> str:
+    """How an epoch orders the storage's images: one shuffle of them all, or a shuffle of
+    groups (a shard set's shards, a far packed store's blocks: BatchOrder's ``groups``)."""
+    groups = getattr(storage, "order_groups", None)
+    if groups is None:
+        return "shuffled"
+    return f"{len(groups) - 1} groups, {getattr(storage, 'group_block', 1)} mixed at a time"
 
 
 def check_data(state: dict[str, Any], storage: Any, path: str | Path) -> None:
@@ -368,6 +378,13 @@ def check_data(state: dict[str, Any], storage: Any, path: str | Path) -> None:
     if not saved:
         return  # a checkpoint from before data fingerprints
     now = data_fingerprint(storage)
+    if "order" in saved and saved["order"] != now["order"]:  # the same files, read otherwise
+        raise CheckpointError(
+            f"resume={path} read its data in another order ({saved['order']}; this run: "
+            f"{now['order']}): a packed store on a far disk is read in blocks of its file "
+            "(runner/data/sources/blockreads.py), one on a local disk image by image. Resume "
+            "with the store where it was (or dataset.far_disk set as the probe found it "
+            "then), or start fresh (drop resume=)")
     if all(saved.get(k) == now[k] for k in FINGERPRINT_KEYS):
         return
     what = [f"{k}: checkpoint {saved.get(k)}, this run {now[k]}" for k in ("images", "classes")

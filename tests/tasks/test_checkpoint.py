@@ -900,3 +900,37 @@ def test_a_checkpoint_names_the_classes_it_predicts(image_tree: Path, tmp_path: 
     assert rows and {r["label_name"] for r in rows} == {""}  # the images are unlabelled
     assert {r["pred_name"] for r in rows} <= {"bird", "cat", "Dog"}
     assert set(rows[0]["topk_names"].split()) == {"bird", "cat", "Dog"}
+
+
+class ListedImages:
+    """A storage as data_fingerprint reads one: names, labels, classes, maybe groups."""
+
+    def __init__(self, groups: list[int] | None = None):
+        self.classes = ["a", "b"]
+        if groups is not None:
+            self.order_groups, self.group_block = groups, 4
+
+    def __len__(self) -> int:
+        return 6
+
+    def name_of(self, i: int) -> str:
+        return f"{i}.jpg"
+
+    def label_tensor(self) -> torch.Tensor:
+        return torch.tensor([0, 1] * 3)
+
+
+def test_a_resume_that_would_read_the_same_files_in_another_order_is_refused():
+    """A packed store read from a far disk in blocks of its file (BatchOrder's groups), then
+    resumed on a local disk image by image: the same files, another order; refused naming
+    what decides. The same order resumes; a checkpoint from before orders were recorded too."""
+    from runner.tasks.checkpoint import CheckpointError
+
+    far, local = ListedImages([0, 3, 6]), ListedImages()
+    saved = {"data": checkpoint.data_fingerprint(far)}
+    assert saved["data"]["order"] == "2 groups, 4 mixed at a time"
+    with pytest.raises(CheckpointError, match="another order .*dataset.far_disk"):
+        checkpoint.check_data(saved, local, "run/checkpoint.pt")
+    checkpoint.check_data(saved, ListedImages([0, 3, 6]), "run/checkpoint.pt")
+    older = {"data": {k: v for k, v in saved["data"].items() if k != "order"}}
+    checkpoint.check_data(older, local, "run/checkpoint.pt")

@@ -475,20 +475,34 @@ class PackedStorage(FolderStorage):
 
     def read_through(self, engine) -> None:
         """Read the store through the read engine ``engine`` (over this machine's files:
-        runner/data/sources/fardisk.py), as ranges of its data file, a coming batch's
-        started together by ``will_need`` and many in flight: the store is on a far disk,
-        where one blocking ``pread`` per decode thread would wait a round trip each."""
+        runner/data/sources/fardisk.py): the store is on a far disk, where one blocking
+        ``pread`` per decode thread would wait a round trip each, and a network mount
+        serves one file's small reads one at a time. Its images are read in blocks of the
+        file and its order is one of blocks (runner/data/sources/blockreads.py); a coming
+        batch's blocks are started by ``will_need``."""
+        from runner.data.sources import blockreads
         from runner.data.sources.readengine import Ahead
 
         self.engine, self.ahead = engine, Ahead()
         self._key = os.path.abspath(self.path).lstrip("/")
+        # read in blocks of the file, in an order of blocks (runner/data/sources/blockreads.py)
+        bounds = blockreads.block_bounds(self.offsets, self.sizes, blockreads.BLOCK_BYTES)
+        self.blocks = blockreads.BlockReads(engine, self._key, self.offsets, self.sizes, bounds,
+                                            3 * blockreads.BLOCKS_MIXED)
+        self.order_groups, self.group_block = bounds, blockreads.BLOCKS_MIXED
+
+    def follow(self, order) -> None:
+        """The batch order of a far store's blocks: nothing more to do (the loader's
+        ``will_need`` starts each batch's blocks a few batches ahead)."""
 
     def _span(self, index: int) -> tuple[int, int]:
         return self.offsets[index], self.offsets[index] + self.sizes[index]
 
     def figures(self) -> dict[str, Any]:
         """A far store's fetches (the read engine's figures); nothing for a local one."""
-        return self.engine.stats.figures() if self.engine is not None else {}
+        if self.engine is None:
+            return {}
+        return {**self.engine.stats.figures(), **self.blocks.figures()}
 
     def close(self) -> None:
         if self.engine is not None:
@@ -528,9 +542,11 @@ class PackedStorage(FolderStorage):
     def will_need(self, index: torch.Tensor) -> None:
         """Ask the kernel to start reading a coming batch's bytes now, so a cold page cache
         is read while the threads decode the batches before it."""
-        if self.engine is not None:  # far: the batch's ranges fetched, many in flight
-            self.ahead.start(unpad_all(index), lambda todo: self.engine.get_ranges(
-                self._key, [self._span(i) for i in todo]))
+        if self.engine is not None:  # far: the batch's blocks, else its ranges, in flight
+            items = unpad_all(index)
+            if not self.blocks.will_need(items):
+                self.ahead.start(items, lambda todo: self.engine.get_ranges(
+                    self._key, [self._span(i) for i in todo]))
             return
         if not hasattr(os, "posix_fadvise"):
             return
@@ -543,10 +559,11 @@ class PackedStorage(FolderStorage):
         mapping would read: with a cold page cache that read 2.3x the bytes needed)."""
         size = self.sizes[index]
         if self.engine is not None:  # far: fetched by the engine (started by will_need)
-            future = self.ahead.take(index, lambda i: self.engine.get_range(self._key,
-                                                                            *self._span(i)))
             try:
-                data = bytes(future.result())
+                data = self.blocks.read(index)
+                if data is None:  # not in a block being read: its own range
+                    data = bytes(self.ahead.take(index, lambda i: self.engine.get_range(
+                        self._key, *self._span(i))).result())
             except Exception as e:  # the engine gave up
                 raise OSError(errno.EIO, f"{self.path}: image {index}: {type(e).__name__} "
                               f"after {self.engine.attempts} tries") from e

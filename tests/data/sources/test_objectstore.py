@@ -344,30 +344,59 @@ def test_a_local_folder_is_told_local_and_far_disk_true_reads_it_through_the_eng
         pipe.close()
 
 
+def by_index(batches: list[tuple[torch.Tensor, ...]]) -> dict[int, tuple]:
+    """An epoch's images and labels by index (each index read once)."""
+    out = {}
+    for index, label, image in batches:
+        for k, i in enumerate(index.tolist()):
+            assert i not in out  # every image once
+            out[i] = (int(label[k]), image[k])
+    return out
+
+
+def assert_same_images(local: list, far: list) -> None:
+    """The same images, each with its label and pixels, whatever the order."""
+    mine, theirs = by_index(local), by_index(far)
+    assert sorted(mine) == sorted(theirs) and mine
+    for i, (label, image) in mine.items():
+        assert theirs[i][0] == label and torch.equal(theirs[i][1], image), i
+
+
 @pytest.mark.slow
-def test_a_packed_store_forced_far_reads_its_ranges_through_the_engine(cache_dir):
-    """``dataset.far_disk=true`` on a packed store on local disk: each batch's stored JPEGs
-    read as ranges of its one file through the read engine, to the batches of plain
-    ``pread``s."""
+def test_a_packed_store_forced_far_reads_whole_blocks_in_an_order_of_blocks(cache_dir,
+                                                                          monkeypatch):
+    """``dataset.far_disk=true`` on a packed store on local disk: the epoch's order is one
+    of blocks of the file (each batch within two stretches of blocks), each block read
+    whole through the read engine once, no image read on its own; every image as plain
+    ``pread``s give it."""
     import runner
+    from runner.data.sources import blockreads
 
     root = local_dataset(cache_dir)
     local = batches(f"dataset.path={root}", "dataset.far_disk=false", loader="packed")
     pipe = runner.pipeline(*SMALL, "loader.shuffle=true", f"dataset.path={root}",
+                           "dataset.far_disk=false", loader="packed")
+    total = pipe.storage.data_bytes
+    pipe.close()
+    monkeypatch.setattr(blockreads, "BLOCK_BYTES", total // 6)  # about 6 blocks
+    monkeypatch.setattr(blockreads, "BLOCKS_MIXED", 2)
+    pipe = runner.pipeline(*SMALL, "loader.shuffle=true", f"dataset.path={root}",
                            "dataset.far_disk=true", loader="packed")
     try:
         far = [(b["index"].clone(), b["label"].clone(), b["image"].clone()) for b in pipe]
-        figures, engine = pipe.storage.figures(), pipe.storage.engine
+        figures, storage = pipe.storage.figures(), pipe.storage
     finally:
         pipe.close()
-    assert engine is not None
-    assert_same(local, far)
-    # every stored image fetched once, a run of nearby ones as one request (the gaps
-    # between them read too, under the engine's merge_gap each)
-    n, needed = len(pipe.storage), sum(pipe.storage.sizes)
-    assert 0 < figures["remote_requests"] < n
-    assert needed <= figures["remote_bytes"] <= needed + (n - figures["remote_requests"]) * (
-        engine.merge_gap)
+    assert storage.engine is not None
+    assert_same_images(local, far)
+    blocks = storage.blocks.block_of
+    assert figures["far_blocks"] >= 5 and len(storage.order_groups) == figures["far_blocks"] + 1
+    for index, _, _ in far:  # each batch from the blocks of at most two stretches
+        assert len(set(blocks[index.numpy()].tolist())) <= 2 * 2
+    # each block read whole once (the cache holds them all here), no image on its own
+    assert figures["far_blocks_fetched"] == figures["far_blocks"] == figures["remote_requests"]
+    assert figures["remote_bytes"] <= total
+    assert figures["far_reads"].startswith("blocks of up to")
 
 
 @pytest.mark.server
@@ -412,7 +441,7 @@ def test_a_packed_store_on_a_far_mount_is_told_far_and_gives_its_local_batches(
         line.close()
         server.close()
     assert engine is not None and where.startswith(str(tmp_path / "mnt"))
-    assert_same(local, far)
+    assert_same_images(local, far)  # read in an order of blocks there
 
 
 def test_fetches_started_ahead_survive_an_epochs_short_last_batch():
