@@ -41,11 +41,14 @@ class Sample:
 
 @dataclass(frozen=True)
 class SkippedFile:
-    """A file no decoder could read; it travels to the loop to be counted and reported."""
+    """A file no decoder could read, or a label the labels' reader left out (``label``:
+    said there already, with its count); it travels to the loop to be counted and
+    reported."""
 
     path: str
     error: str
     index: int = -1  # position in the storage
+    label: bool = False  # a bad label (a box, a line, an annotation), not an image
 
 
 def image_nbytes(image_size: tuple[int, int] | list[int]) -> int:

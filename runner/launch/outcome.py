@@ -284,6 +284,7 @@ def where(run_dir: Path, metrics: dict[str, Any], logger: tuple[str, str] | None
     files = [name for name in ("metrics.json", "timeline.png", "trace.json", "checkpoint.pt")
              if (run_dir / name).exists()]
     files += sorted(p.name for p in run_dir.glob("predictions*.csv"))
+    files += sorted(p.name for p in run_dir.glob("detections*.*"))
     files += sorted(p.name for p in run_dir.glob("*.npy") if not p.name.startswith("."))
     files += [name for name in ("files.txt", "masks/") if (run_dir / name).exists()]
     lines = [f"results: {run_dir}/ ({', '.join(files)})"]

@@ -315,8 +315,8 @@ def announce(cfg: Config, figures: dict[str, Any], world: int = 1) -> None:
     if line is not None:
         log.info("%s", line)
     if figures["skipped_files"]:
-        log.warning("%d undecodable files skipped (listed in metrics.json)",
-                    len(figures["skipped_files"]))
+        log.warning("%d files skipped: images that did not decode or labels left out "
+                    "(listed in metrics.json's skipped_files)", len(figures["skipped_files"]))
     verdict_follows = cfg.diagnose and figures.get("images_per_sec") is not None
     for flag in figures.get("flags") or []:
         if flag.startswith("disturbed") and not verdict_follows:

@@ -136,3 +136,14 @@ def test_the_continue_command_is_quoted_for_a_shell(monkeypatch):
     argv = shlex.split(line.split("continue with: ", 1)[1])
     assert argv == ["python", "-m", "runner", "dataset.path=/data/my images", "run.epochs=3",
                     "resume=auto", "hydra.run.dir=/runs/a run"]
+
+
+def test_the_results_line_names_a_detection_runs_files(tmp_path: Path):
+    from runner.launch.outcome import where
+
+    for name in ("metrics.json", "detections.json", "detections.csv",
+                 "detections.categories.json"):
+        (tmp_path / name).write_text("{}")
+    (line,) = where(tmp_path, {}, None)
+    assert line.endswith("(metrics.json, detections.categories.json, detections.csv, "
+                         "detections.json)")

@@ -284,7 +284,8 @@ def build_loader(storage: Storage, cfg: LoaderConfig, order: BatchOrder, pin_mem
 
 @dataclass
 class SkipLog:
-    """Every file skipped as undecodable (or unreadable), each named once in a warning."""
+    """Every file skipped as undecodable (or unreadable), each named once in a warning, and
+    the label files with bad labels left out (counted; the labels' reader said them)."""
 
     files: dict[str, str] = field(default_factory=dict)  # path -> error
 
@@ -292,6 +293,8 @@ class SkipLog:
         for s in skipped:
             if s.path not in self.files:
                 self.files[s.path] = s.error
+                if s.label:
+                    continue
                 kind = UNREADABLE if s.error.startswith(UNREADABLE) else "undecodable"
                 log.warning("skipped %s file %s: %s", kind, s.path, s.error)
 

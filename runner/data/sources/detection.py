@@ -87,15 +87,20 @@ def default_path(dataset: DatasetConfig, progress: bool = True) -> Path:
 
 
 def has_val_split(dataset: DatasetConfig) -> bool:
-    """Whether a detection dataset's layout holds a validation split of its own (the
-    generated one does): training then validates on it after each epoch."""
+    """Whether a detection dataset's layout holds a training split and a validation split
+    of its own (the generated one does): training then validates on ``val`` after each
+    epoch."""
     if not dataset.targets.boxes or dataset.val_path is not None or dataset.val_fraction > 0:
         return False
     if dataset.path is None and dataset.manifest is None:
         return True  # the shapes dataset: images/val
     if dataset.path is None:
         return False
-    return has_split(Path(dataset.path).expanduser(), dataset.targets.value, Split.val.value)
+    # both: a layout with only a val split trains on it (the split it has), and validating
+    # on the images it trains on would say nothing
+    root, format = Path(dataset.path).expanduser(), dataset.targets.value
+    return has_split(root, format, Split.val.value) and has_split(root, format,
+                                                                  Split.train.value)
 
 
 def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:

@@ -58,6 +58,16 @@ from runner.data.protocol import SkippedFile
 from runner.data.sources.listing import DatasetError, is_image_name, walk
 
 log = logging.getLogger(__name__)
+_NAMELESS_SAID: set[str] = set()  # layouts whose missing class names were said (once each)
+
+
+def classes_said(root: Path) -> bool:
+    """Whether this process said ``root``'s missing class names already (its train and
+    val sides, a store's listing: one line)."""
+    key = str(root)
+    said = key in _NAMELESS_SAID
+    _NAMELESS_SAID.add(key)
+    return said
 
 FORMATS = ("yolo", "coco")
 YAML_NAMES = ("data.yaml", "dataset.yaml", "data.yml", "dataset.yml")
@@ -141,7 +151,7 @@ class _Report:
 
     def skip(self, kind: str, path: str, why: str) -> None:
         self.count(kind, path, why)
-        self.skipped.append(SkippedFile(path, why))
+        self.skipped.append(SkippedFile(path, why, label=True))
 
     def say(self, source: Path) -> None:
         for kind, n in self.counts.items():
@@ -228,32 +238,45 @@ def read_labels(path: str | Path, format: str = "auto", split: str | None = None
 
 # --- YOLO ---------------------------------------------------------------------------------
 
+def other_yaml(root: Path) -> list[Path]:
+    """The dataset's own YAML files at its root under other names (Ultralytics' sets are
+    named after themselves: ``coco128.yaml``), in name order."""
+    try:
+        return sorted(p for p in root.iterdir() if p.suffix in (".yaml", ".yml")
+                      and p.name not in YAML_NAMES and p.is_file())
+    except OSError:
+        return []
+
+
 def _yaml_names(*folders: Path) -> list[str] | None:
     import yaml
 
-    for folder in dict.fromkeys(folders):
-        for name in YAML_NAMES:
-            file = folder / name
-            if not file.is_file():
+    files = [folder / name for folder in dict.fromkeys(folders) for name in YAML_NAMES]
+    for file in files + other_yaml(folders[0]):
+        if not file.is_file():
+            continue
+        try:
+            names = (yaml.safe_load(file.read_text()) or {}).get("names")
+        except (OSError, yaml.YAMLError, AttributeError) as e:
+            if file.name not in YAML_NAMES:  # another YAML file: not necessarily the set's
                 continue
+            raise DatasetError(f"{printable(str(file))} cannot be read as YAML ({e}); fix "
+                               "it or remove it (class names then come from the ids)"
+                               ) from e
+        if names is not None and file.name not in YAML_NAMES:
+            log.info("class names from %s", printable(str(file)))
+        if isinstance(names, dict):
             try:
-                names = (yaml.safe_load(file.read_text()) or {}).get("names")
-            except (OSError, yaml.YAMLError, AttributeError) as e:
-                raise DatasetError(f"{printable(str(file))} cannot be read as YAML ({e}); fix "
-                                   "it or remove it (class names then come from the ids)"
-                                   ) from e
-            if isinstance(names, dict):
-                try:
-                    ids = sorted(int(k) for k in names)
-                except (TypeError, ValueError):
-                    ids = None
-                if ids is None or ids != list(range(len(ids))):
-                    raise DatasetError(f"{printable(str(file))}: names' keys are not the ids "
-                                       f"0..{len(names) - 1}; give names as a list or "
-                                       "{0: name, 1: name, ...}")
-                return [str(names[k] if k in names else names[str(k)]) for k in ids]
-            if isinstance(names, list):
-                return [str(n) for n in names]
+                ids = sorted(int(k) for k in names)
+            except (TypeError, ValueError):
+                ids = None
+            if ids is None or ids != list(range(len(ids))):
+                raise DatasetError(f"{printable(str(file))}: names' keys are not the ids "
+                                   f"0..{len(names) - 1}; give names as a list or "
+                                   "{0: name, 1: name, ...}")
+            return [str(names[k] if k in names else names[str(k)]) for k in ids]
+        if isinstance(names, list):
+            return [str(n) for n in names]
     return None
 
 
@@ -360,6 +383,7 @@ def yolo_inputs(path: str | Path, split: str | None = None
                    if f.endswith(".txt"))
     names = [str(folder / name) for folder in dict.fromkeys(
         (root, images.parent, images.parent.parent)) for name in YAML_NAMES]
+    names += [str(p) for p in other_yaml(root)]
     names += [str(folder / CLASS_FILE) for folder in (labels, labels.parent, root)]
     return images, _sorted_images(images), files + names
 
@@ -412,6 +436,10 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
     num_classes = len(names) if names else 1 + max(
         (int(ids.max()) for _, ids, _, _ in parsed.values() if (ids >= 0).any()), default=-1)
     classes = list(names) if names else [str(k) for k in range(num_classes)]
+    if not names and not classes_said(root):
+        log.warning("%s: no class names (data.yaml's names, classes.txt): the classes are the "
+                    "ids seen, 0..%d; a name file makes an id beyond them a reported bad "
+                    "label", printable(str(root)), num_classes - 1)
     # sizes of the images with boxes (the normalised coordinates need them)
     with_boxes = list(parsed)
     sizes = dict(zip(with_boxes, _sizes(with_boxes)))

@@ -836,7 +836,7 @@ def open_without_labels(loader: LoaderConfig, dataset: DatasetConfig, path: Path
             record.get("count") != len(inputs) or \
             not isinstance(meta.get("label_skipped"), list):
         return None
-    skipped = [SkippedFile(str(p), str(e)) for p, e in meta["label_skipped"]]
+    skipped = [SkippedFile(str(p), str(e), label=True) for p, e in meta["label_skipped"]]
     listing = Listing(listing.root, list(meta["classes"]), listing.samples, listing.how, [],
                       DetectionTargets([], "yolo", skipped, inputs, stats))
     folder = FolderStorage(Files(listing), folder_decoder(loader, dataset), dataset.on_corrupt)

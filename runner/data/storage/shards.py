@@ -455,7 +455,8 @@ def _manifest_index(folder: Path, entry: dict, cache: Path) -> ShardIndex:
 
 def _skipped_of(meta: dict) -> list[SkippedFile]:
     """The files a conversion to shards skipped (the manifest's ``skipped``)."""
-    return [SkippedFile(str(s.get("path", "")), str(s.get("error", "")))
+    return [SkippedFile(str(s.get("path", "")), str(s.get("error", "")),
+                        label=bool(s.get("label")))
             for s in meta.get("skipped", []) if isinstance(s, dict)]
 
 

@@ -79,11 +79,13 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
                              packed.targets.source_size(i))
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
                    packed.widths[i], packed.name_of(i), i, boxes)
-    skipped = [{"path": s.path, "error": s.error} for s in packed.known_skipped]
-    if skipped:  # a run over these shards lists them in its skipped_files too
+    skipped = [{"path": s.path, "error": s.error, **({"label": True} if s.label else {})}
+               for s in packed.known_skipped]
+    images = [s for s in skipped if "label" not in s]  # bad labels: said when read
+    if images:  # a run over these shards lists them in its skipped_files too
         log.warning("%d file(s) could not be read and are not in the shards (e.g. %s): "
-                    "listed under \"skipped\" in %s", len(skipped), skipped[0]["path"],
-                    Path(out) / MANIFEST)
+                    "listed under \"skipped\" in the shards' %s", len(images),
+                    images[0]["path"], MANIFEST)
     return write_manifest(out, writer.close(), packed.classes, skipped=skipped, **facts)
 
 

@@ -137,11 +137,14 @@ class ServedFrame:
       ``dataset.image_size``; boxgeometry's ``shown_window``), so boxes go back into the
       source's pixels (``to_source``). Under random crops there is no one window: boxes
       stay in the model's input pixels (said once). An image whose labels gave no size (a
-      YOLO image with no boxes) has its size read from its file's header.
+      YOLO image with no boxes), or any image of a folder without labels, has its size
+      read from its file's header; in a bucket (``dataset.path`` a URL) such a folder's
+      boxes stay in input pixels (said once).
 
     Args:
         targets: the storage's targets (``DetectionTargets``, a store's): their
-            ``image_id``, ``source_size`` and ``category_ids``.
+            ``image_id``, ``source_size`` and ``category_ids``; None: a folder without
+            labels (ids are dataset indices, categories class indices).
         dataset: the run's dataset config (crop, crop_fraction, image_size).
         source: dataset index -> the image's source file (for a size the labels lack).
     """
@@ -156,12 +159,16 @@ class ServedFrame:
         if not self.mapped:
             log.warning("dataset.crop=random: served detections stay in the model's input "
                         "pixels (a random crop has no one window to undo)")
+        elif targets is None and "://" in str(dataset.path or ""):
+            self.mapped = False
+            log.warning("dataset.path=%s has no labels to size its images by: served "
+                        "detections stay in the model's input pixels", dataset.path)
 
     def image_id(self, index: int) -> int:
-        return int(self.targets.image_id(index))
+        return int(self.targets.image_id(index)) if self.targets is not None else index
 
     def _size(self, index: int) -> tuple[int, int]:
-        h, w = self.targets.source_size(index)
+        h, w = self.targets.source_size(index) if self.targets is not None else (0, 0)
         if h and w:
             return h, w
         from runner.data.decode.decoders import read_jpeg_header
@@ -191,4 +198,4 @@ class ServedFrame:
         return {"image_id": self.image_id,
                 "source_windows": self.source_windows if self.mapped else None,
                 "input_size": self.size if self.mapped else None,
-                "category_ids": self.targets.category_ids}
+                "category_ids": getattr(self.targets, "category_ids", None)}

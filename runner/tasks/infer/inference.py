@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner.config.schema import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
+from runner.config.schema import AmpConfig, AmpName, Output, TaskConfig, TaskName, to_plain
 from runner.data.device.normalize import as_batches_come
 from runner.launch.distributed import broadcast
 from runner.measure import timeline
@@ -121,8 +121,9 @@ class InferTask(TaskBase):
         writers = {}
         arrays = False
         source = lambda i: str(Path(storage.root) / storage.name_of(i))  # noqa: E731
-        targets = getattr(storage, "targets", None)  # a detection set's: its served frame
-        frame = ServedFrame(targets, cfg.dataset, source) if targets is not None else None
+        # a detector's boxes served in the source's frame (its labels' ids, if it has labels)
+        frame = ServedFrame(getattr(storage, "targets", None), cfg.dataset, source) \
+            if Output.detections in cfg.task.outputs else None
         for name in self.models:
             head = getattr(built.networks[name], "num_classes", len(storage.classes))
             writers[name] = outputs.ModelWriter(

@@ -67,6 +67,19 @@ def test_a_layout_without_split_folders_is_split_by_val_fraction_in_step(tmp_pat
             assert target.boxes[0, 2] - target.boxes[0, 0] == pytest.approx(40 * (k + 1) / 10)
 
 
+def test_a_layout_with_only_a_val_split_trains_on_it_and_does_not_validate_on_it(
+        tmp_path: Path):
+    """COCO's val2017 alone (annotations/instances_val2017.json): training reads those
+    images, so validating on the same ones would score the training data: no validation."""
+    from tests.data.sources.test_labels import coco
+
+    coco(tmp_path, [{"id": 1, "image_id": 1, "category_id": 7, "bbox": [10, 20, 30, 40],
+                     "iscrowd": 0}])
+    cfg = dataclasses.replace(dataset_config(tmp_path), targets=Targets.coco)
+    assert len(list_detection(cfg, tmp_path).samples) == 2
+    assert not has_val_split(cfg)
+
+
 @pytest.mark.parametrize("crop", [Crop.center, Crop.random])
 @pytest.mark.parametrize("decoder", [Decoder.pil, Decoder.simplejpeg])
 def test_boxes_follow_the_decoders_window_as_torchvision_v2_maps_them(shapes: Path, crop,

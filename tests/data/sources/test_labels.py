@@ -238,3 +238,24 @@ def test_coco_images_found_beside_the_annotations_despite_a_missing_first_one(tm
     file.rename(moved)
     with pytest.raises(DatasetError, match="its first image 0-gone.jpg is in none of"):
         read_coco(moved)
+
+
+def test_an_ultralytics_set_named_after_itself_gives_its_class_names(tmp_path: Path, caplog):
+    """coco128's names are in coco128.yaml, not data.yaml: read from there (another YAML
+    file without names, or not YAML at all, is passed over); a set with no names file says
+    once that its classes are the ids seen."""
+    import logging
+
+    labels = {"a": "0 0.5 0.5 0.2 0.2\n", "b": "1 0.5 0.5 0.2 0.2\n"}
+    root = yolo_tree(tmp_path / "coco128", labels, {"a.jpg": (40, 30), "b.jpg": (40, 30)},
+                     names=None)
+    (root / "notes.yaml").write_text("- just: a list\n")
+    (root / "coco128.yaml").write_text("path: .\nnames:\n  0: person\n  1: bicycle\n")
+    assert read_labels(root).classes == ["person", "bicycle"]
+    (root / "coco128.yaml").unlink()
+    other = yolo_tree(tmp_path / "nameless", labels, {"a.jpg": (40, 30), "b.jpg": (40, 30)},
+                      names=None)
+    with caplog.at_level(logging.WARNING):
+        assert read_labels(other).classes == ["0", "1"]
+        read_labels(other)
+    assert caplog.text.count("no class names") == 1

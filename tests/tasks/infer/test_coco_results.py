@@ -207,3 +207,24 @@ def test_every_storage_serves_detections_in_the_coco_sets_own_frame(tmp_path: Pa
         frame.source_windows(np.array([i]))[0, 2:].astype(int).tolist()))
         for i in range(len(storage))}
     assert served == expected
+
+
+def test_a_folder_without_labels_is_served_in_its_images_pixels_by_index(tmp_path: Path):
+    """New photos, no labels: each image's size from its header, ids its dataset index,
+    categories its class index; in a bucket (no file to read a size from), input pixels."""
+    from PIL import Image
+
+    from runner.config.schema import Crop, DatasetConfig
+    from runner.tasks.infer.coco_results import ServedFrame
+
+    for k, (w, h) in enumerate([(120, 80), (50, 90)]):
+        Image.new("RGB", (w, h)).save(tmp_path / f"{k}.jpg")
+    dataset = DatasetConfig(image_size=[32, 32], crop=Crop.whole)
+    frame = ServedFrame(None, dataset, lambda i: tmp_path / f"{i}.jpg")
+    context = frame.context()
+    assert context["category_ids"] is None and context["image_id"](1) == 1
+    assert context["source_windows"](np.array([0, 1])).tolist() == [[0, 0, 80, 120],
+                                                                      [0, 0, 90, 50]]
+    far = ServedFrame(None, DatasetConfig(path="s3://bucket/photos", image_size=[32, 32]),
+                      lambda i: "")
+    assert far.context()["source_windows"] is None
