@@ -32,8 +32,10 @@ so a run reads them from the store with the images, not one label file per image
 ``boxes.bin`` holds every box, image after image in index order (``BOX_DTYPE``: xyxy
 float32 in pixels of the *stored* image, upright, as the listing's source-size boxes
 scaled by the stored size over the source size; its int64 class id), and ``targets.bin``
-per source file where its boxes start in ``boxes.bin``, how many there are and the image's
-id (COCO's, or its place in the label set); an undecodable file has none. Both are written
+per source file where its boxes start in ``boxes.bin``, how many there are, the image's
+id (COCO's, or its place in the label set) and its upright source size (the frame served
+detections go back to; ``meta.json`` keeps COCO's category ids); an undecodable file has
+none. Both are written
 with the JPEGs, chunk by chunk in index order, so two builds are the same bytes. The
 store's key has the labels' format (``settings``: a store of the same folder without boxes
 is another folder) and its plan the digest of the boxes as the listing parsed them
