@@ -421,8 +421,9 @@ class _Get:
         self.t0 = time.perf_counter()
         try:
             obstore.get_async(engine.store.store, key).add_done_callback(self.headers)
-        except Exception as e:  # refused before any request (a bad key)
-            self.failed(e)
+        except Exception as e:  # refused before any request (a bad key): said on the next
+            # turn of the loop, not from inside the window's release that admitted it
+            asyncio.get_running_loop().call_soon(self.failed, e)
 
     def headers(self, answer: asyncio.Future) -> None:
         try:

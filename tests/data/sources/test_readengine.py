@@ -196,3 +196,25 @@ def test_the_io_loop_does_not_tick_on_a_short_link(monkeypatch):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_many_keys_refused_before_any_request_fail_each_without_recursion(engine,
+                                                                           monkeypatch):
+    """Keys obstore refuses at once, queued behind a window of one: each future gets its
+    error (the window's release admits the next without nesting one call in another)."""
+    import obstore
+
+    def refuse(store, key, *args, **kwargs):
+        if key == "k0":  # refused a moment later: the others queue behind it meanwhile
+            later = asyncio.get_running_loop().create_future()
+            later.get_loop().call_later(0.05, later.set_exception, FileNotFoundError(key))
+            return later
+        raise FileNotFoundError(key)
+
+    monkeypatch.setattr(obstore, "get_async", refuse)
+    engine.max_bytes = 4096  # one at a time: 3000 wait in the window's queue
+    futures = engine.get_many([f"k{i}" for i in range(3000)], 4096)
+    for i, future in enumerate(futures):
+        with pytest.raises(FileNotFoundError, match=f"k{i}$"):
+            future.result(timeout=20)
+    assert engine.stats.failures == 3000 and engine._window.count == 0
