@@ -299,8 +299,8 @@ class ReadEngine:
                  ) -> list[concurrent.futures.Future]:
         """Each whole object of ``keys`` (Futures of memoryviews), started together by one
         call on the I/O thread, each first try driven by callbacks (``_Get``: no task or
-        coroutine per object); a retry, or a fetch the window makes wait, goes through
-        ``_fetch`` as ``submit``'s do."""
+        coroutine per object; one the window makes wait queues as a callback); a retry goes
+        through ``_fetch`` as ``submit``'s fetches do."""
         futures = [concurrent.futures.Future() for _ in keys]
         loop = self._start()
         loop.call_soon_threadsafe(self._start_gets, keys, futures, size_hint)
