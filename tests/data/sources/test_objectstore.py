@@ -98,6 +98,34 @@ def test_the_engine_retries_resets_and_503_bursts_and_loses_nothing(s3_server, d
     engine.close()
 
 
+def test_a_batch_of_gets_on_a_10_ms_link_retries_resets_and_503s_in_order(s3_server,
+                                                                          delay_line, s3_env):
+    """``get_many`` (callbacks per object, the I/O loop ticking on a 10 ms link): answers
+    cut short (in the headers or the body) and a burst of 503s are retried, every future
+    gets its own object."""
+    from runner.data.sources.objectstore import ObjectStore
+    from runner.data.sources.readengine import TICK, ReadEngine
+    from runner.data.sources.url import RemoteURL
+
+    s3_server.make_bucket("batch-faults")
+    client = s3_server.client()
+    blobs = {f"k{i}": os.urandom(30_000 + 7 * i) for i in range(60)}
+    for key, data in blobs.items():
+        client.put_object(Bucket="batch-faults", Key=key, Body=data)
+    engine = ReadEngine(ObjectStore(RemoteURL.parse("s3://batch-faults")), backoff=0.01)
+    delay_line.set(rtt=0.010)
+    assert bytes(engine.get("k0").result(timeout=30)) == blobs["k0"]  # the link's rtt known
+    delay_line.set(reset_rate=0.1)
+    delay_line.fail_next(6)
+    keys = sorted(blobs, reverse=True)
+    futures = engine.get_many(keys, 64 << 10)
+    assert [bytes(f.result(timeout=60)) for f in futures] == [blobs[k] for k in keys]
+    assert engine.stats.base_rtt >= 8 * TICK  # a link the I/O loop ticks on
+    assert delay_line.stats.errors_503 == 6 and delay_line.stats.resets > 0
+    assert engine.stats.retries >= 6 + delay_line.stats.resets
+    engine.close()
+
+
 def test_the_listing_and_metadata_are_retried_through_503s(s3_server, delay_line, s3_env):
     """What a run reads before its first batch (the listing, a manifest, an object's size)
     is retried as the engine's fetches are: a run does not fail on one SlowDown or reset."""
