@@ -28,11 +28,8 @@ not bandwidth, so the path of a batch of whole objects (``get_many``) is kept sh
 batch is handed to the I/O thread by one call, each object's first try is two callbacks
 (its headers, its body: ``_Get``) with no task or coroutine of its own, its slot in the
 window taken and given back by plain calls (``Window.admit``); only a retry (or a single
-``get``/``get_range``) runs as a task through ``_fetch``. obstore's runtime hands each answer
-to the loop from its own threads, which would wake the I/O thread twice per object; on a
-long link (8 ms or more) the loop (``TickLoop``) instead wakes every millisecond while
-fetches are in flight and takes what came meanwhile at once (measured on the bench's
-loopback rclone at 10 ms, one client core: half the I/O thread's context switches).
+``get``/``get_range``) runs as a task through ``_fetch``: fewer allocations and wake-ups
+of the I/O thread per object than a task each.
 
 **Ranges.** ``get_ranges(key, ranges)`` merges runs of adjacent or nearly adjacent ranges
 (gaps under ``merge_gap``, 4 KiB: a tar's member header and a ``.cls`` member lie between
@@ -145,50 +142,6 @@ class Window:
         s.window = self.limit
 
 
-TICK = 0.001  # seconds: the I/O thread's nap while fetches are in flight on a long link
-
-
-class TickLoop(asyncio.SelectorEventLoop):
-    """The I/O thread's event loop, woken by a tick while fetches are in flight on a long
-    link instead of by each answer.
-
-    obstore's runtime threads hand each answer (an object's headers, then its body) to the
-    loop by ``call_soon_threadsafe``, which writes to the loop's wake-up pipe: two wake-ups
-    of the I/O thread per object, each a context switch and a few syscalls on a core the
-    decoders want. While ``busy()`` says fetches are in flight, the loop instead wakes every
-    ``TICK`` (1 ms) and takes all the answers that came meanwhile at once, and a call from
-    another thread only queues its callback for the next tick. Idle, or on a link whose
-    round trip (``rtt()``) is under 8 ticks (the tick would be a latency the window must
-    cover), the loop does not tick and a call wakes it as asyncio's does. No call waits
-    for a tick that never comes: a caller queues its callback before it reads ``ticking``,
-    and only a tick (on the loop) stops the ticking, after which the loop runs what is
-    queued before it sleeps. (Overrides two of asyncio's private methods, ``_write_to_self``
-    and ``_run_once``, unchanged in name and role from 3.4 to 3.13.)
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.busy: Callable[[], bool] = lambda: False
-        self.rtt: Callable[[], float] = lambda: 0.0
-        self.ticking = False
-
-    def _write_to_self(self) -> None:
-        if not self.ticking:  # not ticking: wake the loop now
-            super()._write_to_self()
-
-    def _run_once(self) -> None:
-        if not self.ticking and self.rtt() >= 8 * TICK and self.busy():
-            self.ticking = True
-            self.call_later(TICK, self._tick)
-        super()._run_once()
-
-    def _tick(self) -> None:
-        if self.busy():
-            self.call_later(TICK, self._tick)
-        else:
-            self.ticking = False
-
-
 class ReadEngine:
     """Concurrent fetches from one store, off the caller's threads.
 
@@ -228,14 +181,12 @@ class ReadEngine:
             self._lock = threading.Lock()
         with self._lock:
             if self._loop is None:
-                loop = TickLoop()
+                loop = asyncio.new_event_loop()
                 ready = threading.Event()
 
                 def run() -> None:
                     asyncio.set_event_loop(loop)
                     self._window = Window(self.stats, self.max_bytes)
-                    loop.busy = lambda: bool(self._window.count or self._window.waiting)
-                    loop.rtt = lambda: self.stats.base_rtt
                     ready.set()
                     loop.run_forever()
 

@@ -1,8 +1,7 @@
 """The read engine's batch of whole-object gets (``get_many``: one call on the I/O thread,
-each first try driven by callbacks, the window's queue, retries handed to ``_fetch``) and
-its event loop (``TickLoop``: woken by a tick, not by each answer, while fetches are in
-flight on a long link). Files of this machine through obstore's LocalStore (a far disk's
-engine): no server, no process."""
+each first try driven by callbacks, the window's queue, retries handed to ``_fetch``).
+Files of this machine through obstore's LocalStore (a far disk's engine): no server, no
+process."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import asyncio
 import os
 import random
 import threading
-import time
 
 import pytest
 
@@ -118,84 +116,6 @@ def test_a_batch_cancelled_before_it_starts_is_not_fetched(objects, engine):
     assert [bytes(f.result(timeout=20)) for i, f in enumerate(futures) if i != 3] == \
         [objects[k] for i, k in enumerate(keys) if i != 3]
     assert futures[3].cancelled() and engine.stats.requests == len(keys) - 1
-
-
-class Wakes:
-    """Counts the wake-ups written to a loop's self-pipe (asyncio's own method)."""
-
-    def __init__(self, monkeypatch):
-        import asyncio.selector_events as selector_events
-
-        self.count = 0
-        real = selector_events.BaseSelectorEventLoop._write_to_self
-
-        def counted(loop) -> None:
-            self.count += 1
-            real(loop)
-
-        monkeypatch.setattr(selector_events.BaseSelectorEventLoop, "_write_to_self", counted)
-
-
-def run_loop(rtt: float, busy: list[bool]):
-    from runner.data.sources.readengine import TickLoop
-
-    loop = TickLoop()
-    loop.rtt, loop.busy = (lambda: rtt), (lambda: busy[0])
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    return loop, thread
-
-
-def calls_run(loop, n: int) -> float:
-    """``n`` calls from this thread, each waited for: the slowest one's wait, seconds."""
-    worst = 0.0
-    for _ in range(n):
-        ran = threading.Event()
-        t0 = time.perf_counter()
-        loop.call_soon_threadsafe(ran.set)
-        assert ran.wait(5), "a call from another thread never ran"
-        worst = max(worst, time.perf_counter() - t0)
-    return worst
-
-
-def test_the_io_loop_ticks_while_busy_on_a_long_link_and_loses_no_call(monkeypatch):
-    """Busy on a 10 ms link: calls from other threads (an answer's completion) write no
-    wake-up, each runs at the next tick; idle again, the loop stops ticking and a call
-    wakes it at once."""
-    from runner.data.sources.readengine import TICK
-
-    wakes, busy = Wakes(monkeypatch), [True]
-    loop, thread = run_loop(0.010, busy)
-    try:
-        calls_run(loop, 3)  # the loop starts ticking
-        before = wakes.count
-        worst = calls_run(loop, 50)
-        assert wakes.count == before and loop.ticking
-        assert worst < 0.25  # a tick (1 ms) on a busy machine, not a lost call
-        busy[0] = False
-        time.sleep(20 * TICK)
-        assert not loop.ticking
-        before = wakes.count
-        calls_run(loop, 10)
-        assert wakes.count == before + 10  # idle: each call wakes the loop
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
-
-
-def test_the_io_loop_does_not_tick_on_a_short_link(monkeypatch):
-    """Under 8 ticks of round trip the tick would be latency: each call wakes the loop."""
-    wakes = Wakes(monkeypatch)
-    loop, thread = run_loop(0.002, [True])
-    try:
-        before = wakes.count
-        calls_run(loop, 20)
-        assert wakes.count == before + 20 and not loop.ticking
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 def test_many_keys_refused_before_any_request_fail_each_without_recursion(engine,
