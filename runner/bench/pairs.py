@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from runner.bench import CPU
+from runner.bench import CPU, FOLDER
 from runner.config.schema import StorageName
 from runner.data import build_data_path
 from runner.data.sources.pagecache import can_evict, evict, resident_fraction
@@ -114,7 +114,7 @@ def bench_pairs(args: argparse.Namespace) -> dict:
         config = compose([*base, f"loader={name.value}"])
         storage = build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
         configs[name.value] = config
-        own = [Path(f) for f in storage.files] if name is not StorageName.folder else []
+        own = [Path(f) for f in storage.files] if name is not FOLDER else []
         store_dir = {Path(f).parent for f in own}
         files[name.value] = source + own + [p for d in store_dir for p in d.iterdir()
                                             if p.is_file() and p not in own]
@@ -158,7 +158,7 @@ def pair_targets(rounds: list[dict], caches: tuple[str, ...]) -> list[dict]:
     print(f"  every row read {'/'.join(map(str, sorted(images)))} images and "
           f"{'/'.join(map(str, sorted(boxes)))} boxes")
     checks = []
-    folder = StorageName.folder.value
+    folder = FOLDER.value
     for key in keys:
         name, cache = key.split("/")
         if name == folder:
