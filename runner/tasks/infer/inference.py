@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from runner.config.schema import AmpConfig, AmpName, Output, TaskConfig, TaskName, to_plain
+from runner.config.schema import AmpConfig, AmpName, TaskConfig, TaskName, to_plain
 from runner.data.device.normalize import as_batches_come
 from runner.launch.distributed import broadcast
 from runner.measure import timeline
@@ -31,6 +31,7 @@ from runner.model.networks import split_input
 from runner.tasks import checkpoint
 from runner.tasks.infer import outputs
 from runner.tasks.infer.coco_results import ServedFrame
+from runner.tasks.infer.kinds import OUTPUT_KINDS
 from runner.tasks.infer.outputs import Outputs, Reduce
 from runner.tasks.loop import Step
 from runner.tasks.task import RunContext, TaskBase
@@ -123,7 +124,7 @@ class InferTask(TaskBase):
         source = lambda i: str(Path(storage.root) / storage.name_of(i))  # noqa: E731
         # a detector's boxes served in the source's frame (its labels' ids, if it has labels)
         frame = ServedFrame(getattr(storage, "targets", None), cfg.dataset, source) \
-            if Output.detections in cfg.task.outputs else None
+            if any(OUTPUT_KINDS[o].detector for o in cfg.task.outputs) else None
         for name in self.models:
             head = getattr(built.networks[name], "num_classes", len(storage.classes))
             writers[name] = outputs.ModelWriter(
