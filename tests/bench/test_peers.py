@@ -5,7 +5,6 @@ and a delay line, every image with its label, both epochs."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 from collections import Counter
 
@@ -69,20 +68,16 @@ def served(tmp_path_factory):
                     f"dataset.image_size=[{SIZE},{SIZE}]", f"out={shards}",
                     "shard_mb=0.04"]) == 0
     why = write_peers(shards, root, int(0.04 * 2**20))
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ACCESS_KEY_ID="loopback-key", AWS_SECRET_ACCESS_KEY="loopback-secret")
-    server = LoopbackRclone(root, auth=False)
-    line = DelayLineProcess(server.port)
-    try:
-        yield shards, why, line, root
-    finally:
-        line.close()
-        server.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:  # module-scoped: restored after its tests
+        env.setenv("AWS_ACCESS_KEY_ID", "loopback-key")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "loopback-secret")
+        server = LoopbackRclone(root, auth=False)
+        line = DelayLineProcess(server.port)
+        try:
+            yield shards, why, line, root
+        finally:
+            line.close()
+            server.close()
 
 
 @pytest.mark.process

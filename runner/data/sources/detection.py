@@ -21,14 +21,13 @@ once in the cache, with its own train/val split.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.config.schema import DatasetConfig, Split
 from runner.data.protocol import SkippedFile
 from runner.data.sources.labels import ImageTargets, detect_format, read_labels, yolo_inputs
-from runner.data.sources.listing import DatasetError, Listing, split_listing
+from runner.data.sources.listing import DatasetError, Listing, split_listing, stat_row
 
 
 @dataclass
@@ -114,7 +113,7 @@ def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
         found = yolo_inputs(root, split)
         if found is not None:  # stat-ed before they are read: a change after is seen
             inputs = found[2]
-            stats = [file_stat(p) for p in inputs]
+            stats = [stat_row(p) for p in inputs]
     labels = read_labels(root, format, split)
     samples = [(image, 0) for image in labels.targets]
     targets = DetectionTargets(list(labels.targets.values()), labels.format, labels.skipped,
@@ -126,15 +125,6 @@ def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
         listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
                                 dataset.split is Split.val)
     return listing
-
-
-def file_stat(path: str) -> tuple[int, int, int, int]:
-    """(size, mtime_ns, ctime_ns, inode); zeros for a file that is not there."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (0, 0, 0, 0)
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def quick_detection(dataset: DatasetConfig, path: str | Path
@@ -159,4 +149,4 @@ def quick_detection(dataset: DatasetConfig, path: str | Path
     images, paths, inputs = found
     listing = Listing(images, [], [(p, 0) for p in paths], "yolo detection labels" + (
         f", {split} split" if split else ""), [], None)
-    return listing, inputs, [file_stat(p) for p in inputs]
+    return listing, inputs, [stat_row(p) for p in inputs]

@@ -333,9 +333,9 @@ def _parse_yolo(file: Path, text: str, report: _Report
     return np.array(ids, np.int64), np.array(boxes, np.float64).reshape(-1, 4), lines
 
 
-def upright_size(path: str) -> tuple[int, int]:
-    """(height, width) of the image at ``path`` once its EXIF orientation is applied, from
-    its header (PIL opens lazily: nothing is decoded)."""
+def upright_size(path) -> tuple[int, int]:
+    """(height, width) of the image at ``path`` (or in a binary file object) once its EXIF
+    orientation is applied, from its header (PIL opens lazily: nothing is decoded)."""
     from PIL import Image
 
     with Image.open(path) as img:

@@ -462,3 +462,13 @@ def split_listing(listing: Listing, fraction: float, seed: int, held_out: bool) 
     return Listing(listing.root, listing.classes, samples, f"{listing.how}, "
                    f"{'validation' if held_out else 'training'} split", listing.skipped,
                    targets)
+
+
+def stat_row(path: str) -> tuple[int, int, int, int]:
+    """(size, mtime_ns, ctime_ns, inode) of a file; zeros for one that cannot be stat-ed
+    (what a store's fingerprint and a detection store's label files are compared by)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0, 0)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)

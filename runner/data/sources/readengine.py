@@ -226,20 +226,6 @@ class ReadEngine:
             return data
         raise AssertionError("unreachable")
 
-    def submit_many(self, makes: list[tuple[Callable[[], Awaitable], int]]
-                    ) -> list[concurrent.futures.Future]:
-        """``submit`` for many fetches with one wake-up of the I/O thread (a batch's worth:
-        one cross-thread call instead of one per image)."""
-        futures = [concurrent.futures.Future() for _ in makes]
-
-        async def run_all() -> None:
-            for (make, nbytes), future in zip(makes, futures):
-                task = asyncio.ensure_future(self._fetch(make, nbytes))
-                task.add_done_callback(lambda t, f=future: _settle(f, t))
-
-        self._start().call_soon_threadsafe(asyncio.ensure_future, run_all())
-        return futures
-
     # --- what callers ask ----------------------------------------------------------------
 
     def get(self, key: str, size_hint: int = 1 << 20) -> concurrent.futures.Future:

@@ -56,6 +56,7 @@ from runner.config.schema import OnCorrupt
 from runner.data.decode.decoders import CorruptFileStop
 from runner.data.protocol import SkippedFile
 from runner.data.sources.files import read_file
+from runner.data.sources.listing import stat_row
 from runner.data.storage.folder import FolderStorage
 
 log = logging.getLogger(__name__)
@@ -155,15 +156,6 @@ def targets_fingerprint(folder: FolderStorage) -> str | None:
 def content_hash(data: bytes | bytearray) -> int:
     """A 64-bit BLAKE2b digest of a file's bytes."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def stat_row(path: str) -> tuple[int, int, int, int]:
-    """(size, mtime_ns, ctime_ns, inode); zeros for a file that cannot be stat-ed."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (0, 0, 0, 0)
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def file_record(path: str) -> tuple[tuple[int, int, int, int, int], bytearray | None]:

@@ -296,22 +296,13 @@ def stored_boxes(target, height: int, width: int, data: bytes | None = None
         rows["box"], rows["label"] = boxes.numpy(), target.labels.numpy()
     source = (target.height, target.width)
     if not (source[0] and source[1]) and height and data:  # a YOLO image without boxes
-        source = upright_size(data)
+        from runner.data.sources.labels import upright_size
+
+        try:
+            source = upright_size(io.BytesIO(data))
+        except (OSError, ValueError):  # stored, so it decoded: its header reads too
+            source = (0, 0)
     return rows, int(target.image_id), source
-
-
-def upright_size(data: bytes) -> tuple[int, int]:
-    """An image file's size (height, width) once its EXIF orientation is applied (0 x 0
-    when it cannot be read)."""
-    header = read_jpeg_header(data)
-    if header is not None:
-        return header.oriented_hw
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            w, h = im.size
-            return (w, h) if im.getexif().get(0x0112, 1) >= 5 else (h, w)
-    except (OSError, ValueError):
-        return 0, 0
 
 
 def _init_worker() -> None:

@@ -171,19 +171,9 @@ class ServedFrame:
         h, w = self.targets.source_size(index) if self.targets is not None else (0, 0)
         if h and w:
             return h, w
-        from runner.data.decode.decoders import read_jpeg_header
+        from runner.data.sources.labels import upright_size
 
-        try:
-            with open(self.source(index), "rb") as f:
-                header = read_jpeg_header(f.read(1 << 16))
-            if header is not None:
-                return header.oriented_hw
-        except OSError:
-            pass
-        from PIL import Image, ImageOps
-
-        with Image.open(self.source(index)) as im:
-            return ImageOps.exif_transpose(im).size[::-1]
+        return upright_size(self.source(index))
 
     def source_windows(self, index: np.ndarray) -> np.ndarray:
         """The windows [B, 4] (top, left, height, width) of images ``index``."""
