@@ -219,15 +219,49 @@ class Labels(Enum):  # where dataset.path's labels come from
     none = "none"  # every image under the folder, unlabelled (inference)
 
 
-class Targets(Enum):  # dataset.targets: what an image's target is
+class TargetName(Enum):
+    """What an image is labelled with: the kind of its target, one record each
+    (runner/data/targets/, ``TargetKind``), whatever layout its labels are read from."""
+
+    classes = "classes"  # a class index per image (or none: unlabelled)
+    boxes = "boxes"  # detection boxes, each with its class
+    masks = "masks"  # a class per pixel (semantic segmentation)
+
+
+class Targets(Enum):
+    """``dataset.targets``: the kind of an image's target and the layout its labels are
+    read from, in one word (the spellings runs and recipes already use): ``kind`` is the
+    ``TargetName`` every layer asks its record by, the value names the layout."""
+
     none = "none"  # a class index (the class folder, a manifest's label) or none
     auto = "auto"  # detection boxes, the layout told from the folder (YOLO or COCO)
     yolo = "yolo"  # images/ and labels/*.txt (class cx cy w h, normalised)
     coco = "coco"  # annotations/instances_<split>.json beside the images
+    masks = "masks"  # a class-id PNG per image: images/ and masks/ side by side
+
+    @property
+    def kind(self) -> TargetName:
+        """The kind of target this layout gives (its record: runner/data/targets/); a
+        word that is a kind's own name is that kind."""
+        return _TARGET_KIND.get(self) or TargetName(self.value)
 
     @property
     def boxes(self) -> bool:
-        return self is not Targets.none
+        return self.kind is TargetName.boxes
+
+
+# the layouts' kinds (a word that is not a kind's own name)
+_TARGET_KIND = {Targets.none: TargetName.classes, Targets.auto: TargetName.boxes,
+                Targets.yolo: TargetName.boxes, Targets.coco: TargetName.boxes}
+
+
+class ModelFamily(Enum):
+    """What a model is, by what its forward gives and trains on: one record each in
+    runner/model/families.py (``Family``), which says the target kind it learns."""
+
+    classifier = "classifier"  # class scores per image (torchvision, timm, the user's own)
+    segmenter = "segmenter"  # class scores per pixel (torchvision's segmentation models)
+    detector = "detector"  # boxes: torchvision's detection protocol (its own or the user's)
 
 
 class Split(Enum):  # dataset.split: the two sides of dataset.val_fraction's split
@@ -353,9 +387,11 @@ class DatasetConfig:
     # unset (and no manifest): the generated default dataset
     path: str | None = key(None, resume="must_match")
     labels: Labels = key(Labels.auto, resume="must_match", shapes_outputs=True)
-    # detection: boxes per image read from a YOLO layout or COCO's JSON
-    # (runner/data/sources/labels.py; auto tells which); unset dataset.path: the generated
-    # shapes dataset (runner/data/sources/shapes.py). none: a class index per image
+    # what an image's target is, and its labels' layout (``Targets.kind``: classes, boxes or
+    # masks, each a record in runner/data/targets/). none: a class index per image;
+    # auto/yolo/coco: detection boxes read from a YOLO layout or COCO's JSON
+    # (runner/data/sources/labels.py; auto tells which), unset dataset.path: the generated
+    # shapes dataset (runner/data/sources/shapes.py); masks: a class-id PNG per image
     targets: Targets = key(Targets.none, resume="must_match", shapes_outputs=True)
     # a CSV (header: path[,label]) or JSON-lines file listing the images (paths relative to
     # it) and their class index or name; in place of dataset.path
@@ -522,6 +558,10 @@ class ModelConfig:
     # (H, W) it takes when not dataset.image_size: the batch is decoded once at the largest
     # size of the pass and resized on the device for the others
     image_size: list[int] | None = key(None, resume="must_match", shapes_outputs=True)
+    # what the model is (classifier, segmenter, detector: runner/model/families.py); unset:
+    # told from model.name, and for model=custom from dataset.targets' kind (a user's own
+    # detector follows torchvision's detection protocol)
+    family: ModelFamily | None = key(None, resume="must_match", shapes_outputs=True)
     # its name in outputs and figures (unset: model.name): a plain name, since it names
     # its files in the run folder (<alias>.probs.npy, masks/<alias>/)
     alias: str | None = key(None, resume="free")

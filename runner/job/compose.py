@@ -41,7 +41,7 @@ from runner.job.commandline import (
 
 def check_models(config: Config) -> None:
     """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
-    from runner.model.networks import check_model
+    from runner.model.families import check_model
 
     for model in model_configs(config):
         check_model(model)

@@ -53,17 +53,17 @@ from runner.config.schema import (
     Config,
     EngineFormat,
     ModelConfig,
+    TargetName,
     TaskName,
     data_path_alone,
 )
 from runner.data.device.normalize import as_batches_come
 from runner.data.loading.loader import drops_remainder
-from runner.launch.distributed import Ranks, local_module, replicate
+from runner.launch.distributed import Ranks, replicate
 from runner.measure.clock import synchronize
 from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
-from runner.model.detectors import Detector, is_detector_config, no_boxes, total_loss
+from runner.model.families import build_family_model, family_of, family_of_config
 from runner.model.networks import (
-    build_model,
     check_input_size,
     main_output,
     split_input,
@@ -368,13 +368,13 @@ def _warm(model: nn.Module, compiled: nn.Module, example: torch.Tensor, shapes: 
     batch-norm statistics as they were."""
     saved = copy.deepcopy(model.state_dict()) if train else None
     context = autocast(amp, example.device) if amp is not None else contextlib.nullcontext()
-    detector = isinstance(local_module(model), Detector)
+    family = family_of(model)
     for n in shapes:
         x = example[:n]
         if train:
-            with context:  # a detector's: its losses on images without boxes
-                out = compiled(x, no_boxes(n, x.device)) if detector else compiled(x)
-            (total_loss(out) if detector else main_output(out)).float().sum().backward()
+            with context:  # its family's loss of images alone (a detector's: no boxes)
+                loss = family.warm_loss(compiled, x)
+            loss.backward()
         else:
             with torch.inference_mode(), context:
                 compiled(x)
@@ -443,7 +443,9 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     if data_path_alone(config):
         return RunModels({})
     train = config.task.name.trains
-    if train and len(storage.classes) == 1 and not any(map(is_detector_config, configs)):
+    targets = config.dataset.targets
+    if train and len(storage.classes) == 1 and all(
+            family_of_config(c, targets).target is TargetName.classes for c in configs):
         log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
                     "its loss goes to 0; point dataset.path at the folder that holds the "
                     "class folders", storage.classes[0])
@@ -460,8 +462,8 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     out = RunModels({})
     for cfg in configs:
         name = cfg.label
-        model = build_model(cfg, len(storage.classes), device, train,
-                            image_size=tuple(example.shape[-2:]))
+        model = build_family_model(cfg, len(storage.classes), device, train,
+                                   image_size=tuple(example.shape[-2:]), targets=targets)
         model.train(train)  # before tracing: BN mode is baked in
         check_input_size(model, example, cfg)  # a size it cannot take: named, not a traceback
         if before_compile is not None:

@@ -13,7 +13,6 @@ import torch
 
 from runner.common.text import printable
 from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.decode.boxgeometry import Window, map_boxes, pad
 from runner.data.decode.decoders import (
     DECODERS,
     FALLBACK,
@@ -34,6 +33,8 @@ from runner.data.protocol import (
 )
 from runner.data.sources.files import Files, open_files
 from runner.data.sources.listing import DatasetError, open_image_folder
+from runner.data.targets import batch_fields
+from runner.data.targets.target_boxes import follow_sample as follow
 from runner.measure import timeline
 
 UNREADABLE = "unreadable"  # how the error of a file that could not be read begins
@@ -289,36 +290,6 @@ class FolderStorage(torch.utils.data.Dataset):
             if len(found) == want:
                 break
         return found
-
-
-def follow(target, window: tuple[float, float, float, float], flip: bool,
-           size: tuple[int, int], hw: tuple[int, int] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An image's boxes (its ``ImageTargets``) in the output image the decoder made from
-    ``window`` of it, flipped or not, at ``size`` (runner/data/decode/boxgeometry.py's one
-    mapping and its one rule for boxes that leave the crop). The boxes are in pixels of
-    the upright image at the labels' size (YOLO's read from the image itself, COCO's from
-    its JSON); where that differs from the decoded image's upright size ``hw`` (a JSON's
-    width and height that are not the file's), they are scaled to it first."""
-    boxes = target.boxes
-    if hw is not None and target.height and target.width and \
-            (target.height, target.width) != tuple(hw):
-        boxes = boxes * torch.tensor([hw[1] / target.width, hw[0] / target.height] * 2,
-                                     dtype=torch.float32)
-    return map_boxes(boxes, target.labels, Window(*window), tuple(size), flip)
-
-
-def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
-    """label, index, (for padded distributed shards) valid and (with detection targets)
-    the boxes padded to the batch's most (``boxes``, ``box_labels``, ``box_count``:
-    runner/data/decode/boxgeometry.py's ``pad``), for a list of samples."""
-    fields = {"label": torch.tensor([s.label for s in samples], dtype=torch.int64),
-              "index": torch.tensor([s.index for s in samples], dtype=torch.int64)}
-    if not all(s.valid for s in samples):  # padding rows of a distributed shard
-        fields["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
-    if samples and samples[0].boxes is not None:
-        fields.update(pad([s.boxes for s in samples], [s.box_labels for s in samples]))
-    return fields
 
 
 def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,

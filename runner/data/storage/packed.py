@@ -107,7 +107,8 @@ from runner.data.storage.convert import (
     reserve,
     skipped_files,
 )
-from runner.data.storage.folder import FolderStorage, folder_decoder, follow, open_folder
+from runner.data.storage.folder import FolderStorage, folder_decoder, open_folder
+from runner.data.targets.target_boxes import follow_sample as follow
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)

@@ -96,13 +96,15 @@ from runner.config.schema import (
     Config,
     ConfigError,
     ModelConfig,
+    ModelFamily,
     ReduceOn,
+    TargetName,
     TaskConfig,
     keys_where,
     to_plain,
 )
 from runner.data.threads import bind_cuda, cuda_index
-from runner.model.detectors import DETECTORS, is_detector
+from runner.model.families import FAMILIES, family_of_config
 from runner.model.networks import main_output
 from runner.tasks.checkpoint import CheckpointError
 from runner.tasks.infer.coco_results import ServedFrame
@@ -334,16 +336,28 @@ def check_detector(cfg: TaskConfig, detector: bool, model: str) -> None:
             others = ", ".join(k.name.value for k in OUTPUT_KINDS.values() if not k.detector)
             raise ConfigError(f"task.outputs has {', '.join(boxes)}, but model {model} is not "
                               f"a detector: {', '.join(boxes)} need one, e.g. "
-                              f"model.name={next(iter(DETECTORS))}; other models give "
+                              f"model.name={detector_example()}; other models give "
                               f"{others}")
+
+
+def detector_example() -> str:
+    """A detector's ``model.name``, for errors (its family's first example)."""
+    return FAMILIES[ModelFamily.detector].examples.split(",")[0]
+
+
+def gives_boxes(cfg: ModelConfig, config: Config) -> bool:
+    """Whether the model ``cfg`` names learns boxes (its family's target: runner/model/
+    families.py, told from its name or, for the user's own, ``model.family`` or the data's
+    kind of target)."""
+    return family_of_config(cfg, config.dataset.targets).target is TargetName.boxes
 
 
 def check_models(config: Config) -> None:
     """At the start of an inference run, before any data or model is made: a ConfigError
     for a detector asked for other outputs than a detector's, or another model asked for
-    a detector's (``check_detector``), by the models' names."""
+    a detector's (``check_detector``), by the models' families."""
     for m in model_configs(config):
-        check_detector(config.task, is_detector(m.name), m.label)
+        check_detector(config.task, gives_boxes(m, config), m.label)
 
 
 def check_outputs(cfg: TaskConfig, dense: bool, model: str, detector: bool = False) -> None:

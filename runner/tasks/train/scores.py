@@ -1,0 +1,139 @@
+"""``task=train``'s validation figures, one scorer per model family (``Score``, keyed by
+``ModelFamily`` as the families' records in runner/model/families.py are): what a family's
+eval forward gives is what is scored, against the kind of target it learns.
+
+A scorer is made once per validation pass (``Score.make(device, ranks, classes)``), fed
+each batch the model was given (``update(model, batch)``: it runs the model's eval forward
+itself, since what it reads differs by kind) and asked for the figures once at the end
+(``compute``): the names its target kind's record lists (``TargetKind.figures``), as
+``val_<figure>``. Under torch.distributed each gives the figures of the whole split: the
+classes' sums are all-reduced, torchmetrics gathers the boxes' and masks' states.
+
+- a classifier: loss, top-1 and top-5 (``ClassScores``);
+- a detector: mAP (COCO's, IoU 0.50:0.95) and mAP@0.5 (``BoxScores``, detection_metrics.py);
+- a segmenter: mean IoU over the classes (``MaskScores``: torchmetrics' ``MulticlassJaccardIndex``,
+  pixels of 255 ignored; a class absent from both prediction and target does not count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from runner.common.registry import Registry
+from runner.config.schema import ModelFamily
+from runner.launch.distributed import Ranks
+from runner.model.networks import main_output
+
+
+class Scorer(Protocol):
+    def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None: ...
+
+    def compute(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Score:
+    """How a family is scored: ``make(device, ranks, classes)`` -> a ``Scorer``."""
+
+    name: ModelFamily
+    make: Callable[[torch.device, Ranks, int], Scorer]
+
+
+def _valid(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The rows that are images (a distributed shard's padding rows are not), or None."""
+    return batch["valid"].bool() if "valid" in batch.keys() else None
+
+
+class ClassScores:
+    """Loss, top-1 and top-5 as sums on the device (one tensor, one all-reduce)."""
+
+    def __init__(self, device: torch.device, ranks: Ranks, classes: int = 0):
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.ranks = ranks
+
+    def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+        logits = main_output(model(batch["image"])).float()
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hit = top == batch["label"][:, None]
+        loss = F.cross_entropy(logits, batch["label"], reduction="none")
+        valid = _valid(batch)
+        valid = valid.double() if valid is not None \
+            else torch.ones(len(loss), dtype=torch.float64, device=loss.device)
+        self.sums += torch.stack([(hit[:, 0] * valid).sum(), (hit.any(dim=1) * valid).sum(),
+                                  (loss.double() * valid).sum(), valid.sum()])
+
+    def compute(self) -> dict[str, float]:
+        if self.ranks.enabled:  # every rank's share, each image once
+            dist.all_reduce(self.sums)
+        correct1, correct5, loss, total = self.sums.tolist()
+        n = max(total, 1)
+        return {"top1": correct1 / n, "top5": correct5 / n, "loss": loss / n}
+
+
+class BoxScores:
+    """A detector's padded predictions in eval mode against each batch's boxes
+    (detection_metrics.py's ``DetectionMAP``), the padding rows left out."""
+
+    def __init__(self, device: torch.device, ranks: Ranks, classes: int = 0):
+        from runner.tasks.train.detection_metrics import DetectionMAP
+
+        self.metric = DetectionMAP().to(device)
+
+    def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+        predictions = model(batch["image"])
+        targets = {k: batch[k] for k in ("boxes", "box_labels", "box_count")}
+        keep = _valid(batch)
+        if keep is not None:  # a shard's padding rows: not images
+            predictions = {k: v[keep] for k, v in predictions.items()}
+            targets = {k: v[keep] for k, v in targets.items()}
+        self.metric.update(predictions, targets)
+
+    def compute(self) -> dict[str, float]:
+        figures = self.metric.compute()
+        return {k: figures[k] for k in ("map", "map_50")}
+
+
+class MaskScores:
+    """A segmenter's per-pixel argmax against each batch's ``mask`` (at the mask's size),
+    mean IoU over the classes (torchmetrics), 255 and padding rows ignored."""
+
+    IGNORE = 255
+
+    def __init__(self, device: torch.device, ranks: Ranks, classes: int):
+        try:
+            from torchmetrics.classification import MulticlassJaccardIndex
+        except ImportError as e:
+            from runner.common.errors import Unavailable
+
+            raise Unavailable("validation of masks needs torchmetrics: pip install -e "
+                              "'.[detection]'") from e
+        self.metric = MulticlassJaccardIndex(num_classes=max(int(classes), 1), average="macro",
+                                             ignore_index=self.IGNORE).to(device)
+
+    def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+        logits = main_output(model(batch["image"]))
+        target = batch["mask"].long()
+        if logits.shape[-2:] != target.shape[-2:]:
+            logits = F.interpolate(logits.float(), size=target.shape[-2:], mode="bilinear",
+                                   align_corners=False)
+        keep = _valid(batch)
+        if keep is not None:
+            target = torch.where(keep[:, None, None], target, torch.full_like(target, self.IGNORE))
+        self.metric.update(logits.argmax(1), target)
+
+    def compute(self) -> dict[str, float]:
+        return {"miou": float(self.metric.compute())}
+
+
+SCORES: Registry[Score] = Registry(ModelFamily, "model.family={}", [
+    Score(ModelFamily.classifier, ClassScores),
+    Score(ModelFamily.detector, BoxScores),
+    Score(ModelFamily.segmenter, MaskScores),
+])
