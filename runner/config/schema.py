@@ -753,8 +753,10 @@ class TaskConfig:
     # reduced there); the same outputs either way (within float rounding on a GPU)
     reduce_on: ReduceOn = key(ReduceOn.device, resume="free", task="infer")
     # infer: what each model's outputs are kept as (runner/tasks/infer/outputs.py): topk
-    # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs)
-    outputs: list[Output] = key(factory=lambda: [Output.topk], resume="free", task="infer")
+    # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs), detections; unset:
+    # what the model gives (its kind of target's: a classifier's topk, a segmenter's masks,
+    # a detector's detections; runner/data/targets/)
+    outputs: list[Output] | None = key(None, resume="free", task="infer")
     # infer: embeddings are the output of this module (a name from model.named_modules());
     # unset: the classifier's input
     embed_layer: str | None = key(None, resume="free", task="infer")

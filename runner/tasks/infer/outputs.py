@@ -103,6 +103,7 @@ from runner.config.schema import (
     keys_where,
     to_plain,
 )
+from runner.data.targets import TARGETS
 from runner.data.threads import bind_cuda, cuda_index
 from runner.model.families import FAMILIES, family_of_config
 from runner.model.networks import main_output
@@ -221,7 +222,9 @@ class Reduce:
 
     def __init__(self, cfg: TaskConfig, network: nn.Module | None):
         self.task = cfg
-        self.kinds = [OUTPUT_KINDS[o] for o in cfg.outputs]
+        # unset (a step made outside a run, which settles it): a classifier's default
+        kept = cfg.outputs if cfg.outputs is not None else TARGETS[TargetName.classes].outputs
+        self.kinds = [OUTPUT_KINDS[o] for o in kept]
         if network is None:
             self.kinds = [k for k in self.kinds if k.needs != FEATURES]
         self.on_host = cfg.reduce_on is ReduceOn.host
@@ -350,6 +353,28 @@ def gives_boxes(cfg: ModelConfig, config: Config) -> bool:
     families.py, told from its name or, for the user's own, ``model.family`` or the data's
     kind of target)."""
     return family_of_config(cfg, config.dataset.targets).target is TargetName.boxes
+
+
+def settle_outputs(config: Config) -> None:
+    """An unset ``task.outputs`` becomes what the pass's models give by default: the
+    outputs of the kind of target each one's family learns (``TargetKind.outputs``: a
+    classifier's top-k, a detector's detections, a segmenter's masks), said once; models
+    whose defaults differ are a ConfigError asking for ``task.outputs``."""
+    if config.task.outputs is not None:
+        return
+    models = model_configs(config)
+    defaults = {m.label: TARGETS[family_of_config(m, config.dataset.targets).target].outputs
+                for m in models}
+    kinds = set(defaults.values())
+    if len(kinds) > 1:
+        said = "; ".join(f"{label}: {','.join(o.value for o in kept)}"
+                         for label, kept in defaults.items())
+        raise ConfigError(f"the models give different outputs by default ({said}): name "
+                          "what to keep, task.outputs=[...]")
+    config.task.outputs = list(kinds.pop() if kinds else TARGETS[TargetName.classes].outputs)
+    log.info("task.outputs unset: writing %s, what %s gives",
+             ",".join(o.value for o in config.task.outputs),
+             ", ".join(defaults) or "the model")
 
 
 def check_models(config: Config) -> None:
