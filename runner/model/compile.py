@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from runner.common.atomic import replacing
-from runner.common.errors import Unavailable
+from runner.common.errors import ConfigError, Unavailable
 from runner.common.registry import Registry
 from runner.config.rules import model_configs
 from runner.config.schema import (
@@ -409,6 +409,16 @@ def verify(model: nn.Module, compiled: nn.Module, example: torch.Tensor, cfg: Co
     return diff
 
 
+def check_compiles(family, cfg: CompileConfig, label: str) -> None:
+    """A ConfigError, in one line, for a compiled backend a model's family cannot take
+    (``Family.compiles``: a detector's forward takes boxes and gives dicts of losses or
+    ragged detections, which the backends' tracing and ``verify`` do not follow)."""
+    if family.compiles is not None and BACKENDS[cfg.name].build is not None:
+        raise ConfigError(f"compile={cfg.name.value} does not compile a {family.name.value} "
+                          f"(model {label}: {family.compiles}); use compile=eager (amp=bf16 "
+                          "applies to it)")
+
+
 def step_amp(config: Config) -> AmpConfig:
     """The autocast the step runs under: TensorRT engines carry their own precision."""
     return config.amp if uses_autocast(config.compile) else AmpConfig(AmpName.off)
@@ -462,6 +472,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     out = RunModels({})
     for cfg in configs:
         name = cfg.label
+        check_compiles(family_of_config(cfg, targets), config.compile, cfg.label)
         model = build_family_model(cfg, len(storage.classes), device, train,
                                    image_size=tuple(example.shape[-2:]), targets=targets)
         model.train(train)  # before tracing: BN mode is baked in
