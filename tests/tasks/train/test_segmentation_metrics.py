@@ -1,0 +1,65 @@
+"""A segmenter's validation figures: mean IoU over the epoch's pixels, as torchvision's
+segmentation reference computes it from one confusion matrix, 255 ignored."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runner.tasks.train.segmentation_metrics import SegmentationIoU
+
+
+def reference(preds: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """torchvision references/segmentation/utils.py's ConfusionMatrix: a bincount of
+    target * k + prediction over the pixels whose target is a class; IoU per class."""
+    keep = (targets >= 0) & (targets < k)
+    h = torch.bincount(k * targets[keep] + preds[keep], minlength=k * k).reshape(k, k)
+    h = h.double()
+    return torch.diag(h) / (h.sum(1) + h.sum(0) - torch.diag(h))
+
+
+def test_miou_over_batches_equals_one_confusion_matrix_with_ignored_pixels():
+    g = torch.Generator().manual_seed(0)
+    k = 5
+    targets = torch.randint(0, k, (6, 20, 24), generator=g)
+    targets[:, :3] = 255
+    logits = torch.randn(6, k, 20, 24, generator=g)
+    logits[:, :, 5:] += torch.nn.functional.one_hot(targets[:, 5:].clamp(max=k - 1), k
+                                                    ).permute(0, 3, 1, 2) * 2.0
+    metric = SegmentationIoU(k)
+    for a in range(0, 6, 2):  # three batches
+        metric.update(logits[a : a + 2], targets[a : a + 2])
+    got = metric.compute()
+    expected = reference(logits.argmax(1), targets, k)
+    assert torch.allclose(torch.tensor(got["iou"], dtype=torch.float64), expected)
+    assert math.isclose(got["miou"], float(expected.mean()), rel_tol=1e-6)  # float32 IoU
+    keep = targets != 255
+    accuracy = float((logits.argmax(1)[keep] == targets[keep]).double().mean())
+    assert math.isclose(got["pixel_accuracy"], accuracy, rel_tol=1e-9)
+    assert 0.3 < got["miou"] < 1.0  # the logits lean to the truth below row 5
+    # the mean of per-batch figures would differ: the epoch is one matrix
+    metric.reset()
+    assert math.isnan(metric.compute()["miou"])
+
+
+def test_a_class_absent_from_targets_and_predictions_is_left_out_of_the_mean():
+    targets = torch.tensor([[[0, 0, 1, 1], [0, 255, 1, 1]]])
+    preds = torch.tensor([[[0, 1, 1, 1], [0, 3, 1, 1]]])  # class 2 nowhere; 3 only where ignored
+    metric = SegmentationIoU(4)
+    metric.update(preds, targets)
+    got = metric.compute()
+    # class 0: TP 2, FP 0, FN 1 -> 2/3; class 1: TP 4, FP 1 -> 4/5
+    assert got["iou"][:2] == pytest.approx([2 / 3, 4 / 5])
+    assert math.isnan(got["iou"][2]) and math.isnan(got["iou"][3])
+    assert got["miou"] == pytest.approx((2 / 3 + 4 / 5) / 2)
+    assert got["pixel_accuracy"] == pytest.approx(6 / 7)
+
+
+def test_mismatched_shapes_are_refused_with_the_shapes():
+    metric = SegmentationIoU(3)
+    with pytest.raises(ValueError, match=r"\(1, 4, 4\) and targets \(1, 5, 5\)"):
+        metric.update(torch.zeros(1, 3, 4, 4), torch.zeros(1, 5, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="logits of 2 classes"):
+        metric.update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 4, 4, dtype=torch.long))
