@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from runner.data.sources.masklabels import read_mask_file
+from runner.data.sources.masklabels import MaskTarget, load_mask, read_mask_file
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # zlib level, PIL's default: on a 640x480 mask of 8 regions (a shared 2-core machine),
@@ -46,6 +46,12 @@ def encode_mask(mask: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array, "L").save(buf, "PNG", compress_level=COMPRESS_LEVEL)
     return buf.getvalue()
+
+
+def target_blob(target: MaskTarget, num_classes: int | None = None) -> bytes:
+    """The blob a store keeps for an image's mask: its mask made (a PNG read, COCO's
+    shapes rasterised; ids past ``num_classes`` 255) and encoded."""
+    return encode_mask(load_mask(target, num_classes))
 
 
 def decode_mask(blob: bytes | bytearray | memoryview) -> np.ndarray:

@@ -487,6 +487,15 @@ def has_mask_split(root: Path, split: str) -> bool:
         any((root / "annotations").glob(f"instances_{split}*.json"))
 
 
+def default_masks_path(dataset: DatasetConfig, progress: bool = True) -> Path:
+    """The generated shapes masks dataset (``dataset.num_images`` of them,
+    ``dataset.quality``), made once in ``dataset.cache_dir``: unset ``dataset.path``."""
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    spec = ShapesSpec(num_images=dataset.num_images, quality=dataset.quality, masks=True)
+    return ensure_shapes(spec, Path(dataset.cache_dir).expanduser(), progress=progress)
+
+
 def list_masks(dataset: DatasetConfig, path: str | Path, format: str = "auto") -> Listing:
     """The images at ``path`` that have a mask, each with its ``MaskTarget`` (``targets``);
     the split ``dataset.split`` names when the layout has split folders, else

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runner.data.decode.maskbytes import blob_size, decode_mask, encode_mask
-from runner.data.sources.masklabels import IGNORE
+from runner.data.decode.maskbytes import blob_size, decode_mask, encode_mask, target_blob
+from runner.data.sources.masklabels import IGNORE, MaskTarget
 
 
 def test_a_mask_round_trips_through_its_png_blob():
@@ -29,3 +29,12 @@ def test_flat_masks_are_small_and_bad_input_is_refused():
         encode_mask(mask.astype(np.int64))
     with pytest.raises(ValueError, match="not a PNG mask blob"):
         blob_size(b"\xff\xd8\xff" + bytes(30))
+
+
+def test_a_coco_target_becomes_the_blob_of_its_rasterised_mask():
+    target = MaskTarget(6, 8, 1, shapes=(([[0, 0, 4, 0, 4, 4, 0, 4]], 2, False),
+                                         ([[5, 0, 8, 0, 8, 6, 5, 6]], 7, False)))
+    back = decode_mask(target_blob(target, num_classes=3))
+    assert back.shape == (6, 8) and blob_size(target_blob(target)) == (6, 8)
+    assert (back[:4, :4] == 2).all() and (back[:, 5:] == IGNORE).all()  # 7 >= 3 classes
+    assert (back[4:, :4] == 0).all()

@@ -266,3 +266,14 @@ def test_read_mask_file_takes_a_file_object_and_refuses_colour(tmp_path):
     Image.new("RGB", (2, 2)).save(tmp_path / "c.png")
     with pytest.raises(ValueError, match="not a mask of class ids"):
         load_mask(MaskTarget(2, 2, 0, file=str(tmp_path / "c.png")))
+
+
+def test_unset_path_is_the_generated_masks_set_with_its_own_split(tmp_path):
+    from runner.data.sources.masklabels import default_masks_path
+
+    dataset = DatasetConfig(num_images=10, cache_dir=str(tmp_path), split=Split.val)
+    root = default_masks_path(dataset, progress=False)
+    listing = list_masks(dataset, root)
+    assert "val split" in listing.how and len(listing.samples) == 2
+    assert listing.classes == ["background", "circle", "square", "triangle"]
+    assert listing.targets.num_classes == 4

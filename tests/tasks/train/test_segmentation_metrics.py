@@ -63,3 +63,44 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
         metric.update(torch.zeros(1, 3, 4, 4), torch.zeros(1, 5, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="logits of 2 classes"):
         metric.update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 4, 4, dtype=torch.long))
+
+
+def test_the_pieces_train_torchvisions_segmenter_on_the_generated_masks(tmp_path):
+    """The generated masks, read back, cut by the device's random crops with their images'
+    windows, train lraspp_mobilenet_v3_large (random init) a few steps, and the metric
+    takes its output: the pieces fit together before the training loop wires them."""
+    import numpy as np
+    from PIL import Image
+    from torchvision.models.segmentation import lraspp_mobilenet_v3_large
+
+    from runner.data.decode.crops import BatchAugment
+    from runner.data.decode.maskgeometry import map_masks
+    from runner.data.sources.masklabels import load_mask, read_masks
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+
+    root = ensure_shapes(ShapesSpec(num_images=6, height=48, width=48, masks=True), tmp_path,
+                         progress=False)
+    found = read_masks(root, split="train")
+    images = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB")))
+                          .permute(2, 0, 1) for p in found.targets])
+    masks = torch.stack([torch.from_numpy(load_mask(t)) for t in found.targets.values()])
+    size, seeds = (64, 64), list(range(len(images)))
+    augment = BatchAugment(size)
+    crops = augment.boxes(len(seeds), 48, 48, torch.device("cpu"),
+                          draws=BatchAugment.draws(seeds))
+    x = augment.apply(images, crops).float() / 255
+    y = map_masks(masks, crops, size).long()
+    torch.manual_seed(0)
+    model = lraspp_mobilenet_v3_large(weights=None, weights_backbone=None,
+                                      num_classes=len(found.classes))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        logits = model(x)["out"]
+        loss = torch.nn.functional.cross_entropy(logits, y, ignore_index=255)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert logits.shape == (len(seeds), 4, *size) and torch.isfinite(loss)
+    metric = SegmentationIoU(len(found.classes))
+    metric.update(logits, y)
+    assert 0.0 <= metric.compute()["miou"] <= 1.0
