@@ -65,6 +65,7 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
         metric.update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 4, 4, dtype=torch.long))
 
 
+@pytest.mark.slow  # a MobileNetV3 trained two steps: ~10 s on 2 free cores
 def test_the_pieces_train_torchvisions_segmenter_on_the_generated_masks(tmp_path):
     """The generated masks, read back, cut by the device's random crops with their images'
     windows, train lraspp_mobilenet_v3_large (random init) a few steps, and the metric
