@@ -141,7 +141,8 @@ class MaskSet:
 
 def read_mask_file(path: str | os.PathLike | object) -> np.ndarray:
     """The class ids of a mask file (a path, or a binary file object) as [H, W] uint8; ids
-    over 255 (a 16-bit mask) become ``IGNORE``; a colour image is a ValueError."""
+    outside 0..255 (a 16- or 32-bit mask) become ``IGNORE``; a colour image is a
+    ValueError."""
     from PIL import Image
 
     with Image.open(path) as img:
@@ -150,7 +151,7 @@ def read_mask_file(path: str | os.PathLike | object) -> np.ndarray:
                              "channel: a grey or palette PNG whose values are the ids)")
         ids = np.asarray(img)
     if ids.dtype != np.uint8:
-        ids = np.where(ids > IGNORE, IGNORE, ids).astype(np.uint8)
+        ids = np.where((ids < 0) | (ids > IGNORE), IGNORE, ids).astype(np.uint8)
     return ids
 
 
@@ -296,8 +297,9 @@ def read_mask_folder(path: str | Path, split: str | None = None,
             else:
                 report.skip("mask_without_image", file, f"no image {stem}.* under "
                             f"{printable(str(images))}; not used")
-    paired = []
-    for image, stem in stem_of.items():
+    paired, place = [], {}
+    for position, (image, stem) in enumerate(stem_of.items()):
+        place[image] = position  # the image's id: its place among the images, as YOLO's
         if stem in mask_of:
             paired.append(image)
         else:
@@ -307,7 +309,7 @@ def read_mask_folder(path: str | Path, split: str | None = None,
     image_sizes = _threaded(_image_size, paired)
     headers = _threaded(_header, [mask_of[stem_of[p]] for p in paired])
     targets: dict[str, MaskTarget] = {}
-    for position, (image, size, header) in enumerate(zip(paired, image_sizes, headers)):
+    for image, size, header in zip(paired, image_sizes, headers):
         file = mask_of[stem_of[image]]
         if isinstance(size, str) or isinstance(header, str):
             why = size if isinstance(size, str) else header
@@ -323,7 +325,7 @@ def read_mask_folder(path: str | Path, split: str | None = None,
             report.skip("size_mismatch", file, f"{mask_hw[1]}x{mask_hw[0]}, its image "
                         f"{size[1]}x{size[0]} (upright); skipped")
             continue
-        targets[image] = MaskTarget(size[0], size[1], position, file=file)
+        targets[image] = MaskTarget(size[0], size[1], place[image], file=file)
     if names:
         found = list(names)
     else:

@@ -91,6 +91,8 @@ def test_folder_bad_input_is_counted_and_reported(tmp_path, caplog):
         found = read_masks(tmp_path)
     assert list(found.targets) == [str(tmp_path / "images" / "ok.jpg")]
     assert found.classes == ["bg", "thing", "other"]
+    # its id is its place among the images (broken, colour, nomask, ok, small), as YOLO's
+    assert found.targets[str(tmp_path / "images" / "ok.jpg")].image_id == 3
     assert {k: v for k, v in found.counts.items() if v} == {
         "image_without_mask": 1, "size_mismatch": 1, "not_class_ids": 1,
         "mask_without_image": 1, "unreadable": 1}
