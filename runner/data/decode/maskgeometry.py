@@ -12,8 +12,8 @@ with torchvision v2's own kernels on a ``tv_tensors.Mask`` (``resized_crop`` the
 v2 resizes a mask with NEAREST (``F.interpolate(mode="nearest")``: output pixel j takes
 source pixel ``floor(j * in / out)``, a float32 product), never blends class ids.
 
-**Letterbox** (``dataset.crop=letterbox``; ultralytics' ``LetterBox``): the whole image
-resized with its aspect kept to fit ``size``, centred, the rest padded. ``letterbox_layout``
+**Letterbox** (issue 60's ``dataset.crop=letterbox``; ultralytics' ``LetterBox``): the
+whole image resized with its aspect kept to fit ``size``, centred, the rest padded. ``letterbox_layout``
 says where the resized image lands (``Placement``: top, left, height, width in output
 pixels; ultralytics' rounding of the new size and of the two pads); ``letterbox_mask``
 resizes the mask into it (NEAREST) and pads the rest with ``IGNORE``, so the padding never
