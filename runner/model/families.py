@@ -44,6 +44,7 @@ from runner.config.schema import (
     Targets,
     TaskConfig,
 )
+from runner.data.sources.masklabels import IGNORE
 from runner.launch.distributed import local_module
 from runner.model import detectors
 from runner.model.detectors import Detector, batch_targets, no_boxes, total_loss
@@ -55,8 +56,6 @@ from runner.model.networks import (
     torchvision_classifiers,
     torchvision_segmenters,
 )
-
-IGNORE = 255  # a mask's pixel of no known class (runner/data/targets/target_masks.py)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from runner.common.text import printable
-from runner.config.schema import DatasetConfig, Split
+from runner.config.schema import DatasetConfig, Split, TargetName
 from runner.data.protocol import SkippedFile
 from runner.data.sources.labels import (
     _class_file_names,
@@ -460,6 +460,7 @@ class MaskTargets:
     num_classes: int
     skipped: list[SkippedFile] = field(default_factory=list)
     category_ids: list[int] | None = None
+    kind = TargetName.masks  # what they are (not a field): runner/data/targets/' record
 
     def __len__(self) -> int:
         return len(self.items)

@@ -33,8 +33,7 @@ from runner.data.protocol import (
 )
 from runner.data.sources.files import Files, open_files
 from runner.data.sources.listing import DatasetError, open_image_folder
-from runner.data.targets import batch_fields
-from runner.data.targets.target_boxes import follow_sample as follow
+from runner.data.targets import TARGETS, batch_fields
 from runner.measure import timeline
 
 UNREADABLE = "unreadable"  # how the error of a file that could not be read begins
@@ -173,8 +172,10 @@ class FolderStorage(torch.utils.data.Dataset):
             image, window, flip, hw = self.decode.decode_window(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
-        boxes, box_labels = follow(self.targets[index], window, flip, image.shape[-2:], hw)
-        return Sample(image, label, index, valid, boxes, box_labels)
+        # the target through the same window and flip: its kind's record says how
+        fields = TARGETS[self.targets.kind].sample_fields(self.targets, index, window, flip,
+                                                          image.shape[-2:], hw)
+        return Sample(image, label, index, valid, **fields)
 
     def unreadable(self, index: int, error: OSError) -> SkippedFile:
         """Item ``index``'s file could not be read (deleted, moved, no permission): a skip
@@ -336,4 +337,5 @@ KIND = StorageKind(
     speed_rank=3,
     urls=True,
     boxes=True,
+    masks=True,
 )

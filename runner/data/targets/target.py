@@ -45,6 +45,14 @@ class TargetKind:
         applies: every ``task.outputs`` kind a model trained on it can give.
         default_path: ``default_path(dataset, progress) -> Path``: the generated dataset
             when ``dataset.path`` is unset; None: the generated class folders.
+        has_val_split: ``has_val_split(dataset)``: the layout holds a training split and
+            a validation split of its own (the generated sets do), which training then
+            validates on; None: only ``dataset.val_path`` or ``val_fraction`` give one.
+        sample_fields: ``sample_fields(targets, index, window, flip, size, hw)`` -> the
+            ``Sample`` fields of image ``index``'s target (``targets``: its listing's, whose
+            ``kind`` names this record) through the window and flip a decoder cut its
+            pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
+            target does not follow the pixels.
         recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
         setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
     """
@@ -63,6 +71,8 @@ class TargetKind:
     setting: str
     follow: Callable[[Any, Any, tuple[int, int]], None] | None = None
     default_path: Callable[[DatasetConfig, bool], Path] | None = None
+    sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
+    has_val_split: Callable[[DatasetConfig], bool] | None = None
 
     def carried(self, keys: Any) -> bool:
         """Whether a batch with ``keys`` carries this kind's target."""

@@ -51,6 +51,21 @@ def follow_sample(target, window: tuple[float, float, float, float], flip: bool,
     return map_boxes(boxes, target.labels, Window(*window), tuple(size), flip)
 
 
+def sample_fields(targets, index: int, window: tuple[float, float, float, float], flip: bool,
+                  size: tuple[int, int], hw: tuple[int, int] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Image ``index``'s boxes through the window and flip its pixels were cut by."""
+    boxes, labels = follow_sample(targets[index], window, flip, size, hw)
+    return {"boxes": boxes, "box_labels": labels}
+
+
+def has_val_split(dataset) -> bool:
+    """A YOLO or COCO layout with both splits, or the generated shapes (detection.py's)."""
+    from runner.data.sources.detection import has_val_split as has
+
+    return has(dataset)
+
+
 def default_path(dataset, progress: bool = True):
     """The generated shapes dataset (runner/data/sources/shapes.py), boxes known."""
     from runner.data.sources.detection import default_path as shapes
@@ -71,6 +86,8 @@ KIND = TargetKind(
     outputs=(Output.detections,),
     applies=frozenset({Output.detections}),
     default_path=default_path,
+    sample_fields=sample_fields,
+    has_val_split=has_val_split,
     recipe="detect_shapes",
     setting="dataset.targets=auto (a YOLO layout or COCO's JSON at dataset.path; without "
             "dataset.path, the generated shapes dataset)",

@@ -11,8 +11,9 @@ classes' sums are all-reduced, torchmetrics gathers the boxes' and masks' states
 
 - a classifier: loss, top-1 and top-5 (``ClassScores``);
 - a detector: mAP (COCO's, IoU 0.50:0.95) and mAP@0.5 (``BoxScores``, detection_metrics.py);
-- a segmenter: mean IoU over the classes (``MaskScores``: torchmetrics' ``MulticlassJaccardIndex``,
-  pixels of 255 ignored; a class absent from both prediction and target does not count).
+- a segmenter: mean IoU and pixel accuracy (``MaskScores``, segmentation_metrics.py:
+  torchmetrics' ``MulticlassJaccardIndex``, 255 ignored, a class absent from both the
+  predictions and the targets left out of the mean).
 """
 
 from __future__ import annotations
@@ -101,35 +102,30 @@ class BoxScores:
 
 
 class MaskScores:
-    """A segmenter's per-pixel argmax against each batch's ``mask`` (at the mask's size),
-    mean IoU over the classes (torchmetrics), 255 and padding rows ignored."""
-
-    IGNORE = 255
+    """A segmenter's per-pixel predictions against each batch's ``mask`` (its logits
+    resized to the mask's size when they differ), one confusion matrix for the pass
+    (segmentation_metrics.py's ``SegmentationIoU``: 255 and padding rows ignored)."""
 
     def __init__(self, device: torch.device, ranks: Ranks, classes: int):
-        try:
-            from torchmetrics.classification import MulticlassJaccardIndex
-        except ImportError as e:
-            from runner.common.errors import Unavailable
+        from runner.tasks.train.segmentation_metrics import IGNORE_INDEX, SegmentationIoU
 
-            raise Unavailable("validation of masks needs torchmetrics: pip install -e "
-                              "'.[detection]'") from e
-        self.metric = MulticlassJaccardIndex(num_classes=max(int(classes), 1), average="macro",
-                                             ignore_index=self.IGNORE).to(device)
+        self.ignore = IGNORE_INDEX
+        self.metric = SegmentationIoU(max(int(classes), 1)).to(device)
 
     def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
-        logits = main_output(model(batch["image"]))
+        logits = main_output(model(batch["image"])).float()
         target = batch["mask"].long()
         if logits.shape[-2:] != target.shape[-2:]:
-            logits = F.interpolate(logits.float(), size=target.shape[-2:], mode="bilinear",
+            logits = F.interpolate(logits, size=target.shape[-2:], mode="bilinear",
                                    align_corners=False)
         keep = _valid(batch)
         if keep is not None:
-            target = torch.where(keep[:, None, None], target, torch.full_like(target, self.IGNORE))
-        self.metric.update(logits.argmax(1), target)
+            target = torch.where(keep[:, None, None], target, torch.full_like(target, self.ignore))
+        self.metric.update(logits, target)
 
     def compute(self) -> dict[str, float]:
-        return {"miou": float(self.metric.compute())}
+        figures = self.metric.compute()
+        return {k: figures[k] for k in ("miou", "pixel_accuracy")}
 
 
 SCORES: Registry[Score] = Registry(ModelFamily, "model.family={}", [

@@ -47,7 +47,6 @@ from runner.config.schema import (
     to_plain,
 )
 from runner.data import DataPath
-from runner.data.sources.detection import has_val_split
 from runner.data.targets import TARGETS, TargetKind
 from runner.launch.distributed import parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
@@ -137,7 +136,9 @@ class TrainTask(TaskBase):
             global_batch=cfg.loader.batch_size * ranks.world * cfg.task.accumulate)
         if self.resumed is not None:
             checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
-        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0 or has_val_split(cfg.dataset):
+        split = TARGETS[cfg.dataset.targets.kind].has_val_split  # a layout's own val split
+        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0 or (
+                split is not None and split(cfg.dataset)):
             self.validation = Validation.for_run(cfg, model, step_amp(cfg), ctx.device,
                                                  data.classes, cfg.run.progress and ranks.main,
                                                  ranks)
@@ -298,6 +299,10 @@ def validation_line(got: dict[str, float]) -> str:
                 f"{100 * got['val_top5']:.1f}%, loss {got['val_loss']:.4f}"
                 + (f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)"
                    if "val_ema_top1" in got else ""))
+    if "val_miou" in got:
+        return (f"validation mIoU {got['val_miou']:.3f}, pixel accuracy "
+                f"{100 * got['val_pixel_accuracy']:.1f}%"
+                + (f" (EMA mIoU {got['val_ema_miou']:.3f})" if "val_ema_miou" in got else ""))
     return "validation " + ", ".join(f"{k.removeprefix('val_')} {v:.4g}" for k, v in got.items())
 
 
