@@ -53,12 +53,12 @@ from runner.config.schema import (
     Config,
     EngineFormat,
     ModelConfig,
-    TargetName,
     TaskName,
     data_path_alone,
 )
 from runner.data.device.normalize import as_batches_come
 from runner.data.loading.loader import drops_remainder
+from runner.data.targets import TARGETS
 from runner.launch.distributed import Ranks, replicate
 from runner.measure.clock import synchronize
 from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
@@ -455,7 +455,8 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     train = config.task.name.trains
     targets = config.dataset.targets
     if train and len(storage.classes) == 1 and all(
-            family_of_config(c, targets).target is TargetName.classes for c in configs):
+            # a class per image (no target beside the label: not a box's or a pixel's)
+            not TARGETS[family_of_config(c, targets).target].batch_keys for c in configs):
         log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
                     "its loss goes to 0; point dataset.path at the folder that holds the "
                     "class folders", storage.classes[0])

@@ -73,7 +73,7 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from runner.common.errors import ConfigError
-from runner.config.schema import ModelConfig, ModelSource
+from runner.config.schema import ModelConfig
 from runner.model.networks import (
     PROBE_CLASSES,
     SOURCES,
@@ -319,7 +319,7 @@ def build_detector(name: str, num_classes: int, image_size: tuple[int, int],
 
 def is_detector_config(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` names one of torchvision's detectors."""
-    return cfg.source is ModelSource.torchvision and is_detector(cfg.name)
+    return SOURCES[cfg.source].by_name and is_detector(cfg.name)
 
 
 def detector_classes(cfg: ModelConfig, dataset_classes: int, state: dict | None,
@@ -367,7 +367,7 @@ def build_from_config(cfg: ModelConfig, num_classes: int, device: torch.device,
     user's own by ``model.target`` (``own_detector``); random init or ``model.weights``,
     on ``device``."""
     state, names = read_weights_file(cfg.weights) if cfg.weights else (None, None)
-    if cfg.source is not ModelSource.torchvision:
+    if not SOURCES[cfg.source].by_name:  # the user's own
         return own_detector(cfg, num_classes, device, train, state, names)
     size = cfg.image_size or image_size
     if not size:

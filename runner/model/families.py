@@ -39,7 +39,6 @@ from runner.config.schema import (
     NO_MODEL,
     ModelConfig,
     ModelFamily,
-    ModelSource,
     TargetName,
     Targets,
     TaskConfig,
@@ -49,6 +48,7 @@ from runner.launch.distributed import local_module
 from runner.model import detectors
 from runner.model.detectors import Detector, batch_targets, no_boxes, total_loss
 from runner.model.networks import (
+    SOURCES,
     build_model,
     is_segmenter,
     main_output,
@@ -193,7 +193,7 @@ FAMILIES: Registry[Family] = Registry(ModelFamily, "model.family={}", [
            "class scores per image (torchvision's classifiers, timm, the user's own)",
            build=network_builder(ModelFamily.classifier), forward=images_forward,
            loss=class_loss, warm_loss=output_sum, averaged=behind_input,
-           examples="tiny, resnet50, efficientnet_b0", names=lambda cfg: cfg.source is ModelSource.torchvision
+           examples="tiny, resnet50, efficientnet_b0", names=lambda cfg: SOURCES[cfg.source].by_name
            and cfg.name in torchvision_classifiers()),
     Family(ModelFamily.segmenter, TargetName.masks,
            "class scores per pixel (torchvision's segmentation models)",
@@ -218,7 +218,7 @@ def family_of_config(cfg: ModelConfig, targets: Targets | None = None) -> Family
     for family in FAMILIES.values():
         if family.names is not None and family.names(cfg):
             return family
-    if cfg.source is ModelSource.custom and targets is not None:
+    if SOURCES[cfg.source].own and targets is not None:
         return learns(targets.kind)
     return FAMILIES[ModelFamily.classifier]
 
@@ -245,7 +245,7 @@ def build_family_model(cfg: ModelConfig, num_classes: int, device: torch.device,
                        targets: Targets | None = None) -> nn.Module | None:
     """The model ``cfg`` names, of its family (``family_of_config``), on ``device``, with
     its family recorded on it (``model.family``); None for ``model=none``."""
-    if cfg.name == NO_MODEL and cfg.source is ModelSource.torchvision:
+    if cfg.name == NO_MODEL and SOURCES[cfg.source].by_name:
         return None
     family = family_of_config(cfg, targets)
     model = family.build(cfg, num_classes, device, train, image_size)
@@ -258,7 +258,7 @@ def check_model(cfg: ModelConfig) -> None:
     (a skip) for one that needs a package this machine lacks."""
     from runner.model.networks import OWN, closest
 
-    if cfg.source is ModelSource.torchvision:
+    if SOURCES[cfg.source].by_name:
         if cfg.name in (NO_MODEL, *OWN) or any(f.names is not None and f.names(cfg)
                                                for f in FAMILIES.values()):
             return
@@ -269,7 +269,7 @@ def check_model(cfg: ModelConfig) -> None:
             f"torchvision's {len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, "
             "convnext_tiny, deeplabv3_mobilenet_v3_large, "
             "fasterrcnn_mobilenet_v3_large_320_fpn), or model=timm / model=custom")
-    if cfg.source is ModelSource.custom and not cfg.target:
+    if SOURCES[cfg.source].own and not cfg.target:
         raise ConfigError(
             "model=custom needs model.target: name your network as package.module:Class "
             "(or package.module.Class), e.g. model=custom model.target=my_nets:MyNet with "

@@ -198,16 +198,20 @@ def _custom(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
 @dataclass(frozen=True)
 class Source:
     """Where ``model.name`` is looked up (``model=``'s ``ModelSource``): ``build(name,
-    num_classes, cfg)`` -> the network."""
+    num_classes, cfg)`` -> the network; ``by_name``: ``model.name`` names one of the
+    runner's or torchvision's models (tiny, none, resnet50, a detector...); ``own``: the
+    user's own code (``model.target``)."""
 
     name: ModelSource
     build: Callable[[str, int, ModelConfig], nn.Module]
+    by_name: bool = False
+    own: bool = False
 
 
 SOURCES: Registry[Source] = Registry(ModelSource, "model.source={}", [
-    Source(ModelSource.torchvision, _torchvision),
+    Source(ModelSource.torchvision, _torchvision, by_name=True),
     Source(ModelSource.timm, _timm),
-    Source(ModelSource.custom, _custom),
+    Source(ModelSource.custom, _custom, own=True),
 ])
 
 

@@ -143,7 +143,7 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
     loader.decoder = concrete_decoder(loader.decoder)
     kind = STORAGES[loader.name]
     target = dataset.targets.kind if dataset is not None else TargetName.classes
-    if target is not TargetName.classes:
+    if TARGETS[target].batch_keys:  # a target beside the label: boxes, masks
         given = f"dataset.targets={dataset.targets.value}"
         if not kind.carries(target):
             carry = " and ".join(f"loader={k.name.value}" for k in STORAGES.values()

@@ -73,7 +73,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from runner.config.schema import DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName, StoreSide, TargetName
 from runner.data.decode.decoders import (
     DECODERS,
     CorruptImageError,
@@ -701,6 +701,8 @@ class StoredTargets:
             detections go back to.
         category_ids: COCO's id of each class (None: the class index).
     """
+
+    kind = TargetName.boxes  # what they are: runner/data/targets/' record
 
     def __init__(self, boxes: torch.Tensor, labels: torch.Tensor, starts: list[int],
                  heights: list[int], widths: list[int], image_ids: list[int], format: str,

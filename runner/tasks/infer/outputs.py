@@ -352,7 +352,8 @@ def gives_boxes(cfg: ModelConfig, config: Config) -> bool:
     """Whether the model ``cfg`` names learns boxes (its family's target: runner/model/
     families.py, told from its name or, for the user's own, ``model.family`` or the data's
     kind of target)."""
-    return family_of_config(cfg, config.dataset.targets).target is TargetName.boxes
+    family = family_of_config(cfg, config.dataset.targets)
+    return any(OUTPUT_KINDS[o].detector for o in TARGETS[family.target].applies)
 
 
 def settle_outputs(config: Config) -> None:

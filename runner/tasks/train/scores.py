@@ -1,8 +1,9 @@
-"""``task=train``'s validation figures, one scorer per model family (``Score``, keyed by
-``ModelFamily`` as the families' records in runner/model/families.py are): what a family's
-eval forward gives is what is scored, against the kind of target it learns.
+"""``task=train``'s validation figures, one scorer per model family (``SCORERS``, each naming
+its ``ModelFamily`` as the families' records in runner/model/families.py do): what a
+family's eval forward gives is what is scored, against the kind of target it learns.
 
-A scorer is made once per validation pass (``Score.make(device, ranks, classes)``), fed
+A scorer is made once per validation pass (``scorer_for(family)(device, ranks, classes)``),
+fed
 each batch the model was given (``update(model, batch)``: it runs the model's eval forward
 itself, since what it reads differs by kind) and asked for the figures once at the end
 (``compute``): the names its target kind's record lists (``TargetKind.figures``), as
@@ -19,7 +20,6 @@ classes' sums are all-reduced, torchmetrics gathers the boxes' and masks' states
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runner.common.registry import Registry
 from runner.config.schema import ModelFamily
 from runner.launch.distributed import Ranks
 from runner.model.networks import main_output
@@ -39,14 +38,6 @@ class Scorer(Protocol):
     def compute(self) -> dict[str, float]: ...
 
 
-@dataclass(frozen=True)
-class Score:
-    """How a family is scored: ``make(device, ranks, classes)`` -> a ``Scorer``."""
-
-    name: ModelFamily
-    make: Callable[[torch.device, Ranks, int], Scorer]
-
-
 def _valid(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The rows that are images (a distributed shard's padding rows are not), or None."""
     return batch["valid"].bool() if "valid" in batch.keys() else None
@@ -54,6 +45,8 @@ def _valid(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
 
 class ClassScores:
     """Loss, top-1 and top-5 as sums on the device (one tensor, one all-reduce)."""
+
+    family = ModelFamily.classifier
 
     def __init__(self, device: torch.device, ranks: Ranks, classes: int = 0):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
@@ -82,6 +75,8 @@ class BoxScores:
     """A detector's padded predictions in eval mode against each batch's boxes
     (detection_metrics.py's ``DetectionMAP``), the padding rows left out."""
 
+    family = ModelFamily.detector
+
     def __init__(self, device: torch.device, ranks: Ranks, classes: int = 0):
         from runner.tasks.train.detection_metrics import DetectionMAP
 
@@ -106,6 +101,8 @@ class MaskScores:
     resized to the mask's size when they differ), one confusion matrix for the pass
     (segmentation_metrics.py's ``SegmentationIoU``: 255 and padding rows ignored)."""
 
+    family = ModelFamily.segmenter
+
     def __init__(self, device: torch.device, ranks: Ranks, classes: int):
         from runner.tasks.train.segmentation_metrics import IGNORE_INDEX, SegmentationIoU
 
@@ -128,8 +125,13 @@ class MaskScores:
         return {k: figures[k] for k in ("miou", "pixel_accuracy")}
 
 
-SCORES: Registry[Score] = Registry(ModelFamily, "model.family={}", [
-    Score(ModelFamily.classifier, ClassScores),
-    Score(ModelFamily.detector, BoxScores),
-    Score(ModelFamily.segmenter, MaskScores),
-])
+# the tasks-side half of each family's record (runner/model/families.py's ``FAMILIES`` holds
+# the rest, the one registry of ModelFamily; these metrics import the tasks' own modules,
+# which the model layer may not): each scorer names its family, as a task class names its
+# task; tests/tasks/test_targets.py checks every family has exactly one
+SCORERS = (ClassScores, BoxScores, MaskScores)
+
+
+def scorer_for(family: ModelFamily) -> Callable[[torch.device, Ranks, int], Scorer]:
+    """The scorer of ``family`` (made per validation pass: ``(device, ranks, classes)``)."""
+    return next(s for s in SCORERS if s.family is family)

@@ -41,7 +41,6 @@ from runner.config.schema import (
     AmpName,
     Config,
     HostDtype,
-    TargetName,
     TaskConfig,
     TaskName,
     to_plain,
@@ -248,7 +247,7 @@ def check_target_task(config: Config) -> None:
     kind, family = TARGETS[targets.kind], run_family(config)
     name = f"model.name={model.name}" if model.target is None else f"model.target={model.target}"
     if family.target is not kind.name:
-        if kind.name is TargetName.classes:
+        if not kind.batch_keys:  # the data gives a class per image, the model learns more
             raise ConfigError(f"{name} is a {family.name.value} and trains on "
                               f"{family.target.value}: set {TARGETS[family.target].setting}")
         learner = learns(kind.name)

@@ -1,5 +1,5 @@
 """``task=train``'s validation: the figures of the kind of target the model learns (scored
-by its family's scorer, runner/tasks/train/scores.py's ``SCORES``):
+by its family's scorer, runner/tasks/train/scores.py's ``scorer_for``):
 loss, top-1 and top-5 for classes, mAP and mAP@0.5 for boxes (``val_map``, ``val_map_50``),
 mean IoU for masks (``val_miou``), over ``dataset.val_path`` (or the images
 ``dataset.val_fraction`` holds out) after each epoch, through a data path of its own, with
@@ -27,14 +27,13 @@ from runner.config.schema import (
     PrefetchName,
     Split,
     StorageName,
-    TargetName,
 )
 from runner.data import DataPath, build_data_path
 from runner.data.targets import TARGETS
 from runner.launch.distributed import Ranks
 from runner.model.amp import autocast
 from runner.model.families import family_of
-from runner.tasks.train.scores import SCORES
+from runner.tasks.train.scores import scorer_for
 
 
 def validation_config(config: Config) -> Config:
@@ -71,7 +70,8 @@ class Validation:
                  ranks: Ranks | None = None):
         family = family_of(model)  # what scores it: its family's scorer
         self.family = family.name
-        prefix = family.target is TargetName.boxes  # YOLO ids without names: the ids its labels use
+        # labels read with their targets (YOLO's ids without names): the ids they use
+        prefix = bool(TARGETS[family.target].batch_keys)
         same = data.classes == list(classes) or (prefix and data.classes == list(
             classes)[: len(data.classes)])
         if not same:
@@ -85,7 +85,7 @@ class Validation:
         self._scorer()
 
     def _scorer(self):
-        return SCORES[self.family].make(self.data.device, self.ranks, self.classes)
+        return scorer_for(self.family)(self.data.device, self.ranks, self.classes)
 
     @classmethod
     def for_run(cls, config: Config, model: nn.Module, amp: AmpConfig, device: torch.device,
