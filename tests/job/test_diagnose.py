@@ -248,7 +248,9 @@ def test_the_verdicts_model_probe_trains_a_detector_on_boxes():
 
     config = compose(["task=train", "model.name=fasterrcnn_mobilenet_v3_large_320_fpn",
                       "dataset.image_size=[32,32]", "loader.batch_size=2"])
-    model = build_model(config.model, 3, CPU, image_size=(32, 32))
+    from runner.model.families import build_family_model
+
+    model = build_family_model(config.model, 3, CPU, image_size=(32, 32))
     step = make_step(config.task, {"det": model}, AmpConfig(AmpName.off), CPU, total_steps=8)
     rates = diagnose.model_ceiling(step, config, 3, CPU, budget=0.5)
     assert rates and all(r > 0 for r in rates) and step.steps >= 2

@@ -250,7 +250,7 @@ def _train_step(pipeline, total_steps: int):
     """The run's training step for the pipeline's config (model, task, amp), as
     ``python -m runner`` builds it."""
     from runner.model.compile import step_amp
-    from runner.model.networks import build_model
+    from runner.model.families import build_family_model as build_model
     from runner.tasks import make_step
 
     cfg = pipeline.config
