@@ -186,7 +186,7 @@ class WandbLogger:
                                             metadata={"steps": figures.get("steps")})
             artifact.add_file(saved, name=Path(saved).name)
             self.run.log_artifact(artifact, aliases=["latest", figures.get("status", "ok")])
-        self.run.summary.update(summary_of(figures))
+        self.run.summary.update(scrubbed(summary_of(figures)))
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status != "failed" else 1)
