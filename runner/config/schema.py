@@ -465,9 +465,13 @@ class LoaderConfig:
     # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
     # reads a memmap cache in longer contiguous stretches
     shuffle_block: int = key(1, resume="must_match", at_least=1, note=" (1 is a full permutation)")
-    # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
-    # once in the log, and false in the run's config): every image gets its outputs
-    drop_last: bool = key(False, resume="must_match")
+    # task=train: leave out each epoch's last, partial batch. Unset: training leaves it out
+    # (said once, with the count), as torchvision's and timm's train scripts do: a batch of
+    # one fails BatchNorm, a short one weighs its images more; an epoch smaller than one
+    # batch is kept whole. Validation and task=infer read every image (true is ignored by
+    # task=infer, said once in the log, and false in the run's config)
+    drop_last: bool | None = key(None, resume="must_match",
+                                 note=" (unset: training drops it, inference keeps it)")
     # a sharded storage (loader=shards) under torch.distributed: each epoch's shards are
     # dealt to this many lanes, whole, each lane read by one node's ranks (a node fetches
     # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so

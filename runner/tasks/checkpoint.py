@@ -148,6 +148,11 @@ def keep_drop_last(state: dict[str, Any], config: Any, path: str | Path) -> None
     the log where one process would have kept it), so its epochs hold the checkpoint's
     steps and each global step the same images."""
     loader = (state.get("config") or {}).get("loader")
+    if (config is not None and config.loader.drop_last is None and isinstance(loader, dict)
+            and isinstance(loader.get("drop_last"), bool)):
+        # unset: the checkpoint's choice (one written when unset meant false keeps its
+        # epochs' last short batch), so its epochs stay the checkpoint's
+        config.loader.drop_last = loader["drop_last"]
     if saved_world(state) <= 1 or not isinstance(loader, dict):
         return
     loader["drop_last"] = True
