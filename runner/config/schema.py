@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from runner.common.errors import ConfigError
+from runner.common.errors import ConfigError, raised_in_your_code
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -414,6 +414,9 @@ class DatasetConfig:
     # the current folder, whose function returns a map-style or iterable torch Dataset of
     # (image, label); in place of dataset.path (runner/data/storage/user.py)
     target: str | None = key(None, resume="must_match")
+    # dataset.target's IterableDataset without __len__: the items of one epoch (unset:
+    # counted by iterating it once, to at most what run.steps reads or a million)
+    length: int | None = key(None, resume="must_match", at_least=1)
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -600,6 +603,9 @@ def import_target(target: str, key: str) -> Any:
                           f"the current folder ({here}) or on PYTHONPATH; run from the folder "
                           f"that holds {module_name.replace('.', '/')}.py, or install its "
                           "package") from e
+    except Exception as e:  # the user's module itself fails: where, in their own file
+        raise ConfigError(f"{key}={target} cannot be imported: importing {module_name} "
+                          f"raised {raised_in_your_code(e)}; fix it there") from e
     try:
         return getattr(module, attr)
     except AttributeError:

@@ -93,7 +93,11 @@ def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
     path = None  # the user's own Dataset (dataset.target) reads no dataset.path
     if STORAGES[config.loader.name].reads_path:
         path = resolve_dataset(config.dataset, progress=progress and ranks.local_main)
-    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main)
+    needed = None  # the items run.steps reads: the bound of a count by reading
+    if config.run.steps is not None:
+        needed = config.run.steps * config.loader.batch_size * ranks.world
+    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main,
+                            needed)
     if ranks.local_main:
         barrier(ranks)
     return storage
