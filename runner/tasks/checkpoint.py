@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.common.atomic import replacing
+from runner.common.atomic import replacing, unreadable
 from runner.common.errors import ConfigError, Diverged, UserError
 from runner.config.schema import keys_where
 from runner.data.threads import cuda_index
@@ -536,7 +536,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"resume={path} cannot be read: {e}") from e
+        raise CheckpointError(f"resume={path} {unreadable(file, e)}") from e
     missing = {"model", "optimizer", "scaler", "epoch"} - set(state)
     if missing:
         raise CheckpointError(f"resume={path} is not a runner checkpoint (no "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -974,3 +975,27 @@ def test_a_resume_that_would_read_the_same_files_in_another_order_is_refused():
     checkpoint.check_data(saved, ListedImages([0, 3, 6]), "run/checkpoint.pt")
     older = {"data": {k: v for k, v in saved["data"].items() if k != "order"}}
     checkpoint.check_data(older, local, "run/checkpoint.pt")
+
+
+@pytest.mark.parametrize(("cut", "says"), [(0, "is empty (0 bytes)"),
+                                            (0.5, "is truncated or damaged"),
+                                            (10, "is truncated or damaged")])
+def test_a_truncated_or_empty_checkpoint_says_so_and_how_to_get_a_good_one(
+        tmp_path: Path, cut: float, says: str):
+    """Was ``cannot be read: [Errno 22] Invalid argument`` or an empty reason; the same
+    words for model.weights."""
+    from runner.model.networks import read_weights_file
+
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "optimizer": {}, "scaler": {},
+                "epoch": 0}, good)
+    data = good.read_bytes()
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(data[: int(cut * len(data)) if isinstance(cut, float) else cut])
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load(bad)
+    line = str(e.value)
+    assert says in line and "copy it again" in line and "checkpoint-best.pt" in line
+    assert "\n" not in line and "miniz" not in line
+    with pytest.raises(Exception, match=re.escape(says)):
+        read_weights_file(str(bad))

@@ -413,7 +413,8 @@ class Items(IterableDataset):
     def __iter__(self) -> Iterator[Sample]:
         worker = get_worker_info()
         share, count = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        for position, item in enumerate(self.storage.dataset):
+        for position, item in enumerate(stream_items(self.storage.dataset,
+                                                     self.storage.target)):
             if position % count == share:  # the DataLoader takes the workers in turn
                 yield self.storage.convert(item, position)
 
@@ -510,7 +511,7 @@ class UserStream(UserStorage):
 
     def first_items(self, n: int) -> list[Sample]:
         out = []
-        for position, item in enumerate(self.dataset):
+        for position, item in enumerate(stream_items(self.dataset, self.target)):
             if position >= n:
                 break
             out.append(self.convert(item, position))
