@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from runner.common.errors import ConfigError
+from runner.common.errors import ConfigError, raised_in_your_code
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -414,6 +414,9 @@ class DatasetConfig:
     # the current folder, whose function returns a map-style or iterable torch Dataset of
     # (image, label); in place of dataset.path (runner/data/storage/user.py)
     target: str | None = key(None, resume="must_match")
+    # dataset.target's IterableDataset without __len__: the items of one epoch (unset:
+    # counted by iterating it once, to at most what run.steps reads or a million)
+    length: int | None = key(None, resume="must_match", at_least=1)
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -465,9 +468,13 @@ class LoaderConfig:
     # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
     # reads a memmap cache in longer contiguous stretches
     shuffle_block: int = key(1, resume="must_match", at_least=1, note=" (1 is a full permutation)")
-    # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
-    # once in the log, and false in the run's config): every image gets its outputs
-    drop_last: bool = key(False, resume="must_match")
+    # task=train: leave out each epoch's last, partial batch. Unset: training leaves it out
+    # (said once, with the count), as torchvision's and timm's train scripts do: a batch of
+    # one fails BatchNorm, a short one weighs its images more; an epoch smaller than one
+    # batch is kept whole. Validation and task=infer read every image (true is ignored by
+    # task=infer, said once in the log, and false in the run's config)
+    drop_last: bool | None = key(None, resume="must_match",
+                                 note=" (unset: training drops it, inference keeps it)")
     # a sharded storage (loader=shards) under torch.distributed: each epoch's shards are
     # dealt to this many lanes, whole, each lane read by one node's ranks (a node fetches
     # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so
@@ -596,6 +603,9 @@ def import_target(target: str, key: str) -> Any:
                           f"the current folder ({here}) or on PYTHONPATH; run from the folder "
                           f"that holds {module_name.replace('.', '/')}.py, or install its "
                           "package") from e
+    except Exception as e:  # the user's module itself fails: where, in their own file
+        raise ConfigError(f"{key}={target} cannot be imported: importing {module_name} "
+                          f"raised {raised_in_your_code(e)}; fix it there") from e
     try:
         return getattr(module, attr)
     except AttributeError:

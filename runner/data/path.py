@@ -93,7 +93,11 @@ def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
     path = None  # the user's own Dataset (dataset.target) reads no dataset.path
     if STORAGES[config.loader.name].reads_path:
         path = resolve_dataset(config.dataset, progress=progress and ranks.local_main)
-    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main)
+    needed = None  # the items run.steps reads: the bound of a count by reading
+    if config.run.steps is not None:
+        needed = config.run.steps * config.loader.batch_size * ranks.world
+    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main,
+                            needed)
     if ranks.local_main:
         barrier(ranks)
     return storage
@@ -297,13 +301,19 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         page_cache = ColdPageCache(storage.files, storage.reopen)
     pin = pin_memory(config.loader, device)
     loader_cfg = config.loader
-    if drops_remainder(config, ranks.world, every_image) and not loader_cfg.drop_last:
-        loader_cfg = dataclasses.replace(loader_cfg, drop_last=True)
-        if ranks.main:
+    drops = drops_remainder(config, ranks.world, every_image, len(storage))
+    if drops != loader_cfg.drop_last:  # unset, or several ranks: what this run does
+        loader_cfg = dataclasses.replace(loader_cfg, drop_last=drops)
+        left = len(storage) % (loader_cfg.batch_size * ranks.world)
+        if drops and ranks.main and ranks.world > 1:
             log.info("training on %d ranks: each epoch drops its last %d image(s) after the "
-                     "last whole global batch of %d", ranks.world,
-                     len(storage) % (loader_cfg.batch_size * ranks.world),
+                     "last whole global batch of %d", ranks.world, left,
                      loader_cfg.batch_size * ranks.world)
+        elif drops and ranks.main and left:
+            log.info("training keeps its batches whole: each epoch leaves out its last %d "
+                     "image(s) after the last whole batch of %d (other images each epoch "
+                     "when shuffled; a batch of one fails BatchNorm); loader.drop_last=false "
+                     "trains on them", left, loader_cfg.batch_size)
     streams = getattr(storage, "streams", False)  # an IterableDataset: read in its order
     if streams and loader_cfg.shuffle:
         loader_cfg = dataclasses.replace(loader_cfg, shuffle=False)

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.common.atomic import replacing
+from runner.common.atomic import replacing, unreadable
 from runner.common.errors import ConfigError, Diverged, UserError
 from runner.config.schema import keys_where
 from runner.data.threads import cuda_index
@@ -148,6 +148,11 @@ def keep_drop_last(state: dict[str, Any], config: Any, path: str | Path) -> None
     the log where one process would have kept it), so its epochs hold the checkpoint's
     steps and each global step the same images."""
     loader = (state.get("config") or {}).get("loader")
+    if (config is not None and config.loader.drop_last is None and isinstance(loader, dict)
+            and isinstance(loader.get("drop_last"), bool)):
+        # unset: the checkpoint's choice (one written when unset meant false keeps its
+        # epochs' last short batch), so its epochs stay the checkpoint's
+        config.loader.drop_last = loader["drop_last"]
     if saved_world(state) <= 1 or not isinstance(loader, dict):
         return
     loader["drop_last"] = True
@@ -531,7 +536,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"resume={path} cannot be read: {e}") from e
+        raise CheckpointError(f"resume={path} {unreadable(file, e)}") from e
     missing = {"model", "optimizer", "scaler", "epoch"} - set(state)
     if missing:
         raise CheckpointError(f"resume={path} is not a runner checkpoint (no "

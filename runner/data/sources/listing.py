@@ -42,6 +42,7 @@ from typing import Any
 
 from runner.common.errors import UserError
 from runner.common.text import printable
+from runner.config.credentials import redacted
 from runner.config.schema import DatasetConfig, Labels, Split
 
 log = logging.getLogger(__name__)
@@ -407,7 +408,9 @@ def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
             raise DatasetError(f"dataset.manifest={path}, {where}: the path is empty or not "
                                "text; give each image's path, relative to the manifest's "
                                "folder")
-        files.append(str(root / value.strip()))
+        # a row's URL credentials (http://bob:pw@host/b.jpg) are never kept: the path is
+        # printed and stored (skipped_files) as every config value is, with *** in their place
+        files.append(str(root / redacted(value.strip())))
     given = [not (row.get("label") is None or (isinstance(row["label"], str)
                                                and not row["label"].strip()))
              for _, row in rows]
