@@ -7,11 +7,13 @@ class ids (0..K-1), plus the class names. ``format="auto"`` tells the layout fro
 
 - **YOLO** (ultralytics' layout): ``images/`` and ``labels/`` side by side (or, with a
   ``split``, ``images/<split>`` and ``labels/<split>``, or ``<split>/images`` and
-  ``<split>/labels``); the image ``images/a/b.jpg`` has the label file ``labels/a/b.txt``,
+  ``<split>/labels``: a split's images without its labels folder are refused, never given
+  the top ``labels/``); the image ``images/a/b.jpg`` has the label file ``labels/a/b.txt``,
   one line per box, ``class cx cy w h`` normalised to [0, 1] by the image's upright size
   (a line of more than five numbers is a polygon, ``class x1 y1 x2 y2 ...``, whose box is
-  its points' extent, as ultralytics reads segments). An empty label file, or none, is an
-  image with no boxes. Class names come from ``data.yaml`` / ``dataset.yaml`` (``names:``,
+  its points' extent, as ultralytics reads segments; a UTF-8 BOM is dropped, as
+  ultralytics reads them). An empty label file, or none, is an image with no boxes; a set
+  where no image has one is said in a warning. Class names come from ``data.yaml`` / ``dataset.yaml`` (``names:``,
   a list or ``{id: name}``) or ``classes.txt`` (one per line, LabelImg's) when there is one;
   otherwise the classes are ``0..max`` of the ids seen. Pixels need the image's size, read
   from its header (PIL, no decode; EXIF orientation applied) for images that have boxes.
@@ -20,6 +22,19 @@ class ids (0..K-1), plus the class names. ``format="auto"`` tells the layout fro
   folder itself: the first that holds the first listed image). ``bbox`` is x, y, w, h in
   pixels of the JSON's ``width`` x ``height``; categories get contiguous ids 0..K-1 in
   category-id order; ``iscrowd`` boxes are left out (counted, as COCO's detectors train).
+  **Sizes**: COCO's ``width`` x ``height`` are the upright image's (EXIF orientation
+  applied), checked against each file's header (``upright_size``). A file of another size
+  but the same shape (each side within a pixel of the JSON's scaled: a resized copy) keeps
+  its boxes, scaled with it when decoded (counted ``resized``, said at INFO); any other size
+  (a side that disagrees, an EXIF-rotated JPEG whose JSON gives its stored size) is
+  skipped with its boxes (``size_mismatch``), never scaled out of shape. **Entries that
+  contradict each other** are never merged: two entries of one id (``duplicate_id``) or one
+  file under two ids (``duplicate_file``) are each skipped with the boxes of their id.
+
+A YOLO folder's parsed label files and the image sizes (YOLO's and COCO's) are kept in the
+labels cache (runner/data/sources/labelcache.py, ``dataset.cache_dir``) by each file's
+stat, so a second listing reads neither a label file nor an image header that has not
+changed.
 
 Bad input never crashes and is never silent. Each is counted (``LabelSet.counts``), said
 once in a warning with its count and first example, and, where an entry is lost, reported
@@ -28,7 +43,8 @@ as a ``SkippedFile`` (runner/data/protocol.py: the record the loop counts and wr
 
 - a label file without an image, an annotation of an image the JSON does not list, an
   image the JSON lists that is not on disk, an image on disk the JSON does not list, an
-  image whose size cannot be read: skipped;
+  image whose size cannot be read, or whose size contradicts the JSON's, an image entry
+  that contradicts another: skipped;
 - a malformed line (not ``class`` and 4 numbers, or a polygon; a number that is not
   finite), a malformed annotation (no 4-number ``bbox``): skipped;
 - a class out of range (no such class name / category): the box dropped, skipped;

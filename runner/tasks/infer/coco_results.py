@@ -9,8 +9,10 @@
 ``bbox`` is COCO's x, y, width, height in pixels (the padded predictions of
 runner/model/detectors.py are xyxy); ``image_id`` is each image's id (the COCO
 annotations' own, or the dataset index where there are none); ``category_id`` maps the
-dataset's class index to the category id the ground truth uses (COCO's run 1..90 with
-gaps; none given: the class index itself). Boxes are rounded to ``box_decimals``, scores to
+model's class index to a category id (COCO's run 1..90 with gaps; none given: the class
+index itself), decided before the pass by ``served_category_ids``: the ids its checkpoint
+was trained with when the data's JSON gives each the same name, else each class's id by
+its name there; a contradiction is refused in one line naming both lists. Boxes are rounded to ``box_decimals``, scores to
 ``score_decimals`` places, so the same predictions always give the same bytes; a row with
 a non-finite box or score is left out (a file pycocotools can read beats a complete one it
 cannot).
