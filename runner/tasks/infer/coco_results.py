@@ -240,8 +240,8 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
             return trained
         i, n = wrong[0]
         raise ConfigError(
-            f"model {model} was trained on categories {_categories(trained, names)}; {where} "
-            f"lists {theirs}: id {i} is {n!r} to the model and "
+            f"model {model} was trained on categories {_categories(trained, names)}; the "
+            f"categories of {where} are {theirs}: id {i} is {n!r} to the model and "
             f"{repr(data[i]) if i in data else 'missing'} there ({len(wrong)} of "
             f"{count} disagree). Serve it on labels with its categories, or on images without "
             "labels (its own ids are used)")
@@ -255,7 +255,7 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
         bad = next(n for n, found in zip(names, ids) if len(found) != 1)
         raise ConfigError(
             f"model {model}'s classes {list(names)[:12]} are not each one category of "
-            f"{where}, which lists {theirs}: {bad!r} is "
+            f"{where}, whose categories are {theirs}: {bad!r} is "
             f"{'not there' if not by_name.get(bad) else 'there more than once'}. Serve it on "
             "labels with its categories, or name its classes as they are there "
             "(model.classes=[...])")
@@ -263,5 +263,5 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
         return list(data_ids)
     raise ConfigError(
         f"model {model} has {count} classes and no names (a plain state_dict); {where} "
-        f"lists {len(data_ids)} categories {theirs}: give model.classes=[...] (its class "
+        f"has {len(data_ids)} categories {theirs}: give model.classes=[...] (its class "
         "names in order) so each is served under its category's id")

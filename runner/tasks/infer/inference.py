@@ -165,7 +165,7 @@ class InferTask(TaskBase):
             name, classes, getattr(network, "num_classes", len(storage.classes)),
             checkpoint.saved_category_ids(model_cfg.weights), storage.classes,
             getattr(targets, "category_ids", None), targets is not None,
-            f"dataset.path={self.config.dataset.path}'s labels")
+            f"dataset.path={self.config.dataset.path}")
 
     def on_step(self) -> Callable[[int], None] | None:
         """In one process: ``infer-state.json`` saved every ``outputs.STATE_SECONDS`` with

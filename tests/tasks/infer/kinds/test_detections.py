@@ -414,13 +414,14 @@ def test_the_checkpoints_own_ids_are_served_when_the_datas_names_agree():
 
 @pytest.mark.parametrize("names, count, ids, data, match", [
     (TRAINED[0], 3, TRAINED[1], (["person", "bicycle", "truck", "toothbrush"], [1, 5, 7, 90]),
-     r"model m was trained on categories \[1 person, 7 car, 90 toothbrush\]; X lists "
+     r"model m was trained on categories \[1 person, 7 car, 90 toothbrush\]; the "
+     r"categories of X are "
      r"\[1 person, 5 bicycle, 7 truck, 90 toothbrush\]: id 7 is 'car' to the model and "
      r"'truck' there"),
     (TRAINED[0], 3, TRAINED[1], (["person", "car"], [1, 7]), r"id 90 is 'toothbrush' to the "
      r"model and missing there"),
     (TRAINED[0], 3, None, (["person", "car"], [1, 7]), r"'toothbrush' is not there"),
-    ([], 3, None, VAL, r"model m has 3 classes and no names .* lists 4 categories "
+    ([], 3, None, VAL, r"model m has 3 classes and no names .* has 4 categories "
      r"\[1 person, 5 bicycle, 7 car, 90 toothbrush\]: give model.classes"),
 ])
 def test_ids_that_contradict_the_datas_are_refused_naming_both_lists(names, count, ids, data,
@@ -472,7 +473,7 @@ def test_infer_serves_a_checkpoints_classes_under_its_own_ids_or_refuses_before_
     bad = coco_set(tmp_path / "bad", (["person", "bicycle", "truck", "toothbrush"],
                                       [1, 5, 7, 90]))
     with pytest.raises(ConfigError, match=r"trained on categories \[1 person, 7 car, 90 "
-                                          r"toothbrush\]; .* lists \[1 person, 5 bicycle, "
+                                          r"toothbrush\]; the categories of dataset.path=.* are \[1 person, 5 bicycle, "
                                           r"7 truck, 90 toothbrush\]"):
         run_in_process(*common, f"dataset.path={bad}", run_dir=tmp_path / "refused")
     assert not list((tmp_path / "refused").glob("detections*"))
