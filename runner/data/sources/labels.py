@@ -229,8 +229,8 @@ def _yolo_dirs(root: Path, split: str | None) -> tuple[Path, Path] | None:
             raise DatasetError(
                 f"dataset.path={printable(str(root))}: the {split} split's images "
                 f"({printable(str(images))}) have no labels folder ({printable(str(labels))} "
-                f"is missing): put their label files there (<image stem>.txt), or read "
-                "another split (the top labels/ is not this split's)")
+                f"is missing): put the split's label files there (<image stem>.txt); the "
+                "top labels/ is not this split's")
     candidates.append((root / "images", root / "labels"))
     if "images" in root.parts:
         # the images folder itself (ultralytics' 'train: images/train'): the last /images/
