@@ -131,7 +131,8 @@ def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
         if found is not None:  # stat-ed before they are read: a change after is seen
             inputs = found[2]
             stats = [stat_row(p) for p in inputs]
-    labels = read_labels(root, format, split, cache_dir=dataset.cache_dir)
+    labels = read_labels(root, format, split, cache_dir=dataset.cache_dir,
+                         stats=dict(zip(inputs, stats)) if inputs else None)
     samples = [(image, 0) for image in labels.targets]
     targets = DetectionTargets(list(labels.targets.values()), labels.format, labels.skipped,
                                labels.category_ids, inputs=inputs, input_stats=stats)

@@ -9,7 +9,7 @@ One JSON file per labels source (a YOLO labels folder, a COCO JSON) under
   ctime_ns, inode: ``listing.stat_row``, what a packed store keys its label files by), its
   well-formed lines' class ids, normalised xyxy boxes and line numbers, and the bad lines
   it held (kind and reason, said again on every run as on the first);
-- ``sizes``: an image's path -> its stat row and upright (height, width).
+- ``sizes``: an image's path (as listed) -> its stat row and upright (height, width).
 
 An entry is used only when the file's stat now is the one recorded (taken before it was
 read: an edit during the read is seen next time); any other file is read and parsed again.
@@ -65,10 +65,14 @@ class LabelCache:
         cache_dir: ``dataset.cache_dir``, or None.
         source: the labels folder (YOLO) or the JSON (COCO); the files' keys are relative
             to it.
+        stats: label files' stat rows taken already (before any read), by path: not
+            taken again.
     """
 
-    def __init__(self, cache_dir: str | Path | None, source: str | Path):
+    def __init__(self, cache_dir: str | Path | None, source: str | Path,
+                 stats: dict[str, tuple[int, int, int, int]] | None = None):
         self.source = Path(source)
+        self.stats = stats or {}
         self.base = self.source.parent if self.source.is_file() else self.source
         self.path = cache_file(cache_dir, source) if cache_dir is not None else None
         self.old_files: dict = {}
@@ -107,14 +111,17 @@ class LabelCache:
         self.old_files, self.old_sizes = data["files"], data["sizes"]
 
     def _key(self, path: str | Path) -> str:
-        return os.path.relpath(path, self.base)
+        path, prefix = str(path), os.path.join(str(self.base), "")
+        # a prefix cut (the files were found under it): relpath's abspaths cost more
+        return path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path,
+                                                                                  self.base)
 
     def parsed(self, file: Path, parse: Callable[[Path, str], ParsedFile]
                ) -> ParsedFile | str:
         """``file``'s parse: the cached one when its stat is the recorded one, else
         ``parse(file, text)`` of its text now (a UTF-8 BOM dropped, as ultralytics reads
         label files); why it cannot be read, as a str."""
-        stat = list(stat_row(str(file)))  # before the read: an edit after it is seen
+        stat = list(self.stats.get(str(file)) or stat_row(str(file)))  # before the read
         key = self._key(file)
         entry = self.old_files.get(key)
         got = _entry_file(entry, stat)
@@ -137,12 +144,12 @@ class LabelCache:
     def size(self, image: str) -> tuple[list[int], tuple[int, int] | None]:
         """``image``'s stat row and its cached upright (height, width), or None."""
         stat = list(stat_row(image))
-        entry = self.old_sizes.get(self._key(image))
+        entry = self.old_sizes.get(image)
         try:
             if any(stat) and entry[0] == stat and len(entry) == 3:
                 h, w = int(entry[1]), int(entry[2])
                 if h > 0 and w > 0:
-                    self.sizes[self._key(image)] = entry
+                    self.sizes[image] = entry
                     return stat, (h, w)
         except (TypeError, IndexError, ValueError):
             pass
@@ -150,7 +157,7 @@ class LabelCache:
 
     def put_size(self, image: str, stat: list[int], size: tuple[int, int]) -> None:
         if any(stat):
-            self.sizes[self._key(image)] = [stat, int(size[0]), int(size[1])]
+            self.sizes[image] = [stat, int(size[0]), int(size[1])]
             self.dirty = True
 
     def save(self) -> None:

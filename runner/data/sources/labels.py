@@ -259,18 +259,19 @@ def detect_format(path: str | Path, split: str | None = None) -> str:
 
 
 def read_labels(path: str | Path, format: str = "auto", split: str | None = None,
-                classes: list[str] | None = None, cache_dir: str | Path | None = None
-                ) -> LabelSet:
+                classes: list[str] | None = None, cache_dir: str | Path | None = None,
+                stats: dict[str, tuple[int, int, int, int]] | None = None) -> LabelSet:
     """The detection targets at ``path`` (``format``: "auto", "yolo" or "coco"; ``split``:
     which split's folder or JSON, e.g. "train"; ``classes``: YOLO class names, when the
     layout has no data.yaml or classes.txt; ``cache_dir``: where the labels cache lives,
-    runner/data/sources/labelcache.py, None: none)."""
+    runner/data/sources/labelcache.py, None: none; ``stats``: YOLO label files' stat rows
+    taken already)."""
     if format not in ("auto", *FORMATS):
         raise DatasetError(f"labels format {format!r} is not one of auto, yolo, coco")
     if format == "auto":
         format = detect_format(path, split)
     if format == "yolo":
-        return read_yolo(path, split, classes, cache_dir)
+        return read_yolo(path, split, classes, cache_dir, stats)
     return read_coco(path, split=split, cache_dir=cache_dir)
 
 
@@ -421,10 +422,17 @@ def _sizes(paths: list[str], cache: LabelCache | None = None
     return out
 
 
+def relative(path: str | Path, folder: str | Path) -> str:
+    """``path`` relative to ``folder``, which it was found under (a walk's own join: a
+    prefix cut, where ``os.path.relpath``'s two abspaths cost more than the listing)."""
+    path, prefix = str(path), os.path.join(str(folder), "")
+    return path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, folder)
+
+
 def _sorted_images(images: Path) -> list[str]:
     walked, _, _ = walk(images, [os.path.realpath(images)])
     found = [os.path.join(d, f) for d, files in walked for f in files if is_image_name(f)]
-    return sorted(found, key=lambda p: os.path.relpath(p, images).split(os.sep))
+    return sorted(found, key=lambda p: relative(p, images).split(os.sep))
 
 
 def yolo_inputs(path: str | Path, split: str | None = None
@@ -449,9 +457,11 @@ def yolo_inputs(path: str | Path, split: str | None = None
 
 
 def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | None = None,
-              cache_dir: str | Path | None = None) -> LabelSet:
+              cache_dir: str | Path | None = None,
+              stats: dict[str, tuple[int, int, int, int]] | None = None) -> LabelSet:
     """The YOLO layout at ``path`` (module docstring); ``cache_dir``: where the labels
-    cache lives (runner/data/sources/labelcache.py; None: every label file read)."""
+    cache lives (runner/data/sources/labelcache.py; None: every label file read);
+    ``stats``: the label files' stat rows, if taken already (before reading them)."""
     root = Path(path).expanduser()
     dirs = _yolo_dirs(root, split)
     if dirs is None:
@@ -463,7 +473,7 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
         _class_file_names(labels, labels.parent, root)
     report = _Report()
     image_paths = _sorted_images(images)
-    stem_of = {p: os.path.splitext(os.path.relpath(p, images))[0] for p in image_paths}
+    stem_of = {p: os.path.splitext(relative(p, images))[0] for p in image_paths}
     stems = set(stem_of.values())  # a.jpg and a.png both take labels/a.txt, as in ultralytics
     # label files, and the ones with no image
     label_of: dict[str, Path] = {}
@@ -473,7 +483,7 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
             if not name.endswith(".txt"):
                 continue
             file = Path(dirpath, name)
-            stem = os.path.splitext(os.path.relpath(file, labels))[0]
+            stem = os.path.splitext(relative(file, labels))[0]
             if stem in stems:
                 label_of[stem] = file
             elif name != CLASS_FILE:
@@ -481,7 +491,7 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
                             f"no image {stem}.* under {printable(str(images))}; its boxes are "
                             "not used")
     parsed: dict[str, tuple[Path, np.ndarray, np.ndarray, list[int]]] = {}
-    cache = LabelCache(cache_dir, labels)
+    cache = LabelCache(cache_dir, labels, stats)
     for image, stem in stem_of.items():
         file = label_of.get(stem)
         if file is None:
