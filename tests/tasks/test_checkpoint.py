@@ -999,3 +999,23 @@ def test_a_truncated_or_empty_checkpoint_says_so_and_how_to_get_a_good_one(
     assert "\n" not in line and "miniz" not in line
     with pytest.raises(Exception, match=re.escape(says)):
         read_weights_file(str(bad))
+
+
+def test_a_checkpoint_keeps_a_coco_sets_category_ids_and_serving_reads_them_mapped(tmp_path):
+    """data_fingerprint keeps each class's COCO category id (a storage's targets'), so
+    task=infer serves a checkpoint's classes under the ids it was trained with; none for
+    a set without them, a plain state_dict or a file that is not there."""
+    from types import SimpleNamespace
+
+    coco = ListedImages()
+    coco.targets = SimpleNamespace(category_ids=[3, 90])
+    data = checkpoint.data_fingerprint(coco)
+    assert data["category_ids"] == [3, 90] and data["class_names"] == ["a", "b"]
+    assert "category_ids" not in checkpoint.data_fingerprint(ListedImages())
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "epoch": 1, "data": data}, path)
+    assert checkpoint.saved_category_ids(path) == [3, 90]
+    torch.save({"w": torch.zeros(2)}, tmp_path / "plain.pt")
+    assert checkpoint.saved_category_ids(tmp_path / "plain.pt") is None
+    assert checkpoint.saved_category_ids(tmp_path / "none.pt") is None
+    assert checkpoint.saved_category_ids(None) is None

@@ -440,6 +440,11 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
     if dataset.val_fraction > 0:
         listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
                                 dataset.split is Split.val)
+    elif dataset.split is Split.val:  # the runner sets it only with a split to read
+        raise DatasetError(f"dataset.split=val: {printable(str(path))} has no val split (no "
+                           "dataset.val_fraction holds one out): drop dataset.split to read "
+                           f"all its {len(listing.samples)} images, or point dataset.path at "
+                           "the validation images")
     return listing
 
 
