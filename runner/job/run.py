@@ -187,6 +187,8 @@ class Job:
         # complete: every step of the plan ran (a signal after the last one changes nothing)
         complete = result.steps >= total_steps
         figures = self._figures(result, complete, profiler is not None)
+        if clock.gpu_note:
+            figures["gpu_counters_note"] = clock.gpu_note
         if result.interrupted is None and self.signals and self.signals.received:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
         if task.resumed is not None:  # this run's own figures, and where it started
