@@ -87,7 +87,7 @@ class Metrics(TypedDict, total=False):
     # --- the data path (runner/data/) --------------------------------------------------------
     pin_memory: bool  # batches were pinned for the copy
     page_cache: str  # the page cache's state at the start: warm, cold or unknown
-    page_cache_note: str  # why the page cache could not be set as asked
+    page_cache_note: str | None  # why the page cache could not be set as asked
     evictions: int  # page-cache evictions done (dataset.page_cache=cold)
     evict_seconds: float  # seconds they took (kept out of the timing)
     prefetch_copy_ms: float | None  # prefetch=gpu: the side stream's copy per step
