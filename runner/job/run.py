@@ -43,7 +43,7 @@ from runner.launch.distributed import (
     process_group,
     ranks_from_env,
 )
-from runner.measure import profile, timeline
+from runner.measure import profile, storage_tier, timeline
 from runner.measure.clock import StepClock
 from runner.measure.metrics import MetricLogger, NullLogger
 from runner.model.amp import check_amp
@@ -120,6 +120,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
+def read_from(cfg: Config, data: DataPath) -> str:
+    """Where the run's bytes come from, for its storage tier: a URL as given, else the
+    first file the storage reads (a store built in the cache lives where the cache does),
+    else its source folder."""
+    if cfg.dataset.path and "://" in cfg.dataset.path:
+        return cfg.dataset.path
+    files = data.storage.files
+    return str(files[0]) if files else str(data.storage.root)
+
+
 class Job:
     """One run: its task (runner/tasks/), the data path, the loop, the figures."""
 
@@ -189,6 +199,7 @@ class Job:
         figures = self._figures(result, complete, profiler is not None)
         if clock.gpu_note:
             figures["gpu_counters_note"] = clock.gpu_note
+        figures["storage_tier"] = storage_tier.tier(read_from(cfg, data))
         if result.interrupted is None and self.signals and self.signals.received:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
         if task.resumed is not None:  # this run's own figures, and where it started
