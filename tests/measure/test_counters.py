@@ -106,3 +106,21 @@ def test_more_workers_than_cores_switch_context_more(tmp_path: Path, cache_dir: 
         rates[workers] = m["ctx_switches_per_sec"] + m["ctx_switches_involuntary_per_sec"]
         assert len(m["worker_cpu"]) == workers
     assert rates[2 * cores + 2] > rates[0], rates
+
+
+def test_each_window_the_loop_logs_carries_the_counters():
+    """What the loop logs per window (wandb's window/ history) and adds up for metrics.json."""
+    import time
+
+    import torch
+
+    from runner.measure.clock import SHARED_SAMPLE_SECONDS, StepClock
+
+    clock = StepClock(torch.device("cpu"))
+    time.sleep(SHARED_SAMPLE_SECONDS)
+    clock.open_window()
+    clock.step_done(8)
+    time.sleep(SHARED_SAMPLE_SECONDS * 1.5)
+    figures = clock.close_window().figures()
+    assert set(FIELDS) <= set(figures)
+    assert figures["worker_cpu"] == [] and figures["peak_rss_bytes"] > 0
