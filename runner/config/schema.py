@@ -831,6 +831,27 @@ class RunConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``profile.*``: a torch.profiler window (runner/measure/profile.py): trace.json and
+    its key_averages table in the run folder."""
+
+    enabled: bool = key(False, resume="free")
+    # the schedule (torch.profiler.schedule): steps skipped once, then per cycle idle,
+    # warming up (recorded, thrown away) and recorded; repeat cycles (0: until the end)
+    skip_first: int = key(0, resume="free", at_least=0)
+    wait: int = key(2, resume="free", at_least=0)
+    warmup: int = key(2, resume="free", at_least=0)
+    active: int = key(5, resume="free", at_least=1)
+    repeat: int = key(1, resume="free", at_least=0, note=" (0: cycles until the run ends)")
+    record_shapes: bool = key(False, resume="free")  # each op's input shapes (its table too)
+    profile_memory: bool = key(False, resume="free")  # memory each op allocates and frees
+    with_stack: bool = key(False, resume="free")  # the Python stack of each op (costly)
+
+    def __post_init__(self) -> None:
+        check_declared(self, "profile")
+
+
+@dataclass
 class Config:
     loader: LoaderConfig = MISSING
     prefetch: PrefetchConfig = MISSING
@@ -846,8 +867,8 @@ class Config:
     seed: int = key(0, resume="must_match")
     # after the run, time each stage alone for a short burst and name the bottleneck
     diagnose: bool = key(True, resume="free")
-    # record a short torch.profiler window (trace.json in the run folder)
-    profile: bool = key(False, resume="free")
+    # a torch.profiler window (profile.enabled=true: trace.json and profile_table.txt)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner picking the fastest kernels
     # for each input shape on its first use (warmed before timing, every batch size)
     cudnn_benchmark: bool = key(True, resume="free")

@@ -179,7 +179,8 @@ class Job:
                  results.describe(cfg), data.storage.root, plural(len(data.storage), "image"),
                  plural(len(data.classes), "class"), plural(total_steps, "step"), warmup,
                  device, f" x {ranks.world} ranks" if ranks.enabled else "")
-        profiler = profile.build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
+        profiler = self._profiler(device, total_steps) if cfg.profile.enabled and ranks.main \
+            else None
         ctx.clock = clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         on_step = task.on_step()
@@ -233,6 +234,16 @@ class Job:
             self.logger.close(metrics["status"])
         except Exception as e:
             log.error("closing the logger failed: %s", e)
+
+    def _profiler(self, device: torch.device, total_steps: int):
+        """profile.enabled=true: the profiler of profile.*; a run too short for its
+        schedule said in one line."""
+        keys = {k: v for k, v in to_plain(self.config.profile).items() if k != "enabled"}
+        short = profile.too_short(total_steps, **{k: keys[k] for k in (
+            "skip_first", "wait", "warmup", "active", "repeat")})
+        if short is not None:
+            log.warning("%s", short)
+        return profile.build_profiler(self.run_dir, device, **keys)
 
     def _progress(self, result: LoopResult) -> None:
         """After each window: the figures so far, kept (and saved) in case the run stops."""

@@ -130,7 +130,8 @@ class Metrics(TypedDict, total=False):
     finished_before: bool  # resumed after its plan's last step: the figures are the last part's
     # --- what else was written ---------------------------------------------------------------
     distributed: dict  # under torchrun: world, backend, each rank's figures, replicas in sync
-    trace: str | None  # profile=true: the torch.profiler trace
+    trace: str | None  # profile.enabled=true: the torch.profiler trace (first cycle's)
+    profile_table: str | None  # ... its key_averages table by self CPU (CUDA) time
     timeline: str  # run.timeline=true: timeline.png
     timeline_json: str  # its data
     timeline_trace: str  # the same spans as a Chrome trace (Perfetto, chrome://tracing)

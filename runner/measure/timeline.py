@@ -27,7 +27,7 @@ The same spans are also written as a Chrome trace-event file, ``timeline.trace.j
 (``trace_events``), which Perfetto (https://ui.perfetto.dev) and chrome://tracing open:
 one complete event (``ph: "X"``, µs from the first step shown) per span of
 ``timeline.json``, a process per process (the GPU's streams one of their own) and a named
-thread per lane. (Not ``trace.json``: that is ``profile=true``'s torch.profiler trace.)
+thread per lane. (Not ``trace.json``: that is ``profile.enabled=true``'s torch.profiler trace.)
 
 The system's counters (runner/measure/counters.py: iowait, context switches, page faults,
 bytes read, GPU use) are read at the timed windows' edges, not per step (a read of /proc
