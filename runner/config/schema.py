@@ -617,6 +617,12 @@ class AutoAugmentName(Enum):  # task.augment.auto: a policy of image operations 
     trivialaugment = "trivialaugment"  # one operation at a random magnitude
 
 
+class AugmentOn(Enum):  # task.augment.on: where task.augment runs
+    device = "device"  # on the run's device, after the copy (batched kernels on a GPU)
+    cpu = "cpu"  # on the host batch, before the copy, in the thread that reads batches
+    both = "both"  # the geometric operations on the host, the colour ones on the device
+
+
 @dataclass
 class AugmentConfig:
     """``task.augment.*``: training augmentation beyond the random-resized crop and flip,
@@ -637,6 +643,9 @@ class AugmentConfig:
     cutmix: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
     # of an image being mixed at all (MixUp or CutMix, per image)
     mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1)
+    # where it runs: device, cpu (the host batch, before the copy) or both (geometric
+    # operations on the host, colour on the device): -m task.augment.on=cpu,device,both
+    on: AugmentOn = key(AugmentOn.device, resume="applied")
 
     def __post_init__(self) -> None:
         check_declared(self, "task.augment")
