@@ -49,6 +49,7 @@ from runner.data.storage import STORAGES, build_storage, resolve_dataset
 from runner.data.storage.ram import memory_available
 from runner.data.threads import RowPool
 from runner.launch.distributed import Ranks, barrier
+from runner.measure import storage_tier
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,9 @@ class DataPath:
         remote = getattr(self.storage, "figures", None)  # data read from a URL: its fetches
         if callable(remote):
             out.update(remote())
+        # what its bytes are read from (a store built in the cache lives where the cache does)
+        files = self.storage.files
+        out["storage_tier"] = storage_tier.tier(str(files[0] if files else self.storage.root))
         return out
 
     def close(self) -> None:

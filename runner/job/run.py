@@ -43,7 +43,7 @@ from runner.launch.distributed import (
     process_group,
     ranks_from_env,
 )
-from runner.measure import profile, storage_tier, timeline
+from runner.measure import profile, timeline
 from runner.measure.clock import StepClock
 from runner.measure.metrics import MetricLogger, NullLogger
 from runner.model.amp import check_amp
@@ -120,16 +120,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-def read_from(cfg: Config, data: DataPath) -> str:
-    """Where the run's bytes come from, for its storage tier: a URL as given, else the
-    first file the storage reads (a store built in the cache lives where the cache does),
-    else its source folder."""
-    if cfg.dataset.path and "://" in cfg.dataset.path:
-        return cfg.dataset.path
-    files = data.storage.files
-    return str(files[0]) if files else str(data.storage.root)
-
-
 class Job:
     """One run: its task (runner/tasks/), the data path, the loop, the figures."""
 
@@ -179,8 +169,8 @@ class Job:
                  results.describe(cfg), data.storage.root, plural(len(data.storage), "image"),
                  plural(len(data.classes), "class"), plural(total_steps, "step"), warmup,
                  device, f" x {ranks.world} ranks" if ranks.enabled else "")
-        profiler = self._profiler(device, total_steps) if cfg.profile.enabled and ranks.main \
-            else None
+        profiler = profile.build_profiler(self.run_dir, device, total_steps, **to_plain(
+            cfg.profile)) if cfg.profile.enabled and ranks.main else None
         ctx.clock = clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         on_step = task.on_step()
@@ -200,7 +190,6 @@ class Job:
         figures = self._figures(result, complete, profiler is not None)
         if clock.gpu_note:
             figures["gpu_counters_note"] = clock.gpu_note
-        figures["storage_tier"] = storage_tier.tier(read_from(cfg, data))
         if result.interrupted is None and self.signals and self.signals.received:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
         if task.resumed is not None:  # this run's own figures, and where it started
@@ -234,16 +223,6 @@ class Job:
             self.logger.close(metrics["status"])
         except Exception as e:
             log.error("closing the logger failed: %s", e)
-
-    def _profiler(self, device: torch.device, total_steps: int):
-        """profile.enabled=true: the profiler of profile.*; a run too short for its
-        schedule said in one line."""
-        keys = {k: v for k, v in to_plain(self.config.profile).items() if k != "enabled"}
-        short = profile.too_short(total_steps, **{k: keys[k] for k in (
-            "skip_first", "wait", "warmup", "active", "repeat")})
-        if short is not None:
-            log.warning("%s", short)
-        return profile.build_profiler(self.run_dir, device, **keys)
 
     def _progress(self, result: LoopResult) -> None:
         """After each window: the figures so far, kept (and saved) in case the run stops."""

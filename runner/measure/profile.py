@@ -14,6 +14,7 @@ https://ui.perfetto.dev or chrome://tracing.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,16 @@ def cycle_file(run_dir: Path, stem: str, suffix: str, cycle: int) -> Path:
     return Path(run_dir) / (f"{stem}{suffix}" if cycle == 1 else f"{stem}-{cycle}{suffix}")
 
 
-def build_profiler(run_dir: Path, device: torch.device, *, skip_first: int = 0,
-                   wait: int = 2, warmup: int = 2, active: int = 5, repeat: int = 1,
-                   record_shapes: bool = False, profile_memory: bool = False,
-                   with_stack: bool = False) -> profile:
-    """A profiler with this schedule, writing each cycle's trace and table to ``run_dir``."""
+def build_profiler(run_dir: Path, device: torch.device, total_steps: int, *,
+                   skip_first: int = 0, wait: int = 2, warmup: int = 2, active: int = 5,
+                   repeat: int = 1, record_shapes: bool = False, profile_memory: bool = False,
+                   with_stack: bool = False, enabled: bool = True) -> profile:
+    """A profiler with this schedule (``profile.*``), writing each cycle's trace and table
+    to ``run_dir``; a run of ``total_steps`` too short for it is said in one line."""
+    short = too_short(total_steps, skip_first=skip_first, wait=wait, warmup=warmup,
+                      active=active, repeat=repeat)
+    if short is not None:
+        logging.getLogger("runner").warning("%s", short)
     activities = [ProfilerActivity.CPU]
     cuda = device.type == "cuda"
     if cuda:
