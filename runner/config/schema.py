@@ -627,6 +627,12 @@ class AutoAugmentName(Enum):  # task.augment.auto: a policy of image operations 
     trivialaugment = "trivialaugment"  # one operation at a random magnitude
 
 
+class AugmentOn(Enum):  # task.augment.on: where task.augment runs
+    device = "device"  # on the run's device, after the copy (batched kernels on a GPU)
+    cpu = "cpu"  # on the host batch, before the copy, in the thread that reads batches
+    both = "both"  # the geometric operations on the host, the colour ones on the device
+
+
 @dataclass
 class AugmentConfig:
     """``task.augment.*``: training augmentation beyond the random-resized crop and flip,
@@ -647,6 +653,9 @@ class AugmentConfig:
     cutmix: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
     # of an image being mixed at all (MixUp or CutMix, per image)
     mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1)
+    # where it runs: device, cpu (the host batch, before the copy) or both (geometric
+    # operations on the host, colour on the device): -m task.augment.on=cpu,device,both
+    on: AugmentOn = key(AugmentOn.device, resume="applied")
 
     def __post_init__(self) -> None:
         check_declared(self, "task.augment")
@@ -841,6 +850,27 @@ class RunConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``profile.*``: a torch.profiler window (runner/measure/profile.py): trace.json and
+    its key_averages table in the run folder."""
+
+    enabled: bool = key(False, resume="free")
+    # the schedule (torch.profiler.schedule): steps skipped once, then per cycle idle,
+    # warming up (recorded, thrown away) and recorded; repeat cycles (0: until the end)
+    skip_first: int = key(0, resume="free", at_least=0)
+    wait: int = key(2, resume="free", at_least=0)
+    warmup: int = key(2, resume="free", at_least=0)
+    active: int = key(5, resume="free", at_least=1)
+    repeat: int = key(1, resume="free", at_least=0, note=" (0: cycles until the run ends)")
+    record_shapes: bool = key(False, resume="free")  # each op's input shapes (its table too)
+    profile_memory: bool = key(False, resume="free")  # memory each op allocates and frees
+    with_stack: bool = key(False, resume="free")  # the Python stack of each op (costly)
+
+    def __post_init__(self) -> None:
+        check_declared(self, "profile")
+
+
+@dataclass
 class Config:
     loader: LoaderConfig = MISSING
     prefetch: PrefetchConfig = MISSING
@@ -856,8 +886,8 @@ class Config:
     seed: int = key(0, resume="must_match")
     # after the run, time each stage alone for a short burst and name the bottleneck
     diagnose: bool = key(True, resume="free")
-    # record a short torch.profiler window (trace.json in the run folder)
-    profile: bool = key(False, resume="free")
+    # a torch.profiler window (profile.enabled=true: trace.json and profile_table.txt)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner picking the fastest kernels
     # for each input shape on its first use (warmed before timing, every batch size)
     cudnn_benchmark: bool = key(True, resume="free")
