@@ -27,6 +27,7 @@ from runner.config.schema import (
     TASK_KEYS,
     AutoAugmentName,
     Config,
+    Crop,
     ModelConfig,
     ModelSource,
     Output,
@@ -241,6 +242,10 @@ def check_targets(config: Config) -> None:
     if not dataset.targets.boxes:
         return
     given = f"dataset.targets={dataset.targets.value}"
+    if dataset.crop is Crop.center:  # only when asked: the default is the letterbox
+        log.warning("dataset.crop=center with %s: the centre crop cuts away boxes near the "
+                    "sides (dataset.crop=letterbox, the detectors' default, keeps them)",
+                    given)
     if augment.auto is not AutoAugmentName.none:  # (MixUp, CutMix: the detector refuses)
         raise ConfigError(f"task.augment.auto={augment.auto.value} turns, shears and shifts "
                           f"pixels, and {given}'s boxes would not follow: leave "

@@ -206,6 +206,10 @@ class Crop(Enum):
     center = "center"  # the centred dataset.crop_fraction of the shorter side, resized
     random = "random"  # random-resized-crop + horizontal flip (training augmentation)
     whole = "whole"  # the whole image resized to image_size, no crop (dense outputs: masks)
+    # the whole image, aspect kept, resized to fit image_size and padded (grey 114, as
+    # ultralytics' YOLO pads): a detector's boxes neither cut away nor stretched
+    letterbox = "letterbox"
+    auto = "auto"  # letterbox for detection targets (dataset.targets), center otherwise
 
 
 class StoreSide(Enum):  # which side of an image dataset.store_size sets
@@ -380,7 +384,8 @@ class DatasetConfig:
     quality: int = key(90, resume="must_match", shapes_outputs=True, at_least=1, at_most=100)
     # (H, W) fed to the model
     image_size: list[int] = key(factory=lambda: [224, 224], resume="must_match")
-    crop: Crop = key(Crop.center, resume="must_match")
+    # unset (auto): letterbox for a detector's boxes, center otherwise (made concrete here)
+    crop: Crop = key(Crop.auto, resume="must_match")
     # The share of the shorter side a centre crop keeps, on every storage alike (folder,
     # packed, memmap/ram, dali, ffcv). 0.875 is what ImageNet models are evaluated with
     # ("resize 256, crop 224": torchvision's references, timm's default crop_pct) and what
@@ -425,6 +430,8 @@ class DatasetConfig:
                 "give [height, width], both >= 1, e.g. dataset.image_size=[224,224]",
             )
         check_declared(self, "dataset")
+        if self.crop is Crop.auto:  # a detector never gets the centre crop unless asked
+            self.crop = Crop.letterbox if self.targets.boxes else Crop.center
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
@@ -437,6 +444,15 @@ class DatasetConfig:
             _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,
                      f"must be at least the {self.store_side.value} side of dataset.image_size="
                      f"{list(self.image_size)} ({side}): crops are taken from the stored image")
+
+
+def schema_dataset() -> DatasetConfig:
+    """``dataset``'s defaults as the composed config's schema holds them: ``dataset.crop``
+    still ``auto`` (a DatasetConfig made from the composed values decides it, by its
+    targets; one made here would have decided it without them)."""
+    dataset = DatasetConfig()
+    dataset.crop = Crop.auto
+    return dataset
 
 
 @dataclass
@@ -839,7 +855,7 @@ class Config:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     logger: LoggerConfig = MISSING
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: DatasetConfig = field(default_factory=lambda: schema_dataset())
     run: RunConfig = field(default_factory=RunConfig)
     # auto: cuda when there is one (made concrete before the run: the run's config names it)
     device: Device = key(Device.auto, resume="applied")

@@ -25,7 +25,10 @@ shards decode it; memmap and ram cut it from the stored image per batch on the d
 (runner/data/decode/crops.py). ``dataset.store_size=256`` stores memmap and ram images larger
 than the output so those crops have pixels to choose from, and one store then serves
 centre and random crops; at the output size, the centre crop and the whole side are two
-stores. ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
+stores. ``dataset.crop=letterbox`` (the detectors' default: the whole image, aspect kept,
+padded with grey 114) is decoded so by folder, packed and shards, and stored so by memmap
+and ram (at ``dataset.image_size``: with ``dataset.store_size`` refused in one line); DALI
+and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``). ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
 binding is built, else simplejpeg with DCT scaling; the run's ``metrics.json`` names the
 one that ran. How fast each storage is here: ``python -m runner.bench stores`` (figures
 depend on the machine, so they live in the bench's output, not in the docs).

@@ -133,7 +133,7 @@ class ServedFrame:
     - ``category_ids``: COCO's category id of each class (1..90 with gaps for COCO; None
       for YOLO: the class index);
     - ``source_windows``: the window of its upright source image (top, left, height,
-      width) each output image shows under ``dataset.crop`` (whole or centre, at
+      width) each output image shows under ``dataset.crop`` (whole, letterbox or centre, at
       ``dataset.image_size``; boxgeometry's ``shown_window``), so boxes go back into the
       source's pixels (``to_source``). Under random crops there is no one window: boxes
       stay in the model's input pixels (said once). An image whose labels gave no size (a

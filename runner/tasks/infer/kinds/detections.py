@@ -43,8 +43,8 @@ until the ranks' files are merged):
 Boxes, in both files, are in pixels of the upright source image (the ground truth's
 frame): the model's boxes, in pixels of the image it was given (``dataset.image_size``,
 after its resize and crop), are mapped back through the window of the source that image
-shows (boxgeometry's ``shown_window`` and ``to_source``: the whole image, or the centre
-crop's window), on the writer threads. Under ``dataset.crop=random`` there is no one
+shows (boxgeometry's ``shown_window`` and ``to_source``: the whole image, the letterbox's
+(the image and its pads), or the centre crop's window), on the writer threads. Under ``dataset.crop=random`` there is no one
 window: the boxes stay in input pixels, said once.
 
 Resumable as the top-k CSV is: each step's rows go to a part file of their own under
