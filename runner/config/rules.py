@@ -137,6 +137,10 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
         raise ConfigError(f"dataset.val_path={dataset.val_path} reports top-1 while "
                           "training: it needs task=train and a model (not model=none)")
     check_targets(config)
+    if config.loader.group_aspect and dataset.crop not in (Crop.whole, Crop.letterbox):
+        raise ConfigError(f"loader.group_aspect=true with dataset.crop={dataset.crop.value}: "
+                          "a crop of one shape from every image makes the aspect of none "
+                          "matter; use it with dataset.crop=letterbox or whole")
     if NO_MODEL in [m.name for m in model_configs(config)] and config.models:
         raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                           "model=none to measure the data path alone")

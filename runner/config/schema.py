@@ -489,6 +489,11 @@ class LoaderConfig:
     # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so
     # a resume keeps the checkpoint's, on a node count that divides it
     lanes: int | None = key(None, resume="fitted", at_least=1, note=" (unset: the number of nodes)")
+    # batches of images of one aspect-ratio bin (torchvision's GroupedBatchSampler,
+    # ultralytics' rect order) for dataset.crop=whole or letterbox; every image still read
+    # once per epoch (each bin's rest a short batch of its own), the order still a function
+    # of the seed and epoch; the sizes from the detection labels (dataset.targets)
+    group_aspect: bool = key(False, resume="must_match")
     # one __getitems__ call per batch instead of one call per image
     batched: bool = key(False, resume="free")
     # loader=folder with num_workers=0: decode with this many threads in the main process,
