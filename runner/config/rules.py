@@ -244,6 +244,11 @@ def check_targets(config: Config) -> None:
     their records (runner/data/storage/__init__.py)."""
     dataset, augment = config.dataset, config.task.augment
     if not dataset.targets.boxes:
+        for name in ("mosaic", "box_crop"):
+            if getattr(augment, name):
+                raise ConfigError(f"task.augment.{name}={getattr(augment, name):g} moves "
+                                  "detection boxes with the pixels: it needs "
+                                  "dataset.targets=auto, yolo or coco")
         return
     given = f"dataset.targets={dataset.targets.value}"
     if dataset.crop is Crop.center:  # only when asked: the default is the letterbox

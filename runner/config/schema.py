@@ -658,6 +658,13 @@ class AugmentConfig:
     cutmix: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
     # of an image being mixed at all (MixUp or CutMix, per image)
     mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1)
+    # detection (dataset.targets): probability of an image being a mosaic of four images
+    # of its batch (ultralytics' mosaic: a random centre, each quadrant a part of one
+    # image), its boxes moved with them, clipped at the quadrants' edges
+    mosaic: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)")
+    # detection: > 0, a random-resized crop (area share from this to 1, aspect 3/4 to
+    # 4/3) and a horizontal flip per image, after the mosaic, its boxes moved with it
+    box_crop: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)")
 
     def __post_init__(self) -> None:
         check_declared(self, "task.augment")
@@ -665,7 +672,7 @@ class AugmentConfig:
     @property
     def active(self) -> bool:
         return bool(self.color_jitter or self.erasing or self.mixup or self.cutmix
-                    or self.auto is not AutoAugmentName.none)
+                    or self.mosaic or self.box_crop or self.auto is not AutoAugmentName.none)
 
 
 @dataclass

@@ -25,6 +25,9 @@ operation with its own random draw per image:
   2-33%, aspect 0.3-3.3, zeros), its rectangles drawn on the device and applied with
   ``torch.where`` (``erase``): no host mask, so no blocking copy (a sync) every step on a
   GPU;
+- ``mosaic`` / ``box_crop`` (detection): four images of the batch into one, and a
+  random-resized crop and flip per image, their boxes moved with the pixels, before the
+  rest (runner/data/device/boxaugment.py);
 - ``mixup`` / ``cutmix``: each image, with probability ``mix_prob``, is mixed with another
   image of the batch, its partner of one permutation, by MixUp or CutMix (a coin per image
   when both are on). Both are written here and draw on the device, with no copy to or from
@@ -415,7 +418,10 @@ class TrainAugment:
             (f"colour jitter {self.cfg.color_jitter:g}", self.colour),
             (f"random erasing p={self.cfg.erasing:g}", self.erasing),
             (f"MixUp alpha {self.cfg.mixup:g}", self.cfg.mixup > 0),
-            (f"CutMix alpha {self.cfg.cutmix:g}", self.cfg.cutmix > 0)) if on]
+            (f"CutMix alpha {self.cfg.cutmix:g}", self.cfg.cutmix > 0),
+            (f"mosaic p={self.cfg.mosaic:g}", self.cfg.mosaic > 0),
+            (f"box crops of {self.cfg.box_crop:g}-1 of the area and flips",
+             self.cfg.box_crop > 0)) if on]
         return f"{', '.join(parts)}: on {device}, a draw per image"
 
     def __call__(self, batch) -> None:
@@ -425,6 +431,13 @@ class TrainAugment:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((self.seed * 1_000_003 + self.rank) * 7_919 + step)
+            if self.cfg.mosaic > 0 or self.cfg.box_crop > 0:  # detection: boxes move too
+                from runner.data.device.boxaugment import box_crops, mosaic
+
+                if self.cfg.mosaic > 0:
+                    mosaic(batch, self.cfg.mosaic)
+                if self.cfg.box_crop > 0:
+                    box_crops(batch, self.cfg.box_crop)
             images = batch["image"]
             if self.auto is not None:
                 images = self.auto(images)
