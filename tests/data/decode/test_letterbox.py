@@ -213,3 +213,31 @@ def test_memmap_refuses_a_letterbox_of_a_larger_store(tmp_path):
     dataset = DatasetConfig(targets=Targets.yolo, image_size=[32, 32], store_size=64)
     with pytest.raises(ConfigError, match="dataset.store_size=64"):
         decoding_folder(LoaderConfig(name=StorageName.memmap), dataset, tmp_path)
+
+
+def test_served_boxes_reaching_into_the_pads_are_clipped_to_the_source(tmp_path):
+    """A letterbox's pads lie outside the source image: a predicted box that reaches into
+    them is served clipped to the image (ultralytics' ``clip_boxes`` does the same)."""
+    from runner.data.sources.detection import DetectionTargets, ImageTargets
+    from runner.tasks.infer.coco_results import ServedFrame
+    from runner.tasks.infer.kinds.detections import DetectionsWriter
+    from runner.tasks.infer.kinds.kind import WriterContext
+
+    items = [ImageTargets(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 100, 200, 7)]
+    frame = ServedFrame(DetectionTargets(items, "coco"),
+                        DatasetConfig(image_size=[64, 64], crop=Crop.letterbox), lambda i: "")
+    ctx = WriterContext(tmp_path, "m", 1, lambda i: "a.jpg", lambda i: "a.jpg", ["c"], ["c"],
+                        "predictions.csv", True, **frame.context())
+    writer = DetectionsWriter(ctx, {})
+    # 100 x 200 in 64 x 64: the picture in rows 16..48; a box from row 8 (the pad) to 40,
+    # one wholly inside (rows 20..30, columns 10..20)
+    kept = {"boxes": np.array([[[4.0, 8, 60, 40], [10, 20, 20, 30]]], dtype=np.float32),
+            "box_scores": np.array([[0.9, 0.8]], dtype=np.float32),
+            "box_labels": np.array([[0, 0]]), "box_count": np.array([2])}
+    writer.write(0, np.array([0]), np.array([0]), kept)
+    writer.flush()
+    from runner.tasks.infer.coco_results import join_parts
+
+    join_parts(tmp_path / "r.json", [tmp_path / ".detections.parts" / "00000000.json"])
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["bbox"] for r in rows] == [[12.5, 0.0, 175.0, 75.0], [31.25, 12.5, 31.25, 31.25]]
