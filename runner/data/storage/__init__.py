@@ -41,7 +41,7 @@ from pathlib import Path
 
 from runner.common.errors import ConfigError, UserError
 from runner.common.registry import Registry
-from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.decode.decoders import DECODERS, concrete_decoder
 from runner.data.protocol import Storage, StorageKind
 from runner.data.sources.listing import EXTENSIONS, check_no_loop, is_image_name
@@ -145,6 +145,10 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
     kind = STORAGES[loader.name]
+    if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
+        # (its batched resample of mixed sizes fills the output: no pads)
+        raise ConfigError(f"loader.decoder={loader.decoder.value} has no "
+                          "dataset.crop=letterbox: use a CPU decoder (loader.decoder=auto)")
     if dataset is not None and dataset.targets.boxes:
         given = f"dataset.targets={dataset.targets.value}"
         if not kind.boxes:

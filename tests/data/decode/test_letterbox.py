@@ -241,3 +241,13 @@ def test_served_boxes_reaching_into_the_pads_are_clipped_to_the_source(tmp_path)
     join_parts(tmp_path / "r.json", [tmp_path / ".detections.parts" / "00000000.json"])
     rows = json.loads((tmp_path / "r.json").read_text())
     assert [r["bbox"] for r in rows] == [[12.5, 0.0, 175.0, 75.0], [31.25, 12.5, 31.25, 31.25]]
+
+
+def test_the_gpu_decoder_refuses_the_letterbox_in_one_line():
+    from runner.common.errors import ConfigError
+    from runner.config.schema import LoaderConfig, StorageName
+    from runner.data.storage import settle_loader
+
+    with pytest.raises(ConfigError, match="loader.decoder=nvjpeg has no dataset.crop=letterbox"):
+        settle_loader(LoaderConfig(name=StorageName.folder, decoder=Decoder.nvjpeg),
+                      DatasetConfig(crop=Crop.letterbox))
