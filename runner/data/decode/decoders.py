@@ -13,7 +13,9 @@ Every decoder goes through the same steps so they return the same pixels:
 4. the EXIF orientation is applied as tensor flips/transposes;
 5. the crop is resized to ``dataset.image_size`` (antialiased bilinear on uint8; none when
    the window is that size already; enlargements by the binding's bilinear,
-   ``upsample_job``).
+   ``upsample_job``); with ``dataset.crop=letterbox`` the whole image is resized with its
+   aspect kept into the middle of the output and the rest padded grey
+   (``ImageDecoder.place``, ``letterbox_place``).
 
 Anything the chosen decoder cannot read (a PNG, a PNG named .JPEG, a CMYK JPEG, a decoder
 error) falls back to PIL, which decodes nearly everything to RGB. Images stay uint8 (CHW)
