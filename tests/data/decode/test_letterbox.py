@@ -251,3 +251,14 @@ def test_the_gpu_decoder_refuses_the_letterbox_in_one_line():
     with pytest.raises(ConfigError, match="loader.decoder=nvjpeg has no dataset.crop=letterbox"):
         settle_loader(LoaderConfig(name=StorageName.folder, decoder=Decoder.nvjpeg),
                       DatasetConfig(crop=Crop.letterbox))
+
+
+def test_a_detector_on_photos_without_labels_is_letterboxed_unless_asked(caplog):
+    from runner.job.compose import compose
+
+    detector = ["model.name=ssdlite320_mobilenet_v3_large", "task=infer"]
+    assert compose(detector).dataset.crop is Crop.letterbox
+    assert compose(["task=infer"]).dataset.crop is Crop.center  # a classifier
+    with caplog.at_level(logging.WARNING):
+        assert compose([*detector, "dataset.crop=center"]).dataset.crop is Crop.center
+    assert caplog.text.count("centre crop cuts away") == 1
