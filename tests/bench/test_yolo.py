@@ -30,11 +30,20 @@ def test_the_targets_are_folder_2x_and_packed_3x_medians_of_rounds(capsys):
     assert "folder / ultralytics" in capsys.readouterr().out
 
 
-def test_without_ultralytics_the_row_says_how_to_install_it_and_fails(capsys, tmp_path):
-    python = tmp_path / "python"  # an interpreter that has no ultralytics
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
-    python.chmod(0o755)
-    why = missing(str(python))
+def test_without_ultralytics_the_row_says_how_to_install_it_and_fails(capsys, monkeypatch):
+    import subprocess
+
+    import runner.bench.yolo as yolo
+
+    asked = []
+
+    def probe(argv, **kwargs):  # the interpreter's answer: no ultralytics
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, 1)
+
+    monkeypatch.setattr(yolo.subprocess, "run", probe)
+    why = missing("/some/python")
+    assert asked[0][0] == "/some/python" and "find_spec('ultralytics')" in asked[0][-1]
     assert why == f"not installed: {INSTALL}" and "pip install ultralytics" in why
     rounds = [{"folder": rows(1, 1, 1)["folder"], "packed": rows(1, 1, 1)["packed"]}]
     checks = yolo_targets(rounds, why)
@@ -43,6 +52,7 @@ def test_without_ultralytics_the_row_says_how_to_install_it_and_fails(capsys, tm
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_one_round_reads_the_same_images_and_boxes_letterboxed_alike(tmp_path: Path):
     pytest.importorskip("ultralytics")
     import numpy as np
@@ -77,3 +87,11 @@ def test_one_round_reads_the_same_images_and_boxes_letterboxed_alike(tmp_path: P
     pad = (theirs == 114).all(0) & (mine == 114).all(0)
     assert pad[:10].all() and pad[-10:].all()  # 100 x 60 -> 96 x 58: grey above and below
     assert np.abs((theirs - mine).numpy()).mean() < 4  # cv2's INTER_AREA against PIL's
+
+
+@pytest.mark.process
+def test_an_interpreter_without_ultralytics_is_told_apart(tmp_path):
+    python = tmp_path / "python"  # the bench's interpreter with no site-packages
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    python.chmod(0o755)
+    assert missing(str(python)) == f"not installed: {INSTALL}"
