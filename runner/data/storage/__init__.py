@@ -145,10 +145,6 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
     kind = STORAGES[loader.name]
-    if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
-        # (its batched resample of mixed sizes fills the output: no pads)
-        raise ConfigError(f"loader.decoder={loader.decoder.value} has no "
-                          "dataset.crop=letterbox: use a CPU decoder (loader.decoder=auto)")
     if dataset is not None and dataset.targets.boxes:
         given = f"dataset.targets={dataset.targets.value}"
         if not kind.boxes:
@@ -168,6 +164,10 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
             raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                               f"loader.decoder={loader.decoder.value}: use a CPU decoder "
                               "(loader.decoder=auto)")
+    if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
+        # (its batched resample of mixed sizes fills the output: no pads)
+        raise ConfigError(f"loader.decoder={loader.decoder.value} has no "
+                          "dataset.crop=letterbox: use a CPU decoder (loader.decoder=auto)")
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))
         why = (" (it decodes on the GPU, every epoch)" if DECODERS[loader.decoder].cuda
