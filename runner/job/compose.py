@@ -38,6 +38,8 @@ from runner.job.commandline import (
 # (runner.data.storage and runner.model.networks import torch: they are imported where a
 # config that composed is checked, so --help, a typo and a completion answer without it)
 
+log = logging.getLogger(__name__)
+
 
 def check_models(config: Config) -> None:
     """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
@@ -45,6 +47,28 @@ def check_models(config: Config) -> None:
 
     for model in model_configs(config):
         check_model(model)
+
+
+def settle_detector_crop(config: Config, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """A detector never gets the centre crop unless asked: with detection targets
+    ``dataset.crop`` defaults to the letterbox already (``DatasetConfig``); a detector
+    (``model=`` or one of ``models=[...]``) on images without labels (new photos to serve)
+    gets it here unless ``dataset.crop`` was named, and a centre crop named is said once."""
+    from runner.config.schema import Crop
+    from runner.model.detectors import is_detector_config
+
+    dataset = config.dataset
+    if dataset.targets.boxes or dataset.crop is not Crop.center:
+        return  # (a centre crop asked with targets: said by check_targets)
+    detectors = [m.label for m in model_configs(config) if is_detector_config(m)]
+    if not detectors:
+        return
+    if any(o.lstrip("+").split("=", 1)[0] == "dataset.crop" for o in overrides):
+        log.warning("dataset.crop=center with the detector %s: the centre crop cuts away "
+                    "what lies near the sides (dataset.crop=letterbox, the detectors' "
+                    "default, keeps it)", ", ".join(detectors))
+        return
+    dataset.crop = Crop.letterbox
 
 
 def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -59,6 +83,7 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/config/rules.py)
+    settle_detector_crop(obj, overrides)
     from runner.data.storage import settle_loader
 
     # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
