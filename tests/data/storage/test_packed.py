@@ -545,7 +545,7 @@ def test_a_packed_detection_sets_boxes_follow_its_stored_images(tmp_path: Path, 
     base = ["dataset.targets=yolo", f"dataset.path={shapes}", "model=none", "logger=none",
             f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.image_size=[96,96]",
             "loader.batch_size=6", "loader.num_workers=0", "loader.shuffle=false",
-            f"loader.decoder={decoder}"]
+            "loader.drop_last=false", f"loader.decoder={decoder}"]  # every image
     from runner.data import build_data_path
 
     got = {}
