@@ -796,10 +796,8 @@ def serve_as_trained(config: Any, overrides: list[str]) -> list[str]:
     ``INPUT_KEYS`` (and, on the generated set, ``GENERATED_KEYS``) this run does not give
     on its command line is the checkpoint's; one given that differs is kept and said once.
     Returns the keys taken from the checkpoint."""
-    from runner.config.schema import TaskName
-
     model = config.model
-    if config.task.name is not TaskName.infer or config.models or not model.weights:
+    if config.task.name.trains or config.models or not model.weights:
         return []
     saved = trained_config(model.weights)
     if saved is None:
