@@ -1,6 +1,9 @@
 """``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep).
 
-What answers without running a job (``--help``, a typo's one line, a tab completion's
+``--help KEY`` (``--help loader.num_workers``, ``--help dataset``) prints what the key's
+declaration says (runner/config/keyhelp.py) without composing anything.
+
+What answers without running a job (``--help``, ``--help KEY``, a typo's one line, a tab completion's
 ``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
 (``runner.job.run``, imported inside ``main``) and with the checks that need them
 (runner/job/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
@@ -22,7 +25,7 @@ from omegaconf import DictConfig
 from runner.common.errors import EXIT_USER_ERROR
 from runner.config.schema import config_dir
 from runner.job import sweep
-from runner.job.commandline import check_command_line, help_page, register_configs
+from runner.job.commandline import check_command_line, help_page, key_help, register_configs
 from runner.job.compose import refusal, runs_nothing
 from runner.launch.outcome import (
     RunDirInUse,
@@ -62,6 +65,11 @@ def main(cfg: DictConfig) -> float:
 
 def cli() -> None:
     """The ``runner`` console script (and ``python -m runner``)."""
+    answer = key_help(sys.argv[1:])  # --help KEY: the key's declaration, nothing composed
+    if answer is not None:
+        text, status = answer
+        print(text, file=sys.stdout if status == 0 else sys.stderr)
+        sys.exit(status)
     check_command_line(sys.argv[1:])
     why = refusal(sys.argv[1:])  # every config error, before Hydra makes a run folder
     if why:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from runner.common.errors import EXIT_USER_ERROR, ConfigError
+from runner.config.schema import keys_where
 
 # scheme://userinfo@ : the userinfo is everything between // and the first @ before any
 # /, ?, # (a '@' further on belongs to the path: s3://bucket/a@2x.jpg is no credential);
@@ -57,8 +58,9 @@ def redacted(text: str, mask: str = "***@") -> str:
     return _USERINFO.sub(lambda m: m.group(1) + mask, text)
 
 
-# the keys whose values a store reads as URLs (runner/data/sources/)
-URL_KEYS = ("dataset.path", "dataset.val_path", "dataset.manifest", "dataset.endpoint_url")
+# the keys whose values a store reads as URLs (runner/data/sources/): declared on each field
+# (``key(..., url=True)``, runner/config/schema.py)
+URL_KEYS = keys_where("url")
 
 
 def _instead(key: str, text: str) -> str:

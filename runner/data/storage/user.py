@@ -54,7 +54,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from runner.common.errors import ConfigError
-from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName, import_target
+from runner.config.schema import (
+    DatasetConfig,
+    Decoder,
+    LoaderConfig,
+    StorageName,
+    import_target,
+    keys_where,
+)
 from runner.data.order import BatchOrder, split_padding, unpad
 from runner.data.protocol import (
     Probe,
@@ -71,11 +78,10 @@ from runner.measure import timeline
 log = logging.getLogger(__name__)
 
 KEY = "dataset.target"
-# the keys of an image folder and of loader= that your Dataset replaces (said once)
-NOT_APPLYING = ("loader= (the storage is your Dataset)", "loader.decoder", "loader.draft",
-                "dataset.path/manifest/labels", "dataset.crop/crop_fraction",
-                "dataset.store_size/store_side/store_quality", "dataset.on_corrupt",
-                "dataset.page_cache")
+# the keys of the runner's own reading of images that your Dataset replaces (said once):
+# declared on each field (``key(..., own_reading=True)``, runner/config/schema.py)
+NOT_APPLYING = tuple("loader= (the storage is your Dataset)" if k == "loader.name" else k
+                     for k in keys_where("own_reading"))
 
 
 class ItemError(ConfigError):
