@@ -61,7 +61,7 @@ def imported_modules(path: Path) -> set[str]:
 # below. The data path's stages follow a batch (runner/data/__init__.py): what every stage
 # agrees on (the storage protocol, the batch order, cores, worker pools), where bytes come
 # from, how they are decoded, the loader= storages, how batches are loaded, what happens on
-# the device, and the one constructor that assembles them. README.md's Layout says the same.
+# the device, and the one constructor that assembles them. docs/layout.md says the same.
 LAYERS: list[tuple[str, ...]] = [
     ("runner.common",),
     ("runner.config",),

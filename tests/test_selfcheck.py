@@ -125,7 +125,7 @@ def test_the_command_says_a_missing_dependency_in_one_line():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stdout.splitlines() == [
-        "missing the project's dependencies tensordict: bring them as wheels (README, "
+        "missing the project's dependencies tensordict: bring them as wheels (docs/gpu.md, "
         "'Self-check on an offline GPU node') and run again"]
 
 
