@@ -34,6 +34,7 @@ from runner.job.commandline import (
     composition_message,
     register_configs,
 )
+from runner.job.precheck import check_before_torch
 
 # (runner.data.storage and runner.model.networks import torch: they are imported where a
 # config that composed is checked, so --help, a typo and a completion answer without it)
@@ -51,6 +52,13 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
     """Resolve and validate a composed config; raises ConfigError naming the bad key.
     ``overrides``: what it was composed from, where known (a task key given to a task that
     does not read it is refused even at its default value)."""
+    obj = validated(cfg, overrides)
+    settle(obj)
+    return obj
+
+
+def validated(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The schema's checks and the rules across groups, without torch."""
     try:
         obj = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -59,13 +67,17 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/config/rules.py)
+    return obj
+
+
+def settle(obj: Config) -> None:
+    """The checks and defaults that need torch: the decoder, the models, the machine."""
     from runner.data.storage import settle_loader
 
     # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
     settle_loader(obj.loader, obj.dataset)
     check_models(obj)
     settle_machine(obj)
-    return obj
 
 
 def settle_machine(config: Config) -> None:
@@ -171,7 +183,9 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     with open_dict(cfg):
         del cfg["hydra"]
     try:
-        config = to_config(cfg, overrides)
+        config = validated(cfg, overrides)
+        check_before_torch(config)  # a missing folder, model or weights file: without torch
+        settle(config)
         from runner.data.storage import check_dataset_found  # torch: once the config is good
 
         # a dataset folder that is not there, or holds no image: said before the run folder
