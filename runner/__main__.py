@@ -1,10 +1,12 @@
 """``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep).
 
-``--help KEY`` (``--help loader.num_workers``, ``--help dataset``) prints what the key's
-declaration says (runner/config/keyhelp.py) without composing anything.
+``--cfg job`` prints the config as it will run on this machine, the defaults that depend on
+it settled (runner/job/compose.py's ``settled_page``). ``--help KEY`` (``--help
+loader.num_workers``, ``--help dataset``) prints what the key's declaration says
+(runner/config/keyhelp.py) without composing anything.
 
-What answers without running a job (``--help``, ``--help KEY``, a typo's one line, a tab completion's
-``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
+What answers without running a job (``--help``, ``--help KEY``, a typo's one line, a tab
+completion's ``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
 (``runner.job.run``, imported inside ``main``) and with the checks that need them
 (runner/job/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
 this.
@@ -26,7 +28,7 @@ from runner.common.errors import EXIT_USER_ERROR
 from runner.config.schema import config_dir
 from runner.job import sweep
 from runner.job.commandline import check_command_line, help_page, key_help, register_configs
-from runner.job.compose import refusal, runs_nothing
+from runner.job.compose import refusal, runs_nothing, settled_page
 from runner.launch.outcome import (
     RunDirInUse,
     RunDirUnusable,
@@ -75,7 +77,7 @@ def cli() -> None:
     if why:
         print(f"error: {why}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    page = help_page(sys.argv[1:])  # Hydra's page, without its five seconds of groups
+    page = help_page(sys.argv[1:]) or settled_page(sys.argv[1:])  # --help, --cfg job
     if page is not None:
         print(page)
         sys.exit(0)

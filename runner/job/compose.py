@@ -132,6 +132,29 @@ _PRINT_ONLY = {"-c", "--cfg", "--resolve", "-p", "--package"}
 MAX_JOBS_CHECKED = 64  # of a sweep's jobs, looking for one that can run
 
 
+def settled_page(argv: list[str]) -> str | None:
+    """``--cfg job`` (``-c job``) of one job: the config as it will run, with what
+    ``settle_loader`` and ``settle_machine`` decide for this machine made concrete
+    (``device``, ``loader.decoder``, ``loader.draft``, ``loader.pin_memory``,
+    ``loader.decode_threads``), not the presets' ``auto`` and unset values Hydra's page
+    shows; None for any other command line (Hydra's own page: ``--cfg hydra``, ``-p``, a
+    multirun, another config)."""
+    flags = [a for a in argv if a.startswith("-")]
+    shown = next((b for a, b in zip(argv, argv[1:], strict=False) if a in ("-c", "--cfg")),
+                 None)
+    if shown != "job" or set(flags) - {"-c", "--cfg", "--resolve"}:
+        return None
+    overrides, after_flag = [], False
+    for arg in argv:
+        if not arg.startswith("-") and not after_flag:
+            overrides.append(arg)
+        after_flag = arg in VALUE_FLAGS
+    config = compose(overrides)
+    return ("# the config as it will run on this machine (device, loader.decoder, draft, "
+            "pin_memory, decode_threads settled)\n"
+            + OmegaConf.to_yaml(OmegaConf.structured(config)))
+
+
 def runs_nothing(argv: list[str]) -> bool:
     """A flag after which Hydra runs no job (help, completion, --info): nothing to check,
     no run folder."""
