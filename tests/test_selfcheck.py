@@ -382,6 +382,7 @@ def test_the_reduce_on_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
     assert "masks 100.00% equal" in rows[1].figure
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_the_reduce_on_row_fails_when_host_gives_other_outputs(monkeypatch):
     import argparse
 
