@@ -37,7 +37,7 @@ from runner.job.compose import compose
 from runner.launch.distributed import Ranks, pick_device
 
 GROUPS = ("loader", "prefetch", "amp", "compile", "model", "task", "logger", "sweep")
-TOP_LEVEL = ("device", "seed", "diagnose", "profile", "models", "resume")
+TOP_LEVEL = ("device", "seed", "diagnose", "models", "resume")
 
 
 def _value(value: Any) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from runner.common.errors import ConfigError
+from runner.common.errors import ConfigError, raised_in_your_code
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -435,7 +435,7 @@ class DatasetConfig:
     store_quality: int = key(90, resume="must_match", own_reading=True,
                              shapes_outputs=True, at_least=1, at_most=100,
                              doc="JPEG quality of loader=packed's re-encoded images")
-    on_corrupt: OnCorrupt = key(OnCorrupt.skip, resume="free", own_reading=True,
+    on_corrupt: OnCorrupt = key(OnCorrupt.skip, resume="free",
                                 doc="an image that does not decode: skip (counted and reported) "
                                     "or fail")
     page_cache: PageCache = key(PageCache.warm, resume="free", own_reading=True,
@@ -460,6 +460,10 @@ class DatasetConfig:
                                  "module importable from the current folder, whose function "
                                  "returns a map-style or iterable torch Dataset of (image, label); "
                                  "in place of dataset.path (runner/data/storage/user.py)")
+    length: int | None = key(None, resume="must_match", at_least=1,
+                             doc="dataset.target's IterableDataset without __len__: the items of "
+                                 "one epoch (unset: counted by iterating it once, to at most what "
+                                 "run.steps reads or a million)")
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -528,10 +532,15 @@ class LoaderConfig:
                              doc="1: a full permutation per epoch; k > 1 shuffles runs of k "
                                  "consecutive images, which reads a memmap cache in longer "
                                  "contiguous stretches")
-    drop_last: bool = key(False, resume="must_match",
-                          doc="task=train: leave out each epoch's last, partial batch. task=infer "
-                              "ignores it (said once in the log, and false in the run's config): "
-                              "every image gets its outputs")
+    drop_last: bool | None = key(None, resume="must_match",
+                                 note=" (unset: training drops it, inference keeps it)",
+                                 doc="task=train: leave out each epoch's last, partial batch. "
+                                     "Unset: training leaves it out (said once, with the count), "
+                                     "as torchvision's and timm's train scripts do: a batch of one "
+                                     "fails BatchNorm, a short one weighs its images more; an "
+                                     "epoch smaller than one batch is kept whole. Validation and "
+                                     "task=infer read every image (true is ignored by task=infer, "
+                                     "said once in the log, and false in the run's config)")
     lanes: int | None = key(None, resume="fitted", at_least=1, note=" (unset: the number of nodes)",
                             doc="a sharded storage (loader=shards) under torch.distributed: each "
                                 "epoch's shards are dealt to this many lanes, whole, each lane "
@@ -680,6 +689,9 @@ def import_target(target: str, key: str) -> Any:
                           f"the current folder ({here}) or on PYTHONPATH; run from the folder "
                           f"that holds {module_name.replace('.', '/')}.py, or install its "
                           "package") from e
+    except Exception as e:  # the user's module itself fails: where, in their own file
+        raise ConfigError(f"{key}={target} cannot be imported: importing {module_name} "
+                          f"raised {raised_in_your_code(e)}; fix it there") from e
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -699,6 +711,12 @@ class AutoAugmentName(Enum):  # task.augment.auto: a policy of image operations 
     none = "none"
     randaugment = "randaugment"  # task.augment.ops operations at task.augment.magnitude
     trivialaugment = "trivialaugment"  # one operation at a random magnitude
+
+
+class AugmentOn(Enum):  # task.augment.on: where task.augment runs
+    device = "device"  # on the run's device, after the copy (batched kernels on a GPU)
+    cpu = "cpu"  # on the host batch, before the copy, in the thread that reads batches
+    both = "both"  # the geometric operations on the host, the colour ones on the device
 
 
 @dataclass
@@ -724,6 +742,10 @@ class AugmentConfig:
                         doc="> 0: CutMix, its box per image from Beta(this, this)")
     mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1,
                           doc="of an image being mixed at all (MixUp or CutMix, per image)")
+    on: AugmentOn = key(AugmentOn.device, resume="applied",
+                        doc="where it runs: device, cpu (the host batch, before the copy) or both "
+                            "(geometric operations on the host, colour on the device): -m "
+                            "task.augment.on=cpu,device,both")
 
     def __post_init__(self) -> None:
         check_declared(self, "task.augment")
@@ -963,6 +985,32 @@ class RunConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``profile.*``: a torch.profiler window (runner/measure/profile.py): trace.json and
+    its key_averages table in the run folder."""
+
+    enabled: bool = key(False, resume="free",
+                        doc="record a torch.profiler window: trace.json and profile_table.txt in "
+                            "the run folder")
+    skip_first: int = key(0, resume="free", at_least=0,
+                          doc="the schedule (torch.profiler.schedule): steps skipped once, then "
+                              "per cycle idle, warming up (recorded, thrown away) and recorded; "
+                              "repeat cycles (0: until the end)")
+    wait: int = key(2, resume="free", at_least=0, doc="steps idle in each cycle")
+    warmup: int = key(2, resume="free", at_least=0,
+                      doc="steps warming up in each cycle (recorded, thrown away)")
+    active: int = key(5, resume="free", at_least=1, doc="steps recorded in each cycle")
+    repeat: int = key(1, resume="free", at_least=0, note=" (0: cycles until the run ends)",
+                      doc="cycles of wait, warmup and active steps")
+    record_shapes: bool = key(False, resume="free", doc="each op's input shapes (its table too)")
+    profile_memory: bool = key(False, resume="free", doc="memory each op allocates and frees")
+    with_stack: bool = key(False, resume="free", doc="the Python stack of each op (costly)")
+
+    def __post_init__(self) -> None:
+        check_declared(self, "profile")
+
+
+@dataclass
 class Config:
     loader: LoaderConfig = MISSING
     prefetch: PrefetchConfig = MISSING
@@ -981,8 +1029,8 @@ class Config:
     diagnose: bool = key(True, resume="free",
                          doc="after the run, time each stage alone for a short burst and name the "
                              "bottleneck")
-    profile: bool = key(False, resume="free",
-                        doc="record a short torch.profiler window (trace.json in the run folder)")
+    # a torch.profiler window (profile.enabled=true: trace.json and profile_table.txt)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     cudnn_benchmark: bool = key(True, resume="free",
                                 doc="CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner "
                                     "picking the fastest kernels for each input shape on its first "

@@ -13,6 +13,13 @@ cannot be slower than the pipeline it is part of, so a stage whose ceiling is be
 pipeline's own figure (beyond the noise) is never named the limit; when the two slowest
 candidates are within each other's spread, the verdict says so instead of picking one.
 
+The system's counters over the timed windows (runner/measure/counters.py) and the storage
+tier of what the run read (runner/measure/storage_tier.py) are the verdict's evidence, each
+said with its fix where it crosses its line (``evidence``): a data-bound run whose CPUs sat
+in iowait names the iowait, the MB/s read and the tier; more workers than cores that were
+preempted names the involuntary context switches; a store read through major page faults
+names them.
+
 The verdict takes at most a tenth of the run's own time (its loop), or ``MIN_BUDGET``
 seconds when that is more (``budget_for``): the data path's probes get ``DATA_SHARE`` of
 it (all of it with ``model=none``), their bursts shortened to fit, and the model the rest,
@@ -64,6 +71,22 @@ PROBE_SECONDS = 0.12  # each burst's length (shorter where the verdict's budget 
 MIN_PROBE_SECONDS = 0.01  # ... but no shorter than this
 DATA_SHARE = 0.4  # of the verdict's budget, the data path's probes (the model's: the rest)
 MIN_NOISE = 0.1  # the smallest relative noise assumed for a figure (a 2-core shared machine)
+# the system's counters (runner/measure/counters.py) past which the verdict names them
+IOWAIT_HIGH = 0.05  # share of the machine's CPU time idle waiting for I/O
+PREEMPTED_PER_SEC = 1000  # involuntary context switches a second, with more workers than cores
+MAJOR_FAULTS_PER_SEC = 50  # page faults a second that read from the disk
+# what to try for each storage tier when the run waited on I/O
+TIER_FIX = {
+    "hdd": "copy the dataset to an SSD or NVMe, or use a packed store read in order "
+           "(loader=packed, loader=shards)",
+    "network": "copy the dataset to a local disk (or dataset.cache_dir on one), or read "
+               "shards (loader=shards) in large sequential requests",
+    "fuse": "read from the store the FUSE daemon fronts directly (a URL), or copy it locally",
+    "object store": "raise the read engine's requests in flight, or cache shards locally "
+                    "(dataset.cache_dir)",
+    "virtual": "a virtual disk's throughput is the host's quota: copy the dataset to local "
+               "NVMe or memory (/dev/shm) if the machine has them",
+}
 
 # what to try for the stages that are not the storage's (the storages' own advice is in
 # their registry records: runner.data.storage.advice)
@@ -440,7 +463,8 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         figures = {**figures, "images_per_sec": figures["images_per_sec"] / world}
     result = verdict(cfg, figures, ceilings, world, data.device.type == "cpu",
                      decoders=_parallelism(cfg, storage) if storage.decodes_per_epoch else 0)
-    result.storage = read
+    result.storage = read if "storage_tier" not in figures else \
+        {**(read or {}), "tier": figures["storage_tier"].get("tier")}
     result.models = alone
     if alone:  # which model holds the pass back
         each = ", ".join(f"{name} {m['images_per_sec']:,.0f}" for name, m in alone.items())
@@ -590,6 +614,37 @@ def word(cfg: Config, r: Reading, world: int = 1, decoders: int = 0) -> str:
     return f"model-bound: {figures}{tail}{disturbed}; {waited}: {ADVICE['model']}"
 
 
+def evidence(cfg: Config, figures: dict[str, Any], bound: str | None) -> list[str]:
+    """What the system's counters say, each with its fix, where they cross their line:
+    iowait and the storage tier (data-bound), the context switches of more workers than
+    cores, the major page faults of a store read through them."""
+    found = []
+    tier = figures.get("storage_tier") or {}
+    iowait = figures.get("iowait_frac")
+    if bound == "data" and iowait is not None and iowait >= IOWAIT_HIGH:
+        where = tier.get("tier", "unknown")
+        found.append(
+            f"I/O bound: the CPUs sat in iowait {iowait:.0%} of the time while "
+            f"{figures.get('disk_read_mb_per_sec') or 0:,.1f} MB/s came off the disk; "
+            f"dataset.path is on {tier.get('what', 'unknown')} ({tier.get('device') or where}): "
+            + TIER_FIX.get(where, "warm the page cache (dataset.page_cache=warm) or use a "
+                                  "store decoded once (loader=memmap, loader=ram)"))
+    workers, preempted = cfg.loader.num_workers, figures.get("ctx_switches_involuntary_per_sec")
+    if workers > cores() and preempted is not None and preempted >= PREEMPTED_PER_SEC:
+        found.append(f"too many workers: {workers} loader workers on {cores()} cores were "
+                     f"preempted {preempted:,.0f} times a second (involuntary context "
+                     f"switches, {figures.get('ctx_switches_per_sec') or 0:,.0f} voluntary): "
+                     f"try loader.num_workers={cores()}")
+    faults = figures.get("page_faults_major_per_sec")
+    if bound == "data" and faults is not None and faults >= MAJOR_FAULTS_PER_SEC:
+        found.append(f"read through page faults: {faults:,.0f} major page faults a second "
+                     "(each a disk read of a page the cache did not hold): warm the page "
+                     "cache (dataset.page_cache=warm, enough memory for the store), read "
+                     "in order (a store's pages fault in sequence, read ahead), or use "
+                     "loader=ram")
+    return found
+
+
 def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str, float],
             world: int = 1, cpu: bool = False, decoders: int = 0) -> Verdict:
     """Name the stage that limits this run, from its figures and the stage ceilings.
@@ -603,6 +658,9 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
             ("min", "q1", "median", "q3", "max"), v) for k, v in ceilings.items()})
     reading = classify(figures, ceilings, cpu, decoders)
     sentence = word(cfg, reading, world, decoders)
+    if reading.disturbed is None:
+        sentence = " ".join([sentence, *(f"{e[0].upper()}{e[1:]}." for e in
+                                          evidence(cfg, figures, reading.bound))])
     if reading.disturbed is not None:  # "no verdict": neither field may name one
         return Verdict(None, None, sentence, ceilings.median, spread=ceilings.spread)
     return Verdict(reading.bound, reading.stage, sentence, ceilings.median,

@@ -169,7 +169,8 @@ class Job:
                  results.describe(cfg), data.storage.root, plural(len(data.storage), "image"),
                  plural(len(data.classes), "class"), plural(total_steps, "step"), warmup,
                  device, f" x {ranks.world} ranks" if ranks.enabled else "")
-        profiler = profile.build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
+        profiler = profile.build_profiler(self.run_dir, device, total_steps, **to_plain(
+            cfg.profile)) if cfg.profile.enabled and ranks.main else None
         ctx.clock = clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         on_step = task.on_step()
@@ -187,6 +188,8 @@ class Job:
         # complete: every step of the plan ran (a signal after the last one changes nothing)
         complete = result.steps >= total_steps
         figures = self._figures(result, complete, profiler is not None)
+        if clock.gpu_note:
+            figures["gpu_counters_note"] = clock.gpu_note
         if result.interrupted is None and self.signals and self.signals.received:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
         if task.resumed is not None:  # this run's own figures, and where it started

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.common.atomic import replacing
+from runner.common.atomic import replacing, unreadable
 from runner.common.errors import ConfigError, Diverged, UserError
 from runner.config.schema import keys_where
 from runner.data.threads import cuda_index
@@ -148,6 +148,11 @@ def keep_drop_last(state: dict[str, Any], config: Any, path: str | Path) -> None
     the log where one process would have kept it), so its epochs hold the checkpoint's
     steps and each global step the same images."""
     loader = (state.get("config") or {}).get("loader")
+    if (config is not None and config.loader.drop_last is None and isinstance(loader, dict)
+            and isinstance(loader.get("drop_last"), bool)):
+        # unset: the checkpoint's choice (one written when unset meant false keeps its
+        # epochs' last short batch), so its epochs stay the checkpoint's
+        config.loader.drop_last = loader["drop_last"]
     if saved_world(state) <= 1 or not isinstance(loader, dict):
         return
     loader["drop_last"] = True
@@ -352,14 +357,43 @@ def data_fingerprint(storage: Any) -> dict[str, Any]:
     """What defines a run's data beyond its config: the images an epoch reads (their count,
     names and labels, in storage order) and the classes. A file added, removed or renamed,
     or a class renamed, changes it. It keeps the class names too (``class_names``), so a
-    checkpoint given as ``model.weights`` names the classes it predicts."""
+    checkpoint given as ``model.weights`` names the classes it predicts, and a COCO set's
+    category ids (``category_ids``, one per class), so its detections are served under
+    the ids it was trained with (runner/tasks/infer/coco_results.py)."""
     digest = hashlib.sha256("\n".join(storage.classes).encode())
     labels = storage.label_tensor().tolist()
     for i in range(len(storage)):
         digest.update(f"\n{storage.name_of(i)}\t{labels[i]}".encode(errors="backslashreplace"))
-    return {"images": len(storage), "classes": len(storage.classes),
-            "digest": digest.hexdigest()[:16], "class_names": list(storage.classes),
-            "order": order_kind(storage)}
+    found = {"images": len(storage), "classes": len(storage.classes),
+             "digest": digest.hexdigest()[:16], "class_names": list(storage.classes),
+             "order": order_kind(storage)}
+    ids = getattr(getattr(storage, "targets", None), "category_ids", None)
+    if ids is not None:
+        found["category_ids"] = [int(i) for i in ids]
+    return found
+
+
+def saved_category_ids(path: str | Path | None) -> list[int] | None:
+    """The COCO category ids (one per class) the runner checkpoint at ``path`` was trained
+    with (``data_fingerprint``'s); None for a plain state_dict, a checkpoint trained
+    without them, or a file that cannot be read (building the model from it says why).
+    Memory-mapped: the weights are not read."""
+    if not path:
+        return None
+    file = Path(path).expanduser()
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an old (not zip) file cannot be mapped: read it
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception:
+            return None
+    if not (isinstance(state, dict) and "model" in state and "epoch" in state):
+        return None
+    ids = (state.get("data") or {}).get("category_ids")
+    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+        return ids
+    return None
 
 
 def order_kind(storage: Any) -> str:
@@ -531,7 +565,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"resume={path} cannot be read: {e}") from e
+        raise CheckpointError(f"resume={path} {unreadable(file, e)}") from e
     missing = {"model", "optimizer", "scaler", "epoch"} - set(state)
     if missing:
         raise CheckpointError(f"resume={path} is not a runner checkpoint (no "

@@ -253,3 +253,32 @@ def test_the_verdicts_model_probe_trains_a_detector_on_boxes():
     step = make_step(config.task, {"det": model}, AmpConfig(AmpName.off), CPU, total_steps=8)
     rates = diagnose.model_ceiling(step, config, 3, CPU, budget=0.5)
     assert rates and all(r > 0 for r in rates) and step.steps >= 2
+
+
+def test_the_verdict_names_the_counters_that_explain_it_each_with_its_fix():
+    """iowait and the storage tier for an I/O-bound run, the involuntary context switches
+    of more workers than cores, the major page faults of a store read through them; none
+    of them where the counters are quiet."""
+    from runner.job import diagnose
+    from runner.job.diagnose import verdict
+
+    cores = diagnose.cores()
+    cfg = compose(["model=tiny", f"loader.num_workers={cores + 2}"])
+    ceilings = {"read": 300.0, "decode": 5000.0, "model": 9000.0}
+    quiet = {"images_per_sec": 290.0, "data_wait_frac": 0.8, "spread_frac": 0.05,
+             "iowait_frac": 0.0, "ctx_switches_per_sec": 100.0,
+             "ctx_switches_involuntary_per_sec": 10.0, "page_faults_major_per_sec": 0.0,
+             "disk_read_mb_per_sec": 0.0, "storage_tier": {"tier": "hdd", "what": "HDD",
+                                                          "device": "sdb"}}
+    calm = verdict(cfg, quiet, ceilings)
+    assert calm.bound == "data"
+    for words in ("iowait", "context switches", "page faults"):
+        assert words not in calm.sentence
+    busy = {**quiet, "iowait_frac": 0.3, "disk_read_mb_per_sec": 80.0,
+            "ctx_switches_involuntary_per_sec": 5000.0, "page_faults_major_per_sec": 900.0}
+    v = verdict(cfg, busy, ceilings).sentence
+    assert "I/O bound: the CPUs sat in iowait 30%" in v and "80.0 MB/s" in v
+    assert "HDD (sdb)" in v and "SSD or NVMe" in v  # the tier and its fix
+    assert f"{cores + 2} loader workers on {cores} cores" in v
+    assert "5,000 times a second" in v and f"loader.num_workers={cores}" in v
+    assert "900 major page faults a second" in v and "loader=ram" in v

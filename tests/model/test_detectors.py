@@ -190,3 +190,27 @@ def test_under_autocast_the_network_still_gets_float32_images():
     assert seen == [torch.float32, torch.float32]
     assert math.isfinite(float(total_loss(losses).detach()))
     assert out["boxes"].dtype == out["box_scores"].dtype == torch.float32
+
+
+def test_a_classifiers_checkpoint_given_to_a_detector_is_named_so_not_told_replace_head(
+        tmp_path):
+    """A classifier's runner checkpoint (10 class names) as a detector's model.weights:
+    model.replace_head would not make it load (it replaces a detector's class head, not a
+    backbone), so the one line says what the file is and what to do instead."""
+    import torchvision
+
+    from runner.config.schema import ModelConfig
+    from runner.model.detectors import detector_classes
+
+    name = "fasterrcnn_mobilenet_v3_large_320_fpn"
+    cfg = ModelConfig(name=name, weights=str(tmp_path / "classifier.pt"))
+    state = torchvision.models.resnet18(num_classes=10).state_dict()
+    with pytest.raises(ConfigError, match=rf"classifier.pt is not a {name} checkpoint: .* "
+                                          r"tensors are missing .* \(e.g. \S+: a "
+                                          r"classifier's\?\).*drop model.weights") as e:
+        detector_classes(cfg, 3, state, [str(k) for k in range(10)], True)
+    assert "set model.replace_head=true" not in str(e.value)
+    # a detector's own weights of another class count still get the hint
+    own = build_detector(name, 10, (64, 64))[1].state_dict()
+    with pytest.raises(ConfigError, match="model.replace_head=true"):
+        detector_classes(cfg, 3, own, [str(k) for k in range(10)], True)

@@ -229,15 +229,21 @@ def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
     return order
 
 
-def drops_remainder(config: Config, world: int, every_image: bool = False) -> bool:
+def drops_remainder(config: Config, world: int, every_image: bool = False,
+                    images: int | None = None) -> bool:
     """Whether an epoch drops the images after its last whole global batch: with
     ``loader.drop_last``, and when training on several ranks, where a padded last batch
     would weigh its ranks' images unlike their peers' in the all-reduced gradient and
-    change with the world size. ``every_image`` (validation, like inference): never; the
-    last batches are padded and masked instead, so every image counts once."""
+    change with the world size. Unset, training on one process drops them too (a batch of
+    one fails BatchNorm: torchvision's and timm's train scripts drop it), unless the epoch's
+    ``images`` hold no whole batch. ``every_image`` (validation, like inference): never;
+    the last batches are padded and masked instead, so every image counts once."""
     if every_image:
         return False
-    return config.loader.drop_last or (config.task.name.trains and world > 1)
+    trains, asked = config.task.name.trains, config.loader.drop_last
+    if asked is None:
+        return trains and (world > 1 or images is None or images >= config.loader.batch_size)
+    return asked or (trains and world > 1)
 
 
 def check_lanes(lanes: int, nodes: int, global_batch: int) -> None:

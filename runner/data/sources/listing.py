@@ -42,6 +42,7 @@ from typing import Any
 
 from runner.common.errors import ConfigError, UserError
 from runner.common.text import printable
+from runner.config.credentials import redacted
 from runner.config.schema import DatasetConfig, Labels, Split
 
 log = logging.getLogger(__name__)
@@ -425,7 +426,9 @@ def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
             raise DatasetError(f"dataset.manifest={path}, {where}: the path is empty or not "
                                "text; give each image's path, relative to the manifest's "
                                "folder")
-        files.append(str(root / value.strip()))
+        # a row's URL credentials (http://bob:pw@host/b.jpg) are never kept: the path is
+        # printed and stored (skipped_files) as every config value is, with *** in their place
+        files.append(str(root / redacted(value.strip())))
     given = [not (row.get("label") is None or (isinstance(row["label"], str)
                                                and not row["label"].strip()))
              for _, row in rows]
@@ -455,6 +458,11 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
     if dataset.val_fraction > 0:
         listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
                                 dataset.split is Split.val)
+    elif dataset.split is Split.val:  # the runner sets it only with a split to read
+        raise DatasetError(f"dataset.split=val: {printable(str(path))} has no val split (no "
+                           "dataset.val_fraction holds one out): drop dataset.split to read "
+                           f"all its {len(listing.samples)} images, or point dataset.path at "
+                           "the validation images")
     return listing
 
 

@@ -184,9 +184,10 @@ def settle_user(loader: LoaderConfig, dataset: DatasetConfig) -> None:
 
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                  progress: bool = True) -> Storage:
+                  progress: bool = True, needed: int | None = None) -> Storage:
     """The storage ``loader.name`` asks for, over the image folder at ``path`` (a URL:
-    only storages whose record says ``urls`` read one)."""
+    only storages whose record says ``urls`` read one); ``needed``: the items the run's
+    steps read, for a storage that ``counts_items``."""
     kind = STORAGES[loader.name]
     if is_url(path) and not kind.urls:
         readers = " or ".join(f"loader={k.name.value}" for k in STORAGES.values() if k.urls)
@@ -201,6 +202,8 @@ def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                           f"and reading dataset.path={path} does not survive a fork: use "
                           "loader.num_workers=0 (decode threads, one per core; the fetches "
                           "run on an I/O thread of their own)")
+    if kind.counts_items:
+        return kind.open(loader, dataset, path, progress, needed=needed)
     return kind.open(loader, dataset, path, progress)
 
 

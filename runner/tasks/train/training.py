@@ -108,6 +108,7 @@ class TrainTask(TaskBase):
                               "shard's sample without a .cls member, a manifest row without "
                               "a label); unlabelled images serve task=infer only: label them, "
                               "or leave them out")
+        check_head_size(self.config, data.classes)
         classes = self.config.model.classes
         if classes is not None:  # it names an inference's outputs; said, not silently ignored
             log.warning("model.classes=%s is not used in training: the classes are the "
@@ -241,6 +242,21 @@ DETECTOR_BEST = "val_map"  # what a detector's best checkpoint is chosen by, by 
 
 def is_detector_run(config: Config) -> bool:
     return is_detector_config(config.model)
+
+
+def check_head_size(config: Config, classes: list[str]) -> None:
+    """A classifier's ``model.num_classes`` that holds every class of the data: a label at
+    or beyond it would fail the loss at its first batch (``Target 3 is out of bounds``)."""
+    asked = config.model.num_classes
+    if asked is None or config.dataset.targets.boxes or is_detector_run(config) \
+            or len(classes) <= asked:
+        return
+    names = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
+    raise ConfigError(f"model.num_classes={asked}, and the data's labels run to "
+                      f"{len(classes) - 1} ({len(classes)} classes: {names}): a head of "
+                      f"{asked} outputs cannot learn labels {asked}..{len(classes) - 1}; set "
+                      f"model.num_classes={len(classes)}, or leave it unset (the head is "
+                      "sized from the data), or fix the labels")
 
 
 def check_detector_task(config: Config) -> None:
