@@ -21,14 +21,13 @@ here is checked again, fully, by the job (runner/job/compose.py's ``to_config``)
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import re
 from functools import cache
 from pathlib import Path
 
 from runner.common.errors import ConfigError
-from runner.config.rules import model_configs
+from runner.config.rules import model_configs, unknown_model
 from runner.config.schema import NO_MODEL, Config, ModelSource
 from runner.data.sources.listing import check_path_exists
 from runner.data.sources.url import is_url
@@ -73,13 +72,7 @@ def check_before_torch(config: Config) -> None:
         known = torchvision_names()
         if model.source is ModelSource.torchvision and known is not None \
                 and model.name not in known and model.name not in OWN_NAMES:
-            close = difflib.get_close_matches(model.name, [*known, *OWN_NAMES], n=1)
-            meant = f" Did you mean model.name={close[0]}?" if close else ""
-            raise ConfigError(
-                f"model.name={model.name} is not a torchvision classification, segmentation "
-                f"or detection model, nor the runner's own (tiny, none).{meant} Choose one "
-                "of torchvision's (e.g. resnet50, efficientnet_b0, convnext_tiny, "
-                "deeplabv3_mobilenet_v3_large), or model=timm / model=custom")
+            raise unknown_model(model.name, known)
         if model.weights is not None and not Path(model.weights).expanduser().is_file():
             raise ConfigError(f"model.weights={model.weights}: no such file (a local "
                               "state_dict saved with torch.save(model.state_dict(), PATH), or "
