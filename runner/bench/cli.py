@@ -98,6 +98,9 @@ def command_line() -> argparse.ArgumentParser:
     from runner.bench.pairs import add_parser as add_pairs
 
     add_pairs(sub, [sized, written])
+    from runner.bench.yolo import add_parser as add_yolo
+
+    add_yolo(sub, [written])
     sub.add_parser("selfcheck", add_help=False,  # its own command line: main() hands it over
                    help="every GPU claim, a row each that can fail (python -m runner.selfcheck;"
                         " selfcheck --help)").set_defaults(overrides=[])
@@ -132,6 +135,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from runner.bench.pairs import bench_pairs
 
         return run_with_targets("pairs", bench_pairs, args)
+    if args.command == "yolo":
+        from runner.bench.yolo import bench_yolo
+
+        return run_with_targets("yolo", bench_yolo, args)
     if args.command == "infer":
         from runner.bench.ablation import bench_infer_parts
 

@@ -217,6 +217,10 @@ class Crop(Enum):
     center = "center"  # the centred dataset.crop_fraction of the shorter side, resized
     random = "random"  # random-resized-crop + horizontal flip (training augmentation)
     whole = "whole"  # the whole image resized to image_size, no crop (dense outputs: masks)
+    # the whole image, aspect kept, resized to fit image_size and padded (grey 114, as
+    # ultralytics' YOLO pads): a detector's boxes neither cut away nor stretched
+    letterbox = "letterbox"
+    auto = "auto"  # letterbox for detection targets (dataset.targets), center otherwise
 
 
 class StoreSide(Enum):  # which side of an image dataset.store_size sets
@@ -404,11 +408,13 @@ class DatasetConfig:
                        doc="JPEG quality of the generated default dataset")
     image_size: list[int] = key(factory=lambda: [224, 224], resume="must_match",
                                 doc="(H, W) fed to the model")
-    crop: Crop = key(Crop.center, resume="must_match", own_reading=True,
+    crop: Crop = key(Crop.auto, resume="must_match", own_reading=True,
                      doc="center (the centred dataset.crop_fraction of the shorter side, "
-                         "resized), random (random-resized crop and flip: training augmentation) "
-                         "or whole (the whole image resized to image_size, no crop: dense "
-                         "outputs)")
+                         "resized), random (random-resized crop and flip: training augmentation), "
+                         "whole (the whole image resized to image_size, no crop: dense outputs), "
+                         "letterbox (the whole image, aspect kept, padded grey 114: a detector's "
+                         "boxes neither cut away nor stretched); auto, unset: letterbox for a "
+                         "detector's boxes, center otherwise (made concrete before the run)")
     crop_fraction: float = key(0.875, resume="must_match", own_reading=True,
                                shapes_outputs=True, above=0, at_most=1,
                                note=": 0.875 for resize-256-crop-224, 1.0 for the whole "
@@ -475,6 +481,8 @@ class DatasetConfig:
                 "give [height, width], both >= 1, e.g. dataset.image_size=[224,224]",
             )
         check_declared(self, "dataset")
+        if self.crop is Crop.auto:  # a detector never gets the centre crop unless asked
+            self.crop = Crop.letterbox if self.targets.boxes else Crop.center
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
@@ -487,6 +495,15 @@ class DatasetConfig:
             _require(int(self.store_size) >= int(side), "dataset.store_size", self.store_size,
                      f"must be at least the {self.store_side.value} side of dataset.image_size="
                      f"{list(self.image_size)} ({side}): crops are taken from the stored image")
+
+
+def schema_dataset() -> DatasetConfig:
+    """``dataset``'s defaults as the composed config's schema holds them: ``dataset.crop``
+    still ``auto`` (a DatasetConfig made from the composed values decides it, by its
+    targets; one made here would have decided it without them)."""
+    dataset = DatasetConfig()
+    dataset.crop = Crop.auto
+    return dataset
 
 
 @dataclass
@@ -547,6 +564,13 @@ class LoaderConfig:
                                 "read by one node's ranks (a node fetches about 1/nodes of the "
                                 "bytes); unset: the number of nodes. The order depends on it, so a "
                                 "resume keeps the checkpoint's, on a node count that divides it")
+    group_aspect: bool = key(False, resume="must_match",
+                             doc="batches of images of one aspect-ratio bin (torchvision's "
+                                 "GroupedBatchSampler, ultralytics' rect order) for "
+                                 "dataset.crop=whole or letterbox; every image still read once per "
+                                 "epoch (each bin's rest a short batch of its own), the order "
+                                 "still a function of the seed and epoch; the sizes from the "
+                                 "detection labels (dataset.targets)")
     batched: bool = key(False, resume="free",
                         doc="one __getitems__ call per batch instead of one call per image")
     decode_threads: int | None = key(None, resume="free", at_least=0,
@@ -746,6 +770,15 @@ class AugmentConfig:
                         doc="where it runs: device, cpu (the host batch, before the copy) or both "
                             "(geometric operations on the host, colour on the device): -m "
                             "task.augment.on=cpu,device,both")
+    mosaic: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)",
+                        doc="detection (dataset.targets): probability of an image being a mosaic "
+                            "of four images of its batch (ultralytics' mosaic: a random centre, "
+                            "each quadrant a part of one image), its boxes moved with them, "
+                            "clipped at the quadrants' edges")
+    box_crop: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)",
+                          doc="detection: > 0, a random-resized crop (area share from this to 1, "
+                              "aspect 3/4 to 4/3) and a horizontal flip per image, after the "
+                              "mosaic, its boxes moved with it")
 
     def __post_init__(self) -> None:
         check_declared(self, "task.augment")
@@ -753,7 +786,7 @@ class AugmentConfig:
     @property
     def active(self) -> bool:
         return bool(self.color_jitter or self.erasing or self.mixup or self.cutmix
-                    or self.auto is not AutoAugmentName.none)
+                    or self.mosaic or self.box_crop or self.auto is not AutoAugmentName.none)
 
 
 @dataclass
@@ -1019,7 +1052,7 @@ class Config:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     logger: LoggerConfig = MISSING
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: DatasetConfig = field(default_factory=lambda: schema_dataset())
     run: RunConfig = field(default_factory=RunConfig)
     device: Device = key(Device.auto, resume="applied",
                          doc="auto: cuda when there is one (made concrete before the run: the "

@@ -425,6 +425,12 @@ def bad_value_message(override: str, full_key: str, value: Any, reason: str) -> 
         example = f", e.g. {key}={_plain_value(default)}" if default else ""
         return f"{head} {key} takes a list{example}"
     kind = typing.get_args(hint)[0] if listed else hint
+    if dataclasses.is_dataclass(kind):  # a group of keys given one value (profile=true)
+        names = list(kind.__dataclass_fields__)
+        first = getattr(kind(), names[0])  # e.g. profile.enabled: the switch, turned
+        example = _plain_value(not first if isinstance(first, bool) else first)
+        return (f"{head} {key} is a group of keys ({', '.join(f'{key}.{k}' for k in names)})"
+                f": set one, e.g. {key}.{names[0]}={example}")
     if isinstance(kind, type) and issubclass(kind, Enum):
         choices = [m.value for m in kind]
         close = difflib.get_close_matches(str(value), choices, n=1)

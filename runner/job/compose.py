@@ -39,6 +39,8 @@ from runner.job.precheck import check_before_torch
 # (runner.data.storage and runner.model.networks import torch: they are imported where a
 # config that composed is checked, so --help, a typo and a completion answer without it)
 
+log = logging.getLogger(__name__)
+
 
 def check_models(config: Config) -> None:
     """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
@@ -48,12 +50,34 @@ def check_models(config: Config) -> None:
         check_model(model)
 
 
+def settle_detector_crop(config: Config, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """A detector never gets the centre crop unless asked: with detection targets
+    ``dataset.crop`` defaults to the letterbox already (``DatasetConfig``); a detector
+    (``model=`` or one of ``models=[...]``) on images without labels (new photos to serve)
+    gets it here unless ``dataset.crop`` was named, and a centre crop named is said once."""
+    from runner.config.schema import Crop
+    from runner.model.detectors import is_detector_config
+
+    dataset = config.dataset
+    if dataset.targets.boxes or dataset.crop is not Crop.center:
+        return  # (a centre crop asked with targets: said by check_targets)
+    detectors = [m.label for m in model_configs(config) if is_detector_config(m)]
+    if not detectors:
+        return
+    if any(o.lstrip("+").split("=", 1)[0] == "dataset.crop" for o in overrides):
+        log.warning("dataset.crop=center with the detector %s: the centre crop cuts away "
+                    "what lies near the sides (dataset.crop=letterbox, the detectors' "
+                    "default, keeps it)", ", ".join(detectors))
+        return
+    dataset.crop = Crop.letterbox
+
+
 def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Resolve and validate a composed config; raises ConfigError naming the bad key.
     ``overrides``: what it was composed from, where known (a task key given to a task that
     does not read it is refused even at its default value)."""
     obj = validated(cfg, overrides)
-    settle(obj)
+    settle(obj, overrides)
     return obj
 
 
@@ -70,8 +94,10 @@ def validated(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
     return obj
 
 
-def settle(obj: Config) -> None:
-    """The checks and defaults that need torch: the decoder, the models, the machine."""
+def settle(obj: Config, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """The checks and defaults that need torch: a detector's crop, the decoder, the models,
+    the machine."""
+    settle_detector_crop(obj, overrides)  # (its detector check imports torch)
     from runner.data.storage import settle_loader
 
     # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
@@ -208,7 +234,7 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     try:
         config = validated(cfg, overrides)
         check_before_torch(config)  # a missing folder, model or weights file: without torch
-        settle(config)
+        settle(config, overrides)
         from runner.data.storage import check_dataset_found  # torch: once the config is good
 
         # a dataset folder that is not there, or holds no image: said before the run folder

@@ -47,7 +47,7 @@ from runner.measure import profile, timeline
 from runner.measure.clock import StepClock
 from runner.measure.metrics import MetricLogger, NullLogger
 from runner.model.amp import check_amp
-from runner.tasks import RunContext, Task, results, task_for
+from runner.tasks import RunContext, Task, checkpoint, results, task_for
 from runner.tasks.infer import outputs
 from runner.tasks.infer.predictions import merge_rank_files
 from runner.tasks.loop import LoopOptions, LoopResult, run_loop
@@ -87,6 +87,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         stack.enter_context(signals.installed())
         try:
             config = to_config(cfg)  # every check runs here, before any work
+            # task=infer of a runner checkpoint: at the inputs it was trained on
+            checkpoint.serve_as_trained(config, list(hydra_cfg.overrides.task))
             metrics["config"] = to_plain(config)
             job = Job(config, run_dir, hydra_cfg, ranks, signals, on_progress=lambda fig: (
                 ranks.main and outcome.save_metrics(run_dir / "metrics.json",

@@ -759,3 +759,91 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "",
     log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,
              f"{state['epoch']:g}", state.get("steps", 0),
              (state.get("losses") or {}).get("loss_last"))
+
+
+# What shapes a model's inputs, kept in its checkpoint's config: ``task=infer`` with the
+# checkpoint as model.weights serves at them unless the command line gives one
+# (``serve_as_trained``): a model trained at 128 px and served at the default 224 lost
+# most of its mAP without a word
+INPUT_KEYS = ("dataset.image_size", "dataset.crop", "dataset.crop_fraction", "model.mean",
+              "model.std", "model.image_size")
+# ... and, where both runs read the generated default or shapes set (no dataset.path,
+# manifest or target), what generates the set and splits it
+GENERATED_KEYS = ("dataset.num_images", "dataset.num_classes", "dataset.source_size",
+                  "dataset.quality", "dataset.val_fraction", "dataset.split_seed")
+SOURCE_KEYS = ("dataset.path", "dataset.manifest", "dataset.target")
+
+
+def _given(overrides: list[str]) -> set[str]:
+    """The keys an override list sets (``+``/``~`` and the value left out)."""
+    return {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides if "=" in o}
+
+
+def trained_config(path: str) -> dict[str, Any] | None:
+    """The config a runner checkpoint at ``path`` was trained with (None: a bare
+    state_dict, or a file that does not read: build_model says why)."""
+    try:
+        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True,
+                           mmap=True)
+    except Exception:
+        return None
+    config = state.get("config") if isinstance(state, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def serve_as_trained(config: Any, overrides: list[str]) -> list[str]:
+    """``task=infer`` with one model whose ``model.weights`` is a runner checkpoint: each of
+    ``INPUT_KEYS`` (and, on the generated set, ``GENERATED_KEYS``) this run does not give
+    on its command line is the checkpoint's; one given that differs is kept and said once.
+    Returns the keys taken from the checkpoint."""
+    from runner.config.schema import TaskName
+
+    model = config.model
+    if config.task.name is not TaskName.infer or config.models or not model.weights:
+        return []
+    saved = trained_config(model.weights)
+    if saved is None:
+        return []
+    keys = list(INPUT_KEYS)
+    mine = to_plain_config(config)
+    if all(_value(saved, k) is None for k in SOURCE_KEYS) and all(
+            _value(mine, k) is None for k in SOURCE_KEYS):
+        keys += GENERATED_KEYS
+    given, taken, kept = _given(overrides), [], []
+    for key in keys:
+        if not _has(saved, key) or _value(saved, key) == _value(mine, key):
+            continue
+        if key in given:
+            kept.append(f"{key}={_value(mine, key)} (trained: {_value(saved, key)})")
+            continue
+        _assign(config, key, _value(saved, key))
+        taken.append(f"{key}={_value(saved, key)}")
+    if taken:
+        log.info("model.weights=%s: served as it was trained: %s (give a key to serve "
+                 "otherwise)", model.weights, ", ".join(taken))
+    if kept:
+        log.warning("model.weights=%s was trained otherwise than this run serves it: %s; "
+                    "its outputs are for inputs it did not learn from (drop the key to "
+                    "serve as trained)", model.weights, ", ".join(kept))
+    return taken
+
+
+def to_plain_config(config: Any) -> dict[str, Any]:
+    from runner.config.schema import to_plain
+
+    return to_plain(config)
+
+
+def _assign(config: Any, key: str, value: Any) -> None:
+    """``config``'s ``key`` (dotted) set to a checkpoint's plain ``value`` (an enum's by
+    its value)."""
+    import enum
+
+    *parents, leaf = key.split(".")
+    holder = config
+    for part in parents:
+        holder = getattr(holder, part)
+    current = getattr(holder, leaf)
+    if isinstance(current, enum.Enum):
+        value = type(current)(value)
+    setattr(holder, leaf, list(value) if isinstance(value, list | tuple) else value)

@@ -25,6 +25,9 @@ operation with its own random draw per image:
   2-33%, aspect 0.3-3.3, zeros), its rectangles drawn on the device and applied with
   ``torch.where`` (``erase``): no host mask, so no blocking copy (a sync) every step on a
   GPU;
+- ``mosaic`` / ``box_crop`` (detection): four images of the batch into one, and a
+  random-resized crop and flip per image, their boxes moved with the pixels, before the
+  rest (runner/data/device/boxaugment.py);
 - ``mixup`` / ``cutmix``: each image, with probability ``mix_prob``, is mixed with another
   image of the batch, its partner of one permutation, by MixUp or CutMix (a coin per image
   when both are on). Both are written here and draw on the device, with no copy to or from
@@ -453,7 +456,10 @@ class TrainAugment:
             (f"colour jitter {self.cfg.color_jitter:g}", self.colour),
             (f"random erasing p={self.cfg.erasing:g}", self.erasing),
             (f"MixUp alpha {self.cfg.mixup:g}", self.cfg.mixup > 0),
-            (f"CutMix alpha {self.cfg.cutmix:g}", self.cfg.cutmix > 0)) if on]
+            (f"CutMix alpha {self.cfg.cutmix:g}", self.cfg.cutmix > 0),
+            (f"mosaic p={self.cfg.mosaic:g}", self.cfg.mosaic > 0),
+            (f"box crops of {self.cfg.box_crop:g}-1 of the area and flips",
+             self.cfg.box_crop > 0)) if on]
         where = {AugmentOn.device: f"on {device}", AugmentOn.cpu: "on the CPU, before the copy",
                  AugmentOn.both: f"geometric operations on the CPU, colour on {device}"}
         return f"{', '.join(parts)}: {where[self.on]}, a draw per image"
@@ -473,17 +479,33 @@ class TrainAugment:
         when mixing)."""
         step, self.step = self.step, self.step + 1
         if self.on is AugmentOn.device:
-            self._apply(batch, step, "all")
+            self._apply(batch, step, "all", device_pass=True)
         elif self.on is AugmentOn.both:
-            self._apply(batch, step, "colour" if self.auto is not None else "all")
+            self._apply(batch, step, "colour" if self.auto is not None else "all",
+                        device_pass=True)
+        elif self.cfg.mosaic > 0 or self.cfg.box_crop > 0:  # on=cpu: the boxes' part here
+            self._apply(batch, step, "boxes", device_pass=True)
 
-    def _apply(self, batch, step: int, keep: str) -> None:
+    def _apply(self, batch, step: int, keep: str, device_pass: bool = False) -> None:
         """Augment ``batch`` with the draws of ``step``: ``keep`` all of it, the geometric
-        operations alone, or everything else."""
+        operations alone, everything else (``colour``), or the boxes' mosaic and crops
+        alone (``boxes``); those run only in the device pass (``device_pass``)."""
         device = batch["image"].device
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((self.seed * 1_000_003 + self.rank) * 7_919 + step)
+            # detection: the batch's boxes move too; on the device whatever task.augment.on
+            # says (the padded boxes are moved where the batch is), never twice
+            if (self.cfg.mosaic > 0 or self.cfg.box_crop > 0) and keep != "geometric" \
+                    and device_pass:
+                from runner.data.device.boxaugment import box_crops, mosaic
+
+                if self.cfg.mosaic > 0:
+                    mosaic(batch, self.cfg.mosaic)
+                if self.cfg.box_crop > 0:
+                    box_crops(batch, self.cfg.box_crop)
+            if keep == "boxes":
+                return
             images = batch["image"]
             if self.auto is not None:
                 images = self.auto(images, keep)

@@ -223,10 +223,31 @@ def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
                        drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
                        world=world, crop_seeds=storage.random_crops, groups=groups,
                        group_block=getattr(storage, "group_block", 1), lanes=lanes,
-                       members=getattr(storage, "order_members", None))
+                       members=getattr(storage, "order_members", None),
+                       bins=storage_aspect_bins(storage, cfg) if cfg.group_aspect else None)
     if groups is not None:
         storage.follow(order)
     return order
+
+
+def storage_aspect_bins(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
+    """Each item's aspect-ratio bin (runner/data/order.py: ``aspect_bins``) from the
+    source sizes its detection labels carry (a YOLO image without boxes, whose labels gave
+    no size, goes with the square ones), or a ConfigError saying why this storage cannot
+    group: no labels with sizes, or a sharded order (read a block of shards at a time)."""
+    from runner.common.errors import ConfigError
+    from runner.data.order import aspect_bins
+
+    if getattr(storage, "order_groups", None) is not None:
+        raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: a sharded "
+                          "storage reads its shards a block at a time and cannot group "
+                          "images by aspect: use loader=folder, packed, memmap or ram")
+    targets = getattr(storage, "targets", None)
+    if targets is None or not hasattr(targets, "source_size"):
+        raise ConfigError("loader.group_aspect=true groups images by their sizes, which "
+                          "the detection labels carry (dataset.targets=auto, yolo or coco): "
+                          "give those, or leave loader.group_aspect=false")
+    return aspect_bins([targets.source_size(i) for i in range(len(storage))])
 
 
 def drops_remainder(config: Config, world: int, every_image: bool = False,

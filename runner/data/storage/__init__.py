@@ -25,7 +25,10 @@ shards decode it; memmap and ram cut it from the stored image per batch on the d
 (runner/data/decode/crops.py). ``dataset.store_size=256`` stores memmap and ram images larger
 than the output so those crops have pixels to choose from, and one store then serves
 centre and random crops; at the output size, the centre crop and the whole side are two
-stores. ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
+stores. ``dataset.crop=letterbox`` (the detectors' default: the whole image, aspect kept,
+padded with grey 114) is decoded so by folder, packed and shards, and stored so by memmap
+and ram (at ``dataset.image_size``: with ``dataset.store_size`` refused in one line); DALI
+and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``). ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
 binding is built, else simplejpeg with DCT scaling; the run's ``metrics.json`` names the
 one that ran. How fast each storage is here: ``python -m runner.bench stores`` (figures
 depend on the machine, so they live in the bench's output, not in the docs).
@@ -38,7 +41,7 @@ from pathlib import Path
 
 from runner.common.errors import ConfigError
 from runner.common.registry import Registry
-from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.decode.decoders import DECODERS, concrete_decoder
 from runner.data.protocol import Storage, StorageKind
 from runner.data.sources.listing import EXTENSIONS, check_no_loop, check_path_exists, is_image_name
@@ -152,6 +155,10 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
             raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                               f"loader.decoder={loader.decoder.value}: use a CPU decoder "
                               "(loader.decoder=auto)")
+    if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
+        # (its batched resample of mixed sizes fills the output: no pads)
+        raise ConfigError(f"loader.decoder={loader.decoder.value} has no "
+                          "dataset.crop=letterbox: use a CPU decoder (loader.decoder=auto)")
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))
         why = (" (it decodes on the GPU, every epoch)" if DECODERS[loader.decoder].cuda

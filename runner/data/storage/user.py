@@ -25,13 +25,27 @@ the verdict (its stages: ``getitem``, your ``__getitem__`` alone, and ``collate`
 ``task=infer``'s outputs (files are named by their index, ``000123``) and ``resume=``.
 What does not apply is said in one log line: ``loader=`` itself (the storage is yours),
 ``loader.decoder``/``draft``, and the ``dataset.*`` keys of an image folder (``path``,
-``manifest``, ``labels``, ``crop``, ``crop_fraction``, ``store_*``, ``on_corrupt``,
-``page_cache``); ``dataset.val_fraction`` is refused (``dataset.val_path``, an image folder
-of the same classes, validates).
+``manifest``, ``labels``, ``crop``, ``crop_fraction``, ``store_*``, ``page_cache``);
+``dataset.val_fraction`` is refused (``dataset.val_path``, an image folder of the same
+classes, validates).
+
+**Labels** are checked against the classes: beyond the ones the Dataset names (``classes``
+or ``num_classes``) refused, naming the item; counted from the labels (``0..max``), classes
+that no item has are said once (a stray 100 among 0..2 would size a 101-class head), and
+``model.num_classes`` below the count is refused before training.
+
+**Faults** are one line naming the item, what was wrong and the line of your code it came
+through (``raised_in_your_code``): your module failing to import, your function raising,
+a ``__len__`` that raises or is negative. An item whose ``__getitem__`` raises (an
+``IndexError`` from a ``__len__`` larger than the items too) or whose image is empty is,
+with ``dataset.on_corrupt=skip`` (the default), skipped and counted in ``skipped_files``
+as ``000123``, as an undecodable file is; with ``fail``, the run stops on that line.
 
 **An IterableDataset** has no index: its epoch is read in its own order (``loader.shuffle``
-does not apply), its length is ``len()`` when it has one, else counted by iterating it once
-when the run starts. With ``loader.num_workers=n > 0`` each worker iterates it and converts
+does not apply), its length is ``dataset.length`` or ``len()`` when it has one, else
+counted by iterating it once when the run starts, with a bound (``count_stream``): with
+``run.steps``, the larger of what it reads and ``COUNT_FLOOR`` (a stream still going there
+is an epoch of that many, said); without, refused past ``COUNT_CAP`` (an endless stream). With ``loader.num_workers=n > 0`` each worker iterates it and converts
 every n-th item (worker k: items k, k+n, ...), which the DataLoader takes in turn, so the
 order is the Dataset's: a Dataset that splits itself by ``get_worker_info()`` gives fewer
 items than its length, which is refused in one line (use ``loader.num_workers=0``; a

@@ -136,9 +136,10 @@ class ServedFrame:
     - ``category_ids``: COCO's category id of each class (1..90 with gaps for COCO; None
       for YOLO: the class index);
     - ``source_windows``: the window of its upright source image (top, left, height,
-      width) each output image shows under ``dataset.crop`` (whole or centre, at
+      width) each output image shows under ``dataset.crop`` (whole, letterbox or centre, at
       ``dataset.image_size``; boxgeometry's ``shown_window``), so boxes go back into the
-      source's pixels (``to_source``). Under random crops there is no one window: boxes
+      source's pixels (``to_source``), clipped to the image (``source_sizes``: a
+      letterbox's pads lie outside it). Under random crops there is no one window: boxes
       stay in the model's input pixels (said once). An image whose labels gave no size (a
       YOLO image with no boxes), or any image of a folder without labels, has its size
       read from its file's header; in a bucket (``dataset.path`` a URL) such a folder's
@@ -186,11 +187,16 @@ class ServedFrame:
                                                 self.fraction)).values())
                          for i in index], dtype=np.float64).reshape(-1, 4)
 
+    def source_sizes(self, index: np.ndarray) -> np.ndarray:
+        """The upright source sizes [B, 2] (height, width) of images ``index``."""
+        return np.array([self._size(int(i)) for i in index], dtype=np.float64).reshape(-1, 2)
+
     def context(self, category_ids: list[int] | None = None) -> dict:
         """The ``WriterContext`` fields it fills (``category_ids``: a model's, from
         ``served_category_ids``; unset: the dataset's)."""
         return {"image_id": self.image_id,
                 "source_windows": self.source_windows if self.mapped else None,
+                "source_sizes": self.source_sizes if self.mapped else None,
                 "input_size": self.size if self.mapped else None,
                 "category_ids": category_ids if category_ids is not None
                 else getattr(self.targets, "category_ids", None)}

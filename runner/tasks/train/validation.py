@@ -40,15 +40,18 @@ DETECTION_FIGURES = ("map", "map_50")  # what a detector's validation records (v
 
 def validation_config(config: Config) -> Config:
     """The data path of ``dataset.val_path`` (or of the images ``dataset.val_fraction``
-    holds out): decoded with the run's decoder, center crops (a detector's: whole images),
+    holds out): decoded with the run's decoder, center crops (a detector's: its letterbox, or whole images),
     in order, every image once, from a warm page cache."""
     if config.dataset.val_path is not None:
         dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path,
                                       manifest=None, val_fraction=0.0)
     else:  # the held-out side of dataset.val_fraction's split of the training images
         dataset = dataclasses.replace(config.dataset, split=Split.val)
-    # a detector sees whole images (a centre crop would cut boxes at the sides away)
-    crop = Crop.whole if config.dataset.targets.boxes else Crop.center
+    # a detector sees whole images as it trained on them (whole or letterbox; a centre or
+    # random crop would cut boxes at the sides away: the letterbox, its default)
+    crop = Crop.center
+    if config.dataset.targets.boxes:
+        crop = config.dataset.crop if config.dataset.crop is Crop.whole else Crop.letterbox
     dataset = dataclasses.replace(dataset, crop=crop, page_cache=PageCache.warm)
     task = dataclasses.replace(config.task, augment=AugmentConfig())  # images as they are
     loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,

@@ -129,7 +129,8 @@ def test_a_detectors_validation_without_torchmetrics_is_refused_before_training(
 
 def test_a_detector_is_validated_on_whole_images_and_a_classifier_on_centre_crops():
     """A centre crop of a non-square image cuts the boxes at its sides away: a detector's
-    validation reads whole images whatever the training crop; a classifier's, centre crops."""
+    validation reads whole images, letterboxed (or stretched when it trained on
+    dataset.crop=whole), whatever the training crop; a classifier's, centre crops."""
     from runner.config.schema import Crop
     from runner.job.compose import compose
     from runner.tasks.train.validation import validation_config
@@ -137,7 +138,10 @@ def test_a_detector_is_validated_on_whole_images_and_a_classifier_on_centre_crop
     boxes = validation_config(compose(["dataset.targets=auto", "dataset.crop=random",
                                        "model.name=ssdlite320_mobilenet_v3_large"]))
     classes = validation_config(compose(["dataset.crop=random", "dataset.val_fraction=0.2"]))
-    assert boxes.dataset.crop is Crop.whole and classes.dataset.crop is Crop.center
+    assert boxes.dataset.crop is Crop.letterbox and classes.dataset.crop is Crop.center
+    whole = validation_config(compose(["dataset.targets=auto", "dataset.crop=whole",
+                                       "model.name=ssdlite320_mobilenet_v3_large"]))
+    assert whole.dataset.crop is Crop.whole
 
 
 def test_a_classifier_at_chance_or_on_one_class_is_said_to_have_not_learned():

@@ -450,6 +450,7 @@ def coco_set(root: Path, categories: tuple[list[str], list[int]]) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_infer_serves_a_checkpoints_classes_under_its_own_ids_or_refuses_before_the_pass(
         detector, tmp_path):
     """A model trained on categories [1, 7, 90] served on a JSON listing [1, 5, 7, 90]: its
