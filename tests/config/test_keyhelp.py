@@ -40,7 +40,7 @@ def test_a_keys_help_says_its_doc_default_values_presets_and_resume_rule():
     assert "loader=webdataset sets 2" in text  # another preset that sets it
     assert "on resume: free" in text
     crop = help_for("dataset.crop")
-    assert "one of center, random, whole" in crop and "recipe=detect_shapes sets whole" in crop
+    assert "one of center, random, whole" in crop and "recipe=quick sets random" in crop
 
 
 def test_a_groups_help_lists_each_of_its_keys():
