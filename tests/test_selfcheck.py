@@ -126,7 +126,7 @@ def test_the_command_says_a_missing_dependency_in_one_line():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stdout.splitlines() == [
-        "missing the project's dependencies tensordict: bring them as wheels (README, "
+        "missing the project's dependencies tensordict: bring them as wheels (docs/gpu.md, "
         "'Self-check on an offline GPU node') and run again"]
 
 
@@ -383,6 +383,7 @@ def test_the_reduce_on_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
     assert "masks 100.00% equal" in rows[1].figure
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_the_reduce_on_row_fails_when_host_gives_other_outputs(monkeypatch):
     import argparse
 

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from runner.common.errors import EXIT_USER_ERROR, ConfigError
+from runner.config.schema import keys_where
 
 # scheme://userinfo@ : the userinfo is everything between // and the first @ before any
 # /, ?, # (a '@' further on belongs to the path: s3://bucket/a@2x.jpg is no credential);
@@ -96,8 +97,9 @@ class SecretFilter(logging.Filter):
         return True
 
 
-# the keys whose values a store reads as URLs (runner/data/sources/)
-URL_KEYS = ("dataset.path", "dataset.val_path", "dataset.manifest", "dataset.endpoint_url")
+# the keys whose values a store reads as URLs (runner/data/sources/): declared on each field
+# (``key(..., url=True)``, runner/config/schema.py)
+URL_KEYS = keys_where("url")
 
 
 def _instead(key: str, text: str) -> str:

@@ -89,6 +89,23 @@ def model_configs(config: Config) -> list[ModelConfig]:
     return models
 
 
+def unknown_model(name: str, known: Iterable[str]) -> ConfigError:
+    """The refusal of a ``model.name`` that neither the runner nor torchvision has (``known``:
+    the names there are), with the closest: one message whether it is found before torch
+    (runner/job/precheck.py, from torchvision's sources) or by the model's own check
+    (runner/model/networks.py's ``check_model``)."""
+    import difflib
+
+    known = sorted(known)
+    near = difflib.get_close_matches(name, known, n=3)
+    meant = f" (did you mean {', '.join(near)}?)" if near else ""
+    return ConfigError(
+        f"model.name={name} is not a torchvision classification, segmentation or detection "
+        f"model{meant}; choose tiny, none or one of torchvision's builders (e.g. "
+        "resnet50, efficientnet_b0, vit_b_16, convnext_tiny, deeplabv3_mobilenet_v3_large, "
+        "fasterrcnn_mobilenet_v3_large_320_fpn), or model=timm / model=custom")
+
+
 def check_config(config: Config, given: Iterable[str] = ()) -> None:
     """Every rule across the groups of ``config``, and what a task makes of the loader;
     ``given``: the overrides it was composed from (a task key named there is refused even

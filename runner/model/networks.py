@@ -161,12 +161,9 @@ def check_model(cfg: ModelConfig) -> None:
             return
         known = torchvision_classifiers() + torchvision_segmenters() + list(NAMED)
         if cfg.name not in known:
-            raise ConfigError(
-                f"model.name={cfg.name} is not a torchvision classification, segmentation "
-                f"or detection model{_closest(cfg.name, known)}; choose tiny, none or one of "
-                f"torchvision's {len(known)} (e.g. resnet50, efficientnet_b0, vit_b_16, "
-                "convnext_tiny, deeplabv3_mobilenet_v3_large, "
-                "fasterrcnn_mobilenet_v3_large_320_fpn), or model=timm / model=custom")
+            from runner.config.rules import unknown_model
+
+            raise unknown_model(cfg.name, known)
     elif cfg.source is ModelSource.custom:
         if not cfg.target:
             raise ConfigError(

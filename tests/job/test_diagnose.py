@@ -274,6 +274,7 @@ def test_the_verdict_on_cuda_follows_the_gpus_idle_time_not_the_hosts_wait():
     assert idle.bound == "data"
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_the_verdicts_model_probe_trains_a_detector_on_boxes():
     """The model's ceiling of a detector's training step: its synthetic batch carries
     boxes (it used to carry only labels, and a detector's step has none to train on)."""

@@ -87,6 +87,7 @@ def test_the_batched_transform_gives_torchvisions_tensors_and_boxes(size, fixed)
     assert targets[0]["boxes"][0, 2] == 30.0  # the caller's dicts are left alone
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detector_takes_uint8_at_the_runs_size_as_torchvision_takes_floats():
     torch.manual_seed(0)
     model = build_detector("fasterrcnn_mobilenet_v3_large_320_fpn", 3, (64, 96)).eval()
@@ -137,6 +138,7 @@ def one_step(name: str, size: int) -> tuple[dict[str, torch.Tensor], float]:
     return losses, moved
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_one_training_step_of_ssdlite_at_64_pixels():
     losses, moved = one_step("ssdlite320_mobilenet_v3_large", 64)
     assert tuple(losses) == DETECTORS["ssdlite320_mobilenet_v3_large"].losses
@@ -151,6 +153,7 @@ def test_one_training_step_of_each_detector_at_128_pixels(name: str):
     assert math.isfinite(float(total_loss(losses).detach())) and moved > 0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detector_loads_a_local_state_dict_and_refuses_another_class_count(tmp_path):
     name = "ssdlite320_mobilenet_v3_large"
     torch.manual_seed(1)

@@ -211,9 +211,9 @@ def test_the_pipeline_gives_device_batches_of_every_image_each_epoch(image_tree:
 
 
 def readme_script() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "training.md").read_text()
     match = re.search(r"<!-- train-script -->\s*```python\n(.*?)```", text, re.S)
-    assert match, "README.md lost its training script"
+    assert match, "docs/training.md lost its training script"
     return match.group(1)
 
 

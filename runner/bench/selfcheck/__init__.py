@@ -1,8 +1,8 @@
 """``python -m runner.selfcheck``: every GPU claim of the project, a row each that can fail.
 
 Run it first on a GPU node, from a source checkout, with the torch the node has (nothing
-of the project installed; the small pure-Python dependencies from a wheelhouse, see the
-README). It prints which torch, CUDA and GPU it certified, which missing package leaves
+of the project installed; the small pure-Python dependencies from a wheelhouse, see
+docs/gpu.md). It prints which torch, CUDA and GPU it certified, which missing package leaves
 which row untested, then one row per claim with its figure and its verdict. ``--list``
 prints every row and what makes it fail, without running anything.
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     lacking_deps = missing_dependencies()
     if lacking_deps:
         print(f"missing the project's dependencies {', '.join(lacking_deps)}: bring them as "
-              "wheels (README, 'Self-check on an offline GPU node') and run again")
+              "wheels (docs/gpu.md, 'Self-check on an offline GPU node') and run again")
         from runner.common.errors import EXIT_USER_ERROR
 
         return EXIT_USER_ERROR

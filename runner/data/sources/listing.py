@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.common.errors import UserError
+from runner.common.errors import ConfigError, UserError
 from runner.common.text import printable
 from runner.config.credentials import redacted
 from runner.config.schema import DatasetConfig, Labels, Split
@@ -274,6 +274,24 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
         log.warning("class folders with no images (kept, so indices match ImageFolder): %s",
                     ", ".join(empty))
     return Listing(root, classes, samples, "class folders", special)
+
+
+def check_path_exists(key: str, value: str) -> Path:
+    """A local ``dataset.path``, ``val_path`` or ``manifest`` (``key``: its name under
+    ``dataset.``), expanded: a ConfigError naming the value and the fix when it is a link
+    loop or is not there. Torch-free, so the command line says it before torch is loaded
+    (runner/job/precheck.py) and the data path again when it starts."""
+    where = Path(value).expanduser()
+    try:
+        check_no_loop(where, f"dataset.{key}")  # a link to itself "exists" nowhere
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    if not where.exists():
+        fix = ("give the CSV or JSON-lines file that lists your images" if key ==
+               "manifest" else "point it at your image folder (one sub-folder per class, "
+               "or the images themselves)")
+        raise ConfigError(f"dataset.{key}={value!r} does not exist: {fix}")
+    return where
 
 
 def check_no_loop(path: Path, key: str) -> None:

@@ -39,12 +39,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.common.errors import ConfigError, UserError
+from runner.common.errors import ConfigError
 from runner.common.registry import Registry
 from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName
 from runner.data.decode.decoders import DECODERS, concrete_decoder
 from runner.data.protocol import Storage, StorageKind
-from runner.data.sources.listing import EXTENSIONS, check_no_loop, is_image_name
+from runner.data.sources.listing import EXTENSIONS, check_no_loop, check_path_exists, is_image_name
 from runner.data.sources.synthetic import SyntheticSpec, ensure_dataset
 from runner.data.sources.url import is_url
 from runner.data.storage.tarformat import MANIFEST
@@ -94,16 +94,7 @@ def check_dataset_found(cfg: DatasetConfig) -> None:
         value = getattr(cfg, key)
         if value is None or is_url(value):
             continue
-        where = Path(value).expanduser()
-        try:
-            check_no_loop(where, f"dataset.{key}")  # a link to itself "exists" nowhere
-        except UserError as e:
-            raise ConfigError(str(e)) from None
-        if not where.exists():
-            fix = ("give the CSV or JSON-lines file that lists your images" if key ==
-                   "manifest" else "point it at your image folder (one sub-folder per class, "
-                   "or the images themselves)")
-            raise ConfigError(f"dataset.{key}={value!r} does not exist: {fix}")
+        where = check_path_exists(key, value)
         if key != "manifest" and where.is_dir() and not holds_images(where):
             raise ConfigError(f"dataset.{key}={value!r} holds no images ({' '.join(EXTENSIONS)}) "
                               "in it or its sub-folders: point it at your image folder (one "

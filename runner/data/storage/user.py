@@ -75,6 +75,7 @@ from runner.config.schema import (
     OnCorrupt,
     StorageName,
     import_target,
+    keys_where,
 )
 from runner.data.order import BatchOrder, split_padding, unpad
 from runner.data.protocol import (
@@ -92,10 +93,10 @@ from runner.measure import timeline
 log = logging.getLogger(__name__)
 
 KEY = "dataset.target"
-# the keys of an image folder and of loader= that your Dataset replaces (said once)
-NOT_APPLYING = ("loader= (the storage is your Dataset)", "loader.decoder", "loader.draft",
-                "dataset.path/manifest/labels", "dataset.crop/crop_fraction",
-                "dataset.store_size/store_side/store_quality", "dataset.page_cache")
+# the keys of the runner's own reading of images that your Dataset replaces (said once):
+# declared on each field (``key(..., own_reading=True)``, runner/config/schema.py)
+NOT_APPLYING = tuple("loader= (the storage is your Dataset)" if k == "loader.name" else k
+                     for k in keys_where("own_reading"))
 
 
 class ItemError(ConfigError):

@@ -209,6 +209,11 @@ class TrainTask(TaskBase):
             log.info("epoch %d: best %s so far (%.4g): %s", epoch, key, row[key], path)
 
     def figures(self, complete: bool) -> dict[str, Any]:
+        last = self.epoch_figures[-1] if self.epoch_figures else {}
+        if complete and self.validation is not None and "val_top1" in last:
+            warning = self.validation.not_learning(last["val_top1"])
+            if warning:  # a run that ends at chance says so, naming what to try
+                log.warning("%s", warning)
         return {**super().figures(complete), **results.epochs(self.epoch_figures)}
 
     def rank_digest(self) -> str | None:

@@ -60,6 +60,36 @@ def validation_config(config: Config) -> Config:
                                prefetch=PrefetchConfig(PrefetchName.none))
 
 
+# a classifier's final validation is "at chance" up to this factor of 1/classes (a few
+# held-out images measure accuracy coarsely), and "one class for everything" from this share
+AT_CHANCE = 1.25
+ONE_CLASS = 0.9
+
+
+def not_learning(top1: float, predicted: list[int], classes: list[str]) -> str | None:
+    """A warning, naming what to try, when the final validation says the classifier has not
+    learned: its top-1 at chance (at most ``AT_CHANCE`` / classes) or its predictions collapsed
+    onto one class (``ONE_CLASS`` of the images or more); None when it learned something.
+
+    ``predicted``: how many validation images the top-1 named each class (empty: unknown)."""
+    k = len(classes)
+    total = sum(predicted)
+    if k < 2:
+        return None
+    share, top = (max(predicted) / total, predicted.index(max(predicted))) if total else (0, 0)
+    collapsed = total > 0 and share >= ONE_CLASS
+    if top1 > AT_CHANCE / k and not collapsed:
+        return None
+    what = (f"it predicts {classes[top]!r} for {share:.0%} of the validation images"
+            if collapsed else f"its validation top-1 {top1:.0%} is at chance (1/{k} = "
+            f"{1 / k:.0%})")
+    return (f"the model has not learned: {what}. On a small folder, start from pretrained "
+            "weights (model=resnet18 model.weights=resnet18.pt model.replace_head=true; "
+            "README, 'Your own data'), or train with recipe=small_folder (more optimizer "
+            "steps, augmentation); more images, more epochs (run.epochs) or another "
+            "task.lr may be what it needs")
+
+
 class Validation:
     """Top-1 accuracy of the trained model over ``dataset.val_path`` (after each epoch).
 
@@ -82,6 +112,9 @@ class Validation:
                               "...: they must be the same class folders")
         self.data, self.model, self.amp = data, model, amp
         self.ranks = ranks or Ranks()
+        self.classes = list(classes)
+        # per class: how many validation images the last call's top-1 named it (not_learning)
+        self.predicted: list[int] = []
         if isinstance(local_module(model), Detector):
             DetectionMAP()  # torchmetrics or pycocotools missing: said now, not after an epoch
 
@@ -100,8 +133,9 @@ class Validation:
         if isinstance(local_module(model), Detector):
             return self.detection(model)
         device = self.data.device
-        # correct top-1, correct top-5, loss and images: one tensor, one all-reduce
-        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        # correct top-1, correct top-5, loss and images, then the images whose top-1 is each
+        # class: one tensor, one all-reduce
+        sums = torch.zeros(4 + len(self.classes), dtype=torch.float64, device=device)
         was_training = model.training
         model.eval()
         with torch.no_grad(), autocast(self.amp, device):
@@ -112,14 +146,23 @@ class Validation:
                 loss = F.cross_entropy(logits, batch["label"], reduction="none")
                 valid = batch["valid"].double() if "valid" in batch.keys() \
                     else torch.ones(len(loss), dtype=torch.float64, device=device)
-                sums += torch.stack([(hit[:, 0] * valid).sum(), (hit.any(dim=1) * valid).sum(),
-                                     (loss.double() * valid).sum(), valid.sum()])
+                sums[:4] += torch.stack([(hit[:, 0] * valid).sum(),
+                                         (hit.any(dim=1) * valid).sum(),
+                                         (loss.double() * valid).sum(), valid.sum()])
+                if len(self.classes) == logits.shape[1]:
+                    sums[4:].index_add_(0, top[:, 0], valid)
         model.train(was_training)
         if self.ranks.enabled:  # every rank's share, each image once
             dist.all_reduce(sums)
-        correct1, correct5, loss, total = sums.tolist()
+        correct1, correct5, loss, total, *predicted = sums.tolist()
+        self.predicted = [int(c) for c in predicted]
         n = max(total, 1)
         return {"top1": correct1 / n, "top5": correct5 / n, "loss": loss / n}
+
+    def not_learning(self, top1: float) -> str | None:
+        """The warning for a classifier that has not learned, from the last call's figures
+        (``not_learning``), or None."""
+        return not_learning(top1, self.predicted, self.classes)
 
     def detection(self, model: nn.Module) -> dict[str, float]:
         """A detector's ``map`` (COCO's, IoU 0.50:0.95) and ``map_50`` over the validation

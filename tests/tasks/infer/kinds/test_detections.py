@@ -110,6 +110,7 @@ def xywh(box: list[float]) -> list[float]:
             round(box[3] - box[1], 2)]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detectors_boxes_are_written_as_coco_results_and_csv_rows(detector, tmp_path):
     """Every detection of a real detector's forward, in both files: the COCO rows
     (image_id = dataset index, category_id = the dataset's class, bbox xywh in the input's
@@ -305,6 +306,7 @@ def test_on_a_gpu_the_hosts_reduction_gives_the_devices_detections(tmp_path):
                                                        abs=1e-4)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_stopped_detection_run_resumes_to_the_same_bytes(detector, tmp_path):
     """A run stopped after two of its four steps (with a stale part of the third left
     behind, as a write cut short leaves it) and resumed from its second step writes the
