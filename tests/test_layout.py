@@ -69,6 +69,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runner.data.protocol", "runner.data.order", "runner.data.threads", "runner.data.pool"),
     ("runner.data.sources",),
     ("runner.data.decode",),
+    ("runner.data.targets",),
     ("runner.data.storage",),
     ("runner.data.loading",),
     ("runner.data.device",),

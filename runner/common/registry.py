@@ -67,14 +67,17 @@ class Registry(dict, Generic[R]):
 
     @classmethod
     def from_modules(cls, package: str, names: type[Enum], setting: str,
-                     record: type = object) -> Registry:
-        """Every member's ``KIND`` in its own module, ``<package>.<member value>``: a
-        ``record`` whose ``name`` is that member (else an ImportError naming the file)."""
+                     record: type = object, module: str = "{}") -> Registry:
+        """Every member's ``KIND`` in its own module, ``<package>.<module>`` with the
+        member's value in ``module`` (``target_{}``: a name no other module of the runner
+        has): a ``record`` whose ``name`` is that member (else an ImportError naming the
+        file)."""
         found = []
         for name in names:
-            kind = getattr(importlib.import_module(f"{package}.{name.value}"), "KIND", None)
+            file = module.format(name.value)
+            kind = getattr(importlib.import_module(f"{package}.{file}"), "KIND", None)
             if not isinstance(kind, record) or getattr(kind, "name", None) is not name:
-                raise ImportError(f"{package.replace('.', '/')}/{name.value}.py must define "
+                raise ImportError(f"{package.replace('.', '/')}/{file}.py must define "
                                   f"KIND, the {record.__name__} of {_pick(setting, name)}")
             found.append(kind)
         return cls(names, setting, found)

@@ -187,16 +187,18 @@ def check_model_beside_models(config: Config, given: Iterable[str] = ()) -> None
 def check_infer_outputs(task: TaskConfig) -> None:
     """A ConfigError for an inference setting that would silently do nothing: no output kept
     of any image, or an embedding layer named without embeddings among the outputs."""
-    if task.name is TaskName.infer and task.write_outputs and not task.outputs \
+    if task.name is TaskName.infer and task.write_outputs and task.outputs == [] \
             and task.postprocess is None:
         raise ConfigError(
             "task.outputs=[] keeps nothing of any image with task=infer: name at least one "
             f"of {', '.join(o.value for o in Output)}, or give task.write_outputs=false "
             "to run the model without writing anything")
-    if task.embed_layer is not None and Output.embeddings not in task.outputs:
+    if task.embed_layer is not None and Output.embeddings not in (task.outputs or ()):
+        now = "unset: the model's own" if task.outputs is None \
+            else f"[{','.join(o.value for o in task.outputs)}]"
         raise ConfigError(
             f"task.embed_layer={task.embed_layer} has no effect without embeddings in "
-            f"task.outputs (now [{','.join(o.value for o in task.outputs)}]): add them, "
+            f"task.outputs (now {now}): add them, "
             "task.outputs=[topk,embeddings], or leave task.embed_layer unset")
 
 

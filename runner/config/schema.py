@@ -234,15 +234,49 @@ class Labels(Enum):  # where dataset.path's labels come from
     none = "none"  # every image under the folder, unlabelled (inference)
 
 
-class Targets(Enum):  # dataset.targets: what an image's target is
+class TargetName(Enum):
+    """What an image is labelled with: the kind of its target, one record each
+    (runner/data/targets/, ``TargetKind``), whatever layout its labels are read from."""
+
+    classes = "classes"  # a class index per image (or none: unlabelled)
+    boxes = "boxes"  # detection boxes, each with its class
+    masks = "masks"  # a class per pixel (semantic segmentation)
+
+
+class Targets(Enum):
+    """``dataset.targets``: the kind of an image's target and the layout its labels are
+    read from, in one word (the spellings runs and recipes already use): ``kind`` is the
+    ``TargetName`` every layer asks its record by, the value names the layout."""
+
     none = "none"  # a class index (the class folder, a manifest's label) or none
     auto = "auto"  # detection boxes, the layout told from the folder (YOLO or COCO)
     yolo = "yolo"  # images/ and labels/*.txt (class cx cy w h, normalised)
     coco = "coco"  # annotations/instances_<split>.json beside the images
+    masks = "masks"  # a class-id PNG per image: images/ and masks/ side by side
+
+    @property
+    def kind(self) -> TargetName:
+        """The kind of target this layout gives (its record: runner/data/targets/); a
+        word that is a kind's own name is that kind."""
+        return _TARGET_KIND.get(self) or TargetName(self.value)
 
     @property
     def boxes(self) -> bool:
-        return self is not Targets.none
+        return self.kind is TargetName.boxes
+
+
+# the layouts' kinds (a word that is not a kind's own name)
+_TARGET_KIND = {Targets.none: TargetName.classes, Targets.auto: TargetName.boxes,
+                Targets.yolo: TargetName.boxes, Targets.coco: TargetName.boxes}
+
+
+class ModelFamily(Enum):
+    """What a model is, by what its forward gives and trains on: one record each in
+    runner/model/families.py (``Family``), which says the target kind it learns."""
+
+    classifier = "classifier"  # class scores per image (torchvision, timm, the user's own)
+    segmenter = "segmenter"  # class scores per pixel (torchvision's segmentation models)
+    detector = "detector"  # boxes: torchvision's detection protocol (its own or the user's)
 
 
 class Split(Enum):  # dataset.split: the two sides of dataset.val_fraction's split
@@ -373,10 +407,12 @@ class DatasetConfig:
                              "folder with images of its own: unlabelled), folders (one sub-folder "
                              "per class) or none (every image under the folder, unlabelled)")
     targets: Targets = key(Targets.none, resume="must_match", shapes_outputs=True,
-                           doc="detection: boxes per image read from a YOLO layout or COCO's JSON "
-                               "(runner/data/sources/labels.py; auto tells which); unset "
-                               "dataset.path: the generated shapes dataset "
-                               "(runner/data/sources/shapes.py). none: a class index per image")
+                           doc="what an image's target is, and its labels' layout (its kind: "
+                               "classes, boxes or masks, each a record in runner/data/targets/). "
+                               "none: a class index per image; auto/yolo/coco: detection boxes "
+                               "read from a YOLO layout or COCO's JSON (auto tells which); masks: "
+                               "a class-id PNG per image (images/ and masks/ side by side) or "
+                               "COCO's polygons; unset dataset.path: a generated shapes dataset")
     manifest: str | None = key(None, resume="must_match", own_reading=True, url=True,
                                shapes_outputs=True,
                                doc="a CSV (header: path[,label]) or JSON-lines file listing the "
@@ -637,6 +673,12 @@ class ModelConfig:
                                        doc="(H, W) it takes when not dataset.image_size: the batch "
                                            "is decoded once at the largest size of the pass and "
                                            "resized on the device for the others")
+    family: ModelFamily | None = key(None, resume="must_match", shapes_outputs=True,
+                                     doc="what the model is (classifier, segmenter, detector: "
+                                         "runner/model/families.py); unset: told from "
+                                         "model.name, and for model=custom from dataset.targets' "
+                                         "kind (a user's own detector follows torchvision's "
+                                         "detection protocol)")
     alias: str | None = key(None, resume="free",
                             doc="its name in outputs and figures (unset: model.name): a plain "
                                 "name, since it names its files in the run folder "
@@ -878,10 +920,13 @@ class TaskConfig:
                               doc="infer: where each output is reduced: device, or host (the raw "
                                   "logits copied, then reduced there); the same outputs either way "
                                   "(within float rounding on a GPU)")
-    outputs: list[Output] = key(factory=lambda: [Output.topk], resume="free", task="infer",
-                                doc="infer: what each model's outputs are kept as "
-                                    "(runner/tasks/infer/outputs.py): topk (predictions.csv), "
-                                    "probs, logits, embeddings (.npy), masks (PNGs)")
+    outputs: list[Output] | None = key(None, resume="free", task="infer",
+                                       doc="infer: what each model's outputs are kept as "
+                                           "(runner/tasks/infer/outputs.py): topk "
+                                           "(predictions.csv), probs, logits, embeddings (.npy), "
+                                           "masks (PNGs), detections; unset: what the model "
+                                           "gives (its kind of target's: a classifier's topk, a "
+                                           "segmenter's masks, a detector's detections)")
     embed_layer: str | None = key(None, resume="free", task="infer",
                                   doc="infer: embeddings are the output of this module (a name "
                                       "from model.named_modules()); unset: the classifier's input")

@@ -3,7 +3,7 @@
 storage (``loader=``) -> batch order -> loader (decode threads, in-process gathers or
 DataLoader workers; nvjpeg decoding above it) -> stream (epochs, skipped files, a cold page
 cache) -> prefetcher (``prefetch=``) -> the device (the copy, then random crops of
-pre-decoded images, a detection batch's boxes moved with them: ``crop_boxes``).
+pre-decoded images, a batch's target moved with them: ``crop_targets``, by its kind's record).
 ``python -m runner``, ``runner.pipeline(...)``, the loader benchmark, validation and the
 selfcheck all build their data path here, so a new storage or stage is added in one place.
 """
@@ -22,8 +22,8 @@ from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
 from runner.common.text import human_bytes
-from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig
-from runner.data.decode.boxgeometry import center_windows, map_padded
+from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig, TargetName
+from runner.data.decode.boxgeometry import center_windows
 from runner.data.decode.crops import BatchAugment, CenterCrop
 from runner.data.decode.decoders import CROP_UNIFORMS, DECODERS
 from runner.data.device.normalize import (
@@ -47,6 +47,7 @@ from runner.data.protocol import Storage, StorageKind
 from runner.data.sources.pagecache import ColdPageCache
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
 from runner.data.storage.ram import memory_available
+from runner.data.targets import TARGETS, carried
 from runner.data.threads import RowPool
 from runner.launch.distributed import Ranks, barrier
 from runner.measure import storage_tier
@@ -167,12 +168,14 @@ class DataPath:
 
     def finish(self, batch: TensorDict) -> TensorDict:
         """The device-side stage: random crops of pre-decoded images (when asked), drawn
-        from the draws the batch carries (``crop_draws``); a detection batch's boxes
-        through the same windows and flips (``crop_boxes``)."""
+        from the draws the batch carries (``crop_draws``); the batch's target (boxes,
+        masks: its kind's ``follow``) through the same windows and flips
+        (``crop_targets``)."""
         if self.augment is not None:
             draws = {k: batch[k] for k in CROP_DRAWS if k in batch.keys()} or None
-            if "boxes" in batch.keys():
-                draws = crop_boxes(self.augment, batch, draws)
+            kind = carried(batch.keys())
+            if kind is not None and kind.follow is not None:
+                draws = crop_targets(self.augment, batch, draws, kind.follow)
             batch["image"] = self.augment(batch["image"], draws, rows=self.rows)
         if self.train_augment is not None and self.train_augment.on_device:  # after the crop
             self.train_augment(batch)
@@ -228,14 +231,15 @@ class DataPath:
 CROP_DRAWS = ("crop_uniforms",)
 
 
-def crop_boxes(augment: BatchAugment | CenterCrop, batch: TensorDict, draws: dict | None
-               ) -> dict | None:
-    """Move a detection batch's padded boxes (``boxes``, ``box_labels``, ``box_count``)
-    through the windows and flips ``augment`` cuts its images by (``BatchAugment``'s
-    random-resized crops from ``draws``, ``CenterCrop``'s centre window), on the batch's
-    device with no host sync (runner/data/decode/boxgeometry.py: ``map_padded``, one rule
-    for boxes that leave the crop); returns the draws the images must be cut with (drawn
-    here when the batch carries none, so pixels and boxes share them)."""
+def crop_targets(augment: BatchAugment | CenterCrop, batch: TensorDict, draws: dict | None,
+                 follow: Callable | None = None) -> dict | None:
+    """Move a batch's target through the windows and flips ``augment`` cuts its images
+    by (``BatchAugment``'s random-resized crops from ``draws``, ``CenterCrop``'s centre
+    window), on the batch's device with no host sync: ``follow`` is its kind's
+    (runner/data/targets/: boxes by boxgeometry's ``map_padded``, one rule for boxes that
+    leave the crop; masks nearest); returns the draws the images must be cut with (drawn
+    here when the batch carries none, so pixels and target share them)."""
+    follow = follow or TARGETS[TargetName.boxes].follow
     image = batch["image"]
     n, hw, device = image.shape[0], tuple(image.shape[-2:]), image.device
     if isinstance(augment, BatchAugment):
@@ -245,10 +249,9 @@ def crop_boxes(augment: BatchAugment | CenterCrop, batch: TensorDict, draws: dic
         windows = augment.boxes(n, *hw, device, draws=draws)
     else:
         windows = center_windows(n, hw, augment.size, augment.fraction, device)
-    batch["boxes"], batch["box_labels"], batch["box_count"] = map_padded(
-        batch["boxes"], batch["box_labels"], batch["box_count"], windows,
-        tuple(augment.size))
+    follow(batch, windows, tuple(augment.size))
     return draws
+
 
 
 def crop_draws(augment: BatchAugment, order: BatchOrder, pin: bool

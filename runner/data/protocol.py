@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 if TYPE_CHECKING:
-    from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName
+    from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName, TargetName
 
 # A stage probe handles one unit of work (one file read, one image decoded, one batch
 # gathered) and returns how many images that was; the verdict times it (runner/job/diagnose.py).
@@ -37,6 +37,7 @@ class Sample:
     valid: bool = True  # False: padding that evens out distributed shards
     boxes: torch.Tensor | None = None
     box_labels: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # masks: uint8 [H, W] class ids (255 ignored)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ class StorageKind:
         counts_items: its length may come from reading it (an IterableDataset without
             ``__len__``): ``open`` takes ``needed``, the items the run's steps read, as the
             bound of that count.
+        masks: it carries masks (``dataset.targets=masks``) through its crops.
     """
 
     name: StorageName
@@ -223,6 +225,13 @@ class StorageKind:
     reads_path: bool = True
     boxes: bool = False
     counts_items: bool = False
+    masks: bool = False
+
+    def carries(self, kind: TargetName) -> bool:
+        """Whether it serves batches with a target of ``kind``: the field named by the
+        kind's value (``boxes``, ``masks``); a kind with none (a class index) every storage
+        carries."""
+        return bool(getattr(self, kind.value, True))
 
     @property
     def decodes_per_epoch(self) -> bool:

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def check_models(config: Config) -> None:
     """Every model the run would build (``model=`` and each of ``models=[...]``) exists."""
-    from runner.model.networks import check_model
+    from runner.model.families import check_model
 
     for model in model_configs(config):
         check_model(model)

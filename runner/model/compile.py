@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from runner.common.atomic import replacing
-from runner.common.errors import Unavailable
+from runner.common.errors import ConfigError, Unavailable
 from runner.common.registry import Registry
 from runner.config.rules import model_configs
 from runner.config.schema import (
@@ -58,12 +58,12 @@ from runner.config.schema import (
 )
 from runner.data.device.normalize import as_batches_come
 from runner.data.loading.loader import drops_remainder
-from runner.launch.distributed import Ranks, local_module, replicate
+from runner.data.targets import TARGETS
+from runner.launch.distributed import Ranks, replicate
 from runner.measure.clock import synchronize
 from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
-from runner.model.detectors import Detector, is_detector_config, no_boxes, total_loss
+from runner.model.families import build_family_model, family_of, family_of_config
 from runner.model.networks import (
-    build_model,
     check_input_size,
     main_output,
     split_input,
@@ -368,13 +368,13 @@ def _warm(model: nn.Module, compiled: nn.Module, example: torch.Tensor, shapes: 
     batch-norm statistics as they were."""
     saved = copy.deepcopy(model.state_dict()) if train else None
     context = autocast(amp, example.device) if amp is not None else contextlib.nullcontext()
-    detector = isinstance(local_module(model), Detector)
+    family = family_of(model)
     for n in shapes:
         x = example[:n]
         if train:
-            with context:  # a detector's: its losses on images without boxes
-                out = compiled(x, no_boxes(n, x.device)) if detector else compiled(x)
-            (total_loss(out) if detector else main_output(out)).float().sum().backward()
+            with context:  # its family's loss of images alone (a detector's: no boxes)
+                loss = family.warm_loss(compiled, x)
+            loss.backward()
         else:
             with torch.inference_mode(), context:
                 compiled(x)
@@ -407,6 +407,16 @@ def verify(model: nn.Module, compiled: nn.Module, example: torch.Tensor, cfg: Co
     log.info("compile=%s matches eager: max |difference| %.3g (tolerance %.3g)",
              cfg.name.name, diff, allowed)
     return diff
+
+
+def check_compiles(family, cfg: CompileConfig, label: str) -> None:
+    """A ConfigError, in one line, for a compiled backend a model's family cannot take
+    (``Family.compiles``: a detector's forward takes boxes and gives dicts of losses or
+    ragged detections, which the backends' tracing and ``verify`` do not follow)."""
+    if family.compiles is not None and BACKENDS[cfg.name].build is not None:
+        raise ConfigError(f"compile={cfg.name.value} does not compile a {family.name.value} "
+                          f"(model {label}: {family.compiles}); use compile=eager (amp=bf16 "
+                          "applies to it)")
 
 
 def step_amp(config: Config) -> AmpConfig:
@@ -443,7 +453,10 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     if data_path_alone(config):
         return RunModels({})
     train = config.task.name.trains
-    if train and len(storage.classes) == 1 and not any(map(is_detector_config, configs)):
+    targets = config.dataset.targets
+    if train and len(storage.classes) == 1 and all(
+            # a class per image (no target beside the label: not a box's or a pixel's)
+            not TARGETS[family_of_config(c, targets).target].batch_keys for c in configs):
         log.warning("the dataset has one class (%s): a classifier has nothing to learn and "
                     "its loss goes to 0; point dataset.path at the folder that holds the "
                     "class folders", storage.classes[0])
@@ -460,8 +473,9 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     out = RunModels({})
     for cfg in configs:
         name = cfg.label
-        model = build_model(cfg, len(storage.classes), device, train,
-                            image_size=tuple(example.shape[-2:]))
+        check_compiles(family_of_config(cfg, targets), config.compile, cfg.label)
+        model = build_family_model(cfg, len(storage.classes), device, train,
+                                   image_size=tuple(example.shape[-2:]), targets=targets)
         model.train(train)  # before tracing: BN mode is baked in
         check_input_size(model, example, cfg)  # a size it cannot take: named, not a traceback
         if before_compile is not None:

@@ -35,10 +35,18 @@ the run's image size, so the batch is not resized again; a list of images still 
 torchvision's own path. ``tests/model/test_detectors.py`` checks both give the same
 tensors and boxes.
 
-``model.name=<one of them>`` builds one through runner/model/networks.py's ``build_model``
-(``build_from_config``, registered in its ``NAMED`` when this module is imported, which
-runner/model/__init__.py does): at ``model.image_size``, else at the batches' size; its
-class count the dataset's, or read off ``model.weights`` (``classes_in_detector_weights``).
+``model.name=<one of them>`` builds one through runner/model/families.py's detector record
+(``build_from_config``): at ``model.image_size``, else at the batches' size; its class
+count the dataset's, or read off ``model.weights`` (``classes_in_detector_weights``).
+
+The user's own detector: ``model=custom model.target=pkg.mod:factory`` with
+``dataset.targets=auto|yolo|coco`` (or ``model.family=detector``): any module that follows
+torchvision's detection protocol (``forward(images, targets)``, ``images`` a list of float
+CHW tensors in [0, 1], ``targets`` one dict of ``boxes`` xyxy and ``labels`` per image,
+gives a dict of losses in train mode and a list of ``boxes``/``labels``/``scores`` dicts in
+eval mode). Its labels are the dataset's classes as they are (0..C-1: no background shift);
+the factory gets ``num_classes`` when it takes it, and ``model.kwargs``; ``model.weights``
+loads its checkpoint (a state_dict, or a runner checkpoint) strictly.
 
 The losses (train mode, summed by ``total_loss``): Faster R-CNN ``loss_classifier``,
 ``loss_box_reg``, ``loss_objectness``, ``loss_rpn_box_reg``; RetinaNet ``classification``,
@@ -65,10 +73,10 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from runner.common.errors import ConfigError
-from runner.config.schema import ModelConfig, ModelSource
+from runner.config.schema import ModelConfig
 from runner.model.networks import (
-    NAMED,
     PROBE_CLASSES,
+    SOURCES,
     UInt8Input,
     load_weights,
     read_weights_file,
@@ -235,28 +243,36 @@ def total_loss(losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
 # --- the model -----------------------------------------------------------------------------
 
 
+OWN_MOST = 100  # the most detections per image kept of a user's detector that does not say
+
+
 def max_detections(network: nn.Module) -> int:
     """The most detections per image ``network`` returns."""
     heads = getattr(network, "roi_heads", None)  # Faster R-CNN keeps it on its box head
-    return int(getattr(heads, "detections_per_img", None) or network.detections_per_img)
+    return int(getattr(heads, "detections_per_img", None)
+               or getattr(network, "detections_per_img", None) or OWN_MOST)
 
 
 class Detector(nn.Sequential):
     """``[UInt8Input, torchvision detector]`` whose forward takes the padded targets and
     returns the losses (train) or the padded predictions (eval)."""
 
-    def __init__(self, network: nn.Module, name: str, num_classes: int):
+    def __init__(self, network: nn.Module, name: str, num_classes: int,
+                 offset: int | None = None, most: int | None = None, as_list: bool = False):
         super().__init__(UInt8Input(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)), network)
         self.name = name
         self.num_classes = num_classes  # the dataset's
-        self.offset = label_offset(name)
-        self.max_detections = max_detections(network)
+        self.offset = label_offset(name) if offset is None else offset
+        self.max_detections = max_detections(network) if most is None else most
+        self.as_list = as_list  # the user's own: images as a list (the protocol's)
         self.class_names = None
 
     def forward(self, images: torch.Tensor, targets: Mapping[str, torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor]:
         with torch.autocast(images.device.type, enabled=False):
             x = self[0](images)  # float32 in [0, 1]: what torchvision's transform takes
+        if self.as_list:
+            x = list(x)
         if self.training:
             if targets is None:
                 raise ValueError("a detector in train mode needs the batch's boxes, "
@@ -303,7 +319,7 @@ def build_detector(name: str, num_classes: int, image_size: tuple[int, int],
 
 def is_detector_config(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` names one of torchvision's detectors."""
-    return cfg.source is ModelSource.torchvision and is_detector(cfg.name)
+    return SOURCES[cfg.source].by_name and is_detector(cfg.name)
 
 
 def detector_classes(cfg: ModelConfig, dataset_classes: int, state: dict | None,
@@ -365,11 +381,16 @@ def classes_in_detector_weights(name: str, state: dict) -> int | None:
     return found.pop() - label_offset(name)
 
 
-def build_from_config(cfg: ModelConfig, num_classes: int, device: torch.device, train: bool,
-                      image_size: tuple[int, int] | None, state: dict | None,
-                      names: list[str] | None) -> Detector:
-    """``build_model`` of a detector (networks.py's ``NAMED``): at ``model.image_size``,
-    else at ``image_size`` (the batches'), random init or ``model.weights``, on ``device``."""
+def build_from_config(cfg: ModelConfig, num_classes: int, device: torch.device,
+                      train: bool = True, image_size: tuple[int, int] | None = None
+                      ) -> Detector:
+    """A detector of ``cfg`` (runner/model/families.py's detector record): torchvision's
+    by ``model.name`` at ``model.image_size``, else at ``image_size`` (the batches'), or the
+    user's own by ``model.target`` (``own_detector``); random init or ``model.weights``,
+    on ``device``."""
+    state, names = read_weights_file(cfg.weights) if cfg.weights else (None, None)
+    if not SOURCES[cfg.source].by_name:  # the user's own
+        return own_detector(cfg, num_classes, device, train, state, names)
     size = cfg.image_size or image_size
     if not size:
         raise ConfigError(f"model.name={cfg.name} needs the size of the images it takes: "
@@ -384,4 +405,27 @@ def build_from_config(cfg: ModelConfig, num_classes: int, device: torch.device, 
     return model.to(device)
 
 
-NAMED.update(dict.fromkeys(DETECTORS, build_from_config))
+def own_detector(cfg: ModelConfig, num_classes: int, device: torch.device, train: bool,
+                 state: dict | None, names: list[str] | None) -> Detector:
+    """The user's own detector (the module docstring's protocol), for ``model.num_classes``,
+    else the dataset's classes (in training), else the checkpoint's names."""
+    count = cfg.num_classes or (num_classes if train or not names else len(names))
+    if not count:
+        raise ConfigError(f"model.target={cfg.target} needs its class count: set "
+                          "model.num_classes (or model.weights of a runner checkpoint)")
+    network = SOURCES[cfg.source].build(cfg.name, count, cfg)
+    network._runner_name = cfg.label
+    if state is not None:
+        load_weights(network, cfg.weights, state, replace_head=cfg.replace_head)
+    model = Detector(network, cfg.label, count, offset=0, as_list=True)
+    model.class_names = names if names is not None and len(names) == count else None
+    return model.to(device)
+
+
+def batch_targets(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detection batch's padded boxes, as the detector takes them; the padding rows of a
+    distributed shard (``valid`` false) count no box."""
+    targets = {k: batch[k] for k in ("boxes", "box_labels", "box_count")}
+    if "valid" in batch.keys():
+        targets["box_count"] = targets["box_count"] * batch["valid"].to(torch.long)
+    return targets

@@ -19,6 +19,7 @@ tensor whose shape differs is left at its new initialization, and the log names 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from runner.common.atomic import unreadable
 from runner.common.errors import ConfigError, Unavailable
+from runner.common.registry import Registry
 from runner.config.schema import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -118,14 +120,6 @@ class TinyNet(nn.Module):
 
 OWN = {"tiny": TinyNet}  # the runner's own networks, beside torchvision's
 
-# models by name that modules built on this one build (``build_model`` hands them the
-# config): runner/model/detectors.py adds torchvision's detectors when it is imported, which
-# runner/model/__init__.py does. Each builder is called as
-# ``builder(cfg, num_classes, device, train, image_size, state, names)``: ``state`` and
-# ``names`` are ``model.weights``' state_dict and class names (None without weights).
-NAMED: dict[str, Callable[..., nn.Module]] = {}
-
-
 def torchvision_classifiers() -> list[str]:
     """Every classification builder torchvision.models has (resnet50, vit_b_16, ...)."""
     import torchvision
@@ -144,32 +138,11 @@ def is_segmenter(cfg: ModelConfig) -> bool:
     return cfg.source is ModelSource.torchvision and cfg.name in torchvision_segmenters()
 
 
-def _closest(name: str, known: list[str]) -> str:
+def closest(name: str, known: list[str]) -> str:
     import difflib
 
     near = difflib.get_close_matches(name, known, n=3)
     return f" (did you mean {', '.join(near)}?)" if near else ""
-
-
-def check_model(cfg: ModelConfig) -> None:
-    """A ConfigError naming the fix for a model that cannot be built; an ``Unavailable``
-    (a skip) for one that needs a package this machine lacks."""
-    from runner.config.schema import ConfigError
-
-    if cfg.source is ModelSource.torchvision:
-        if cfg.name in (NO_MODEL, *OWN, *NAMED):
-            return
-        known = torchvision_classifiers() + torchvision_segmenters() + list(NAMED)
-        if cfg.name not in known:
-            from runner.config.rules import unknown_model
-
-            raise unknown_model(cfg.name, known)
-    elif cfg.source is ModelSource.custom:
-        if not cfg.target:
-            raise ConfigError(
-                "model=custom needs model.target: name your network as package.module:Class "
-                "(or package.module.Class), e.g. model=custom model.target=my_nets:MyNet with my_nets.py "
-                "in the current folder")
 
 
 def _torchvision(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
@@ -177,6 +150,10 @@ def _torchvision(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
 
     if name in OWN:
         return OWN[name](num_classes)
+    if name in torchvision.models.list_models(module=torchvision.models.detection):
+        # its builder would fetch ImageNet backbone weights: detectors are the family's own
+        raise ConfigError(f"model.name={name} is a detector: build it with "
+                          "runner.model.families.build_family_model")
     # weights=None: random init, nothing is downloaded (model.weights loads a local file)
     if name in torchvision_segmenters():  # nor the backbone's weights
         aux = cfg.kwargs.get("aux_loss", name != "lraspp_mobilenet_v3_large" and None)
@@ -195,7 +172,7 @@ def _timm(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
         from runner.config.schema import ConfigError
 
         raise ConfigError(f"model.name={name} is not a timm model"
-                          f"{_closest(name, timm.list_models())}")
+                          f"{closest(name, timm.list_models())}")
     return timm.create_model(name, pretrained=False, num_classes=num_classes)
 
 
@@ -219,11 +196,24 @@ def _custom(name: str, num_classes: int, cfg: ModelConfig) -> nn.Module:
     return model
 
 
-BACKBONES = {
-    ModelSource.torchvision: _torchvision,
-    ModelSource.timm: _timm,
-    ModelSource.custom: _custom,
-}
+@dataclass(frozen=True)
+class Source:
+    """Where ``model.name`` is looked up (``model=``'s ``ModelSource``): ``build(name,
+    num_classes, cfg)`` -> the network; ``by_name``: ``model.name`` names one of the
+    runner's or torchvision's models (tiny, none, resnet50, a detector...); ``own``: the
+    user's own code (``model.target``)."""
+
+    name: ModelSource
+    build: Callable[[str, int, ModelConfig], nn.Module]
+    by_name: bool = False
+    own: bool = False
+
+
+SOURCES: Registry[Source] = Registry(ModelSource, "model.source={}", [
+    Source(ModelSource.torchvision, _torchvision, by_name=True),
+    Source(ModelSource.timm, _timm),
+    Source(ModelSource.custom, _custom, own=True),
+])
 
 
 def network_state(state: dict) -> dict:
@@ -280,7 +270,7 @@ def classes_in_weights(cfg: ModelConfig, state: dict) -> int | None:
     that follow the class count (built with PROBE_CLASSES, they are the ones of that size
     whose saved shape differs). None when nothing tells."""
     for probe_classes in PROBE_CLASSES:  # a checkpoint of exactly 7 classes: the second
-        probe = BACKBONES[cfg.source](cfg.name, probe_classes, _with_aux(cfg, state))
+        probe = SOURCES[cfg.source].build(cfg.name, probe_classes, _with_aux(cfg, state))
         counts = {int(state[k].shape[0]) for k, v in probe.state_dict().items()
                   if k in state and v.dim() >= 1 and v.shape[0] == probe_classes
                   and tuple(state[k].shape) != tuple(v.shape)}
@@ -375,17 +365,16 @@ def build_model(cfg: ModelConfig, num_classes: int, device: torch.device,
     was trained with (None when it keeps none or its count differs). ``model[1]`` is the network itself (what checkpoints and
     ``model.weights`` hold).
 
-    A detector (runner/model/detectors.py's ``Detector``) runs at ``model.image_size``,
-    else at ``image_size`` (H, W: the batches' size), and its ``num_classes`` is the
-    dataset's kind of count (``detector_classes``), its head sized by its own convention.
+    A classifier or a segmenter: runner/model/families.py's ``build_family_model`` is
+    the front door for every family (detectors: runner/model/detectors.py), and calls this
+    for those two. ``image_size`` is unused here (the uint8 input resizes to
+    ``model.image_size``).
     """
     if cfg.name == NO_MODEL and cfg.source is ModelSource.torchvision:
         return None
     state, names = read_weights_file(cfg.weights) if cfg.weights else (None, None)
-    if cfg.source is ModelSource.torchvision and cfg.name in NAMED:
-        return NAMED[cfg.name](cfg, num_classes, device, train, image_size, state, names)
     count = class_count(cfg, num_classes, state, train)
-    backbone = BACKBONES[cfg.source](cfg.name, count, _with_aux(cfg, state))
+    backbone = SOURCES[cfg.source].build(cfg.name, count, _with_aux(cfg, state))
     backbone._runner_name = cfg.name
     if state is not None:
         load_weights(backbone, cfg.weights, state, replace_head=cfg.replace_head)

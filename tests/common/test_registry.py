@@ -24,7 +24,8 @@ RUNNER = REPO / "runner"
 # loader.host_dtype= stay a dict of values, STYLE.md's "a Literal string and a dict lookup")
 COMPONENTS = {config.StorageName, config.Decoder, config.Output, config.TaskName,
               config.CompileName, config.OptimizerName, config.ScheduleName,
-              config.PrefetchName, config.LoggerName}
+              config.PrefetchName, config.LoggerName, config.TargetName, config.ModelFamily,
+              config.ModelSource}
 
 
 def module_name(path: Path) -> str:
@@ -184,7 +185,10 @@ def test_make_step_asks_the_tasks_record(monkeypatch: pytest.MonkeyPatch):
 
 # Switches left where they are, and why: the config's cross-group rules (a task's keys, an
 # embedding layer without embeddings) sit below runner/tasks/ and runner/tasks/infer/kinds/
-LEFT = {("runner/config/rules.py", "TaskName"), ("runner/config/rules.py", "Output")}
+# (and which source names a model by name); the listing of a folder's images with their
+# targets sits below runner/data/targets/, which builds on it
+LEFT = {("runner/config/rules.py", "TaskName"), ("runner/config/rules.py", "Output"),
+        ("runner/config/rules.py", "ModelSource"), ("runner/data/sources/files.py", "TargetName")}
 
 
 def file_of(module: str) -> Path:

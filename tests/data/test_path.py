@@ -83,18 +83,18 @@ def test_the_device_crops_move_a_stores_boxes_as_torchvision_v2_does(shapes: Pat
 
 
 def test_a_batch_without_crop_draws_cuts_its_pixels_and_boxes_by_the_same_draws():
-    """``crop_boxes`` draws the random crops itself when a batch carries none, and hands
+    """``crop_targets`` draws the random crops itself when a batch carries none, and hands
     them back for the pixels: the boxes follow the crops the images are cut by."""
     from runner.data.decode.boxgeometry import map_padded, pad
     from runner.data.decode.crops import BatchAugment
-    from runner.data.path import crop_boxes
+    from runner.data.path import crop_targets
 
     augment = BatchAugment(SIZE)
     targets = pad([torch.tensor([[10.0, 10, 60, 50]])] * 4, [torch.tensor([1])] * 4)
     batch = TensorDict({"image": torch.zeros(4, 3, 64, 80, dtype=torch.uint8), **targets},
                        batch_size=[4])
     torch.manual_seed(0)
-    draws = crop_boxes(augment, batch, None)
+    draws = crop_targets(augment, batch, None)
     assert draws is not None and draws["crop_uniforms"].shape[0] == 4
     windows = augment.boxes(4, 64, 80, torch.device("cpu"), draws=draws)
     expected = map_padded(targets["boxes"], targets["box_labels"], targets["box_count"],

@@ -214,3 +214,49 @@ def test_a_classifiers_checkpoint_given_to_a_detector_is_named_so_not_told_repla
     own = build_detector(name, 10, (64, 64))[1].state_dict()
     with pytest.raises(ConfigError, match="model.replace_head=true"):
         detector_classes(cfg, 3, own, [str(k) for k in range(10)], True)
+
+
+def test_a_detector_under_bf16_autocast_matches_its_float32_losses_and_boxes():
+    """amp=bf16 applies to a detector as to a classifier: its input layer stays in float32
+    (autocast off around it), its network runs under autocast, and its losses agree with
+    float32 eager within bfloat16's tolerance (runner/model/amp.py); its eval predictions come
+    back padded and in float32, as without autocast."""
+    from runner.config.schema import AmpConfig, AmpName
+    from runner.model.amp import autocast, tolerance
+    from runner.model.detectors import build_detector, total_loss
+
+    torch.manual_seed(0)
+    model = build_detector("ssdlite320_mobilenet_v3_large", 3, (64, 64))
+    x = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
+    targets = {"boxes": torch.tensor([[[4.0, 6.0, 40.0, 50.0]], [[10.0, 10.0, 30.0, 20.0]]]),
+               "box_labels": torch.tensor([[0], [2]]), "box_count": torch.tensor([1, 1])}
+    bf16 = AmpConfig(AmpName.bf16)
+    torch.manual_seed(1)
+    eager = total_loss(model.train()(x, targets))
+    torch.manual_seed(1)
+    with autocast(bf16, torch.device("cpu")):
+        mixed = total_loss(model(x, targets)).float()
+    assert float(eager) == pytest.approx(float(mixed),
+                                         rel=20 * tolerance(torch.bfloat16, torch.device("cpu")))
+    model.eval()
+    with torch.no_grad():
+        plain = model(x)
+        with autocast(bf16, torch.device("cpu")):
+            half = model(x)
+    assert half["boxes"].dtype == torch.float32  # read back as float32, as the model's
+    # a random head's scores sit at its threshold: how many pass differs, the layout not
+    assert half["boxes"].shape[1:] == plain["boxes"].shape[1:] and half["boxes"].isfinite().all()
+
+
+def test_a_compiled_backend_is_refused_for_a_detector_in_one_line():
+    from runner.common.errors import ConfigError
+    from runner.config.schema import CompileConfig, CompileName, ModelFamily
+    from runner.model.compile import check_compiles
+    from runner.model.families import FAMILIES
+
+    with pytest.raises(ConfigError, match=r"compile=inductor does not compile a detector "
+                                          r"\(model det: .*use compile=eager"):
+        check_compiles(FAMILIES[ModelFamily.detector], CompileConfig(CompileName.inductor),
+                       "det")
+    check_compiles(FAMILIES[ModelFamily.detector], CompileConfig(CompileName.eager), "det")
+    check_compiles(FAMILIES[ModelFamily.classifier], CompileConfig(CompileName.inductor), "c")

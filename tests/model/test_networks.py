@@ -338,10 +338,11 @@ DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"  # the quickest of the four t
 
 def test_a_detector_name_builds_the_detector_at_the_batches_size(tmp_path: Path):
     from runner.model.detectors import Detector
+    from runner.model.families import build_family_model
 
     cfg = compose([f"model.name={DETECTOR}"]).model  # a name the config accepts
     torch.manual_seed(0)
-    model = build_model(cfg, 3, CPU, image_size=(32, 48))
+    model = build_family_model(cfg, 3, CPU, image_size=(32, 48))
     assert isinstance(model, Detector) and model.training
     assert model.num_classes == 3 and model.class_names is None
     assert model._runner_name == model[1]._runner_name == DETECTOR
@@ -349,26 +350,28 @@ def test_a_detector_name_builds_the_detector_at_the_batches_size(tmp_path: Path)
     assert (transform.min_size, transform.max_size) == ((32,), 48)  # not resized again
     assert model[1].roi_heads.box_predictor.cls_score.out_features == 4  # + background
     # model.image_size is the size it runs at, whatever the batches'
-    own = build_model(ModelConfig(DETECTOR, image_size=[40, 40]), 3, CPU, image_size=(32, 48))
+    own = build_family_model(ModelConfig(DETECTOR, image_size=[40, 40]), 3, CPU, image_size=(32, 48))
     assert (own[1].transform.min_size, own[1].transform.max_size) == ((40,), 40)
     with pytest.raises(ConfigError, match=r"model.image_size=\[H,W\]"):
-        build_model(cfg, 3, CPU)
+        build_family_model(cfg, 3, CPU)
 
 
 def test_a_detectors_weights_load_and_give_its_class_count(tmp_path: Path):
+    from runner.model.families import build_family_model
+
     torch.manual_seed(1)
-    source = build_model(ModelConfig(DETECTOR), 3, CPU, image_size=(64, 64))
+    source = build_family_model(ModelConfig(DETECTOR), 3, CPU, image_size=(64, 64))
     path = tmp_path / "w.pt"
     torch.save(source[1].state_dict(), path)  # torchvision's keys, a plain state_dict
     # inference on unlabelled images: the class count read off the head (3 + background)
-    loaded = build_model(ModelConfig(DETECTOR, weights=str(path)), 0, CPU, train=False,
+    loaded = build_family_model(ModelConfig(DETECTOR, weights=str(path)), 0, CPU, train=False,
                          image_size=(64, 64))
     assert loaded.num_classes == 3
     for (k, v), w in zip(source[1].state_dict().items(), loaded[1].state_dict().values()):
         assert torch.equal(v, w), k
     with pytest.raises(ConfigError, match="model.replace_head=true"):
-        build_model(ModelConfig(DETECTOR, weights=str(path)), 5, CPU, image_size=(64, 64))
-    tuned = build_model(ModelConfig(DETECTOR, weights=str(path), replace_head=True), 5, CPU,
+        build_family_model(ModelConfig(DETECTOR, weights=str(path)), 5, CPU, image_size=(64, 64))
+    tuned = build_family_model(ModelConfig(DETECTOR, weights=str(path), replace_head=True), 5, CPU,
                         image_size=(64, 64))
     assert tuned.num_classes == 5
     assert tuned[1].roi_heads.box_predictor.cls_score.out_features == 6

@@ -29,7 +29,8 @@ from runner.config.schema import Config, LoaderConfig
 from runner.data.loading.buffers import BufferPool, pin_small_fields
 from runner.data.order import BatchOrder
 from runner.data.protocol import Sample, SkippedFile, Storage
-from runner.data.storage.folder import UNREADABLE, batch_fields
+from runner.data.storage.folder import UNREADABLE
+from runner.data.targets import batch_fields
 from runner.data.threads import RowPool, cores, one_core_pool
 from runner.measure import timeline
 

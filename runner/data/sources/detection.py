@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.common.text import printable
-from runner.config.schema import DatasetConfig, Split
+from runner.config.schema import DatasetConfig, Split, TargetName
 from runner.data.protocol import SkippedFile
 from runner.data.sources.labels import ImageTargets, detect_format, read_labels, yolo_inputs
 from runner.data.sources.listing import DatasetError, Listing, split_listing, stat_row
@@ -48,6 +48,7 @@ class DetectionTargets:
     category_ids: list[int] | None = None
     inputs: list[str] | None = None  # the label files read (YOLO; None: COCO's one JSON)
     input_stats: list[tuple[int, int, int, int]] | None = None  # theirs, before reading
+    kind = TargetName.boxes  # what they are (not a field): runner/data/targets/' record
 
     def __len__(self) -> int:
         return len(self.items)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from runner.config.schema import DatasetConfig
+from runner.config.schema import DatasetConfig, TargetName
 from runner.data.order import split_padding
 from runner.data.sources.fardisk import is_far
 from runner.data.sources.listing import Listing, list_images
@@ -198,6 +198,10 @@ def open_files(dataset: DatasetConfig, path: str | Path) -> Files:
         from runner.data.sources.detection import list_detection
 
         return Files(list_detection(dataset, path))
+    if dataset.targets.kind is TargetName.masks:  # the images that have a mask, with it
+        from runner.data.sources.masklabels import list_masks
+
+        return Files(list_masks(dataset, path))
     listing = list_images(dataset, path)
     far, why = is_far([p for p, _ in listing.samples], dataset.far_disk)
     if far:

@@ -1,4 +1,4 @@
-"""The default detection dataset: filled shapes on photo-like backgrounds, boxes known exactly.
+"""The default detection and segmentation datasets: shapes on photo-like backgrounds, exactly.
 
 Made locally and offline, deterministic from a seed, written once in the YOLO layout
 (runner/data/sources/labels.py reads it) into the cache, as the default classification
@@ -9,6 +9,12 @@ dataset is (runner/data/sources/synthetic.py)::
         labels/train/000001.txt ...   labels/val/000000.txt ...   (class cx cy w h, normalised)
         data.yaml                     (names, train: images/train, val: images/val)
         dataset.json                  (the spec; written last: its presence means complete)
+
+With ``masks=True`` (the default segmentation dataset, ``shapes-masks-v1-...``) the same
+images come with ``masks/<split>/<stem>.png`` instead of ``labels/``: a PNG of class ids,
+0 the background and 1, 2, 3 the circle, square and triangle (the pixels each shape was
+drawn on, exactly), read back by runner/data/sources/masklabels.py; its ``data.yaml``
+names the four classes, background first.
 
 Each image is a 1/f ("pink") noise scene, the spectrum natural images have (synthetic.py's
 noise fields), in a random hue, with 0 to ``max_objects`` filled shapes on it: circles,
@@ -27,11 +33,13 @@ an interrupted generation resumes where it stopped.
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from runner.common.atomic import write_atomic
 from runner.data.sources.listing import split_positions
@@ -63,11 +71,18 @@ class ShapesSpec:
     max_objects: int = 4
     min_size: float = 0.12  # an object's side, as a share of the shorter image side
     max_size: float = 0.35
+    masks: bool = False  # masks/ (class-id PNGs) instead of labels/ (boxes)
 
     @property
     def name(self) -> str:
-        return (f"shapes-v{VERSION}-n{self.num_images}-{self.height}x{self.width}"
+        kind = "shapes-masks" if self.masks else "shapes"
+        return (f"{kind}-v{VERSION}-n{self.num_images}-{self.height}x{self.width}"
                 f"-q{self.quality}-s{self.seed}")
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names by id: a mask's ids put the background first."""
+        return ["background", *CLASSES] if self.masks else list(CLASSES)
 
     def val_indices(self) -> set[int]:
         return set(split_positions(self.num_images, self.val_fraction, self.seed, True))
@@ -79,11 +94,13 @@ class ShapesSpec:
 @dataclass(frozen=True)
 class Sample:
     """One image (HWC uint8 RGB), its boxes (float32 [n, 4], xyxy pixels: the extent of the
-    pixels each shape covers) and classes (int64 [n])."""
+    pixels each shape covers) and classes (int64 [n]), and its mask (uint8 [H, W]: 0 the
+    background, a shape's class + 1 on the pixels it was drawn on)."""
 
     image: np.ndarray
     boxes: np.ndarray
     labels: np.ndarray
+    mask: np.ndarray | None = None
 
 
 def background(spec: ShapesSpec, index: int) -> np.ndarray:
@@ -143,6 +160,7 @@ def make_sample(spec: ShapesSpec, index: int) -> Sample:
     side = min(h, w)
     boxes: list[tuple[float, float, float, float]] = []
     labels: list[int] = []
+    ids = np.zeros((h, w), np.uint8)
     wanted = int(rng.integers(0, spec.max_objects + 1))
     for _ in range(20 * wanted):  # placements that would touch another object are redrawn
         if len(boxes) == wanted:
@@ -162,11 +180,12 @@ def make_sample(spec: ShapesSpec, index: int) -> Sample:
         colour = _rgb(colour_draws[0], 0.3 + 0.6 * colour_draws[1], value)
         shade = (1.0 + 0.08 * texture)[..., None]
         img = np.where(mask[..., None], np.clip(colour * shade, 0.0, 1.0), img)
+        ids[mask] = kind + 1
         boxes.append(box)
         labels.append(kind)
     pixels = (img * 255 + 0.5).astype(np.uint8)
     return Sample(pixels, np.array(boxes, np.float32).reshape(-1, 4),
-                  np.array(labels, np.int64))
+                  np.array(labels, np.int64), ids)
 
 
 def _near(a: tuple, b: tuple) -> bool:
@@ -185,9 +204,17 @@ def yolo_lines(sample: Sample, h: int, w: int) -> str:
 
 
 def relpaths(spec: ShapesSpec, index: int, val: set[int] | None = None) -> tuple[str, str]:
-    """(image, label file) of image ``index``, relative to the dataset's folder."""
+    """(image, label file or mask) of image ``index``, relative to the dataset's folder."""
     split = spec.split_of(index, val)
+    if spec.masks:
+        return f"images/{split}/{index:06d}.jpg", f"masks/{split}/{index:06d}.png"
     return f"images/{split}/{index:06d}.jpg", f"labels/{split}/{index:06d}.txt"
+
+
+def encode_png(ids: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(ids, "L").save(buf, "PNG")
+    return buf.getvalue()
 
 
 def _write_one(args: tuple[ShapesSpec, Path, int, set[int]]) -> int:
@@ -195,7 +222,9 @@ def _write_one(args: tuple[ShapesSpec, Path, int, set[int]]) -> int:
     image, label = relpaths(spec, index, val)
     if not (root / image).exists():  # resume: an image present was written with its labels
         sample = make_sample(spec, index)
-        write_atomic(root / label, yolo_lines(sample, spec.height, spec.width).encode())
+        target = encode_png(sample.mask) if spec.masks else \
+            yolo_lines(sample, spec.height, spec.width).encode()
+        write_atomic(root / label, target)
         write_atomic(root / image, encode_jpeg(sample.image, spec.quality))
     return index
 
@@ -208,19 +237,20 @@ def ensure_shapes(spec: ShapesSpec, cache_dir: str | Path, progress: bool = True
     import yaml
 
     def make(partial: Path, final: Path) -> dict:
-        for kind in ("images", "labels"):
+        for kind in ("images", "masks" if spec.masks else "labels"):
             for split in ("train", "val"):
                 (partial / kind / split).mkdir(parents=True, exist_ok=True)
         val = spec.val_indices()
         todo = [i for i in range(spec.num_images)
                 if not (partial / relpaths(spec, i, val)[0]).exists()]
-        log.info("generating the default detection dataset (%d of %d images to write) in %s",
-                 len(todo), spec.num_images, final)
+        log.info("generating the default %s dataset (%d of %d images to write) in %s",
+                 "segmentation" if spec.masks else "detection", len(todo), spec.num_images,
+                 final)
         write_parallel(_write_one, [(spec, partial, i, val) for i in todo], "shapes dataset",
                        progress, per_worker=256, chunksize=16)
         write_atomic(partial / "data.yaml", yaml.safe_dump(
             {"train": "images/train", "val": "images/val",
-             "names": list(CLASSES)}, sort_keys=False).encode())
-        return {"version": VERSION, **spec.__dict__, "classes": list(CLASSES)}
+             "names": spec.classes}, sort_keys=False).encode())
+        return {"version": VERSION, **spec.__dict__, "classes": spec.classes}
 
     return publish_once(Path(cache_dir).expanduser() / "datasets", spec.name, make)

@@ -41,13 +41,14 @@ from pathlib import Path
 
 from runner.common.errors import ConfigError
 from runner.common.registry import Registry
-from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName
+from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName, TargetName
 from runner.data.decode.decoders import DECODERS, concrete_decoder
 from runner.data.protocol import Storage, StorageKind
 from runner.data.sources.listing import EXTENSIONS, check_no_loop, check_path_exists, is_image_name
 from runner.data.sources.synthetic import SyntheticSpec, ensure_dataset
 from runner.data.sources.url import is_url
 from runner.data.storage.tarformat import MANIFEST
+from runner.data.targets import TARGETS
 
 STORAGES: Registry[StorageKind] = Registry.from_modules(__name__, StorageName, "loader={}",
                                                       StorageKind)
@@ -72,10 +73,9 @@ def resolve_dataset(cfg: DatasetConfig, progress: bool = True) -> Path | str:
     if cfg.path is not None:
         check_no_loop(Path(cfg.path).expanduser(), "dataset.path")
         return Path(cfg.path).expanduser()
-    if cfg.targets.boxes:  # detection: the generated shapes, boxes known
-        from runner.data.sources.detection import default_path
-
-        return default_path(cfg, progress)
+    generated = TARGETS[cfg.targets.kind].default_path  # its kind's own: boxes known
+    if generated is not None:
+        return generated(cfg, progress)
     spec = SyntheticSpec(cfg.num_images, cfg.num_classes, *cfg.source_size, quality=cfg.quality)
     return ensure_dataset(spec, cfg.cache_dir, progress=progress)
 
@@ -136,11 +136,13 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
         loader.draft = unset_draft(loader.decoder)
     loader.decoder = concrete_decoder(loader.decoder)
     kind = STORAGES[loader.name]
-    if dataset is not None and dataset.targets.boxes:
+    target = dataset.targets.kind if dataset is not None else TargetName.classes
+    if TARGETS[target].batch_keys:  # a target beside the label: boxes, masks
         given = f"dataset.targets={dataset.targets.value}"
-        if not kind.boxes:
-            carry = " and ".join(f"loader={k.name.value}" for k in STORAGES.values() if k.boxes)
-            raise ConfigError(f"{given} carries boxes through {carry} so far, not "
+        if not kind.carries(target):
+            carry = " and ".join(f"loader={k.name.value}" for k in STORAGES.values()
+                                 if k.carries(target)) or "no storage"
+            raise ConfigError(f"{given} carries {target.value} through {carry} so far, not "
                               f"loader={loader.name.value}: use one of them")
         if is_url(dataset.path) and kind.build is None:  # a store holds its own boxes
             how = "".join(
@@ -148,7 +150,7 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
                 f"(python -m runner.prepare {k.name.value} {given} dataset.path=<local "
                 f"folder> out=<URL>), and read that with loader={k.name.value}"
                 for k in STORAGES.values()
-                if k.boxes and k.urls and k.build is not None and "out" in k.build_options)
+                if k.carries(target) and k.urls and k.build is not None and "out" in k.build_options)
             raise ConfigError(f"{given} reads labels from a local folder, not dataset.path="
                               f"{dataset.path}: copy the dataset to a local folder{how}")
         if DECODERS[loader.decoder].cuda:

@@ -13,7 +13,6 @@ import torch
 
 from runner.common.text import printable
 from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, OnCorrupt, StorageName
-from runner.data.decode.boxgeometry import Window, map_boxes, pad
 from runner.data.decode.decoders import (
     DECODERS,
     FALLBACK,
@@ -34,6 +33,7 @@ from runner.data.protocol import (
 )
 from runner.data.sources.files import Files, open_files
 from runner.data.sources.listing import DatasetError, open_image_folder
+from runner.data.targets import TARGETS, batch_fields
 from runner.measure import timeline
 
 UNREADABLE = "unreadable"  # how the error of a file that could not be read begins
@@ -172,8 +172,10 @@ class FolderStorage(torch.utils.data.Dataset):
             image, window, flip, hw = self.decode.decode_window(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
-        boxes, box_labels = follow(self.targets[index], window, flip, image.shape[-2:], hw)
-        return Sample(image, label, index, valid, boxes, box_labels)
+        # the target through the same window and flip: its kind's record says how
+        fields = TARGETS[self.targets.kind].sample_fields(self.targets, index, window, flip,
+                                                          image.shape[-2:], hw)
+        return Sample(image, label, index, valid, **fields)
 
     def unreadable(self, index: int, error: OSError) -> SkippedFile:
         """Item ``index``'s file could not be read (deleted, moved, no permission): a skip
@@ -291,36 +293,6 @@ class FolderStorage(torch.utils.data.Dataset):
         return found
 
 
-def follow(target, window: tuple[float, float, float, float], flip: bool,
-           size: tuple[int, int], hw: tuple[int, int] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An image's boxes (its ``ImageTargets``) in the output image the decoder made from
-    ``window`` of it, flipped or not, at ``size`` (runner/data/decode/boxgeometry.py's one
-    mapping and its one rule for boxes that leave the crop). The boxes are in pixels of
-    the upright image at the labels' size (YOLO's read from the image itself, COCO's from
-    its JSON); where that differs from the decoded image's upright size ``hw`` (a JSON's
-    width and height that are not the file's), they are scaled to it first."""
-    boxes = target.boxes
-    if hw is not None and target.height and target.width and \
-            (target.height, target.width) != tuple(hw):
-        boxes = boxes * torch.tensor([hw[1] / target.width, hw[0] / target.height] * 2,
-                                     dtype=torch.float32)
-    return map_boxes(boxes, target.labels, Window(*window), tuple(size), flip)
-
-
-def batch_fields(samples: list[Sample]) -> dict[str, torch.Tensor]:
-    """label, index, (for padded distributed shards) valid and (with detection targets)
-    the boxes padded to the batch's most (``boxes``, ``box_labels``, ``box_count``:
-    runner/data/decode/boxgeometry.py's ``pad``), for a list of samples."""
-    fields = {"label": torch.tensor([s.label for s in samples], dtype=torch.int64),
-              "index": torch.tensor([s.index for s in samples], dtype=torch.int64)}
-    if not all(s.valid for s in samples):  # padding rows of a distributed shard
-        fields["valid"] = torch.tensor([s.valid for s in samples], dtype=torch.bool)
-    if samples and samples[0].boxes is not None:
-        fields.update(pad([s.boxes for s in samples], [s.box_labels for s in samples]))
-    return fields
-
-
 def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                 progress: bool = True, decode: ImageDecoder | None = None) -> FolderStorage:
     """The images at ``path`` (a folder or a manifest), each decoded on every epoch with
@@ -365,4 +337,5 @@ KIND = StorageKind(
     speed_rank=3,
     urls=True,
     boxes=True,
+    masks=True,
 )

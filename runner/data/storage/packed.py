@@ -73,7 +73,14 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from runner.config.schema import Crop, DatasetConfig, LoaderConfig, StorageName, StoreSide
+from runner.config.schema import (
+    Crop,
+    DatasetConfig,
+    LoaderConfig,
+    StorageName,
+    StoreSide,
+    TargetName,
+)
 from runner.data.decode.decoders import (
     DECODERS,
     CorruptImageError,
@@ -106,7 +113,8 @@ from runner.data.storage.convert import (
     reserve,
     skipped_files,
 )
-from runner.data.storage.folder import FolderStorage, folder_decoder, follow, open_folder
+from runner.data.storage.folder import FolderStorage, folder_decoder, open_folder
+from runner.data.targets.target_boxes import follow_sample as follow
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)
@@ -700,6 +708,8 @@ class StoredTargets:
             detections go back to.
         category_ids: COCO's id of each class (None: the class index).
     """
+
+    kind = TargetName.boxes  # what they are: runner/data/targets/' record
 
     def __init__(self, boxes: torch.Tensor, labels: torch.Tensor, starts: list[int],
                  heights: list[int], widths: list[int], image_ids: list[int], format: str,

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from runner.common.text import human_bytes
-from runner.config.schema import DatasetConfig, LoaderConfig, StorageName
+from runner.config.schema import DatasetConfig, LoaderConfig, StorageName, TargetName
 from runner.data.decode.decoders import DECODERS
 from runner.data.order import BatchOrder, split_padding
 from runner.data.protocol import SkippedFile, StorageKind, StoreFootprint
@@ -313,6 +313,7 @@ class ShardTargets:
 
     format = "shards"
     skipped: list[SkippedFile] = []  # the labels' bad input: the manifest's skipped files
+    kind = TargetName.boxes  # what they are: runner/data/targets/' record
 
     def __init__(self, storage: ShardsStorage, category_ids: list[int] | None = None):
         self.storage = storage

@@ -327,7 +327,7 @@ class UserStorage(Dataset):
 
     def gather(self, index: torch.Tensor, out: torch.Tensor | None = None, rows: Any = None
                ) -> tuple[dict | None, list[SkippedFile]]:
-        from runner.data.storage.folder import batch_fields
+        from runner.data.targets import batch_fields
 
         items = self.__getitems__(index.tolist())
         samples = [s for s in items if isinstance(s, Sample)]
@@ -364,7 +364,7 @@ class UserStorage(Dataset):
         batch = [samples[k % len(samples)] for k in range(batch_size)]
 
         def collate() -> int:
-            from runner.data.storage.folder import batch_fields
+            from runner.data.targets import batch_fields
 
             self.pack([s.image for s in batch])
             batch_fields(batch)
@@ -473,7 +473,7 @@ class StreamBatches:
                         "length changed?): the epoch ends there", KEY, got, want)
 
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
-        from runner.data.storage.folder import batch_fields
+        from runner.data.targets import batch_fields
 
         items = self.items()
         current = next(items, None)

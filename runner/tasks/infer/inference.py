@@ -47,6 +47,7 @@ class InferTask(TaskBase):
 
     def __init__(self, ctx: RunContext):
         super().__init__(ctx)
+        outputs.settle_outputs(ctx.config)  # unset: what the models give, by their kind
         if ctx.config.task.write_outputs:  # a detector's outputs or another model's: now,
             outputs.check_models(ctx.config)  # before the data path and the models are made
         self.identity = outputs.identity(ctx.config)  # what shapes its outputs

@@ -96,13 +96,16 @@ from runner.config.schema import (
     Config,
     ConfigError,
     ModelConfig,
+    ModelFamily,
     ReduceOn,
+    TargetName,
     TaskConfig,
     keys_where,
     to_plain,
 )
+from runner.data.targets import TARGETS
 from runner.data.threads import bind_cuda, cuda_index
-from runner.model.detectors import DETECTORS, is_detector
+from runner.model.families import FAMILIES, family_of_config
 from runner.model.networks import main_output
 from runner.tasks.checkpoint import CheckpointError
 from runner.tasks.infer.coco_results import ServedFrame
@@ -219,7 +222,9 @@ class Reduce:
 
     def __init__(self, cfg: TaskConfig, network: nn.Module | None):
         self.task = cfg
-        self.kinds = [OUTPUT_KINDS[o] for o in cfg.outputs]
+        # unset (a step made outside a run, which settles it): a classifier's default
+        kept = cfg.outputs if cfg.outputs is not None else TARGETS[TargetName.classes].outputs
+        self.kinds = [OUTPUT_KINDS[o] for o in kept]
         if network is None:
             self.kinds = [k for k in self.kinds if k.needs != FEATURES]
         self.on_host = cfg.reduce_on is ReduceOn.host
@@ -334,16 +339,51 @@ def check_detector(cfg: TaskConfig, detector: bool, model: str) -> None:
             others = ", ".join(k.name.value for k in OUTPUT_KINDS.values() if not k.detector)
             raise ConfigError(f"task.outputs has {', '.join(boxes)}, but model {model} is not "
                               f"a detector: {', '.join(boxes)} need one, e.g. "
-                              f"model.name={next(iter(DETECTORS))}; other models give "
+                              f"model.name={detector_example()}; other models give "
                               f"{others}")
+
+
+def detector_example() -> str:
+    """A detector's ``model.name``, for errors (its family's first example)."""
+    return FAMILIES[ModelFamily.detector].examples.split(",")[0]
+
+
+def gives_boxes(cfg: ModelConfig, config: Config) -> bool:
+    """Whether the model ``cfg`` names learns boxes (its family's target: runner/model/
+    families.py, told from its name or, for the user's own, ``model.family`` or the data's
+    kind of target)."""
+    family = family_of_config(cfg, config.dataset.targets)
+    return any(OUTPUT_KINDS[o].detector for o in TARGETS[family.target].applies)
+
+
+def settle_outputs(config: Config) -> None:
+    """An unset ``task.outputs`` becomes what the pass's models give by default: the
+    outputs of the kind of target each one's family learns (``TargetKind.outputs``: a
+    classifier's top-k, a detector's detections, a segmenter's masks), said once; models
+    whose defaults differ are a ConfigError asking for ``task.outputs``."""
+    if config.task.outputs is not None:
+        return
+    models = model_configs(config)
+    defaults = {m.label: TARGETS[family_of_config(m, config.dataset.targets).target].outputs
+                for m in models}
+    kinds = set(defaults.values())
+    if len(kinds) > 1:
+        said = "; ".join(f"{label}: {','.join(o.value for o in kept)}"
+                         for label, kept in defaults.items())
+        raise ConfigError(f"the models give different outputs by default ({said}): name "
+                          "what to keep, task.outputs=[...]")
+    config.task.outputs = list(kinds.pop() if kinds else TARGETS[TargetName.classes].outputs)
+    log.info("task.outputs unset: writing %s, what %s gives",
+             ",".join(o.value for o in config.task.outputs),
+             ", ".join(defaults) or "the model")
 
 
 def check_models(config: Config) -> None:
     """At the start of an inference run, before any data or model is made: a ConfigError
     for a detector asked for other outputs than a detector's, or another model asked for
-    a detector's (``check_detector``), by the models' names."""
+    a detector's (``check_detector``), by the models' families."""
     for m in model_configs(config):
-        check_detector(config.task, is_detector(m.name), m.label)
+        check_detector(config.task, gives_boxes(m, config), m.label)
 
 
 def check_outputs(cfg: TaskConfig, dense: bool, model: str, detector: bool = False) -> None:

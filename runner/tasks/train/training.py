@@ -8,13 +8,17 @@ trained weights and the EMA's, ``checkpoint-best.pt`` keeps the best ``task.best
 and the ``Checkpointer`` writes ``checkpoint.pt`` on its schedule and at the end (rank 0
 alone: the replicas are equal).
 
-A detector (``model.name`` one of runner/model/detectors.py's) trains on the batch's padded
-boxes (``boxes``, ``box_labels``, ``box_count``) with the sum of its own losses, under the
-same accumulation, clipping, scaler and EMA; its validation is mAP and mAP@0.5
-(``val_map``, ``val_map_50``), and ``checkpoint-best.pt`` follows ``val_map`` unless
-``task.best_metric`` names another of its figures. Mixing images (``task.augment.mixup``,
-``cutmix``), a host-normalized batch and a compiled model are refused for it
-(``check_detector_task``).
+What is trained and how is asked of the model's family (runner/model/families.py) and the
+kind of target it learns (runner/data/targets/), never of the model's type: a classifier
+trains on cross-entropy, a segmenter on per-pixel cross-entropy against the batch's
+``mask``, a detector on the sum of its own losses given the batch's padded boxes, under the
+same accumulation, clipping, scaler and EMA. The validation figures are the kind's
+(``val_top1``...; ``val_map``, ``val_map_50``; ``val_miou``), and ``checkpoint-best.pt``
+follows the kind's own (``TargetKind.best``) unless ``task.best_metric`` names another of
+them. ``check_target_task`` refuses a model that does not learn the data's kind, mixing
+images whose target belongs to one image (``task.augment.mixup``, ``cutmix``), a
+host-normalized batch for a family that normalizes inside and a compiled model for one that
+cannot be compiled.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
@@ -38,18 +41,18 @@ from runner.config.schema import (
     AmpName,
     Config,
     HostDtype,
+    TargetName,
     TaskConfig,
     TaskName,
     to_plain,
 )
 from runner.data import DataPath
-from runner.data.sources.detection import has_val_split
-from runner.launch.distributed import local_module, parameter_digest
+from runner.data.targets import TARGETS, TargetKind
+from runner.launch.distributed import parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
 from runner.model.compile import BACKENDS, build_models, step_amp
-from runner.model.detectors import DETECTORS, Detector, is_detector_config, total_loss
-from runner.model.networks import split_input
+from runner.model.families import Family, class_loss, family_of, family_of_config, learns
 from runner.tasks import checkpoint, results
 from runner.tasks.checkpoint import unwrapped_network
 from runner.tasks.loop import Step
@@ -62,11 +65,9 @@ from runner.tasks.train.optim import (
     learning_rate,
     updates_in,
 )
-from runner.tasks.train.validation import DETECTION_FIGURES, Validation
+from runner.tasks.train.validation import Validation
 
 log = logging.getLogger("runner")
-
-BOX_KEYS = ("boxes", "box_labels", "box_count")  # a detection batch's padded targets
 
 
 class TrainTask(TaskBase):
@@ -115,7 +116,7 @@ class TrainTask(TaskBase):
                         "data's (%d: %s), and the checkpoint keeps those names", classes,
                         len(data.classes), ", ".join(map(str, data.classes[:5]))
                         + (", ..." if len(data.classes) > 5 else ""))
-        check_detector_task(self.config)
+        check_target_task(self.config)
         super().prepare(data)
         if self.resumed is not None:
             checkpoint.check_epoch_length(self.resumed, data.steps_per_epoch,
@@ -136,7 +137,9 @@ class TrainTask(TaskBase):
             global_batch=cfg.loader.batch_size * ranks.world * cfg.task.accumulate)
         if self.resumed is not None:
             checkpoint.restore(step, self.resumed, self.resumed["source"], cfg)
-        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0 or has_val_split(cfg.dataset):
+        split = TARGETS[cfg.dataset.targets.kind].has_val_split  # a layout's own val split
+        if cfg.dataset.val_path or cfg.dataset.val_fraction > 0 or (
+                split is not None and split(cfg.dataset)):
             self.validation = Validation.for_run(cfg, model, step_amp(cfg), ctx.device,
                                                  data.classes, cfg.run.progress and ranks.main,
                                                  ranks)
@@ -175,13 +178,8 @@ class TrainTask(TaskBase):
             got = {f"val_{k}": v for k, v in self.validation().items()}
             ema = getattr(self.step, "ema", None)
             if ema is not None:  # the averaged weights behind the same uint8 input layer
-                model = local_module(self.step.model)
-                if isinstance(model, Detector):  # its padded predictions, as the model's
-                    averaged = Detector(ema.model.module, model.name, model.num_classes)
-                    averaged[0] = model[0]  # the same uint8 input layer, on the device
-                else:
-                    uint8_input, _ = split_input(model)
-                    averaged = torch.nn.Sequential(uint8_input, ema.model)
+                # served as the model is (a detector's padded predictions), its family's way
+                averaged = family_of(self.step.model).averaged(self.step.model, ema.model)
                 got.update({f"val_ema_{k}": v for k, v in self.validation(averaged).items()})
             row.update(got)
             log.info("epoch %d: %s", epochs, validation_line(got))
@@ -234,21 +232,21 @@ class TrainTask(TaskBase):
 
 KIND = TrainTask  # its registry record (runner/tasks/__init__.py)
 
-# the augmentations that mix two images' labels: a box belongs to one image
+# the augmentations that mix two images' labels: a box or a pixel's class belongs to one image
 MIX_KEYS = ("mixup", "cutmix")
 DEFAULT_BEST = "val_top1"  # task.best_metric's default, a classifier's figure
-DETECTOR_BEST = "val_map"  # what a detector's best checkpoint is chosen by, by default
 
 
-def is_detector_run(config: Config) -> bool:
-    return is_detector_config(config.model)
+def run_family(config: Config) -> Family:
+    """The family of the model a training run trains (runner/model/families.py)."""
+    return family_of_config(config.model, config.dataset.targets)
 
 
 def check_head_size(config: Config, classes: list[str]) -> None:
     """A classifier's ``model.num_classes`` that holds every class of the data: a label at
     or beyond it would fail the loss at its first batch (``Target 3 is out of bounds``)."""
     asked = config.model.num_classes
-    if asked is None or config.dataset.targets.boxes or is_detector_run(config) \
+    if asked is None or run_family(config).target is not TargetName.classes \
             or len(classes) <= asked:
         return
     names = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
@@ -259,73 +257,74 @@ def check_head_size(config: Config, classes: list[str]) -> None:
                       "sized from the data), or fix the labels")
 
 
-def check_detector_task(config: Config) -> None:
-    """A detector trains without mixing images (``task.augment.mixup``/``cutmix``: a box
-    belongs to one image), from uint8 batches (``loader.host_dtype``: torchvision's
-    transform normalizes), eagerly (``compile=eager``: its forward takes the boxes), and
-    keeps its best checkpoint by a figure its validation gives."""
-    name, boxes = config.model.name, config.dataset.targets.boxes
-    if not is_detector_run(config):
-        if boxes and name != NO_MODEL:
-            raise ConfigError(f"dataset.targets={config.dataset.targets.value} gives boxes, and "
-                              f"model.name={name} is not a detector: train one (model.name="
-                              f"{', '.join(DETECTORS)}) or leave dataset.targets=none")
+def check_target_task(config: Config) -> None:
+    """The model learns the kind of target ``dataset.targets`` gives (its family's
+    ``target``); a target that belongs to one image is trained without mixing images
+    (``task.augment.mixup``/``cutmix``); a family that normalizes inside gets uint8 batches
+    (``loader.host_dtype``) and one that cannot be compiled trains eagerly; the best
+    checkpoint follows a figure the kind's validation gives."""
+    model, targets = config.model, config.dataset.targets
+    if model.name == NO_MODEL:
         return
-    if not boxes:
-        raise ConfigError(f"model.name={name} is a detector and trains on boxes: set "
-                          "dataset.targets=auto (a YOLO layout or COCO's JSON at dataset.path; "
-                          "without dataset.path, the generated shapes dataset)")
-    for key in MIX_KEYS:
+    kind, family = TARGETS[targets.kind], run_family(config)
+    name = f"model.name={model.name}" if model.target is None else f"model.target={model.target}"
+    if family.target is not kind.name:
+        if not kind.batch_keys:  # the data gives a class per image, the model learns more
+            raise ConfigError(f"{name} is a {family.name.value} and trains on "
+                              f"{family.target.value}: set {TARGETS[family.target].setting}")
+        learner = learns(kind.name)
+        raise ConfigError(f"dataset.targets={targets.value} gives {kind.name.value}, and {name} "
+                          f"is not a {learner.name.value}: train one (model.name="
+                          f"{learner.examples}) or leave dataset.targets=none")
+    for key in () if kind.mixes else MIX_KEYS:
         value = getattr(config.task.augment, key)
         if value:
             raise ConfigError(f"task.augment.{key}={value} mixes two images and their "
-                              f"labels, which a detector's boxes cannot follow: drop it "
-                              f"(task.augment.{key}=0) to train model.name={name}")
-    if config.loader.host_dtype is not HostDtype.uint8:  # normalized by the model's own
+                              f"labels, which {kind.name.value} cannot follow (each belongs "
+                              f"to one image): drop it (task.augment.{key}=0) to train {name}")
+    if family.uint8 and config.loader.host_dtype is not HostDtype.uint8:
         raise ConfigError(f"loader.host_dtype={config.loader.host_dtype.value} normalizes on "
-                          f"the host, and model.name={name} normalizes its own way inside: "
+                          f"the host, and {name} normalizes its own way inside: "
                           "use loader.host_dtype=uint8")
-    if BACKENDS[config.compile.name].build is not None:  # anything but the eager model
-        raise ConfigError(f"compile={config.compile.name.value} does not train a detector "
-                          f"(model.name={name}: its forward takes the batch's boxes); use "
-                          "compile=eager")
+    if family.compiles is not None and BACKENDS[config.compile.name].build is not None:
+        raise ConfigError(f"compile={config.compile.name.value} does not train a "
+                          f"{family.name.value} ({name}: {family.compiles}); use compile=eager")
     key = config.task.best_metric
     if key != DEFAULT_BEST and key.removeprefix("val_").removeprefix("ema_") \
-            not in DETECTION_FIGURES:
-        raise ConfigError(f"task.best_metric={key} is not a detector's validation figure: "
-                          f"choose one of {', '.join(detection_best_metrics())}")
+            not in kind.figures:
+        raise ConfigError(f"task.best_metric={key} is not a {family.name.value}'s validation "
+                          f"figure: choose one of {', '.join(best_metrics(kind))}")
 
 
-def detection_best_metrics() -> list[str]:
-    """The ``task.best_metric`` values a detector's validation gives."""
-    return [f"val_{p}{k}" for p in ("", "ema_") for k in DETECTION_FIGURES]
+def best_metrics(kind: TargetKind) -> list[str]:
+    """The ``task.best_metric`` values a kind's validation gives."""
+    return [f"val_{p}{k}" for p in ("", "ema_") for k in kind.figures]
 
 
 def best_metric(config: Config) -> str:
-    """The figure ``checkpoint-best.pt`` is chosen by: ``task.best_metric``; for a
-    detector left at the classifier's default, ``val_map``."""
+    """The figure ``checkpoint-best.pt`` is chosen by: ``task.best_metric``; left at the
+    classifier's default, the kind of target's own (a detector's ``val_map``)."""
     key = config.task.best_metric
-    return DETECTOR_BEST if key == DEFAULT_BEST and is_detector_run(config) else key
+    if key != DEFAULT_BEST or config.model.name == NO_MODEL:
+        return key
+    return TARGETS[run_family(config).target].best
 
 
 def validation_line(got: dict[str, float]) -> str:
-    """An epoch's validation figures in words (a classifier's or a detector's)."""
+    """An epoch's validation figures in words (a classifier's, a detector's, any other's)."""
     if "val_map" in got:
         return (f"validation mAP {got['val_map']:.3f}, mAP@0.5 {got['val_map_50']:.3f}"
                 + (f" (EMA mAP {got['val_ema_map']:.3f})" if "val_ema_map" in got else ""))
-    return (f"validation top-1 {100 * got['val_top1']:.1f}%, top-5 {100 * got['val_top5']:.1f}%, "
-            f"loss {got['val_loss']:.4f}"
-            + (f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)" if "val_ema_top1" in got else ""))
-
-
-def box_targets(batch: TensorDict) -> dict[str, torch.Tensor]:
-    """A detection batch's padded boxes (runner/model/detectors.py's layout), as the
-    detector takes them; the padding rows of a distributed shard (``valid`` false) count
-    no box."""
-    targets = {k: batch[k] for k in BOX_KEYS}
-    if "valid" in batch.keys():
-        targets["box_count"] = targets["box_count"] * batch["valid"].to(torch.long)
-    return targets
+    if "val_top1" in got:
+        return (f"validation top-1 {100 * got['val_top1']:.1f}%, top-5 "
+                f"{100 * got['val_top5']:.1f}%, loss {got['val_loss']:.4f}"
+                + (f" (EMA top-1 {100 * got['val_ema_top1']:.1f}%)"
+                   if "val_ema_top1" in got else ""))
+    if "val_miou" in got:
+        return (f"validation mIoU {got['val_miou']:.3f}, pixel accuracy "
+                f"{100 * got['val_pixel_accuracy']:.1f}%"
+                + (f" (EMA mIoU {got['val_ema_miou']:.3f})" if "val_ema_miou" in got else ""))
+    return "validation " + ", ".join(f"{k.removeprefix('val_')} {v:.4g}" for k, v in got.items())
 
 
 class TrainStep:
@@ -365,8 +364,8 @@ class TrainStep:
                  global_batch: int | None = None, first_step: int = 0):
         self.model = model.train()
         self.cfg = cfg
-        # a detector's loss is its own (runner/model/detectors.py), given the batch's boxes
-        self.detector = isinstance(local_module(model), Detector)
+        # how a batch goes through it and what it is trained by: its family's
+        self.family = family_of(model)
         device = device or next(model.parameters()).device
         self.base_lr = learning_rate(cfg, global_batch)  # the schedule's peak
         self.plan_steps = plan_steps or total_steps  # the schedule's length, in batches
@@ -438,12 +437,9 @@ class TrainStep:
         local = self._keeps_gradients_local()
         # DDP decides at the forward whether the backward all-reduces: both inside
         with self._no_sync() if local else contextlib.nullcontext():
-            with self.autocast():
-                if self.detector:  # its losses, given the batch's boxes
-                    out = self.model(batch["image"], box_targets(batch))
-                else:
-                    logits = self.model(batch["image"])
-            loss = total_loss(out).float() if self.detector else self.loss(logits.float(), batch)
+            with self.autocast():  # a detector's forward takes the batch's boxes
+                out = self.family.forward(self.model, batch)
+            loss = self.family.loss(out, batch, self.cfg)
             if self.micro == 0:
                 self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss / self.cfg.accumulate).backward()
@@ -477,22 +473,8 @@ class TrainStep:
                 and self.steps + self.skipped + 1 < self.total_steps)
 
     def loss(self, logits: torch.Tensor, batch: TensorDict) -> torch.Tensor:
-        """Cross-entropy (label smoothing); a mixed image's is ``(1 - mix) * CE(label) +
-        mix * CE(label_b)`` (task.augment); padding rows of a distributed shard weigh
-        nothing."""
-        keys = batch.keys()
-        smoothing = self.cfg.label_smoothing
-        losses = F.cross_entropy(logits, batch["label"], reduction="none",
-                                 label_smoothing=smoothing)
-        if "mix" in keys:
-            mix = batch["mix"].float()
-            other = F.cross_entropy(logits, batch["label_b"], reduction="none",
-                                    label_smoothing=smoothing)
-            losses = (1 - mix) * losses + mix * other
-        if "valid" in keys:
-            valid = batch["valid"].float()
-            return (losses * valid).sum() / valid.sum().clamp(min=1.0)
-        return losses.mean()
+        """A classifier's loss of ``logits`` (runner/model/families.py's ``class_loss``)."""
+        return class_loss(logits, batch, self.cfg)
 
     def update(self) -> None:
         """The optimizer step of the gradients gathered so far (clipped), the schedule's

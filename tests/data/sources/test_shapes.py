@@ -106,3 +106,40 @@ def test_an_interrupted_generation_resumes(tmp_path: Path, monkeypatch):
     root = ensure_shapes(spec, tmp_path, progress=False)
     assert len(written) == 3 and len(list(root.glob("images/*/*.jpg"))) == 6
     assert len(list(root.glob("labels/*/*.txt"))) == 6
+
+
+def test_the_mask_is_the_pixels_each_shape_was_drawn_on():
+    for index in range(12):
+        sample = make_sample(SPEC, index)
+        bg = (background(SPEC, index) * 255 + 0.5).astype(np.uint8)
+        drawn = (sample.image != bg).any(-1)
+        assert sample.mask.dtype == np.uint8 and sample.mask.shape == drawn.shape
+        # a shape's colour can match the background at a pixel by chance: nearly all
+        assert ((sample.mask > 0) == drawn).mean() > 0.999
+        for (x1, y1, x2, y2), label in zip(sample.boxes.astype(int).tolist(),
+                                           sample.labels.tolist()):
+            inside = sample.mask[y1:y2, x1:x2]
+            assert set(np.unique(inside).tolist()) <= {0, label + 1}
+            assert (inside == label + 1).any()
+
+
+def test_the_masks_set_is_written_beside_its_images_and_read_back(tmp_path: Path):
+    from runner.data.sources.masklabels import load_mask, read_masks
+
+    spec = ShapesSpec(num_images=10, height=48, width=64, masks=True)
+    root = ensure_shapes(spec, tmp_path, progress=False)
+    assert root.name.startswith("shapes-masks-v1-") and not (root / "labels").exists()
+    meta = json.loads((root / "dataset.json").read_text())
+    assert meta["classes"] == ["background", "circle", "square", "triangle"]
+    found = {split: read_masks(root, split=split) for split in ("train", "val")}
+    assert sum(len(f.targets) for f in found.values()) == 10
+    for f in found.values():
+        assert f.classes == meta["classes"] and not f.skipped
+        for image, target in f.targets.items():
+            index = int(Path(image).stem)
+            assert np.array_equal(load_mask(target), make_sample(spec, index).mask)
+    # the same images as the boxes' set (the same spec otherwise)
+    image = next(iter(found["train"].targets))
+    boxes_root = ensure_shapes(ShapesSpec(num_images=10, height=48, width=64), tmp_path,
+                               progress=False)
+    assert (boxes_root / Path(image).relative_to(root)).read_bytes() == Path(image).read_bytes()

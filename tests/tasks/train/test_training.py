@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 
-from runner.config.schema import OptimizerName, ScheduleName, TaskConfig, TaskName
+from runner.config.schema import ModelFamily, OptimizerName, ScheduleName, TaskConfig, TaskName
 from runner.job.compose import compose
 from runner.model.networks import UInt8Input
 from runner.tasks import TrainStep, checkpoint
@@ -849,7 +849,7 @@ def test_a_detectors_step_trains_on_the_sum_of_its_losses():
         first = total_loss(reference.train()(data[0]["image"], data[0]))
     step = TrainStep(detector(), task(lr=0.01, accumulate=2, clip_grad_norm=1.0),
                      total_steps=2)
-    assert step.detector
+    assert step.family.name is ModelFamily.detector
     before = [p.detach().clone() for p in step.model.parameters()]
     torch.manual_seed(7)
     step(data[0])
@@ -864,8 +864,9 @@ def test_a_detectors_step_trains_on_the_sum_of_its_losses():
     # behind a compiled model's wrapper (its eager model as _orig_mod) still a detector's
     from runner.model.compile import Traced
 
-    assert TrainStep(Traced(reference, reference), task(), total_steps=1).detector
-    assert not TrainStep(small_model(), task(), total_steps=1).detector
+    boxes = ModelFamily.detector
+    assert TrainStep(Traced(reference, reference), task(), total_steps=1).family.name is boxes
+    assert TrainStep(small_model(), task(), total_steps=1).family.name is not boxes
 
 
 @pytest.mark.slow  # 8 steps of Faster R-CNN: 5 s on one core, 25-45 s on 2 loaded ones
@@ -906,23 +907,23 @@ def test_a_resumed_detector_run_gives_the_straight_runs_weights(tmp_path: Path):
 ])
 def test_a_detector_refuses_what_its_boxes_cannot_follow(override: str, named: str):
     from runner.common.errors import ConfigError
-    from runner.tasks.train.training import check_detector_task
+    from runner.tasks.train.training import check_target_task
 
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
-        check_detector_task(compose(["task=train", f"model.name={DETECTOR}",
+        check_target_task(compose(["task=train", f"model.name={DETECTOR}",
                                      "dataset.targets=auto", override]))
-    check_detector_task(compose(["task=train", "model=tiny", override]))  # a classifier's
+    check_target_task(compose(["task=train", "model=tiny", override]))  # a classifier's
 
 
 def test_a_detector_without_boxes_and_boxes_without_a_detector_are_refused():
     from runner.common.errors import ConfigError
-    from runner.tasks.train.training import check_detector_task
+    from runner.tasks.train.training import check_target_task
 
     with pytest.raises(ConfigError, match="set dataset.targets=auto"):
-        check_detector_task(compose(["task=train", f"model.name={DETECTOR}"]))
+        check_target_task(compose(["task=train", f"model.name={DETECTOR}"]))
     with pytest.raises(ConfigError, match="model.name=tiny is not a detector"):
-        check_detector_task(compose(["task=train", "model=tiny", "dataset.targets=auto"]))
-    check_detector_task(compose(["task=train", "model=none", "dataset.targets=auto"]))
+        check_target_task(compose(["task=train", "model=tiny", "dataset.targets=auto"]))
+    check_target_task(compose(["task=train", "model=none", "dataset.targets=auto"]))
 
 
 def test_a_detectors_epochs_record_map_and_keep_the_best_by_it():

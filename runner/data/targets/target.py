@@ -1,0 +1,79 @@
+"""``dataset.targets``' kind: the record of one kind of target (``TargetKind``).
+
+A kind (``TargetName``: a class index, boxes, masks) is what an image is labelled with,
+whatever layout the labels are read from (``Targets``, the user's word: ``auto``, ``yolo``
+and ``coco`` all give boxes). Its record says what every layer would otherwise guess from
+the model or the batch's keys; its module is ``runner/data/targets/target_<kind>.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.config.schema import Crop, DatasetConfig, Output, TargetName
+from runner.data.protocol import Sample
+
+
+@dataclass(frozen=True)
+class TargetKind:
+    """One kind of target and everything callers need to know of it.
+
+    Args:
+        name: its ``TargetName``.
+        summary: one line on what an image carries.
+        batch_keys: the keys a batch carries for it beside ``image``, ``label`` and
+            ``index`` (boxes: ``boxes``, ``box_labels``, ``box_count``, padded).
+        collate: ``collate(samples) -> {key: tensor}``: the batch's ``batch_keys`` from its
+            samples (padded to the batch's most); {} when the samples carry none of it.
+        follow: ``follow(batch, windows, size)``: move the batch's target (on its device,
+            no host sync) through each image's crop window and flip (``windows``: a
+            boxgeometry ``Boxes``), as its pixels are cut and resized to ``size``; None:
+            the target does not depend on where the pixels are (a class index).
+        eval_crop: the crop validation and inference see its images with (boxes: the
+            whole image, a centre crop would cut boxes away).
+        mixes: ``task.augment.mixup``/``cutmix`` can mix two of its images (a class index
+            can be mixed; a box or a pixel's class belongs to one image).
+        best: the validation figure ``checkpoint-best.pt`` follows by default
+            (``task.best_metric`` left at its default).
+        figures: the validation figures it records (``val_<figure>``, ``val_ema_<figure>``).
+        outputs: what ``task=infer`` writes when ``task.outputs`` is not set.
+        applies: every ``task.outputs`` kind a model trained on it can give.
+        default_path: ``default_path(dataset, progress) -> Path``: the generated dataset
+            when ``dataset.path`` is unset; None: the generated class folders.
+        has_val_split: ``has_val_split(dataset)``: the layout holds a training split and
+            a validation split of its own (the generated sets do), which training then
+            validates on; None: only ``dataset.val_path`` or ``val_fraction`` give one.
+        sample_fields: ``sample_fields(targets, index, window, flip, size, hw)`` -> the
+            ``Sample`` fields of image ``index``'s target (``targets``: its listing's, whose
+            ``kind`` names this record) through the window and flip a decoder cut its
+            pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
+            target does not follow the pixels.
+        recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
+        setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
+    """
+
+    name: TargetName
+    summary: str
+    batch_keys: tuple[str, ...]
+    collate: Callable[[list[Sample]], dict[str, torch.Tensor]]
+    eval_crop: Crop
+    mixes: bool
+    best: str
+    figures: tuple[str, ...]
+    outputs: tuple[Output, ...]
+    applies: frozenset[Output]
+    recipe: str
+    setting: str
+    follow: Callable[[Any, Any, tuple[int, int]], None] | None = None
+    default_path: Callable[[DatasetConfig, bool], Path] | None = None
+    sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
+    has_val_split: Callable[[DatasetConfig], bool] | None = None
+
+    def carried(self, keys: Any) -> bool:
+        """Whether a batch with ``keys`` carries this kind's target."""
+        return bool(self.batch_keys) and all(k in keys for k in self.batch_keys)
