@@ -56,12 +56,15 @@ def settle_detector_crop(config: Config, overrides: list[str] | tuple[str, ...] 
     (``model=`` or one of ``models=[...]``) on images without labels (new photos to serve)
     gets it here unless ``dataset.crop`` was named, and a centre crop named is said once."""
     from runner.config.schema import Crop
-    from runner.model.detectors import is_detector_config
+    from runner.data.targets import TARGETS
+    from runner.model.families import family_of_config
 
     dataset = config.dataset
     if dataset.targets.boxes or dataset.crop is not Crop.center:
         return  # (a centre crop asked with targets: said by check_targets)
-    detectors = [m.label for m in model_configs(config) if is_detector_config(m)]
+    # the models whose kind of target is seen letterboxed (a detector's boxes: its record)
+    detectors = [m.label for m in model_configs(config)
+                 if TARGETS[family_of_config(m).target].eval_crop is Crop.letterbox]
     if not detectors:
         return
     if any(o.lstrip("+").split("=", 1)[0] == "dataset.crop" for o in overrides):

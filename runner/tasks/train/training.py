@@ -41,7 +41,6 @@ from runner.config.schema import (
     AmpName,
     Config,
     HostDtype,
-    TargetName,
     TaskConfig,
     TaskName,
     to_plain,
@@ -246,8 +245,8 @@ def check_head_size(config: Config, classes: list[str]) -> None:
     """A classifier's ``model.num_classes`` that holds every class of the data: a label at
     or beyond it would fail the loss at its first batch (``Target 3 is out of bounds``)."""
     asked = config.model.num_classes
-    if asked is None or run_family(config).target is not TargetName.classes \
-            or len(classes) <= asked:
+    if asked is None or len(classes) <= asked or config.model.name == NO_MODEL \
+            or TARGETS[run_family(config).target].batch_keys:  # a class index per image only
         return
     names = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
     raise ConfigError(f"model.num_classes={asked}, and the data's labels run to "
