@@ -1,7 +1,12 @@
 """``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep).
 
-What answers without running a job (``--help``, a typo's one line, a tab completion's
-``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
+``--cfg job`` prints the config as it will run on this machine, the defaults that depend on
+it settled (runner/job/compose.py's ``settled_page``). ``--help KEY`` (``--help
+loader.num_workers``, ``--help dataset``) prints what the key's declaration says
+(runner/config/keyhelp.py) without composing anything.
+
+What answers without running a job (``--help``, ``--help KEY``, a typo's one line, a tab
+completion's ``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
 (``runner.job.run``, imported inside ``main``) and with the checks that need them
 (runner/job/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
 this.
@@ -22,8 +27,8 @@ from omegaconf import DictConfig
 from runner.common.errors import EXIT_USER_ERROR
 from runner.config.schema import config_dir
 from runner.job import sweep
-from runner.job.commandline import check_command_line, help_page, register_configs
-from runner.job.compose import refusal, runs_nothing
+from runner.job.commandline import check_command_line, help_page, key_help, register_configs
+from runner.job.compose import refusal, runs_nothing, settled_page
 from runner.launch.outcome import (
     RunDirInUse,
     RunDirUnusable,
@@ -62,12 +67,17 @@ def main(cfg: DictConfig) -> float:
 
 def cli() -> None:
     """The ``runner`` console script (and ``python -m runner``)."""
+    answer = key_help(sys.argv[1:])  # --help KEY: the key's declaration, nothing composed
+    if answer is not None:
+        text, status = answer
+        print(text, file=sys.stdout if status == 0 else sys.stderr)
+        sys.exit(status)
     check_command_line(sys.argv[1:])
     why = refusal(sys.argv[1:])  # every config error, before Hydra makes a run folder
     if why:
         print(f"error: {why}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    page = help_page(sys.argv[1:])  # Hydra's page, without its five seconds of groups
+    page = help_page(sys.argv[1:]) or settled_page(sys.argv[1:])  # --help, --cfg job
     if page is not None:
         print(page)
         sys.exit(0)

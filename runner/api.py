@@ -37,7 +37,7 @@ from runner.job.compose import compose
 from runner.launch.distributed import Ranks, pick_device
 
 GROUPS = ("loader", "prefetch", "amp", "compile", "model", "task", "logger", "sweep")
-TOP_LEVEL = ("device", "seed", "diagnose", "profile", "models", "resume")
+TOP_LEVEL = ("device", "seed", "diagnose", "models", "resume")
 
 
 def _value(value: Any) -> str:
@@ -78,6 +78,8 @@ class Pipeline:
 
     def __init__(self, *overrides: str, **options: Any):
         self.config = compose(overrides_for(*overrides, **options))
+        if self.config.loader.drop_last is None:  # your own loop gets every image (the
+            self.config.loader.drop_last = False  # runner's training drops a short batch)
         ranks = Ranks()
         self.device = pick_device(self.config.device.value, ranks)
         self.progress = self.config.run.progress and ranks.main

@@ -5,7 +5,9 @@ writes, next to the sweep (or in ``--out``):
 - ``report.md``: the machine (its ``environment`` block); one row per run: the options that vary (read from each run's resolved
   config, so defaults count and separate runs compare), status, images/s as the median of
   its timed windows with their spread, ms/step, data-wait share, speed-up against the
-  slowest run and against ``--baseline``, flags (too few steps, wide spread) and the
+  slowest run and against ``--baseline``, the system's counters over the timed windows
+  (iowait, context switches, major page faults, MB/s read from disk, the storage tier;
+  ``counter_cells``), flags (too few steps, wide spread) and the
   bottleneck; a ranking where runs whose spreads overlap are "within noise" rather than
   ranked (``ranking``: a tie is against every run at its place, never chained); "what each
   switch bought": for each option, the median ratio between runs that differ only in it,
@@ -225,6 +227,25 @@ def spread_text(run: Run) -> str:
     return f"{s['min']:,.0f}–{s['max']:,.0f}"
 
 
+# the system's counters (runner/measure/counters.py, runner/measure/storage_tier.py) as
+# columns: header, and the cell of one run's metrics ("" where not counted)
+COUNTERS = (
+    ("iowait", lambda m: "" if m.get("iowait_frac") is None else f"{m['iowait_frac']:.0%}"),
+    ("ctx sw/s", lambda m: "" if m.get("ctx_switches_per_sec") is None else
+     f"{m['ctx_switches_per_sec'] + (m.get('ctx_switches_involuntary_per_sec') or 0):,.0f}"),
+    ("major faults/s", lambda m: _fmt(m.get("page_faults_major_per_sec"), ",.0f")),
+    ("disk MB/s", lambda m: _fmt(m.get("disk_read_mb_per_sec"), ",.1f")),
+    ("GPU util", lambda m: "" if m.get("gpu_util_frac") is None else f"{m['gpu_util_frac']:.0%}"),
+    ("tier", lambda m: (m.get("storage_tier") or {}).get("tier", "")),
+)
+
+
+def counter_cells(runs: list[Run]) -> list[tuple[str, list[str]]]:
+    """The counters' columns that any run has a figure in."""
+    found = [(head, [cell(r.metrics) for r in runs]) for head, cell in COUNTERS]
+    return [(head, cells) for head, cells in found if any(cells)]
+
+
 def columns(runs: list[Run], options: list[str], baseline: Run | None
             ) -> list[tuple[str, list[str]]]:
     """The table's columns, each its header and one cell per run: report.md's Markdown
@@ -239,6 +260,8 @@ def columns(runs: list[Run], options: list[str], baseline: Run | None
             *(name for _, name in parts), "vs slowest"]
     if baseline is not None:
         head.append(f"vs run {baseline.name}")
+    counted = counter_cells(runs)
+    head += [name for name, _ in counted]
     head += ["flags", "bottleneck"]
     rows = []
     for r in runs:
@@ -251,6 +274,7 @@ def columns(runs: list[Run], options: list[str], baseline: Run | None
                ratio_text(r, slowest) if slowest else ""]
         if baseline is not None:
             row.append(ratio_text(r, baseline))
+        row += [cells[len(rows)] for _, cells in counted]
         row.append("; ".join(m.get("flags") or []))
         verdict = m.get("bottleneck") or {}  # none asked (diagnose=false), or no stage named
         bottleneck = verdict.get("stage") or ("none (disturbed)" if verdict else "")
@@ -274,7 +298,7 @@ def table(runs: list[Run], options: list[str], baseline: Run | None) -> str:
 NOISE = " (within noise)"  # a ratio whose two runs' spreads overlap (ratio_text)
 # columns whose cells are figures: right-aligned on the terminal
 _FIGURES = ("images/s", "spread", "ms/step", "data wait", "augment ms", "optimizer ms",
-            "EMA ms", "vs slowest", "vs baseline")
+            "EMA ms", "vs slowest", "vs baseline", *(h for h, _ in COUNTERS if h != "tier"))
 
 
 def aligned(head: list[str], rows: list[list[str]], right: tuple[str, ...] = _FIGURES) -> str:
@@ -470,10 +494,16 @@ def data_path_only(runs: list[Run]) -> list[str]:
             + how, ""]
 
 
+CSV_COUNTERS = ("iowait_frac", "ctx_switches_per_sec", "ctx_switches_involuntary_per_sec",
+                "page_faults_major_per_sec", "page_faults_minor_per_sec", "disk_read_bytes",
+                "disk_read_mb_per_sec", "gpu_util_frac")
+
+
 def write_csv(runs: list[Run], options: list[str], path: Path) -> Path:
     fields = ["run", *options, "status", "images_per_sec", "images_per_sec_min",
               "images_per_sec_q1", "images_per_sec_q3", "images_per_sec_max", "repeats",
-              "ms_per_step", "data_wait_frac", "timed_steps", "flags", "bottleneck", "reason"]
+              "ms_per_step", "data_wait_frac", "timed_steps", *CSV_COUNTERS, "storage_tier",
+              "flags", "bottleneck", "reason"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -486,6 +516,8 @@ def write_csv(runs: list[Run], options: list[str], path: Path) -> Path:
                 "images_per_sec_q3": s.get("q3"), "images_per_sec_max": s.get("max"),
                 "repeats": m.get("repeats"), "ms_per_step": m.get("ms_per_step"),
                 "data_wait_frac": m.get("data_wait_frac"), "timed_steps": m.get("timed_steps"),
+                **{k: m.get(k) for k in CSV_COUNTERS},
+                "storage_tier": (m.get("storage_tier") or {}).get("tier"),
                 "flags": "; ".join(m.get("flags") or []),
                 "bottleneck": (m.get("bottleneck") or {}).get("stage"),
                 "reason": m.get("reason"),

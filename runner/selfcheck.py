@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:  # a node without one of the project's dependencies
         if not e.name or e.name.split(".")[0] == "runner":
             raise
-        print(f"missing the project's dependencies {e.name}: bring them as wheels (README, "
+        print(f"missing the project's dependencies {e.name}: bring them as wheels (docs/gpu.md, "
               "'Self-check on an offline GPU node') and run again")
         return EXIT_USER_ERROR
     return selfcheck(argv)

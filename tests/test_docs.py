@@ -1,6 +1,6 @@
-"""Every ``python -m runner`` command the README and the config presets document composes
-into valid configs (every job of a documented sweep included); documented errors fail as
-documented."""
+"""Every ``python -m runner`` command that README.md, the pages under docs/ and the config
+presets document composes into valid configs (every job of a documented sweep included);
+documented errors fail as documented; every page the README links to exists."""
 
 from __future__ import annotations
 
@@ -32,11 +32,14 @@ def command_parts(sources: list) -> list[tuple[str, str]]:
     return found
 
 
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def documented_commands() -> list[tuple[str, str]]:
-    """(where, command line) for every runner command in the README and conf/ comments."""
+    """(where, command line) for every runner command in the README, docs/ and conf/
+    comments."""
     found = []
-    for where, part in command_parts([REPO / "README.md",
-                                      *sorted((REPO / "conf").rglob("*.yaml"))]):
+    for where, part in command_parts([*PAGES, *sorted((REPO / "conf").rglob("*.yaml"))]):
         match = COMMAND.search(part.split("&&")[0])
         if match and "--help" not in match.group(1):
             found.append((where, part.strip()))
@@ -73,6 +76,20 @@ COMMANDS = documented_commands()
 def test_the_docs_document_commands():
     assert len(COMMANDS) >= 20  # the extraction works: a broken pattern would find none
     assert any("sweep=" in line for _, line in COMMANDS)
+    pages = {where.split(":")[0] for where, _ in COMMANDS}
+    assert {"README.md", "training.md", "inference.md", "storages.md"} <= pages, pages
+
+
+def test_the_readme_is_a_short_guide_whose_links_hold():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "README.md is a guide: mechanics go to docs/"
+    setup = re.search(r"## Set up\n(.*?)\n## ", text, re.S).group(1)
+    blocks = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    assert [c for b in blocks for c in b.splitlines() if c.strip()] == [
+        'pip install -e ".[dev,jpeg4py]"', "python -m pytest --all"]  # install, test
+    for link in re.findall(r"\]\(([^)#]+)\)", "\n".join(p.read_text() for p in PAGES)):
+        if "://" not in link:
+            assert (REPO / link).exists() or (REPO / "docs" / link).exists(), link
 
 
 @pytest.mark.parametrize(("where", "line"), COMMANDS, ids=[w for w, _ in COMMANDS])
@@ -104,7 +121,7 @@ MODULE_COMMAND = re.compile(r"python -m (runner\.[a-z_.]+)(.*)")
 
 def documented_module_commands() -> list[tuple[str, str, str]]:
     return [(where, module, args.split("#")[0].strip())
-            for where, part in command_parts([REPO / "README.md"])
+            for where, part in command_parts(PAGES)
             for module, args in MODULE_COMMAND.findall(part)]
 
 

@@ -55,7 +55,7 @@ def test_ci_installs_the_exact_pair_and_runs_the_fast_tier_on_the_lowest():
                for c in commands), commands
     assert any("-c .ci/constraints-low.txt" in c and "pip install" in c for c in commands)
     tests = [c for c in commands if "-m pytest" in c]
-    assert tests[0] == "python -m pytest --all", tests  # the README's command: every test
+    assert tests[0] == "python -m pytest --all", tests  # the README's test command: every test
     unit = [c for c in tests if '"$low/bin/python" -m pytest' in c]
     assert unit and "--all" not in unit[0] and " -m " not in unit[0].split("pytest", 1)[1], unit
 

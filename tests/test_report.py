@@ -301,3 +301,25 @@ def test_the_reports_plots_go_to_wandb_in_the_sweeps_group(tmp_path: Path):
     plots = {p.stem for p in root.glob("*.png")}
     assert plots and {f"report/{p}/_type" for p in plots} <= keys
     assert "report/results/_type" in keys
+
+
+def test_the_table_shows_the_system_counters_where_runs_have_them(tmp_path: Path):
+    """iowait, context switches, major faults, MB/s from disk and the storage tier are
+    columns of report.md, the terminal's table and results.csv; absent, no column."""
+    root = tmp_path / "s"
+    counted = {"iowait_frac": 0.31, "ctx_switches_per_sec": 1200.0,
+               "ctx_switches_involuntary_per_sec": 300.0, "page_faults_major_per_sec": 42.0,
+               "disk_read_mb_per_sec": 85.25, "storage_tier": {"tier": "hdd"}}
+    fake_run(root / "0", 300.0, {"loader": {"name": "folder"}}, **counted)
+    fake_run(root / "1", 900.0, {"loader": {"name": "memmap"}},
+             **{**counted, "iowait_frac": 0.0, "storage_tier": {"tier": "nvme"}})
+    _, table = write_report([root])
+    head = table.splitlines()[0]
+    for column in ("iowait", "ctx sw/s", "major faults/s", "disk MB/s", "tier"):
+        assert f"| {column} |" in head
+    assert "| 31% | 1,500 | 42 | 85.2 | hdd |" in table and "| 0% |" in table
+    csv_text = (root / "results.csv").read_text()
+    assert "iowait_frac" in csv_text.splitlines()[0] and ",hdd," in csv_text
+    bare = tmp_path / "bare"
+    fake_run(bare / "0", 300.0, {"loader": {"name": "folder"}})
+    assert "iowait" not in write_report([bare])[1]

@@ -111,8 +111,9 @@ def test_each_row_that_ran_shows_the_seconds_it_took(monkeypatch, capsys):
     assert float(times["slow row"]) >= 0.3 and float(times["quick row"]) < 0.2, out
     # the asked row that could not run took no time: a blank where the seconds go
     failed = [line for line in summary if line.startswith("FAIL")]
-    assert len(failed) == 1 and re.fullmatch(r"FAIL {16}tensorrt +torch_tensorrt not installed",
-                                             failed[0]), out
+    assert len(failed) == 1 and re.fullmatch(
+        r"FAIL {16}tensorrt +torch_tensorrt not installed; where it is installed .*",
+        failed[0]), out
 
 
 @pytest.mark.process
@@ -125,7 +126,7 @@ def test_the_command_says_a_missing_dependency_in_one_line():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stdout.splitlines() == [
-        "missing the project's dependencies tensordict: bring them as wheels (README, "
+        "missing the project's dependencies tensordict: bring them as wheels (docs/gpu.md, "
         "'Self-check on an offline GPU node') and run again"]
 
 
@@ -382,6 +383,7 @@ def test_the_reduce_on_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
     assert "masks 100.00% equal" in rows[1].figure
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_the_reduce_on_row_fails_when_host_gives_other_outputs(monkeypatch):
     import argparse
 
@@ -479,3 +481,71 @@ def test_the_header_names_the_commit_that_ran(monkeypatch, tmp_path: Path):
     assert "unknown commit" in node.commit()
     monkeypatch.setenv("RUNNER_COMMIT", "abc1234")
     assert node.commit() == "abc1234" and "commit abc1234" in node.header()
+
+
+# --- issue 64: detector rows, the whole self-check in one call, its table in a file ------------
+
+def test_the_whole_selfcheck_fits_ten_minutes_on_the_gpu_node():
+    """``--budget 600`` runs every row the node can run (it has no torch_tensorrt): their
+    expected seconds and the header's fit, so none is skipped for time."""
+    runs = [c for c in CHECKS if "torch_tensorrt" not in c.packages]
+    assert selfcheck.HEADER_SECONDS + sum(c.seconds for c in runs) <= selfcheck.NODE_BUDGET
+    assert selfcheck.NODE_BUDGET <= 600
+
+
+def test_the_detector_rows_are_listed_gpu_only_and_fail_on_a_sync(monkeypatch):
+    import argparse
+
+    from runner.bench.selfcheck import train_rows
+    from runner.bench.selfcheck.harness import SyncError
+
+    (check,) = [c for c in CHECKS if c.name == "detector-sync"]
+    assert check.cuda and "amp=fp16" in check.claim and "boxes" in check.claim
+
+    class Closed:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train_rows, "_pipeline", lambda *o: Closed())
+    monkeypatch.setattr(train_rows, "_train_step", lambda p, n: None)
+    calls = []
+
+    def steps(pipeline, step, n, sync_check):
+        calls.append(sync_check)
+        if len(calls) == 2:
+            raise SyncError("step, runner/model/detectors.py:1 (loss): a sync")
+        return 12.0
+
+    monkeypatch.setattr(train_rows, "_steps", steps)
+    rows = train_rows.check_detector_sync(argparse.Namespace(batch_size=64))
+    assert [r.ok for r in rows] == [True, False, True] and all(calls)
+    assert "amp=bf16" in rows[1].check and "a sync" in rows[1].figure
+
+
+def test_out_writes_the_table_with_the_header_and_the_command(monkeypatch, tmp_path, capsys):
+    from runner.bench.selfcheck.harness import Check
+
+    monkeypatch.setattr(selfcheck, "CHECKS", [
+        Check("quick", "passes", lambda a: [Row("quick row", True, "42 img/s")], cuda=False,
+              seconds=0.1)])
+    out = tmp_path / "notes" / "selfcheck.txt"
+    assert main(["--no-build", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("runner.selfcheck certifies torch ")
+    assert f"$ python -m runner.selfcheck --no-build --out {out}" in text
+    assert "1 passed, 0 failed, 0 untested" in text and "quick row  42 img/s" in text
+    assert f"the table: {out}" in capsys.readouterr().out
+
+
+def test_the_tensorrt_rows_say_how_to_run_them_where_it_is_installed(monkeypatch, capsys):
+    monkeypatch.setattr(selfcheck, "CHECKS", [c for c in CHECKS if "torch_tensorrt" in c.packages])
+    real = selfcheck.importlib.util.find_spec
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_tensorrt" else real(name, *a))
+    monkeypatch.setattr(harness, "DEVICE", "cpu")  # as on a GPU node: the rows could run
+    assert main(["--no-build"]) == 0
+    untested = capsys.readouterr().out.split("untested here:")[1]
+    for name in ("tensorrt", "tensorrt-job"):
+        line = next(x for x in untested.splitlines() if f" {name} " in x)
+        assert ("torch_tensorrt not installed; where it is installed (pip install "
+                "torch-tensorrt" in line and "--only tensorrt tensorrt-job" in line), line

@@ -14,6 +14,8 @@ rounds, with their range), the figures written as JSON under ``outputs/bench``.
 - ``remote`` (remote.py): shards and one object per JPEG over a delay line, a far disk;
 - ``pairs`` (pairs.py): detection's image/label-file pairs from the folder against the
   one-file stores, cold and warm;
+- ``yolo`` (yolo.py): ultralytics' own YOLO dataloader against the folder and packed
+  paths, decode and letterbox of the same YOLO folder;
 - ``gpudecode`` (gpudecode.py): ``loader.decoder=nvjpeg`` against the best CPU decoder on
   its three targets (CUDA);
 - ``selfcheck`` (selfcheck/): every GPU claim of the project, a row each that can fail

@@ -16,7 +16,15 @@ import runner.bench
 from runner.bench import run_with_targets
 from runner.bench.contention import bench_contention
 from runner.bench.gil import bench_gil
-from runner.bench.loaders import bench_loaders, loader_targets, print_report
+from runner.bench.loaders import (
+    OVERHEAD_BATCH,
+    OVERHEAD_ITEMS,
+    OVERHEAD_ROUNDS,
+    OVERHEAD_WORKERS,
+    bench_loaders,
+    loader_targets,
+    print_report,
+)
 from runner.bench.overhead import bench_overhead
 from runner.bench.stores import bench_stores, print_store_targets
 from runner.common.atomic import dumps
@@ -56,10 +64,12 @@ def command_line() -> argparse.ArgumentParser:
     c.add_argument("--burner-threads", type=int, default=2)
     v = sub.add_parser("overhead", help="the loop's own cost per batch against a DataLoader's "
                                         "(section 5 of loaders, in rounds)", parents=[written])
-    v.add_argument("--items", type=int, default=300_000)
-    v.add_argument("--batch-size", type=int, default=300)
-    v.add_argument("--rounds", type=int, default=5)
-    v.add_argument("--workers", type=int, default=2, help="of the DataLoader as scripts set it")
+    # the defaults are section 5's of ``bench loaders``: one measurement, one figure
+    v.add_argument("--items", type=int, default=OVERHEAD_ITEMS)
+    v.add_argument("--batch-size", type=int, default=OVERHEAD_BATCH)
+    v.add_argument("--rounds", type=int, default=OVERHEAD_ROUNDS)
+    v.add_argument("--workers", type=int, default=OVERHEAD_WORKERS,
+                   help="of the DataLoader as scripts set it")
     v.add_argument("overrides", nargs="*", help="(none used)")
     i = sub.add_parser("infer", help="an inference job with three models: the runner's one "
                                      "pass against the naive script and three separate runs",
@@ -88,6 +98,9 @@ def command_line() -> argparse.ArgumentParser:
     from runner.bench.pairs import add_parser as add_pairs
 
     add_pairs(sub, [sized, written])
+    from runner.bench.yolo import add_parser as add_yolo
+
+    add_yolo(sub, [written])
     sub.add_parser("selfcheck", add_help=False,  # its own command line: main() hands it over
                    help="every GPU claim, a row each that can fail (python -m runner.selfcheck;"
                         " selfcheck --help)").set_defaults(overrides=[])
@@ -122,6 +135,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from runner.bench.pairs import bench_pairs
 
         return run_with_targets("pairs", bench_pairs, args)
+    if args.command == "yolo":
+        from runner.bench.yolo import bench_yolo
+
+        return run_with_targets("yolo", bench_yolo, args)
     if args.command == "infer":
         from runner.bench.ablation import bench_infer_parts
 

@@ -7,6 +7,11 @@ Every JSON file the runner writes goes through ``dumps``: a non-finite number (N
 infinity: a diverged loss, a figure of nothing) is written as ``null``, since JSON has no
 such numbers and strict readers (jq, JavaScript, ``json.loads`` with ``parse_constant``)
 refuse Python's bare ``NaN``; ``allow_nan=False`` makes any that slipped past fail loudly.
+
+A file that was not written this way (a copy cut short, a full disk under another tool)
+can still arrive half there: ``unreadable`` says why ``torch.load`` refused one in words a
+user can act on (empty, truncated) instead of the zip reader's (``[Errno 22] Invalid
+argument``, or nothing at all).
 """
 
 from __future__ import annotations
@@ -70,3 +75,28 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def write_json(path: Path, payload: Any) -> None:
     write_atomic(path, (dumps(payload, indent=2) + "\n").encode())
+
+
+def unreadable(path: str | Path, error: BaseException) -> str:
+    """Why a saved torch file at ``path`` could not be read by ``torch.load`` (raising
+    ``error``), and how to get a good one."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        size = None
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "PytorchStreamReader" in reason:  # its first sentence: the rest is advice for torch's
+        reason = reason.split(". ")[0]
+    if size == 0:
+        return ("is empty (0 bytes): it was never written whole (a copy or a save that "
+                "stopped at once); copy it again from where it was written, or point to "
+                "another checkpoint (the run folder's checkpoint.pt or checkpoint-best.pt)")
+    damaged = isinstance(error, EOFError | OSError) or any(
+        s in reason for s in ("PytorchStreamReader", "central directory", "zip archive",
+                              "Invalid argument", "unexpected EOF", "truncated"))
+    if damaged or not str(error).strip():
+        return (f"is truncated or damaged, or not a torch file ({size:,} bytes; {reason}): a "
+                "copy or save that stopped part-way leaves such a file; copy it again whole "
+                "(its size should be the original's), or point to another checkpoint (the "
+                "run folder's checkpoint.pt or checkpoint-best.pt)")
+    return f"cannot be read: {reason}"

@@ -16,6 +16,14 @@ a URL's userinfo could only leak, never work. The ways that do work:
 - http(s): the client sends no credentials: a server the nodes may read without a login,
   or the files in a bucket read with the AWS variables.
 
+What the runner reads from the data itself is not config: a manifest's row may hold a URL
+with credentials (``http://bob:pw@host/b.jpg``). So every path the runner prints or stores
+passes through the same ``redacted``: a manifest's paths as they are read
+(runner/data/sources/listing.py), every log record on the console and in runner.log
+(``SecretFilter``, conf/hydra/job_logging/runner.yaml), every string of metrics.json
+(``scrubbed_strings``, runner/launch/outcome.py's ``save_metrics``: ``skipped_files``
+among them) and the wandb run's config and summary (runner/job/logger.py's ``scrubbed``).
+
 Three places check, so that no path writes or prints first: ``python -m runner``'s command
 line before anything else (``refuse_credentials``, runner/job/commandline.py); the overrides
 runner/job/compose.py composes (``compose``: ``runner.pipeline(...)``, ``runner.export``,
@@ -27,6 +35,7 @@ runner/config/rules.py's ``check_config``: the job and every tool that composes 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -34,6 +43,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from runner.common.errors import EXIT_USER_ERROR, ConfigError
+from runner.config.schema import keys_where
 
 # scheme://userinfo@ : the userinfo is everything between // and the first @ before any
 # /, ?, # (a '@' further on belongs to the path: s3://bucket/a@2x.jpg is no credential);
@@ -57,8 +67,39 @@ def redacted(text: str, mask: str = "***@") -> str:
     return _USERINFO.sub(lambda m: m.group(1) + mask, text)
 
 
-# the keys whose values a store reads as URLs (runner/data/sources/)
-URL_KEYS = ("dataset.path", "dataset.val_path", "dataset.manifest", "dataset.endpoint_url")
+def scrubbed_strings(value: Any) -> Any:
+    """``value`` (mappings, lists and strings of a record such as metrics.json) with every
+    string's URL userinfo shown as ``***``."""
+    if isinstance(value, str):
+        return redacted(value) if "@" in value else value
+    if isinstance(value, dict):
+        return {k: scrubbed_strings(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(scrubbed_strings(v) for v in value)
+    return value
+
+
+class SecretFilter(logging.Filter):
+    """A logging filter that redacts URL userinfo from a record's message and traceback
+    (on every handler of the job's logging: the console and runner.log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a record whose arguments do not format: left to the formatter
+            return True
+        if "@" in message and has_userinfo(message):
+            record.msg, record.args = redacted(message), ()
+        if record.exc_info and not record.exc_text:
+            text = logging.Formatter().formatException(record.exc_info)
+            if has_userinfo(text):
+                record.exc_text = redacted(text)
+        return True
+
+
+# the keys whose values a store reads as URLs (runner/data/sources/): declared on each field
+# (``key(..., url=True)``, runner/config/schema.py)
+URL_KEYS = keys_where("url")
 
 
 def _instead(key: str, text: str) -> str:

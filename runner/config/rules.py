@@ -27,6 +27,7 @@ from runner.config.schema import (
     TASK_KEYS,
     AutoAugmentName,
     Config,
+    Crop,
     ModelConfig,
     ModelSource,
     Output,
@@ -88,6 +89,23 @@ def model_configs(config: Config) -> list[ModelConfig]:
     return models
 
 
+def unknown_model(name: str, known: Iterable[str]) -> ConfigError:
+    """The refusal of a ``model.name`` that neither the runner nor torchvision has (``known``:
+    the names there are), with the closest: one message whether it is found before torch
+    (runner/job/precheck.py, from torchvision's sources) or by the model's own check
+    (runner/model/networks.py's ``check_model``)."""
+    import difflib
+
+    known = sorted(known)
+    near = difflib.get_close_matches(name, known, n=3)
+    meant = f" (did you mean {', '.join(near)}?)" if near else ""
+    return ConfigError(
+        f"model.name={name} is not a torchvision classification, segmentation or detection "
+        f"model{meant}; choose tiny, none or one of torchvision's builders (e.g. "
+        "resnet50, efficientnet_b0, vit_b_16, convnext_tiny, deeplabv3_mobilenet_v3_large, "
+        "fasterrcnn_mobilenet_v3_large_320_fpn), or model=timm / model=custom")
+
+
 def check_config(config: Config, given: Iterable[str] = ()) -> None:
     """Every rule across the groups of ``config``, and what a task makes of the loader;
     ``given``: the overrides it was composed from (a task key named there is refused even
@@ -136,6 +154,10 @@ def check_config(config: Config, given: Iterable[str] = ()) -> None:
         raise ConfigError(f"dataset.val_path={dataset.val_path} reports top-1 while "
                           "training: it needs task=train and a model (not model=none)")
     check_targets(config)
+    if config.loader.group_aspect and dataset.crop not in (Crop.whole, Crop.letterbox):
+        raise ConfigError(f"loader.group_aspect=true with dataset.crop={dataset.crop.value}: "
+                          "a crop of one shape from every image makes the aspect of none "
+                          "matter; use it with dataset.crop=letterbox or whole")
     if NO_MODEL in [m.name for m in model_configs(config)] and config.models:
         raise ConfigError("models=[...] cannot hold none: leave models unset and use "
                           "model=none to measure the data path alone")
@@ -241,8 +263,17 @@ def check_targets(config: Config) -> None:
     their records (runner/data/storage/__init__.py)."""
     dataset, augment = config.dataset, config.task.augment
     if not dataset.targets.boxes:
+        for name in ("mosaic", "box_crop"):
+            if getattr(augment, name):
+                raise ConfigError(f"task.augment.{name}={getattr(augment, name):g} moves "
+                                  "detection boxes with the pixels: it needs "
+                                  "dataset.targets=auto, yolo or coco")
         return
     given = f"dataset.targets={dataset.targets.value}"
+    if dataset.crop is Crop.center:  # only when asked: the default is the letterbox
+        log.warning("dataset.crop=center with %s: the centre crop cuts away boxes near the "
+                    "sides (dataset.crop=letterbox, the detectors' default, keeps them)",
+                    given)
     if augment.auto is not AutoAugmentName.none:  # (MixUp, CutMix: the detector refuses)
         raise ConfigError(f"task.augment.auto={augment.auto.value} turns, shears and shifts "
                           f"pixels, and {given}'s boxes would not follow: leave "

@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from runner.common.errors import ConfigError
+from runner.common.errors import ConfigError, raised_in_your_code
 
 
 def _require(ok: bool, key: str, value: Any, must: str) -> None:
@@ -62,8 +62,13 @@ def key(default: Any = dataclasses.MISSING, *, factory: Any = None, resume: str 
         choices: tuple[Any, ...] | None = None, note: str = "", task: str | None = None,
         shapes_outputs: bool = False, option: bool = True,
         autotune: bool | tuple[Any, ...] | None = None, autotune_cuda: tuple[Any, ...] = (),
-        renamed_from: str | None = None) -> Any:
+        renamed_from: str | None = None, url: bool = False, own_reading: bool = False,
+        doc: str = "") -> Any:
     """A config key: its default (or ``factory``) and, once, what the runner does with it.
+
+    doc: what it means, in a sentence or two: ``python -m runner --help KEY`` prints it with
+        the default, the range and the resume rule (runner/config/keyhelp.py), and
+        docs/config.md is generated from it (tests/config/test_keyhelp.py: every key has one).
 
     resume: what a training resume does when it differs from the checkpoint's (one of
         ``RESUME_POLICIES``); every leaf key has one (tests/config/test_keys.py).
@@ -78,11 +83,17 @@ def key(default: Any = dataclasses.MISSING, *, factory: Any = None, resume: str 
         machine's registry has (storages, decoders); ``autotune_cuda``: choices that need
         CUDA (runner/job/sweep.py).
     renamed_from: its old name in its group, still refused with a pointer to this one.
+    url: a store reads its value as a URL (s3://, gs://, http(s)://): credentials in it are
+        refused with the variables to use instead (runner/config/credentials.py's ``URL_KEYS``).
+    own_reading: the runner's own reading of images sets it (a storage, a decoder, a
+        folder's layout, a crop); ``dataset.target``'s Dataset replaces that reading, and the
+        run says these keys do not apply (runner/data/storage/user.py's ``NOT_APPLYING``).
     """
     meta = {"resume": resume, "at_least": at_least, "above": above, "at_most": at_most,
             "below": below, "choices": choices, "note": note, "task": task,
             "shapes_outputs": shapes_outputs, "option": option, "autotune": autotune,
-            "autotune_cuda": autotune_cuda, "renamed_from": renamed_from}
+            "autotune_cuda": autotune_cuda, "renamed_from": renamed_from, "url": url,
+            "own_reading": own_reading, "doc": doc}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -206,6 +217,10 @@ class Crop(Enum):
     center = "center"  # the centred dataset.crop_fraction of the shorter side, resized
     random = "random"  # random-resized-crop + horizontal flip (training augmentation)
     whole = "whole"  # the whole image resized to image_size, no crop (dense outputs: masks)
+    # the whole image, aspect kept, resized to fit image_size and padded (grey 114, as
+    # ultralytics' YOLO pads): a detector's boxes neither cut away nor stretched
+    letterbox = "letterbox"
+    auto = "auto"  # letterbox for detection targets (dataset.targets), center otherwise
 
 
 class StoreSide(Enum):  # which side of an image dataset.store_size sets
@@ -383,73 +398,114 @@ class Device(Enum):
 class DatasetConfig:
     """``dataset.*``: where images come from and what size they are resized to."""
 
-    # a folder of images: one sub-folder per class, or the images themselves (unlabelled);
-    # unset (and no manifest): the generated default dataset
-    path: str | None = key(None, resume="must_match")
-    labels: Labels = key(Labels.auto, resume="must_match", shapes_outputs=True)
-    # what an image's target is, and its labels' layout (``Targets.kind``: classes, boxes or
-    # masks, each a record in runner/data/targets/). none: a class index per image;
-    # auto/yolo/coco: detection boxes read from a YOLO layout or COCO's JSON
-    # (runner/data/sources/labels.py; auto tells which), unset dataset.path: the generated
-    # shapes dataset (runner/data/sources/shapes.py); masks: a class-id PNG per image
-    targets: Targets = key(Targets.none, resume="must_match", shapes_outputs=True)
-    # a CSV (header: path[,label]) or JSON-lines file listing the images (paths relative to
-    # it) and their class index or name; in place of dataset.path
-    manifest: str | None = key(None, resume="must_match", shapes_outputs=True)
-    # task=train: a validation ImageFolder (same classes); loss, top-1 and top-5 after each
-    # epoch
-    val_path: str | None = key(None, resume="must_match")
-    # task=train: this share of the images held out for validation by a seeded split
-    # (dataset.split_seed), never trained on; in place of dataset.val_path
+    path: str | None = key(None, resume="must_match", own_reading=True, url=True,
+                           doc="a folder of images: one sub-folder per class, or the images "
+                               "themselves (unlabelled); unset (and no manifest): the generated "
+                               "default dataset")
+    labels: Labels = key(Labels.auto, resume="must_match", own_reading=True, shapes_outputs=True,
+                         doc="where dataset.path's labels come from: auto (class folders; a "
+                             "folder with images of its own: unlabelled), folders (one sub-folder "
+                             "per class) or none (every image under the folder, unlabelled)")
+    targets: Targets = key(Targets.none, resume="must_match", shapes_outputs=True,
+                           doc="what an image's target is, and its labels' layout (its kind: "
+                               "classes, boxes or masks, each a record in runner/data/targets/). "
+                               "none: a class index per image; auto/yolo/coco: detection boxes "
+                               "read from a YOLO layout or COCO's JSON (auto tells which); masks: "
+                               "a class-id PNG per image (images/ and masks/ side by side) or "
+                               "COCO's polygons; unset dataset.path: a generated shapes dataset")
+    manifest: str | None = key(None, resume="must_match", own_reading=True, url=True,
+                               shapes_outputs=True,
+                               doc="a CSV (header: path[,label]) or JSON-lines file listing the "
+                                   "images (paths relative to it) and their class index or name; "
+                                   "in place of dataset.path")
+    val_path: str | None = key(None, resume="must_match", url=True,
+                               doc="task=train: a validation ImageFolder (same classes); loss, "
+                                   "top-1 and top-5 after each epoch")
     val_fraction: float = key(0.0, resume="must_match", at_least=0, below=1,
-                              note=" (0: no split; 0.1 holds out a tenth)")
-    split_seed: int = key(0, resume="must_match")
-    # which side of the split a data path reads (set by the runner)
-    split: Split = key(Split.train, resume="must_match")
-    cache_dir: str = key("${oc.env:RUNNER_CACHE,'~/.cache/runner'}", resume="free", option=False)
-    num_images: int = key(2000, resume="must_match", at_least=1)  # generated default dataset only
-    num_classes: int = key(10, resume="must_match", at_least=1)  # generated default dataset only
-    # (H, W), generated
+                              note=" (0: no split; 0.1 holds out a tenth)",
+                              doc="task=train: this share of the images held out for validation by "
+                                  "a seeded split (dataset.split_seed), never trained on; in place "
+                                  "of dataset.val_path")
+    split_seed: int = key(0, resume="must_match",
+                          doc="the seed of dataset.val_fraction's split (the same seed, the same "
+                              "held-out images)")
+    split: Split = key(Split.train, resume="must_match",
+                       doc="which side of the split a data path reads (set by the runner)")
+    cache_dir: str = key("${oc.env:RUNNER_CACHE,'~/.cache/runner'}", resume="free", option=False,
+                         doc="where prepared stores (packed, memmap), downloaded shards and "
+                             "engines are kept (RUNNER_CACHE, else ~/.cache/runner)")
+    num_images: int = key(2000, resume="must_match", at_least=1,
+                          doc="generated default dataset only")
+    num_classes: int = key(10, resume="must_match", at_least=1,
+                           doc="generated default dataset only")
     source_size: list[int] = key(factory=lambda: [480, 640], resume="must_match",
-                                 shapes_outputs=True)
-    # JPEG quality of the generated default dataset
-    quality: int = key(90, resume="must_match", shapes_outputs=True, at_least=1, at_most=100)
-    # (H, W) fed to the model
-    image_size: list[int] = key(factory=lambda: [224, 224], resume="must_match")
-    crop: Crop = key(Crop.center, resume="must_match")
-    # The share of the shorter side a centre crop keeps, on every storage alike (folder,
-    # packed, memmap/ram, dali, ffcv). 0.875 is what ImageNet models are evaluated with
-    # ("resize 256, crop 224": torchvision's references, timm's default crop_pct) and what
-    # their published accuracies assume; 1.0 keeps the whole shorter side ("resize 224,
-    # crop 224"), the runner's meaning before this key existed.
-    crop_fraction: float = key(0.875, resume="must_match", shapes_outputs=True, above=0, at_most=1,
+                                 shapes_outputs=True, doc="(H, W), generated")
+    quality: int = key(90, resume="must_match", shapes_outputs=True, at_least=1, at_most=100,
+                       doc="JPEG quality of the generated default dataset")
+    image_size: list[int] = key(factory=lambda: [224, 224], resume="must_match",
+                                doc="(H, W) fed to the model")
+    crop: Crop = key(Crop.auto, resume="must_match", own_reading=True,
+                     doc="center (the centred dataset.crop_fraction of the shorter side, "
+                         "resized), random (random-resized crop and flip: training augmentation), "
+                         "whole (the whole image resized to image_size, no crop: dense outputs), "
+                         "letterbox (the whole image, aspect kept, padded grey 114: a detector's "
+                         "boxes neither cut away nor stretched); auto, unset: letterbox for a "
+                         "detector's boxes, center otherwise (made concrete before the run)")
+    crop_fraction: float = key(0.875, resume="must_match", own_reading=True,
+                               shapes_outputs=True, above=0, at_most=1,
                                note=": 0.875 for resize-256-crop-224, 1.0 for the whole "
-                                    "shorter side")
-    # The size images are stored at, in pixels along dataset.store_side: loader=packed
-    # re-encodes each image at it (unset: image_size's larger side / crop_fraction, 256 for
-    # 224, so a centre crop is a window of the stored image with no resize); memmap/ram
-    # store image_size scaled to it and take the centre crop (or random ones) from it on
-    # the device per batch (unset: the centre crop is stored at image_size)
-    store_size: int | None = key(None, resume="must_match")
-    store_side: StoreSide = key(StoreSide.shorter, resume="must_match", shapes_outputs=True)
-    # JPEG quality of loader=packed's re-encoded images
-    store_quality: int = key(90, resume="must_match", shapes_outputs=True, at_least=1, at_most=100)
-    on_corrupt: OnCorrupt = key(OnCorrupt.skip, resume="free")
-    page_cache: PageCache = key(PageCache.warm, resume="free")
-    # dataset.path, val_path and manifest may be URLs (s3://, gs://, http(s)://;
-    # runner/data/sources/): an S3-compatible server's address (unset: AWS_ENDPOINT_URL)
-    endpoint_url: str | None = key(None, resume="free")
-    # the node-local cache of remote shards under dataset.cache_dir, at most this many
-    # bytes (10 GB)
-    cache_bytes: int = key(10 * 10**9, resume="free", above=0)
-    # a local dataset.path on a network mount, read many files in flight through the read
-    # engine (runner/data/sources/fardisk.py), and so a packed store under dataset.cache_dir
-    # on one; unset: a local file system is local, another is told by timing a few reads
-    far_disk: bool | None = key(None, resume="free")
-    # your own data: "module:function" (or "module.function"), a module importable from
-    # the current folder, whose function returns a map-style or iterable torch Dataset of
-    # (image, label); in place of dataset.path (runner/data/storage/user.py)
-    target: str | None = key(None, resume="must_match")
+                                    "shorter side",
+                               doc="The share of the shorter side a centre crop keeps, on every "
+                                   "storage alike (folder, packed, memmap/ram, dali, ffcv). 0.875 "
+                                   "is what ImageNet models are evaluated with (\"resize 256, crop "
+                                   "224\": torchvision's references, timm's default crop_pct) and "
+                                   "what their published accuracies assume; 1.0 keeps the whole "
+                                   "shorter side (\"resize 224, crop 224\"), the runner's meaning "
+                                   "before this key existed.")
+    store_size: int | None = key(None, resume="must_match", own_reading=True,
+                                 doc="The size images are stored at, in pixels along "
+                                     "dataset.store_side: loader=packed re-encodes each image at "
+                                     "it (unset: image_size's larger side / crop_fraction, 256 for "
+                                     "224, so a centre crop is a window of the stored image with "
+                                     "no resize); memmap/ram store image_size scaled to it and "
+                                     "take the centre crop (or random ones) from it on the device "
+                                     "per batch (unset: the centre crop is stored at image_size)")
+    store_side: StoreSide = key(StoreSide.shorter, resume="must_match", own_reading=True,
+                                shapes_outputs=True,
+                                doc="which side of an image dataset.store_size sets: shorter "
+                                    "(aspect kept) or longer (at most; FFCV's max_resolution)")
+    store_quality: int = key(90, resume="must_match", own_reading=True,
+                             shapes_outputs=True, at_least=1, at_most=100,
+                             doc="JPEG quality of loader=packed's re-encoded images")
+    on_corrupt: OnCorrupt = key(OnCorrupt.skip, resume="free",
+                                doc="an image that does not decode: skip (counted and reported) "
+                                    "or fail")
+    page_cache: PageCache = key(PageCache.warm, resume="free", own_reading=True,
+                                doc="warm (whatever the page cache holds) or cold (the dataset's "
+                                    "files evicted before the run and before each epoch: a first "
+                                    "read's speed)")
+    endpoint_url: str | None = key(None, resume="free", url=True,
+                                   doc="dataset.path, val_path and manifest may be URLs (s3://, "
+                                       "gs://, http(s)://; runner/data/sources/): an S3-compatible "
+                                       "server's address (unset: AWS_ENDPOINT_URL)")
+    cache_bytes: int = key(10 * 10**9, resume="free", above=0,
+                           doc="the node-local cache of remote shards under dataset.cache_dir, at "
+                               "most this many bytes (10 GB)")
+    far_disk: bool | None = key(None, resume="free",
+                                doc="a local dataset.path on a network mount, read many files in "
+                                    "flight through the read engine "
+                                    "(runner/data/sources/fardisk.py), and so a packed store under "
+                                    "dataset.cache_dir on one; unset: a local file system is "
+                                    "local, another is told by timing a few reads")
+    target: str | None = key(None, resume="must_match",
+                             doc="your own data: \"module:function\" (or \"module.function\"), a "
+                                 "module importable from the current folder, whose function "
+                                 "returns a map-style or iterable torch Dataset of (image, label); "
+                                 "in place of dataset.path (runner/data/storage/user.py)")
+    length: int | None = key(None, resume="must_match", at_least=1,
+                             doc="dataset.target's IterableDataset without __len__: the items of "
+                                 "one epoch (unset: counted by iterating it once, to at most what "
+                                 "run.steps reads or a million)")
 
     def __post_init__(self) -> None:
         for key in ("image_size", "source_size"):
@@ -461,6 +517,8 @@ class DatasetConfig:
                 "give [height, width], both >= 1, e.g. dataset.image_size=[224,224]",
             )
         check_declared(self, "dataset")
+        if self.crop is Crop.auto:  # a detector never gets the centre crop unless asked
+            self.crop = Crop.letterbox if self.targets.boxes else Crop.center
         _require(self.manifest is None or self.path is None, "dataset.manifest",
                  self.manifest, f"give it or dataset.path={self.path}, not both (a manifest's "
                  "paths are relative to its own folder)")
@@ -475,52 +533,95 @@ class DatasetConfig:
                      f"{list(self.image_size)} ({side}): crops are taken from the stored image")
 
 
+def schema_dataset() -> DatasetConfig:
+    """``dataset``'s defaults as the composed config's schema holds them: ``dataset.crop``
+    still ``auto`` (a DatasetConfig made from the composed values decides it, by its
+    targets; one made here would have decided it without them)."""
+    dataset = DatasetConfig()
+    dataset.crop = Crop.auto
+    return dataset
+
+
 @dataclass
 class LoaderConfig:
     """``loader=``: storage, decoder and every DataLoader option."""
 
-    name: StorageName = key(MISSING, resume="must_match", shapes_outputs=True, autotune=True)
-    decoder: Decoder = key(Decoder.pil, resume="applied", shapes_outputs=True, autotune=True)
-    # Decode JPEGs at a reduced scale in the DCT domain when the target is much smaller
-    # than the source (pil: Image.draft, simplejpeg: min_height/min_width). Unset (folder's
-    # default): on where loader.decoder=auto falls back to simplejpeg, else off; a value the
-    # user gives is kept as given.
-    draft: bool | None = key(None, resume="applied", shapes_outputs=True, autotune=(False, True))
-    batch_size: int = key(64, resume="fitted", at_least=1, autotune=(32, 64, 128, 256))
+    name: StorageName = key(MISSING, resume="must_match", own_reading=True,
+                            shapes_outputs=True, autotune=True,
+                            doc="the storage images are read from: folder (the files as they "
+                                "are), packed (re-encoded once into one file), memmap or ram "
+                                "(decoded once, as pixels), shards (WebDataset tars, local or a "
+                                "URL), or a rival's own pipeline (dali, ffcv, webdataset); set by "
+                                "loader=<preset>")
+    decoder: Decoder = key(Decoder.pil, resume="applied", own_reading=True,
+                           shapes_outputs=True, autotune=True,
+                           doc="the JPEG decoder: pil, simplejpeg, jpeg4py, torchvision, nvjpeg "
+                               "(on the GPU), region (only the crop's window, through the "
+                               "runner's libjpeg-turbo binding) or auto (the fastest this machine "
+                               "has; the run's config names the one that ran)")
+    draft: bool | None = key(None, resume="applied", own_reading=True,
+                             shapes_outputs=True, autotune=(False, True),
+                             doc="Decode JPEGs at a reduced scale in the DCT domain when the "
+                                 "target is much smaller than the source (pil: Image.draft, "
+                                 "simplejpeg: min_height/min_width). Unset (folder's default): on "
+                                 "where loader.decoder=auto falls back to simplejpeg, else off; a "
+                                 "value the user gives is kept as given.")
+    batch_size: int = key(64, resume="fitted", at_least=1, autotune=(32, 64, 128, 256),
+                          doc="images per batch (per rank under torchrun)")
     num_workers: int = key(2, resume="free", at_least=0, note=" (0 loads in the main process)",
-                           autotune=(0, 1, 2, 4, 8, 16))
-    # unset: on when the run's device is CUDA (made concrete before the run, as
-    # loader.decode_threads and device=auto are: runner/job/compose.py's settle_machine)
-    pin_memory: bool | None = key(None, resume="free")
-    # batches each worker keeps ready (num_workers > 0 only)
-    prefetch_factor: int = key(2, resume="free", at_least=1)
-    # keep workers between epochs (num_workers > 0 only)
-    persistent_workers: bool = key(True, resume="free")
-    # unset: shuffle for task=train, dataset order for infer
-    shuffle: bool | None = key(None, resume="must_match")
-    # 1: a full permutation per epoch; k > 1 shuffles runs of k consecutive images, which
-    # reads a memmap cache in longer contiguous stretches
-    shuffle_block: int = key(1, resume="must_match", at_least=1, note=" (1 is a full permutation)")
-    # task=train: leave out each epoch's last, partial batch. task=infer ignores it (said
-    # once in the log, and false in the run's config): every image gets its outputs
-    drop_last: bool = key(False, resume="must_match")
-    # a sharded storage (loader=shards) under torch.distributed: each epoch's shards are
-    # dealt to this many lanes, whole, each lane read by one node's ranks (a node fetches
-    # about 1/nodes of the bytes); unset: the number of nodes. The order depends on it, so
-    # a resume keeps the checkpoint's, on a node count that divides it
-    lanes: int | None = key(None, resume="fitted", at_least=1, note=" (unset: the number of nodes)")
-    # one __getitems__ call per batch instead of one call per image
-    batched: bool = key(False, resume="free")
-    # loader=folder with num_workers=0: decode with this many threads in the main process,
-    # straight into reused batch buffers (unset: the cores available; 0: the main thread)
+                           autotune=(0, 1, 2, 4, 8, 16),
+                           doc="DataLoader worker processes decoding batches")
+    pin_memory: bool | None = key(None, resume="free",
+                                  doc="unset: on when the run's device is CUDA (made concrete "
+                                      "before the run, as loader.decode_threads and device=auto "
+                                      "are: runner/job/compose.py's settle_machine)")
+    prefetch_factor: int = key(2, resume="free", at_least=1,
+                               doc="batches each worker keeps ready (num_workers > 0 only)")
+    persistent_workers: bool = key(True, resume="free",
+                                   doc="keep workers between epochs (num_workers > 0 only)")
+    shuffle: bool | None = key(None, resume="must_match",
+                               doc="unset: shuffle for task=train, dataset order for infer")
+    shuffle_block: int = key(1, resume="must_match", at_least=1, note=" (1 is a full permutation)",
+                             doc="1: a full permutation per epoch; k > 1 shuffles runs of k "
+                                 "consecutive images, which reads a memmap cache in longer "
+                                 "contiguous stretches")
+    drop_last: bool | None = key(None, resume="must_match",
+                                 note=" (unset: training drops it, inference keeps it)",
+                                 doc="task=train: leave out each epoch's last, partial batch. "
+                                     "Unset: training leaves it out (said once, with the count), "
+                                     "as torchvision's and timm's train scripts do: a batch of one "
+                                     "fails BatchNorm, a short one weighs its images more; an "
+                                     "epoch smaller than one batch is kept whole. Validation and "
+                                     "task=infer read every image (true is ignored by task=infer, "
+                                     "said once in the log, and false in the run's config)")
+    lanes: int | None = key(None, resume="fitted", at_least=1, note=" (unset: the number of nodes)",
+                            doc="a sharded storage (loader=shards) under torch.distributed: each "
+                                "epoch's shards are dealt to this many lanes, whole, each lane "
+                                "read by one node's ranks (a node fetches about 1/nodes of the "
+                                "bytes); unset: the number of nodes. The order depends on it, so a "
+                                "resume keeps the checkpoint's, on a node count that divides it")
+    group_aspect: bool = key(False, resume="must_match",
+                             doc="batches of images of one aspect-ratio bin (torchvision's "
+                                 "GroupedBatchSampler, ultralytics' rect order) for "
+                                 "dataset.crop=whole or letterbox; every image still read once per "
+                                 "epoch (each bin's rest a short batch of its own), the order "
+                                 "still a function of the seed and epoch; the sizes from the "
+                                 "detection labels (dataset.targets)")
+    batched: bool = key(False, resume="free",
+                        doc="one __getitems__ call per batch instead of one call per image")
     decode_threads: int | None = key(None, resume="free", at_least=0,
-                                     note=" (0: decode in the main thread; unset: one per core)")
-    # loader=ffcv: how its .beton stores images: jpg (at dataset.store_quality) or raw
-    ffcv_mode: str = key("jpg", resume="must_match", choices=("jpg", "raw"))
-    # what crosses to the device: uint8 (the model's input layer converts and normalizes
-    # there), or float16/float32 converted and normalized (by model.mean/std) on the host
-    # before the copy, as most scripts do (runner/data/device/normalize.py)
-    host_dtype: HostDtype = key(HostDtype.uint8, resume="applied")
+                                     note=" (0: decode in the main thread; unset: one per core)",
+                                     doc="loader=folder with num_workers=0: decode with this many "
+                                         "threads in the main process, straight into reused batch "
+                                         "buffers (unset: the cores available; 0: the main thread)")
+    ffcv_mode: str = key("jpg", resume="must_match", choices=("jpg", "raw"),
+                         doc="loader=ffcv: how its .beton stores images: jpg (at "
+                             "dataset.store_quality) or raw")
+    host_dtype: HostDtype = key(HostDtype.uint8, resume="applied",
+                                doc="what crosses to the device: uint8 (the model's input layer "
+                                    "converts and normalizes there), or float16/float32 converted "
+                                    "and normalized (by model.mean/std) on the host before the "
+                                    "copy, as most scripts do (runner/data/device/normalize.py)")
 
     def __post_init__(self) -> None:
         check_declared(self, "loader")
@@ -530,43 +631,61 @@ class LoaderConfig:
 class ModelConfig:
     """``model=``: the network; it takes uint8 NCHW and normalizes on its own device."""
 
-    # tiny, none, or any torchvision classification builder (resnet50, efficientnet_b0,
-    # vit_b_16, convnext_tiny, ...); with source=timm, any timm model name
-    name: str = key(MISSING, resume="must_match", shapes_outputs=True)
-    channels_last: bool = key(False, resume="applied", shapes_outputs=True, autotune=(False, True))
-    source: ModelSource = key(ModelSource.torchvision, resume="must_match", shapes_outputs=True)
-    # source=custom: "package.module:Class" (or a function) returning an nn.Module; it gets
-    # num_classes=<the dataset's classes> when it accepts it, and these keyword arguments
-    target: str | None = key(None, resume="must_match", shapes_outputs=True)
-    kwargs: dict[str, Any] = key(factory=dict, resume="must_match", shapes_outputs=True)
-    # a local state_dict (or a runner checkpoint.pt) for the network; never a download
-    weights: str | None = key(None, resume="free", shapes_outputs=True)
-    # its classes: unset, the head is sized from model.weights when given, else by the
-    # dataset's classes (1000 for unlabelled images)
+    name: str = key(MISSING, resume="must_match", shapes_outputs=True,
+                    doc="tiny, none, or any torchvision classification builder (resnet50, "
+                        "efficientnet_b0, vit_b_16, convnext_tiny, ...); with source=timm, any "
+                        "timm model name")
+    channels_last: bool = key(False, resume="applied", shapes_outputs=True, autotune=(False, True),
+                              doc="the model and its input in channels-last memory format (faster "
+                                  "convolutions with amp on recent GPUs)")
+    source: ModelSource = key(ModelSource.torchvision, resume="must_match", shapes_outputs=True,
+                              doc="where model.name is looked up: torchvision (and the runner's "
+                                  "own tiny, none), timm's registry, or custom (model.target, "
+                                  "your own class)")
+    target: str | None = key(None, resume="must_match", shapes_outputs=True,
+                             doc="source=custom: \"package.module:Class\" (or a function) "
+                                 "returning an nn.Module; it gets num_classes=<the dataset's "
+                                 "classes> when it accepts it, and these keyword arguments")
+    kwargs: dict[str, Any] = key(factory=dict, resume="must_match", shapes_outputs=True,
+                                 doc="keyword arguments for the model's builder "
+                                     "(+model.kwargs.dropout=0.2)")
+    weights: str | None = key(None, resume="free", shapes_outputs=True,
+                              doc="a local state_dict (or a runner checkpoint.pt) for the network; "
+                                  "never a download")
     num_classes: int | None = key(None, resume="must_match", shapes_outputs=True, at_least=1,
-                                  note=" (unset: from the weights or the dataset)")
-    # its class names (the *_name columns): a file with one name per line, or a list
-    # (model.classes=[cat,dog]); unset: those model.weights' checkpoint was trained with,
-    # else the dataset's when the counts agree
-    classes: Any = key(None, resume="free", shapes_outputs=True)
-    # its input normalization, per channel (R, G, B) in 0..1 pixel units, as torchvision
-    # and timm give them: ImageNet's by default
+                                  note=" (unset: from the weights or the dataset)",
+                                  doc="its classes: unset, the head is sized from model.weights "
+                                      "when given, else by the dataset's classes (1000 for "
+                                      "unlabelled images)")
+    classes: Any = key(None, resume="free", shapes_outputs=True,
+                       doc="its class names (the *_name columns): a file with one name per line, "
+                           "or a list (model.classes=[cat,dog]); unset: those model.weights' "
+                           "checkpoint was trained with, else the dataset's when the counts agree")
     mean: list[float] = key(factory=lambda: list(IMAGENET_MEAN), resume="must_match",
-                            shapes_outputs=True)
+                            shapes_outputs=True,
+                            doc="its input normalization, per channel (R, G, B) in 0..1 pixel "
+                                "units, as torchvision and timm give them: ImageNet's by default")
     std: list[float] = key(factory=lambda: list(IMAGENET_STD), resume="must_match",
-                           shapes_outputs=True, above=0)
-    # (H, W) it takes when not dataset.image_size: the batch is decoded once at the largest
-    # size of the pass and resized on the device for the others
-    image_size: list[int] | None = key(None, resume="must_match", shapes_outputs=True)
-    # what the model is (classifier, segmenter, detector: runner/model/families.py); unset:
-    # told from model.name, and for model=custom from dataset.targets' kind (a user's own
-    # detector follows torchvision's detection protocol)
-    family: ModelFamily | None = key(None, resume="must_match", shapes_outputs=True)
-    # its name in outputs and figures (unset: model.name): a plain name, since it names
-    # its files in the run folder (<alias>.probs.npy, masks/<alias>/)
-    alias: str | None = key(None, resume="free")
-    # task=train from model.weights with another class count: a new head, said so
-    replace_head: bool = key(False, resume="free")
+                           shapes_outputs=True, above=0,
+                           doc="its input's standard deviation per channel (R, G, B) in 0..1 "
+                               "pixel units: ImageNet's by default")
+    image_size: list[int] | None = key(None, resume="must_match", shapes_outputs=True,
+                                       doc="(H, W) it takes when not dataset.image_size: the batch "
+                                           "is decoded once at the largest size of the pass and "
+                                           "resized on the device for the others")
+    family: ModelFamily | None = key(None, resume="must_match", shapes_outputs=True,
+                                     doc="what the model is (classifier, segmenter, detector: "
+                                         "runner/model/families.py); unset: told from "
+                                         "model.name, and for model=custom from dataset.targets' "
+                                         "kind (a user's own detector follows torchvision's "
+                                         "detection protocol)")
+    alias: str | None = key(None, resume="free",
+                            doc="its name in outputs and figures (unset: model.name): a plain "
+                                "name, since it names its files in the run folder "
+                                "(<alias>.probs.npy, masks/<alias>/)")
+    replace_head: bool = key(False, resume="free",
+                             doc="task=train from model.weights with another class count: a new "
+                                 "head, said so")
 
     def __post_init__(self) -> None:
         for key in ("mean", "std"):
@@ -636,6 +755,9 @@ def import_target(target: str, key: str) -> Any:
                           f"the current folder ({here}) or on PYTHONPATH; run from the folder "
                           f"that holds {module_name.replace('.', '/')}.py, or install its "
                           "package") from e
+    except Exception as e:  # the user's module itself fails: where, in their own file
+        raise ConfigError(f"{key}={target} cannot be imported: importing {module_name} "
+                          f"raised {raised_in_your_code(e)}; fix it there") from e
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -657,26 +779,48 @@ class AutoAugmentName(Enum):  # task.augment.auto: a policy of image operations 
     trivialaugment = "trivialaugment"  # one operation at a random magnitude
 
 
+class AugmentOn(Enum):  # task.augment.on: where task.augment runs
+    device = "device"  # on the run's device, after the copy (batched kernels on a GPU)
+    cpu = "cpu"  # on the host batch, before the copy, in the thread that reads batches
+    both = "both"  # the geometric operations on the host, the colour ones on the device
+
+
 @dataclass
 class AugmentConfig:
     """``task.augment.*``: training augmentation beyond the random-resized crop and flip,
     each with its own random draw per image, on the run's device (runner/data/device/augment.py).
     Every strength at 0 (the default): none."""
 
-    # brightness, contrast, saturation within +-this; hue +-this/4
-    color_jitter: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
-    auto: AutoAugmentName = key(AutoAugmentName.none, resume="applied")
-    ops: int = key(2, resume="applied", at_least=1)  # randaugment: operations per image
-    # randaugment: of 31 (torchvision's scale)
-    magnitude: int = key(9, resume="applied", at_least=0, at_most=30)
-    # probability of erasing a random rectangle of an image
-    erasing: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)")
-    # > 0: MixUp, its weights drawn per image from Beta(this, this)
-    mixup: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
-    # > 0: CutMix, its box per image from Beta(this, this)
-    cutmix: float = key(0.0, resume="applied", at_least=0, note=" (0: off)")
-    # of an image being mixed at all (MixUp or CutMix, per image)
-    mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1)
+    color_jitter: float = key(0.0, resume="applied", at_least=0, note=" (0: off)",
+                              doc="brightness, contrast, saturation within +-this; hue +-this/4")
+    auto: AutoAugmentName = key(AutoAugmentName.none, resume="applied",
+                                doc="a policy of image operations per image: none, randaugment "
+                                    "(task.augment.ops operations at task.augment.magnitude) or "
+                                    "trivialaugment (one operation at a random magnitude)")
+    ops: int = key(2, resume="applied", at_least=1, doc="randaugment: operations per image")
+    magnitude: int = key(9, resume="applied", at_least=0, at_most=30,
+                         doc="randaugment: of 31 (torchvision's scale)")
+    erasing: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)",
+                         doc="probability of erasing a random rectangle of an image")
+    mixup: float = key(0.0, resume="applied", at_least=0, note=" (0: off)",
+                       doc="> 0: MixUp, its weights drawn per image from Beta(this, this)")
+    cutmix: float = key(0.0, resume="applied", at_least=0, note=" (0: off)",
+                        doc="> 0: CutMix, its box per image from Beta(this, this)")
+    mix_prob: float = key(1.0, resume="applied", at_least=0, at_most=1,
+                          doc="of an image being mixed at all (MixUp or CutMix, per image)")
+    on: AugmentOn = key(AugmentOn.device, resume="applied",
+                        doc="where it runs: device, cpu (the host batch, before the copy) or both "
+                            "(geometric operations on the host, colour on the device): -m "
+                            "task.augment.on=cpu,device,both")
+    mosaic: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)",
+                        doc="detection (dataset.targets): probability of an image being a mosaic "
+                            "of four images of its batch (ultralytics' mosaic: a random centre, "
+                            "each quadrant a part of one image), its boxes moved with them, "
+                            "clipped at the quadrants' edges")
+    box_crop: float = key(0.0, resume="applied", at_least=0, at_most=1, note=" (0: off)",
+                          doc="detection: > 0, a random-resized crop (area share from this to 1, "
+                              "aspect 3/4 to 4/3) and a horizontal flip per image, after the "
+                              "mosaic, its boxes moved with it")
 
     def __post_init__(self) -> None:
         check_declared(self, "task.augment")
@@ -684,7 +828,7 @@ class AugmentConfig:
     @property
     def active(self) -> bool:
         return bool(self.color_jitter or self.erasing or self.mixup or self.cutmix
-                    or self.auto is not AutoAugmentName.none)
+                    or self.mosaic or self.box_crop or self.auto is not AutoAugmentName.none)
 
 
 @dataclass
@@ -692,77 +836,104 @@ class TaskConfig:
     """``task=``: train (runner/tasks/train/optim.py: optimizer, schedule, EMA; cross-entropy) or infer
     (outputs written by threads)."""
 
-    name: TaskName = key(MISSING, resume="free")
-    optimizer: OptimizerName = key(OptimizerName.sgd, resume="must_match", task="train")
-    lr: float = key(0.05, resume="schedule", task="train", above=0)
-    momentum: float = key(0.9, resume="optimizer", task="train")  # sgd
-    nesterov: bool = key(False, resume="optimizer", task="train")  # sgd
-    # adamw
+    name: TaskName = key(MISSING, resume="free",
+                         doc="train (the model learns, checkpoints) or infer (outputs for every "
+                             "image); set by task=<preset>")
+    optimizer: OptimizerName = key(OptimizerName.sgd, resume="must_match", task="train",
+                                   doc="sgd (with momentum, nesterov optional) or adamw")
+    lr: float = key(0.05, resume="schedule", task="train", above=0,
+                    doc="the peak learning rate (per 256 images with task.scale_lr)")
+    momentum: float = key(0.9, resume="optimizer", task="train", doc="sgd: momentum")
+    nesterov: bool = key(False, resume="optimizer", task="train", doc="sgd: Nesterov momentum")
     betas: list[float] = key(factory=lambda: [0.9, 0.999], resume="optimizer", task="train",
-                             at_least=0, below=1)
-    eps: float = key(1e-8, resume="optimizer", task="train")  # adamw
-    weight_decay: float = key(5e-4, resume="optimizer", task="train")
-    # weight decay on normalization layers' weights and on biases too (usually not)
-    decay_norm_and_bias: bool = key(False, resume="must_match", task="train")
-    # true: the learning rate is task.lr * global batch / 256 (the linear scaling rule)
-    scale_lr: bool = key(False, resume="schedule", task="train")
-    schedule: ScheduleName = key(ScheduleName.constant, resume="schedule", task="train")
-    # a linear warm-up over this many optimizer steps, or
-    warmup_steps: int = key(0, resume="schedule", task="train", at_least=0)
-    # over this many epochs' worth of them
-    warmup_epochs: float = key(0.0, resume="schedule", task="train", at_least=0)
-    min_lr: float = key(0.0, resume="schedule", task="train")  # cosine: where it ends
-    step_epochs: float = key(30.0, resume="schedule", task="train")  # step: every this many epochs
-    step_gamma: float = key(0.1, resume="schedule", task="train")  # step: times this
-    # batches whose gradients add up before each optimizer step
-    accumulate: int = key(1, resume="must_match", task="train", at_least=1)
-    # > 0: gradients clipped to this global norm
+                             at_least=0, below=1, doc="adamw: its two betas")
+    eps: float = key(1e-8, resume="optimizer", task="train", doc="adamw: eps")
+    weight_decay: float = key(5e-4, resume="optimizer", task="train",
+                              doc="L2 weight decay (not on normalization layers and biases unless "
+                                  "task.decay_norm_and_bias)")
+    decay_norm_and_bias: bool = key(False, resume="must_match", task="train",
+                                    doc="weight decay on normalization layers' weights and on "
+                                        "biases too (usually not)")
+    scale_lr: bool = key(False, resume="schedule", task="train",
+                         doc="true: the learning rate is task.lr * global batch / 256 (the linear "
+                             "scaling rule)")
+    schedule: ScheduleName = key(ScheduleName.constant, resume="schedule", task="train",
+                                 doc="the learning rate over the run's optimizer steps: constant, "
+                                     "cosine (task.lr to task.min_lr), step (times "
+                                     "task.step_gamma every task.step_epochs epochs) or onecycle")
+    warmup_steps: int = key(0, resume="schedule", task="train", at_least=0,
+                            doc="a linear warm-up of the learning rate over this many optimizer "
+                                "steps (0: none; or task.warmup_epochs)")
+    warmup_epochs: float = key(0.0, resume="schedule", task="train", at_least=0,
+                               doc="a linear warm-up over this many epochs' worth of optimizer "
+                                   "steps (0: none; or task.warmup_steps)")
+    min_lr: float = key(0.0, resume="schedule", task="train", doc="cosine: where it ends")
+    step_epochs: float = key(30.0, resume="schedule", task="train",
+                             doc="step: every this many epochs")
+    step_gamma: float = key(0.1, resume="schedule", task="train", doc="step: times this")
+    accumulate: int = key(1, resume="must_match", task="train", at_least=1,
+                          doc="batches whose gradients add up before each optimizer step")
     clip_grad_norm: float = key(0.0, resume="applied", task="train", at_least=0,
-                                note=" (0: no clipping)")
-    label_smoothing: float = key(0.0, resume="applied", task="train", at_least=0, below=1)
-    # > 0: an exponential moving average of the weights (decay warmed up from 0), updated
-    # on the device after each optimizer step, validated beside them and kept in checkpoints
+                                note=" (0: no clipping)",
+                                doc="> 0: gradients clipped to this global norm")
+    label_smoothing: float = key(0.0, resume="applied", task="train", at_least=0, below=1,
+                                 doc="cross-entropy's label smoothing (0.1 is usual)")
     ema_decay: float = key(0.0, resume="applied", task="train", at_least=0, below=1,
-                           note=" (0: no EMA; 0.9999 is usual)")
+                           note=" (0: no EMA; 0.9999 is usual)",
+                           doc="> 0: an exponential moving average of the weights (decay warmed up "
+                               "from 0), updated on the device after each optimizer step, "
+                               "validated beside them and kept in checkpoints")
     augment: AugmentConfig = key(factory=AugmentConfig, task="train")
-    # with validation: checkpoint-best.pt holds the epoch best by this figure (val_top1,
-    # val_top5, val_loss, val_ema_top1, ...; a detector's: val_map, val_map_50, ... and
-    # val_map when this is left at val_top1)
-    best_metric: str = key("val_top1", resume="applied", task="train")
-    # infer: how many classes each prediction keeps
-    topk: int = key(5, resume="free", task="infer", at_least=1)
-    # task=train: checkpoint.pt in the run folder at the end, when a signal stops the run,
-    # and every this many epochs, steps or minutes (0: not by that measure); a SIGKILL
-    # loses at most that much. checkpoint=false writes none at all (a sweep of speed runs)
-    checkpoint: bool = key(True, resume="free", task="train")
+    best_metric: str = key("val_top1", resume="applied", task="train",
+                           doc="with validation: checkpoint-best.pt holds the epoch best by this "
+                               "figure (val_top1, val_top5, val_loss, val_ema_top1, ...; a "
+                               "detector's: val_map, val_map_50, ... and val_map when this is left "
+                               "at val_top1)")
+    topk: int = key(5, resume="free", task="infer", at_least=1,
+                    doc="infer: how many classes each prediction keeps")
+    checkpoint: bool = key(True, resume="free", task="train",
+                           doc="task=train: checkpoint.pt in the run folder at the end, when a "
+                               "signal stops the run, and every this many epochs, steps or minutes "
+                               "(0: not by that measure); a SIGKILL loses at most that much. "
+                               "checkpoint=false writes none at all (a sweep of speed runs)")
     checkpoint_every: int = key(0, resume="free", task="train", at_least=0,
-                                note=" (0: not by this measure)")
+                                note=" (0: not by this measure)",
+                                doc="task=train: a checkpoint every this many epochs")
     checkpoint_every_steps: int = key(0, resume="free", task="train", at_least=0,
-                                      note=" (0: not by this measure)")
+                                      note=" (0: not by this measure)",
+                                      doc="task=train: a checkpoint every this many optimizer "
+                                          "steps")
     checkpoint_every_minutes: float = key(0.0, resume="free", task="train", at_least=0,
-                                          note=" (0: not by this measure)")
-    # only the latest checkpoint is kept; true keeps each one too (checkpoint-<step>.pt)
-    keep_checkpoints: bool = key(False, resume="free", task="train")
-    # infer: false writes no outputs (a speed run)
-    write_outputs: bool = key(True, resume="free", task="infer", renamed_from="write_predictions")
-    # infer: threads writing the outputs off the loop's path; 0 writes each batch on the
-    # loop's thread, synchronously (as a naive script does)
+                                          note=" (0: not by this measure)",
+                                          doc="task=train: a checkpoint every this many minutes")
+    keep_checkpoints: bool = key(False, resume="free", task="train",
+                                 doc="only the latest checkpoint is kept; true keeps each one too "
+                                     "(checkpoint-<step>.pt)")
+    write_outputs: bool = key(True, resume="free", task="infer", renamed_from="write_predictions",
+                              doc="infer: false writes no outputs (a speed run)")
     writer_threads: int = key(2, resume="free", task="infer", at_least=0,
-                              note=" (0: written on the loop's thread)")
-    # infer: where each output is reduced: device, or host (the raw logits copied, then
-    # reduced there); the same outputs either way (within float rounding on a GPU)
-    reduce_on: ReduceOn = key(ReduceOn.device, resume="free", task="infer")
-    # infer: what each model's outputs are kept as (runner/tasks/infer/outputs.py): topk
-    # (predictions.csv), probs, logits, embeddings (.npy), masks (PNGs), detections; unset:
-    # what the model gives (its kind of target's: a classifier's topk, a segmenter's masks,
-    # a detector's detections; runner/data/targets/)
-    outputs: list[Output] | None = key(None, resume="free", task="infer")
-    # infer: embeddings are the output of this module (a name from model.named_modules());
-    # unset: the classifier's input
-    embed_layer: str | None = key(None, resume="free", task="infer")
-    # infer: your package.module:function(output, batch) -> {name: tensor per image}, called
-    # on the device with each model's output; what it returns is written like the outputs
-    postprocess: str | None = key(None, resume="free", task="infer")
+                              note=" (0: written on the loop's thread)",
+                              doc="infer: threads writing the outputs off the loop's path; 0 "
+                                  "writes each batch on the loop's thread, synchronously (as a "
+                                  "naive script does)")
+    reduce_on: ReduceOn = key(ReduceOn.device, resume="free", task="infer",
+                              doc="infer: where each output is reduced: device, or host (the raw "
+                                  "logits copied, then reduced there); the same outputs either way "
+                                  "(within float rounding on a GPU)")
+    outputs: list[Output] | None = key(None, resume="free", task="infer",
+                                       doc="infer: what each model's outputs are kept as "
+                                           "(runner/tasks/infer/outputs.py): topk "
+                                           "(predictions.csv), probs, logits, embeddings (.npy), "
+                                           "masks (PNGs), detections; unset: what the model "
+                                           "gives (its kind of target's: a classifier's topk, a "
+                                           "segmenter's masks, a detector's detections)")
+    embed_layer: str | None = key(None, resume="free", task="infer",
+                                  doc="infer: embeddings are the output of this module (a name "
+                                      "from model.named_modules()); unset: the classifier's input")
+    postprocess: str | None = key(None, resume="free", task="infer",
+                                  doc="infer: your package.module:function(output, batch) -> "
+                                      "{name: tensor per image}, called on the device with each "
+                                      "model's output; what it returns is written like the outputs")
 
     def __post_init__(self) -> None:
         check_declared(self, "task")
@@ -790,18 +961,20 @@ class LoggerConfig:
     The wandb environment (WANDB_MODE, WANDB_PROJECT, ...) wins over these keys; a key left
     unset (null) is runner/job/logger.py's default where the environment says nothing."""
 
-    name: LoggerName = key(MISSING, resume="free", option=False)
-    # unset: WANDB_MODE, else offline
-    mode: WandbMode | None = key(None, resume="free", option=False)
-    # unset: WANDB_PROJECT, else runner
-    project: str | None = key(None, resume="free", option=False)
-    # unset: WANDB_ENTITY, else wandb's own
-    entity: str | None = key(None, resume="free", option=False)
-    # unset: WANDB_RUN_GROUP, else the sweep folder's name
-    group: str | None = key(None, resume="free", option=False)
-    tags: list[str] | None = key(None, resume="free", option=False)  # unset: WANDB_TAGS, else none
-    # the checkpoint at the end as a wandb artifact (type model)
-    log_checkpoint: bool = key(False, resume="free", option=False)
+    name: LoggerName = key(MISSING, resume="free", option=False,
+                           doc="wandb (offline unless WANDB_MODE or logger.mode says) or none")
+    mode: WandbMode | None = key(None, resume="free", option=False,
+                                 doc="unset: WANDB_MODE, else offline")
+    project: str | None = key(None, resume="free", option=False,
+                              doc="unset: WANDB_PROJECT, else runner")
+    entity: str | None = key(None, resume="free", option=False,
+                             doc="unset: WANDB_ENTITY, else wandb's own")
+    group: str | None = key(None, resume="free", option=False,
+                            doc="unset: WANDB_RUN_GROUP, else the sweep folder's name")
+    tags: list[str] | None = key(None, resume="free", option=False,
+                                 doc="unset: WANDB_TAGS, else none")
+    log_checkpoint: bool = key(False, resume="free", option=False,
+                               doc="the checkpoint at the end as a wandb artifact (type model)")
 
 
 @dataclass
@@ -809,9 +982,12 @@ class PrefetchConfig:
     """``prefetch=``: how batches are staged ahead of the step."""
 
     name: PrefetchName = key(MISSING, resume="free", autotune=("none", "cpu", "gpu"),
-                             autotune_cuda=("gpu",))
-    # batches kept ready ahead of the one in use
-    depth: int = key(2, resume="free", at_least=1, autotune=(2, 4))
+                             autotune_cuda=("gpu",),
+                             doc="how the next batches are staged: none (plain iteration), cpu (a "
+                                 "background thread keeps prefetch.depth batches ready) or gpu (a "
+                                 "CUDA side stream copies them while the model runs)")
+    depth: int = key(2, resume="free", at_least=1, autotune=(2, 4),
+                     doc="batches kept ready ahead of the one in use")
 
     def __post_init__(self) -> None:
         check_declared(self, "prefetch")
@@ -822,7 +998,8 @@ class AmpConfig:
     """``amp=``: autocast dtype on the run's device (GradScaler for fp16 training)."""
 
     name: AmpName = key(MISSING, resume="applied", shapes_outputs=True,
-                        autotune=("off", "bf16", "fp16"), autotune_cuda=("fp16",))
+                        autotune=("off", "bf16", "fp16"), autotune_cuda=("fp16",),
+                        doc="autocast dtype: off, fp16 (with a GradScaler when training) or bf16")
 
 
 @dataclass
@@ -830,46 +1007,85 @@ class CompileConfig:
     """``compile=``: how the model is compiled; compile time is reported apart."""
 
     name: CompileName = key(MISSING, resume="applied", shapes_outputs=True,
-                            autotune=("eager", "inductor"), autotune_cuda=("inductor",))
-    # every backend: run one batch through eager and compiled, fail the run if they differ
-    verify: bool = key(True, resume="free")
-    # task=infer: weights become constants (torchscript: torch.jit.freeze +
-    # optimize_for_inference; inductor: inductor's freezing)
-    freeze: bool = key(True, resume="free", shapes_outputs=True)
-    # inductor: torch.compile(mode=..., dynamic=...); dynamic unset lets torch decide
-    mode: CompileMode = key(CompileMode.default, resume="free", shapes_outputs=True)
-    dynamic: bool | None = key(None, resume="free")
-    # tensorrt: the file the engine is cached in (always built through torch.export /
-    # dynamo): exported_program (.pt2) or torchscript (.ts); engines are cached under
-    # dataset.cache_dir/tensorrt, keyed by weights, shapes, precision and versions
-    engine_format: EngineFormat = key(EngineFormat.exported_program, resume="free")
+                            autotune=("eager", "inductor"), autotune_cuda=("inductor",),
+                            doc="how the model runs: eager, torchscript, inductor "
+                                "(torch.compile), tensorrt, or onnxruntime (the exported ONNX "
+                                "graph, task=infer)")
+    verify: bool = key(True, resume="free",
+                       doc="every backend: run one batch through eager and compiled, fail the run "
+                           "if they differ")
+    freeze: bool = key(True, resume="free", shapes_outputs=True,
+                       doc="task=infer: weights become constants (torchscript: torch.jit.freeze + "
+                           "optimize_for_inference; inductor: inductor's freezing)")
+    mode: CompileMode = key(CompileMode.default, resume="free", shapes_outputs=True,
+                            doc="inductor: torch.compile's mode= (default, reduce-overhead, "
+                                "max-autotune)")
+    dynamic: bool | None = key(None, resume="free",
+                               doc="inductor: torch.compile's dynamic= (unset lets torch decide)")
+    engine_format: EngineFormat = key(EngineFormat.exported_program, resume="free",
+                                      doc="tensorrt: the file the engine is cached in (always "
+                                          "built through torch.export / dynamo): exported_program "
+                                          "(.pt2) or torchscript (.ts); engines are cached under "
+                                          "dataset.cache_dir/tensorrt, keyed by weights, shapes, "
+                                          "precision and versions")
 
 
 @dataclass
 class RunConfig:
     """``run.*``: how long the loop runs and how it reports."""
 
-    epochs: int = key(1, resume="schedule", at_least=1)
-    # when set, run exactly this many steps (cycling epochs)
-    steps: int | None = key(None, resume="schedule", at_least=1, note=" or null")
-    warmup_steps: int = key(5, resume="free", at_least=0)  # excluded from every figure
-    # the timed steps are split into this many consecutive windows: images_per_sec and
-    # ms_per_step are their median, with the spread beside it
-    repeats: int = key(3, resume="free", at_least=1)
-    log_every: int = key(10, resume="free", at_least=1, option=False)
-    progress: bool = key(True, resume="free", option=False)
-    # each timed window should last at least this many seconds: a data-only run
-    # (model=none) with no run.epochs or run.steps on the command line is lengthened until
-    # they do; other runs say so in their flags
-    window_seconds: float = key(1.0, resume="free", at_least=0, note=" (0: windows by steps alone)")
-    # the figure of metrics.json the job returns to a Hydra sweeper (an optimizer
-    # maximizes or minimizes it); failed and skipped runs return NaN
-    objective: str = key("images_per_sec", resume="free", option=False)
-    # timeline.png/json: every process's stages over a few steps after warm-up
-    timeline: bool = key(True, resume="free")
+    epochs: int = key(1, resume="schedule", at_least=1, doc="passes over the dataset")
+    steps: int | None = key(None, resume="schedule", at_least=1, note=" or null",
+                            doc="when set, run exactly this many steps (cycling epochs)")
+    warmup_steps: int = key(5, resume="free", at_least=0, doc="excluded from every figure")
+    repeats: int = key(3, resume="free", at_least=1,
+                       doc="the timed steps are split into this many consecutive windows: "
+                           "images_per_sec and ms_per_step are their median, with the spread "
+                           "beside it")
+    log_every: int = key(10, resume="free", at_least=1, option=False,
+                         doc="a log line every this many steps")
+    progress: bool = key(True, resume="free", option=False, doc="a progress bar on a terminal")
+    window_seconds: float = key(1.0, resume="free", at_least=0, note=" (0: windows by steps alone)",
+                                doc="each timed window should last at least this many seconds: a "
+                                    "data-only run (model=none) with no run.epochs or run.steps on "
+                                    "the command line is lengthened until they do; other runs say "
+                                    "so in their flags")
+    objective: str = key("images_per_sec", resume="free", option=False,
+                         doc="the figure of metrics.json the job returns to a Hydra sweeper (an "
+                             "optimizer maximizes or minimizes it); failed and skipped runs return "
+                             "NaN")
+    timeline: bool = key(True, resume="free",
+                         doc="timeline.png/json: every process's stages over a few steps after "
+                             "warm-up")
 
     def __post_init__(self) -> None:
         check_declared(self, "run")
+
+
+@dataclass
+class ProfileConfig:
+    """``profile.*``: a torch.profiler window (runner/measure/profile.py): trace.json and
+    its key_averages table in the run folder."""
+
+    enabled: bool = key(False, resume="free",
+                        doc="record a torch.profiler window: trace.json and profile_table.txt in "
+                            "the run folder")
+    skip_first: int = key(0, resume="free", at_least=0,
+                          doc="the schedule (torch.profiler.schedule): steps skipped once, then "
+                              "per cycle idle, warming up (recorded, thrown away) and recorded; "
+                              "repeat cycles (0: until the end)")
+    wait: int = key(2, resume="free", at_least=0, doc="steps idle in each cycle")
+    warmup: int = key(2, resume="free", at_least=0,
+                      doc="steps warming up in each cycle (recorded, thrown away)")
+    active: int = key(5, resume="free", at_least=1, doc="steps recorded in each cycle")
+    repeat: int = key(1, resume="free", at_least=0, note=" (0: cycles until the run ends)",
+                      doc="cycles of wait, warmup and active steps")
+    record_shapes: bool = key(False, resume="free", doc="each op's input shapes (its table too)")
+    profile_memory: bool = key(False, resume="free", doc="memory each op allocates and frees")
+    with_stack: bool = key(False, resume="free", doc="the Python stack of each op (costly)")
+
+    def __post_init__(self) -> None:
+        check_declared(self, "profile")
 
 
 @dataclass
@@ -881,24 +1097,30 @@ class Config:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     logger: LoggerConfig = MISSING
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: DatasetConfig = field(default_factory=lambda: schema_dataset())
     run: RunConfig = field(default_factory=RunConfig)
-    # auto: cuda when there is one (made concrete before the run: the run's config names it)
-    device: Device = key(Device.auto, resume="applied")
-    seed: int = key(0, resume="must_match")
-    # after the run, time each stage alone for a short burst and name the bottleneck
-    diagnose: bool = key(True, resume="free")
-    # record a short torch.profiler window (trace.json in the run folder)
-    profile: bool = key(False, resume="free")
-    # CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner picking the fastest kernels
-    # for each input shape on its first use (warmed before timing, every batch size)
-    cudnn_benchmark: bool = key(True, resume="free")
-    # task=infer: several models over each batch in one pass: names (models=[resnet18,
-    # resnet50]) or mappings with the keys of model. (models=[{name:resnet18,weights:a.pt},
-    # ...]); what an entry leaves out is model='s. Empty: just model=
-    models: list[Any] = key(factory=list, resume="free")
-    # task=train: continue from this checkpoint.pt (model, optimizer, scaler, epoch)
-    resume: str | None = key(None, resume="free")
+    device: Device = key(Device.auto, resume="applied",
+                         doc="auto: cuda when there is one (made concrete before the run: the "
+                             "run's config names it)")
+    seed: int = key(0, resume="must_match",
+                    doc="seeds the data order, augmentation and the model's initial weights")
+    diagnose: bool = key(True, resume="free",
+                         doc="after the run, time each stage alone for a short burst and name the "
+                             "bottleneck")
+    # a torch.profiler window (profile.enabled=true: trace.json and profile_table.txt)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    cudnn_benchmark: bool = key(True, resume="free",
+                                doc="CUDA: torch.backends.cudnn.benchmark, cuDNN's autotuner "
+                                    "picking the fastest kernels for each input shape on its first "
+                                    "use (warmed before timing, every batch size)")
+    models: list[Any] = key(factory=list, resume="free",
+                            doc="task=infer: several models over each batch in one pass: names "
+                                "(models=[resnet18, resnet50]) or mappings with the keys of model. "
+                                "(models=[{name:resnet18,weights:a.pt}, ...]); what an entry "
+                                "leaves out is model='s. Empty: just model=")
+    resume: str | None = key(None, resume="free",
+                             doc="task=train: continue from this checkpoint.pt (model, optimizer, "
+                                 "scaler, epoch)")
 
 
 def config_dir() -> Path:

@@ -24,6 +24,20 @@ one-off preparation (pool.py); path.py assembles the stages. A stage imports onl
 before it (tests/test_layout.py); nothing here imports the loop, the task or the run.
 """
 
-from runner.data.path import DataPath, build_data_path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.data.path import DataPath, build_data_path
 
 __all__ = ["DataPath", "build_data_path"]
+
+
+def __getattr__(name: str):
+    """``from runner.data import build_data_path``: path.py (and torch) on first use, so that
+    a stage that needs no torch (sources/url.py, listing.py) is imported without it: the
+    command line's cheap checks (runner/job/precheck.py) answer before torch is loaded."""
+    if name in __all__:
+        from runner.data import path
+
+        return getattr(path, name)
+    raise AttributeError(f"module 'runner.data' has no attribute {name!r}")

@@ -16,6 +16,16 @@ the world size with repeats. A repeat of image ``i`` is written ``-1 - i``
 (``pad``); storages turn it into a row with ``valid=False`` (``unpad``, ``split_padding``),
 which counts in no figure, loss or prediction (``count_images``). This file is the one
 place that rule is written.
+
+Aspect-ratio groups (``loader.group_aspect``, torchvision's detection references'
+``GroupedBatchSampler``, ultralytics' ``rect``): each item has a bin of its source image's
+aspect ratio (``aspect_bins``: torchvision's ``create_aspect_ratio_groups`` quantization,
+``2 ** linspace(-1, 1, 2k + 1)``); the epoch's permutation is split by bin, keeping its
+order, and cut into global batches of one bin; those are read in a seeded order, then
+(unless ``drop_last``) each bin's rest as a short global batch of its own, padded to the
+world size with its own images marked as padding. Every batch holds one bin, every image
+is read once per epoch, the order is a function of (seed, epoch) and the steps per epoch
+of the bins' counts alone; a rank takes every ``world``-th image of each global batch.
 """
 
 from __future__ import annotations
@@ -70,6 +80,19 @@ def sorted_rows(rows: torch.Tensor) -> torch.Tensor:
                                                axis=1))
 
 
+ASPECT_GROUPS = 3  # torchvision's references' --aspect-ratio-group-factor default
+
+
+def aspect_bins(sizes: list[tuple[int, int]], k: int = ASPECT_GROUPS) -> torch.Tensor:
+    """Each (height, width)'s aspect-ratio bin (int64): ``w / h`` placed among the edges
+    ``2 ** linspace(-1, 1, 2k + 1)`` (torchvision's references' ``_quantize``: bin 0 below
+    1:2, ``2k + 1`` at 2:1 and wider); an unknown size (0) goes to the square's bin."""
+    edges = np.sort(2 ** np.linspace(-1, 1, 2 * k + 1))
+    hw = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
+    ratio = np.where((hw[:, 0] > 0) & (hw[:, 1] > 0), hw[:, 1] / np.maximum(hw[:, 0], 1), 1.0)
+    return torch.from_numpy(np.searchsorted(edges, ratio, side="right").astype(np.int64))
+
+
 def epoch_seed(seed: int, epoch: int) -> int:
     """The seed of one epoch's permutation (and crops): distinct per (seed, epoch)."""
     return (seed * 1_000_003 + epoch) * 10_000_019 % (2**62)
@@ -103,6 +126,8 @@ class BatchOrder:
             that numbers its items otherwise than its shards hold them); None: item ``p``.
         lanes: with ``groups``, deal each epoch's groups to this many lanes (``lanes``: one
             per node of a multi-node run, ``loader.lanes``).
+        bins: each item's aspect-ratio bin (``aspect_bins``): batches of one bin
+            (``loader.group_aspect``; see the module's docstring); None: any mix.
 
     Lanes (``loader=shards`` on several nodes): each epoch's permutation of groups is cut
     into ``lanes`` runs of whole groups, each read in blocks as above; global step ``s``
@@ -118,7 +143,8 @@ class BatchOrder:
     def __init__(self, size: int, batch_size: int, *, shuffle: bool, drop_last: bool,
                  seed: int, block: int = 1, rank: int = 0, world: int = 1,
                  crop_seeds: bool = False, groups: list[int] | None = None,
-                 group_block: int = 1, lanes: int = 1, members: torch.Tensor | None = None):
+                 group_block: int = 1, lanes: int = 1, members: torch.Tensor | None = None,
+                 bins: torch.Tensor | None = None):
         self.size, self.batch_size = size, batch_size
         self.shuffle, self.drop_last, self.block = shuffle, drop_last, block
         self.rank, self.world = rank, world
@@ -131,6 +157,9 @@ class BatchOrder:
         if self.lanes > 1 and (batch_size * world) % self.lanes:
             raise ValueError(f"a global batch of {batch_size * world} cannot be shared by "
                              f"{self.lanes} lanes")
+        if bins is not None and (groups is not None or len(bins) != size):
+            raise ValueError("aspect-ratio bins need one bin per item and no groups")
+        self.bins = bins
         self.epoch = -1  # the epoch whose batches are being handed out
         self.last_epoch: int | None = None  # the run's last (None: not known), to fetch ahead
         self._next: int | None = None  # set_epoch's choice for the next iteration
@@ -163,6 +192,11 @@ class BatchOrder:
     def __len__(self) -> int:
         if self.lanes > 1:
             return self._lane_steps()
+        if self.bins is not None:  # whole global batches of each bin, then each bin's rest
+            counts = torch.bincount(self.bins).tolist()
+            whole = self.batch_size * self.world
+            return sum(n // whole + (0 if self.drop_last or n % whole == 0 else 1)
+                       for n in counts)
         if self.drop_last:  # whole global batches: the same count on every rank
             return self.size // (self.batch_size * self.world)
         return -(-self.per_rank // self.batch_size)
@@ -262,6 +296,30 @@ class BatchOrder:
         order = (starts[:, None] * self.block + torch.arange(self.block)).flatten()
         return order[order < self.size]
 
+    def _grouped_rows(self, epoch: int) -> list[torch.Tensor]:
+        """This rank's batches of ``epoch`` with aspect-ratio bins: the epoch's
+        permutation split by bin (its order kept), cut into global batches of one bin read
+        in a seeded order, then each bin's rest (unless ``drop_last``), padded to a
+        multiple of the world size with its own images as padding; a rank's batch is
+        every ``world``-th image of its global batch from ``rank`` on."""
+        order = self.epoch_order(epoch)
+        whole = self.batch_size * self.world
+        binned = self.bins[order]
+        chunks, rests = [], []
+        for b in torch.unique(binned).tolist():
+            items = order[binned == b]  # in the permutation's order
+            full = len(items) // whole * whole
+            chunks += list(items[:full].view(-1, whole))
+            if full < len(items) and not self.drop_last:
+                rest = items[full:]
+                fill = (-len(rest)) % self.world
+                rests.append(torch.cat([rest, pad(rest[torch.arange(fill) % len(rest)])]))
+        if self.shuffle and chunks:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch) ^ 0xA5EC)
+            chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=generator)]
+        rows = [chunk[self.rank :: self.world] for chunk in chunks + rests]
+        return [sorted_rows(r[None])[0] for r in rows] if self.shuffle else rows
+
     def begin_epoch(self) -> int:
         """Move to the next epoch (``set_epoch``'s, else the one after the last); returns
         how many of its batches were already done (a resume)."""
@@ -275,6 +333,9 @@ class BatchOrder:
         if self.lanes > 1:
             rows = self._lane_rows(self.epoch)
             yield from (sorted_rows(rows) if self.shuffle else rows)[skip:]
+            return
+        if self.bins is not None:
+            yield from self._grouped_rows(self.epoch)[skip:]
             return
         order = self.epoch_order(self.epoch)
         if self.world > 1:

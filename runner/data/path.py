@@ -50,6 +50,7 @@ from runner.data.storage.ram import memory_available
 from runner.data.targets import TARGETS, carried
 from runner.data.threads import RowPool
 from runner.launch.distributed import Ranks, barrier
+from runner.measure import storage_tier
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,11 @@ def open_storage(config: Config, ranks: Ranks, progress: bool) -> Storage:
     path = None  # the user's own Dataset (dataset.target) reads no dataset.path
     if STORAGES[config.loader.name].reads_path:
         path = resolve_dataset(config.dataset, progress=progress and ranks.local_main)
-    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main)
+    needed = None  # the items run.steps reads: the bound of a count by reading
+    if config.run.steps is not None:
+        needed = config.run.steps * config.loader.batch_size * ranks.world
+    storage = build_storage(config.loader, config.dataset, path, progress and ranks.local_main,
+                            needed)
     if ranks.local_main:
         barrier(ranks)
     return storage
@@ -142,8 +147,10 @@ class DataPath:
 
     @property
     def finishes_on_device(self) -> bool:
-        """Whether ``finish`` has work on the device: a crop, ``task.augment`` or both."""
-        return self.augment is not None or self.train_augment is not None
+        """Whether ``finish`` has work on the device: a crop, ``task.augment`` (its device
+        half) or both."""
+        return self.augment is not None or (self.train_augment is not None
+                                            and self.train_augment.on_device)
 
     def __len__(self) -> int:  # batches one iteration reads
         return self.stream.epochs * self.steps_per_epoch
@@ -170,7 +177,7 @@ class DataPath:
             if kind is not None and kind.follow is not None:
                 draws = crop_targets(self.augment, batch, draws, kind.follow)
             batch["image"] = self.augment(batch["image"], draws, rows=self.rows)
-        if self.train_augment is not None:  # task.augment: after the crop, per image
+        if self.train_augment is not None and self.train_augment.on_device:  # after the crop
             self.train_augment(batch)
         return batch
 
@@ -206,6 +213,9 @@ class DataPath:
         remote = getattr(self.storage, "figures", None)  # data read from a URL: its fetches
         if callable(remote):
             out.update(remote())
+        # what its bytes are read from (a store built in the cache lives where the cache does)
+        files = self.storage.files
+        out["storage_tier"] = storage_tier.tier(str(files[0] if files else self.storage.root))
         return out
 
     def close(self) -> None:
@@ -300,13 +310,19 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
         page_cache = ColdPageCache(storage.files, storage.reopen)
     pin = pin_memory(config.loader, device)
     loader_cfg = config.loader
-    if drops_remainder(config, ranks.world, every_image) and not loader_cfg.drop_last:
-        loader_cfg = dataclasses.replace(loader_cfg, drop_last=True)
-        if ranks.main:
+    drops = drops_remainder(config, ranks.world, every_image, len(storage))
+    if drops != loader_cfg.drop_last:  # unset, or several ranks: what this run does
+        loader_cfg = dataclasses.replace(loader_cfg, drop_last=drops)
+        left = len(storage) % (loader_cfg.batch_size * ranks.world)
+        if drops and ranks.main and ranks.world > 1:
             log.info("training on %d ranks: each epoch drops its last %d image(s) after the "
-                     "last whole global batch of %d", ranks.world,
-                     len(storage) % (loader_cfg.batch_size * ranks.world),
+                     "last whole global batch of %d", ranks.world, left,
                      loader_cfg.batch_size * ranks.world)
+        elif drops and ranks.main and left:
+            log.info("training keeps its batches whole: each epoch leaves out its last %d "
+                     "image(s) after the last whole batch of %d (other images each epoch "
+                     "when shuffled; a batch of one fails BatchNorm); loader.drop_last=false "
+                     "trains on them", left, loader_cfg.batch_size)
     streams = getattr(storage, "streams", False)  # an IterableDataset: read in its order
     if streams and loader_cfg.shuffle:
         loader_cfg = dataclasses.replace(loader_cfg, shuffle=False)
@@ -347,14 +363,34 @@ def build_data_path(config: Config, device: torch.device, ranks: Ranks | None = 
             f"the copy, but loader={config.loader.name.value} crops its decoded images on the "
             "device after it (dataset.crop=random, or a store larger than dataset.image_size): "
             "use loader.host_dtype=uint8, or a storage that decodes every epoch")
-    batches = build_prefetcher(config.prefetch, Converted(stream, convert) if convert else
-                               stream, device)
+    train_augment = train_augment_for(config, ranks, start_step, cropped=augment is not None)
+    host_side = stream
+    if train_augment is not None and train_augment.on_host:  # task.augment.on=cpu|both
+        from runner.data.device.augment import HostAugmented
+
+        host_side = HostAugmented(stream, train_augment, pin)
+    batches = build_prefetcher(config.prefetch, Converted(host_side, convert) if convert else
+                               host_side, device)
     data = DataPath(storage, kind=kind, stream=stream, batches=batches, device=device, pin=pin,
                     augment=augment, page_cache=page_cache, convert=convert)
-    if config.task.name.trains and config.task.augment.active:
-        from runner.data.device.augment import TrainAugment
-
-        data.train_augment = TrainAugment(config.task.augment, config.seed, ranks.rank,
-                                          start_step)
-        log.info("task.augment: %s", data.train_augment.describe(device))
+    data.train_augment = train_augment
+    if train_augment is not None:
+        log.info("task.augment: %s", train_augment.describe(device))
     return data
+
+
+def train_augment_for(config: Config, ranks: Ranks, start_step: int, cropped: bool):
+    """``task.augment`` of a training run (None: none asked); ``cropped``: the storage crops
+    on the device, after the copy, so no part of it may run on the host before."""
+    if not (config.task.name.trains and config.task.augment.active):
+        return None
+    from runner.data.device.augment import TrainAugment
+
+    augment = TrainAugment(config.task.augment, config.seed, ranks.rank, start_step)
+    if augment.on_host and cropped:
+        raise ConfigError(
+            f"task.augment.on={config.task.augment.on.value} augments host batches before the "
+            f"copy, but loader={config.loader.name.value} crops its decoded images on the "
+            "device after it (dataset.crop=random, or a store larger than dataset.image_size):"
+            " use task.augment.on=device, or a storage that decodes every epoch")
+    return augment

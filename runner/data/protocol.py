@@ -201,6 +201,9 @@ class StorageKind:
             store, crop comparison or ``prepare`` applies to.
         boxes: it carries detection targets (``dataset.targets``): each image's boxes
             through its crops, padded in the batch.
+        counts_items: its length may come from reading it (an IterableDataset without
+            ``__len__``): ``open`` takes ``needed``, the items the run's steps read, as the
+            bound of that count.
         masks: it carries masks (``dataset.targets=masks``) through its crops.
     """
 
@@ -221,6 +224,7 @@ class StorageKind:
     urls: bool = False
     reads_path: bool = True
     boxes: bool = False
+    counts_items: bool = False
     masks: bool = False
 
     def carries(self, kind: TargetName) -> bool:

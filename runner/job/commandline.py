@@ -170,7 +170,8 @@ def help_text() -> str:
         for preset in presets:
             lines.append(f"  {preset:12s} {first_sentence(config_dir() / group / f'{preset}.yaml')}")
     lines += ["", "Every key of the config below can be overridden (loader.batch_size=128); "
-              "README.md explains each.", "", "== Flags ==", "$FLAGS_HELP", "",
+              "--help KEY (--help loader.num_workers, --help dataset) says what it does, "
+              "docs/config.md lists them all.", "", "== Flags ==", "$FLAGS_HELP", "",
               "== Config (with these overrides) ==", "$CONFIG"]
     return "\n".join(lines) + "\n"
 
@@ -216,6 +217,20 @@ def help_page(argv: list[str]) -> str | None:
             CONFIG=OmegaConf.to_yaml(cfg, resolve=args.resolve))
     except (Exception, SystemExit):  # Hydra's own --help says what went wrong
         return None
+
+
+def key_help(argv: list[str]) -> tuple[str, int] | None:
+    """``--help KEY`` or ``--help GROUP`` (a word after ``-h``/``--help`` that is no
+    override): the key's help and status 0, or one line naming the unknown word and status 2;
+    None for any other command line (Hydra's ``--help`` page)."""
+    for flag, word in zip(argv, argv[1:], strict=False):
+        if flag in ("-h", "--help") and not word.startswith("-") and "=" not in word:
+            from runner.config.keyhelp import help_for, unknown_word
+
+            page = help_for(word.lstrip("+~"))
+            return (page, 0) if page is not None else (f"error: {unknown_word(word)}",
+                                                        EXIT_USER_ERROR)
+    return None
 
 
 # Hydra's flags that take a value (``-sc install=bash``): that value is not an override
@@ -410,6 +425,12 @@ def bad_value_message(override: str, full_key: str, value: Any, reason: str) -> 
         example = f", e.g. {key}={_plain_value(default)}" if default else ""
         return f"{head} {key} takes a list{example}"
     kind = typing.get_args(hint)[0] if listed else hint
+    if dataclasses.is_dataclass(default):  # a group of keys given one value (profile=true;
+        names = list(kind.__dataclass_fields__)  # not a preset's group: loader=, amp=)
+        first = getattr(default, names[0])  # e.g. profile.enabled: the switch, turned
+        example = _plain_value(not first if isinstance(first, bool) else first)
+        return (f"{head} {key} is a group of keys ({', '.join(f'{key}.{k}' for k in names)})"
+                f": set one, e.g. {key}.{names[0]}={example}")
     if isinstance(kind, type) and issubclass(kind, Enum):
         choices = [m.value for m in kind]
         close = difflib.get_close_matches(str(value), choices, n=1)

@@ -34,9 +34,12 @@ from runner.job.commandline import (
     composition_message,
     register_configs,
 )
+from runner.job.precheck import check_before_torch
 
 # (runner.data.storage and runner.model.networks import torch: they are imported where a
 # config that composed is checked, so --help, a typo and a completion answer without it)
+
+log = logging.getLogger(__name__)
 
 
 def check_models(config: Config) -> None:
@@ -47,10 +50,42 @@ def check_models(config: Config) -> None:
         check_model(model)
 
 
+def settle_detector_crop(config: Config, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """A detector never gets the centre crop unless asked: with detection targets
+    ``dataset.crop`` defaults to the letterbox already (``DatasetConfig``); a detector
+    (``model=`` or one of ``models=[...]``) on images without labels (new photos to serve)
+    gets it here unless ``dataset.crop`` was named, and a centre crop named is said once."""
+    from runner.config.schema import Crop
+    from runner.data.targets import TARGETS
+    from runner.model.families import family_of_config
+
+    dataset = config.dataset
+    if dataset.targets.boxes or dataset.crop is not Crop.center:
+        return  # (a centre crop asked with targets: said by check_targets)
+    # the models whose kind of target is seen letterboxed (a detector's boxes: its record)
+    detectors = [m.label for m in model_configs(config)
+                 if TARGETS[family_of_config(m).target].eval_crop is Crop.letterbox]
+    if not detectors:
+        return
+    if any(o.lstrip("+").split("=", 1)[0] == "dataset.crop" for o in overrides):
+        log.warning("dataset.crop=center with the detector %s: the centre crop cuts away "
+                    "what lies near the sides (dataset.crop=letterbox, the detectors' "
+                    "default, keeps it)", ", ".join(detectors))
+        return
+    dataset.crop = Crop.letterbox
+
+
 def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Resolve and validate a composed config; raises ConfigError naming the bad key.
     ``overrides``: what it was composed from, where known (a task key given to a task that
     does not read it is refused even at its default value)."""
+    obj = validated(cfg, overrides)
+    settle(obj, overrides)
+    return obj
+
+
+def validated(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The schema's checks and the rules across groups, without torch."""
     try:
         obj = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -59,13 +94,19 @@ def to_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> C
         raise ConfigError(str(e)) from e
     assert isinstance(obj, Config)
     check_config(obj, overrides)  # the rules across groups (runner/config/rules.py)
+    return obj
+
+
+def settle(obj: Config, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """The checks and defaults that need torch: a detector's crop, the decoder, the models,
+    the machine."""
+    settle_detector_crop(obj, overrides)  # (its detector check imports torch)
     from runner.data.storage import settle_loader
 
     # decoder=auto and an unset draft made concrete, then checked; dataset.target: loader=user
     settle_loader(obj.loader, obj.dataset)
     check_models(obj)
     settle_machine(obj)
-    return obj
 
 
 def settle_machine(config: Config) -> None:
@@ -120,6 +161,29 @@ _PRINT_ONLY = {"-c", "--cfg", "--resolve", "-p", "--package"}
 MAX_JOBS_CHECKED = 64  # of a sweep's jobs, looking for one that can run
 
 
+def settled_page(argv: list[str]) -> str | None:
+    """``--cfg job`` (``-c job``) of one job: the config as it will run, with what
+    ``settle_loader`` and ``settle_machine`` decide for this machine made concrete
+    (``device``, ``loader.decoder``, ``loader.draft``, ``loader.pin_memory``,
+    ``loader.decode_threads``), not the presets' ``auto`` and unset values Hydra's page
+    shows; None for any other command line (Hydra's own page: ``--cfg hydra``, ``-p``, a
+    multirun, another config)."""
+    flags = [a for a in argv if a.startswith("-")]
+    shown = next((b for a, b in zip(argv, argv[1:], strict=False) if a in ("-c", "--cfg")),
+                 None)
+    if shown != "job" or set(flags) - {"-c", "--cfg", "--resolve"}:
+        return None
+    overrides, after_flag = [], False
+    for arg in argv:
+        if not arg.startswith("-") and not after_flag:
+            overrides.append(arg)
+        after_flag = arg in VALUE_FLAGS
+    config = compose(overrides)
+    return ("# the config as it will run on this machine (device, loader.decoder, draft, "
+            "pin_memory, decode_threads settled)\n"
+            + OmegaConf.to_yaml(OmegaConf.structured(config)))
+
+
 def runs_nothing(argv: list[str]) -> bool:
     """A flag after which Hydra runs no job (help, completion, --info): nothing to check,
     no run folder."""
@@ -171,7 +235,9 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     with open_dict(cfg):
         del cfg["hydra"]
     try:
-        config = to_config(cfg, overrides)
+        config = validated(cfg, overrides)
+        check_before_torch(config)  # a missing folder, model or weights file: without torch
+        settle(config, overrides)
         from runner.data.storage import check_dataset_found  # torch: once the config is good
 
         # a dataset folder that is not there, or holds no image: said before the run folder

@@ -13,12 +13,24 @@ cannot be slower than the pipeline it is part of, so a stage whose ceiling is be
 pipeline's own figure (beyond the noise) is never named the limit; when the two slowest
 candidates are within each other's spread, the verdict says so instead of picking one.
 
+The system's counters over the timed windows (runner/measure/counters.py) and the storage
+tier of what the run read (runner/measure/storage_tier.py) are the verdict's evidence, each
+said with its fix where it crosses its line (``evidence``): a data-bound run whose CPUs sat
+in iowait names the iowait, the MB/s read and the tier; more workers than cores that were
+preempted names the involuntary context switches; a store read through major page faults
+names them.
+
 The verdict takes at most a tenth of the run's own time (its loop), or ``MIN_BUDGET``
 seconds when that is more (``budget_for``): the data path's probes get ``DATA_SHARE`` of
 it (all of it with ``model=none``), their bursts shortened to fit, and the model the rest,
 a third of that kept for the second probe of a model disturbed while probed. A fixed cost
 remains (a warm-up call per stage, one step of the model before its bursts): a model whose
-step is longer than a quarter of the budget overruns it by those few steps. In a sweep the
+step is longer than a quarter of the budget overruns it by those few steps. So the budget
+is also a deadline (``Deadline``): past it, a stage's bursts stop after the one under way,
+a stage not started is not measured, and the model is timed by the steps already taken
+(at least one); the verdict then says it stopped early and what it left out, and the
+verdict overruns its budget by at most one call of a probe and one step of the model (a
+newcomer's run on a loaded machine spent 510 s in a verdict whose budget was 198). In a sweep the
 data path's ceilings are measured once (``shared_probes``): the first job that probes a
 data path keeps what it measured in the sweep folder, keyed by what determines it
 (``probe_key``: the loader and dataset settings, the device, the pinning, a cold page
@@ -64,6 +76,22 @@ PROBE_SECONDS = 0.12  # each burst's length (shorter where the verdict's budget 
 MIN_PROBE_SECONDS = 0.01  # ... but no shorter than this
 DATA_SHARE = 0.4  # of the verdict's budget, the data path's probes (the model's: the rest)
 MIN_NOISE = 0.1  # the smallest relative noise assumed for a figure (a 2-core shared machine)
+# the system's counters (runner/measure/counters.py) past which the verdict names them
+IOWAIT_HIGH = 0.05  # share of the machine's CPU time idle waiting for I/O
+PREEMPTED_PER_SEC = 1000  # involuntary context switches a second, with more workers than cores
+MAJOR_FAULTS_PER_SEC = 50  # page faults a second that read from the disk
+# what to try for each storage tier when the run waited on I/O
+TIER_FIX = {
+    "hdd": "copy the dataset to an SSD or NVMe, or use a packed store read in order "
+           "(loader=packed, loader=shards)",
+    "network": "copy the dataset to a local disk (or dataset.cache_dir on one), or read "
+               "shards (loader=shards) in large sequential requests",
+    "fuse": "read from the store the FUSE daemon fronts directly (a URL), or copy it locally",
+    "object store": "raise the read engine's requests in flight, or cache shards locally "
+                    "(dataset.cache_dir)",
+    "virtual": "a virtual disk's throughput is the host's quota: copy the dataset to local "
+               "NVMe or memory (/dev/shm) if the machine has them",
+}
 
 # what to try for the stages that are not the storage's (the storages' own advice is in
 # their registry records: runner.data.storage.advice)
@@ -106,11 +134,30 @@ class Verdict:
     spread: dict[str, dict[str, float]] | None = None  # each ceiling's min/q1/median/q3/max
     # several models in one pass: each model alone, images/s (median and spread of its bursts)
     models: dict[str, dict[str, Any]] | None = None
+    # what the verdict's deadline cut short (None: nothing)
+    stopped_early: list[str] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"bound": self.bound, "stage": self.stage, "sentence": self.sentence,
                 "ceilings": self.ceilings, "ceiling_spread": self.spread,
-                "storage": self.storage, "models": self.models}
+                "storage": self.storage, "models": self.models,
+                "stopped_early": self.stopped_early}
+
+
+class Deadline:
+    """The moment the verdict's budget ends, and what was cut short to keep it."""
+
+    def __init__(self, seconds: float, start: float | None = None):
+        self.start = time.perf_counter() if start is None else start
+        self.seconds = seconds
+        self.end = self.start + seconds
+        self.cut: list[str] = []  # what was left out or shortened, in words
+
+    def passed(self) -> bool:
+        return time.perf_counter() >= self.end
+
+    def left(self) -> float:
+        return max(self.end - time.perf_counter(), 0.0)
 
 
 @dataclass
@@ -126,12 +173,18 @@ class Ceilings:
 
 
 def probe(fn: Callable[[], int], sync: Callable[[], None] = lambda: None,
-          repeats: int = PROBE_REPEATS, seconds: float = PROBE_SECONDS) -> list[float]:
+          repeats: int = PROBE_REPEATS, seconds: float = PROBE_SECONDS,
+          deadline: Deadline | None = None, name: str = "a stage") -> list[float]:
     """images/s of ``fn`` in ``repeats`` bursts (after one warm-up call): a stalled call
-    moves one burst, not the median."""
+    moves one burst, not the median. Past ``deadline``, no burst starts after the first."""
     fn()
-    return [burst(fn, seconds=seconds, min_calls=1, sync=sync, warmup=0)
-            for _ in range(repeats)]
+    rates: list[float] = []
+    for _ in range(repeats):
+        if rates and deadline is not None and deadline.passed():
+            deadline.cut.append(f"{name} timed in {len(rates)} of {repeats} bursts")
+            break
+        rates.append(burst(fn, seconds=seconds, min_calls=1, sync=sync, warmup=0))
+    return rates
 
 
 def _parallelism(cfg: Config, storage: Storage) -> int:
@@ -177,14 +230,15 @@ def storage_read(files: list[str], image_bytes: int | None = None,
 
 def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool,
                   cold_read: dict[str, float] | None = None,
-                  budget: float | None = None) -> Ceilings:
+                  budget: float | None = None, deadline: Deadline | None = None) -> Ceilings:
     """images/s of each data stage alone for this run's storage and loader settings.
 
     The storage's own probes (read, decode, collate; or gather), each measured with the
     threads it has in the pipeline and scaled by the parallelism its loader gives it;
     ``cold_read`` (a ``storage_read`` of a run that read its files from the storage device)
     makes the device a stage too (``storage``). ``budget``: the seconds all the bursts may
-    take together (each burst ``PROBE_SECONDS`` or shorter; None: ``PROBE_SECONDS``).
+    take together (each burst ``PROBE_SECONDS`` or shorter; None: ``PROBE_SECONDS``);
+    past ``deadline`` a stage not started is left out (``Deadline.cut`` says which).
     """
     start = time.perf_counter()
     ceilings = Ceilings({}, {})
@@ -202,8 +256,15 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
             seconds = min(PROBE_SECONDS, max(MIN_PROBE_SECONDS,
                                              left / max(stages, 1) / (PROBE_REPEATS + 1)))
         for stage, fn in probes.items():
-            ceilings.add(stage, [scale * rate for rate in probe(fn, seconds=seconds)])
-    if device.type == "cuda":
+            if deadline is not None and deadline.passed():
+                deadline.cut.append(f"{stage} not measured")
+                continue
+            ceilings.add(stage, [scale * rate for rate in probe(fn, seconds=seconds,
+                                                                 deadline=deadline,
+                                                                 name=stage)])
+    if device.type == "cuda" and deadline is not None and deadline.passed():
+        deadline.cut.append("copy not measured")
+    elif device.type == "cuda":
         shape = (bs, 3, *cfg.dataset.image_size)
         # of the dtype the run's batches cross in (loader.host_dtype)
         host = as_batches_come(cfg, torch.randint(0, 256, shape, dtype=torch.uint8))
@@ -214,7 +275,7 @@ def data_ceilings(cfg: Config, storage: Storage, device: torch.device, pin: bool
             return bs
 
         ceilings.add("copy", probe(copy_batch, sync=lambda: synchronize(device),
-                                   seconds=seconds))
+                                   seconds=seconds, deadline=deadline, name="copy"))
     return ceilings
 
 
@@ -231,7 +292,7 @@ def probe_batch(cfg: Config, images: int) -> int:
 
 def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: int,
                   device: torch.device, budget: float = 5.0,
-                  images: int | None = None) -> list[float]:
+                  images: int | None = None, deadline: Deadline | None = None) -> list[float]:
     """images/s of the task's step (the run's compiled model or models) on a device-resident
     synthetic batch of the run's batch size, with the threads the loop's model had, in
     several bursts (the spread) that fit ``budget`` seconds together.
@@ -241,6 +302,7 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     is clamped: a probe slower than the model was inside the loop is reported as disturbed
     by the verdict, not replaced. In training it takes a few more optimizer steps on
     synthetic data, which nothing reads afterwards (the checkpoint was written before).
+    Past ``deadline``, no burst starts: the model's rate is the step already timed.
     """
     bs = probe_batch(cfg, images or cfg.loader.batch_size)
     h, w = cfg.dataset.image_size
@@ -268,8 +330,15 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     per_burst = max(step_seconds, MODEL_BURST_SECONDS)
     bursts = int(min(MODEL_BURSTS[1], max(MODEL_BURSTS[0], (budget - step_seconds) // per_burst)))
     seconds = max(0.0, min(MODEL_BURST_SECONDS, (budget - step_seconds) / bursts - step_seconds))
-    return [burst(one_step, seconds=seconds, min_calls=1, sync=lambda: synchronize(device),
-                  warmup=0) for _ in range(bursts)]
+    rates: list[float] = []
+    for _ in range(bursts):
+        if deadline is not None and deadline.passed():
+            deadline.cut.append(f"the model timed in {len(rates) or 1} of {bursts} bursts "
+                                f"(a step took {step_seconds:.1f} s)")
+            break
+        rates.append(burst(one_step, seconds=seconds, min_calls=1,
+                           sync=lambda: synchronize(device), warmup=0))
+    return rates or [bs / step_seconds]
 
 
 MIN_BUDGET = 2.0  # the verdict's seconds: a tenth of the run's, or this, whichever is more
@@ -375,6 +444,7 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
     about ``budget`` seconds; ``shared``: a sweep's data path ceilings (read, and written
     when this job measures them). ``timings`` gets how long each part took."""
     start = time.perf_counter()
+    deadline = Deadline(budget, start)
     timings = {} if timings is None else timings
     storage = data.storage
     cold = data.page_cache is not None and data.page_cache.state == "cold"
@@ -389,7 +459,8 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         read = storage_read(storage.files, storage.image_bytes, seconds=share / 4)
         ceilings = data_ceilings(cfg, storage, data.device, data.pin_memory,
                                  read if cold else None,
-                                 budget=share - (time.perf_counter() - start))
+                                 budget=share - (time.perf_counter() - start),
+                                 deadline=deadline)
         timings["data_probes"] = "measured"
         if path is not None:
             try:
@@ -415,10 +486,13 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         # disturbed (below the pipeline)
         pass_end = time.perf_counter() + share
         step = make_step(cfg.task, local, step_amp(cfg), data.device, 64)
-        rates = model_ceiling(step, cfg, classes, data.device, share * 2 / 3, len(storage))
-        if _below_pipeline(rates, figures, world):  # disturbed while probed: once more
+        rates = model_ceiling(step, cfg, classes, data.device, share * 2 / 3, len(storage),
+                              deadline)
+        if _below_pipeline(rates, figures, world) and not deadline.passed():  # disturbed
+            # while probed: once more
             again = model_ceiling(step, cfg, classes, data.device,
-                                  max(pass_end - time.perf_counter(), 0.1), len(storage))
+                                  max(pass_end - time.perf_counter(), 0.1), len(storage),
+                                  deadline)
             log.info("the model's probe came out below the pipeline (%.0f img/s); "
                      "probed again: %.0f img/s", quantiles(rates)["median"],
                      quantiles(again)["median"])
@@ -427,9 +501,13 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         if len(local) > 1:
             alone = {}
             for name, module in local.items():
+                if deadline.passed():
+                    deadline.cut.append(f"{name} alone not measured")
+                    continue
                 one = make_step(cfg.task, {name: module}, step_amp(cfg), data.device, 64)
                 q = quantiles(model_ceiling(one, cfg, classes, data.device,
-                                            max(share / len(local), 0.1), len(storage)))
+                                            max(share / len(local), 0.1), len(storage),
+                                            deadline))
                 alone[name] = {"images_per_sec": q["median"], "spread": q}
         timings["probe_seconds"]["model"] = time.perf_counter() - data_done
     flag = far_below(figures, ceilings, world)
@@ -440,11 +518,18 @@ def measure(cfg: Config, figures: dict[str, Any], data: DataPath, models: dict,
         figures = {**figures, "images_per_sec": figures["images_per_sec"] / world}
     result = verdict(cfg, figures, ceilings, world, data.device.type == "cpu",
                      decoders=_parallelism(cfg, storage) if storage.decodes_per_epoch else 0)
-    result.storage = read
+    result.storage = read if "storage_tier" not in figures else \
+        {**(read or {}), "tier": figures["storage_tier"].get("tier")}
     result.models = alone
     if alone:  # which model holds the pass back
         each = ", ".join(f"{name} {m['images_per_sec']:,.0f}" for name, m in alone.items())
         result.sentence += f" Each model alone (img/s): {each}."
+    if deadline.cut:  # the budget kept: what it cost, said where the verdict is read
+        result.stopped_early = list(deadline.cut)
+        result.sentence += (f" The verdict stopped early at its bound of "
+                            f"{deadline.seconds:.0f} s (a tenth of the run's time, at least "
+                            f"{MIN_BUDGET:.0f} s): {'; '.join(deadline.cut)}; its figures are "
+                            "the fewer for it (diagnose=false skips it).")
     return result
 
 
@@ -590,6 +675,37 @@ def word(cfg: Config, r: Reading, world: int = 1, decoders: int = 0) -> str:
     return f"model-bound: {figures}{tail}{disturbed}; {waited}: {ADVICE['model']}"
 
 
+def evidence(cfg: Config, figures: dict[str, Any], bound: str | None) -> list[str]:
+    """What the system's counters say, each with its fix, where they cross their line:
+    iowait and the storage tier (data-bound), the context switches of more workers than
+    cores, the major page faults of a store read through them."""
+    found = []
+    tier = figures.get("storage_tier") or {}
+    iowait = figures.get("iowait_frac")
+    if bound == "data" and iowait is not None and iowait >= IOWAIT_HIGH:
+        where = tier.get("tier", "unknown")
+        found.append(
+            f"I/O bound: the CPUs sat in iowait {iowait:.0%} of the time while "
+            f"{figures.get('disk_read_mb_per_sec') or 0:,.1f} MB/s came off the disk; "
+            f"dataset.path is on {tier.get('what', 'unknown')} ({tier.get('device') or where}): "
+            + TIER_FIX.get(where, "warm the page cache (dataset.page_cache=warm) or use a "
+                                  "store decoded once (loader=memmap, loader=ram)"))
+    workers, preempted = cfg.loader.num_workers, figures.get("ctx_switches_involuntary_per_sec")
+    if workers > cores() and preempted is not None and preempted >= PREEMPTED_PER_SEC:
+        found.append(f"too many workers: {workers} loader workers on {cores()} cores were "
+                     f"preempted {preempted:,.0f} times a second (involuntary context "
+                     f"switches, {figures.get('ctx_switches_per_sec') or 0:,.0f} voluntary): "
+                     f"try loader.num_workers={cores()}")
+    faults = figures.get("page_faults_major_per_sec")
+    if bound == "data" and faults is not None and faults >= MAJOR_FAULTS_PER_SEC:
+        found.append(f"read through page faults: {faults:,.0f} major page faults a second "
+                     "(each a disk read of a page the cache did not hold): warm the page "
+                     "cache (dataset.page_cache=warm, enough memory for the store), read "
+                     "in order (a store's pages fault in sequence, read ahead), or use "
+                     "loader=ram")
+    return found
+
+
 def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str, float],
             world: int = 1, cpu: bool = False, decoders: int = 0) -> Verdict:
     """Name the stage that limits this run, from its figures and the stage ceilings.
@@ -603,6 +719,9 @@ def verdict(cfg: Config, figures: dict[str, Any], ceilings: Ceilings | dict[str,
             ("min", "q1", "median", "q3", "max"), v) for k, v in ceilings.items()})
     reading = classify(figures, ceilings, cpu, decoders)
     sentence = word(cfg, reading, world, decoders)
+    if reading.disturbed is None:
+        sentence = " ".join([sentence, *(f"{e[0].upper()}{e[1:]}." for e in
+                                          evidence(cfg, figures, reading.bound))])
     if reading.disturbed is not None:  # "no verdict": neither field may name one
         return Verdict(None, None, sentence, ceilings.median, spread=ceilings.spread)
     return Verdict(reading.bound, reading.stage, sentence, ceilings.median,

@@ -186,7 +186,7 @@ class WandbLogger:
                                             metadata={"steps": figures.get("steps")})
             artifact.add_file(saved, name=Path(saved).name)
             self.run.log_artifact(artifact, aliases=["latest", figures.get("status", "ok")])
-        self.run.summary.update(summary_of(figures))
+        self.run.summary.update(scrubbed(summary_of(figures)))
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status != "failed" else 1)
@@ -284,6 +284,26 @@ def _sweep_arguments(sweep_dir: Path) -> list[str] | None:
     return None
 
 
+def why_not_started(error: Exception, environ: Mapping[str, str]) -> str:
+    """A logger's failure to start, in one line: a setting wandb refused (pydantic's
+    several lines: ``WANDB_MODE=garbage``) named by where it came from, the environment
+    variable or the ``logger.*`` key, with the values it takes."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        text = str(error).strip()
+        return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    try:
+        first = errors()[0]
+    except Exception:
+        return type(error).__name__
+    setting = ".".join(map(str, first.get("loc", ()))) or "a setting"
+    key, var = next(((k, v) for k, (name, v) in SETTINGS.items() if name == setting),
+                    (setting, None))
+    where = var if var and environ.get(var) else f"logger.{key}"
+    msg = str(first.get("msg", "invalid")).replace("Input should be", "use")
+    return f"{where}={first.get('input')!r} is refused by wandb: {msg}"
+
+
 LOGGERS: Registry[type] = Registry(LoggerName, "logger={}", (WandbLogger, NoLogger))
 
 
@@ -294,7 +314,7 @@ def build_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name:
     try:
         inner = LOGGERS[cfg.name](cfg, run_dir, config, name, group, run_id)
     except Exception as e:
-        log.warning("logger=%s could not start (%s: %s); the run goes on, its figures are in "
-                    "metrics.json", cfg.name.value, type(e).__name__, e)
+        log.warning("logger=%s could not start (%s); the run goes on, its figures are in "
+                    "metrics.json", cfg.name.value, why_not_started(e, os.environ))
         inner = NullLogger()
     return GuardedLogger(inner, cfg.name.value)

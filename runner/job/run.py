@@ -47,7 +47,7 @@ from runner.measure import profile, timeline
 from runner.measure.clock import StepClock
 from runner.measure.metrics import MetricLogger, NullLogger
 from runner.model.amp import check_amp
-from runner.tasks import RunContext, Task, results, task_for
+from runner.tasks import RunContext, Task, checkpoint, results, task_for
 from runner.tasks.infer import outputs
 from runner.tasks.infer.predictions import merge_rank_files
 from runner.tasks.loop import LoopOptions, LoopResult, run_loop
@@ -87,6 +87,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         stack.enter_context(signals.installed())
         try:
             config = to_config(cfg)  # every check runs here, before any work
+            # task=infer of a runner checkpoint: at the inputs it was trained on
+            checkpoint.serve_as_trained(config, list(hydra_cfg.overrides.task))
             metrics["config"] = to_plain(config)
             job = Job(config, run_dir, hydra_cfg, ranks, signals, on_progress=lambda fig: (
                 ranks.main and outcome.save_metrics(run_dir / "metrics.json",
@@ -169,7 +171,8 @@ class Job:
                  results.describe(cfg), data.storage.root, plural(len(data.storage), "image"),
                  plural(len(data.classes), "class"), plural(total_steps, "step"), warmup,
                  device, f" x {ranks.world} ranks" if ranks.enabled else "")
-        profiler = profile.build_profiler(self.run_dir, device) if cfg.profile and ranks.main else None
+        profiler = profile.build_profiler(self.run_dir, device, total_steps, **to_plain(
+            cfg.profile)) if cfg.profile.enabled and ranks.main else None
         ctx.clock = clock = StepClock(device)
         data.exclude_from_timing(clock.paused)
         on_step = task.on_step()
@@ -187,6 +190,8 @@ class Job:
         # complete: every step of the plan ran (a signal after the last one changes nothing)
         complete = result.steps >= total_steps
         figures = self._figures(result, complete, profiler is not None)
+        if clock.gpu_note:
+            figures["gpu_counters_note"] = clock.gpu_note
         if result.interrupted is None and self.signals and self.signals.received:
             result.interrupted = Interrupted(self.signals.received)  # after the last step
         if task.resumed is not None:  # this run's own figures, and where it started

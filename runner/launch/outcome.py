@@ -308,7 +308,11 @@ def log_traceback(text: str) -> None:
 
 def save_metrics(path: Path, metrics: dict[str, Any]) -> None:
     """Write metrics.json whole; when the disk refuses, print it instead: a finished run's
-    figures are never lost to a full disk."""
+    figures are never lost to a full disk. No string of it holds a URL's credentials (a
+    manifest's row in ``skipped_files``: runner/config/credentials.py)."""
+    from runner.config.credentials import scrubbed_strings
+
+    metrics = scrubbed_strings(metrics)
     try:
         write_json(path, metrics)
     except OSError as e:

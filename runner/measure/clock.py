@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from runner.measure import counters as system
+from runner.measure import timeline
+
 STAGES = ("data_wait", "copy", "augment", "compute")  # augment: the device-side stage
 MAX_PENDING_EVENTS = 256  # recorded CUDA event pairs kept before completed ones are folded
 
@@ -110,19 +113,29 @@ SHARED_SAMPLE_SECONDS = 0.05
 class SharedCores:
     """How many cores other processes used while a window was timed: the machine's busy
     CPU time (/proc/stat) less this process's and its workers' own, over the window's wall
-    time. A virtual machine's steal time (the host running other guests on these cores)
+    time; and, at the same moments, the system's counters (runner/measure/counters.py:
+    iowait, context switches, page faults, bytes read, per process). A virtual machine's steal time (the host running other guests on these cores)
     counts as busy too: it slows the run the same way. A figure measured while another job
     ran on the same cores is not this configuration's figure (runner/tasks/results.py flags it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: Any = None) -> None:
+        self.gpu = gpu  # counters.Nvml on CUDA where NVML is installed
         self.start = self._sample()
+        self.counted = self._counters()
 
-    @staticmethod
-    def _sample() -> tuple[float, float | None, float]:
+    def _sample(self) -> tuple[float, float | None, float]:
         return time.perf_counter(), _busy_seconds(), _own_seconds()
+
+    def _counters(self) -> system.Sample:
+        return system.sample(self.gpu)
 
     def restart(self) -> None:
         self.start = self._sample()
+        self.counted = self._counters()
+
+    def counts(self) -> system.Counts:
+        """The system's counters since the last (re)start."""
+        return system.delta(self.counted, self._counters())
 
     def age(self) -> float:
         """Wall seconds since the last (re)start."""
@@ -151,6 +164,8 @@ class Window:
     # holds the windows and gaps before it since the last sample); None: unknown here
     others_cpu: float | None = None
     others_span: float = 0.0
+    # the system's counters over that same span (runner/measure/counters.py)
+    counts: system.Counts = field(default_factory=system.Counts)
 
     def add(self, other: Window) -> None:
         self.steps += other.steps
@@ -161,6 +176,7 @@ class Window:
         if other.others_cpu is not None:
             self.others_cpu = (self.others_cpu or 0.0) + other.others_cpu
             self.others_span += other.others_span
+        self.counts.add(other.counts)
 
     def figures(self) -> dict[str, float | None]:
         """images/s, ms/step and each stage's share of the wall time."""
@@ -175,7 +191,7 @@ class Window:
             out[f"{stage}_ms"] = 1000.0 * total / self.steps
         if self.others_cpu is not None and self.others_span > 0:  # cores others used
             out["others_cores"] = max(0.0, self.others_cpu / self.others_span)
-        return out
+        return out | self.counts.figures()
 
 
 def repeat_split(timed_steps: int, repeats: int) -> list[int]:
@@ -207,7 +223,9 @@ class StepClock:
         self._start = time.perf_counter()
         self._owner = threading.get_ident()  # the loop's thread
         self._paused = 0.0  # paused time not yet taken out of a data-wait measurement
-        self._shared = SharedCores()  # what other processes ran meanwhile
+        # what other processes ran meanwhile, and the system's counters
+        self.gpu, self.gpu_note = system.open_nvml(device)
+        self._shared = SharedCores(self.gpu)
 
     def _empty(self) -> Window:
         window = Window()
@@ -288,6 +306,9 @@ class StepClock:
         window.seconds = time.perf_counter() - self._start
         if self._shared.age() >= SHARED_SAMPLE_SECONDS:  # after the clock stopped
             window.others_cpu, window.others_span = self._shared.others(), self._shared.age()
+            window.counts = self._shared.counts()
+            timeline.record_counters(self._shared.start[0], window.counts.seconds
+                                     + self._shared.start[0], window.counts.figures())
         for stage, start, end in self._events:
             window.stages[stage] += self.clock.seconds(start, end)
         self.open_window(sync=False)

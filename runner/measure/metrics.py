@@ -52,6 +52,23 @@ class Metrics(TypedDict, total=False):
     ema_frac: float | None  # train with task.ema_decay: share of the step updating the EMA
     ema_ms: float | None  # train with task.ema_decay: the EMA update per step
     others_cores: float | None  # cores other processes used while the run was timed
+    # the system's counters over the timed windows (runner/measure/counters.py; absent
+    # without /proc): the run's process and its loader workers together
+    iowait_frac: float | None  # share of the machine's CPU time idle waiting for I/O
+    ctx_switches_per_sec: float  # voluntary context switches (a process blocked, waiting)
+    ctx_switches_involuntary_per_sec: float  # involuntary ones (preempted: too few cores)
+    page_faults_major_per_sec: float  # faults that read from disk (a store read by mmap)
+    page_faults_minor_per_sec: float  # faults served from memory
+    disk_read_bytes: int  # bytes read from a block device (what the page cache did not hold)
+    disk_read_mb_per_sec: float  # that read, per second
+    main_cpu: float  # cores the run's process used (all its threads)
+    worker_cpu: list  # cores each loader worker used, by worker
+    peak_rss_bytes: int  # the run's process's peak resident memory
+    workers_peak_rss_bytes: int  # the loader workers' peak resident memory, summed
+    gpu_util_frac: float  # CUDA with nvidia-ml-py: the GPU's utilisation (NVML), mean
+    gpu_memory_bytes: int  # ... the device memory in use, the most read
+    gpu_counters_note: str  # CUDA without NVML: why the GPU's counters are absent
+    storage_tier: dict  # dataset.path's device: tier (nvme, ssd, hdd, network, ...), fs, device
     steps: int  # steps run, warm-up included
     images: int  # images seen, warm-up included
     warmup_steps: int  # untimed first steps
@@ -70,7 +87,7 @@ class Metrics(TypedDict, total=False):
     # --- the data path (runner/data/) --------------------------------------------------------
     pin_memory: bool  # batches were pinned for the copy
     page_cache: str  # the page cache's state at the start: warm, cold or unknown
-    page_cache_note: str  # why the page cache could not be set as asked
+    page_cache_note: str | None  # why the page cache could not be set as asked
     evictions: int  # page-cache evictions done (dataset.page_cache=cold)
     evict_seconds: float  # seconds they took (kept out of the timing)
     prefetch_copy_ms: float | None  # prefetch=gpu: the side stream's copy per step
@@ -113,7 +130,8 @@ class Metrics(TypedDict, total=False):
     finished_before: bool  # resumed after its plan's last step: the figures are the last part's
     # --- what else was written ---------------------------------------------------------------
     distributed: dict  # under torchrun: world, backend, each rank's figures, replicas in sync
-    trace: str | None  # profile=true: the torch.profiler trace
+    trace: str | None  # profile.enabled=true: the torch.profiler trace (first cycle's)
+    profile_table: str | None  # ... its key_averages table by self CPU (CUDA) time
     timeline: str  # run.timeline=true: timeline.png
     timeline_json: str  # its data
     timeline_trace: str  # the same spans as a Chrome trace (Perfetto, chrome://tracing)

@@ -27,7 +27,13 @@ The same spans are also written as a Chrome trace-event file, ``timeline.trace.j
 (``trace_events``), which Perfetto (https://ui.perfetto.dev) and chrome://tracing open:
 one complete event (``ph: "X"``, µs from the first step shown) per span of
 ``timeline.json``, a process per process (the GPU's streams one of their own) and a named
-thread per lane. (Not ``trace.json``: that is ``profile=true``'s torch.profiler trace.)
+thread per lane. (Not ``trace.json``: that is ``profile.enabled=true``'s torch.profiler trace.)
+
+The system's counters (runner/measure/counters.py: iowait, context switches, page faults,
+bytes read, GPU use) are read at the timed windows' edges, not per step (a read of /proc
+costs more than a fast step); each window that overlaps the steps shown is drawn as one
+span on a lane of its own, ``counters``, labelled with its rates, and written to the trace
+as counter events (Perfetto draws them as tracks).
 
 On CUDA the stages are also NVTX ranges, for Nsight Systems (``nsys profile``): the loop's
 (wait, copy, augment, step; ``nvtx_stage``, through runner/measure/profile.py's
@@ -61,6 +67,9 @@ _written = 0  # spans of this process already appended to its file
 # (lane, stage, start event, end event) recorded on a CUDA stream, resolved after the run
 _device: list[tuple[str, str, Any, Any]] = []
 DEVICE_LIMIT = 4_000  # event pairs kept: the first steps, where the window is
+# (start, end, figures) of each window the system's counters were read over (main process)
+_counters: list[tuple[float, float, dict[str, Any]]] = []
+COUNTERS_LANE = "counters"
 _anchor: dict[str, Any] = {}  # a CUDA event and the host time it ran at (``_set_anchor``)
 COPY_STREAM, COMPUTE_STREAM = "GPU copy stream", "GPU compute stream"
 
@@ -75,6 +84,7 @@ def enable(folder: Path) -> None:
     _state["dir"] = folder
     _spans.clear()
     _device.clear()
+    _counters.clear()
     _anchor.clear()
     _written = 0
 
@@ -84,6 +94,7 @@ def disable() -> None:
     folder, _state["dir"] = _state["dir"], None
     _spans.clear()
     _device.clear()
+    _counters.clear()
     _anchor.clear()
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
@@ -114,6 +125,13 @@ def record(stage: str, start: float, end: float, sub: str | None = None) -> None
     each model of a multi-model pass has)."""
     if _state["dir"] is not None and len(_spans) < LIMIT:
         _spans.append((lane() if sub is None else f"{lane()}/{sub}", stage, start, end))
+
+
+def record_counters(start: float, end: float, figures: dict[str, Any]) -> None:
+    """The system's counters over ``[start, end]`` (a timed window's span), for the
+    ``counters`` lane."""
+    if _state["dir"] is not None and figures and len(_counters) < LIMIT:
+        _counters.append((start, end, figures))
 
 
 def record_device(lane: str, stage: str, start: Any, end: Any) -> None:
@@ -265,6 +283,15 @@ def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
         "spans": [{"lane": s[0], "stage": s[1], "start": (max(s[2], start) - start) * 1e3,
                    "end": (min(s[3], end) - start) * 1e3} for s in spans],
     }
+    counted = [c for c in _counters if c[1] >= start and c[0] <= end]
+    if counted:
+        from runner.measure.counters import summary
+
+        lanes.append(COUNTERS_LANE)
+        data["counters"] = [{"start": (max(a, start) - start) * 1e3,
+                             "end": (min(b, end) - start) * 1e3, "label": summary(f),
+                             "figures": {k: v for k, v in f.items() if not isinstance(v, list)}}
+                            for a, b, f in counted]
     json_path = run_dir / "timeline.json"
     json_path.write_text(dumps(data, indent=1) + "\n")
     trace_path = run_dir / TRACE
@@ -275,7 +302,7 @@ def _write(run_dir: Path, step_spans: list[tuple[float, float]], warmup: int,
     except Exception:  # matplotlib missing or failing: the JSON is the record
         png = None
     busy = {name: sum(s["end"] - s["start"] for s in data["spans"] if s["lane"] == name)
-            for name in lanes}
+            for name in lanes if name != COUNTERS_LANE}
     total = (end - start) * 1e3
     return {"timeline": str(png or json_path), "timeline_json": str(json_path),
             "timeline_trace": str(trace_path),
@@ -308,6 +335,11 @@ def trace_events(data: dict[str, Any], lanes: list[str]) -> dict[str, Any]:
     events = [{"name": s["stage"], "cat": "device" if s["lane"] in DEVICE_LANES else "host",
                "ph": "X", "ts": s["start"] * 1e3, "dur": (s["end"] - s["start"]) * 1e3,
                "pid": tids[s["lane"]][0], "tid": tids[s["lane"]][1]} for s in data["spans"]]
+    for c in data.get("counters", []):  # a counter track per figure (Perfetto, chrome://tracing)
+        pid = tids[COUNTERS_LANE][0]
+        events += [{"name": name, "ph": "C", "ts": c["start"] * 1e3, "pid": pid,
+                    "args": {name: value}} for name, value in c["figures"].items()
+                   if isinstance(value, int | float) and value is not None]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
             "otherData": {"title": data["title"]}}
 
@@ -340,6 +372,11 @@ def figure(data: dict[str, Any], lanes: list[str]):
             ax.broken_barh([(s["start"], max(s["end"] - s["start"], 1e-3))], (row - 0.35, 0.7),
                            color=COLORS.get(s["stage"], "C0"), label=label,
                            edgecolor="white", linewidth=0.3)
+        if name == COUNTERS_LANE:
+            for c in data.get("counters", []):
+                ax.broken_barh([(c["start"], max(c["end"] - c["start"], 1e-3))],
+                               (row - 0.35, 0.7), color="#eeeeee", edgecolor="#999999")
+                ax.text(c["start"], row, f" {c['label']}", fontsize=7, va="center")
     for k, (a, _) in enumerate(data["steps"]):
         ax.axvline(a, color="black", alpha=0.25, linewidth=0.8)
         ax.text(a, len(lanes) - 0.4, f" step {k + 1}", fontsize=7, va="bottom")

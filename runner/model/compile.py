@@ -466,7 +466,7 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
     bs = min(config.loader.batch_size, per_rank)  # a batch never holds more than a shard
     shapes = [bs]
     last = per_rank % bs  # this rank's shard's last batch
-    if last and not drops_remainder(config, ranks.world):
+    if last and not drops_remainder(config, ranks.world, images=len(storage)):
         shapes.append(last)
     example = as_batches_come(config, storage.example(bs)).to(device)  # loader.host_dtype
     cache = Path(config.dataset.cache_dir).expanduser() / "tensorrt"

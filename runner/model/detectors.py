@@ -334,12 +334,34 @@ def detector_classes(cfg: ModelConfig, dataset_classes: int, state: dict | None,
     if state is not None:
         from_weights = len(names) if names else classes_in_detector_weights(cfg.name, state)
     if train:
+        if from_weights is not None and from_weights != dataset_classes:
+            check_detector_weights(cfg, state)  # before a hint to replace its head
         return training_count(cfg, dataset_classes, from_weights)
     count = from_weights or dataset_classes
     if not count:
         raise ConfigError(f"model.name={cfg.name} needs its class count: set "
                           "model.num_classes (or model.weights, or labelled images)")
     return count
+
+
+def check_detector_weights(cfg: ModelConfig, state: dict) -> None:
+    """A ConfigError when ``state`` is not ``model.name``'s at all (a classifier's
+    checkpoint, another detector's): ``model.replace_head`` replaces a detector's class
+    head, never the rest, so it is not what to suggest for them."""
+    own = _network(cfg.name, head_classes(cfg.name, PROBE_CLASSES[0]), dict(cfg.kwargs))
+    keys = own.state_dict().keys()
+    missing = [k for k in keys if k not in state]
+    if not missing:
+        return
+    unexpected = [k for k in state if k not in keys]
+    raise ConfigError(
+        f"model.weights={cfg.weights} is not a {cfg.name} checkpoint: {len(missing)} of its "
+        f"{len(keys)} tensors are missing (e.g. {missing[0]})"
+        + (f" and it holds {len(unexpected)} others (e.g. {unexpected[0]}: a classifier's?)"
+           if unexpected else "")
+        + f". A detector loads only a {cfg.name} state_dict or checkpoint "
+        "(model.replace_head=true then fits it to other classes); drop model.weights to "
+        "train from random init")
 
 
 def classes_in_detector_weights(name: str, state: dict) -> int | None:

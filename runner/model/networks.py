@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.common.atomic import unreadable
 from runner.common.errors import ConfigError, Unavailable
 from runner.common.registry import Registry
 from runner.config.schema import (
@@ -248,7 +249,10 @@ def read_weights_file(path: str) -> tuple[dict, list[str] | None]:
         saved = torch.load(file, map_location="cpu", weights_only=True)
         return network_state(saved), saved_class_names(saved)
     except Exception as e:
-        raise ConfigError(f"model.weights={path} cannot be read as a state_dict: {e}") from e
+        why = unreadable(file, e)
+        raise ConfigError(f"model.weights={path} " + (
+            why.replace("cannot be read:", "cannot be read as a state_dict:")
+            if why.startswith("cannot be read:") else why)) from e
 
 
 def read_weights(path: str) -> dict:

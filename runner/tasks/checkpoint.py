@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.common.atomic import replacing
+from runner.common.atomic import replacing, unreadable
 from runner.common.errors import ConfigError, Diverged, UserError
 from runner.config.schema import keys_where
 from runner.data.threads import cuda_index
@@ -148,6 +148,11 @@ def keep_drop_last(state: dict[str, Any], config: Any, path: str | Path) -> None
     the log where one process would have kept it), so its epochs hold the checkpoint's
     steps and each global step the same images."""
     loader = (state.get("config") or {}).get("loader")
+    if (config is not None and config.loader.drop_last is None and isinstance(loader, dict)
+            and isinstance(loader.get("drop_last"), bool)):
+        # unset: the checkpoint's choice (one written when unset meant false keeps its
+        # epochs' last short batch), so its epochs stay the checkpoint's
+        config.loader.drop_last = loader["drop_last"]
     if saved_world(state) <= 1 or not isinstance(loader, dict):
         return
     loader["drop_last"] = True
@@ -352,14 +357,43 @@ def data_fingerprint(storage: Any) -> dict[str, Any]:
     """What defines a run's data beyond its config: the images an epoch reads (their count,
     names and labels, in storage order) and the classes. A file added, removed or renamed,
     or a class renamed, changes it. It keeps the class names too (``class_names``), so a
-    checkpoint given as ``model.weights`` names the classes it predicts."""
+    checkpoint given as ``model.weights`` names the classes it predicts, and a COCO set's
+    category ids (``category_ids``, one per class), so its detections are served under
+    the ids it was trained with (runner/tasks/infer/coco_results.py)."""
     digest = hashlib.sha256("\n".join(storage.classes).encode())
     labels = storage.label_tensor().tolist()
     for i in range(len(storage)):
         digest.update(f"\n{storage.name_of(i)}\t{labels[i]}".encode(errors="backslashreplace"))
-    return {"images": len(storage), "classes": len(storage.classes),
-            "digest": digest.hexdigest()[:16], "class_names": list(storage.classes),
-            "order": order_kind(storage)}
+    found = {"images": len(storage), "classes": len(storage.classes),
+             "digest": digest.hexdigest()[:16], "class_names": list(storage.classes),
+             "order": order_kind(storage)}
+    ids = getattr(getattr(storage, "targets", None), "category_ids", None)
+    if ids is not None:
+        found["category_ids"] = [int(i) for i in ids]
+    return found
+
+
+def saved_category_ids(path: str | Path | None) -> list[int] | None:
+    """The COCO category ids (one per class) the runner checkpoint at ``path`` was trained
+    with (``data_fingerprint``'s); None for a plain state_dict, a checkpoint trained
+    without them, or a file that cannot be read (building the model from it says why).
+    Memory-mapped: the weights are not read."""
+    if not path:
+        return None
+    file = Path(path).expanduser()
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an old (not zip) file cannot be mapped: read it
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception:
+            return None
+    if not (isinstance(state, dict) and "model" in state and "epoch" in state):
+        return None
+    ids = (state.get("data") or {}).get("category_ids")
+    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+        return ids
+    return None
 
 
 def order_kind(storage: Any) -> str:
@@ -531,7 +565,7 @@ def load(path: str | Path, config: Any = None) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"resume={path} cannot be read: {e}") from e
+        raise CheckpointError(f"resume={path} {unreadable(file, e)}") from e
     missing = {"model", "optimizer", "scaler", "epoch"} - set(state)
     if missing:
         raise CheckpointError(f"resume={path} is not a runner checkpoint (no "
@@ -725,3 +759,89 @@ def restore(step: Any, state: dict[str, Any], source: str | Path = "",
     log.info("resumed from %s: %s epochs (%d steps) done, last loss %s", source,
              f"{state['epoch']:g}", state.get("steps", 0),
              (state.get("losses") or {}).get("loss_last"))
+
+
+# What shapes a model's inputs, kept in its checkpoint's config: ``task=infer`` with the
+# checkpoint as model.weights serves at them unless the command line gives one
+# (``serve_as_trained``): a model trained at 128 px and served at the default 224 lost
+# most of its mAP without a word
+INPUT_KEYS = ("dataset.image_size", "dataset.crop", "dataset.crop_fraction", "model.mean",
+              "model.std", "model.image_size")
+# ... and, where both runs read the generated default or shapes set (no dataset.path,
+# manifest or target), what generates the set and splits it
+GENERATED_KEYS = ("dataset.num_images", "dataset.num_classes", "dataset.source_size",
+                  "dataset.quality", "dataset.val_fraction", "dataset.split_seed")
+SOURCE_KEYS = ("dataset.path", "dataset.manifest", "dataset.target")
+
+
+def _given(overrides: list[str]) -> set[str]:
+    """The keys an override list sets (``+``/``~`` and the value left out)."""
+    return {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides if "=" in o}
+
+
+def trained_config(path: str) -> dict[str, Any] | None:
+    """The config a runner checkpoint at ``path`` was trained with (None: a bare
+    state_dict, or a file that does not read: build_model says why)."""
+    try:
+        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True,
+                           mmap=True)
+    except Exception:
+        return None
+    config = state.get("config") if isinstance(state, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def serve_as_trained(config: Any, overrides: list[str]) -> list[str]:
+    """``task=infer`` with one model whose ``model.weights`` is a runner checkpoint: each of
+    ``INPUT_KEYS`` (and, on the generated set, ``GENERATED_KEYS``) this run does not give
+    on its command line is the checkpoint's; one given that differs is kept and said once.
+    Returns the keys taken from the checkpoint."""
+    model = config.model
+    if config.task.name.trains or config.models or not model.weights:
+        return []
+    saved = trained_config(model.weights)
+    if saved is None:
+        return []
+    keys = list(INPUT_KEYS)
+    mine = to_plain_config(config)
+    if all(_value(saved, k) is None for k in SOURCE_KEYS) and all(
+            _value(mine, k) is None for k in SOURCE_KEYS):
+        keys += GENERATED_KEYS
+    given, taken, kept = _given(overrides), [], []
+    for key in keys:
+        if not _has(saved, key) or _value(saved, key) == _value(mine, key):
+            continue
+        if key in given:
+            kept.append(f"{key}={_value(mine, key)} (trained: {_value(saved, key)})")
+            continue
+        _assign(config, key, _value(saved, key))
+        taken.append(f"{key}={_value(saved, key)}")
+    if taken:
+        log.info("model.weights=%s: served as it was trained: %s (give a key to serve "
+                 "otherwise)", model.weights, ", ".join(taken))
+    if kept:
+        log.warning("model.weights=%s was trained otherwise than this run serves it: %s; "
+                    "its outputs are for inputs it did not learn from (drop the key to "
+                    "serve as trained)", model.weights, ", ".join(kept))
+    return taken
+
+
+def to_plain_config(config: Any) -> dict[str, Any]:
+    from runner.config.schema import to_plain
+
+    return to_plain(config)
+
+
+def _assign(config: Any, key: str, value: Any) -> None:
+    """``config``'s ``key`` (dotted) set to a checkpoint's plain ``value`` (an enum's by
+    its value)."""
+    import enum
+
+    *parents, leaf = key.split(".")
+    holder = config
+    for part in parents:
+        holder = getattr(holder, part)
+    current = getattr(holder, leaf)
+    if isinstance(current, enum.Enum):
+        value = type(current)(value)
+    setattr(holder, leaf, list(value) if isinstance(value, list | tuple) else value)

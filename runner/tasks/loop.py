@@ -117,7 +117,7 @@ class LoopOptions:
         extend: called with a new total step count when the windows would be too short
             and the run may go on (None: the run keeps its length; its flags say so).
         progress: a progress bar.
-        profiler: a torch.profiler window (profile=true).
+        profiler: a torch.profiler window (profile.enabled=true).
         clock: the step clock (a caller may pause it around its own work).
         on_window: sees the result so far after every window (to save it as it grows).
         steps_per_epoch: with ``on_epoch_end``: called with the epochs done after each

@@ -266,16 +266,10 @@ def end_figures(figures: dict[str, Any], device: Any, task: dict[str, Any],
     profiler's trace."""
     figures.update(**device_figures(device), **task, **data)
     step_shares(figures)  # the task's own parts (optimizer, EMA) of the step
-    if profiled:
-        from runner.measure.profile import ACTIVE, WAIT, WARMUP
-
+    if profiled:  # a run too short for the schedule was said so before it started
         figures["trace"] = trace_file(run_dir)
-        if figures["trace"] is None:
-            import logging
-
-            logging.getLogger("runner").warning(
-                "profile=true wrote no trace: the run had fewer than %d steps",
-                WAIT + WARMUP + ACTIVE)
+        table = Path(run_dir) / "profile_table.txt"
+        figures["profile_table"] = str(table) if table.exists() else None
     return figures
 
 

@@ -188,7 +188,9 @@ def test_make_step_asks_the_tasks_record(monkeypatch: pytest.MonkeyPatch):
 # (and which source names a model by name); the listing of a folder's images with their
 # targets sits below runner/data/targets/, which builds on it
 LEFT = {("runner/config/rules.py", "TaskName"), ("runner/config/rules.py", "Output"),
-        ("runner/config/rules.py", "ModelSource"), ("runner/data/sources/files.py", "TargetName")}
+        ("runner/config/rules.py", "ModelSource"), ("runner/data/sources/files.py", "TargetName"),
+        # before torch is imported (runner/job/precheck.py): the records' module imports it
+        ("runner/job/precheck.py", "ModelSource")}
 
 
 def file_of(module: str) -> Path:

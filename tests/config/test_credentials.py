@@ -137,3 +137,59 @@ def test_every_userinfo_of_a_value_is_redacted():
     text = "http://a:pa55w0rd@h1/x,s3://pa55w0rd@b/y"
     assert has_userinfo(text)
     assert redacted(text) == "http://***@h1/x,s3://***@b/y"
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_manifests_url_credentials_reach_no_output_and_no_file(tmp_path: Path):
+    """A manifest's rows with ``user:password@`` URLs are skipped as missing files; their
+    credentials appear nowhere: not on the console, not in runner.log, not in metrics.json's
+    skipped_files, not in the wandb offline run's files (its config, summary, history)."""
+    from tests.conftest import encode, photo, run_cli
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(4):
+        (data / f"{k}.jpg").write_bytes(encode(photo(index=k)))
+    rows = ["http://bob:Hunter2pw@host/b.jpg,0", "s3://AKIAKEY:Sup3rSecret@bucket/x.jpg,1"]
+    rows += [f"{k}.jpg,{k % 2}" for k in range(4)]  # batches of 2 in order: no batch of one
+    (data / "m.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    proc = run_cli(f"dataset.manifest={data / 'm.csv'}", "dataset.image_size=[16,16]",
+                   "model=tiny", "loader.batch_size=2", "loader.num_workers=0", "loader.shuffle=false",
+                   "run.epochs=1",
+                   "run.warmup_steps=0", "diagnose=false", "logger=wandb",
+                   "hydra.run.dir=run", cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    out = proc.stdout + proc.stderr
+    secrets = ("Hunter2pw", "Sup3rSecret", "bob:", "AKIAKEY")
+    assert "***@host/b.jpg" in out and not any(s in out for s in secrets), out
+    import json
+
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["skipped_count"] == 2
+    assert all("***@" in f for f in metrics["skipped_files"])
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and any(p.name == "runner.log"
+                                                            for p in files)
+    for path in files:
+        for secret in secrets:
+            assert secret.encode() not in path.read_bytes(), f"{secret} written to {path}"
+
+
+def test_every_log_record_is_redacted_by_the_jobs_filter(caplog):
+    """The job's logging filter (conf/hydra/job_logging/runner.yaml) on any record: its
+    message's arguments and its traceback."""
+    import logging
+
+    from runner.config.credentials import SecretFilter
+
+    record = logging.LogRecord("runner", logging.WARNING, __file__, 1, "skipped %s: %s",
+                               ("http://bob:pw1@host/b.jpg", "not found"), None)
+    assert SecretFilter().filter(record)
+    assert record.getMessage() == "skipped http://***@host/b.jpg: not found"
+    try:
+        raise OSError("no such file: s3://KEY:pw2@bucket/x.jpg")
+    except OSError:
+        record = logging.LogRecord("runner", logging.ERROR, __file__, 1, "failed", (),
+                                   sys.exc_info())
+    SecretFilter().filter(record)
+    assert "pw2" not in logging.Formatter().format(record)

@@ -26,7 +26,7 @@ def shapes(tmp_path_factory) -> Path:
 
 
 CROPS = {"random": ["dataset.crop=random"],
-         "centre of a larger store": ["dataset.store_size=72"],
+         "centre of a larger store": ["dataset.crop=center", "dataset.store_size=72"],
          "random of a larger store": ["dataset.crop=random", "dataset.store_size=72"]}
 
 

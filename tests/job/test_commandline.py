@@ -44,6 +44,9 @@ ERRORS = {
     "preset": (["loader=memap"], "there is no loader preset 'memap'",
                "Did you mean loader=memmap?"),
     "range": (["loader.batch_size=0"], "loader.batch_size=0 is invalid: must be >= 1", None),
+    "group-given-a-value": (["profile=true"], "profile=true is invalid: profile is a group of "
+                            "keys (profile.enabled, profile.skip_first,",
+                            "set one, e.g. profile.enabled=true"),
     "range-negative": (["run.steps=-1"], "run.steps=-1 is invalid: must be >= 1 or null",
                        None),
     "cross-field": (["task=infer", "dataset.val_fraction=0.1"],

@@ -78,3 +78,21 @@ def test_a_missing_or_empty_dataset_folder_is_refused_before_any_run_folder(tmp_
         ".bmp .dib .tif .tiff .gif) in it or its sub-folders: point it at your image folder "
         "(one sub-folder per class, or the images themselves)"]
     assert not (tmp_path / "outputs").exists()
+
+
+def test_cfg_job_shows_what_the_machine_settles_as_what_will_run():
+    import yaml
+
+    from runner.job.compose import settled_page
+
+    page = settled_page(["--cfg", "job", "loader.batch_size=8"])
+    shown = yaml.safe_load(page)
+    assert shown["loader"]["batch_size"] == 8
+    assert shown["device"] in ("cpu", "cuda")  # not auto
+    assert shown["loader"]["decoder"] != "auto" and shown["loader"]["draft"] is not None
+    assert shown["loader"]["decode_threads"] >= 1
+    assert isinstance(shown["loader"]["pin_memory"], bool)
+    # Hydra's own pages stand
+    assert settled_page(["--cfg", "hydra"]) is None
+    assert settled_page(["-m", "--cfg", "job", "loader=folder,memmap"]) is None
+    assert settled_page(["loader.batch_size=8"]) is None

@@ -166,3 +166,22 @@ def test_a_sweeps_runs_are_grouped_by_it_and_named_by_what_it_sweeps(tmp_path: P
         assert (run.project, run.run_group, run.job_type) == ("runner", "sweep", "train")
         names[run.display_name] = json.loads(job.read_text())["config"]["loader"]["name"]
     assert names == {"loader=folder": "folder", "loader=memmap": "memmap"}
+
+
+def test_a_wandb_setting_wandb_refuses_is_one_line_naming_the_values(tmp_path: Path,
+                                                                     monkeypatch, caplog):
+    """WANDB_MODE=garbage was pydantic's 4-line ValidationError: one line naming the
+    variable, its value and the values it takes; the run goes on without wandb."""
+    import logging
+
+    from runner.config.schema import LoggerConfig, LoggerName
+    from runner.job.logger import build_logger
+
+    monkeypatch.setenv("WANDB_MODE", "garbage")
+    with caplog.at_level(logging.WARNING):
+        logger = build_logger(LoggerConfig(name=LoggerName.wandb), tmp_path, {}, None, None)
+    (line,) = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
+    assert "\n" not in line and "pydantic" not in line
+    assert "WANDB_MODE='garbage' is refused by wandb: use 'online', 'offline'" in line
+    logger.log({"a": 1.0}, 1)  # a logger that does nothing
+    logger.close("ok")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from tests.conftest import (
     photo,
     read_metrics,
     run_cli,
+    run_in_process,
     sitecustomize,
     wandb_records,
 )
@@ -242,12 +244,37 @@ def test_diagnose_false_skips_the_burst(tmp_path: Path, cache_dir: Path):
 @pytest.mark.process
 @pytest.mark.slow
 def test_the_profiler_writes_a_chrome_trace_with_the_stages(tmp_path: Path, cache_dir: Path):
-    run_cli(*SMALL_DATASET, "profile=true", "logger=none", "diagnose=false", "run.steps=12",
-            "hydra.run.dir=run", cwd=tmp_path)
+    run_cli(*SMALL_DATASET, "profile.enabled=true", "logger=none", "diagnose=false",
+            "run.steps=12", "hydra.run.dir=run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     trace = json.loads(Path(m["trace"]).read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"data_wait", "copy", "compute"} <= names
+    # the key_averages table beside it, by self CPU time
+    table = Path(m["profile_table"]).read_text()
+    assert Path(m["profile_table"]).parent == Path(m["trace"]).parent
+    assert "Self CPU" in table and "compute" in table
+
+
+@pytest.mark.slow
+def test_the_profilers_schedule_and_options_are_keys(tmp_path: Path, cache_dir: Path, caplog):
+    """profile.*: a schedule of one's own (two cycles of one active step after skipping
+    two), shapes recorded; a run too short for its schedule is said in one line."""
+    m = run_in_process(*SMALL_DATASET, "profile.enabled=true", "profile.skip_first=2",
+                       "profile.wait=0", "profile.warmup=1", "profile.active=1",
+                       "profile.repeat=2", "profile.record_shapes=true", "logger=none",
+                       "diagnose=false", "run.steps=8", run_dir=tmp_path / "run")
+    assert Path(m["trace"]).name == "trace.json" and (tmp_path / "run" / "trace-2.json").exists()
+    trace = json.loads(Path(m["trace"]).read_text())
+    assert any("Input Dims" in (e.get("args") or {}) for e in trace["traceEvents"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        m = run_in_process(*SMALL_DATASET, "profile.enabled=true", "logger=none",
+                           "diagnose=false", "run.steps=4", run_dir=tmp_path / "short")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile:")]
+    assert said == ["profile: the schedule needs 9 steps (skip_first=0, wait=2, warmup=2, "
+                    "active=5, repeat=1) and this run has 4, so its trace records 0 of its 5 "
+                    "active steps: set run.steps=9 or shorten profile.wait, warmup or active"]
 
 
 @pytest.mark.process

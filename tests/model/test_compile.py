@@ -406,6 +406,7 @@ class DetectionStorage:
         return torch.randint(0, 256, (n, 3, 32, 48), dtype=torch.uint8)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detector_is_built_at_the_batches_size_and_warmed_on_its_losses():
     """build_models gives a detector the example batch's size (it resizes nothing); warming
     it for training (CUDA's eager path, inductor's) runs its losses on images without boxes

@@ -87,6 +87,7 @@ def test_the_batched_transform_gives_torchvisions_tensors_and_boxes(size, fixed)
     assert targets[0]["boxes"][0, 2] == 30.0  # the caller's dicts are left alone
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detector_takes_uint8_at_the_runs_size_as_torchvision_takes_floats():
     torch.manual_seed(0)
     model = build_detector("fasterrcnn_mobilenet_v3_large_320_fpn", 3, (64, 96)).eval()
@@ -137,6 +138,7 @@ def one_step(name: str, size: int) -> tuple[dict[str, torch.Tensor], float]:
     return losses, moved
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_one_training_step_of_ssdlite_at_64_pixels():
     losses, moved = one_step("ssdlite320_mobilenet_v3_large", 64)
     assert tuple(losses) == DETECTORS["ssdlite320_mobilenet_v3_large"].losses
@@ -151,6 +153,7 @@ def test_one_training_step_of_each_detector_at_128_pixels(name: str):
     assert math.isfinite(float(total_loss(losses).detach())) and moved > 0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detector_loads_a_local_state_dict_and_refuses_another_class_count(tmp_path):
     name = "ssdlite320_mobilenet_v3_large"
     torch.manual_seed(1)
@@ -187,6 +190,30 @@ def test_under_autocast_the_network_still_gets_float32_images():
     assert seen == [torch.float32, torch.float32]
     assert math.isfinite(float(total_loss(losses).detach()))
     assert out["boxes"].dtype == out["box_scores"].dtype == torch.float32
+
+
+def test_a_classifiers_checkpoint_given_to_a_detector_is_named_so_not_told_replace_head(
+        tmp_path):
+    """A classifier's runner checkpoint (10 class names) as a detector's model.weights:
+    model.replace_head would not make it load (it replaces a detector's class head, not a
+    backbone), so the one line says what the file is and what to do instead."""
+    import torchvision
+
+    from runner.config.schema import ModelConfig
+    from runner.model.detectors import detector_classes
+
+    name = "fasterrcnn_mobilenet_v3_large_320_fpn"
+    cfg = ModelConfig(name=name, weights=str(tmp_path / "classifier.pt"))
+    state = torchvision.models.resnet18(num_classes=10).state_dict()
+    with pytest.raises(ConfigError, match=rf"classifier.pt is not a {name} checkpoint: .* "
+                                          r"tensors are missing .* \(e.g. \S+: a "
+                                          r"classifier's\?\).*drop model.weights") as e:
+        detector_classes(cfg, 3, state, [str(k) for k in range(10)], True)
+    assert "set model.replace_head=true" not in str(e.value)
+    # a detector's own weights of another class count still get the hint
+    own = build_detector(name, 10, (64, 64))[1].state_dict()
+    with pytest.raises(ConfigError, match="model.replace_head=true"):
+        detector_classes(cfg, 3, own, [str(k) for k in range(10)], True)
 
 
 def test_a_detector_under_bf16_autocast_matches_its_float32_losses_and_boxes():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,6 +112,46 @@ def test_a_stopped_and_resumed_run_sees_the_same_batches_and_losses(
     assert [s[:2] for s in together] == [s[:2] for s in straight.steps]  # images and crops
     assert [s[2] for s in together] == pytest.approx([s[2] for s in straight.steps],
                                                      abs=1e-6)
+
+
+@pytest.mark.slow
+def test_65_default_images_train_two_whole_batches_of_64_and_resume_exactly(
+        tmp_path: Path, cache_dir: Path, monkeypatch, caplog):
+    """A last training batch of one image failed BatchNorm: unset loader.drop_last leaves
+    each epoch's last short batch out (said once, with the count), so 65 images at batch 64
+    are one step of 64 an epoch, on the same 64 images whether the run stopped or not;
+    validation keeps every image."""
+    common = ["model=tiny", "dataset.num_images=65", "dataset.image_size=[32,32]",
+              "dataset.source_size=[48,64]",
+              "loader.num_workers=0", "logger=none", "diagnose=false", "run.timeline=false",
+              "run.progress=false", "run.warmup_steps=0", "run.epochs=2",
+              "dataset.val_fraction=0.2"]  # 52 to train on, 13 to validate on
+    def run(monkeypatch, run_dir: Path, *overrides: str, **stop) -> Recorder:
+        recorder = Recorder(monkeypatch, **stop)
+        try:
+            run_in_process(*overrides, run_dir=run_dir)  # not COMMON: drop_last unset
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.undo()
+        return recorder
+
+    with caplog.at_level(logging.INFO):
+        straight = run(monkeypatch, tmp_path / "straight", *common, "loader.batch_size=16")
+    assert [len(s[0]) for s in straight.steps] == [16] * 6  # 52 = 3 x 16 + 4 left out
+    said = [r.getMessage() for r in caplog.records if "leaves out its last" in r.getMessage()]
+    assert len(said) == 1 and "its last 4 image(s)" in said[0], said
+    common = [c for c in common if not c.startswith("dataset.val_fraction")]
+    straight = run(monkeypatch, tmp_path / "whole", *common)
+    assert [len(s[0]) for s in straight.steps] == [64, 64]
+    first = run(monkeypatch, tmp_path / "run", *common, stop_at=1)
+    second = run(monkeypatch, tmp_path / "run", *common, "resume=auto")
+    assert read_metrics(tmp_path / "run")["status"] == "ok"
+    together = first.steps + second.steps
+    assert [s[:2] for s in together] == [s[:2] for s in straight.steps]
+    assert [s[2] for s in together] == pytest.approx([s[2] for s in straight.steps], abs=1e-6)
+    # task=infer reads every image
+    m = run_in_process(*common, "task=infer", "run.epochs=1", run_dir=tmp_path / "infer")
+    assert m["images"] == 65
 
 
 @pytest.mark.slow
@@ -934,3 +975,47 @@ def test_a_resume_that_would_read_the_same_files_in_another_order_is_refused():
     checkpoint.check_data(saved, ListedImages([0, 3, 6]), "run/checkpoint.pt")
     older = {"data": {k: v for k, v in saved["data"].items() if k != "order"}}
     checkpoint.check_data(older, local, "run/checkpoint.pt")
+
+
+@pytest.mark.parametrize(("cut", "says"), [(0, "is empty (0 bytes)"),
+                                            (0.5, "is truncated or damaged"),
+                                            (10, "is truncated or damaged")])
+def test_a_truncated_or_empty_checkpoint_says_so_and_how_to_get_a_good_one(
+        tmp_path: Path, cut: float, says: str):
+    """Was ``cannot be read: [Errno 22] Invalid argument`` or an empty reason; the same
+    words for model.weights."""
+    from runner.model.networks import read_weights_file
+
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "optimizer": {}, "scaler": {},
+                "epoch": 0}, good)
+    data = good.read_bytes()
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(data[: int(cut * len(data)) if isinstance(cut, float) else cut])
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load(bad)
+    line = str(e.value)
+    assert says in line and "copy it again" in line and "checkpoint-best.pt" in line
+    assert "\n" not in line and "miniz" not in line
+    with pytest.raises(Exception, match=re.escape(says)):
+        read_weights_file(str(bad))
+
+
+def test_a_checkpoint_keeps_a_coco_sets_category_ids_and_serving_reads_them_mapped(tmp_path):
+    """data_fingerprint keeps each class's COCO category id (a storage's targets'), so
+    task=infer serves a checkpoint's classes under the ids it was trained with; none for
+    a set without them, a plain state_dict or a file that is not there."""
+    from types import SimpleNamespace
+
+    coco = ListedImages()
+    coco.targets = SimpleNamespace(category_ids=[3, 90])
+    data = checkpoint.data_fingerprint(coco)
+    assert data["category_ids"] == [3, 90] and data["class_names"] == ["a", "b"]
+    assert "category_ids" not in checkpoint.data_fingerprint(ListedImages())
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "epoch": 1, "data": data}, path)
+    assert checkpoint.saved_category_ids(path) == [3, 90]
+    torch.save({"w": torch.zeros(2)}, tmp_path / "plain.pt")
+    assert checkpoint.saved_category_ids(tmp_path / "plain.pt") is None
+    assert checkpoint.saved_category_ids(tmp_path / "none.pt") is None
+    assert checkpoint.saved_category_ids(None) is None

@@ -1,8 +1,8 @@
 """``python -m runner.selfcheck``: every GPU claim of the project, a row each that can fail.
 
 Run it first on a GPU node, from a source checkout, with the torch the node has (nothing
-of the project installed; the small pure-Python dependencies from a wheelhouse, see the
-README). It prints which torch, CUDA and GPU it certified, which missing package leaves
+of the project installed; the small pure-Python dependencies from a wheelhouse, see
+docs/gpu.md). It prints which torch, CUDA and GPU it certified, which missing package leaves
 which row untested, then one row per claim with its figure and its verdict. ``--list``
 prints every row and what makes it fail, without running anything.
 
@@ -28,6 +28,8 @@ prints every row and what makes it fail, without running anything.
   ``loader=packed`` on the GPU at least its CPU path with a worker per core each (and the
   CPU path's pixels: mean |difference| < 2 of 255).
 - **pinned**: every batch the folder, packed and memmap loaders hand over is pinned.
+- **detector-sync**: a detector (SSDlite) trains with amp=fp16 and amp=bf16, and with
+  memmap's device crops moving its boxes (dataset.crop=random), with no implicit host sync.
 - **fp16**, **fp16-numbers**: fp16 training with no per-step sync; a first step that
   overflows, then 5 steps against a reference SGD.
 - **infer**: ``task=infer`` with two classifiers (probs, embeddings) and a segmentation
@@ -44,7 +46,8 @@ prints every row and what makes it fail, without running anything.
 - **resume**: a CUDA checkpoint (fused AdamW, EMA, bf16, dropout, a stop in the middle of
   an accumulation) resumed gives the weights an uninterrupted run gives.
 - **tensorrt**, **tensorrt-job**: ``compile=tensorrt`` fp16 >= 1.5x eager fp16, verified,
-  and the engine reused; ``python -m runner task=infer compile=tensorrt`` run twice.
+  and the engine reused; ``python -m runner task=infer compile=tensorrt`` run twice. Where
+  torch_tensorrt is missing the row says how to run them where it is installed.
 - **dali-gpu**: ``loader=dali`` decodes on the GPU into the run's batches.
 - **ddp**: two ranks through the project's process group; NCCL needs two GPUs, so on one
   GPU the row says so and runs the ranks on gloo.
@@ -56,7 +59,10 @@ a failed row names its innermost cause and its line (``harness.describe``: a Sto
 a generator turned into a RuntimeError is named as the StopIteration, where it was raised).
 A check may yield its rows: those it yielded before failing are kept beside the failure.
 Each row prints the seconds it took (its check's total follows the check's rows).
-``--budget SECONDS`` fits the run in a window: each check declares the seconds it is
+``--out FILE`` writes the final table, after the node's header and the command, to FILE
+(for a note). ``python -m runner.selfcheck --budget 600 --out selfcheck.txt`` is the whole
+self-check in one call on a GPU node: the rows it runs there fit in ``NODE_BUDGET``
+(tests/test_selfcheck.py sums their expected seconds). ``--budget SECONDS`` fits the run in a window: each check declares the seconds it is
 expected to take on a fresh node (``Check.seconds``, shown by ``--list``), and a check that
 would not fit in what is left of the budget (counted from the start, the header included) is
 skipped and listed as untested with the reason; a later, shorter one may still run.
@@ -64,7 +70,7 @@ skipped and listed as untested with the reason; a later, shorter one may still r
 The package: this module collects the rows (``CHECKS``, in the order they run), runs them
 and prints the table; harness.py holds what rows build on (the row record, the sync
 detector, the timers); node.py what is said of the node first; the rows live by what they
-check: train_rows.py (sync, fp16, fp16-numbers, resume, ddp), copy_rows.py (prefetch,
+check: train_rows.py (sync, detector-sync, fp16, fp16-numbers, resume, ddp), copy_rows.py (prefetch,
 transfers, timing, pinned, timeline, host-dtype), decode_rows.py (gpu-decode, dali-gpu),
 model_rows.py (inductor, tensorrt, tensorrt-job, infer, reduce-on, onnxruntime-gpu).
 ``python -m runner.selfcheck`` and ``python -m runner.bench selfcheck`` run :func:`main`.
@@ -77,6 +83,7 @@ import importlib.util
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -102,11 +109,20 @@ from runner.bench.selfcheck.model_rows import (
 from runner.bench.selfcheck.node import build_region, header, missing_dependencies
 from runner.bench.selfcheck.train_rows import (
     check_ddp,
+    check_detector_sync,
     check_fp16_numbers,
     check_fp16_training,
     check_resume,
     check_sync,
 )
+
+# where torch_tensorrt is missing (the H200 node has none), how to measure these rows
+TENSORRT_HOW = ("where it is installed (pip install torch-tensorrt, the release built for "
+                "this torch), run: python -m runner.selfcheck --only tensorrt tensorrt-job")
+# the whole self-check in one call on a GPU node (--budget 600): the rows it runs there
+# (those needing no package it lacks) fit in this many seconds, the header and build included
+NODE_BUDGET = 600
+HEADER_SECONDS = 60  # the header, the region decoder's build
 
 CHECKS: list[Check] = [
     Check("sync", "each recipe (recipe=quick; AdamW + EMA + clipping + accumulation; every "
@@ -128,6 +144,10 @@ CHECKS: list[Check] = [
     Check("pinned", "every batch of folder, packed and memmap is pinned; fails on one "
           "pageable tensor", lambda a: check_pinned_storages(min(a.batch_size, 64)),
           seconds=20),
+    Check("detector-sync", "a detector (SSDlite) trains with amp=fp16 and amp=bf16, and "
+          "with memmap device crops moving its boxes, 6 steps each with no implicit host "
+          "sync; fails on the first sync the debug mode catches", check_detector_sync,
+          seconds=40),
     Check("fp16", "amp=fp16 training with no per-step sync",
           lambda a: check_fp16_training(a.size, min(a.batch_size, 64)), seconds=5),
     Check("fp16-numbers", "an fp16 step that overflows is skipped, then 5 steps match a "
@@ -154,10 +174,11 @@ CHECKS: list[Check] = [
     Check("tensorrt", "compile=tensorrt fp16 >= 1.5x eager fp16, verified; a cached engine "
           "takes a short last batch without a rebuild",
           lambda a: check_tensorrt(a.size, a.batch_size), packages=("torch_tensorrt",),
-          seconds=90),
+          seconds=90, how=TENSORRT_HOW),
     Check("tensorrt-job", "python -m runner task=infer compile=tensorrt (fp16, bf16, both "
           "engine formats) runs, and its second run reuses the engine",
-          lambda a: check_tensorrt_job(), packages=("torch_tensorrt",), seconds=240),
+          lambda a: check_tensorrt_job(), packages=("torch_tensorrt",), seconds=240,
+          how=TENSORRT_HOW),
     Check("dali-gpu", "the DALI loader decodes into device batches of the run's shape", check_dali,
           packages=("nvidia.dali",), seconds=15),
     Check("ddp", "2 ranks through the project's process group end with replicas in sync "
@@ -230,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="each row and what fails it")
     parser.add_argument("--no-build", action="store_true",
                         help="never compile the region decoder's binding in place")
+    parser.add_argument("--out", type=Path, metavar="FILE",
+                        help="also write the final table (with the header and the command) "
+                             "to FILE, for a note")
     parser.add_argument("--budget", type=positive_seconds, metavar="SECONDS",
                         help="run only what fits in SECONDS from the start (each row's "
                              "expected seconds against what is left); the rest is listed "
@@ -240,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         print(listing())
         return 0
     cuda = on_cuda() and torch.cuda.is_available() or harness.DEVICE == "cpu"
-    print(header(), flush=True)
+    said_first = header()
+    print(said_first, flush=True)
     lacking_deps = missing_dependencies()
     if lacking_deps:
         print(f"missing the project's dependencies {', '.join(lacking_deps)}: bring them as "
-              "wheels (README, 'Self-check on an offline GPU node') and run again")
+              "wheels (docs/gpu.md, 'Self-check on an offline GPU node') and run again")
         from runner.common.errors import EXIT_USER_ERROR
 
         return EXIT_USER_ERROR
@@ -265,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         if check.cuda and not cuda:
             why = "no CUDA device here"
         elif lacking[check.name]:
-            why = f"{', '.join(lacking[check.name])} not installed"
+            why = f"{', '.join(lacking[check.name])} not installed" + (
+                f"; {check.how}" if check.how else "")
         if why is not None:
             # an explicitly requested row that cannot run fails; otherwise it is untested
             rows.append(Row(check.name, False if asked else None, why, seconds=None))
@@ -289,10 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     done = [r for r in rows if r.ok is not None]
     untested = [r for r in rows if r.ok is None]
     passed = sum(bool(r.ok) for r in done)
-    print(f"\n{passed} passed, {len(done) - passed} failed, {len(untested)} untested in "
-          f"{time.perf_counter() - started:.0f} s")
-    print(table(done))
-    if untested:
-        print("\nuntested here:\n" + table(untested))
+    final = (f"{passed} passed, {len(done) - passed} failed, {len(untested)} untested in "
+             f"{time.perf_counter() - started:.0f} s\n{table(done)}"
+             + (f"\n\nuntested here:\n{table(untested)}" if untested else ""))
+    print("\n" + final)
+    if args.out is not None:
+        write_table(args.out, said_first, argv, final)
     return 1 if any(r.ok is False for r in rows) else 0
+
+
+def write_table(path: Path, said_first: str, argv: list[str] | None, final: str) -> None:
+    """The final table, after the node's header and the command that made it (``--out``)."""
+    command = " ".join(["python -m runner.selfcheck", *(sys.argv[1:] if argv is None
+                                                        else argv)])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{said_first}\n$ {command}\n\n{final}\n")
+        print(f"\nthe table: {path}")
+    except OSError as e:  # the run's verdicts stand; the file is a convenience
+        print(f"\nthe table could not be written to {path}: {e}")
 

@@ -43,7 +43,7 @@ def check_nvjpeg(args: argparse.Namespace) -> list[Row]:
     if not built:
         rows.append(Row(f"{loader(PACKED)} decoder={_gpu_decoder()} vs on the CPU", None,
                         f"untested: {loader(PACKED)} decodes on the CPU with the region decoder's "
-                        "binding, not built here (see the README's selfcheck section)"))
+                        "binding, not built here (see docs/gpu.md's self-check section)"))
         return rows
     rows.append(packed_pixels(batch, workers, rate["packed_gpu"], rate["packed_cpu"]))
     return rows

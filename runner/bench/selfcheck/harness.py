@@ -74,6 +74,8 @@ class Check:
     # would not fit in what is left): an estimate, rounded up, to revise from a table's
     # seconds
     seconds: float = 30.0
+    # where a package it needs is missing: how to run it where it is installed
+    how: str = ""
 
 
 def on_cuda() -> bool:

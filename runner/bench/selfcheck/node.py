@@ -25,7 +25,7 @@ NOT_NEEDED = {"wandb", "matplotlib"}
 
 
 def needed() -> dict[str, str]:
-    """import name -> distribution name of what a node must bring (the README's
+    """import name -> distribution name of what a node must bring (docs/gpu.md's
     wheelhouse): pyproject.toml's dependencies, and omegaconf's antlr4 runtime."""
     text = (ROOT / "pyproject.toml").read_text() if (ROOT / "pyproject.toml").is_file() else ""
     block = text.split("dependencies = [", 1)[-1].split("]", 1)[0]

@@ -81,6 +81,47 @@ def check_sync(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+# a detector's training paths that have never run on a GPU: amp for detectors, and the
+# device crops moving boxes (dataset.crop=random on a store decoded once); the shapes
+# dataset (generated, boxes per image) at a detector's size
+DETECTOR = "ssdlite320_mobilenet_v3_large"
+DETECTOR_RECIPES: list[tuple[str, list[str]]] = [
+    (f"{DETECTOR} amp=fp16", ["amp=fp16", "dataset.crop=whole"]),
+    (f"{DETECTOR} amp=bf16", ["amp=bf16", "dataset.crop=whole"]),
+    (f"{DETECTOR} bf16, memmap device crops moving boxes", ["amp=bf16", "dataset.crop=random"]),
+]
+
+
+def check_detector_sync(args: argparse.Namespace) -> list[Row]:
+    """A detector's training step (fp16 and bf16 amp; and the memmap device crops that move
+    its boxes), 6 steps under sync debug "error" on the generated shapes dataset at 128 px:
+    a row per recipe, failing on the first implicit sync (or any error, named)."""
+    batch = min(args.batch_size, 32) if on_cuda() else 4
+    rows = []
+    for what, overrides in DETECTOR_RECIPES:
+        pipeline = None
+        try:
+            pipeline = _pipeline(_loader("MEMMAP"), f"prefetch={'gpu' if on_cuda() else 'cpu'}",
+                                 f"model.name={DETECTOR}", "dataset.targets=auto",
+                                 "dataset.num_images=64", "dataset.image_size=[128,128]",
+                                 "model.image_size=[128,128]",
+                                 f"loader.batch_size={batch}", *overrides)
+            step = _train_step(pipeline, 9)
+            ms = _steps(pipeline, step, 6, sync_check=True)
+            rows.append(Row(f"no per-step sync: {what}", True,
+                            f"6 steps at 128x128 px, batch {batch}, none synced "
+                            f"({ms:.1f} ms/step)"))
+        except SyncError as e:
+            rows.append(Row(f"no per-step sync: {what}", False, str(e)))
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(f"no per-step sync: {what}", False, describe(e)))
+        finally:
+            if pipeline is not None:
+                pipeline.close()
+    return rows
+
+
 def check_fp16_training(size: int, batch: int) -> list[Row]:
     from runner.config.schema import AmpConfig, AmpName, ModelConfig, TaskConfig, TaskName
     from runner.model.networks import build_model

@@ -18,6 +18,12 @@ same for y; a flip is ``x' -> out_w - x'``. This is torchvision's transforms v2 
 ``tv_tensors.BoundingBoxes`` (``resized_crop`` then ``horizontal_flip``), which the tests
 check it against, within a pixel (to float rounding, in fact).
 
+**A letterbox is a window too** (``dataset.crop=letterbox``): the whole image resized with
+its aspect kept and padded is the window that reaches past the image by the pads
+(``letterbox_window``: top ``-pad_top / scale``, height ``out_h / scale``), so the same
+mapping moves boxes into it and ``to_source`` takes served boxes back out of it; the
+tests check it against torchvision v2's ``resize`` then ``pad`` on ``BoundingBoxes``.
+
 **One rule for boxes that leave the crop** (what torchvision's ``resized_crop`` followed by
 ``SanitizeBoundingBoxes()`` with its defaults does): a box is clipped to the output image,
 then dropped when its clipped width or height is under ``MIN_SIDE`` output pixels (a box
@@ -41,6 +47,7 @@ from runner.data.decode.decoders import (
     Box,
     ImageDecoder,
     center_box,
+    letterbox_window,
     pixel_window,
     source_window,
 )
@@ -203,7 +210,8 @@ def center_windows(n: int, hw: tuple[int, int], size: tuple[int, int], fraction:
 def shown_window(hw: tuple[int, int], size: tuple[int, int], crop: Crop, fraction: float
                  ) -> Window:
     """The part of an upright ``hw`` source image that an output image of ``size`` made by
-    the deterministic ``crop`` shows: the whole image, or the centre crop's window
+    the deterministic ``crop`` shows: the whole image, the letterbox's (the whole image
+    and its pads, ``letterbox_window``), or the centre crop's window
     (``pixel_window``'s integer window cut from the source; a store that cut it from its
     stored image, a resize of the source, is within a stored pixel of it)."""
     if crop is Crop.random:
@@ -211,6 +219,8 @@ def shown_window(hw: tuple[int, int], size: tuple[int, int], crop: Crop, fractio
     h, w = hw
     if crop is Crop.whole:
         return Window(0.0, 0.0, float(h), float(w))
+    if crop is Crop.letterbox:  # the whole image and the pads around it
+        return Window(*letterbox_window((0.0, 0.0, float(h), float(w)), tuple(size)))
     return cut_window(center_box(h, w, *size, fraction), hw)
 
 

@@ -13,7 +13,9 @@ Every decoder goes through the same steps so they return the same pixels:
 4. the EXIF orientation is applied as tensor flips/transposes;
 5. the crop is resized to ``dataset.image_size`` (antialiased bilinear on uint8; none when
    the window is that size already; enlargements by the binding's bilinear,
-   ``upsample_job``).
+   ``upsample_job``); with ``dataset.crop=letterbox`` the whole image is resized with its
+   aspect kept into the middle of the output and the rest padded grey
+   (``ImageDecoder.place``, ``letterbox_place``).
 
 Anything the chosen decoder cannot read (a PNG, a PNG named .JPEG, a CMYK JPEG, a decoder
 error) falls back to PIL, which decodes nearly everything to RGB. Images stay uint8 (CHW)
@@ -243,6 +245,40 @@ def pixel_window(box: Box, h: int, w: int) -> tuple[int, int, int, int]:
     ch = max(1, min(int(round(box.height)), h - top))
     cw = max(1, min(int(round(box.width)), w - left))
     return top, left, ch, cw
+
+
+# What a letterbox pads with: ultralytics' grey (114, 114, 114), the value its YOLO models
+# were trained on (torchvision's Pad fills 0; a detector trained on this runner's letterbox
+# and served by ultralytics, or the other way round, sees the padding it knows).
+PAD_VALUE = 114
+
+
+def letterbox_place(h: float, w: float, out_h: int, out_w: int) -> tuple[int, int, int, int]:
+    """Where a letterbox puts an ``h`` x ``w`` picture in an ``out_h`` x ``out_w`` output:
+    ``(top, left, height, width)`` of the resized picture, aspect kept (scale
+    ``min(out_h / h, out_w / w)``, sides rounded), centred, the smaller pad first when the
+    rest is odd: ultralytics' ``LetterBox`` with ``auto=False, center=True`` (its
+    ``round(dh - 0.1)``)."""
+    r = min(out_h / h, out_w / w)
+    nh = max(1, min(out_h, int(round(h * r))))
+    nw = max(1, min(out_w, int(round(w * r))))
+    return (out_h - nh) // 2, (out_w - nw) // 2, nh, nw
+
+
+def letterbox_window(window: tuple[float, float, float, float], size: tuple[int, int],
+                     content_hw: tuple[int, int] | None = None
+                     ) -> tuple[float, float, float, float]:
+    """The window of the source a letterboxed output shows, padding included: the part
+    ``window`` (top, left, height, width in source pixels) placed by ``letterbox_place``
+    reaches past the source by the pads, so every window mapping of boxes
+    (runner/data/decode/boxgeometry.py: ``map_boxes`` forward, ``to_source`` back) holds
+    for letterboxes unchanged. ``content_hw``: the pixel size the decoder resized (the
+    window at a reduced DCT scale), which decides the rounding; unset, the window's."""
+    top, left, h, w = window
+    ch, cw = content_hw if content_hw is not None else (h, w)
+    pt, pl, nh, nw = letterbox_place(ch, cw, *size)
+    sy, sx = nh / h, nw / w  # output pixels per source pixel
+    return top - pt / sy, left - pl / sx, size[0] / sy, size[1] / sx
 
 
 def source_window(box: Box, hw: tuple[int, int], decoded_hw: tuple[int, int] | None = None
@@ -623,7 +659,7 @@ class ImageDecoder:
             u = crop_uniforms(seed) if seed is not None else torch.rand(
                 CROP_UNIFORMS, dtype=torch.float64).tolist()
             return random_box(h, w, u)
-        if self.crop is Crop.whole:
+        if self.crop in (Crop.whole, Crop.letterbox):
             return Box(0, 0, h, w), False
         return center_box(h, w, *self.size, self.fraction), False
 
@@ -634,8 +670,30 @@ class ImageDecoder:
             return self.finish_many([img], box, flip)[0]
         top, left, ch, cw = pixel_window(box, *img.shape[-2:])
         out = torch.empty((img.shape[0], *self.size), dtype=img.dtype)
-        resize_into(out, img[:, top : top + ch, left : left + cw], flip)
+        self.place(out, img[:, top : top + ch, left : left + cw], flip)
         return out
+
+    def place(self, out: torch.Tensor, window: torch.Tensor, flip: bool = False) -> None:
+        """A cut window (CHW on the CPU) into its output slot ``out``: resized to fill it
+        (``resize_into``), or with ``dataset.crop=letterbox`` resized with its aspect kept
+        into its place (``letterbox_place``) and the rest padded with ``PAD_VALUE``."""
+        if self.crop is not Crop.letterbox:
+            resize_into(out, window, flip)
+            return
+        top, left, nh, nw = letterbox_place(*window.shape[-2:], *self.size)
+        content = torch.empty((window.shape[0], nh, nw), dtype=window.dtype)
+        resize_into(content, window, flip)  # a contiguous slot: the binding's fast path
+        out.fill_(PAD_VALUE)
+        out[:, top : top + nh, left : left + nw] = content
+
+    def shows(self, window: tuple[float, float, float, float],
+              content_hw: tuple[int, int] | None = None) -> tuple[float, float, float, float]:
+        """The window of the source the output shows, given the ``window`` that was cut
+        (``source_window``): the same, or with ``dataset.crop=letterbox`` reaching over
+        the pads (``letterbox_window``; ``content_hw``: the cut's pixel size)."""
+        if self.crop is not Crop.letterbox:
+            return window
+        return letterbox_window(window, self.size, content_hw)
 
     def finish_many(self, imgs: list[torch.Tensor], box: Box, flip: bool = False
                     ) -> torch.Tensor:
@@ -644,7 +702,14 @@ class ImageDecoder:
         where the stand-in of the tests decodes, ``finish``'s own path image by image)."""
         if imgs[0].device.type == "cpu":
             return torch.stack([self.finish(img, box, flip) for img in imgs])
-        out = resize_crop_many(imgs, box, self.size)
+        if self.crop is Crop.letterbox:  # resized with its aspect, then padded, as one group
+            top, left, ch, cw = pixel_window(box, *imgs[0].shape[-2:])
+            pt, pl, nh, nw = letterbox_place(ch, cw, *self.size)
+            out = resize_crop_many(imgs, box, (nh, nw))
+            out = F.pad(out, (pl, self.size[1] - nw - pl, pt, self.size[0] - nh - pt),
+                        value=PAD_VALUE)
+        else:
+            out = resize_crop_many(imgs, box, self.size)
         return out.flip(3).contiguous() if flip else out
 
     def _decode_jpeg(self, data: bytes, header: JpegHeader, seed: int | None
@@ -656,8 +721,9 @@ class ImageDecoder:
         if kind.region:
             denom = region_scale(box, self.size)  # decoded at 1/denom: libjpeg's sizes
             window = source_window(box, (oh, ow), (-(-oh // denom), -(-ow // denom)))
-            return (self.finish(*decode_region(data, header, box, self.size), flip), window,
-                    flip, (oh, ow))
+            img, cut = decode_region(data, header, box, self.size)
+            return (self.finish(img, cut, flip), self.shows(window, img.shape[-2:]), flip,
+                    (oh, ow))
         min_hw = None
         if self.draft and kind.scales:
             # The decode only needs to be as large as the crop will be after resizing.
@@ -670,7 +736,9 @@ class ImageDecoder:
         img = apply_orientation(img, header.orientation)
         dh, dw = img.shape[-2:]
         window = source_window(box, (oh, ow), (dh, dw))
-        return self.finish(img, box.scaled(dh / oh, dw / ow), flip), window, flip, (oh, ow)
+        cut = box.scaled(dh / oh, dw / ow)
+        return (self.finish(img, cut, flip), self.shows(window, pixel_window(cut, dh, dw)[2:]),
+                flip, (oh, ow))
 
     def _decode_fallback(self, data: bytes, seed: int | None
                          ) -> tuple[torch.Tensor, tuple[float, float, float, float], bool,
@@ -682,4 +750,5 @@ class ImageDecoder:
             raise CorruptImageError(f"{type(e).__name__}: {e}") from e
         hw = tuple(img.shape[-2:])
         box, flip = self.box_for(*hw, seed)
-        return self.finish(img, box, flip), source_window(box, hw), flip, hw
+        return (self.finish(img, box, flip),
+                self.shows(source_window(box, hw), pixel_window(box, *hw)[2:]), flip, hw)

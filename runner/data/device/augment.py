@@ -25,6 +25,9 @@ operation with its own random draw per image:
   2-33%, aspect 0.3-3.3, zeros), its rectangles drawn on the device and applied with
   ``torch.where`` (``erase``): no host mask, so no blocking copy (a sync) every step on a
   GPU;
+- ``mosaic`` / ``box_crop`` (detection): four images of the batch into one, and a
+  random-resized crop and flip per image, their boxes moved with the pixels, before the
+  rest (runner/data/device/boxaugment.py);
 - ``mixup`` / ``cutmix``: each image, with probability ``mix_prob``, is mixed with another
   image of the batch, its partner of one permutation, by MixUp or CutMix (a coin per image
   when both are on). Both are written here and draw on the device, with no copy to or from
@@ -40,6 +43,22 @@ operation with its own random draw per image:
 Every draw of a batch comes from the torch generators seeded by (seed, rank, step): the same
 augmentation for the same batch position on every storage and after a resume
 (``torch.random.fork_rng`` keeps the run's own random state untouched).
+
+``task.augment.on`` places it (``TrainAugment.host`` before the copy, ``TrainAugment.__call__``
+after it): ``device`` (the default) all of it on the run's device; ``cpu`` all of it on the
+host batch, in the thread that reads the batches (``HostAugmented``: with prefetch=cpu or
+gpu beside the step, with prefetch=none inside the loop's data wait; the timeline's
+``augment`` span on that lane); ``both`` the auto-augment's geometric operations (shear,
+translate, rotate: the ones that move pixels) on the host, everything that changes their
+colour (its other operations, colour jitter, erasing, MixUp/CutMix) on the device. Both
+halves draw from the same seed, so the draws are the same wherever they run: where the
+device's generator is the host's (a CPU run), a fixed seed gives equal images on each side
+(tests/data/device/test_augment.py). On a GPU, colour jitter, erasing and mixing draw from
+the CUDA generator on the device and from the CPU's on the host: the same distribution,
+other numbers. With several RandAugment rounds, ``both`` applies every geometric round
+before the colour ones (equal to ``device`` with one round: TrivialAugment, or ops=1).
+A storage that crops on the device (memmap, ram with random crops) crops after the copy,
+so augmenting on the host before it is refused.
 """
 
 from __future__ import annotations
@@ -54,7 +73,7 @@ from torchvision.transforms.v2 import functional as F
 from torchvision.transforms.v2.functional._color import _rgb_to_grayscale_image
 from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_matrix
 
-from runner.config.schema import AugmentConfig, AutoAugmentName
+from runner.config.schema import AugmentConfig, AugmentOn, AutoAugmentName
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +297,18 @@ class GroupedAutoAugment:
         negated = (torch.rand(shape) <= 0.5).long()
         return ops, self.table(height, width)[ops, bins, negated]
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return apply_ops(images, *self.draw(images.shape[0], *images.shape[-2:]))
+    def __call__(self, images: torch.Tensor, keep: str = "all") -> torch.Tensor:
+        """Augment ``images``; ``keep``: ``geometric`` or ``colour`` applies those
+        operations alone (the others drawn as they are, applied as Identity)."""
+        ops, params = self.draw(images.shape[0], *images.shape[-2:])
+        if keep != "all":
+            geometric = torch.isin(ops, GEOMETRIC_OPS)
+            ops = torch.where(geometric if keep == "geometric" else ~geometric, ops, IDENTITY)
+        return apply_ops(images, ops, params)
+
+
+GEOMETRIC_OPS = torch.tensor([OP_NAMES.index(op) for op in GEOMETRIC])
+IDENTITY = OP_NAMES.index("Identity")
 
 
 # --- MixUp and CutMix, drawn on the device ------------------------------------------------
@@ -402,12 +431,24 @@ class TrainAugment:
 
     def __init__(self, cfg: AugmentConfig, seed: int, rank: int = 0, start_step: int = 0):
         self.cfg, self.seed, self.rank, self.step = cfg, seed, rank, start_step
+        self.host_step = start_step  # the host half's own count (it runs ahead, in order)
         self.auto = None
         if cfg.auto is not AutoAugmentName.none:
             self.auto = GroupedAutoAugment(cfg.auto is AutoAugmentName.trivialaugment,
                                     rounds=cfg.ops, magnitude=cfg.magnitude)
         self.colour = cfg.color_jitter > 0
         self.erasing = cfg.erasing > 0
+        self.on = cfg.on
+
+    @property
+    def on_host(self) -> bool:
+        """Some of it runs on the host batch, before the copy (``host``)."""
+        return self.on is AugmentOn.cpu or (self.on is AugmentOn.both and self.auto is not None)
+
+    @property
+    def on_device(self) -> bool:
+        """Some of it runs on the device, after the copy (``__call__``)."""
+        return self.on is not AugmentOn.cpu
 
     def describe(self, device: torch.device) -> str:
         parts = [name for name, on in (
@@ -415,20 +456,60 @@ class TrainAugment:
             (f"colour jitter {self.cfg.color_jitter:g}", self.colour),
             (f"random erasing p={self.cfg.erasing:g}", self.erasing),
             (f"MixUp alpha {self.cfg.mixup:g}", self.cfg.mixup > 0),
-            (f"CutMix alpha {self.cfg.cutmix:g}", self.cfg.cutmix > 0)) if on]
-        return f"{', '.join(parts)}: on {device}, a draw per image"
+            (f"CutMix alpha {self.cfg.cutmix:g}", self.cfg.cutmix > 0),
+            (f"mosaic p={self.cfg.mosaic:g}", self.cfg.mosaic > 0),
+            (f"box crops of {self.cfg.box_crop:g}-1 of the area and flips",
+             self.cfg.box_crop > 0)) if on]
+        where = {AugmentOn.device: f"on {device}", AugmentOn.cpu: "on the CPU, before the copy",
+                 AugmentOn.both: f"geometric operations on the CPU, colour on {device}"}
+        return f"{', '.join(parts)}: {where[self.on]}, a draw per image"
+
+    def host(self, batch) -> None:
+        """The host half (``task.augment.on=cpu``: all of it; ``both``: the auto-augment's
+        geometric operations) on a host ``batch``, in place, before its copy."""
+        step, self.host_step = self.host_step, self.host_step + 1
+        if self.on is AugmentOn.cpu:
+            self._apply(batch, step, "all")
+        elif self.on_host:
+            self._apply(batch, step, "geometric")
 
     def __call__(self, batch) -> None:
-        """Augment ``batch`` in place (its image, and the mix labels when mixing)."""
+        """The device half (``device``: all of it; ``both``: all but the geometric
+        operations) on ``batch`` on the device, in place (its image, and the mix labels
+        when mixing)."""
         step, self.step = self.step, self.step + 1
+        if self.on is AugmentOn.device:
+            self._apply(batch, step, "all", device_pass=True)
+        elif self.on is AugmentOn.both:
+            self._apply(batch, step, "colour" if self.auto is not None else "all",
+                        device_pass=True)
+        elif self.cfg.mosaic > 0 or self.cfg.box_crop > 0:  # on=cpu: the boxes' part here
+            self._apply(batch, step, "boxes", device_pass=True)
+
+    def _apply(self, batch, step: int, keep: str, device_pass: bool = False) -> None:
+        """Augment ``batch`` with the draws of ``step``: ``keep`` all of it, the geometric
+        operations alone, everything else (``colour``), or the boxes' mosaic and crops
+        alone (``boxes``); those run only in the device pass (``device_pass``)."""
         device = batch["image"].device
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((self.seed * 1_000_003 + self.rank) * 7_919 + step)
+            # detection: the batch's boxes move too; on the device whatever task.augment.on
+            # says (the padded boxes are moved where the batch is), never twice
+            if (self.cfg.mosaic > 0 or self.cfg.box_crop > 0) and keep != "geometric" \
+                    and device_pass:
+                from runner.data.device.boxaugment import box_crops, mosaic
+
+                if self.cfg.mosaic > 0:
+                    mosaic(batch, self.cfg.mosaic)
+                if self.cfg.box_crop > 0:
+                    box_crops(batch, self.cfg.box_crop)
+            if keep == "boxes":
+                return
             images = batch["image"]
             if self.auto is not None:
-                images = self.auto(images)
-            if not self.colour and not self.erasing and not self.mixes:
+                images = self.auto(images, keep)
+            if keep == "geometric" or (not self.colour and not self.erasing and not self.mixes):
                 batch["image"] = images
                 return
             x = images.float() / 255
@@ -470,3 +551,25 @@ class TrainAugment:
             weight = torch.where(use_cut, share, weight)
         batch["label_b"], batch["mix"] = label_b, weight
         return x
+
+
+class HostAugmented:
+    """Host batches with ``task.augment``'s host half applied (``TrainAugment.host``) as
+    they are taken, in the thread that takes them; a batch with no image (a position read,
+    every image skipped) passes as it is, and is not counted (the loop does not augment
+    it either). ``pin``: the augmented images are page-locked again for the copy."""
+
+    def __init__(self, source, augment: TrainAugment, pin: bool = False):
+        self.source, self.augment, self.pin = source, augment, pin
+
+    def __iter__(self):
+        from runner.data.loading.loader import is_empty
+        from runner.measure import timeline
+
+        for batch in self.source:
+            if not is_empty(batch):
+                with timeline.span("augment"):
+                    self.augment.host(batch)
+                    if self.pin:
+                        batch["image"] = batch["image"].pin_memory()
+            yield batch

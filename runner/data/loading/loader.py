@@ -224,21 +224,48 @@ def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
                        drop_last=cfg.drop_last, seed=seed, block=cfg.shuffle_block, rank=rank,
                        world=world, crop_seeds=storage.random_crops, groups=groups,
                        group_block=getattr(storage, "group_block", 1), lanes=lanes,
-                       members=getattr(storage, "order_members", None))
+                       members=getattr(storage, "order_members", None),
+                       bins=storage_aspect_bins(storage, cfg) if cfg.group_aspect else None)
     if groups is not None:
         storage.follow(order)
     return order
 
 
-def drops_remainder(config: Config, world: int, every_image: bool = False) -> bool:
+def storage_aspect_bins(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
+    """Each item's aspect-ratio bin (runner/data/order.py: ``aspect_bins``) from the
+    source sizes its detection labels carry (a YOLO image without boxes, whose labels gave
+    no size, goes with the square ones), or a ConfigError saying why this storage cannot
+    group: no labels with sizes, or a sharded order (read a block of shards at a time)."""
+    from runner.common.errors import ConfigError
+    from runner.data.order import aspect_bins
+
+    if getattr(storage, "order_groups", None) is not None:
+        raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: a sharded "
+                          "storage reads its shards a block at a time and cannot group "
+                          "images by aspect: use loader=folder, packed, memmap or ram")
+    targets = getattr(storage, "targets", None)
+    if targets is None or not hasattr(targets, "source_size"):
+        raise ConfigError("loader.group_aspect=true groups images by their sizes, which "
+                          "the detection labels carry (dataset.targets=auto, yolo or coco): "
+                          "give those, or leave loader.group_aspect=false")
+    return aspect_bins([targets.source_size(i) for i in range(len(storage))])
+
+
+def drops_remainder(config: Config, world: int, every_image: bool = False,
+                    images: int | None = None) -> bool:
     """Whether an epoch drops the images after its last whole global batch: with
     ``loader.drop_last``, and when training on several ranks, where a padded last batch
     would weigh its ranks' images unlike their peers' in the all-reduced gradient and
-    change with the world size. ``every_image`` (validation, like inference): never; the
-    last batches are padded and masked instead, so every image counts once."""
+    change with the world size. Unset, training on one process drops them too (a batch of
+    one fails BatchNorm: torchvision's and timm's train scripts drop it), unless the epoch's
+    ``images`` hold no whole batch. ``every_image`` (validation, like inference): never;
+    the last batches are padded and masked instead, so every image counts once."""
     if every_image:
         return False
-    return config.loader.drop_last or (config.task.name.trains and world > 1)
+    trains, asked = config.task.name.trains, config.loader.drop_last
+    if asked is None:
+        return trains and (world > 1 or images is None or images >= config.loader.batch_size)
+    return asked or (trains and world > 1)
 
 
 def check_lanes(lanes: int, nodes: int, global_batch: int) -> None:

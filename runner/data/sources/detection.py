@@ -7,7 +7,9 @@ hold each image's boxes in step with its samples; every sample's class index is 
 detection image has no one class: ``classes`` are the boxes' classes). A layout with split
 folders (YOLO's ``images/train`` and ``images/val``, COCO's ``instances_train*.json`` and
 ``instances_val*.json``) gives the split ``dataset.split`` names (validation reads ``val``);
-one without them is split by ``dataset.val_fraction`` as an image folder is.
+one without them is split by ``dataset.val_fraction`` as an image folder is, and
+``dataset.split=val`` on it without a ``dataset.val_fraction`` is refused (``check_split``).
+A split's images folder without its labels folder is refused too (labels.py).
 
 A YOLO listing also records the files its labels were read from and their stats, taken
 before reading them (``DetectionTargets.inputs``, ``input_stats``): a store that holds the
@@ -24,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runner.common.text import printable
 from runner.config.schema import DatasetConfig, Split, TargetName
 from runner.data.protocol import SkippedFile
 from runner.data.sources.labels import ImageTargets, detect_format, read_labels, yolo_inputs
@@ -103,19 +106,34 @@ def has_val_split(dataset: DatasetConfig) -> bool:
                                                                   Split.train.value)
 
 
+def check_split(dataset: DatasetConfig, root: Path, split: str | None) -> None:
+    """``dataset.split=val`` on a layout without a val split of its own, and no
+    ``dataset.val_fraction`` to hold one out, is refused in one line (the runner sets it
+    only where there is one: a user asked for it, and reading every image instead would
+    answer another question)."""
+    if dataset.split is Split.val and split is None and dataset.val_fraction == 0:
+        raise DatasetError(
+            f"dataset.split=val: dataset.path={printable(str(root))} has no val split of its "
+            "own (images/val with labels/val, val/images with val/labels, or "
+            "annotations/instances_val*.json): drop dataset.split to read all its images, or "
+            "point dataset.path at the validation images")
+
+
 def list_detection(dataset: DatasetConfig, path: str | Path) -> Listing:
     """The images at ``path`` that the labels name, each with its boxes (``targets``)."""
     root = Path(path).expanduser()
     format = dataset.targets.value
     split = dataset.split.value if dataset.val_fraction == 0 and has_split(
         root, format, dataset.split.value) else None
+    check_split(dataset, root, split)
     inputs = stats = None
     if format in ("auto", "yolo") and (format == "yolo" or detect_format(root, split) == "yolo"):
         found = yolo_inputs(root, split)
         if found is not None:  # stat-ed before they are read: a change after is seen
             inputs = found[2]
             stats = [stat_row(p) for p in inputs]
-    labels = read_labels(root, format, split)
+    labels = read_labels(root, format, split, cache_dir=dataset.cache_dir,
+                         stats=dict(zip(inputs, stats)) if inputs else None)
     samples = [(image, 0) for image in labels.targets]
     targets = DetectionTargets(list(labels.targets.values()), labels.format, labels.skipped,
                                labels.category_ids, inputs=inputs, input_stats=stats)
@@ -139,6 +157,7 @@ def quick_detection(dataset: DatasetConfig, path: str | Path
     root = Path(path).expanduser()
     format = dataset.targets.value
     split = dataset.split.value if has_split(root, format, dataset.split.value) else None
+    check_split(dataset, root, split)
     try:
         if format == "auto":
             format = detect_format(root, split)

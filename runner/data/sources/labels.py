@@ -7,11 +7,13 @@ class ids (0..K-1), plus the class names. ``format="auto"`` tells the layout fro
 
 - **YOLO** (ultralytics' layout): ``images/`` and ``labels/`` side by side (or, with a
   ``split``, ``images/<split>`` and ``labels/<split>``, or ``<split>/images`` and
-  ``<split>/labels``); the image ``images/a/b.jpg`` has the label file ``labels/a/b.txt``,
+  ``<split>/labels``: a split's images without its labels folder are refused, never given
+  the top ``labels/``); the image ``images/a/b.jpg`` has the label file ``labels/a/b.txt``,
   one line per box, ``class cx cy w h`` normalised to [0, 1] by the image's upright size
   (a line of more than five numbers is a polygon, ``class x1 y1 x2 y2 ...``, whose box is
-  its points' extent, as ultralytics reads segments). An empty label file, or none, is an
-  image with no boxes. Class names come from ``data.yaml`` / ``dataset.yaml`` (``names:``,
+  its points' extent, as ultralytics reads segments; a UTF-8 BOM is dropped, as
+  ultralytics reads them). An empty label file, or none, is an image with no boxes; a set
+  where no image has one is said in a warning. Class names come from ``data.yaml`` / ``dataset.yaml`` (``names:``,
   a list or ``{id: name}``) or ``classes.txt`` (one per line, LabelImg's) when there is one;
   otherwise the classes are ``0..max`` of the ids seen. Pixels need the image's size, read
   from its header (PIL, no decode; EXIF orientation applied) for images that have boxes.
@@ -20,6 +22,19 @@ class ids (0..K-1), plus the class names. ``format="auto"`` tells the layout fro
   folder itself: the first that holds the first listed image). ``bbox`` is x, y, w, h in
   pixels of the JSON's ``width`` x ``height``; categories get contiguous ids 0..K-1 in
   category-id order; ``iscrowd`` boxes are left out (counted, as COCO's detectors train).
+  **Sizes**: COCO's ``width`` x ``height`` are the upright image's (EXIF orientation
+  applied), checked against each file's header (``upright_size``). A file of another size
+  but the same shape (each side within a pixel of the JSON's scaled: a resized copy) keeps
+  its boxes, scaled with it when decoded (counted ``resized``, said at INFO); any other size
+  (a side that disagrees, an EXIF-rotated JPEG whose JSON gives its stored size) is
+  skipped with its boxes (``size_mismatch``), never scaled out of shape. **Entries that
+  contradict each other** are never merged: two entries of one id (``duplicate_id``) or one
+  file under two ids (``duplicate_file``) are each skipped with the boxes of their id.
+
+A YOLO folder's parsed label files and the image sizes (YOLO's and COCO's) are kept in the
+labels cache (runner/data/sources/labelcache.py, ``dataset.cache_dir``) by each file's
+stat, so a second listing reads neither a label file nor an image header that has not
+changed.
 
 Bad input never crashes and is never silent. Each is counted (``LabelSet.counts``), said
 once in a warning with its count and first example, and, where an entry is lost, reported
@@ -28,7 +43,8 @@ as a ``SkippedFile`` (runner/data/protocol.py: the record the loop counts and wr
 
 - a label file without an image, an annotation of an image the JSON does not list, an
   image the JSON lists that is not on disk, an image on disk the JSON does not list, an
-  image whose size cannot be read: skipped;
+  image whose size cannot be read, or whose size contradicts the JSON's, an image entry
+  that contradicts another: skipped;
 - a malformed line (not ``class`` and 4 numbers, or a polygon; a number that is not
   finite), a malformed annotation (no 4-number ``bbox``): skipped;
 - a class out of range (no such class name / category): the box dropped, skipped;
@@ -55,6 +71,7 @@ import torch
 
 from runner.common.text import printable
 from runner.data.protocol import SkippedFile
+from runner.data.sources.labelcache import LabelCache, ParsedFile
 from runner.data.sources.listing import DatasetError, is_image_name, walk
 
 log = logging.getLogger(__name__)
@@ -89,6 +106,12 @@ REASONS = {
     "image_missing": "images the JSON lists that are not on disk (skipped)",
     "not_annotated": "images on disk the JSON does not list (skipped)",
     "unreadable_size": "images whose size cannot be read (skipped)",
+    "resized": "images of another size than the JSON gives, of its shape (a resized copy: "
+               "boxes scaled to it)",
+    "size_mismatch": "images whose JSON width x height is not the upright image's, nor of "
+                     "its shape (skipped with their boxes)",
+    "duplicate_id": "image entries sharing one id (each skipped with the boxes of that id)",
+    "duplicate_file": "images listed twice under two ids (each entry skipped with its boxes)",
 }
 
 
@@ -156,7 +179,8 @@ class _Report:
     def say(self, source: Path) -> None:
         for kind, n in self.counts.items():
             if n:
-                level = logging.INFO if kind in ("crowd", "no_label_file") else logging.WARNING
+                level = logging.INFO if kind in ("crowd", "no_label_file", "resized") \
+                    else logging.WARNING
                 log.log(level, "%s: %d %s, e.g. %s", printable(str(source)), n, REASONS[kind],
                         self.first[kind])
 
@@ -192,9 +216,21 @@ def _coco_files(root: Path) -> list[Path]:
 
 
 def _yolo_dirs(root: Path, split: str | None) -> tuple[Path, Path] | None:
-    """The (images, labels) folders of a YOLO layout at ``root``, or None."""
+    """The (images, labels) folders of a YOLO layout at ``root``, or None. A split's images
+    folder without its labels folder is refused (a DatasetError): the layout's top
+    ``labels/`` would give it the training images' boxes, or another split's."""
     candidates = [(root / "images" / split, root / "labels" / split),
                   (root / split / "images", root / split / "labels")] if split else []
+    for images, labels in candidates:
+        if images.is_dir() and labels.is_dir():
+            return images, labels
+    for images, labels in candidates:
+        if images.is_dir():
+            raise DatasetError(
+                f"dataset.path={printable(str(root))}: the {split} split's images "
+                f"({printable(str(images))}) have no labels folder ({printable(str(labels))} "
+                f"is missing): put the split's label files there (<image stem>.txt); the "
+                "top labels/ is not this split's")
     candidates.append((root / "images", root / "labels"))
     if "images" in root.parts:
         # the images folder itself (ultralytics' 'train: images/train'): the last /images/
@@ -223,17 +259,20 @@ def detect_format(path: str | Path, split: str | None = None) -> str:
 
 
 def read_labels(path: str | Path, format: str = "auto", split: str | None = None,
-                classes: list[str] | None = None) -> LabelSet:
+                classes: list[str] | None = None, cache_dir: str | Path | None = None,
+                stats: dict[str, tuple[int, int, int, int]] | None = None) -> LabelSet:
     """The detection targets at ``path`` (``format``: "auto", "yolo" or "coco"; ``split``:
     which split's folder or JSON, e.g. "train"; ``classes``: YOLO class names, when the
-    layout has no data.yaml or classes.txt)."""
+    layout has no data.yaml or classes.txt; ``cache_dir``: where the labels cache lives,
+    runner/data/sources/labelcache.py, None: none; ``stats``: YOLO label files' stat rows
+    taken already)."""
     if format not in ("auto", *FORMATS):
         raise DatasetError(f"labels format {format!r} is not one of auto, yolo, coco")
     if format == "auto":
         format = detect_format(path, split)
     if format == "yolo":
-        return read_yolo(path, split, classes)
-    return read_coco(path, split=split)
+        return read_yolo(path, split, classes, cache_dir, stats)
+    return read_coco(path, split=split, cache_dir=cache_dir)
 
 
 # --- YOLO ---------------------------------------------------------------------------------
@@ -256,8 +295,8 @@ def _yaml_names(*folders: Path) -> list[str] | None:
         if not file.is_file():
             continue
         try:
-            names = (yaml.safe_load(file.read_text()) or {}).get("names")
-        except (OSError, yaml.YAMLError, AttributeError) as e:
+            names = (yaml.safe_load(file.read_text(encoding="utf-8-sig")) or {}).get("names")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as e:
             if file.name not in YAML_NAMES:  # another YAML file: not necessarily the set's
                 continue
             raise DatasetError(f"{printable(str(file))} cannot be read as YAML ({e}); fix "
@@ -284,7 +323,8 @@ def _class_file_names(*folders: Path) -> list[str] | None:
     for folder in folders:
         file = folder / CLASS_FILE
         if file.is_file():
-            return [line.strip() for line in file.read_text(errors="replace").splitlines()
+            return [line.strip() for line in file.read_text(encoding="utf-8-sig",
+                                                             errors="replace").splitlines()
                     if line.strip()]
     return None
 
@@ -295,6 +335,13 @@ def _class_id(token: str) -> int | None:
     except ValueError:
         return None
     return int(value) if math.isfinite(value) and value == int(value) else None
+
+
+def _parse_file(file: Path, text: str) -> ParsedFile:
+    """A label file's text parsed (``_parse_yolo``), its bad lines kept to be said."""
+    report = _Report()
+    ids, boxes, lines = _parse_yolo(file, text, report)
+    return ParsedFile(ids, boxes, lines, [("malformed", s.error) for s in report.skipped])
 
 
 def _parse_yolo(file: Path, text: str, report: _Report
@@ -347,24 +394,45 @@ def upright_size(path) -> tuple[int, int]:
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
 
 
-def _sizes(paths: list[str]) -> list[tuple[int, int] | str]:
-    """Each image's upright size, or why it cannot be read (threads: a header read each)."""
+def _sizes(paths: list[str], cache: LabelCache | None = None
+           ) -> list[tuple[int, int] | str]:
+    """Each image's upright size, or why it cannot be read (threads: a header read each;
+    ``cache``: those it holds for the file as it is are not read)."""
     def one(path: str) -> tuple[int, int] | str:
         try:
             return upright_size(path)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
 
-    if len(paths) < 64:
-        return [one(p) for p in paths]
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, paths))
+    cached = [cache.size(p) for p in paths] if cache is not None else [([], None)] * len(paths)
+    todo = [p for p, (_, size) in zip(paths, cached) if size is None]
+    if len(todo) < 64:
+        read = [one(p) for p in todo]
+    else:
+        with ThreadPoolExecutor(8) as pool:
+            read = list(pool.map(one, todo))
+    got = iter(read)
+    out: list[tuple[int, int] | str] = []
+    for path, (stat, size) in zip(paths, cached):
+        if size is None:
+            size = next(got)
+            if cache is not None and not isinstance(size, str):
+                cache.put_size(path, stat, size)
+        out.append(size)
+    return out
+
+
+def relative(path: str | Path, folder: str | Path) -> str:
+    """``path`` relative to ``folder``, which it was found under (a walk's own join: a
+    prefix cut, where ``os.path.relpath``'s two abspaths cost more than the listing)."""
+    path, prefix = str(path), os.path.join(str(folder), "")
+    return path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, folder)
 
 
 def _sorted_images(images: Path) -> list[str]:
     walked, _, _ = walk(images, [os.path.realpath(images)])
     found = [os.path.join(d, f) for d, files in walked for f in files if is_image_name(f)]
-    return sorted(found, key=lambda p: os.path.relpath(p, images).split(os.sep))
+    return sorted(found, key=lambda p: relative(p, images).split(os.sep))
 
 
 def yolo_inputs(path: str | Path, split: str | None = None
@@ -388,9 +456,12 @@ def yolo_inputs(path: str | Path, split: str | None = None
     return images, _sorted_images(images), files + names
 
 
-def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | None = None
-              ) -> LabelSet:
-    """The YOLO layout at ``path`` (module docstring)."""
+def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | None = None,
+              cache_dir: str | Path | None = None,
+              stats: dict[str, tuple[int, int, int, int]] | None = None) -> LabelSet:
+    """The YOLO layout at ``path`` (module docstring); ``cache_dir``: where the labels
+    cache lives (runner/data/sources/labelcache.py; None: every label file read);
+    ``stats``: the label files' stat rows, if taken already (before reading them)."""
     root = Path(path).expanduser()
     dirs = _yolo_dirs(root, split)
     if dirs is None:
@@ -402,7 +473,7 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
         _class_file_names(labels, labels.parent, root)
     report = _Report()
     image_paths = _sorted_images(images)
-    stem_of = {p: os.path.splitext(os.path.relpath(p, images))[0] for p in image_paths}
+    stem_of = {p: os.path.splitext(relative(p, images))[0] for p in image_paths}
     stems = set(stem_of.values())  # a.jpg and a.png both take labels/a.txt, as in ultralytics
     # label files, and the ones with no image
     label_of: dict[str, Path] = {}
@@ -412,7 +483,7 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
             if not name.endswith(".txt"):
                 continue
             file = Path(dirpath, name)
-            stem = os.path.splitext(os.path.relpath(file, labels))[0]
+            stem = os.path.splitext(relative(file, labels))[0]
             if stem in stems:
                 label_of[stem] = file
             elif name != CLASS_FILE:
@@ -420,19 +491,20 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
                             f"no image {stem}.* under {printable(str(images))}; its boxes are "
                             "not used")
     parsed: dict[str, tuple[Path, np.ndarray, np.ndarray, list[int]]] = {}
+    cache = LabelCache(cache_dir, labels, stats)
     for image, stem in stem_of.items():
         file = label_of.get(stem)
         if file is None:
             report.count("no_label_file", image)
             continue
-        try:
-            text = file.read_text(errors="replace")
-        except OSError as e:
-            report.skip("malformed", str(file), f"cannot be read ({e}); the image has no boxes")
+        got = cache.parsed(file, _parse_file)
+        if isinstance(got, str):
+            report.skip("malformed", str(file), f"{got}; the image has no boxes")
             continue
-        ids, boxes, lines = _parse_yolo(file, text, report)
-        if len(ids):
-            parsed[image] = (file, ids, boxes, lines)
+        for kind, why in got.issues:
+            report.skip(kind, str(file), why)
+        if len(got.ids):
+            parsed[image] = (file, got.ids, got.boxes, got.lines)
     num_classes = len(names) if names else 1 + max(
         (int(ids.max()) for _, ids, _, _ in parsed.values() if (ids >= 0).any()), default=-1)
     classes = list(names) if names else [str(k) for k in range(num_classes)]
@@ -442,7 +514,11 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
                     "label", printable(str(root)), num_classes - 1)
     # sizes of the images with boxes (the normalised coordinates need them)
     with_boxes = list(parsed)
-    sizes = dict(zip(with_boxes, _sizes(with_boxes)))
+    sizes = dict(zip(with_boxes, _sizes(with_boxes, cache)))
+    cache.save()
+    if cache.hits:
+        log.info("%s: %d label files from the labels cache, %d read", printable(str(labels)),
+                 cache.hits, cache.reads)
     targets: dict[str, ImageTargets] = {}
     for position, image in enumerate(image_paths):
         if image not in parsed:
@@ -466,6 +542,11 @@ def read_yolo(path: str | Path, split: str | None = None, classes: list[str] | N
         targets[image] = ImageTargets(torch.from_numpy(xyxy[keep]).to(torch.float32),
                                       torch.from_numpy(ids[in_range][keep]), h, w, position)
     report.say(labels)
+    if targets and not any(len(t.labels) for t in targets.values()):
+        log.warning("%s: none of its %d images has a box (%d label files; a line is 'class cx "
+                    "cy w h', normalised): a detector trains on nothing from it and validation "
+                    "has nothing to score; check the label files", printable(str(labels)),
+                    len(targets), len(label_of))
     return LabelSet("yolo", images, labels, classes, targets, report.skipped, report.counts)
 
 
@@ -519,10 +600,11 @@ def _finite_bbox(value: object) -> list[float] | None:
     return [float(v) for v in value] if all(map(math.isfinite, value)) else None
 
 
-def read_coco(path: str | Path, images: str | Path | None = None, split: str | None = None
-              ) -> LabelSet:
+def read_coco(path: str | Path, images: str | Path | None = None, split: str | None = None,
+              cache_dir: str | Path | None = None) -> LabelSet:
     """COCO's ``instances_*.json`` at ``path`` (the file, or the folder that holds
-    ``annotations/``), its images in ``images`` (found beside it when not given)."""
+    ``annotations/``), its images in ``images`` (found beside it when not given);
+    ``cache_dir``: where the images' sizes are cached (runner/data/sources/labelcache.py)."""
     root = Path(path).expanduser()
     file = _coco_json(root, split)
     try:
@@ -539,25 +621,31 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
                          and _whole(c.get("id"))), key=lambda c: c["id"])
     class_of = {c["id"]: k for k, c in enumerate(categories)}
     classes = [str(c.get("name", c["id"])) for c in categories]
-    listed: dict[int, tuple[str, int, int]] = {}
+    entries: list[tuple[int, str, int, int]] = []
     for entry in data["images"]:
         try:
             if not _whole(entry["id"]):
                 raise TypeError
-            listed[entry["id"]] = (str(entry["file_name"]), int(entry["height"]),
-                                   int(entry["width"]))
+            entries.append((entry["id"], str(entry["file_name"]), int(entry["height"]),
+                            int(entry["width"])))
         except (KeyError, TypeError, ValueError):
             report.skip("malformed", source, f"image entry {str(entry)[:80]}: no id, "
                         "file_name, height and width; skipped")
+    listed, doubtful = _unique_entries(entries, file.name)
+    doubtful_ids = {e[0] for e in doubtful}
     folder = Path(images).expanduser() if images is not None else _coco_images_dir(
         file, root, [name for name, _, _ in list(listed.values())[:20]])
     # annotations grouped by image
     per_image: dict[int, list[tuple[list[float], int, str]]] = {}
+    doubtful_boxes: Counter = Counter()
     for ann in data.get("annotations") or []:
         if not isinstance(ann, dict):
             report.skip("malformed", source, f"annotation {str(ann)[:60]} is not an object")
             continue
         where = f"annotation {ann.get('id', '?')}"
+        if _whole(ann.get("image_id")) and ann["image_id"] in doubtful_ids:
+            doubtful_boxes[ann["image_id"]] += 1  # said with the entries it cannot go to
+            continue
         if not _whole(ann.get("image_id")) or ann["image_id"] not in listed:
             report.skip("annotation_without_image", source,
                         f"{where}: image_id {ann.get('image_id')!r} is not in 'images'; "
@@ -578,8 +666,14 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
             continue
         per_image.setdefault(ann["image_id"], []).append(
             (bbox, class_of[ann["category_id"]], f"{source}: {where}"))
-    targets: dict[str, ImageTargets] = {}
     seen = set()
+    for image_id, kind, name, why in doubtful:
+        seen.add(os.path.normpath(str(folder / name)))
+        n = doubtful_boxes[image_id]
+        report.skip(kind, str(folder / name), f"{why}; skipped with the {n} "
+                    f"box{'es' if n != 1 else ''} of id {image_id}")
+    targets: dict[str, ImageTargets] = {}
+    on_disk = []
     for image_id, (name, h, w) in sorted(listed.items(), key=lambda kv: kv[1][0].split("/")):
         image = str(folder / name)
         seen.add(os.path.normpath(image))
@@ -587,7 +681,14 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
             report.skip("image_missing", image, f"listed in {file.name} (id {image_id}) but "
                         "not on disk; skipped with its boxes")
             continue
+        on_disk.append((image_id, image, h, w))
+    cache = LabelCache(cache_dir, file)
+    sizes = _sizes([image for _, image, _, _ in on_disk], cache)
+    cache.save()
+    for (image_id, image, h, w), size in zip(on_disk, sizes):
         anns = per_image.get(image_id, [])
+        if not _size_agrees(report, file.name, image, (h, w), size, len(anns)):
+            continue
         if not anns:
             targets[image] = ImageTargets(*_empty(), h, w, image_id)
             continue
@@ -602,6 +703,57 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
     report.say(file)
     return LabelSet("coco", folder, file, classes, targets, report.skipped, report.counts,
                     [c["id"] for c in categories])
+
+
+def _unique_entries(entries: list[tuple[int, str, int, int]], json_name: str
+                    ) -> tuple[dict[int, tuple[str, int, int]], list[tuple[int, str, str, str]]]:
+    """The image entries that name one image each (id -> file_name, height, width), and
+    those that contradict another ((id, kind, file_name, why) each): two entries of one id (its
+    annotations cannot tell which image they belong to), or one file under two ids (which
+    id's boxes are its own is unknown). Neither is merged: each is skipped, counted."""
+    ids = Counter(e[0] for e in entries)
+    names = Counter(os.path.normpath(e[1]) for e in entries)
+    listed: dict[int, tuple[str, int, int]] = {}
+    doubtful: list[tuple[int, str, str, str]] = []
+    for image_id, name, h, w in entries:
+        if ids[image_id] > 1:
+            others = [e[1] for e in entries if e[0] == image_id]
+            doubtful.append((image_id, "duplicate_id", name, f"{json_name} lists id "
+                             f"{image_id} for {len(others)} images ({', '.join(others[:3])})"))
+        elif names[os.path.normpath(name)] > 1:
+            others = [str(e[0]) for e in entries
+                      if os.path.normpath(e[1]) == os.path.normpath(name)]
+            doubtful.append((image_id, "duplicate_file", name, f"{json_name} lists this file "
+                             f"under {len(others)} ids ({', '.join(others[:3])})"))
+        else:
+            listed[image_id] = (name, h, w)
+    return listed, doubtful
+
+
+def _size_agrees(report: _Report, json_name: str, image: str, given: tuple[int, int],
+                 size: tuple[int, int] | str, boxes: int) -> bool:
+    """Whether ``image``'s boxes can be used in the JSON's frame (``given``: its height
+    and width): COCO's sizes are the upright image's (EXIF orientation applied). The same
+    size, or a copy resized with its shape kept (each side within a pixel of the scaled
+    size: the boxes are scaled with it, counted ``resized``); any other size is skipped
+    with the image's boxes (``size_mismatch``), as is one that cannot be read."""
+    plural = "es" if boxes != 1 else ""
+    if isinstance(size, str):
+        report.skip("unreadable_size", image, f"its size cannot be read ({size}); skipped "
+                    f"with its {boxes} box{plural}")
+        return False
+    (h, w), (fh, fw) = given, size
+    if (h, w) == (fh, fw):
+        return True
+    if h > 0 and w > 0 and abs(h * fw / w - fh) <= 1 and abs(w * fh / h - fw) <= 1:
+        report.count("resized", image, f"{json_name} gives {w}x{h}, the file is {fw}x{fh}")
+        return True
+    why = f"{json_name} gives {w}x{h} (width x height), the upright image is {fw}x{fh}"
+    if (h, w) == (fw, fh):
+        why += (" (the stored size of an EXIF-rotated image: COCO's sizes are the upright "
+                "image's, as its boxes are)")
+    report.skip("size_mismatch", image, f"{why}; skipped with its {boxes} box{plural}")
+    return False
 
 
 def _unlisted(folder: Path, seen: Iterable[str]) -> list[str]:

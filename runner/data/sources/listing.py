@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.common.errors import UserError
+from runner.common.errors import ConfigError, UserError
 from runner.common.text import printable
+from runner.config.credentials import redacted
 from runner.config.schema import DatasetConfig, Labels, Split
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,24 @@ def open_image_folder(path: str | Path | None, labels: Labels = Labels.auto) -> 
     return Listing(root, classes, samples, "class folders", special)
 
 
+def check_path_exists(key: str, value: str) -> Path:
+    """A local ``dataset.path``, ``val_path`` or ``manifest`` (``key``: its name under
+    ``dataset.``), expanded: a ConfigError naming the value and the fix when it is a link
+    loop or is not there. Torch-free, so the command line says it before torch is loaded
+    (runner/job/precheck.py) and the data path again when it starts."""
+    where = Path(value).expanduser()
+    try:
+        check_no_loop(where, f"dataset.{key}")  # a link to itself "exists" nowhere
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    if not where.exists():
+        fix = ("give the CSV or JSON-lines file that lists your images" if key ==
+               "manifest" else "point it at your image folder (one sub-folder per class, "
+               "or the images themselves)")
+        raise ConfigError(f"dataset.{key}={value!r} does not exist: {fix}")
+    return where
+
+
 def check_no_loop(path: Path, key: str) -> None:
     """A DatasetError, in one line, when ``path`` is a link that leads back to itself
     (``ln -s loop loop``): nothing could be read through it."""
@@ -407,7 +426,9 @@ def read_manifest(path: str | Path, labels: Labels = Labels.auto) -> Listing:
             raise DatasetError(f"dataset.manifest={path}, {where}: the path is empty or not "
                                "text; give each image's path, relative to the manifest's "
                                "folder")
-        files.append(str(root / value.strip()))
+        # a row's URL credentials (http://bob:pw@host/b.jpg) are never kept: the path is
+        # printed and stored (skipped_files) as every config value is, with *** in their place
+        files.append(str(root / redacted(value.strip())))
     given = [not (row.get("label") is None or (isinstance(row["label"], str)
                                                and not row["label"].strip()))
              for _, row in rows]
@@ -437,6 +458,11 @@ def list_images(dataset: DatasetConfig, path: str | Path) -> Listing:
     if dataset.val_fraction > 0:
         listing = split_listing(listing, dataset.val_fraction, dataset.split_seed,
                                 dataset.split is Split.val)
+    elif dataset.split is Split.val:  # the runner sets it only with a split to read
+        raise DatasetError(f"dataset.split=val: {printable(str(path))} has no val split (no "
+                           "dataset.val_fraction holds one out): drop dataset.split to read "
+                           f"all its {len(listing.samples)} images, or point dataset.path at "
+                           "the validation images")
     return listing
 
 

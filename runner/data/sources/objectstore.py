@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from runner.common.errors import ConfigError
 from runner.config.credentials import redacted
@@ -405,6 +406,8 @@ def explain(error: BaseException, url: str, endpoint: str | None) -> RemoteError
     status = status_of(error)
     text = str(error)
     where = f" at {endpoint}" if endpoint else ""
+    if url.lower().startswith(("http://", "https://")):
+        return explain_http(status, text, url)
     if status == 404 or "NoSuchBucket" in text:
         what = "the bucket does not exist" if "NoSuchBucket" in text else "nothing is there"
         return RemoteError(f"{url}: {what}{where}; check the bucket and prefix of "
@@ -420,6 +423,29 @@ def explain(error: BaseException, url: str, endpoint: str | None) -> RemoteError
                            "S3-compatible server's address")
     return RemoteError(f"{url}: the server answered HTTP {status}{where}; check the URL and "
                        "dataset.endpoint_url (or AWS_ENDPOINT_URL)")
+
+
+def explain_http(status: int | None, text: str, url: str) -> RemoteError:
+    """An http(s) URL's failure in one line: no bucket, no prefix, no credentials to set;
+    a server that cannot be reached told from one that answered."""
+    host = urlsplit(url).netloc or url
+    if status is None:
+        why = ("its name does not resolve" if "dns error" in text.lower()
+               or "resolve" in text.lower() else "the connection timed out"
+               if "timed out" in text.lower() else "the connection failed")
+        return RemoteError(f"{url}: cannot reach {host} ({why}); check the URL's host and "
+                           "port, and that this machine reaches it (curl -I URL)")
+    if status == 404:
+        return RemoteError(f"{url}: {host} answered 404 Not Found: nothing is at that URL, "
+                           "or a proxy or firewall between this machine and the host "
+                           f"answered for it; check the URL, and that this machine reaches "
+                           f"{host} (curl -I URL)")
+    if status in (401, 403):
+        return RemoteError(f"{url}: {host} refused access (HTTP {status}); the runner's "
+                           "http(s) client sends no credentials: serve the files without a "
+                           "login, or from a bucket (s3://) with AWS_ACCESS_KEY_ID and "
+                           "AWS_SECRET_ACCESS_KEY set")
+    return RemoteError(f"{url}: {host} answered HTTP {status}; check the URL")
 
 
 def check_url(text: str, endpoint_url: str | None = None, is_file: bool = False

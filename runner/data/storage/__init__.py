@@ -25,7 +25,10 @@ shards decode it; memmap and ram cut it from the stored image per batch on the d
 (runner/data/decode/crops.py). ``dataset.store_size=256`` stores memmap and ram images larger
 than the output so those crops have pixels to choose from, and one store then serves
 centre and random crops; at the output size, the centre crop and the whole side are two
-stores. ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
+stores. ``dataset.crop=letterbox`` (the detectors' default: the whole image, aspect kept,
+padded with grey 114) is decoded so by folder, packed and shards, and stored so by memmap
+and ram (at ``dataset.image_size``: with ``dataset.store_size`` refused in one line); DALI
+and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``). ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
 binding is built, else simplejpeg with DCT scaling; the run's ``metrics.json`` names the
 one that ran. How fast each storage is here: ``python -m runner.bench stores`` (figures
 depend on the machine, so they live in the bench's output, not in the docs).
@@ -36,12 +39,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.common.errors import ConfigError, UserError
+from runner.common.errors import ConfigError
 from runner.common.registry import Registry
-from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName, TargetName
+from runner.config.schema import Crop, DatasetConfig, Decoder, LoaderConfig, StorageName, TargetName
 from runner.data.decode.decoders import DECODERS, concrete_decoder
 from runner.data.protocol import Storage, StorageKind
-from runner.data.sources.listing import EXTENSIONS, check_no_loop, is_image_name
+from runner.data.sources.listing import EXTENSIONS, check_no_loop, check_path_exists, is_image_name
 from runner.data.sources.synthetic import SyntheticSpec, ensure_dataset
 from runner.data.sources.url import is_url
 from runner.data.storage.tarformat import MANIFEST
@@ -91,16 +94,7 @@ def check_dataset_found(cfg: DatasetConfig) -> None:
         value = getattr(cfg, key)
         if value is None or is_url(value):
             continue
-        where = Path(value).expanduser()
-        try:
-            check_no_loop(where, f"dataset.{key}")  # a link to itself "exists" nowhere
-        except UserError as e:
-            raise ConfigError(str(e)) from None
-        if not where.exists():
-            fix = ("give the CSV or JSON-lines file that lists your images" if key ==
-                   "manifest" else "point it at your image folder (one sub-folder per class, "
-                   "or the images themselves)")
-            raise ConfigError(f"dataset.{key}={value!r} does not exist: {fix}")
+        where = check_path_exists(key, value)
         if key != "manifest" and where.is_dir() and not holds_images(where):
             raise ConfigError(f"dataset.{key}={value!r} holds no images ({' '.join(EXTENSIONS)}) "
                               "in it or its sub-folders: point it at your image folder (one "
@@ -163,6 +157,10 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
             raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                               f"loader.decoder={loader.decoder.value}: use a CPU decoder "
                               "(loader.decoder=auto)")
+    if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
+        # (its batched resample of mixed sizes fills the output: no pads)
+        raise ConfigError(f"loader.decoder={loader.decoder.value} has no "
+                          "dataset.crop=letterbox: use a CPU decoder (loader.decoder=auto)")
     if loader.decoder not in kind.decoders:
         takes = ", ".join(sorted(d.value for d in kind.decoders))
         why = (" (it decodes on the GPU, every epoch)" if DECODERS[loader.decoder].cuda
@@ -195,9 +193,10 @@ def settle_user(loader: LoaderConfig, dataset: DatasetConfig) -> None:
 
 
 def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
-                  progress: bool = True) -> Storage:
+                  progress: bool = True, needed: int | None = None) -> Storage:
     """The storage ``loader.name`` asks for, over the image folder at ``path`` (a URL:
-    only storages whose record says ``urls`` read one)."""
+    only storages whose record says ``urls`` read one); ``needed``: the items the run's
+    steps read, for a storage that ``counts_items``."""
     kind = STORAGES[loader.name]
     if is_url(path) and not kind.urls:
         readers = " or ".join(f"loader={k.name.value}" for k in STORAGES.values() if k.urls)
@@ -212,6 +211,8 @@ def build_storage(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                           f"and reading dataset.path={path} does not survive a fork: use "
                           "loader.num_workers=0 (decode threads, one per core; the fetches "
                           "run on an I/O thread of their own)")
+    if kind.counts_items:
+        return kind.open(loader, dataset, path, progress, needed=needed)
     return kind.open(loader, dataset, path, progress)
 
 

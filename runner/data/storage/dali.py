@@ -207,10 +207,10 @@ def open_dali(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The folder at ``path`` for NVIDIA DALI's own pipeline (the rival, measured the
     runner's way)."""
     check_dali()  # before listing the folder: a clear skip when DALI is not installed
-    if dataset.crop is Crop.whole:
-        raise RivalUnavailable("loader=dali has no dataset.crop=whole (the whole image "
-                               "resized without a crop): use loader=folder, packed, memmap "
-                               "or ram for dense outputs")
+    if dataset.crop in (Crop.whole, Crop.letterbox):
+        raise RivalUnavailable(f"loader=dali has no dataset.crop={dataset.crop.value} (the "
+                               "whole image resized without a crop): use loader=folder, "
+                               "packed, shards, memmap or ram for detection and dense outputs")
     return DaliStorage(open_folder(loader, dataset, path, progress), loader, dataset)
 
 

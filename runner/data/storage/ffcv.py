@@ -262,10 +262,10 @@ def open_ffcv(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     """The folder at ``path`` as an FFCV .beton read by FFCV's Loader (the rival, measured
     the runner's way)."""
     check_ffcv()  # before listing the folder: a clear skip when FFCV is not installed
-    if dataset.crop is Crop.whole:
-        raise RivalUnavailable("loader=ffcv has no dataset.crop=whole (the whole image "
-                               "resized without a crop): use loader=folder, packed, memmap "
-                               "or ram for dense outputs")
+    if dataset.crop in (Crop.whole, Crop.letterbox):
+        raise RivalUnavailable(f"loader=ffcv has no dataset.crop={dataset.crop.value} (the "
+                               "whole image resized without a crop): use loader=folder, "
+                               "packed, shards, memmap or ram for detection and dense outputs")
     return FfcvStorage(open_folder(loader, dataset, path, progress), loader, dataset, progress)
 
 

@@ -114,6 +114,7 @@ class MemmapSpec(StoreSpec):
     draft: bool
     selected_by: tuple[str, ...] = field(default=(), compare=False)
     whole: bool = False  # dataset.crop=whole: the whole image resized, not centre-cropped
+    letterbox: bool = False  # dataset.crop=letterbox: the whole image, aspect kept, padded
     # the share of the shorter side the stored centre crop keeps: dataset.crop_fraction when
     # stored at the output size; 1.0 (the whole shorter side) at dataset.store_size, whose
     # centre crop is then cut on the device
@@ -130,6 +131,7 @@ class MemmapSpec(StoreSpec):
         return {"source": str(self.source), "image_size": list(self.image_size),
                 "decoder": self.decoder, "draft": self.draft,
                 **({"crop": "whole"} if self.whole else {}),
+                **({"crop": "letterbox"} if self.letterbox else {}),
                 **({"crop_fraction": self.fraction} if self.fraction != 1.0 else {}),
                 **({"targets": self.targets, "images": self.images} if self.targets else {})}
 
@@ -137,6 +139,7 @@ class MemmapSpec(StoreSpec):
         h, w = self.image_size
         return (f"{h}x{w}-{self.decoder}{'-draft' if self.draft else ''}"
                 f"{'-whole' if self.whole else ''}"
+                f"{'-letterbox' if self.letterbox else ''}"
                 f"{f'-crop{self.fraction:g}' if self.fraction != 1.0 else ''}"
                 f"{f'-{self.targets}' if self.targets else ''}")
 
@@ -182,9 +185,9 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     if dataset.store_size is not None:
         picked += [f"dataset.store_size={dataset.store_size}",
                    f"dataset.store_side={dataset.store_side.value}"]
-    whole = dataset.crop is Crop.whole
-    if whole:
-        picked.append("dataset.crop=whole")
+    whole, letterbox = dataset.crop is Crop.whole, dataset.crop is Crop.letterbox
+    if whole or letterbox:
+        picked.append(f"dataset.crop={dataset.crop.value}")
     fraction = stored_fraction(dataset)
     if fraction != 1.0:
         picked.append(f"dataset.crop_fraction={fraction:g}")
@@ -199,7 +202,8 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
         else:
             targets = dataset.targets.value
     return MemmapSpec(source, stored_size(dataset), loader.decoder.value, bool(loader.draft),
-                      selected_by=tuple(picked), whole=whole, fraction=fraction,
+                      selected_by=tuple(picked), whole=whole, letterbox=letterbox,
+                      fraction=fraction,
                       targets=targets, images=images)
 
 
@@ -350,7 +354,13 @@ def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     batches happen on the device, runner/data/decode/crops.py)."""
     check_decoder(loader.decoder)
     check_whole_listing(dataset, path)
-    crop = Crop.whole if dataset.crop is Crop.whole else Crop.center
+    if dataset.crop is Crop.letterbox and dataset.store_size is not None:
+        raise ConfigError(
+            f"dataset.crop=letterbox with dataset.store_size={dataset.store_size}: "
+            f"loader={loader.name.value} stores the letterbox itself, at dataset.image_size "
+            "(a larger store would be cut by a centre crop on the device): leave "
+            "dataset.store_size unset")
+    crop = dataset.crop if dataset.crop in (Crop.whole, Crop.letterbox) else Crop.center
     decode = ImageDecoder(loader.decoder, stored_size(dataset), crop, loader.draft,
                           stored_fraction(dataset))
     return open_folder(loader, whole_folder(dataset), path, progress, decode=decode)

@@ -73,7 +73,14 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from runner.config.schema import DatasetConfig, LoaderConfig, StorageName, StoreSide, TargetName
+from runner.config.schema import (
+    Crop,
+    DatasetConfig,
+    LoaderConfig,
+    StorageName,
+    StoreSide,
+    TargetName,
+)
 from runner.data.decode.decoders import (
     DECODERS,
     CorruptImageError,
@@ -81,7 +88,6 @@ from runner.data.decode.decoders import (
     JpegHeader,
     read_jpeg_header,
     region_window,
-    resize_into,
     source_window,
     upright_rgb,
 )
@@ -614,8 +620,9 @@ class PackedStorage(FolderStorage):
             if self.targets is not None:  # the boxes through the window decoded at 1/denom
                 window = source_window(box, (header.height, header.width), (
                     -(-header.height // denom), -(-header.width // denom)))
-                boxes[k] = follow(self.targets[index], window, flip, size)
-            planar = (ch, cw) == size and not flip
+                boxes[k] = follow(self.targets[index], decoder.shows(window, (ch, cw)), flip,
+                                  size)
+            planar = (ch, cw) == size and not flip and decoder.crop is not Crop.letterbox
             dest = memoryview(out[k].numpy()).cast("B") if planar else bytearray(ch * cw * 3)
             jobs.append((data, denom, top, left, ch, cw, dest, planar))
             todo.append((len(items), k, index, valid, seed, flip))
@@ -632,7 +639,7 @@ class PackedStorage(FolderStorage):
             else:
                 if not planar:
                     img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
-                    resize_into(out[k], img.permute(2, 0, 1), flip)
+                    decoder.place(out[k], img.permute(2, 0, 1), flip)
                 item = Sample(None, self.samples[index][1], index, valid, *boxes.get(k, (
                     None, None)))
             items[slot] = item

@@ -25,13 +25,27 @@ the verdict (its stages: ``getitem``, your ``__getitem__`` alone, and ``collate`
 ``task=infer``'s outputs (files are named by their index, ``000123``) and ``resume=``.
 What does not apply is said in one log line: ``loader=`` itself (the storage is yours),
 ``loader.decoder``/``draft``, and the ``dataset.*`` keys of an image folder (``path``,
-``manifest``, ``labels``, ``crop``, ``crop_fraction``, ``store_*``, ``on_corrupt``,
-``page_cache``); ``dataset.val_fraction`` is refused (``dataset.val_path``, an image folder
-of the same classes, validates).
+``manifest``, ``labels``, ``crop``, ``crop_fraction``, ``store_*``, ``page_cache``);
+``dataset.val_fraction`` is refused (``dataset.val_path``, an image folder of the same
+classes, validates).
+
+**Labels** are checked against the classes: beyond the ones the Dataset names (``classes``
+or ``num_classes``) refused, naming the item; counted from the labels (``0..max``), classes
+that no item has are said once (a stray 100 among 0..2 would size a 101-class head), and
+``model.num_classes`` below the count is refused before training.
+
+**Faults** are one line naming the item, what was wrong and the line of your code it came
+through (``raised_in_your_code``): your module failing to import, your function raising,
+a ``__len__`` that raises or is negative. An item whose ``__getitem__`` raises (an
+``IndexError`` from a ``__len__`` larger than the items too) or whose image is empty is,
+with ``dataset.on_corrupt=skip`` (the default), skipped and counted in ``skipped_files``
+as ``000123``, as an undecodable file is; with ``fail``, the run stops on that line.
 
 **An IterableDataset** has no index: its epoch is read in its own order (``loader.shuffle``
-does not apply), its length is ``len()`` when it has one, else counted by iterating it once
-when the run starts. With ``loader.num_workers=n > 0`` each worker iterates it and converts
+does not apply), its length is ``dataset.length`` or ``len()`` when it has one, else
+counted by iterating it once when the run starts, with a bound (``count_stream``): with
+``run.steps``, the larger of what it reads and ``COUNT_FLOOR`` (a stream still going there
+is an epoch of that many, said); without, refused past ``COUNT_CAP`` (an endless stream). With ``loader.num_workers=n > 0`` each worker iterates it and converts
 every n-th item (worker k: items k, k+n, ...), which the DataLoader takes in turn, so the
 order is the Dataset's: a Dataset that splits itself by ``get_worker_info()`` gives fewer
 items than its length, which is refused in one line (use ``loader.num_workers=0``; a
@@ -53,8 +67,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from runner.common.errors import ConfigError
-from runner.config.schema import DatasetConfig, Decoder, LoaderConfig, StorageName, import_target
+from runner.common.errors import ConfigError, raised_in_your_code
+from runner.config.schema import (
+    DatasetConfig,
+    Decoder,
+    LoaderConfig,
+    OnCorrupt,
+    StorageName,
+    import_target,
+    keys_where,
+)
 from runner.data.order import BatchOrder, split_padding, unpad
 from runner.data.protocol import (
     Probe,
@@ -71,15 +93,19 @@ from runner.measure import timeline
 log = logging.getLogger(__name__)
 
 KEY = "dataset.target"
-# the keys of an image folder and of loader= that your Dataset replaces (said once)
-NOT_APPLYING = ("loader= (the storage is your Dataset)", "loader.decoder", "loader.draft",
-                "dataset.path/manifest/labels", "dataset.crop/crop_fraction",
-                "dataset.store_size/store_side/store_quality", "dataset.on_corrupt",
-                "dataset.page_cache")
+# the keys of the runner's own reading of images that your Dataset replaces (said once):
+# declared on each field (``key(..., own_reading=True)``, runner/config/schema.py)
+NOT_APPLYING = tuple("loader= (the storage is your Dataset)" if k == "loader.name" else k
+                     for k in keys_where("own_reading"))
 
 
 class ItemError(ConfigError):
     """An item of the user's Dataset that is not ``(image, label)`` of a kind it takes."""
+
+
+class ItemFault(ItemError):
+    """An item the run can go on without (an empty image): skipped and counted with
+    ``dataset.on_corrupt=skip``, as an undecodable file is."""
 
 
 def to_image(image: Any, target: str, index: int) -> torch.Tensor:
@@ -111,6 +137,9 @@ def to_image(image: Any, target: str, index: int) -> torch.Tensor:
                         f"{fix}")
     if image.shape[0] == 1:
         image = image.expand(3, -1, -1)
+    if image.shape[1] == 0 or image.shape[2] == 0:
+        raise ItemFault(f"{where} is empty ({image.shape[1]}x{image.shape[2]}, H x W): "
+                        "return an image of at least one pixel")
     return image
 
 
@@ -183,6 +212,10 @@ class UserStorage(Dataset):
         size: (H, W) every image is resized to.
         classes: class names by index (empty: unlabelled).
         labels: every item's label where known (from the Dataset, or one pass), else None.
+        on_corrupt: an item whose ``__getitem__`` raises, or whose image is empty: skipped
+            and counted in ``skipped_files`` (named ``000123``, as its outputs are), or
+            (fail) the run stops on it; either way one line naming the item, what was wrong
+            and the line of your code it came from.
     """
 
     decodes_per_epoch = True  # every epoch calls your __getitem__
@@ -191,13 +224,15 @@ class UserStorage(Dataset):
     streams = False
 
     def __init__(self, dataset: Any, target: str, size: tuple[int, int], classes: list[str],
-                 labels: list[int] | None = None):
+                 labels: list[int] | None = None, count: int | None = None,
+                 on_corrupt: OnCorrupt = OnCorrupt.skip):
         self.dataset, self.target, self.size = dataset, target, size
         self.classes = classes
         self.labels = labels
         self.root = Path.cwd()
         self.known_skipped: list[SkippedFile] = []
-        self.count = len(dataset)
+        self.count = len(dataset) if count is None else count
+        self.on_corrupt = on_corrupt
 
     def __len__(self) -> int:
         return self.count
@@ -230,13 +265,40 @@ class UserStorage(Dataset):
 
     def convert(self, item: Any, index: int, valid: bool = True) -> Sample:
         image, label = split_item(item, self.target, index)
-        return Sample(resize(to_image(image, self.target, index), self.size),
-                      to_label(label, self.target, index), index, valid)
+        label = to_label(label, self.target, index)
+        if self.classes and label >= len(self.classes):  # a head this size cannot learn it
+            raise ItemError(beyond_classes(self.target, index, label, self.classes))
+        return Sample(resize(to_image(image, self.target, index), self.size), label, index,
+                      valid)
 
-    def __getitem__(self, index: int) -> Sample:
+    def fault(self, index: int, why: str) -> SkippedFile:
+        """Item ``index`` cannot be read (``why``): a SkippedFile to count (the loop names
+        it once), or, with ``dataset.on_corrupt=fail``, the one line that stops the run."""
+        if self.on_corrupt is OnCorrupt.fail:
+            raise ItemError(f"{KEY}={self.target}: item {index}: {why}; fix it in your "
+                            "Dataset, or set dataset.on_corrupt=skip to skip such items "
+                            "(counted in metrics.json's skipped_files)")
+        return SkippedFile(self.name_of(index), f"item {index}: {why}", index)
+
+    def read(self, index: int) -> Any:
+        """Your ``__getitem__(index)``; what it raises, as ``ItemRaised`` naming your line."""
+        try:
+            return self.dataset[index]
+        except Exception as e:
+            hint = (f"; your __len__ says {self.count}: does it count more items than there "
+                    "are?" if isinstance(e, IndexError) else "")
+            raise ItemRaised(f"your Dataset's __getitem__ raised {raised_in_your_code(e)}"
+                             f"{hint}") from e
+
+    def __getitem__(self, index: int) -> Sample | SkippedFile:
         index, valid = unpad(index)
         t0 = time.perf_counter() if timeline.enabled() else 0.0
-        sample = self.convert(self.dataset[index], index, valid)
+        try:
+            sample = self.convert(self.read(index), index, valid)
+        except ItemRaised as e:
+            return self.fault(index, str(e))
+        except ItemFault as e:
+            return self.fault(index, str(e).split(": ", 1)[-1])
         if timeline.enabled():
             timeline.record("getitem", t0, time.perf_counter())
         return sample
@@ -254,8 +316,10 @@ class UserStorage(Dataset):
         items = []
         for k in positions:
             item = self[indices[k]]
-            out[k].copy_(item.image)
-            items.append(Sample(None, item.label, item.index, item.valid))
+            if isinstance(item, Sample):
+                out[k].copy_(item.image)
+                item = Sample(None, item.label, item.index, item.valid)
+            items.append(item)
         return items
 
     def pack(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -265,16 +329,20 @@ class UserStorage(Dataset):
                ) -> tuple[dict | None, list[SkippedFile]]:
         from runner.data.targets import batch_fields
 
-        samples = self.__getitems__(index.tolist())
+        items = self.__getitems__(index.tolist())
+        samples = [s for s in items if isinstance(s, Sample)]
+        skipped = [s for s in items if isinstance(s, SkippedFile)]
         if not samples:
-            return None, []
+            return None, skipped
         images = [s.image for s in samples]
         pixels = ({"image": torch.stack(images, out=out[: len(samples)])} if out is not None
                   else self.pack(images))
-        return {**pixels, **batch_fields(samples)}, []
+        return {**pixels, **batch_fields(samples)}, skipped
 
     def first_items(self, n: int) -> list[Sample]:
-        return [self[i] for i in range(min(n, len(self)))]
+        """The first ``n`` items that read (a skipped one left out)."""
+        items = (self[i] for i in range(min(2 * n, len(self))))
+        return [s for s in items if isinstance(s, Sample)][:n]
 
     def example(self, n: int) -> torch.Tensor:
         samples = self.first_items(n)
@@ -305,6 +373,52 @@ class UserStorage(Dataset):
         return {"getitem": getitem, "collate": collate}
 
 
+class ItemRaised(Exception):
+    """Your ``__getitem__`` raised (the message says what, and where in your code)."""
+
+
+def beyond_classes(target: str, index: int, label: int, classes: list[str]) -> str:
+    """The line refusing a label at or beyond the classes the Dataset names."""
+    names = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+    return (f"{KEY}={target}: item {index}'s label is {label}, but your Dataset names "
+            f"{len(classes)} classes ({names}): a label is a class index 0..{len(classes) - 1}"
+            "; fix the label, or name its class in classes/num_classes")
+
+
+def check_labels(target: str, labels: list[int] | None, names: list[str],
+                 named: bool) -> None:
+    """Labels against the classes: beyond classes the Dataset ``named`` (its classes or
+    num_classes attribute), refused naming the item; classes counted from the labels
+    (``0..max``) that no item has, said once (a stray label, e.g. 100 among 0..2, would
+    otherwise size a 101-class head without a word)."""
+    if not labels:
+        return
+    if named:
+        bad = next((k for k, v in enumerate(labels) if v >= len(names)), None)
+        if bad is not None:
+            raise ConfigError(beyond_classes(target, bad, labels[bad], names))
+        return
+    used = set(labels) - {UNLABELLED}
+    empty = [k for k in range(len(names)) if k not in used]
+    if used and empty:
+        top = max(used)
+        lonely = sorted(used, key=lambda v: (labels.count(v), -v))[0]
+        log.warning("%s: your Dataset's labels run 0..%d, so the model gets %d classes, but "
+                    "%d of them have no item (%s); the rarest label, %d, is item %d's. A "
+                    "stray label? Give your Dataset a classes attribute (its class names) "
+                    "and a label beyond them is refused", f"{KEY}={target}", top, top + 1,
+                    len(empty), ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5
+                                                                   else ""),
+                    lonely, labels.index(lonely))
+
+
+def has_names(dataset: Any) -> bool:
+    """Whether the Dataset names its classes itself (classes or num_classes)."""
+    names, count = getattr(dataset, "classes", None), getattr(dataset, "num_classes", None)
+    return (isinstance(names, list | tuple) and bool(names)) or (
+        isinstance(count, int) and count >= 1)
+
+
 class Items(IterableDataset):
     """An IterableDataset's items converted (in the DataLoader's workers, when it has any)."""
 
@@ -314,7 +428,8 @@ class Items(IterableDataset):
     def __iter__(self) -> Iterator[Sample]:
         worker = get_worker_info()
         share, count = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        for position, item in enumerate(self.storage.dataset):
+        for position, item in enumerate(stream_items(self.storage.dataset,
+                                                     self.storage.target)):
             if position % count == share:  # the DataLoader takes the workers in turn
                 yield self.storage.convert(item, position)
 
@@ -411,7 +526,7 @@ class UserStream(UserStorage):
 
     def first_items(self, n: int) -> list[Sample]:
         out = []
-        for position, item in enumerate(self.dataset):
+        for position, item in enumerate(stream_items(self.dataset, self.target)):
             if position >= n:
                 break
             out.append(self.convert(item, position))
@@ -444,15 +559,34 @@ def check_target(target: str) -> Any:
     return function
 
 
+# an IterableDataset without __len__ is counted up to COUNT_CAP items; with run.steps, up to
+# the larger of what it reads and COUNT_FLOOR (count_stream)
+COUNT_CAP = 1_000_000
+COUNT_FLOOR = 10_000
+
+
+def call_factory(target: str) -> Any:
+    """The Dataset ``dataset.target``'s function returns; what it raises, one line naming
+    your line."""
+    function = check_target(target)
+    try:
+        return function()
+    except Exception as e:
+        raise ConfigError(f"{KEY}={target}: calling it raised {raised_in_your_code(e)}; fix "
+                          "it there") from e
+
+
 def open_user(loader: LoaderConfig, dataset: DatasetConfig, path: Any = None,
-              progress: bool = True) -> UserStorage:
+              progress: bool = True, needed: int | None = None) -> UserStorage:
     """The Dataset ``dataset.target``'s function returns, as a storage; the first item is
-    converted at once, so a wrong item is one line before any work."""
+    converted at once, so a wrong item is one line before any work. ``needed``: the items
+    the run's steps read (``run.steps``), the most an IterableDataset without ``__len__``
+    is counted to."""
     target = dataset.target
     if target is None:
         raise ConfigError("loader=user reads the Dataset dataset.target names: set "
                           "dataset.target=module:function (it replaces loader=)")
-    data = check_target(target)()
+    data = call_factory(target)
     if not isinstance(data, Dataset):
         raise ConfigError(f"{KEY}={target} returned a {type(data).__name__}, not a torch "
                           "Dataset: return a torch.utils.data.Dataset (map-style) or "
@@ -461,25 +595,48 @@ def open_user(loader: LoaderConfig, dataset: DatasetConfig, path: Any = None,
     log.info("%s: your Dataset's items are resized to dataset.image_size=%s; these do not "
              "apply to it: %s", f"{KEY}={target}", list(size), ", ".join(NOT_APPLYING))
     if isinstance(data, IterableDataset):
-        return open_stream(data, target, size)
+        return open_stream(data, target, size, dataset.length, needed)
     try:
         count = len(data)
     except TypeError as e:
+        if "__len__" not in str(e) and "len()" not in str(e):
+            raise ConfigError(f"{KEY}={target}: your Dataset's __len__ raised "
+                              f"{raised_in_your_code(e)}") from e
         raise ConfigError(f"{KEY}={target} returned a map-style Dataset with no __len__: "
                           "give it one, or make it an IterableDataset") from e
-    storage = UserStorage(data, target, size, [], None)
+    except Exception as e:  # a negative length (ValueError), or __len__ itself failing
+        raise ConfigError(f"{KEY}={target}: your Dataset's __len__ raised "
+                          f"{raised_in_your_code(e)}; it must return the number of items "
+                          "(0 or more)") from e
+    storage = UserStorage(data, target, size, [], None, count, dataset.on_corrupt)
     if count == 0:
         raise ConfigError(f"{KEY}={target} returned an empty Dataset (len 0)")
-    storage.convert(data[0], 0)  # the first item: a wrong kind is said now
+    try:
+        storage.convert(storage.read(0), 0)  # the first item: a wrong kind is said now
+    except ItemRaised as e:
+        raise ConfigError(f"{KEY}={target}: item 0: {e}") from e
     labels = known_labels(data, count)
     names = class_names(data, labels)
     if names is None:  # nothing tells: one pass over every item's label
         log.info("%s: reading every item once for its label (give your Dataset a classes "
                  "attribute, or targets, to skip this)", f"{KEY}={target}")
-        labels = [to_label(split_item(data[i], target, i)[1], target, i) for i in range(count)]
+        labels = [storage_label(storage, i) for i in range(count)]
         names = class_names(data, labels)
+    check_labels(target, labels, names, has_names(data))
     storage.classes, storage.labels = unlabelled_or(names, labels), labels
     return storage
+
+
+def storage_label(storage: UserStorage, index: int) -> int:
+    """Item ``index``'s label for the pass over every item; an item that cannot be read is
+    counted as skipped (``known_skipped``), its label 0 (it is never trained on: it is
+    skipped again when read), or with ``dataset.on_corrupt=fail`` stops the run."""
+    try:
+        item = storage.read(index)
+    except ItemRaised as e:
+        storage.known_skipped.append(storage.fault(index, str(e)))
+        return 0
+    return to_label(split_item(item, storage.target, index)[1], storage.target, index)
 
 
 def unlabelled_or(names: list[str], labels: list[int] | None) -> list[str]:
@@ -489,22 +646,59 @@ def unlabelled_or(names: list[str], labels: list[int] | None) -> list[str]:
     return names
 
 
-def open_stream(data: IterableDataset, target: str, size: tuple[int, int]) -> UserStream:
-    """An IterableDataset: its length from ``len()``, else one pass counting its items
-    (and their labels)."""
+def stream_items(data: IterableDataset, target: str) -> Iterator[Any]:
+    """Your IterableDataset's items; what its iterator raises, one line naming your line."""
+    position = 0
+    try:
+        for position, item in enumerate(data):  # noqa: B007 - the position is said below
+            yield item
+    except Exception as e:
+        raise ConfigError(f"{KEY}={target}: your IterableDataset raised "
+                          f"{raised_in_your_code(e)} after item {position}") from e
+
+
+def count_stream(data: IterableDataset, target: str, needed: int | None
+                 ) -> tuple[int, list[int]]:
+    """An IterableDataset without ``__len__`` counted by iterating it: (its length, its
+    labels). With ``needed`` (the items run.steps reads) the count stops at the larger of
+    it and ``COUNT_FLOOR``, and a stream still going there is taken as an epoch of that many
+    (said): the floor keeps a finite stream's length, and so a resume's data, whatever
+    run.steps says. Without, past ``COUNT_CAP`` is refused: an endless stream with
+    run.epochs has no epoch to count."""
+    bound = max(needed, COUNT_FLOOR) if needed else COUNT_CAP
+    log.info("%s: an IterableDataset with no __len__: counting its items by iterating it "
+             "once, at most %s (dataset.length=N gives its length and skips this pass)",
+             f"{KEY}={target}", f"{bound:,}" + (f" (run.steps reads {needed})"
+                                                if needed else ""))
+    labels: list[int] = []
+    for position, item in enumerate(stream_items(data, target)):
+        if position == bound:
+            break
+        if position == 0:  # a wrong kind is said before the pass
+            image, label = split_item(item, target, 0)
+            to_image(image, target, 0)
+        labels.append(to_label(split_item(item, target, position)[1], target, position))
+    else:
+        return len(labels), labels
+    if needed:
+        log.warning("%s: your IterableDataset gave %s items without ending (run.steps reads "
+                    "%d): counted no further, an epoch is those %s; dataset.length=N gives "
+                    "its length", f"{KEY}={target}", f"{bound:,}", needed, f"{bound:,}")
+        return bound, labels
+    raise ConfigError(f"{KEY}={target}: your IterableDataset gave {COUNT_CAP:,} items without "
+                      "ending, and has no __len__: give its epoch's length with "
+                      "dataset.length=N, or the run's length with run.steps=N, or a __len__")
+
+
+def open_stream(data: IterableDataset, target: str, size: tuple[int, int],
+                length: int | None = None, needed: int | None = None) -> UserStream:
+    """An IterableDataset: its length from ``dataset.length``, ``len()``, else counted
+    (``count_stream``) with its labels."""
     labels = None
     try:
-        count = len(data)
+        count = length if length is not None else len(data)
     except TypeError:
-        log.info("%s: an IterableDataset with no __len__: counting its items by iterating it "
-                 "once (give it a __len__ to skip this pass)", f"{KEY}={target}")
-        labels = []
-        for position, item in enumerate(data):
-            if position == 0:  # a wrong kind is said before the pass
-                image, label = split_item(item, target, 0)
-                to_image(image, target, 0)
-            labels.append(to_label(split_item(item, target, position)[1], target, position))
-        count = len(labels)
+        count, labels = count_stream(data, target, needed)
     stream = UserStream(data, target, size, [], labels, count)
     if count == 0:
         raise ConfigError(f"{KEY}={target} returned an empty IterableDataset")
@@ -512,11 +706,12 @@ def open_stream(data: IterableDataset, target: str, size: tuple[int, int]) -> Us
     if not first:
         raise ConfigError(f"{KEY}={target} returned an IterableDataset that yields nothing")
     names = class_names(data, labels)
-    if names is None:  # a __len__ and no classes: one pass for the labels
+    if names is None:  # a length and no classes: one pass for the labels
         labels = [to_label(split_item(item, target, k)[1], target, k)
-                  for k, item in enumerate(data)]
+                  for k, item in zip(range(count), stream_items(data, target))]
         stream.labels = labels
         names = class_names(data, labels)
+    check_labels(target, labels, names, has_names(data))
     stream.classes = unlabelled_or(names, labels)
     if len(stream.label_tensor()) != count:
         stream.labels = None
@@ -542,4 +737,5 @@ KIND = StorageKind(
             "collate": "try loader.batched=true (one gather per batch, no collate calls)"},
     footprint=no_footprint,
     reads_path=False,
+    counts_items=True,
 )

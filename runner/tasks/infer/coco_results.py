@@ -9,8 +9,10 @@
 ``bbox`` is COCO's x, y, width, height in pixels (the padded predictions of
 runner/model/detectors.py are xyxy); ``image_id`` is each image's id (the COCO
 annotations' own, or the dataset index where there are none); ``category_id`` maps the
-dataset's class index to the category id the ground truth uses (COCO's run 1..90 with
-gaps; none given: the class index itself). Boxes are rounded to ``box_decimals``, scores to
+model's class index to a category id (COCO's run 1..90 with gaps; none given: the class
+index itself), decided before the pass by ``served_category_ids``: the ids its checkpoint
+was trained with when the data's JSON gives each the same name, else each class's id by
+its name there; a contradiction is refused in one line naming both lists. Boxes are rounded to ``box_decimals``, scores to
 ``score_decimals`` places, so the same predictions always give the same bytes; a row with
 a non-finite box or score is left out (a file pycocotools can read beats a complete one it
 cannot).
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from runner.common.atomic import replacing
+from runner.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +136,10 @@ class ServedFrame:
     - ``category_ids``: COCO's category id of each class (1..90 with gaps for COCO; None
       for YOLO: the class index);
     - ``source_windows``: the window of its upright source image (top, left, height,
-      width) each output image shows under ``dataset.crop`` (whole or centre, at
+      width) each output image shows under ``dataset.crop`` (whole, letterbox or centre, at
       ``dataset.image_size``; boxgeometry's ``shown_window``), so boxes go back into the
-      source's pixels (``to_source``). Under random crops there is no one window: boxes
+      source's pixels (``to_source``), clipped to the image (``source_sizes``: a
+      letterbox's pads lie outside it). Under random crops there is no one window: boxes
       stay in the model's input pixels (said once). An image whose labels gave no size (a
       YOLO image with no boxes), or any image of a folder without labels, has its size
       read from its file's header; in a bucket (``dataset.path`` a URL) such a folder's
@@ -183,9 +187,87 @@ class ServedFrame:
                                                 self.fraction)).values())
                          for i in index], dtype=np.float64).reshape(-1, 4)
 
-    def context(self) -> dict:
-        """The ``WriterContext`` fields it fills."""
+    def source_sizes(self, index: np.ndarray) -> np.ndarray:
+        """The upright source sizes [B, 2] (height, width) of images ``index``."""
+        return np.array([self._size(int(i)) for i in index], dtype=np.float64).reshape(-1, 2)
+
+    def context(self, category_ids: list[int] | None = None) -> dict:
+        """The ``WriterContext`` fields it fills (``category_ids``: a model's, from
+        ``served_category_ids``; unset: the dataset's)."""
         return {"image_id": self.image_id,
                 "source_windows": self.source_windows if self.mapped else None,
+                "source_sizes": self.source_sizes if self.mapped else None,
                 "input_size": self.size if self.mapped else None,
-                "category_ids": getattr(self.targets, "category_ids", None)}
+                "category_ids": category_ids if category_ids is not None
+                else getattr(self.targets, "category_ids", None)}
+
+
+def _categories(ids: Sequence[int], names: Sequence[str]) -> str:
+    """Categories as a short list in words: ``[1 person, 7 car, ...]``."""
+    shown = [f"{i} {n}" for i, n in zip(ids, names)]
+    more = f", ... ({len(shown)} in all)" if len(shown) > 12 else ""
+    return "[" + ", ".join(shown[:12]) + more + "]"
+
+
+def served_category_ids(model: str, names: Sequence[str], count: int,
+                        trained_ids: Sequence[int] | None, data_names: Sequence[str],
+                        data_ids: Sequence[int] | None, labelled: bool,
+                        where: str = "the dataset") -> list[int] | None:
+    """The category id each of a detector's ``count`` classes is served under, decided
+    before the pass; a contradiction is a ConfigError naming both lists.
+
+    - the data has COCO ids (``data_ids``, with ``data_names``): the checkpoint's own ids
+      (``trained_ids``) when every one names the same class in the data as in the model
+      (``names``); without them, each model class's id by its name in the data (each
+      name once there); a model whose names are unknown takes the data's ids by position
+      when the counts agree;
+    - the data has none (YOLO: the class index is the id): the class index, or, on images
+      without labels (``labelled`` false), the checkpoint's own ids when it has them.
+
+    Args:
+        model: the model's name, for the message.
+        names: the model's class names (empty when unknown).
+        count: the model's class count.
+        trained_ids: the category ids its checkpoint was trained with, or None.
+        data_names, data_ids: the dataset's classes and their COCO ids (None: none).
+        labelled: whether the images have labels at all.
+        where: the labels' source, for the message (the JSON's path).
+    """
+    named = len(names) == count
+    trained = list(trained_ids) if trained_ids is not None and len(trained_ids) == count \
+        else None
+    if data_ids is None:
+        return trained if trained is not None and not labelled else None
+    data = dict(zip(data_ids, data_names))
+    theirs = _categories(data_ids, data_names)
+    if trained is not None and named:
+        wrong = [(i, n) for i, n in zip(trained, names) if data.get(i) != n]
+        if not wrong:
+            return trained
+        i, n = wrong[0]
+        raise ConfigError(
+            f"model {model} was trained on categories {_categories(trained, names)}; the "
+            f"categories of {where} are {theirs}: id {i} is {n!r} to the model and "
+            f"{repr(data[i]) if i in data else 'missing'} there ({len(wrong)} of "
+            f"{count} disagree). Serve it on labels with its categories, or on images without "
+            "labels (its own ids are used)")
+    if named:
+        by_name: dict[str, list[int]] = {}
+        for i, n in data.items():
+            by_name.setdefault(n, []).append(i)
+        ids = [by_name.get(n, []) for n in names]
+        if all(len(found) == 1 for found in ids):
+            return [found[0] for found in ids]
+        bad = next(n for n, found in zip(names, ids) if len(found) != 1)
+        raise ConfigError(
+            f"model {model}'s classes {list(names)[:12]} are not each one category of "
+            f"{where}, whose categories are {theirs}: {bad!r} is "
+            f"{'not there' if not by_name.get(bad) else 'there more than once'}. Serve it on "
+            "labels with its categories, or name its classes as they are there "
+            "(model.classes=[...])")
+    if count == len(data_ids):
+        return list(data_ids)
+    raise ConfigError(
+        f"model {model} has {count} classes and no names (a plain state_dict); {where} "
+        f"has {len(data_ids)} categories {theirs}: give model.classes=[...] (its class "
+        "names in order) so each is served under its category's id")

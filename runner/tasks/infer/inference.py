@@ -30,7 +30,7 @@ from runner.model.compile import build_models, step_amp
 from runner.model.networks import split_input
 from runner.tasks import checkpoint
 from runner.tasks.infer import outputs
-from runner.tasks.infer.coco_results import ServedFrame
+from runner.tasks.infer.coco_results import ServedFrame, served_category_ids
 from runner.tasks.infer.kinds import OUTPUT_KINDS
 from runner.tasks.infer.outputs import Outputs, Reduce
 from runner.tasks.loop import Step
@@ -110,6 +110,16 @@ class InferTask(TaskBase):
         storage, built = self.ctx.data.storage, self.built
         if not cfg.task.write_outputs:
             return None
+        classes = {name: outputs.model_classes(
+            built.configs[name], getattr(built.networks[name], "num_classes",
+                                         len(storage.classes)),
+            storage.classes, getattr(built.networks[name], "class_names", None))
+            for name in self.models}
+        # a detector's boxes served in the source's frame (its labels' ids, if it has
+        # labels): each model's category ids decided, or refused, before the probe and pass
+        frame = ServedFrame(getattr(storage, "targets", None), cfg.dataset, source_of(storage)) \
+            if any(OUTPUT_KINDS[o].detector for o in cfg.task.outputs) else None
+        served = {name: self._category_ids(name, classes[name], frame) for name in self.models}
         example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype
         amp = step_amp(cfg)
         several = len(self.models) > 1
@@ -122,19 +132,12 @@ class InferTask(TaskBase):
             broadcast(ranks, "wait")  # for rank 0 to make the files every rank fills
         writers = {}
         arrays = False
-        source = lambda i: str(Path(storage.root) / storage.name_of(i))  # noqa: E731
-        # a detector's boxes served in the source's frame (its labels' ids, if it has labels)
-        frame = ServedFrame(getattr(storage, "targets", None), cfg.dataset, source) \
-            if any(OUTPUT_KINDS[o].detector for o in cfg.task.outputs) else None
         for name in self.models:
-            head = getattr(built.networks[name], "num_classes", len(storage.classes))
             writers[name] = outputs.ModelWriter(
-                run_dir, name, len(storage), shapes[name], storage.name_of, source,
-                outputs.model_classes(built.configs[name], head, storage.classes,
-                                      getattr(built.networks[name], "class_names", None)),
-                storage.classes, outputs.csv_name(name, several, ranks.rank if ranks.enabled
-                                                  else None),
-                create=fresh and ranks.main, targets=frame)
+                run_dir, name, len(storage), shapes[name], storage.name_of,
+                source_of(storage), classes[name], storage.classes,
+                outputs.csv_name(name, several, ranks.rank if ranks.enabled else None),
+                create=fresh and ranks.main, targets=frame, category_ids=served[name])
             arrays = arrays or bool(writers[name].arrays)
         if ranks.main and fresh and arrays:
             outputs.write_files(run_dir, len(storage), storage.name_of)
@@ -148,6 +151,22 @@ class InferTask(TaskBase):
             written = outputs.open_written(run_dir, len(storage), False)
         return Outputs(writers, cfg.task.writer_threads, device=device, written=written,
                        first_step=self.start_step)
+
+    def _category_ids(self, name: str, classes: list[str], frame: ServedFrame | None
+                      ) -> list[int] | None:
+        """The COCO category ids model ``name``'s detections are served under
+        (``served_category_ids``: its checkpoint's own when the data's names agree, else
+        refused naming both lists); None: no detections, or the class index."""
+        if frame is None:
+            return None
+        storage, network = self.ctx.data.storage, self.built.networks[name]
+        targets = getattr(storage, "targets", None)
+        model_cfg = self.built.configs[name]
+        return served_category_ids(
+            name, classes, getattr(network, "num_classes", len(storage.classes)),
+            checkpoint.saved_category_ids(model_cfg.weights), storage.classes,
+            getattr(targets, "category_ids", None), targets is not None,
+            f"dataset.path={self.config.dataset.path}")
 
     def on_step(self) -> Callable[[int], None] | None:
         """In one process: ``infer-state.json`` saved every ``outputs.STATE_SECONDS`` with
@@ -189,6 +208,11 @@ class InferTask(TaskBase):
 
 
 KIND = InferTask  # its registry record (runner/tasks/__init__.py)
+
+
+def source_of(storage: Any) -> Callable[[int], str]:
+    """Dataset index -> the image's source file path."""
+    return lambda i: str(Path(storage.root) / storage.name_of(i))
 
 
 class InferStep:

@@ -447,14 +447,17 @@ class ModelWriter:
         csv_name: the top-k CSV's file name; ``create``: a fresh run (else continuing one).
         targets: a detection dataset's served frame (``ServedFrame``: COCO's image and
             category ids, each image's source window), or None.
+        category_ids: the COCO category id of each of the model's classes
+            (``coco_results.served_category_ids``); None: the frame's (the dataset's).
     """
 
     def __init__(self, run_dir: Path, label: str, count: int,
                  shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
                  names: Callable[[int], str], source: Callable[[int], str],
                  classes: list[str], dataset_classes: list[str], csv_name: str,
-                 create: bool, targets: ServedFrame | None = None):
-        frame = {} if targets is None else targets.context()
+                 create: bool, targets: ServedFrame | None = None,
+                 category_ids: list[int] | None = None):
+        frame = {} if targets is None else targets.context(category_ids)
         ctx = WriterContext(Path(run_dir), label, count, names, source, classes,
                             dataset_classes, csv_name, create, **frame)
         by_kind: dict[Any, dict[str, tuple[tuple[int, ...], np.dtype]]] = {}

@@ -49,8 +49,11 @@ class ClassScores:
     family = ModelFamily.classifier
 
     def __init__(self, device: torch.device, ranks: Ranks, classes: int = 0):
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
-        self.ranks = ranks
+        # correct top-1, correct top-5, loss and images, then the images whose top-1 is each
+        # class (validation.py's not_learning): one tensor, one all-reduce
+        self.sums = torch.zeros(4 + classes, dtype=torch.float64, device=device)
+        self.ranks, self.classes = ranks, classes
+        self.predicted: list[int] = []
 
     def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
         logits = main_output(model(batch["image"])).float()
@@ -60,13 +63,16 @@ class ClassScores:
         valid = _valid(batch)
         valid = valid.double() if valid is not None \
             else torch.ones(len(loss), dtype=torch.float64, device=loss.device)
-        self.sums += torch.stack([(hit[:, 0] * valid).sum(), (hit.any(dim=1) * valid).sum(),
-                                  (loss.double() * valid).sum(), valid.sum()])
+        self.sums[:4] += torch.stack([(hit[:, 0] * valid).sum(), (hit.any(dim=1) * valid).sum(),
+                                      (loss.double() * valid).sum(), valid.sum()])
+        if self.classes == logits.shape[1]:
+            self.sums[4:].index_add_(0, top[:, 0], valid)
 
     def compute(self) -> dict[str, float]:
         if self.ranks.enabled:  # every rank's share, each image once
             dist.all_reduce(self.sums)
-        correct1, correct5, loss, total = self.sums.tolist()
+        correct1, correct5, loss, total, *predicted = self.sums.tolist()
+        self.predicted = [int(c) for c in predicted]
         n = max(total, 1)
         return {"top1": correct1 / n, "top5": correct5 / n, "loss": loss / n}
 

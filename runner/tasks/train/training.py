@@ -108,6 +108,7 @@ class TrainTask(TaskBase):
                               "shard's sample without a .cls member, a manifest row without "
                               "a label); unlabelled images serve task=infer only: label them, "
                               "or leave them out")
+        check_head_size(self.config, data.classes)
         classes = self.config.model.classes
         if classes is not None:  # it names an inference's outputs; said, not silently ignored
             log.warning("model.classes=%s is not used in training: the classes are the "
@@ -205,6 +206,11 @@ class TrainTask(TaskBase):
             log.info("epoch %d: best %s so far (%.4g): %s", epoch, key, row[key], path)
 
     def figures(self, complete: bool) -> dict[str, Any]:
+        last = self.epoch_figures[-1] if self.epoch_figures else {}
+        if complete and self.validation is not None and "val_top1" in last:
+            warning = self.validation.not_learning(last["val_top1"])
+            if warning:  # a run that ends at chance says so, naming what to try
+                log.warning("%s", warning)
         return {**super().figures(complete), **results.epochs(self.epoch_figures)}
 
     def rank_digest(self) -> str | None:
@@ -233,6 +239,21 @@ DEFAULT_BEST = "val_top1"  # task.best_metric's default, a classifier's figure
 def run_family(config: Config) -> Family:
     """The family of the model a training run trains (runner/model/families.py)."""
     return family_of_config(config.model, config.dataset.targets)
+
+
+def check_head_size(config: Config, classes: list[str]) -> None:
+    """A classifier's ``model.num_classes`` that holds every class of the data: a label at
+    or beyond it would fail the loss at its first batch (``Target 3 is out of bounds``)."""
+    asked = config.model.num_classes
+    if asked is None or len(classes) <= asked or config.model.name == NO_MODEL \
+            or TARGETS[run_family(config).target].batch_keys:  # a class index per image only
+        return
+    names = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
+    raise ConfigError(f"model.num_classes={asked}, and the data's labels run to "
+                      f"{len(classes) - 1} ({len(classes)} classes: {names}): a head of "
+                      f"{asked} outputs cannot learn labels {asked}..{len(classes) - 1}; set "
+                      f"model.num_classes={len(classes)}, or leave it unset (the head is "
+                      "sized from the data), or fix the labels")
 
 
 def check_target_task(config: Config) -> None:

@@ -22,6 +22,7 @@ from runner.config.schema import (
     AmpConfig,
     AugmentConfig,
     Config,
+    Crop,
     PageCache,
     PrefetchConfig,
     PrefetchName,
@@ -38,7 +39,7 @@ from runner.tasks.train.scores import scorer_for
 
 def validation_config(config: Config) -> Config:
     """The data path of ``dataset.val_path`` (or of the images ``dataset.val_fraction``
-    holds out): decoded with the run's decoder, center crops (a detector's: whole images),
+    holds out): decoded with the run's decoder, center crops (a detector's: its letterbox, or whole images),
     in order, every image once, from a warm page cache (the crop: its kind of target's)."""
     if config.dataset.val_path is not None:
         dataset = dataclasses.replace(config.dataset, path=config.dataset.val_path,
@@ -47,12 +48,44 @@ def validation_config(config: Config) -> Config:
         dataset = dataclasses.replace(config.dataset, split=Split.val)
     # a detector sees whole images (a centre crop would cut boxes at the sides away)
     crop = TARGETS[config.dataset.targets.kind].eval_crop
+    if crop is Crop.letterbox and config.dataset.crop is Crop.whole:  # as it trained on them
+        crop = Crop.whole
     dataset = dataclasses.replace(dataset, crop=crop, page_cache=PageCache.warm)
     task = dataclasses.replace(config.task, augment=AugmentConfig())  # images as they are
     loader = dataclasses.replace(config.loader, name=StorageName.folder, shuffle=False,
                                  drop_last=False)
     return dataclasses.replace(config, dataset=dataset, loader=loader, task=task,
                                prefetch=PrefetchConfig(PrefetchName.none))
+
+
+# a classifier's final validation is "at chance" up to this factor of 1/classes (a few
+# held-out images measure accuracy coarsely), and "one class for everything" from this share
+AT_CHANCE = 1.25
+ONE_CLASS = 0.9
+
+
+def not_learning(top1: float, predicted: list[int], classes: list[str]) -> str | None:
+    """A warning, naming what to try, when the final validation says the classifier has not
+    learned: its top-1 at chance (at most ``AT_CHANCE`` / classes) or its predictions collapsed
+    onto one class (``ONE_CLASS`` of the images or more); None when it learned something.
+
+    ``predicted``: how many validation images the top-1 named each class (empty: unknown)."""
+    k = len(classes)
+    total = sum(predicted)
+    if k < 2:
+        return None
+    share, top = (max(predicted) / total, predicted.index(max(predicted))) if total else (0, 0)
+    collapsed = total > 0 and share >= ONE_CLASS
+    if top1 > AT_CHANCE / k and not collapsed:
+        return None
+    what = (f"it predicts {classes[top]!r} for {share:.0%} of the validation images"
+            if collapsed else f"its validation top-1 {top1:.0%} is at chance (1/{k} = "
+            f"{1 / k:.0%})")
+    return (f"the model has not learned: {what}. On a small folder, start from pretrained "
+            "weights (model=resnet18 model.weights=resnet18.pt model.replace_head=true; "
+            "README, 'Your own data'), or train with recipe=small_folder (more optimizer "
+            "steps, augmentation); more images, more epochs (run.epochs) or another "
+            "task.lr may be what it needs")
 
 
 class Validation:
@@ -80,6 +113,9 @@ class Validation:
                               "...: they must be the same class folders")
         self.data, self.model, self.amp = data, model, amp
         self.classes = len(classes)
+        self.class_names = list(classes)
+        # per class: how many validation images the last call's top-1 named it (not_learning)
+        self.predicted: list[int] = []
         self.ranks = ranks or Ranks()
         # a package the scorer needs missing (torchmetrics): said now, not after an epoch
         self._scorer()
@@ -106,9 +142,16 @@ class Validation:
             with torch.no_grad(), autocast(self.amp, self.data.device):
                 for batch in self.data.device_batches():
                     scorer.update(model, batch)
-            return scorer.compute()
+            figures = scorer.compute()
+            self.predicted = list(getattr(scorer, "predicted", []))
+            return figures
         finally:
             model.train(was_training)
+
+    def not_learning(self, top1: float) -> str | None:
+        """The warning for a classifier that has not learned, from the last call's figures
+        (``not_learning``), or None."""
+        return not_learning(top1, self.predicted, self.class_names)
 
     def close(self) -> None:
         self.data.close()

@@ -573,3 +573,79 @@ def test_augmentation_draws_on_the_device_with_no_host_round_trip(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", lambda self: calls.append(1) or real_item(self))
     aug(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8))
     assert calls == []  # no .item(): nothing leaves the device per image
+
+
+@pytest.mark.parametrize("auto", ["trivialaugment", "none"])
+def test_a_fixed_seed_gives_equal_images_on_the_cpu_the_device_or_both(auto):
+    """task.augment.on=cpu|device|both: the same draws wherever each half runs, so on a CPU
+    run (one generator) the images and mix labels are equal; in ``both`` the host half
+    moves pixels only (a geometric operation, or nothing) and the device half the rest."""
+    from runner.config.schema import AugmentOn
+
+    base = dict(auto=AutoAugmentName(auto), color_jitter=0.4, erasing=0.5, mixup=0.4,
+                cutmix=1.0, mix_prob=0.8)
+    source = TensorDict({"image": images(8, 24, 28, seed=5),
+                         "label": torch.arange(8) % 3}, batch_size=[8])
+    out = {}
+    for on in AugmentOn:
+        aug = TrainAugment(AugmentConfig(**base, on=on), seed=11, start_step=4)
+        batch = source.clone()
+        assert aug.on_host == (on is AugmentOn.cpu or (on is AugmentOn.both and auto != "none"))
+        assert aug.on_device == (on is not AugmentOn.cpu)
+        aug.host(batch)
+        if on is AugmentOn.device:
+            assert torch.equal(batch["image"], source["image"])  # nothing on the host
+        aug(batch)
+        out[on] = batch
+    for on in (AugmentOn.cpu, AugmentOn.both):
+        assert torch.equal(out[on]["image"], out[AugmentOn.device]["image"]), on
+        assert torch.equal(out[on]["mix"], out[AugmentOn.device]["mix"])
+        assert torch.equal(out[on]["label_b"], out[AugmentOn.device]["label_b"])
+    assert not torch.equal(out[AugmentOn.device]["image"], source["image"])
+
+
+def test_in_both_the_host_half_applies_the_geometric_operations_alone(monkeypatch):
+    from runner.config.schema import AugmentOn
+    from runner.data.device import augment
+
+    seen = []
+    real = augment.apply_ops
+    monkeypatch.setattr(augment, "apply_ops",
+                        lambda x, ops, params: seen.append(ops.clone()) or real(x, ops, params))
+    aug = TrainAugment(AugmentConfig(auto=AutoAugmentName.trivialaugment, color_jitter=0.3,
+                                     on=AugmentOn.both), seed=2)
+    batch = TensorDict({"image": images(64, 16, 16), "label": torch.zeros(64, dtype=torch.long)},
+                       batch_size=[64])
+    aug.host(batch)
+    aug(batch)
+    host, device = seen
+    geometric = torch.isin(host, augment.GEOMETRIC_OPS)
+    identity = OP_NAMES.index("Identity")
+    assert geometric.any() and ((host == identity) | geometric).all()  # the host: geometric
+    assert not torch.isin(device, augment.GEOMETRIC_OPS).any()  # the device: the rest
+    # one draw split in two: each image's operation on exactly one side
+    assert ((host == identity) | (device == identity)).all()
+
+
+@pytest.mark.slow
+def test_where_augmentation_runs_is_one_sweep(tmp_path, cache_dir):
+    """python -m runner -m task.augment.on=cpu,device,both: on the CPU the device stage has
+    nothing to do (the timeline shows the host's augment span); on the device it is timed
+    as the augment stage; a storage that crops on the device refuses the host side."""
+    import json
+
+    from runner.common.errors import ConfigError
+    from tests.conftest import SMALL_DATASET, run_in_process
+
+    base = [*SMALL_DATASET, "logger=none", "diagnose=false", "run.steps=6",
+            "task.augment.auto=trivialaugment", "task.augment.color_jitter=0.3"]
+    cpu = run_in_process(*base, "task.augment.on=cpu", run_dir=tmp_path / "cpu")
+    device = run_in_process(*base, "task.augment.on=device", run_dir=tmp_path / "device")
+    assert device["augment_frac"] > 0 and not cpu.get("augment_frac")
+    spans = json.loads((tmp_path / "cpu" / "timeline.json").read_text())["spans"]
+    assert any(s["stage"] == "augment" and s["lane"] == "main" for s in spans)
+    both = run_in_process(*base, "task.augment.on=both", run_dir=tmp_path / "both")
+    assert both["augment_frac"] > 0 and both["status"] == "ok"
+    with pytest.raises(ConfigError, match="task.augment.on=cpu augments host batches"):
+        run_in_process(*base, "loader=memmap", "dataset.crop=random", "task.augment.on=cpu",
+                       run_dir=tmp_path / "memmap")

@@ -188,3 +188,31 @@ def test_boxes_given_for_another_size_than_the_files_are_scaled_to_it(tmp_path: 
                             ImageDecoder(Decoder.pil, (60, 80), Crop.whole), OnCorrupt.skip)
     item = storage[0]  # the whole 80 x 60 file at its own size: the JSON's box halved
     assert item.boxes.tolist() == [[20.0, 15.0, 60.0, 45.0]] and item.box_labels.tolist() == [0]
+
+
+def test_split_val_on_a_layout_without_splits_is_refused_not_read_whole(tmp_path: Path):
+    """task=infer dataset.split=val on a layout with no val split (and no
+    dataset.val_fraction to hold one out): refused in one line, by the full listing and
+    by the quick one a store opens with, not every image read as if it were val."""
+    from runner.data.sources.detection import quick_detection
+    from runner.data.sources.listing import DatasetError, list_images
+    from tests.data.sources.test_labels import coco
+
+    root = yolo_tree(tmp_path / "d", {"a": "0 0.5 0.5 0.2 0.2\n"}, {"a.jpg": (64, 64)})
+    cfg = dataset_config(root, split=Split.val)
+    for listing in (list_detection, quick_detection):
+        with pytest.raises(DatasetError, match=r"dataset.split=val: dataset.path=.*/d has no "
+                                               r"val split of its own.*drop dataset.split"):
+            listing(cfg, root)
+    assert len(list_detection(dataset_config(root), root).samples) == 1  # without it: all
+    coco(tmp_path / "c", [])  # instances_val2017.json: a val split
+    assert len(list_detection(dataclasses.replace(cfg, targets=Targets.coco), tmp_path / "c"
+                              ).samples) == 2
+    classes = tmp_path / "classes"
+    for name in ("cat/a.jpg", "dog/b.jpg"):
+        (classes / name).parent.mkdir(parents=True, exist_ok=True)
+        (classes / name).write_bytes(b"")
+    plain = dataclasses.replace(cfg, targets=Targets.none)
+    with pytest.raises(DatasetError, match=r"dataset.split=val: .* has no val split .*all its "
+                                           r"2 images"):
+        list_images(plain, classes)

@@ -259,3 +259,114 @@ def test_an_ultralytics_set_named_after_itself_gives_its_class_names(tmp_path: P
         assert read_labels(other).classes == ["0", "1"]
         read_labels(other)
     assert caplog.text.count("no class names") == 1
+
+
+def coco_json(tmp_path: Path, images: list[dict], annotations: list[dict]) -> Path:
+    (tmp_path / "annotations").mkdir(exist_ok=True)
+    file = tmp_path / "annotations" / "instances_val.json"
+    file.write_text(json.dumps({"images": images, "annotations": annotations,
+                                "categories": [{"id": 3, "name": "thing"}]}))
+    return file
+
+
+def box(ann_id: int, image_id: int, bbox: list[float]) -> dict:
+    return {"id": ann_id, "image_id": image_id, "category_id": 3, "bbox": bbox, "iscrowd": 0}
+
+
+def test_coco_sizes_are_the_upright_images_a_resized_copy_is_scaled_another_shape_skipped(
+        tmp_path, caplog):
+    """COCO's width and height are the upright image's (EXIF applied): the same size is
+    used as it is, a copy resized with its shape kept is scaled (said, INFO), any other
+    size (a height that is not the file's, an EXIF-rotated JPEG whose JSON gives its
+    stored size) is skipped with its boxes, counted and said once."""
+    image(tmp_path / "val" / "same.jpg", 160, 120)
+    image(tmp_path / "val" / "half.jpg", 80, 60)  # the JSON's 160x120, halved
+    image(tmp_path / "val" / "tall.jpg", 160, 120)  # the JSON says 160 high
+    image(tmp_path / "val" / "turned.jpg", 160, 120, orientation=6)  # upright 120x160
+    sizes = {"same.jpg": (120, 160), "half.jpg": (120, 160), "tall.jpg": (160, 160),
+             "turned.jpg": (120, 160)}  # (height, width) the JSON gives
+    images = [{"id": k, "file_name": name, "height": h, "width": w}
+              for k, (name, (h, w)) in enumerate(sizes.items(), 1)]
+    file = coco_json(tmp_path, images, [box(k, k, [40, 30, 80, 60]) for k in range(1, 5)])
+    with caplog.at_level(logging.INFO):
+        labels = read_coco(file)
+    assert {Path(p).name for p in labels.targets} == {"same.jpg", "half.jpg"}
+    half = labels.targets[str(tmp_path / "val" / "half.jpg")]
+    assert (half.height, half.width) == (120, 160)  # the JSON's frame, scaled when decoded
+    assert labels.counts == {"resized": 1, "size_mismatch": 2}
+    why = {Path(s.path).name: s.error for s in labels.skipped}
+    assert "gives 160x160 (width x height), the upright image is 160x120" in why["tall.jpg"]
+    assert "skipped with its 1 box" in why["tall.jpg"]
+    assert "stored size of an EXIF-rotated image" in why["turned.jpg"]
+    said = [r.getMessage() for r in caplog.records if "upright image's" in r.getMessage()]
+    assert len(said) == 1 and ": 2 images whose JSON width x height" in said[0]
+
+
+def test_coco_one_file_under_two_ids_is_skipped_and_counted_never_one_entry_dropped(tmp_path):
+    image(tmp_path / "val" / "a.jpg", 64, 64)
+    image(tmp_path / "val" / "b.jpg", 64, 64)
+    file = coco_json(tmp_path, [
+        {"id": 1, "file_name": "a.jpg", "height": 64, "width": 64},
+        {"id": 2, "file_name": "a.jpg", "height": 64, "width": 64},
+        {"id": 3, "file_name": "b.jpg", "height": 64, "width": 64}],
+        [box(1, 1, [1, 1, 10, 10]), box(2, 2, [5, 5, 10, 10]), box(3, 2, [20, 20, 5, 5]),
+         box(4, 3, [2, 2, 4, 4])])
+    labels = read_coco(file)
+    assert [Path(p).name for p in labels.targets] == ["b.jpg"]
+    assert labels.counts == {"duplicate_file": 2}
+    why = sorted(s.error for s in labels.skipped)
+    assert all("lists this file under 2 ids (1, 2)" in w for w in why)
+    assert "skipped with the 1 box of id 1" in why[0] and "the 2 boxes of id 2" in why[1]
+
+
+def test_coco_two_images_sharing_one_id_are_skipped_and_counted_never_merged(tmp_path):
+    image(tmp_path / "val" / "a.jpg", 64, 64)
+    image(tmp_path / "val" / "b.jpg", 64, 64)
+    image(tmp_path / "val" / "c.jpg", 64, 64)
+    file = coco_json(tmp_path, [
+        {"id": 5, "file_name": "a.jpg", "height": 64, "width": 64},
+        {"id": 5, "file_name": "b.jpg", "height": 64, "width": 64},
+        {"id": 6, "file_name": "c.jpg", "height": 64, "width": 64}],
+        [box(1, 5, [1, 1, 10, 10]), box(2, 6, [2, 2, 4, 4])])
+    labels = read_coco(file)
+    assert [Path(p).name for p in labels.targets] == ["c.jpg"]
+    assert labels.counts == {"duplicate_id": 2}  # neither is 'not listed' on disk
+    assert {Path(s.path).name for s in labels.skipped} == {"a.jpg", "b.jpg"}
+    assert all("lists id 5 for 2 images (a.jpg, b.jpg)" in s.error for s in labels.skipped)
+
+
+def test_a_yolo_split_without_its_labels_folder_is_refused_not_given_the_top_labels(tmp_path):
+    """images/val without labels/val: the top labels/ (the training images' boxes, or
+    none) is not the split's; refused in one line naming both folders."""
+    yolo_tree(tmp_path, {"a": "0 0.5 0.5 0.2 0.2\n"}, {"a.jpg": (64, 64)})
+    image(tmp_path / "images" / "val" / "v.jpg", 64, 64)
+    with pytest.raises(DatasetError, match=r"the val split's images \(.*images/val\) have no "
+                                           r"labels folder \(.*labels/val is missing\)"):
+        read_labels(tmp_path, split="val")
+    (tmp_path / "labels" / "val").mkdir()
+    assert len(read_labels(tmp_path, split="val").targets) == 1  # images/val's own labels
+    other = tmp_path / "other"  # the other layout: <split>/images and <split>/labels
+    image(other / "val" / "images" / "w.jpg", 64, 64)
+    with pytest.raises(DatasetError, match="val/labels is missing"):
+        read_yolo(other, "val")
+
+
+def test_a_byte_order_mark_is_read_as_ultralytics_reads_it_no_box_lost(tmp_path):
+    bom = "\ufeff"
+    root = yolo_tree(tmp_path, {"a": f"{bom}1 0.5 0.5 0.2 0.2\n0 0.25 0.25 0.1 0.1\n"},
+                     {"a.jpg": (100, 100)}, names=None)
+    (root / "labels" / "classes.txt").write_text(f"{bom}cat\ndog\n", encoding="utf-8")
+    labels = read_yolo(root)
+    one = labels.targets[str(root / "images" / "a.jpg")]
+    assert one.labels.tolist() == [1, 0] and labels.counts == {}
+    assert labels.classes == ["cat", "dog"]
+
+
+def test_a_set_whose_label_files_are_all_empty_is_said_clearly(tmp_path, caplog):
+    root = yolo_tree(tmp_path, {"a": "", "b": "\n"}, {"a.jpg": (64, 64), "b.jpg": (64, 64)})
+    with caplog.at_level(logging.WARNING):
+        labels = read_yolo(root)
+    assert labels.num_boxes == 0
+    said = [r.getMessage() for r in caplog.records if "none of its 2 images has a box" in
+            r.getMessage()]
+    assert len(said) == 1 and "trains on nothing" in said[0]

@@ -634,3 +634,36 @@ def test_what_the_server_did_is_said_without_a_credential_of_its_url():
     with pytest.raises(RangeAnswerError) as stopped:
         range_body(200, "bytes 0-9/100", bytes(10), 20, 40, "s3://bucket/x", store.where())
     assert "SECRET" not in str(stopped.value)
+
+
+def test_an_http_host_that_cannot_be_reached_or_answers_404_is_told_apart(tmp_path):
+    """An http(s) URL has no bucket or prefix to check: a host that cannot be reached says
+    so; one that answers 404 (or a proxy answering for it) names both."""
+    import http.server
+    import threading
+
+    from runner.bench.servers.loopback import free_port
+    from runner.data.sources.objectstore import RemoteError, check_url
+
+    port = free_port()
+    with pytest.raises(RemoteError) as e:
+        check_url(f"http://127.0.0.1:{port}/data/x.jpg", is_file=True)
+    line = str(e.value)
+    assert f"cannot reach 127.0.0.1:{port} (the connection failed)" in line
+    assert "bucket" not in line and "\n" not in line
+    import functools
+
+    quiet = type("Quiet", (http.server.SimpleHTTPRequestHandler,),
+                 {"log_message": lambda *a: None})
+    server = http.server.HTTPServer(("127.0.0.1", 0),
+                                    functools.partial(quiet, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host = f"127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(RemoteError) as e:
+            check_url(f"http://{host}/data/x.jpg", is_file=True)
+    finally:
+        server.shutdown()
+    line = str(e.value)
+    assert f"{host} answered" in line and "a proxy or firewall" in line
+    assert "bucket" not in line

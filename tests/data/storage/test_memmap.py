@@ -345,17 +345,19 @@ def boxed(tmp_path: Path) -> Path:
 def detection_folder(source: Path, **dataset):
     """The folder loader's listing of ``source`` (the split's side with ``dataset``),
     decoded at the store's size and centre crop."""
-    from runner.config.schema import Targets
+    from runner.config.schema import Crop, Targets
     from runner.data.storage.folder import open_folder
 
-    loader_cfg, dataset_cfg = store_configs(source, source, targets=Targets.yolo, **dataset)
+    loader_cfg, dataset_cfg = store_configs(source, source, targets=Targets.yolo,
+                                            crop=Crop.center, **dataset)
     return open_folder(loader_cfg, dataset_cfg, source, progress=False,
                        decode=ImageDecoder(Decoder.simplejpeg, SIZE, fraction=0.875))
 
 
 def open_detection(source: Path, cache: Path, loader: str = "memmap", **dataset):
-    from runner.config.schema import Targets
+    from runner.config.schema import Crop, Targets
 
+    dataset.setdefault("crop", Crop.center)  # asked: a detector's default is the letterbox
     return open_store(source, cache, loader, targets=Targets.yolo, **dataset)
 
 

@@ -250,7 +250,7 @@ def test_packed_runs_train_and_infer_in_dataset_order(source: Path, tmp_path: Pa
               f"dataset.cache_dir={tmp_path / 'cache'}", "loader=packed", "loader.batch_size=8",
               "model=tiny", "logger=none", "run.progress=false", "run.warmup_steps=0"]
     train = run_in_process(*common, "dataset.crop=random", "run.epochs=1",
-                           run_dir=tmp_path / "train")
+                           "loader.drop_last=false", run_dir=tmp_path / "train")  # all 30
     assert train["status"] == "ok" and train["images"] == 30
     # the broken source, listed by the store and reported by every run
     assert [Path(f).name for f in train["skipped_files"]] == ["broken.jpg"]
@@ -545,7 +545,7 @@ def test_a_packed_detection_sets_boxes_follow_its_stored_images(tmp_path: Path, 
     base = ["dataset.targets=yolo", f"dataset.path={shapes}", "model=none", "logger=none",
             f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.image_size=[96,96]",
             "loader.batch_size=6", "loader.num_workers=0", "loader.shuffle=false",
-            f"loader.decoder={decoder}"]
+            "loader.drop_last=false", f"loader.decoder={decoder}"]  # every image
     from runner.data import build_data_path
 
     got = {}

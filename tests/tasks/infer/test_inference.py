@@ -637,3 +637,38 @@ def test_infer_drops_padding_rows_on_the_host_and_counts_after_warm_up(tmp_path:
     with open(tmp_path / "predictions.csv", newline="") as f:
         assert [int(r["index"]) for r in csv.DictReader(f)] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert step.images == 5  # 3 + 2 after warm-up, the padding row not counted
+
+
+@pytest.mark.slow
+def test_a_checkpoint_is_served_at_the_inputs_it_was_trained_on(tmp_path: Path, cache_dir,
+                                                                 caplog):
+    """Trained at 32 px on a generated set of 24 images: task=infer with it as model.weights
+    served at the default 224 px on a new 2,000-image set without a word. Now the
+    checkpoint's inputs (size, crop, mean/std, the generated set's parameters) are served,
+    said once; a key the command line gives is kept, and said once."""
+    train = ["model=tiny", "dataset.num_images=24", "dataset.num_classes=3",
+             "dataset.source_size=[40,48]", "dataset.image_size=[32,32]", "dataset.crop=whole",
+             "model.mean=[0.5,0.5,0.5]", "model.std=[0.25,0.25,0.25]", "loader.batch_size=8",
+             "loader.num_workers=0", "logger=none", "diagnose=false", "run.steps=2",
+             "run.progress=false", "run.warmup_steps=0"]
+    run_in_process(*train, run_dir=tmp_path / "train")
+    weights = tmp_path / "train" / "checkpoint.pt"
+    serve = ["task=infer", "model=tiny", f"model.weights={weights}", "loader.num_workers=0",
+             "logger=none", "diagnose=false", "run.progress=false", "run.warmup_steps=0"]
+    with caplog.at_level(logging.INFO):
+        m = run_in_process(*serve, run_dir=tmp_path / "serve")
+    dataset, model = m["config"]["dataset"], m["config"]["model"]
+    assert dataset["image_size"] == [32, 32] and dataset["crop"] == "whole"
+    assert dataset["num_images"] == 24 and dataset["source_size"] == [40, 48]
+    assert model["mean"] == [0.5, 0.5, 0.5] and model["std"] == [0.25, 0.25, 0.25]
+    assert m["images"] == 24
+    said = [r.getMessage() for r in caplog.records if "served as it was trained" in
+            r.getMessage()]
+    assert len(said) == 1 and "dataset.image_size=[32, 32]" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        m = run_in_process(*serve, "dataset.image_size=[48,48]", run_dir=tmp_path / "other")
+    assert m["config"]["dataset"]["image_size"] == [48, 48]
+    assert m["config"]["dataset"]["num_images"] == 24
+    (kept,) = [r.getMessage() for r in caplog.records if "trained otherwise" in r.getMessage()]
+    assert "dataset.image_size=[48, 48] (trained: [32, 32])" in kept

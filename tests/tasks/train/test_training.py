@@ -838,6 +838,7 @@ def detection_batches(n: int, size: int = 2, seed: int = 0) -> list[TensorDict]:
     return out
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detectors_step_trains_on_the_sum_of_its_losses():
     from runner.model.detectors import total_loss
 

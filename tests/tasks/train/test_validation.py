@@ -129,7 +129,8 @@ def test_a_detectors_validation_without_torchmetrics_is_refused_before_training(
 
 def test_a_detector_is_validated_on_whole_images_and_a_classifier_on_centre_crops():
     """A centre crop of a non-square image cuts the boxes at its sides away: a detector's
-    validation reads whole images whatever the training crop; a classifier's, centre crops."""
+    validation reads whole images, letterboxed (or stretched when it trained on
+    dataset.crop=whole), whatever the training crop; a classifier's, centre crops."""
     from runner.config.schema import Crop
     from runner.job.compose import compose
     from runner.tasks.train.validation import validation_config
@@ -137,4 +138,48 @@ def test_a_detector_is_validated_on_whole_images_and_a_classifier_on_centre_crop
     boxes = validation_config(compose(["dataset.targets=auto", "dataset.crop=random",
                                        "model.name=ssdlite320_mobilenet_v3_large"]))
     classes = validation_config(compose(["dataset.crop=random", "dataset.val_fraction=0.2"]))
-    assert boxes.dataset.crop is Crop.whole and classes.dataset.crop is Crop.center
+    assert boxes.dataset.crop is Crop.letterbox and classes.dataset.crop is Crop.center
+    whole = validation_config(compose(["dataset.targets=auto", "dataset.crop=whole",
+                                       "model.name=ssdlite320_mobilenet_v3_large"]))
+    assert whole.dataset.crop is Crop.whole
+
+
+def test_a_classifier_at_chance_or_on_one_class_is_said_to_have_not_learned():
+    from runner.tasks.train.validation import not_learning
+
+    classes = ["cat", "dog", "fox"]
+    collapsed = not_learning(0.33, [9, 0, 0], classes)
+    assert "predicts 'cat' for 100% of the validation images" in collapsed
+    assert "recipe=small_folder" in collapsed and "model.weights=" in collapsed
+    assert "at chance (1/3 = 33%)" in not_learning(0.4, [3, 3, 3], classes)
+    assert not_learning(0.8, [3, 3, 3], classes) is None  # learned
+    assert not_learning(0.9, [], ["only"]) is None  # one class: said elsewhere
+
+
+def test_validation_counts_each_classs_top1_predictions():
+    class Always(nn.Module):  # a collapsed classifier: class 2 for every image
+        def forward(self, x):
+            return torch.tensor([0.0, 0.1, 5.0]).repeat(len(x), 1)
+
+    rows = [TensorDict({"image": torch.zeros(4, 3, 8, 8, dtype=torch.uint8),
+                        "label": torch.tensor([0, 1, 2, 0])}, batch_size=[4])]
+    validation = Validation(FakeData(rows), Always(), AmpConfig(AmpName.off), CLASSES)
+    got = validation()
+    assert got["top1"] == 0.25 and validation.predicted == [0, 0, 4]
+    assert "predicts 'triangle' for 100%" in validation.not_learning(got["top1"])
+
+
+@pytest.mark.slow
+def test_a_training_run_that_learns_nothing_ends_with_the_warning(tmp_path, cache_dir, caplog):
+    import logging
+
+    from tests.conftest import encode, make_tree, photo, run_in_process
+
+    tree = make_tree(tmp_path / "data", {f"{c}/{k}.jpg": encode(photo(32, 32, 10 * i + k))
+                                         for i, c in enumerate("abc") for k in range(6)})
+    with caplog.at_level(logging.WARNING):
+        run_in_process(f"dataset.path={tree}", "dataset.image_size=[16,16]",
+                       "dataset.val_fraction=0.5", "task.lr=1e-9", "loader.batch_size=3",
+                       "logger=none", "diagnose=false", "run.progress=false",
+                       run_dir=tmp_path / "run")
+    assert "the model has not learned" in caplog.text

@@ -43,8 +43,8 @@ until the ranks' files are merged):
 Boxes, in both files, are in pixels of the upright source image (the ground truth's
 frame): the model's boxes, in pixels of the image it was given (``dataset.image_size``,
 after its resize and crop), are mapped back through the window of the source that image
-shows (boxgeometry's ``shown_window`` and ``to_source``: the whole image, or the centre
-crop's window), on the writer threads. Under ``dataset.crop=random`` there is no one
+shows (boxgeometry's ``shown_window`` and ``to_source``: the whole image, the letterbox's
+(the image and its pads), or the centre crop's window), on the writer threads. Under ``dataset.crop=random`` there is no one
 window: the boxes stay in input pixels, said once.
 
 Resumable as the top-k CSV is: each step's rows go to a part file of their own under
@@ -145,8 +145,12 @@ class DetectionsWriter:
         ids = index.tolist()
         if self.ctx.source_windows is not None:  # the boxes in their source's pixels
             windows = torch.from_numpy(self.ctx.source_windows(index))
-            kept = {**kept, "boxes": to_source(torch.from_numpy(kept["boxes"]), windows,
-                                               self.ctx.input_size).numpy()}
+            boxes = to_source(torch.from_numpy(kept["boxes"]), windows, self.ctx.input_size)
+            if self.ctx.source_sizes is not None:  # a box reaching into a letterbox's pads
+                hw = torch.from_numpy(self.ctx.source_sizes(index)).to(boxes.dtype)
+                limit = torch.stack([hw[:, 1], hw[:, 0]] * 2, -1)[:, None, :]
+                boxes = torch.minimum(boxes.clamp(min=0), limit)
+            kept = {**kept, "boxes": boxes.numpy()}
             kept["boxes"][np.arange(kept["boxes"].shape[1])[None, :]
                           >= kept["box_count"][:, None]] = 0.0  # padding stays 0
         with replacing(self.parts / f"{step:08d}.csv") as tmp, \

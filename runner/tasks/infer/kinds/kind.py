@@ -54,6 +54,9 @@ class WriterContext:
     # output images' size (None: boxes stay in the model's input pixels)
     source_windows: Callable[[np.ndarray], np.ndarray] | None = None
     input_size: tuple[int, int] | None = None
+    # dataset indices [B] -> each source image's (height, width), [B, 2]: served boxes
+    # are clipped to it (a letterbox's pads lie outside the image; ultralytics clips too)
+    source_sizes: Callable[[np.ndarray], np.ndarray] | None = None
     # COCO's category id of each class (None: the class index is the id)
     category_ids: list[int] | None = None
 

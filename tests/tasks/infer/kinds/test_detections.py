@@ -110,6 +110,7 @@ def xywh(box: list[float]) -> list[float]:
             round(box[3] - box[1], 2)]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_detectors_boxes_are_written_as_coco_results_and_csv_rows(detector, tmp_path):
     """Every detection of a real detector's forward, in both files: the COCO rows
     (image_id = dataset index, category_id = the dataset's class, bbox xywh in the input's
@@ -305,6 +306,7 @@ def test_on_a_gpu_the_hosts_reduction_gives_the_devices_detections(tmp_path):
                                                        abs=1e-4)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: out of the unit tier
 def test_a_stopped_detection_run_resumes_to_the_same_bytes(detector, tmp_path):
     """A run stopped after two of its four steps (with a stale part of the third left
     behind, as a write cut short leaves it) and resumed from its second step writes the
@@ -390,3 +392,91 @@ def test_the_reduction_zeroes_the_padding_and_keeps_the_detections():
     assert kept["boxes"][0, 0].tolist() == [1, 2, 3, 4]
     assert not kept["boxes"][0, 1:].any() and not kept["boxes"][1].any()
     assert np.array_equal(kept["boxes"].numpy(), reduce(raw, task())["boxes"].numpy())
+
+
+# --- which category ids a detector's classes are served under -------------------------------
+
+TRAINED = (["person", "car", "toothbrush"], [1, 7, 90])
+VAL = (["person", "bicycle", "car", "toothbrush"], [1, 5, 7, 90])
+
+
+def test_the_checkpoints_own_ids_are_served_when_the_datas_names_agree():
+    from runner.tasks.infer.coco_results import served_category_ids
+
+    names, ids = TRAINED
+    assert served_category_ids("m", names, 3, ids, *VAL, True) == [1, 7, 90]
+    # a checkpoint without ids (older, or trained on YOLO): each name's id in the data
+    assert served_category_ids("m", names, 3, None, *VAL, True) == [1, 7, 90]
+    # no names, the same count: the data's ids by position, as before
+    assert served_category_ids("m", [], 4, None, *VAL, True) == [1, 5, 7, 90]
+    # YOLO labels: the class index; images without labels: the checkpoint's own ids
+    assert served_category_ids("m", names, 3, ids, names, None, True) is None
+    assert served_category_ids("m", names, 3, ids, [], None, False) == [1, 7, 90]
+
+
+@pytest.mark.parametrize("names, count, ids, data, match", [
+    (TRAINED[0], 3, TRAINED[1], (["person", "bicycle", "truck", "toothbrush"], [1, 5, 7, 90]),
+     r"model m was trained on categories \[1 person, 7 car, 90 toothbrush\]; the "
+     r"categories of X are "
+     r"\[1 person, 5 bicycle, 7 truck, 90 toothbrush\]: id 7 is 'car' to the model and "
+     r"'truck' there"),
+    (TRAINED[0], 3, TRAINED[1], (["person", "car"], [1, 7]), r"id 90 is 'toothbrush' to the "
+     r"model and missing there"),
+    (TRAINED[0], 3, None, (["person", "car"], [1, 7]), r"'toothbrush' is not there"),
+    ([], 3, None, VAL, r"model m has 3 classes and no names .* has 4 categories "
+     r"\[1 person, 5 bicycle, 7 car, 90 toothbrush\]: give model.classes"),
+])
+def test_ids_that_contradict_the_datas_are_refused_naming_both_lists(names, count, ids, data,
+                                                                     match):
+    from runner.tasks.infer.coco_results import served_category_ids
+
+    with pytest.raises(ConfigError, match=match):
+        served_category_ids("m", names, count, ids, *data, True, "X")
+
+
+def coco_set(root: Path, categories: tuple[list[str], list[int]]) -> Path:
+    from PIL import Image
+
+    (root / "val").mkdir(parents=True)
+    (root / "annotations").mkdir()
+    for k in range(4):
+        Image.new("RGB", (SIZE, SIZE), (40 * k, 90, 120)).save(root / "val" / f"{k}.jpg")
+    (root / "annotations" / "instances_val.json").write_text(json.dumps({
+        "images": [{"id": 10 + k, "file_name": f"{k}.jpg", "width": SIZE, "height": SIZE}
+                   for k in range(4)],
+        "annotations": [{"id": 1, "image_id": 10, "category_id": categories[1][-1],
+                         "bbox": [4, 4, 20, 20], "iscrowd": 0, "area": 400}],
+        "categories": [{"id": i, "name": n} for n, i in zip(*categories)]}))
+    return root
+
+
+@pytest.mark.slow
+def test_infer_serves_a_checkpoints_classes_under_its_own_ids_or_refuses_before_the_pass(
+        detector, tmp_path):
+    """A model trained on categories [1, 7, 90] served on a JSON listing [1, 5, 7, 90]: its
+    own ids, not the JSON's by position (7 written as 5); a JSON whose names contradict
+    them is refused in one line before any output is written."""
+    names, ids = TRAINED
+    torch.manual_seed(0)
+    network = build_detector(NAME, 3, (SIZE, SIZE))[1]
+    weights = tmp_path / "checkpoint.pt"
+    torch.save({"model": network.state_dict(), "epoch": 1,
+                "data": {"class_names": names, "category_ids": ids}}, weights)
+    common = ["task=infer", "logger=none", "diagnose=false", "run.timeline=false",
+              "run.progress=false", "run.warmup_steps=0", f"model.name={NAME}",
+              f"model.weights={weights}", "task.outputs=[detections]", "dataset.targets=coco",
+              "dataset.split=val", f"dataset.image_size=[{SIZE},{SIZE}]",
+              "loader.batch_size=2", f"dataset.cache_dir={tmp_path / 'cache'}"]
+    good = coco_set(tmp_path / "good", VAL)
+    run_in_process(*common, f"dataset.path={good}", run_dir=tmp_path / "run")
+    served = json.loads((tmp_path / "run" / "detections.categories.json").read_text())
+    assert served == [{"id": i, "name": n} for i, n in zip(ids, names)]
+    rows = json.loads((tmp_path / "run" / "detections.json").read_text())
+    assert {r["category_id"] for r in rows} <= set(ids)
+    bad = coco_set(tmp_path / "bad", (["person", "bicycle", "truck", "toothbrush"],
+                                      [1, 5, 7, 90]))
+    with pytest.raises(ConfigError, match=r"trained on categories \[1 person, 7 car, 90 "
+                                          r"toothbrush\]; the categories of dataset.path=.* are \[1 person, 5 bicycle, "
+                                          r"7 truck, 90 toothbrush\]"):
+        run_in_process(*common, f"dataset.path={bad}", run_dir=tmp_path / "refused")
+    assert not list((tmp_path / "refused").glob("detections*"))

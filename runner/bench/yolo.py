@@ -1,0 +1,243 @@
+"""``python -m runner.bench yolo``: the detection user's own loader, ultralytics' YOLO
+dataloader, against the runner's folder and packed paths on the same YOLO folder and the
+same work.
+
+The images are the generated shapes dataset (runner/data/sources/shapes.py) at ``--height``
+x ``--width`` in the YOLO layout (``images/train`` beside ``labels/train``); both sides read
+its training split, shuffled, at the same batch size, with the same number of workers, and
+do the same work: decode each JPEG and letterbox it to ``--size`` square (aspect kept,
+padded with grey 114), its boxes carried in every batch, no augmentation.
+
+- **ultralytics**: ``ultralytics.data.build.build_yolo_dataset`` with ``mode="val"`` (no
+  augmentation: its ``LoadImage`` long side to ``imgsz``, then ``LetterBox(imgsz,
+  scaleup=False)`` and ``Format``; ``rect=False``: square batches) and ``build_dataloader``
+  with ``workers`` processes, ``shuffle=True``, on the CPU: what its trainer builds, without
+  a model. It runs in a fresh interpreter (``--ultralytics-python``: the bench's own by
+  default, or a venv's that has it) so its import-time settings (cv2's threads, its
+  environment) touch no runner row. Its label scan (``labels.cache``) is start-up, not
+  epoch.
+- **folder**: ``loader=folder dataset.crop=letterbox``, the decode threads
+  (``loader.decode_threads``) as many as ultralytics' workers.
+- **packed**: ``loader=packed`` with the store at the letterbox's size
+  (``dataset.store_side=longer dataset.store_size=SIZE``: built once, outside the timing),
+  the same threads.
+
+Each row is one epoch after its start-up (the data path or dataset and loader built),
+images/s counted from the epoch's first batch on (a worker pool's start is the first
+batch's wait, reported on its own). Rows alternate over ``--rounds``; each figure is the
+median over rounds with its range, each ratio taken within a round. Targets: folder >= 2x
+ultralytics, packed >= 3x. Without ultralytics the row says how to install it and the
+targets fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runner.bench import CPU
+from runner.data import build_data_path
+from runner.data.storage import build_storage, resolve_dataset
+from runner.job.compose import compose
+from runner.measure.stats import median
+
+ULTRALYTICS = "ultralytics"
+INSTALL = ("pip install ultralytics (.[peers]), best in a venv of its own: python -m venv "
+           "--system-site-packages V && V/bin/pip install ultralytics, then "
+           "--ultralytics-python V/bin/python")
+TARGETS = {"folder": 2.0, "packed": 3.0}  # images/s over ultralytics', median of rounds
+
+
+def add_parser(sub, parents: list) -> None:
+    p = sub.add_parser("yolo", help="ultralytics' YOLO dataloader against the runner's "
+                                    "folder and packed paths: decode + letterbox",
+                       parents=parents)
+    p.add_argument("--size", type=int, default=640, help="letterboxed to SIZE x SIZE")
+    p.add_argument("--images", type=int, default=1000, help="images in the generated set")
+    p.add_argument("--height", type=int, default=480, help="of the generated images")
+    p.add_argument("--width", type=int, default=640, help="of the generated images")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=None,
+                   help="ultralytics' worker processes and the runner's decode threads "
+                        "(unset: one per core)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    p.add_argument("--cache-dir", type=Path, default=Path("outputs/bench/cache"),
+                   help="where the generated set and the packed store go")
+    p.add_argument("--ultralytics-python", default=sys.executable,
+                   help="an interpreter that has ultralytics (default: this one)")
+    p.add_argument("overrides", nargs="*", help="runner overrides, e.g. loader.decoder=pil")
+
+
+def missing(python: str) -> str | None:
+    """Why ultralytics cannot run under ``python`` (``not installed: ...``), or None."""
+    probe = subprocess.run([python, "-c", "import importlib.util, sys; "
+                            f"sys.exit(importlib.util.find_spec('{ULTRALYTICS}') is None)"],
+                           capture_output=True)
+    return None if probe.returncode == 0 else f"not installed: {INSTALL}"
+
+
+def count_epoch(batches, images_of, boxes_of, shape_of) -> dict:
+    """One epoch of ``batches``: images, boxes, the batches' image shapes, the first
+    batch's wait and images/s from the first batch on."""
+    t0 = time.perf_counter()
+    first = None
+    images = boxes = after_first = 0
+    shapes = set()
+    for batch in batches:
+        n = images_of(batch)
+        if first is None:
+            first = time.perf_counter()
+        else:
+            after_first += n
+        images += n
+        boxes += boxes_of(batch)
+        shapes.add(shape_of(batch))
+    end = time.perf_counter()
+    return {"first_batch_s": (first or end) - t0, "images": images, "boxes": boxes,
+            "epoch_images_per_s": after_first / max(end - (first or end), 1e-9),
+            "shapes": sorted(shapes)}
+
+
+def ultralytics_epoch(images_dir: str, names: list[str], size: int, batch: int,
+                      workers: int) -> dict:
+    """ultralytics' own dataset and loader of ``images_dir`` (no augmentation, square
+    letterbox to ``size``), one epoch (in the child, ``main``)."""
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data.build import build_dataloader, build_yolo_dataset
+
+    t0 = time.perf_counter()
+    cfg = get_cfg(overrides={"imgsz": size, "rect": False, "cache": False, "task": "detect",
+                             "fraction": 1.0, "single_cls": False})
+    data = {"names": dict(enumerate(names)), "nc": len(names), "channels": 3}
+    dataset = build_yolo_dataset(cfg, images_dir, batch, data, mode="val", rect=False)
+    loader = build_dataloader(dataset, batch, workers, shuffle=True, rank=-1, device="cpu")
+    startup = time.perf_counter() - t0
+    out = count_epoch(loader, lambda b: len(b["img"]), lambda b: len(b["cls"]),
+                      lambda b: tuple(b["img"].shape[1:]))
+    return {"startup_s": startup, **out, "workers": loader.num_workers}
+
+
+def run_ultralytics(python: str, images_dir: Path, names: list[str], size: int, batch: int,
+                    workers: int, timeout: float = 3600.0) -> dict:
+    """``ultralytics_epoch`` in a fresh interpreter ``python``; its output shown only when
+    it fails."""
+    with tempfile.TemporaryDirectory(prefix="runner-yolo-") as tmp:
+        out = Path(tmp) / "epoch.json"
+        ask = {"images": str(images_dir), "names": names, "size": size, "batch": batch,
+               "workers": workers}
+        proc = subprocess.run([python, "-m", "runner.bench.yolo", json.dumps(ask), str(out)],
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}")
+        got = json.loads(out.read_text())
+    got["shapes"] = [tuple(s) for s in got["shapes"]]
+    return got
+
+
+def runner_epoch(config) -> dict:
+    """The runner's data path of ``config``, built (start-up) and read for one epoch."""
+    t0 = time.perf_counter()
+    data = build_data_path(config, CPU, epochs=1, progress=False)
+    startup = time.perf_counter() - t0
+    try:
+        out = count_epoch(data, lambda b: len(b["label"]), lambda b: int(b["box_count"].sum()),
+                          lambda b: tuple(b["image"].shape[1:]))
+    finally:
+        data.close()
+    return {"startup_s": startup, **out}
+
+
+def bench_yolo(args: argparse.Namespace) -> dict:
+    from runner.data.sources.shapes import ShapesSpec, ensure_shapes
+    from runner.data.threads import cores
+
+    workers = args.workers or cores()
+    spec = ShapesSpec(num_images=args.images, height=args.height, width=args.width)
+    root = ensure_shapes(spec, args.cache_dir.expanduser())
+    size = args.size
+    base = [*args.overrides, f"dataset.path={root}", "dataset.targets=yolo",
+            "dataset.crop=letterbox", f"dataset.image_size=[{size},{size}]",
+            f"dataset.cache_dir={args.cache_dir.expanduser()}",
+            f"loader.batch_size={args.batch_size}", "loader.num_workers=0",
+            f"loader.decode_threads={workers}", "loader.shuffle=true", "model=none",
+            "logger=none", "run.progress=false"]
+    configs = {"folder": compose([*base, "loader=folder"]),
+               "packed": compose([*base, "loader=packed", "dataset.store_side=longer",
+                                  f"dataset.store_size={size}"])}
+    build_storage(configs["packed"].loader, configs["packed"].dataset,
+                  resolve_dataset(configs["packed"].dataset))  # the store built, untimed
+    storage = build_storage(configs["folder"].loader, configs["folder"].dataset, root)
+    names, images_dir = list(storage.classes), Path(storage.root)  # images/train
+    print(f"yolo: {len(storage)} images of {args.height}x{args.width} with their label files "
+          f"({images_dir}); decode + letterbox to {size}x{size}, batch {args.batch_size}, "
+          f"{workers} workers (ultralytics' processes, the runner's decode threads), no "
+          f"augmentation; warm page cache; {args.rounds} rounds", flush=True)
+    why = missing(args.ultralytics_python)
+    if why:
+        print(f"  ultralytics: {why}")
+    rows = [*(() if why else (ULTRALYTICS,)), *configs]
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        row = {}
+        for name in rows:
+            row[name] = (run_ultralytics(args.ultralytics_python, images_dir, names, size,
+                                         args.batch_size, workers)
+                         if name == ULTRALYTICS else runner_epoch(configs[name]))
+        rounds.append(row)
+        print(f"  round {k + 1} done", flush=True)
+    return {"rounds": rounds, "targets": yolo_targets(rounds, why), "dataset": str(root),
+            "workers": workers, **({"ultralytics": why} if why else {})}
+
+
+def yolo_targets(rounds: list[dict], why: str | None = None) -> list[dict]:
+    """The figures (median and range over rounds) and folder's and packed's ratios to
+    ultralytics (epoch images/s, within each round), PASS at ``TARGETS``; without
+    ultralytics each target says why and fails."""
+    print(f"\n  {'loader':12s} {'start-up s':>16s} {'first batch s':>16s} "
+          f"{'epoch images/s':>20s}")
+    for key in rounds[0]:
+        cells = []
+        for fig, fmt in (("startup_s", "{:.2f}"), ("first_batch_s", "{:.2f}"),
+                         ("epoch_images_per_s", "{:,.0f}")):
+            v = [r[key][fig] for r in rounds]
+            cells.append(f"{fmt.format(median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
+        print(f"  {key:12s} {cells[0]:>16s} {cells[1]:>16s} {cells[2]:>20s}")
+    if why:
+        print(f"  {ULTRALYTICS:12s} {why}")
+    read = {(r[key]["images"], r[key]["boxes"]) for r in rounds for key in r}
+    shapes = {tuple(s) for r in rounds for key in r for s in r[key]["shapes"]}
+    print(f"  every row read (images, boxes) {sorted(read)}, batches of {sorted(shapes)}")
+    checks = []
+    for name, target in TARGETS.items():
+        what = f"{name} / ultralytics (epoch images/s)"
+        if why:
+            print(f"  FAIL  {what}: {why}")
+            checks.append({"what": what, "target": target, "met": False, "why": why})
+            continue
+        ratios = [r[name]["epoch_images_per_s"] / r[ULTRALYTICS]["epoch_images_per_s"]
+                  for r in rounds]
+        met = median(ratios) >= target
+        print(f"  {'PASS' if met else 'FAIL'}  {what}: {median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f}), target >= {target:.1f}x")
+        checks.append({"what": what, "ratio": median(ratios), "min": min(ratios),
+                       "max": max(ratios), "target": target, "met": met})
+    return checks
+
+
+def main(argv: list[str]) -> int:
+    """The child of ``run_ultralytics``: ``ASK_JSON OUT_JSON``."""
+    ask, out = json.loads(argv[0]), Path(argv[1])
+    got = ultralytics_epoch(ask["images"], ask["names"], ask["size"], ask["batch"],
+                            ask["workers"])
+    out.write_text(json.dumps(got))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""``python -m runner.bench yolo`` (runner/bench/yolo.py): ultralytics' own YOLO dataloader
+against the runner's folder and packed paths, the same images decoded and letterboxed
+alike; a missing ultralytics says how to install it and fails its targets."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.bench.yolo import INSTALL, TARGETS, missing, yolo_targets
+
+
+def rows(ultra: float, folder: float, packed: float) -> dict:
+    def row(rate):
+        return {"startup_s": 0.1, "first_batch_s": 0.2, "epoch_images_per_s": rate,
+                "images": 48, "boxes": 100, "shapes": [(3, 64, 64)]}
+
+    return {"ultralytics": row(ultra), "folder": row(folder), "packed": row(packed)}
+
+
+def test_the_targets_are_folder_2x_and_packed_3x_medians_of_rounds(capsys):
+    rounds = [rows(100, 210, 290), rows(100, 190, 330), rows(100, 250, 310)]
+    checks = yolo_targets(rounds)
+    assert TARGETS == {"folder": 2.0, "packed": 3.0}
+    assert [(c["ratio"], c["met"]) for c in checks] == [(2.1, True), (3.1, True)]
+    assert yolo_targets([rows(100, 190, 400)])[0]["met"] is False
+    assert "folder / ultralytics" in capsys.readouterr().out
+
+
+def test_without_ultralytics_the_row_says_how_to_install_it_and_fails(capsys, monkeypatch):
+    import subprocess
+
+    import runner.bench.yolo as yolo
+
+    asked = []
+
+    def probe(argv, **kwargs):  # the interpreter's answer: no ultralytics
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, 1)
+
+    monkeypatch.setattr(yolo.subprocess, "run", probe)
+    why = missing("/some/python")
+    assert asked[0][0] == "/some/python" and "find_spec('ultralytics')" in asked[0][-1]
+    assert why == f"not installed: {INSTALL}" and "pip install ultralytics" in why
+    rounds = [{"folder": rows(1, 1, 1)["folder"], "packed": rows(1, 1, 1)["packed"]}]
+    checks = yolo_targets(rounds, why)
+    assert [c["met"] for c in checks] == [False, False]
+    assert INSTALL in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_one_round_reads_the_same_images_and_boxes_letterboxed_alike(tmp_path: Path):
+    pytest.importorskip("ultralytics")
+    import numpy as np
+    import torch
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data.build import build_yolo_dataset
+
+    from runner.bench.yolo import bench_yolo
+    from runner.config.schema import Crop, Decoder
+    from runner.data.decode.decoders import ImageDecoder
+
+    args = argparse.Namespace(size=96, images=30, height=60, width=100, batch_size=4,
+                              workers=2, rounds=1, cache_dir=tmp_path / "cache",
+                              ultralytics_python=sys.executable, overrides=[],
+                              out=tmp_path / "out")
+    result = bench_yolo(args)
+    (row,) = result["rounds"]
+    assert set(row) == {"ultralytics", "folder", "packed"}
+    assert len({(r["images"], r["boxes"]) for r in row.values()}) == 1  # the same work
+    assert {tuple(s) for r in row.values() for s in r["shapes"]} == {(3, 96, 96)}
+    assert [c["what"].split(" /")[0] for c in result["targets"]] == ["folder", "packed"]
+    # one image as ultralytics letterboxes it and as the runner's folder does
+    images = Path(result["dataset"]) / "images" / "train"
+    cfg = get_cfg(overrides={"imgsz": 96, "rect": False, "task": "detect"})
+    dataset = build_yolo_dataset(cfg, str(images), 4, {"names": {0: "a", 1: "b", 2: "c"},
+                                                       "nc": 3, "channels": 3}, mode="val")
+    item = dataset[0]
+    theirs = item["img"].to(torch.int32)
+    mine = ImageDecoder(Decoder.pil, (96, 96), Crop.letterbox)(
+        Path(item["im_file"]).read_bytes()).to(torch.int32)
+    assert theirs.shape == mine.shape
+    pad = (theirs == 114).all(0) & (mine == 114).all(0)
+    assert pad[:10].all() and pad[-10:].all()  # 100 x 60 -> 96 x 58: grey above and below
+    assert np.abs((theirs - mine).numpy()).mean() < 4  # cv2's INTER_AREA against PIL's
+
+
+@pytest.mark.process
+def test_an_interpreter_without_ultralytics_is_told_apart(tmp_path):
+    python = tmp_path / "python"  # the bench's interpreter with no site-packages
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    python.chmod(0o755)
+    assert missing(str(python)) == f"not installed: {INSTALL}"
