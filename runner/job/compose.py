@@ -178,7 +178,12 @@ def settled_page(argv: list[str]) -> str | None:
         if not arg.startswith("-") and not after_flag:
             overrides.append(arg)
         after_flag = arg in VALUE_FLAGS
-    config = compose(overrides)
+    try:
+        config = compose(overrides)
+    except ConfigError as e:  # a value out of range: Hydra's own page, as typed, then why
+        log.warning("%s (the page below is the config as given, not settled)",
+                    str(e).splitlines()[0])
+        return None
     return ("# the config as it will run on this machine (device, loader.decoder, draft, "
             "pin_memory, decode_threads settled)\n"
             + OmegaConf.to_yaml(OmegaConf.structured(config)))

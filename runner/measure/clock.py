@@ -223,7 +223,10 @@ class StepClock:
         self._start = time.perf_counter()
         self._owner = threading.get_ident()  # the loop's thread
         self._paused = 0.0  # paused time not yet taken out of a data-wait measurement
-        # what other processes ran meanwhile, and the system's counters
+        # what other processes ran meanwhile, and the system's counters; the child
+        # processes alive now (wandb's service, a server) are not the loader's workers,
+        # which start with the loop
+        system.predating()
         self.gpu, self.gpu_note = system.open_nvml(device)
         self._shared = SharedCores(self.gpu)
 

@@ -65,14 +65,29 @@ def process(pid: int | str) -> dict[str, int | float] | None:
     return out
 
 
-def children() -> list[str]:
-    """This process's child processes (its DataLoader workers), by pid."""
+# child processes that were there before the run's clock started (``predating``): not its
+# workers (a server a test or a notebook started, an earlier run's lingering worker)
+_PREDATING: set[str] = set()
+
+
+def predating() -> None:
+    """Leave the child processes alive now out of every later sample: the run's clock calls
+    it before the loader starts its workers."""
+    _PREDATING.clear()
+    _PREDATING.update(children(every=True))
+
+
+def children(every: bool = False) -> list[str]:
+    """This process's child processes that its run started (its DataLoader workers), by
+    pid; ``every``: those that predate it too."""
     found: set[str] = set()
     try:
         for task in os.listdir("/proc/self/task"):
             found.update((_read(f"/proc/self/task/{task}/children") or "").split())
     except OSError:
         pass
+    if not every:
+        found -= _PREDATING
     return sorted(found, key=int)
 
 

@@ -51,7 +51,7 @@ from runner.launch.distributed import parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
 from runner.model.compile import BACKENDS, build_models, step_amp
-from runner.model.families import Family, class_loss, family_of, family_of_config, learns
+from runner.model.families import Family, family_of, family_of_config, learns
 from runner.tasks import checkpoint, results
 from runner.tasks.checkpoint import unwrapped_network
 from runner.tasks.loop import Step
@@ -438,7 +438,7 @@ class TrainStep:
         with self._no_sync() if local else contextlib.nullcontext():
             with self.autocast():  # a detector's forward takes the batch's boxes
                 out = self.family.forward(self.model, batch)
-            loss = self.family.loss(out, batch, self.cfg)
+            loss = self.loss(out, batch)
             if self.micro == 0:
                 self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss / self.cfg.accumulate).backward()
@@ -471,9 +471,10 @@ class TrainStep:
         return (self._no_sync is not None and self.micro + 1 < self.cfg.accumulate
                 and self.steps + self.skipped + 1 < self.total_steps)
 
-    def loss(self, logits: torch.Tensor, batch: TensorDict) -> torch.Tensor:
-        """A classifier's loss of ``logits`` (runner/model/families.py's ``class_loss``)."""
-        return class_loss(logits, batch, self.cfg)
+    def loss(self, out: Any, batch: TensorDict) -> torch.Tensor:
+        """The loss of the forward's ``out``: its family's (runner/model/families.py:
+        ``class_loss``, ``mask_loss``, a detector's own losses summed)."""
+        return self.family.loss(out, batch, self.cfg)
 
     def update(self) -> None:
         """The optimizer step of the gradients gathered so far (clipped), the schedule's
