@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runner.bench import CPU
+from runner.bench import CPU, FOLDER, PACKED
 from runner.data import build_data_path
 from runner.data.storage import build_storage, resolve_dataset
 from runner.job.compose import compose
@@ -50,7 +50,8 @@ ULTRALYTICS = "ultralytics"
 INSTALL = ("pip install ultralytics (.[peers]), best in a venv of its own: python -m venv "
            "--system-site-packages V && V/bin/pip install ultralytics, then "
            "--ultralytics-python V/bin/python")
-TARGETS = {"folder": 2.0, "packed": 3.0}  # images/s over ultralytics', median of rounds
+# images/s over ultralytics', median of rounds
+TARGETS = {FOLDER.value: 2.0, PACKED.value: 3.0}
 
 
 def add_parser(sub, parents: list) -> None:
@@ -70,7 +71,7 @@ def add_parser(sub, parents: list) -> None:
                    help="where the generated set and the packed store go")
     p.add_argument("--ultralytics-python", default=sys.executable,
                    help="an interpreter that has ultralytics (default: this one)")
-    p.add_argument("overrides", nargs="*", help="runner overrides, e.g. loader.decoder=pil")
+    p.add_argument("overrides", nargs="*", help="runner overrides, e.g. dataset.quality=80")
 
 
 def missing(python: str) -> str | None:
@@ -167,12 +168,13 @@ def bench_yolo(args: argparse.Namespace) -> dict:
             f"loader.batch_size={args.batch_size}", "loader.num_workers=0",
             f"loader.decode_threads={workers}", "loader.shuffle=true", "model=none",
             "logger=none", "run.progress=false"]
-    configs = {"folder": compose([*base, "loader=folder"]),
-               "packed": compose([*base, "loader=packed", "dataset.store_side=longer",
-                                  f"dataset.store_size={size}"])}
-    build_storage(configs["packed"].loader, configs["packed"].dataset,
-                  resolve_dataset(configs["packed"].dataset))  # the store built, untimed
-    storage = build_storage(configs["folder"].loader, configs["folder"].dataset, root)
+    folder, packed = FOLDER.value, PACKED.value
+    configs = {folder: compose([*base, f"loader={folder}"]),
+               packed: compose([*base, f"loader={packed}", "dataset.store_side=longer",
+                                f"dataset.store_size={size}"])}
+    build_storage(configs[packed].loader, configs[packed].dataset,
+                  resolve_dataset(configs[packed].dataset))  # the store built, untimed
+    storage = build_storage(configs[folder].loader, configs[folder].dataset, root)
     names, images_dir = list(storage.classes), Path(storage.root)  # images/train
     print(f"yolo: {len(storage)} images of {args.height}x{args.width} with their label files "
           f"({images_dir}); decode + letterbox to {size}x{size}, batch {args.batch_size}, "

@@ -53,7 +53,7 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.atomic import write_json
-from runner.config.schema import Config, to_plain
+from runner.config.schema import Config, StorageName, to_plain
 from runner.data import DataPath
 from runner.data.device.normalize import HOST_DTYPES, as_batches_come
 from runner.data.loading.loader import decode_threads
@@ -83,9 +83,9 @@ MAJOR_FAULTS_PER_SEC = 50  # page faults a second that read from the disk
 # what to try for each storage tier when the run waited on I/O
 TIER_FIX = {
     "hdd": "copy the dataset to an SSD or NVMe, or use a packed store read in order "
-           "(loader=packed, loader=shards)",
+           f"(loader={StorageName.packed.value}, loader={StorageName.shards.value})",
     "network": "copy the dataset to a local disk (or dataset.cache_dir on one), or read "
-               "shards (loader=shards) in large sequential requests",
+               f"shards (loader={StorageName.shards.value}) in large sequential requests",
     "fuse": "read from the store the FUSE daemon fronts directly (a URL), or copy it locally",
     "object store": "raise the read engine's requests in flight, or cache shards locally "
                     "(dataset.cache_dir)",
@@ -689,7 +689,8 @@ def evidence(cfg: Config, figures: dict[str, Any], bound: str | None) -> list[st
             f"{figures.get('disk_read_mb_per_sec') or 0:,.1f} MB/s came off the disk; "
             f"dataset.path is on {tier.get('what', 'unknown')} ({tier.get('device') or where}): "
             + TIER_FIX.get(where, "warm the page cache (dataset.page_cache=warm) or use a "
-                                  "store decoded once (loader=memmap, loader=ram)"))
+                                  f"store decoded once (loader={StorageName.memmap.value}, "
+                                  f"loader={StorageName.ram.value})"))
     workers, preempted = cfg.loader.num_workers, figures.get("ctx_switches_involuntary_per_sec")
     if workers > cores() and preempted is not None and preempted >= PREEMPTED_PER_SEC:
         found.append(f"too many workers: {workers} loader workers on {cores()} cores were "
@@ -702,7 +703,7 @@ def evidence(cfg: Config, figures: dict[str, Any], bound: str | None) -> list[st
                      "(each a disk read of a page the cache did not hold): warm the page "
                      "cache (dataset.page_cache=warm, enough memory for the store), read "
                      "in order (a store's pages fault in sequence, read ahead), or use "
-                     "loader=ram")
+                     f"loader={StorageName.ram.value}")
     return found
 
 

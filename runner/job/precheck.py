@@ -46,7 +46,7 @@ def torchvision_names() -> frozenset[str] | None:
     """torchvision's classification, segmentation and detection builders, read from its
     sources without importing it; None when it is not installed or the scan is not
     trusted."""
-    spec = importlib.util.find_spec("torchvision")
+    spec = importlib.util.find_spec(ModelSource.torchvision.value)  # the package it names
     if spec is None or spec.origin is None:
         return None
     models = Path(spec.origin).parent / "models"

@@ -242,7 +242,7 @@ def storage_aspect_bins(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
     if getattr(storage, "order_groups", None) is not None:
         raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: a sharded "
                           "storage reads its shards a block at a time and cannot group "
-                          "images by aspect: use loader=folder, packed, memmap or ram")
+                          "images by aspect: use a loader= that reads single images")
     targets = getattr(storage, "targets", None)
     if targets is None or not hasattr(targets, "source_size"):
         raise ConfigError("loader.group_aspect=true groups images by their sizes, which "

@@ -9,7 +9,7 @@ listing of a large set holds no masks in memory. ``list_masks`` lists them for t
 as ``list_detection`` lists boxes (runner/data/sources/detection.py): a ``Listing`` whose
 ``targets`` (``MaskTargets``) are in step with its samples, split as the layout has it.
 
-- **Folder** (``format="folder"``): ``images/`` and ``masks/`` side by side, split as the
+- **Folder** (``format="pairs"``): ``images/`` and ``masks/`` side by side, split as the
   YOLO layout is (``images/<split>`` + ``masks/<split>``, ``<split>/images`` +
   ``<split>/masks``, or flat); the image ``images/a/b.jpg`` has the mask ``masks/a/b.png``,
   a PNG whose pixel values are class ids (8- or 16-bit grey, or a palette image whose
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 IGNORE = 255  # a mask pixel that counts in neither the loss nor the metric
 MAX_CLASSES = 255  # ids 0..254 in a uint8 mask, 255 kept for IGNORE
 MASK_SUFFIX = ".png"  # lossless: a JPEG would blur class ids into other ids
-FORMATS = ("folder", "coco")
+FORMATS = ("pairs", "coco")
 GREY_MODES = ("L", "P", "1", "I;16", "I;16B", "I;16L", "I")  # PIL modes whose values are ids
 
 REASONS = {
@@ -118,7 +118,7 @@ class MaskSet:
     """What ``read_masks`` found (``LabelSet``'s fields, for masks).
 
     Attributes:
-        format: "folder" or "coco".
+        format: "pairs" or "coco".
         root: the images folder. source: the masks folder, or the JSON file.
         classes: class names by id (COCO: "background" then the categories).
         targets: image path -> ``MaskTarget``, in sorted order of the path under ``root``.
@@ -217,12 +217,12 @@ def _mask_dirs(root: Path, split: str | None) -> tuple[Path, Path] | None:
 
 def detect_mask_format(path: str | Path, split: str | None = None) -> str:
     """"coco" when ``path`` is a COCO JSON or holds ``annotations/instances_*.json``,
-    "folder" when it holds ``images/`` and ``masks/``; a DatasetError otherwise."""
+    "pairs" when it holds ``images/`` and ``masks/``; a DatasetError otherwise."""
     root = Path(path).expanduser()
     if _coco_files(root):
         return "coco"
     if root.is_dir() and _mask_dirs(root, split) is not None:
-        return "folder"
+        return "pairs"
     raise DatasetError(
         f"dataset.path={printable(str(root))} holds no masks this runner reads: give "
         "images/ and masks/ side by side (masks/<image stem>.png, a PNG of class ids, 255 "
@@ -231,14 +231,14 @@ def detect_mask_format(path: str | Path, split: str | None = None) -> str:
 
 def read_masks(path: str | Path, format: str = "auto", split: str | None = None,
                classes: list[str] | None = None) -> MaskSet:
-    """The segmentation targets at ``path`` (``format``: "auto", "folder" or "coco";
+    """The segmentation targets at ``path`` (``format``: "auto", "pairs" or "coco";
     ``split``: which split's folders or JSON; ``classes``: a folder's class names when it
     has no data.yaml or classes.txt)."""
     if format not in ("auto", *FORMATS):
         raise DatasetError(f"masks format {format!r} is not one of auto, folder, coco")
     if format == "auto":
         format = detect_mask_format(path, split)
-    if format == "folder":
+    if format == "pairs":
         return read_mask_folder(path, split, classes)
     return read_coco_masks(path, split=split)
 
@@ -337,7 +337,7 @@ def read_mask_folder(path: str | Path, split: str | None = None,
         raise DatasetError(f"{printable(str(root))}: {len(found)} classes; a uint8 mask holds "
                            f"{MAX_CLASSES} (0..254, 255 ignored)")
     report.say(masks)
-    return MaskSet("folder", images, masks, found, targets, report.skipped, report.counts)
+    return MaskSet("pairs", images, masks, found, targets, report.skipped, report.counts)
 
 
 def _classes_from_masks(targets: dict[str, MaskTarget], report: _MaskReport) -> list[str]:

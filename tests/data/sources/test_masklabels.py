@@ -64,7 +64,7 @@ def test_folder_masks_read_as_class_ids_with_names_and_palette_and_16_bit(tmp_pa
     mask(tmp_path / "masks" / "c.png", c, "I;16")
     (tmp_path / "data.yaml").write_text("names: [background, cat, dog]\n")
     found = read_masks(tmp_path)
-    assert found.format == "folder" and found.classes == ["background", "cat", "dog"]
+    assert found.format == "pairs" and found.classes == ["background", "cat", "dog"]
     assert list(found.targets) == [str(tmp_path / "images" / n) for n in
                                    ("a.jpg", "c.jpg", "sub/b.png")]
     assert not found.skipped
@@ -135,7 +135,7 @@ def test_split_folders_and_the_listing(tmp_path):
             image(tmp_path / "images" / split / f"{k}.jpg", 6, 4)
             mask(tmp_path / "masks" / split / f"{k}.png", ids(4, 6, k))
     (tmp_path / "data.yaml").write_text("names: [bg, a, b]\n")
-    assert detect_mask_format(tmp_path, "val") == "folder"
+    assert detect_mask_format(tmp_path, "val") == "pairs"
     val = list_masks(DatasetConfig(split=Split.val), tmp_path)
     assert len(val.samples) == 2 and "val split" in val.how
     assert val.classes == ["bg", "a", "b"] and len(val.targets) == 2
@@ -148,7 +148,7 @@ def test_split_folders_and_the_listing(tmp_path):
     for k in range(10):
         image(flat / "images" / f"{k}.jpg", 6, 4)
         mask(flat / "masks" / f"{k}.png", np.full((4, 6), k % 3, np.uint8))
-    held = list_masks(DatasetConfig(val_fraction=0.3, split=Split.val), flat, "folder")
+    held = list_masks(DatasetConfig(val_fraction=0.3, split=Split.val), flat, "pairs")
     assert len(held.samples) == 3
     for k, (path, _) in enumerate(held.samples):
         assert (held.targets.mask(k) == int(Path(path).stem) % 3).all()
