@@ -78,7 +78,9 @@ DATA_SHARE = 0.4  # of the verdict's budget, the data path's probes (the model's
 MIN_NOISE = 0.1  # the smallest relative noise assumed for a figure (a 2-core shared machine)
 # the system's counters (runner/measure/counters.py) past which the verdict names them
 IOWAIT_HIGH = 0.05  # share of the machine's CPU time idle waiting for I/O
-PREEMPTED_PER_SEC = 1000  # involuntary context switches a second, with more workers than cores
+# involuntary context switches a second, with more workers than cores: on 2 cores here, 14/s
+# with no workers, 680-850/s with 8 or 16 (a sweep of loader.num_workers, model=none)
+PREEMPTED_PER_SEC = 300
 MAJOR_FAULTS_PER_SEC = 50  # page faults a second that read from the disk
 # what to try for each storage tier when the run waited on I/O
 TIER_FIX = {

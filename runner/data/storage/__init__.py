@@ -241,8 +241,12 @@ def advice(stage: str, loader: LoaderConfig) -> str | None:
             tries.append(f"loader.decoder={region[0].value} (decodes only the crop)")
         if not loader.draft and DECODERS[loader.decoder].scales:
             tries.append("loader.draft=true")
-        tries.append("more loader.num_workers" if loader.num_workers > 0
-                     else "more loader.decode_threads (more cores)")
+        cores = len(os.sched_getaffinity(0))
+        if loader.num_workers >= cores:  # more would only preempt each other: more cores
+            tries.append("more cores (the workers already fill them)")
+        else:
+            tries.append("more loader.num_workers" if loader.num_workers > 0
+                         else "more loader.decode_threads (more cores)")
         return "try " + ", ".join(tries[:-1]) + " or " + tries[-1]
     return {
         "read": f"try {once}, a warm page cache, smaller files (re-encoded JPEGs) or faster "
