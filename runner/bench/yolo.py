@@ -166,6 +166,7 @@ def bench_yolo(args: argparse.Namespace) -> dict:
             "dataset.crop=letterbox", f"dataset.image_size=[{size},{size}]",
             f"dataset.cache_dir={args.cache_dir.expanduser()}",
             f"loader.batch_size={args.batch_size}", "loader.num_workers=0",
+            "loader.drop_last=false",  # every image, as ultralytics reads them
             f"loader.decode_threads={workers}", "loader.shuffle=true", "model=none",
             "logger=none", "run.progress=false"]
     folder, packed = FOLDER.value, PACKED.value
