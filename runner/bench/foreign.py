@@ -184,7 +184,8 @@ def make(out: Path, num_images: int = 500, val_fraction: float = 0.2, seed: int 
     (out / "coco" / "annotations").mkdir(parents=True, exist_ok=True)
     for split, doc in coco.items():
         (out / "coco" / "annotations" / f"instances_{split}.json").write_text(json.dumps(doc))
-    (out / "masks" / "classes.txt").write_text("\n".join(NAMES) + "\n")
+    # the class-id PNGs hold 0 for the background: its name first
+    (out / "masks" / "classes.txt").write_text("\n".join(("background", *NAMES)) + "\n")
     return out
 
 
