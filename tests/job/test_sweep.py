@@ -495,6 +495,9 @@ def test_decode_advice_leaves_out_what_the_run_already_does():
                      "decode")
     assert "loader.decoder=region" in workers and "loader.num_workers" in workers
     assert "loader.draft=true" in workers
+    # more workers than cores already: more of them would preempt each other
+    many = advice(compose(["loader=folder", "loader.num_workers=512"]), "decode")
+    assert "more cores" in many and "more loader.num_workers" not in many
     packed = advice(compose(["loader=packed"]), "decode")  # region: no decoder, no draft
     assert "decoder" not in packed and "draft" not in packed
     assert "dataset.store_size" in packed and "loader=packed" not in packed

@@ -242,7 +242,7 @@ def advice(stage: str, loader: LoaderConfig) -> str | None:
         if not loader.draft and DECODERS[loader.decoder].scales:
             tries.append("loader.draft=true")
         cores = len(os.sched_getaffinity(0))
-        if loader.num_workers >= cores:  # more would only preempt each other: more cores
+        if loader.num_workers > cores:  # more would only preempt each other: more cores
             tries.append("more cores (the workers already fill them)")
         else:
             tries.append("more loader.num_workers" if loader.num_workers > 0
