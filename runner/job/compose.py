@@ -173,11 +173,7 @@ def settled_page(argv: list[str]) -> str | None:
                  None)
     if shown != "job" or set(flags) - {"-c", "--cfg", "--resolve"}:
         return None
-    overrides, after_flag = [], False
-    for arg in argv:
-        if not arg.startswith("-") and not after_flag:
-            overrides.append(arg)
-        after_flag = arg in VALUE_FLAGS
+    overrides = overrides_of(argv)
     try:
         config = compose(overrides)
     except ConfigError as e:  # a value out of range: Hydra's own page, as typed, then why
@@ -187,6 +183,16 @@ def settled_page(argv: list[str]) -> str | None:
     return ("# the config as it will run on this machine (device, loader.decoder, draft, "
             "pin_memory, decode_threads settled)\n"
             + OmegaConf.to_yaml(OmegaConf.structured(config)))
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The overrides of a command line: its words that are neither flags nor a flag's value."""
+    overrides, after_flag = [], False
+    for arg in argv:
+        if not arg.startswith("-") and not after_flag:
+            overrides.append(arg)
+        after_flag = arg in VALUE_FLAGS
+    return overrides
 
 
 def runs_nothing(argv: list[str]) -> bool:
@@ -204,11 +210,7 @@ def refusal(argv: list[str]) -> str | None:
     flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
     if flags & (_NOTHING_RUNS | _OTHER_CONFIG):
         return None
-    overrides, after_flag = [], False
-    for arg in argv:
-        if not arg.startswith("-") and not after_flag:
-            overrides.append(arg)
-        after_flag = arg in VALUE_FLAGS
+    overrides = overrides_of(argv)
     runnable = not flags & _PRINT_ONLY
     quiet = logging.root.manager.disable
     logging.disable(logging.WARNING)  # the job says its warnings (once) when it runs

@@ -587,6 +587,21 @@ def _coco_images_dir(file: Path, root: Path, names: list[str]) -> Path:
     return candidates[found.index(max(found))]
 
 
+def read_coco_json(root: Path, split: str | None) -> tuple[Path, dict]:
+    """The ``instances_*.json`` at ``root`` (``_coco_json``) and its content, checked to be
+    COCO's (images and categories lists), or a DatasetError naming the file."""
+    file = _coco_json(root, split)
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{printable(str(file))} cannot be read as JSON ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
+            or not isinstance(data.get("categories"), list):
+        raise DatasetError(f"{printable(str(file))} is not COCO instances JSON: it needs "
+                           "'images', 'annotations' and 'categories' lists")
+    return file, data
+
+
 def _whole(value: object) -> bool:
     """An id COCO's files use: a whole number (not a bool, a list, a string)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -606,15 +621,7 @@ def read_coco(path: str | Path, images: str | Path | None = None, split: str | N
     ``annotations/``), its images in ``images`` (found beside it when not given);
     ``cache_dir``: where the images' sizes are cached (runner/data/sources/labelcache.py)."""
     root = Path(path).expanduser()
-    file = _coco_json(root, split)
-    try:
-        data = json.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"{printable(str(file))} cannot be read as JSON ({e})") from e
-    if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
-            or not isinstance(data.get("categories"), list):
-        raise DatasetError(f"{printable(str(file))} is not COCO instances JSON: it needs "
-                           "'images', 'annotations' and 'categories' lists")
+    file, data = read_coco_json(root, split)
     report = _Report()
     source = str(file)
     categories = sorted((c for c in data["categories"] if isinstance(c, dict)

@@ -36,7 +36,6 @@ is told the number of classes, and counted where the classes come from the masks
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -54,13 +53,13 @@ from runner.data.sources.labels import (
     _class_file_names,
     _coco_files,
     _coco_images_dir,
-    _coco_json,
     _Report,
     _sorted_images,
     _unlisted,
     _whole,
     _yaml_names,
     classes_said,
+    read_coco_json,
     upright_size,
 )
 from runner.data.sources.listing import DatasetError, Listing, split_listing, walk
@@ -377,15 +376,7 @@ def read_coco_masks(path: str | Path, images: str | Path | None = None,
     """COCO's ``instances_*.json`` at ``path`` as masks (the module docstring), its images
     in ``images`` (found beside it as labels.py's ``read_coco`` finds them)."""
     root = Path(path).expanduser()
-    file = _coco_json(root, split)
-    try:
-        data = json.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"{printable(str(file))} cannot be read as JSON ({e})") from e
-    if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
-            or not isinstance(data.get("categories"), list):
-        raise DatasetError(f"{printable(str(file))} is not COCO instances JSON: it needs "
-                           "'images', 'annotations' and 'categories' lists")
+    file, data = read_coco_json(root, split)
     report = _MaskReport()
     source = str(file)
     categories = sorted((c for c in data["categories"] if isinstance(c, dict)
