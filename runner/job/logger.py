@@ -64,9 +64,12 @@ SETTINGS = {
 
 def init_args(given: Mapping[str, Any], defaults: Mapping[str, Any],
               environ: Mapping[str, str], from_files: set[str] = frozenset()) -> dict[str, Any]:
-    """``wandb.init``'s arguments: none for what the environment sets (wandb reads it
-    there), a ``logger.*`` key the user ``given`` where it does not, a setting of wandb's
-    settings files (``from_files``: the names wandb read there) before the runner's own
+    """``wandb.init``'s arguments: what the environment sets first (passed on as it is:
+    wandb reads its environment once per process, at its first ``wandb.setup``, so a
+    variable set after an earlier run in the same process, a notebook's or an in-process
+    sweep's, would be ignored, and an unset mode would fall to wandb's ``online``), a
+    ``logger.*`` key the user ``given`` where it does not, a setting of wandb's settings
+    files (``from_files``: the names wandb read there) before the runner's own
     ``defaults``."""
     args = {}
     for key, (setting, var) in SETTINGS.items():
@@ -74,6 +77,8 @@ def init_args(given: Mapping[str, Any], defaults: Mapping[str, Any],
             if given.get(key) is not None and key != "dir":
                 log.warning("logger.%s is left out: %s is set (the wandb environment wins)",
                             key, var)
+            value = environ[var]
+            args[key] = [t for t in value.split(",") if t] if key == "tags" else value
         elif given.get(key) is not None:
             args[key] = given[key]
         elif setting not in from_files and defaults.get(key) is not None:

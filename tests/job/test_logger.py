@@ -24,15 +24,17 @@ UNSET = {"mode": None, "project": None, "entity": None, "group": None, "tags": N
 def test_the_wandb_environment_wins_then_the_keys_given_then_the_settings_files():
     # nothing set anywhere: the runner's defaults, offline first
     assert init_args(UNSET, DEFAULTS, {}) == DEFAULTS
-    # what the environment sets is left to wandb (which reads it), a key given or not
+    # what the environment sets wins over a key given, and is passed on as it is (wandb
+    # reads its environment once per process)
     env = {"WANDB_MODE": "disabled", "WANDB_PROJECT": "p", "WANDB_TAGS": "a,b",
            "WANDB_RUN_GROUP": "g", "WANDB_ENTITY": "e", "WANDB_JOB_TYPE": "j",
            "WANDB_NAME": "n", "WANDB_DIR": "/w"}
     given = {**UNSET, "mode": "online", "project": "mine", "tags": ["x"]}
-    assert init_args(given, DEFAULTS, env) == {}
+    assert init_args(given, DEFAULTS, env) == {
+        "mode": "disabled", "project": "p", "tags": ["a", "b"], "group": "g", "entity": "e",
+        "job_type": "j", "name": "n", "dir": "/w"}
     # a key given stands where the environment is silent
-    expected = {**DEFAULTS, "mode": "online", "tags": ["x"]}
-    del expected["project"]  # WANDB_PROJECT's
+    expected = {**DEFAULTS, "mode": "online", "tags": ["x"], "project": "p"}
     assert init_args(given, DEFAULTS, {"WANDB_PROJECT": "p"}) == expected
     # wandb's settings files (`wandb online`) come before the runner's offline default,
     # never before a key given
@@ -185,3 +187,28 @@ def test_a_wandb_setting_wandb_refuses_is_one_line_naming_the_values(tmp_path: P
     assert "WANDB_MODE='garbage' is refused by wandb: use 'online', 'offline'" in line
     logger.log({"a": 1.0}, 1)  # a logger that does nothing
     logger.close("ok")
+
+
+def test_the_wandb_environment_set_after_a_run_in_the_same_process_is_honoured(
+        tmp_path: Path, monkeypatch, caplog):
+    """wandb reads its environment at its first setup in a process: a second run (a
+    notebook's, an in-process sweep's) with WANDB_MODE changed in between took wandb's
+    ``online`` ("No API key configured") where the variable said otherwise."""
+    import logging
+
+    from runner.config.schema import LoggerConfig, LoggerName
+    from runner.job.logger import build_logger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    first = build_logger(LoggerConfig(name=LoggerName.wandb), tmp_path / "a", {}, None, None)
+    first.close("ok")
+    monkeypatch.setenv("WANDB_MODE", "garbage")
+    with caplog.at_level(logging.WARNING):
+        build_logger(LoggerConfig(name=LoggerName.wandb), tmp_path / "b", {}, None,
+                     None).close("ok")
+    (line,) = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
+    assert "WANDB_MODE='garbage' is refused by wandb" in line and "API key" not in line
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    third = build_logger(LoggerConfig(name=LoggerName.wandb), tmp_path / "c", {}, None, None)
+    assert third.inner.mode == "disabled"
+    third.close("ok")
