@@ -14,7 +14,9 @@ here, written once:
   a detection set's boxes as the listing parsed them (``targets_fingerprint``: format,
   classes, every image's boxes, labels, size and id), so an edited label file, or labels
   read another way, rebuilds the store instead of serving stale boxes (a store of the same
-  folder without boxes has none, and its kind's settings give it a folder of its own);
+  folder without boxes has none, and its kind's settings give it a folder of its own); a
+  masks set's by its listing's own ``fingerprint`` (every mask file's bytes, or COCO's
+  segmentations), so an edited mask rebuilds it too;
 - **resumable**: the conversion builds in ``<key>.partial``; its ``Journal`` records each
   finished chunk (``done.jsonl``) only after the chunk's bytes are synced, so a rerun after a
   kill redoes only the unfinished chunks and gives the same bytes;
@@ -140,11 +142,17 @@ def layout_fingerprint(folder: FolderStorage) -> str:
 
 def targets_fingerprint(folder: FolderStorage) -> str | None:
     """A digest of a detection set's boxes as its listing parsed them (None: no boxes):
-    changes when a label file's boxes, labels or classes change, whatever its stat says."""
+    changes when a label file's boxes, labels or classes change, whatever its stat says.
+    Targets whose listing holds recipes, not values (masks: a file to read), digest
+    themselves (their ``fingerprint``)."""
     targets = folder.targets
     if targets is None:
         return None
     digest = hashlib.sha256(f"{targets.format}\n".encode() + "\n".join(folder.classes).encode())
+    own = getattr(targets, "fingerprint", None)
+    if own is not None:
+        own(digest)
+        return digest.hexdigest()
     for i in range(len(targets)):
         t = targets[i]
         digest.update(b"\n%d %d %d %d" % (t.height, t.width, t.image_id, len(t.labels)))
@@ -267,7 +275,7 @@ def valid_cache(folder: Path, spec: StoreSpec, source: FolderStorage) -> dict[st
                  "rebuilding", folder)
         return None
     if meta.get("targets") != targets_fingerprint(source):
-        log.info("the detection labels changed since %s was built: rebuilding", folder)
+        log.info("the labels (boxes, masks) changed since %s was built: rebuilding", folder)
         return None
     check_files(folder, meta, spec)
     changed = changed_files(folder, meta, source)

@@ -20,6 +20,24 @@ from runner.data.protocol import Sample
 
 
 @dataclass(frozen=True)
+class TargetPlane:
+    """A per-pixel target: one value per pixel of the image it belongs to, which a decoded
+    store (runner/data/storage/decoded.py: ``loader=memmap``, ``loader=ram``) keeps as one
+    more dense [N, H, W] tensor beside its [N, 3, H, W] images, at the stored size, without
+    knowing what the values mean.
+
+    Args:
+        key: the ``Sample`` field the decode fills and the batch key it travels under.
+        dtype: its values' dtype.
+        fill: the value of a pixel that has none (a skipped image's slot).
+    """
+
+    key: str
+    dtype: torch.dtype
+    fill: int
+
+
+@dataclass(frozen=True)
 class TargetKind:
     """One kind of target and everything callers need to know of it.
 
@@ -53,6 +71,9 @@ class TargetKind:
             ``kind`` names this record) through the window and flip a decoder cut its
             pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
             target does not follow the pixels.
+        plane: a per-pixel target (``TargetPlane``), kept by the decoded stores as a plane
+            beside the pixels and moved on the device by ``follow``; None: none (a class
+            index; boxes, which they keep in a ragged table of their own).
         recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
         setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
     """
@@ -73,6 +94,7 @@ class TargetKind:
     default_path: Callable[[DatasetConfig, bool], Path] | None = None
     sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
     has_val_split: Callable[[DatasetConfig], bool] | None = None
+    plane: TargetPlane | None = None
 
     def carried(self, keys: Any) -> bool:
         """Whether a batch with ``keys`` carries this kind's target."""

@@ -6,7 +6,9 @@ masks (``default_masks_path``). A batch carries each image's mask as ``mask`` ui
 [B, H, W] (class ids, ``IGNORE`` = 255 where no class is known), at the image's size; a
 decode's crop, resize and flip move it with the pixels (``sample_fields``), a device crop
 too (``follow``), both by runner/data/decode/maskgeometry.py (NEAREST, as torchvision v2
-moves a ``tv_tensors.Mask``). A segmenter
+moves a ``tv_tensors.Mask``). The decoded stores keep it as a plane (``TargetPlane``), a
+uint8 [N, H, W] beside their images at the stored size, and a batch gathers it as
+``mask``. A segmenter
 (runner/model/families.py) trains on it with per-pixel cross-entropy and is scored by mean
 IoU (``val_miou``); ``task=infer`` writes its masks.
 """
@@ -21,8 +23,13 @@ from runner.config.schema import Crop, DatasetConfig, Output, Split, TargetName
 from runner.data.decode.boxgeometry import Window
 from runner.data.decode.maskgeometry import map_mask, map_masks
 from runner.data.protocol import Sample
-from runner.data.sources.masklabels import MaskTargets, default_masks_path, has_mask_split
-from runner.data.targets.target import TargetKind
+from runner.data.sources.masklabels import (
+    IGNORE,
+    MaskTargets,
+    default_masks_path,
+    has_mask_split,
+)
+from runner.data.targets.target import TargetKind, TargetPlane
 
 MASK_KEYS = ("mask",)
 
@@ -82,5 +89,8 @@ KIND = TargetKind(
     sample_fields=sample_fields,
     has_val_split=has_val_split,
     default_path=default_masks_path,
+    # loader=memmap and loader=ram keep each image's mask at the stored size in a uint8
+    # plane beside it (255 where a slot has none), cut on the device with the pixels
+    plane=TargetPlane("mask", torch.uint8, IGNORE),
     setting="dataset.targets=masks (images/ and masks/ side by side at dataset.path)",
 )

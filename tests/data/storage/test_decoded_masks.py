@@ -1,0 +1,121 @@
+"""``dataset.targets=masks`` through the decoded stores (``loader=memmap``, ``loader=ram``):
+each image's mask kept as a uint8 plane beside it (runner/data/storage/decoded.py), cut,
+resized and flipped on the device with its pixels, batched as ``mask``; the store rebuilt
+when a mask is edited; a short training run on it that validates by mean IoU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import runner
+
+# four classes, each painted in its own flat colour, far from the others
+PALETTE = np.array([[20, 20, 20], [230, 40, 40], [40, 200, 60], [60, 80, 240]], np.uint8)
+HW = (48, 72)  # not square: a transposed mask would not even fit
+
+
+def write_blocks(root: Path, count: int = 8, seed: int = 0) -> Path:
+    """``images/`` (lossless PNGs) and ``masks/`` side by side: each image a grid of 4 x 6
+    blocks of random classes, every pixel the colour of the class its mask says."""
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for k in range(count):
+        grid = rng.integers(0, len(PALETTE), size=(4, 6)).astype(np.uint8)
+        mask = np.kron(grid, np.ones((HW[0] // 4, HW[1] // 6), np.uint8))
+        Image.fromarray(PALETTE[mask]).save(root / "images" / f"{k:02d}.png")
+        Image.fromarray(mask).save(root / "masks" / f"{k:02d}.png")
+    (root / "data.yaml").write_text("names: [dark, red, green, blue]\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory) -> Path:
+    return write_blocks(tmp_path_factory.mktemp("blocks"))
+
+
+def agreement(image: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of labelled pixels whose colour is nearest their mask's class's colour."""
+    palette = torch.from_numpy(PALETTE).float()
+    pixels = image.permute(0, 2, 3, 1).float()  # [B, H, W, 3]
+    nearest = ((pixels[..., None, :] - palette) ** 2).sum(-1).argmin(-1)
+    labelled = mask != 255
+    return float((nearest == mask.long())[labelled].float().mean())
+
+
+def batches(root: Path, cache: Path, loader: str, *overrides: str) -> list[dict]:
+    p = runner.pipeline("dataset.targets=masks", f"dataset.path={root}",
+                        f"dataset.cache_dir={cache}", "loader.batch_size=4",
+                        "run.progress=false", "seed=3", *overrides, loader=loader)
+    try:
+        return [{k: v.cpu() for k, v in b.items()} for b in p]
+    finally:
+        p.close()
+
+
+CROPS = {
+    "center at the stored size": ("dataset.crop=center", "dataset.image_size=[32,40]"),
+    "center of a larger store": ("dataset.crop=center", "dataset.image_size=[32,40]",
+                                 "dataset.store_size=48"),
+    "random crops and flips": ("dataset.crop=random", "dataset.image_size=[32,40]",
+                               "dataset.store_size=48"),
+    "whole": ("dataset.crop=whole", "dataset.image_size=[40,56]"),
+}
+
+
+@pytest.mark.parametrize("loader", ["memmap", "ram"])
+@pytest.mark.parametrize("crop", list(CROPS))
+def test_a_decoded_stores_masks_line_up_with_their_pixels(blocks: Path, tmp_path: Path,
+                                                           loader: str, crop: str):
+    """Every batch's mask says the class whose colour its pixel has (all but the pixels on
+    a block's edge, which the bilinear resize of the pixels blends), after the store's
+    decode and the device's crops, resizes and flips; a mask that missed a flip or a
+    crop would agree on about a third of them."""
+    got = batches(blocks, tmp_path / "cache", loader, *CROPS[crop])
+    assert sum(len(b["index"]) for b in got) == 8
+    size = tuple(int(v) for v in CROPS[crop][1].split("=")[1].strip("[]").split(","))
+    for b in got:
+        assert b["mask"].shape == (len(b["index"]), *size) and b["mask"].dtype == torch.uint8
+        assert b["image"].shape[-2:] == size
+        assert agreement(b["image"], b["mask"]) > 0.9, crop
+        assert agreement(b["image"], b["mask"].flip(-1)) < 0.75  # the check can tell
+
+
+def test_random_crops_move_each_mask_as_torchvision_v2_moves_a_mask(blocks: Path,
+                                                                     tmp_path: Path):
+    """A random-crop batch's masks are exactly torchvision v2's ``resized_crop`` (then
+    ``horizontal_flip``) of the stored mask plane, through each image's own window and flip
+    as the device drew them for its pixels: NEAREST, never blended."""
+    from runner.data.decode.boxgeometry import Window
+    from runner.data.decode.maskgeometry import map_mask
+
+    p = runner.pipeline("dataset.targets=masks", f"dataset.path={blocks}",
+                        f"dataset.cache_dir={tmp_path}", "loader.batch_size=4",
+                        "run.progress=false", "dataset.crop=random",
+                        "dataset.image_size=[32,40]", "dataset.store_size=48", loader="ram")
+    try:
+        store, augment = p.storage, p.data.augment
+        stored = store.planes["mask"]
+        hw = tuple(store.image_shape[1:])
+        assert tuple(stored.shape[1:]) == hw == (48, 60)  # at the stored size
+        flips = 0
+        for b in p:
+            b = {k: v.cpu() for k, v in b.items()}
+            n = len(b["index"])
+            windows = augment.boxes(n, *hw, torch.device("cpu"),
+                                    draws={"crop_uniforms": b["crop_uniforms"]})
+            for row, index in enumerate(b["index"].tolist()):
+                window = Window(*(float(getattr(windows, k)[row])
+                                  for k in ("top", "left", "height", "width")))
+                flip = bool(windows.flip[row])
+                flips += flip
+                want = map_mask(stored[int(store.slots[index])], window, (32, 40), flip)
+                assert torch.equal(b["mask"][row], want), (index, window, flip)
+        assert 0 < flips < 8  # both met
+    finally:
+        p.close()
