@@ -194,7 +194,7 @@ class MemmapSpec(StoreSpec):
                                        f"{list(self.image_size)}")
         count = meta["count"]
         sizes = {IMAGES: count * image_nbytes(self.image_size), LABELS: count * 8}
-        if self.targets:
+        if self.targets and self.plane is None:  # boxes: the ragged side store
             room = meta.get("boxes")
             if not isinstance(room, int) or room < 0:
                 raise self.damaged(folder, f"its {META} has no box count")

@@ -5,6 +5,7 @@ when a mask is edited; a short training run on it that validates by mean IoU."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from PIL import Image
 
 import runner
+from tests.conftest import run_in_process
 
 # four classes, each painted in its own flat colour, far from the others
 PALETTE = np.array([[20, 20, 20], [230, 40, 40], [40, 200, 60], [60, 80, 240]], np.uint8)
@@ -119,3 +121,72 @@ def test_random_crops_move_each_mask_as_torchvision_v2_moves_a_mask(blocks: Path
         assert 0 < flips < 8  # both met
     finally:
         p.close()
+
+
+def open_store(root: Path, cache: Path, loader: str = "memmap", *overrides: str):
+    from runner.data.storage import build_storage, settle_loader
+    from runner.job.compose import compose
+
+    cfg = compose(["dataset.targets=masks", f"dataset.path={root}",
+                   f"dataset.cache_dir={cache}", f"loader={loader}", "dataset.crop=whole",
+                   "dataset.image_size=[48,72]", *overrides])
+    settle_loader(cfg.loader, cfg.dataset)
+    return build_storage(cfg.loader, cfg.dataset, root, progress=False)
+
+
+@pytest.mark.parametrize("loader", ["memmap", "ram"])
+def test_an_edited_mask_rebuilds_the_store(tmp_path: Path, monkeypatch, loader: str):
+    """The masks are part of the source's fingerprint: a mask repainted in place (same
+    names, same images, same size) rebuilds the store (ram: decodes anew rather than read
+    the stale one), whose plane then holds the edit; an untouched source reuses it."""
+    from runner.data.storage import memmap
+
+    root = write_blocks(tmp_path / "blocks", count=4)
+    cache = tmp_path / "cache"
+    open_store(root, cache, "memmap")  # the store ram then reads
+    builds = []
+    real_convert = memmap._convert
+    monkeypatch.setattr(memmap, "_convert", lambda *a: builds.append(1) or real_convert(*a))
+    store = open_store(root, cache, loader)
+    assert builds == []  # unchanged: reused
+    index = [store.name_of(i) for i in range(len(store))].index("02.png")
+    edited = np.full(HW, 3, np.uint8)
+    edited[:, :10] = 255
+    Image.fromarray(edited).save(root / "masks" / "02.png")
+    store = open_store(root, cache, loader)
+    # memmap rebuilds its store; ram no longer trusts it and decodes into memory instead
+    assert builds == ([1] if loader == "memmap" else [])
+    assert torch.equal(store[index].mask, torch.from_numpy(edited))
+    assert torch.equal(store.gather(torch.tensor([index]))[0]["mask"][0],
+                       torch.from_numpy(edited))
+
+
+def test_a_masks_layout_with_its_own_split_and_a_val_fraction_is_refused(tmp_path: Path):
+    from runner.common.errors import ConfigError
+
+    root = tmp_path / "split"
+    for split in ("train", "val"):
+        write_blocks(root / split, count=2)  # <split>/images + <split>/masks
+    with pytest.raises(ConfigError, match="val_fraction=0.5 splits a masks layout .* split "
+                                          "folders of its own"):
+        open_store(root, tmp_path / "cache", "memmap", "dataset.val_fraction=0.5")
+
+
+@pytest.mark.slow  # a segmenter's few steps and its validation: ~40 s on 2 loaded cores
+@pytest.mark.parametrize("loader", ["memmap"])
+def test_a_segmenter_trains_on_a_decoded_store_and_validates_by_miou(tmp_path: Path,
+                                                                     loader: str):
+    """``python -m runner dataset.targets=masks loader=memmap``: random crops of a store at
+    40 px cut to 32 on the device with their masks, and the run's val mIoU in
+    metrics.json."""
+    run = tmp_path / "run"
+    run_in_process("task=train", "model.name=lraspp_mobilenet_v3_large", "run.epochs=1",
+                   "logger=none", "diagnose=false", "run.timeline=false",
+                   "run.warmup_steps=0", "dataset.image_size=[32,32]", "dataset.store_size=40",
+                   "dataset.crop=random", f"dataset.cache_dir={tmp_path / 'cache'}",
+                   "dataset.targets=masks", "dataset.num_images=12", "loader.batch_size=4",
+                   "run.progress=false", f"loader={loader}", run_dir=run)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0 <= metrics["val_miou"] <= 1 and "val_pixel_accuracy" in metrics
+    assert metrics["config"]["loader"]["name"] == loader
+    assert list((tmp_path / "cache" / loader).glob("*-mask-*/mask.memmap"))
