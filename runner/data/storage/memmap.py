@@ -507,7 +507,10 @@ def with_label_skips(storage: DecodedStorage, folder: FolderStorage,
 
 def raw_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
     h, w = stored_size(dataset)
-    return StoreFootprint(f"raw uint8 at {h}x{w}", len(folder) * 3 * h * w)
+    plane = TARGETS[dataset.targets.kind].plane  # a per-pixel target's plane beside them
+    extra = 0 if plane is None else plane_nbytes(1, (h, w), plane.dtype)
+    return StoreFootprint(f"raw uint8 at {h}x{w}" + (f" + a {plane.key} plane" if plane else ""),
+                          len(folder) * (3 * h * w + extra))
 
 
 # --- conversion ---------------------------------------------------------------------------

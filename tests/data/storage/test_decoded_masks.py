@@ -190,3 +190,23 @@ def test_a_segmenter_trains_on_a_decoded_store_and_validates_by_miou(tmp_path: P
     assert 0 <= metrics["val_miou"] <= 1 and "val_pixel_accuracy" in metrics
     assert metrics["config"]["loader"]["name"] == loader
     assert list((tmp_path / "cache" / loader).glob("*-mask-*/mask.memmap"))
+
+
+def test_prepare_builds_and_sizes_a_masks_store(blocks: Path, tmp_path: Path):
+    """``python -m runner.prepare memmap dataset.targets=masks`` builds the store with its
+    mask plane, and prepare's table counts the plane in memmap's and ram's bytes and lists
+    only stores that carry masks."""
+    from runner import prepare
+    from runner.config.schema import StorageName, TargetName
+    from runner.data.storage import STORAGES
+
+    overrides = [f"dataset.path={blocks}", "dataset.targets=masks", "dataset.crop=whole",
+                 "dataset.image_size=[24,36]", f"dataset.cache_dir={tmp_path / 'cache'}",
+                 "run.progress=false"]
+    assert prepare.main(["memmap", *overrides]) == 0
+    (plane,) = (tmp_path / "cache" / "memmap").glob("*/mask.memmap")
+    assert plane.stat().st_size == 8 * 24 * 36
+    sizes = {k.name.value: f for k, f in prepare.store_sizes(prepare.compose(overrides)).stores}
+    assert all(STORAGES[StorageName(n)].carries(TargetName.masks) for n in sizes)
+    for name in ("memmap", "ram"):
+        assert sizes[name].nbytes == 8 * (3 + 1) * 24 * 36 and "mask" in sizes[name].what
