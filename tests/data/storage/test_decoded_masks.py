@@ -70,12 +70,13 @@ CROPS = {
     "random crops gathered in a worker": (  # the plane gathered into shared memory
         "dataset.crop=random", "dataset.image_size=[32,40]", "dataset.store_size=48",
         "loader.num_workers=1"),
+    "letterbox": ("dataset.crop=letterbox", "dataset.image_size=[40,40]"),  # pads: 255
     "a split's side": ("dataset.crop=whole", "dataset.image_size=[40,56]",
                        "dataset.val_fraction=0.25", "dataset.split=val"),
 }
 
 
-@pytest.mark.parametrize("loader", ["memmap", "ram"])
+@pytest.mark.parametrize("loader", ["folder", "memmap", "ram"])  # folder: the reference
 @pytest.mark.parametrize("crop", list(CROPS))
 def test_a_decoded_stores_masks_line_up_with_their_pixels(blocks: Path, tmp_path: Path,
                                                            loader: str, crop: str):
@@ -91,6 +92,9 @@ def test_a_decoded_stores_masks_line_up_with_their_pixels(blocks: Path, tmp_path
         assert b["image"].shape[-2:] == size
         assert agreement(b["image"], b["mask"]) > 0.9, crop
         assert agreement(b["image"], b["mask"].flip(-1)) < 0.75  # the check can tell
+        if crop == "letterbox":  # 48 x 72 into 40 x 40: 27 rows of picture, the pads ignored
+            assert (b["mask"][:, :6] == 255).all() and (b["mask"][:, 33:] == 255).all()
+            assert (b["mask"][:, 6:33] != 255).all()
 
 
 def test_random_crops_move_each_mask_as_torchvision_v2_moves_a_mask(blocks: Path,
