@@ -19,7 +19,10 @@ is none and in a letterbox's padding). The store knows a plane only by its key a
 (``planes``: key -> tensor), never what its values mean: a batch gathers each plane with
 the same slots as its images, under its key (``mask``, the key loader=folder's batches
 carry it under), and the device's crops and flips then move it with the pixels by its
-kind's ``follow`` (masks: runner/data/decode/maskgeometry.py's ``map_masks``).
+kind's ``follow`` (masks: runner/data/decode/maskgeometry.py's ``map_masks``). A memmap
+store's planes are mapped once: ``dataset.page_cache=cold`` evicts and maps again the
+images (``files``, what the bench measures), not the planes (a third of their bytes for a
+uint8 mask).
 """
 
 from __future__ import annotations

@@ -201,6 +201,9 @@ class MemmapSpec(StoreSpec):
             sizes.update({BOXES: room * 16, BOX_LABELS: room * 8,
                           BOX_OFFSETS: (count + 1) * 8, BOX_COUNTS: count * 8})
         if self.plane is not None:
+            if meta.get("planes") != {self.plane.key: dtype_name(self.plane.dtype)}:
+                raise self.damaged(folder, f"its {META} does not name its "
+                                           f"{self.plane.key} plane")
             sizes[plane_file(self.plane.key)] = plane_nbytes(count, self.image_size,
                                                              self.plane.dtype)
         return sizes
@@ -541,7 +544,7 @@ def _convert(folder_storage: FolderStorage, spec: MemmapSpec, journal: Journal,
     shape = {"count": count, "image_size": spec.image_size, "planes": planes_meta}
     planes = {key: open_plane(partial / plane_file(key), shape, key, writable=True)
               for key in planes_meta}
-    plane_fds = [os.open(partial / plane_file(key), os.O_RDONLY) for key in planes_meta]
+    plane_fds = [os.open(partial / plane_file(key), os.O_RDWR) for key in planes_meta]
     try:
         with open(partial / IMAGES, "rb+") as pixels, BoxFiles(partial, boxes) as box_files:
             def on_chunk(chunk: tuple[int, int], skipped: list[SkippedFile]) -> None:
@@ -653,8 +656,9 @@ def decode_into(target: torch.Tensor, folder_storage: FolderStorage,
     image's boxes (at the decoded size) in ``boxes`` when given, and each image's per-pixel
     target in the rows of ``planes`` (key -> [N, H, W]) when given, before ``on_chunk``.
 
-    ``target`` (and ``sources``, ``planes``) must be shared with forked children: a file mapping, or
-    shared memory. A worker that dies fails this at once (``runner.data.pool.WorkerDied``).
+    ``target`` (and ``sources``, ``planes``) must be shared with forked children: a file
+    mapping, or shared memory. A worker that dies fails this at once
+    (``runner.data.pool.WorkerDied``).
     """
     global _JOB
     skipped: list[SkippedFile] = []

@@ -219,3 +219,20 @@ def test_prepare_builds_and_sizes_a_masks_store(blocks: Path, tmp_path: Path):
     assert all(STORAGES[StorageName(n)].carries(TargetName.masks) for n in sizes)
     for name in ("memmap", "ram"):
         assert sizes[name].nbytes == 8 * (3 + 1) * 24 * 36 and "mask" in sizes[name].what
+
+
+def test_a_damaged_mask_plane_is_a_clear_error(blocks: Path, tmp_path: Path):
+    from runner.data.storage.convert import META, CacheError
+
+    cache = tmp_path / "cache"
+    open_store(blocks, cache)
+    (store,) = [p.parent for p in cache.rglob(META)]
+    with open(store / "mask.memmap", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CacheError, match="damaged.*mask.memmap holds 100 bytes.*prepare memmap"):
+        open_store(blocks, cache)
+    meta = json.loads((store / META).read_text())
+    del meta["planes"]
+    (store / META).write_text(json.dumps(meta))
+    with pytest.raises(CacheError, match="damaged.*does not name its mask plane"):
+        open_store(blocks, cache)
