@@ -11,8 +11,9 @@ moves a ``tv_tensors.Mask``). A segmenter
 IoU (``val_miou``); ``task=infer`` writes its masks.
 
 **In a store** (packed, shards): each image's mask is one opaque blob beside its stored
-JPEG (``to_blob``: the mask resized NEAREST to the stored image's size, as v2 resizes a
-``tv_tensors.Mask`` beside its image, then a lossless PNG, runner/data/decode/maskbytes.py),
+JPEG (``to_blob``: the mask resized to the stored image's size by v2's nearest neighbour
+under each pixel's centre, ``NEAREST_EXACT``, aligned with the image's own resize, then a
+lossless PNG, runner/data/decode/maskbytes.py),
 given back by ``from_blob``; the store never looks inside. Its ``fingerprint`` is every mask
 file's bytes (or COCO's shapes), so an edited mask PNG rebuilds the store.
 """
@@ -66,12 +67,26 @@ def sample_fields(targets: MaskTargets, index: int, window: tuple[float, float, 
 
 
 def to_blob(targets, index: int, hw: tuple[int, int]) -> bytes:
-    """Image ``index``'s mask (of the listing's ``targets``) as a store keeps it: resized
-    NEAREST to the stored image's upright size ``hw`` (v2's resize of a ``tv_tensors.Mask``:
-    a class id is never blended), a lossless PNG."""
+    """Image ``index``'s mask (of the listing's ``targets``) as a store keeps it: resized to
+    the stored image's upright size ``hw`` by nearest neighbour (a class id is never
+    blended), a lossless PNG.
+
+    The store's resize is v2's ``NEAREST_EXACT`` on a ``tv_tensors.Mask`` (output pixel j
+    takes input pixel ``floor((j + 0.5) * in / out)``: the one under its centre), not the
+    ``NEAREST`` a crop uses (``floor(j * in / out)``), which lies half an input pixel up and
+    left of the stored image's own resize (bilinear, centre-aligned); the crop's resize then
+    adds its own. Measured on a set whose pixels say their class (tests/data/storage/
+    test_stored_masks.py's checker set, stored at 90 for a 48x64 output): a mask agreed with
+    its pixels' class on 91.0% of pixels (centre crop) and 92.6% (random crops) with NEAREST
+    here, 95.4% and 96.6% with NEAREST_EXACT, against 94.4% and 95.7% on the folder."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
     mask = torch.from_numpy(targets.target(index))
     if tuple(mask.shape) != tuple(hw):
-        mask = map_mask(mask, Window(0, 0, *mask.shape), tuple(hw))
+        mask = TF.resize(tv_tensors.Mask(mask), list(hw),
+                         interpolation=InterpolationMode.NEAREST_EXACT).as_subclass(torch.Tensor)
     return encode_mask(mask.numpy())
 
 
