@@ -48,7 +48,7 @@ def base(path: Path, cache: Path, *more: str) -> list[str]:
             "loader.shuffle=false", "loader.drop_last=false", "run.progress=false", *more]
 
 
-def mask_batches(overrides: list[str], loader: str, epochs: int = 1
+def mask_batches(overrides: list[str], loader: str
                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Every image's (pixels, mask) as the pipeline delivers them, by index."""
     import runner
@@ -250,3 +250,22 @@ def test_a_segmenter_trains_on_packed_and_shards_masks_and_reports_val_miou(tmp_
         metrics = json.loads((run_dir / "metrics.json").read_text())
         assert "val_miou" in json.dumps(metrics), loader
     assert json.loads((store / "meta.json").read_text())["build"] == build  # not rebuilt
+
+
+def test_masks_shards_in_a_bucket_give_the_local_masks(s3_server, s3_env, cache_dir,
+                                                       delay_line, tmp_path):
+    """prepare shards of a masks set to a bucket; loader=shards over the URL reads each
+    sample's mask with its JPEG (one range), as the local shards give it."""
+    from runner.prepare import main
+
+    root = checker_set(tmp_path / "set")
+    over = base(root, cache_dir, "dataset.store_size=90", "dataset.image_size=[48,64]",
+                "dataset.crop=random")
+    s3_server.make_bucket("masks")
+    assert main(["shards", *over, "out=s3://masks/set", "shard_mb=0.05"]) == 0
+    local = mask_batches(over, "shards")
+    remote = mask_batches([*over, "dataset.path=s3://masks/set"], "shards")
+    assert local.keys() == remote.keys() and len(local) == 6
+    for index, (image, mask) in local.items():
+        assert torch.equal(image, remote[index][0])
+        assert torch.equal(mask, remote[index][1])
