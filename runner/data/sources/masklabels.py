@@ -42,7 +42,6 @@ come from the masks (``0..max``) there is none. A model's head smaller than the 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -505,32 +504,15 @@ class MaskTargets:
         """Image ``index``'s [H, W] uint8 mask (ids past the classes ``IGNORE``)."""
         return load_mask(self.items[index], self.num_classes)
 
+    def target(self, index: int) -> np.ndarray:
+        """Image ``index``'s target as its kind's record reads it (a store's too): its mask."""
+        return self.mask(index)
+
     def source_size(self, index: int) -> tuple[int, int]:
         return self.items[index].height, self.items[index].width
 
     def image_id(self, index: int) -> int:
         return self.items[index].image_id
-
-    def fingerprint(self, digest) -> None:
-        """Feed ``digest`` (a hashlib object) with what the masks are made of, in listing
-        order: each image's size and id, and its mask file's bytes (BLAKE2b, read on
-        threads) or its COCO segmentations: a decoded store of them (memmap, ram) is
-        rebuilt when a mask is edited, whatever its stat says. Costs one read of every mask
-        file (small PNGs) each time such a store is opened."""
-        def one(target: MaskTarget) -> bytes:
-            head = b"\n%d %d %d " % (target.height, target.width, target.image_id)
-            if target.file is None:
-                return head + hashlib.blake2b(repr(target.shapes).encode(),
-                                              digest_size=16).digest()
-            try:
-                with open(target.file, "rb") as f:
-                    return head + hashlib.blake2b(f.read(), digest_size=16).digest()
-            except OSError as e:  # gone since it was listed: its decode says so, counted
-                return head + str(e).encode(errors="replace")
-
-        digest.update(b"%d" % self.num_classes)
-        for part in _threaded(one, self.items):
-            digest.update(part)
 
     def subset(self, positions: list[int]) -> MaskTargets:
         return MaskTargets([self.items[k] for k in positions], self.format, self.num_classes,

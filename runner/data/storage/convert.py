@@ -11,12 +11,11 @@ here, written once:
   BLAKE2b hash of its bytes (``sources.bin``). Opening compares the stats only (one ``stat``
   per file) and hashes again just the files whose stat moved, so an unchanged folder costs
   no reads, and a rewrite that kept the mtime (``cp -p``, ``rsync -a``, tar) is still seen;
-  a detection set's boxes as the listing parsed them (``targets_fingerprint``: format,
-  classes, every image's boxes, labels, size and id), so an edited label file, or labels
-  read another way, rebuilds the store instead of serving stale boxes (a store of the same
-  folder without boxes has none, and its kind's settings give it a folder of its own); a
-  masks set's by its listing's own ``fingerprint`` (every mask file's bytes, or COCO's
-  segmentations), so an edited mask rebuilds it too;
+  a detection set's boxes as the listing parsed them, a masks set's mask files' bytes
+  (``targets_fingerprint``: format, classes, then the target kind's ``fingerprint``), so
+  an edited label file or mask, or labels read another way, rebuilds the store instead of
+  serving stale targets (a store of the same folder without them has none, and its kind's
+  settings give it a folder of its own);
 - **resumable**: the conversion builds in ``<key>.partial``; its ``Journal`` records each
   finished chunk (``done.jsonl``) only after the chunk's bytes are synced, so a rerun after a
   kill redoes only the unfinished chunks and gives the same bytes;
@@ -48,7 +47,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from filelock import FileLock
 
 from runner.common.atomic import dumps, write_json
@@ -60,6 +58,7 @@ from runner.data.protocol import SkippedFile
 from runner.data.sources.files import read_file
 from runner.data.sources.listing import stat_row
 from runner.data.storage.folder import FolderStorage
+from runner.data.targets import TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -141,23 +140,15 @@ def layout_fingerprint(folder: FolderStorage) -> str:
 
 
 def targets_fingerprint(folder: FolderStorage) -> str | None:
-    """A digest of a detection set's boxes as its listing parsed them (None: no boxes):
-    changes when a label file's boxes, labels or classes change, whatever its stat says.
-    Targets whose listing holds recipes, not values (masks: a file to read), digest
-    themselves (their ``fingerprint``)."""
+    """A digest of the targets a store keeps, as the listing has them (None: none): their
+    format and classes, then what their kind's record says a store depends on (its
+    ``fingerprint``: boxes as parsed, each mask file's bytes), so an edited label file
+    rebuilds the store, whatever its stat says."""
     targets = folder.targets
     if targets is None:
         return None
     digest = hashlib.sha256(f"{targets.format}\n".encode() + "\n".join(folder.classes).encode())
-    own = getattr(targets, "fingerprint", None)
-    if own is not None:
-        own(digest)
-        return digest.hexdigest()
-    for i in range(len(targets)):
-        t = targets[i]
-        digest.update(b"\n%d %d %d %d" % (t.height, t.width, t.image_id, len(t.labels)))
-        digest.update(t.boxes.to(torch.float32).contiguous().numpy().tobytes())
-        digest.update(t.labels.to(torch.int64).contiguous().numpy().tobytes())
+    TARGETS[targets.kind].fingerprint(targets, digest)
     return digest.hexdigest()
 
 
