@@ -236,3 +236,49 @@ def test_a_damaged_mask_plane_is_a_clear_error(blocks: Path, tmp_path: Path):
     (store / META).write_text(json.dumps(meta))
     with pytest.raises(CacheError, match="damaged.*does not name its mask plane"):
         open_store(blocks, cache)
+
+
+@pytest.mark.slow  # three short segmenter runs: ~1-2 minutes on 2 loaded cores
+def test_a_segmenter_on_memmap_stopped_and_resumed_sees_the_same_masks_and_losses(
+        tmp_path: Path, monkeypatch):
+    """Stopped mid-epoch (a SIGTERM before step 3 of 6) and resumed: the same images, the
+    same random crops of their pixels and masks, and the same losses as a run that never
+    stopped (tests/tasks/test_checkpoint.py's check, with the masks)."""
+    import runner.tasks
+    from runner.common.errors import Interrupted
+
+    common = ["task=train", "model.name=lraspp_mobilenet_v3_large", "logger=none",
+              "diagnose=false", "run.timeline=false", "run.warmup_steps=0", "run.epochs=2",
+              "dataset.targets=masks", "dataset.num_images=15", "dataset.crop=random",
+              "dataset.image_size=[32,32]", "dataset.store_size=40", "loader=memmap",
+              "loader.batch_size=4", f"dataset.cache_dir={tmp_path / 'cache'}",
+              "run.progress=false"]
+
+    def run(run_dir: Path, *extra: str, stop_at: int | None = None) -> list[tuple]:
+        steps: list[tuple] = []
+        real = runner.tasks.TrainStep.__call__
+
+        def step(self, batch) -> None:
+            if stop_at is not None and len(steps) == stop_at:
+                raise Interrupted("SIGTERM")
+            real(self, batch)
+            steps.append((tuple(batch["index"].tolist()), int(batch["image"].long().sum()),
+                          int(batch["mask"].long().sum()), float(self.losses[self.steps - 1])))
+
+        monkeypatch.setattr(runner.tasks.TrainStep, "__call__", step)
+        try:
+            run_in_process(*common, *extra, run_dir=run_dir)
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.undo()
+        return steps
+
+    straight = run(tmp_path / "straight")
+    assert len(straight) == 6  # 12 training images, 3 whole batches an epoch
+    first = run(tmp_path / "run", stop_at=3)
+    second = run(tmp_path / "run", "resume=auto")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["start_step"] == 3
+    together = first + second
+    assert [s[:3] for s in together] == [s[:3] for s in straight]  # images, crops, masks
+    assert [s[3] for s in together] == pytest.approx([s[3] for s in straight], abs=1e-5)
