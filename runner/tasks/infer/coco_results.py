@@ -221,8 +221,13 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
       (``names``); without them, each model class's id by its name in the data (each
       name once there); a model whose names are unknown takes the data's ids by position
       when the counts agree;
-    - the data has none (YOLO: the class index is the id): the class index, or, on images
-      without labels (``labelled`` false), the checkpoint's own ids when it has them.
+    - the data has none (YOLO: the class index is the id): the class index when the
+      model's names are the data's in order (or unknown), each model class's index in
+      the data by name when they are the same names in another order (a model trained on
+      ``[car, person]`` served on a folder whose classes.txt says ``person, car``: served
+      as is, every detection would carry the other class's index); refused naming both
+      lists when a name is not there; on images without labels (``labelled`` false), the
+      checkpoint's own ids when it has them.
 
     Args:
         model: the model's name, for the message.
@@ -237,7 +242,22 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
     trained = list(trained_ids) if trained_ids is not None and len(trained_ids) == count \
         else None
     if data_ids is None:
-        return trained if trained is not None and not labelled else None
+        if not labelled:
+            return trained
+        if not named or not data_names or list(names) == list(data_names):
+            return None
+        index = {n: i for i, n in enumerate(data_names)}
+        missing = [n for n in names if n not in index]
+        if missing or len(set(names)) != len(names):
+            bad = missing[0] if missing else next(n for n in names if list(names).count(n) > 1)
+            raise ConfigError(
+                f"model {model}'s classes {list(names)[:12]} are not the classes of {where} "
+                f"{list(data_names)[:12]}: {bad!r} is "
+                f"{'not there' if missing else 'the model’s more than once'}, so its "
+                "detections cannot carry that folder's class indices. Serve it on labels "
+                "with its classes, or on images without labels")
+        table = [index[n] for n in names]
+        return None if table == list(range(count)) else table
     data = dict(zip(data_ids, data_names))
     theirs = _categories(data_ids, data_names)
     if trained is not None and named:
