@@ -463,6 +463,10 @@ class MaskTargets:
         """Image ``index``'s [H, W] uint8 mask (ids past the classes ``IGNORE``)."""
         return load_mask(self.items[index], self.num_classes)
 
+    def target(self, index: int) -> np.ndarray:
+        """Image ``index``'s target as its kind's record reads it (a store's too): its mask."""
+        return self.mask(index)
+
     def source_size(self, index: int) -> tuple[int, int]:
         return self.items[index].height, self.items[index].width
 

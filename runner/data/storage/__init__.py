@@ -28,7 +28,17 @@ centre and random crops; at the output size, the centre crop and the whole side 
 stores. ``dataset.crop=letterbox`` (the detectors' default: the whole image, aspect kept,
 padded with grey 114) is decoded so by folder, packed and shards, and stored so by memmap
 and ram (at ``dataset.image_size``: with ``dataset.store_size`` refused in one line); DALI
-and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``). ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
+and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``).
+
+**Targets beside the label** (``dataset.targets``: boxes, masks) go where the pixels go:
+a storage's record says which kinds it carries (``StorageKind.carries``). A store keeps
+each image's target as its kind's record makes it: boxes in their own arrays, any other
+kind (masks) as an opaque blob beside the stored image (``TargetKind.to_blob`` and
+``from_blob``: packed's ``blobs.bin``, shards' ``<key>.<blob_ext>`` member), moved through
+the crop by the kind's ``sample_fields`` as on a folder; the store's key names the kind
+and its plan the kind's ``fingerprint``, so an edited label or mask rebuilds it.
+
+``loader.decoder=auto`` (the folder's default) picks the region decoder when its
 binding is built, else simplejpeg with DCT scaling; the run's ``metrics.json`` names the
 one that ran. How fast each storage is here: ``python -m runner.bench stores`` (figures
 depend on the machine, so they live in the bench's output, not in the docs).

@@ -53,6 +53,20 @@ class TargetKind:
             ``kind`` names this record) through the window and flip a decoder cut its
             pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
             target does not follow the pixels.
+        fingerprint: ``fingerprint(targets) -> bytes``: what a store built with them depends
+            on (boxes: each image's parsed boxes; masks: each mask file's bytes or COCO
+            shapes), so an edited label rebuilds it (runner/data/storage/convert.py's
+            ``targets_fingerprint``); None: a store keeps none of it (a class index).
+        to_blob: ``to_blob(targets, index, hw) -> bytes``: image ``index``'s target (of
+            its listing's ``targets``) as the opaque bytes a store keeps beside its stored
+            image, at the stored upright size ``hw`` (packed.py and shards.py write and read
+            them without knowing what they are, as FFCV's fields); None: the stores keep it
+            their own way (boxes: packed's ``boxes.bin``, shards' ``<key>.json``) or not at
+            all.
+        from_blob: ``from_blob(bytes)``: the target ``to_blob`` wrote, as ``sample_fields``
+            reads it from a store's targets (``targets.target(index)``).
+        blob_ext: the extension of its blob's member in a WebDataset shard
+            (``<key>.<blob_ext>``).
         recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
         setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
     """
@@ -73,6 +87,10 @@ class TargetKind:
     default_path: Callable[[DatasetConfig, bool], Path] | None = None
     sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
     has_val_split: Callable[[DatasetConfig], bool] | None = None
+    fingerprint: Callable[[Any], bytes] | None = None
+    to_blob: Callable[[Any, int, tuple[int, int]], bytes] | None = None
+    from_blob: Callable[[bytes], Any] | None = None
+    blob_ext: str | None = None
 
     def carried(self, keys: Any) -> bool:
         """Whether a batch with ``keys`` carries this kind's target."""

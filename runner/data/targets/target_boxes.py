@@ -59,6 +59,16 @@ def sample_fields(targets, index: int, window: tuple[float, float, float, float]
     return {"boxes": boxes, "box_labels": labels}
 
 
+def fingerprint(targets, digest) -> None:
+    """Update ``digest`` with the boxes as the listing parsed them (each image's size, id,
+    boxes and labels): an edited label file changes it, whatever its stat says."""
+    for i in range(len(targets)):
+        t = targets[i]
+        digest.update(b"\n%d %d %d %d" % (t.height, t.width, t.image_id, len(t.labels)))
+        digest.update(t.boxes.to(torch.float32).contiguous().numpy().tobytes())
+        digest.update(t.labels.to(torch.int64).contiguous().numpy().tobytes())
+
+
 def has_val_split(dataset) -> bool:
     """A YOLO or COCO layout with both splits, or the generated shapes (detection.py's)."""
     from runner.data.sources.detection import has_val_split as has
@@ -88,6 +98,7 @@ KIND = TargetKind(
     default_path=default_path,
     sample_fields=sample_fields,
     has_val_split=has_val_split,
+    fingerprint=fingerprint,
     recipe="detect_shapes",
     setting="dataset.targets=auto (a YOLO layout or COCO's JSON at dataset.path; without "
             "dataset.path, the generated shapes dataset)",
