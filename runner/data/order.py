@@ -26,6 +26,9 @@ order, and cut into global batches of one bin; those are read in a seeded order,
 world size with its own images marked as padding. Every batch holds one bin, every image
 is read once per epoch, the order is a function of (seed, epoch) and the steps per epoch
 of the bins' counts alone; a rank takes every ``world``-th image of each global batch.
+Since a batch never mixes bins, each bin has one batch shape (``bin_shapes``: ultralytics'
+rect shape, long side the output's, the other the bin's squarest image's rounded up to a
+multiple of 32), which the storage decodes its images at (``set_item_shapes``).
 """
 
 from __future__ import annotations
