@@ -194,18 +194,20 @@ def rect_shape_of(hw: tuple[int, int]) -> tuple[int, int]:
     ("folder", ["loader.num_workers=1"]),  # a worker, collated per batch
     ("folder", ["loader.decode_threads=0", "loader.batched=true"]),  # one gather per batch
     ("packed", ["loader.num_workers=0"]),  # the binding's batch decode
+    ("folder", ["dataset.crop=whole"]),  # resized to the bin's shape, no pads
 ])
 def test_letterboxed_batches_take_their_bins_shape_and_boxes_follow(tmp_path, loader, path):
     """loader.group_aspect with the letterbox: each batch at its bin's shape (4:3 images
     at 96x128, not padded to 128x128), never mixing bins; images and boxes equal
     torchvision v2's resize then pad into that shape (boxes within a pixel; a packed
-    store's own copy rounds by a pixel more)."""
+    store's own copy rounds by a pixel more). With dataset.crop=whole: its resize alone."""
     import io
 
     from PIL import Image
     from torchvision import tv_tensors
     from torchvision.transforms.v2 import functional as TF
 
+    from runner.config.schema import Crop
     from runner.data import build_data_path
     from runner.data.decode.decoders import PAD_VALUE, letterbox_place
     from runner.job.compose import compose
@@ -227,7 +229,8 @@ def test_letterboxed_batches_take_their_bins_shape_and_boxes_follow(tmp_path, lo
             for k, name in enumerate(names):
                 seen.append(name)
                 _, hw, rows = truth[name]
-                top, left, nh, nw = letterbox_place(*hw, *shape)
+                top, left, nh, nw = letterbox_place(*hw, *shape) \
+                    if config.dataset.crop is Crop.letterbox else (0, 0, *shape)
                 pads = [left, top, shape[1] - nw - left, shape[0] - nh - top]
                 bb = tv_tensors.BoundingBoxes(torch.tensor(rows, dtype=torch.float32),
                                               format="XYXY", canvas_size=hw)

@@ -251,17 +251,17 @@ def aspect_groups(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
     source sizes its detection labels carry (a YOLO image without boxes, whose labels gave
     no size, goes with the square ones), the storage told to decode each bin at its shape
     (``bin_shapes``, ``set_item_shapes``); or a ConfigError saying why this storage cannot
-    group: no labels with sizes, a sharded order (read a block of shards at a time), or
-    images decoded once at the square size (memmap, ram)."""
+    group: no labels with sizes, a sharded order (read a block of shards at a time), or a
+    storage that decodes at one size alone (memmap and ram are refused earlier, when the
+    config is settled: runner/data/storage/__init__.py)."""
     from runner.common.errors import ConfigError
     from runner.data.order import bin_shapes
 
     bins, sizes = storage_aspect_bins(storage, cfg)
     if not callable(getattr(storage, "set_item_shapes", None)):
-        raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: its images "
-                          "were decoded once at the square dataset.image_size, so its batches "
-                          "cannot take each aspect bin's shape; use loader=folder or packed "
-                          "(decoded every epoch)")
+        raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: it "
+                          "cannot decode each aspect bin's batches at the bin's shape; use "
+                          "loader=folder or packed")
     size = storage.item_shape[1:]
     storage.set_item_shapes(bin_shapes(sizes, bins, size))
     return bins
