@@ -606,7 +606,7 @@ class LoaderConfig:
                                  "or letterbox, each batch decoded at its bin's shape, not the "
                                  "square dataset.image_size: the long side the image size, the "
                                  "other the bin's squarest image's, rounded up to a multiple of "
-                                 "32 (a 640x480 set at 640: 480x640 batches). The shape is a "
+                                 "32 (4:3 landscape photos at 640: batches 480 high, 640 wide). The shape is a "
                                  "function of the bin alone (a handful per run, so cudnn and "
                                  "compile see few shapes); boxes follow and task=infer serves "
                                  "them in the source's pixels. Every image still read once per "

@@ -1,6 +1,11 @@
 """``loader.group_aspect``: batches of one aspect-ratio bin (torchvision's
 GroupedBatchSampler, ultralytics' rect), every image once per epoch, the order a function
-of the seed and epoch (a resume reads the rest of the same epoch), on one rank or several."""
+of the seed and epoch (a resume reads the rest of the same epoch), on one rank or several;
+each bin's batches at the bin's shape (ultralytics' rect shapes), boxes following
+(torchvision v2) and served back in the source's pixels.
+
+The sizes are 128 with 96x128 images, not 64 with 48x64: a bin's shape is rounded up to a
+multiple of 32 (ultralytics' stride), so 48 would round up to the square 64."""
 
 from __future__ import annotations
 
