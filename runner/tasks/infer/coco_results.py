@@ -144,6 +144,9 @@ class ServedFrame:
       YOLO image with no boxes), or any image of a folder without labels, has its size
       read from its file's header; in a bucket (``dataset.path`` a URL) such a folder's
       boxes stay in input pixels (said once).
+    - ``input_sizes``: under ``loader.group_aspect`` each image's output size, its aspect
+      bin's (``shapes``), which its window is taken at; else every image's is
+      ``dataset.image_size``.
 
     Args:
         targets: the storage's targets (``DetectionTargets``, a store's): their
@@ -151,12 +154,14 @@ class ServedFrame:
             labels (ids are dataset indices, categories class indices).
         dataset: the run's dataset config (crop, crop_fraction, image_size).
         source: dataset index -> the image's source file (for a size the labels lack).
+        shapes: each dataset index's output (height, width) [N, 2] where it differs by
+            image (the storage's ``item_shapes``: ``loader.group_aspect``), else None.
     """
 
-    def __init__(self, targets, dataset, source):
+    def __init__(self, targets, dataset, source, shapes=None):
         from runner.config.schema import Crop
 
-        self.targets, self.source = targets, source
+        self.targets, self.source, self.shapes = targets, source, shapes
         self.size = tuple(int(v) for v in dataset.image_size)
         self.crop, self.fraction = dataset.crop, float(dataset.crop_fraction)
         self.mapped = self.crop is not Crop.random
@@ -183,9 +188,17 @@ class ServedFrame:
         """The windows [B, 4] (top, left, height, width) of images ``index``."""
         from runner.data.decode.boxgeometry import shown_window
 
-        return np.array([list(vars(shown_window(self._size(int(i)), self.size, self.crop,
-                                                self.fraction)).values())
+        return np.array([list(vars(shown_window(self._size(int(i)), self._shape(int(i)),
+                                                self.crop, self.fraction)).values())
                          for i in index], dtype=np.float64).reshape(-1, 4)
+
+    def _shape(self, index: int) -> tuple[int, int]:
+        """The output size of image ``index``: its bin's, or ``dataset.image_size``."""
+        return self.size if self.shapes is None else tuple(self.shapes[index].tolist())
+
+    def input_sizes(self, index: np.ndarray) -> np.ndarray:
+        """The output sizes [B, 2] (height, width) of images ``index``."""
+        return np.array([self._shape(int(i)) for i in index], dtype=np.float64).reshape(-1, 2)
 
     def source_sizes(self, index: np.ndarray) -> np.ndarray:
         """The upright source sizes [B, 2] (height, width) of images ``index``."""
@@ -198,6 +211,8 @@ class ServedFrame:
                 "source_windows": self.source_windows if self.mapped else None,
                 "source_sizes": self.source_sizes if self.mapped else None,
                 "input_size": self.size if self.mapped else None,
+                "input_sizes": self.input_sizes if self.mapped and self.shapes is not None
+                else None,
                 "category_ids": category_ids if category_ids is not None
                 else getattr(self.targets, "category_ids", None)}
 
