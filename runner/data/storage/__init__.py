@@ -170,6 +170,12 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
             raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                               f"loader.decoder={loader.decoder.value}: use a CPU decoder "
                               "(loader.decoder=auto)")
+    if loader.group_aspect and not kind.decodes_per_epoch:
+        # a letterbox stored square could be cut to a bin's shape on the device; not done
+        raise ConfigError(f"loader.group_aspect=true with loader={loader.name.value}: its "
+                          "images are decoded once at the square dataset.image_size, so its "
+                          "batches cannot take each aspect bin's shape; use loader=folder or "
+                          "packed (decoded every epoch)")
     if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
         # (its batched resample of mixed sizes fills the output: no pads)
         raise ConfigError(f"loader.decoder={loader.decoder.value} has no "

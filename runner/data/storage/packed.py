@@ -685,8 +685,6 @@ class PackedStorage(FolderStorage):
             return super().decode_slice(out, positions, indices)
         from runner.data.decode import _jpegregion
 
-        decoder: ImageDecoder = self.decode
-        size = tuple(decoder.size)
         t0 = time.perf_counter()
         items: list[Sample | SkippedFile | None] = []
         jobs, todo = [], []
@@ -695,6 +693,8 @@ class PackedStorage(FolderStorage):
         for k in positions:
             index, seed = indices[k] if isinstance(indices[k], tuple) else (indices[k], None)
             index, valid = unpad(index)
+            decoder: ImageDecoder = self.decoder_for(index)  # its bin's shape: group_aspect
+            size = tuple(decoder.size)
             try:
                 data = self.read(index)
             except OSError as e:
@@ -725,7 +725,7 @@ class PackedStorage(FolderStorage):
             else:
                 if not planar:
                     img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
-                    decoder.place(out[k], img.permute(2, 0, 1), flip)
+                    self.decoder_for(index).place(out[k], img.permute(2, 0, 1), flip)
                 item = Sample(None, self.samples[index][1], index, valid, **fields.get(k, {}))
             items[slot] = item
         if timeline.enabled():
