@@ -67,6 +67,9 @@ class TargetKind:
             reads it from a store's targets (``targets.target(index)``).
         blob_ext: the extension of its blob's member in a WebDataset shard
             (``<key>.<blob_ext>``).
+        probe: ``probe(bs, (h, w), num_classes, device) -> {key: tensor}``: a synthetic
+            batch's target (its ``batch_keys``) for the bottleneck diagnosis' model-alone
+            probe (runner/job/diagnose.py ``model_ceiling``); None: it has none.
         recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
         setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
     """
@@ -91,6 +94,8 @@ class TargetKind:
     to_blob: Callable[[Any, int, tuple[int, int]], bytes] | None = None
     from_blob: Callable[[bytes], Any] | None = None
     blob_ext: str | None = None
+    probe: Callable[[int, tuple[int, int], int, torch.device], dict[str, torch.Tensor]] | None \
+        = None
 
     def carried(self, keys: Any) -> bool:
         """Whether a batch with ``keys`` carries this kind's target."""
