@@ -85,6 +85,9 @@ class TargetKind:
             reads it from a store's targets (``targets.target(index)``).
         blob_ext: the extension of its blob's member in a WebDataset shard
             (``<key>.<blob_ext>``).
+        probe: ``probe(bs, (h, w), num_classes, device) -> {key: tensor}``: a synthetic
+            batch's target (its ``batch_keys``) for the bottleneck diagnosis' model-alone
+            probe (runner/job/diagnose.py ``model_ceiling``); None: it has none.
         plane: a per-pixel target (``TargetPlane``), kept by the decoded stores as a plane
             beside the pixels and moved on the device by ``follow``; None: none (a class
             index; boxes, which they keep in a ragged table of their own).
@@ -112,6 +115,8 @@ class TargetKind:
     to_blob: Callable[[Any, int, tuple[int, int]], bytes] | None = None
     from_blob: Callable[[bytes], Any] | None = None
     blob_ext: str | None = None
+    probe: Callable[[int, tuple[int, int], int, torch.device], dict[str, torch.Tensor]] | None \
+        = None
     plane: TargetPlane | None = None
 
     def carried(self, keys: Any) -> bool:

@@ -83,6 +83,16 @@ def default_path(dataset, progress: bool = True):
     return shapes(dataset, progress)
 
 
+def probe(bs: int, hw: tuple[int, int], num_classes: int, device: torch.device
+          ) -> dict[str, torch.Tensor]:
+    """A synthetic batch's boxes: one per image, its middle half, class 0."""
+    h, w = hw
+    return {"boxes": torch.tensor([[w / 4, h / 4, 3 * w / 4, 3 * h / 4]], device=device)
+            .expand(bs, 1, 4).contiguous(),
+            "box_labels": torch.zeros((bs, 1), dtype=torch.long, device=device),
+            "box_count": torch.ones(bs, dtype=torch.long, device=device)}
+
+
 KIND = TargetKind(
     name=TargetName.boxes,
     summary="detection boxes per image, each with its class (a YOLO layout or COCO's JSON)",
@@ -93,6 +103,7 @@ KIND = TargetKind(
     mixes=False,
     best="val_map",
     figures=("map", "map_50"),
+    probe=probe,
     outputs=(Output.detections,),
     applies=frozenset({Output.detections}),
     default_path=default_path,

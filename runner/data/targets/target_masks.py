@@ -136,6 +136,13 @@ def has_val_split(dataset: DatasetConfig) -> bool:
     return has_mask_split(root, Split.val.value) and has_mask_split(root, Split.train.value)
 
 
+def probe(bs: int, hw: tuple[int, int], num_classes: int, device: torch.device
+          ) -> dict[str, torch.Tensor]:
+    """A synthetic batch's masks: random class ids at the image size."""
+    return {"mask": torch.randint(0, max(num_classes, 1), (bs, *hw), dtype=torch.uint8,
+                                  device=device)}
+
+
 KIND = TargetKind(
     name=TargetName.masks,
     summary="a class per pixel: a PNG of class ids per image (255: ignored)",
@@ -146,6 +153,7 @@ KIND = TargetKind(
     mixes=False,
     best="val_miou",
     figures=("miou", "pixel_accuracy"),
+    probe=probe,
     outputs=(Output.masks,),
     applies=frozenset({Output.masks}),
     recipe="segment_shapes",
