@@ -71,8 +71,8 @@ class TargetKind:
             ``kind`` names this record) through the window and flip a decoder cut its
             pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
             target does not follow the pixels.
-        fingerprint: ``fingerprint(targets) -> bytes``: what a store built with them depends
-            on (boxes: each image's parsed boxes; masks: each mask file's bytes or COCO
+        fingerprint: ``fingerprint(targets, digest)``: update ``digest`` with what a store
+            built with them depends on (boxes: each image's parsed boxes; masks: each mask file's bytes or COCO
             shapes), so an edited label rebuilds it (runner/data/storage/convert.py's
             ``targets_fingerprint``); None: a store keeps none of it (a class index).
         to_blob: ``to_blob(targets, index, hw) -> bytes``: image ``index``'s target (of
@@ -111,7 +111,7 @@ class TargetKind:
     default_path: Callable[[DatasetConfig, bool], Path] | None = None
     sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
     has_val_split: Callable[[DatasetConfig], bool] | None = None
-    fingerprint: Callable[[Any], bytes] | None = None
+    fingerprint: Callable[[Any, Any], None] | None = None
     to_blob: Callable[[Any, int, tuple[int, int]], bytes] | None = None
     from_blob: Callable[[bytes], Any] | None = None
     blob_ext: str | None = None
