@@ -65,12 +65,12 @@ class DetectionMAP:
         except ImportError as e:
             raise Unavailable("a detector's mAP needs torchmetrics and pycocotools: "
                               "pip install -e '.[detection]'") from e
-        self.metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox",
-                                           class_metrics=class_metrics, backend=backend)
-        self.metric.warn_on_many_detections = False
         # the ranks' images are gathered whole in ``compute`` (the module docstring says why
-        # not torchmetrics' own sync)
-        self.metric.sync_on_compute = False
+        # not torchmetrics' own sync); given here: Metric reads it once, in its __init__
+        self.metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox",
+                                           class_metrics=class_metrics, backend=backend,
+                                           sync_on_compute=False)
+        self.metric.warn_on_many_detections = False
         # per image, in the order given: its predictions, its targets, its index (or None)
         self.preds: list[dict[str, torch.Tensor]] = []
         self.truth: list[dict[str, torch.Tensor]] = []
