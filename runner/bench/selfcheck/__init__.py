@@ -107,6 +107,11 @@ from runner.bench.selfcheck.model_rows import (
     check_tensorrt_job,
 )
 from runner.bench.selfcheck.node import build_region, header, missing_dependencies
+from runner.bench.selfcheck.target_rows import (
+    check_bf16_targets,
+    check_boxes_on_device,
+    check_map_ranks,
+)
 from runner.bench.selfcheck.train_rows import (
     check_ddp,
     check_detector_sync,
@@ -148,6 +153,14 @@ CHECKS: list[Check] = [
           "with memmap device crops moving its boxes, 6 steps each with no implicit host "
           "sync; fails on the first sync the debug mode catches", check_detector_sync,
           seconds=40),
+    Check("boxes-on-device", "memmap batches (a letterboxed store; the device crops) through "
+          "a mosaic and box crops on the device with no implicit host sync, boxes as the "
+          "CPU's replay of the same draws (1e-3 px) and inside the image; fails on a sync or "
+          "a box astray", check_boxes_on_device, seconds=15),
+    Check("bf16-targets", "a detector and a segmenter trained 60 steps in bf16, then bf16 on "
+          "the GPU vs float32 on the CPU: >= 90% of the CPU's 10 best boxes an image found "
+          "(IoU >= 0.9, score within 0.05), mAP@0.5 within 0.02; masks >= 98% of pixels "
+          "alike, mIoU within 0.02", check_bf16_targets, seconds=45),
     Check("fp16", "amp=fp16 training with no per-step sync",
           lambda a: check_fp16_training(a.size, min(a.batch_size, 64)), seconds=5),
     Check("fp16-numbers", "an fp16 step that overflows is skipped, then 5 steps match a "
@@ -181,6 +194,10 @@ CHECKS: list[Check] = [
           how=TENSORRT_HOW),
     Check("dali-gpu", "the DALI loader decodes into device batches of the run's shape", check_dali,
           packages=("nvidia.dali",), seconds=15),
+    Check("map-ranks", "a detector's validation mAP over 2 gloo ranks spawned here (one GPU "
+          "shared, or the CPU) equals one process's over the same 13 images, each counted "
+          "once; fails on another figure, a lost image, an error or a hang",
+          check_map_ranks, cuda=False, seconds=30),
     Check("ddp", "2 ranks through the project's process group end with replicas in sync "
           "(NCCL on 2 GPUs; on fewer, gloo, and the row says NCCL is untested)",
           lambda a: check_ddp(), cuda=False, seconds=30),
