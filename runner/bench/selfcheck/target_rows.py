@@ -198,10 +198,11 @@ class DetectionAgreement:
     def __str__(self) -> str:
         if not self.compared:
             return f"the CPU's {self.tied} best boxes all tie in score: none compared"
+        found = (f"; least IoU {self.least_iou:.3f}, worst score diff "
+                 f"{self.worst_score_diff:.4f}") if self.matched else ""
         return (f"{self.matched} of the CPU's {self.compared} best untied boxes found "
                 f"({self.share:.1%}; same class, IoU >= {BOX_IOU}, score within "
-                f"{SCORE_DIFF}; {self.tied} tied left out); least IoU {self.least_iou:.3f}, "
-                f"worst score diff {self.worst_score_diff:.4f}")
+                f"{SCORE_DIFF}; {self.tied} tied left out){found}")
 
 
 def compare_detections(reference: list[dict[str, torch.Tensor]],

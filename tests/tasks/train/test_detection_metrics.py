@@ -134,7 +134,6 @@ def test_images_given_with_their_indices_score_the_same_in_any_order():
 
 def _split_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
-
     import torchmetrics.metric
 
     def own_sync(*args, **kwargs):  # each rank's images would be gathered a second time
