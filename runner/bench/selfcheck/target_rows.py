@@ -94,9 +94,10 @@ def _map_rank(rank: int, world: int, port: int, device: str, out: str) -> None:
     """One rank of ``check_map_ranks`` (a spawned process): its figures to ``out.<rank>``."""
     import torch.distributed as dist
 
+    from runner.data.threads import cores
     from runner.launch.distributed import Ranks
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(max(1, cores() // world))  # the ranks share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
