@@ -58,11 +58,15 @@ SEGMENTER = "lraspp_mobilenet_v3_large"
 # --- map-ranks ---------------------------------------------------------------------------------
 
 # 64 generated images with boxes, a fifth held out: 13 validation images, 7 and 6 on two
-# ranks (rank 1's last batch padded), batch 4
+# ranks (rank 1's last batch padded)
 MAP_RANKS = ["dataset.targets=auto", f"model.name={DETECTOR}", "dataset.num_images=64",
              "dataset.image_size=[128,128]", "model.image_size=[128,128]",
-             "dataset.val_fraction=0.2", "loader.batch_size=4", "loader.num_workers=0",
-             "logger=none", "run.progress=false"]
+             "dataset.val_fraction=0.2", "loader.num_workers=0", "logger=none",
+             "run.progress=false"]
+# batches of 4 on the CPU (its kernels give an image the same numbers in any batch: the
+# figures agree to the bit); of 1 on a GPU, whose kernels may round another batch size
+# differently, so that each image meets the same kernels alone and with the ranks
+MAP_BATCH = {"cpu": 4, "cuda": 1}
 RANKS_TIMEOUT = 300.0  # seconds the two ranks may take: a collective mismatch hangs
 
 
@@ -75,8 +79,10 @@ def _validation(device: str, ranks=None):
     from runner.model.families import build_family_model
     from runner.tasks.train.validation import Validation, validation_config
 
-    config = compose([*MAP_RANKS, f"device={device}"])
+    config = compose([*MAP_RANKS, f"device={device}", f"loader.batch_size={MAP_BATCH[device]}"])
     where = torch.device(device)
+    if where.type == "cuda":  # the same kernels in every process
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     data = build_data_path(validation_config(config), where, ranks, epochs=1,
                            progress=False, every_image=True)
     torch.manual_seed(0)
@@ -150,7 +156,8 @@ def check_map_ranks(args: argparse.Namespace) -> list[Row]:
                 f"{images} images, {counts[0]} + {counts[1]} on the ranks; mAP "
                 f"{got[0]['figures']['map']:.6f} / {got[1]['figures']['map']:.6f} vs "
                 f"{alone['map']:.6f} alone, mAP@0.5 {got[0]['figures']['map_50']:.6f} vs "
-                f"{alone['map_50']:.6f}; max |diff| {gap:.2g} (<= 1e-6)")]
+                f"{alone['map_50']:.6f}; max |diff| {gap:.2g} (<= 1e-6); batch "
+                f"{MAP_BATCH[device]}")]
 
 
 # --- bf16-targets ------------------------------------------------------------------------------
