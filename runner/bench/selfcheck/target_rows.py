@@ -81,8 +81,6 @@ def _validation(device: str, ranks=None):
 
     config = compose([*MAP_RANKS, f"device={device}", f"loader.batch_size={MAP_BATCH[device]}"])
     where = torch.device(device)
-    if where.type == "cuda":  # the same kernels in every process
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     data = build_data_path(validation_config(config), where, ranks, epochs=1,
                            progress=False, every_image=True)
     torch.manual_seed(0)
@@ -90,9 +88,12 @@ def _validation(device: str, ranks=None):
                                targets=config.dataset.targets)
     validation = Validation(data, model, AmpConfig(AmpName.off), data.classes, ranks)
     counted = sum(int(b["valid"].sum()) if "valid" in b.keys() else len(b) for b in data)
-    try:
+    cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:  # (the same kernels in every process)
         return validation(), counted
     finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
         validation.close()
 
 
