@@ -31,8 +31,10 @@ import argparse
 import copy
 import os
 import socket
+import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,7 @@ from runner.bench.selfcheck.harness import (
     _sync_in,
     _train_step,
     _where,
+    describe,
     on_cuda,
 )
 
@@ -411,6 +414,10 @@ def check_bf16_targets(args: argparse.Namespace) -> list[Row]:
             model = getattr(step.model, "module", step.model)
             rows.append(_detections_row(model, held, steps, batch) if family == "boxes"
                         else _masks_row(model, held, steps, batch, len(pipeline.classes)))
+        except Exception as e:  # the detector's failure never hides the segmenter's
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(f"{family}: bf16 on the device vs float32 on the CPU", False,
+                            describe(e)))
         finally:
             if pipeline is not None:
                 pipeline.close()
@@ -563,6 +570,10 @@ def check_boxes_on_device(args: argparse.Namespace) -> list[Row]:
         except SyncError as e:
             rows.append(Row(f"{what}, mosaic and box crops on the device move boxes with no "
                             "host sync", False, str(e)))
+        except Exception as e:  # one store's failure never hides the other's
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(f"{what}, mosaic and box crops on the device move boxes with no "
+                            "host sync", False, describe(e)))
         finally:
             if pipeline is not None:
                 pipeline.close()
