@@ -699,3 +699,47 @@ def test_the_target_rows_honour_budget_and_land_in_the_out_table(monkeypatch, tm
     assert re.search(rf"UNTESTED +bf16-targets +skipped by --budget {budget:g} s: expected "
                      r"\d+ s", text), text
     assert "boxes-on-device row" in text and "map-ranks row" in text
+
+
+@pytest.mark.parametrize(("ranks", "ok"), [
+    ([(0.5, 7), (0.5, 6)], True),
+    ([(0.49, 7), (0.49, 6)], False),  # another figure
+    ([(0.5, 7), (0.5, 7)], False),  # an image counted twice
+    ([(0.5, 7), (0.5, 5)], False),  # an image lost
+])
+def test_the_map_ranks_row_fails_on_another_figure_or_count(monkeypatch, ranks, ok):
+    import argparse
+
+    from runner.bench.selfcheck import target_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(target_rows, "_validation",
+                        lambda device, ranks=None: ({"map": 0.5, "map_50": 0.75}, 13))
+
+    def spawned(world, device, out):
+        for rank, (figure, counted) in enumerate(ranks):
+            torch.save({"figures": {"map": figure, "map_50": 0.75}, "counted": counted},
+                       f"{out}.{rank}")
+
+    monkeypatch.setattr(target_rows, "_spawn_ranks", spawned)
+    (row,) = target_rows.check_map_ranks(argparse.Namespace(size=224, batch_size=256))
+    assert row.ok is ok, row.figure
+
+
+def test_a_rank_that_fails_is_named_by_its_error(monkeypatch):
+    import argparse
+
+    from runner.bench.selfcheck import target_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(target_rows, "_validation",
+                        lambda device, ranks=None: ({"map": 0.5, "map_50": 0.75}, 13))
+
+    def broken(world, device, out):
+        raise RuntimeError("\n\n-- Process 1 terminated with the following error:\nTraceback "
+                           "(most recent call last):\n  File \"x.py\", line 1\nValueError: "
+                           "rank one broke\n")
+
+    monkeypatch.setattr(target_rows, "_spawn_ranks", broken)
+    (row,) = target_rows.check_map_ranks(argparse.Namespace(size=224, batch_size=256))
+    assert row.ok is False and row.figure == "RuntimeError: ValueError: rank one broke"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import socket
 import sys
@@ -144,19 +145,22 @@ def check_map_ranks(args: argparse.Namespace) -> list[Row]:
     images, each counted once (the module docstring)."""
     device = "cuda" if on_cuda() else "cpu"
     alone, images = _validation(device)  # also makes the dataset, before the ranks read it
+    claim = (f"validation mAP gathered across 2 gloo ranks ({DETECTOR}, both ranks on "
+             f"{'GPU 0' if on_cuda() else 'the CPU'}) equals one process's")
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "rank")
-        _spawn_ranks(2, device, out)
+        try:
+            _spawn_ranks(2, device, out)
+        except Exception as e:  # a rank's error: its traceback's last line says what
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            return [Row(claim, False, f"{type(e).__name__}: {lines[-1][:160] if lines else e}")]
         got = [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)]
     counts = [g["counted"] for g in got]
     keys = ("map", "map_50")
     gap = max(abs(g["figures"][k] - alone[k]) for g in got for k in keys)
     ok = (sum(counts) == images and counts[0] != counts[1] and gap <= 1e-6
           and all(alone[k] == alone[k] for k in keys))  # (NaN: nothing measured)
-    where = ("both ranks on the one GPU" if on_cuda() and torch.cuda.device_count() < 2
-             else "both ranks on the GPU" if on_cuda() else "both ranks on the CPU")
-    return [Row(f"validation mAP gathered across 2 gloo ranks ({DETECTOR}, {where}) equals "
-                "one process's", ok,
+    return [Row(claim, ok,
                 f"{images} images, {counts[0]} + {counts[1]} on the ranks; mAP "
                 f"{got[0]['figures']['map']:.6f} / {got[1]['figures']['map']:.6f} vs "
                 f"{alone['map']:.6f} alone, mAP@0.5 {got[0]['figures']['map_50']:.6f} vs "
@@ -304,8 +308,8 @@ def compare_masks(reference: torch.Tensor, other: torch.Tensor) -> MaskAgreement
 
 def _eval_sides(model: torch.nn.Module, batches: list, family: str):
     """The trained ``model`` on ``batches`` in bf16 on its device and a float32 copy on
-    the CPU: (device outputs, CPU outputs, CPU batches, each batch's largest difference
-    of a detector's anchor scores), outputs moved to the CPU."""
+    the CPU: (device outputs, CPU outputs, CPU batches, per batch a detector's anchor
+    scores' largest difference and the CPU's lowest and highest), outputs on the CPU."""
     from runner.config.schema import AmpConfig, AmpName
     from runner.model.amp import autocast
     from runner.model.networks import main_output
@@ -325,7 +329,8 @@ def _eval_sides(model: torch.nn.Module, batches: list, family: str):
             if family != "masks":
                 cpu_anchors = anchor_scores(reference, cpu_batch["image"])
                 if device_anchors is not None and cpu_anchors is not None:
-                    anchors.append(float((device_anchors - cpu_anchors).abs().max()))
+                    anchors.append((float((device_anchors - cpu_anchors).abs().max()),
+                                    float(cpu_anchors.min()), float(cpu_anchors.max())))
         if family == "masks":
             out, ref = main_output(out).float(), main_output(ref)
         else:
@@ -341,7 +346,10 @@ def _detections_row(model, batches, steps: int, batch: int) -> Row:
 
     outs, refs, cpu_batches, anchors = _eval_sides(model, batches, "boxes")
     agreement = DetectionAgreement(0, 0, 0.0, 1.0)
-    anchor_gap = max(anchors) if anchors else float("inf")
+    anchor_gap = max(a[0] for a in anchors) if anchors else float("inf")
+    # how far the scores spread: an untrained head scores every anchor 1/classes alike
+    low, high = (min(a[1] for a in anchors), max(a[2] for a in anchors)) if anchors \
+        else (math.nan, math.nan)
     maps = {}
     for side, results in (("device", outs), ("cpu", refs)):
         metric = DetectionMAP()
@@ -357,8 +365,8 @@ def _detections_row(model, batches, steps: int, batch: int) -> Row:
     return Row(f"detections ({DETECTOR}, {steps} bf16 training steps): bf16 on the "
                f"{'GPU' if on_cuda() else 'device'} vs float32 on the CPU",
                anchor_gap <= ANCHOR_SCORE_DIFF and agreement.holds() and gap <= MAP_DIFF,
-               f"{images} images: anchors' class scores within {anchor_gap:.4f} (<= "
-               f"{ANCHOR_SCORE_DIFF}); {agreement}; mAP@0.5 {maps['device']:.4f} vs "
+               f"{images} images: anchors' class scores ({low:.3f} to {high:.3f}) within "
+               f"{anchor_gap:.4f} (<= {ANCHOR_SCORE_DIFF}); {agreement}; mAP@0.5 {maps['device']:.4f} vs "
                f"{maps['cpu']:.4f} (within {MAP_DIFF}); batch {batch}")
 
 
