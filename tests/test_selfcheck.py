@@ -743,3 +743,20 @@ def test_a_rank_that_fails_is_named_by_its_error(monkeypatch):
     monkeypatch.setattr(target_rows, "_spawn_ranks", broken)
     (row,) = target_rows.check_map_ranks(argparse.Namespace(size=224, batch_size=256))
     assert row.ok is False and row.figure == "RuntimeError: ValueError: rank one broke"
+
+
+def test_the_detection_rows_say_how_to_run_them_without_the_detection_extra(monkeypatch,
+                                                                            capsys):
+    """A node's wheelhouse (docs/gpu.md) may lack torchmetrics and pycocotools: the rows
+    that score boxes and masks are untested, saying which wheels to bring."""
+    monkeypatch.setattr(selfcheck, "CHECKS", [c for c in CHECKS
+                                              if c.name in ("map-ranks", "bf16-targets")])
+    real = selfcheck.importlib.util.find_spec
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pycocotools" else real(name, *a))
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    assert main(["--no-build"]) == 0
+    untested = capsys.readouterr().out.split("untested here:")[1]
+    for name in ("map-ranks", "bf16-targets"):
+        line = next(x for x in untested.splitlines() if f" {name} " in x)
+        assert "pycocotools not installed; bring them as wheels" in line, line

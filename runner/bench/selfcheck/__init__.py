@@ -137,6 +137,11 @@ from runner.bench.selfcheck.train_rows import (
 # where torch_tensorrt is missing (the H200 node has none), how to measure these rows
 TENSORRT_HOW = ("where it is installed (pip install torch-tensorrt, the release built for "
                 "this torch), run: python -m runner.selfcheck --only tensorrt tensorrt-job")
+# the detection extra's packages (a detector's mAP, a segmenter's mIoU), where a node lacks them
+DETECTION = ("torchmetrics", "lightning_utilities", "pycocotools")
+DETECTION_HOW = ("bring them as wheels (pip download torchmetrics lightning-utilities "
+                 "pycocotools into docs/gpu.md's wheelhouse) and run: python -m "
+                 "runner.selfcheck --only map-ranks bf16-targets")
 # the whole self-check in one call on a GPU node (--budget 600): the rows it runs there
 # (those needing no package it lacks) fit in this many seconds, the header and build included
 NODE_BUDGET = 600
@@ -174,7 +179,8 @@ CHECKS: list[Check] = [
           "the GPU vs float32 on the CPU: anchors' class scores within 0.02, >= 90% of the "
           "CPU's 10 best untied boxes an image found (IoU >= 0.9, score within 0.05), "
           "mAP@0.5 within 0.02; masks >= 98% of pixels "
-          "alike, mIoU within 0.02", check_bf16_targets, seconds=60),
+          "alike, mIoU within 0.02", check_bf16_targets, packages=DETECTION, seconds=60,
+          how=DETECTION_HOW),
     Check("fp16", "amp=fp16 training with no per-step sync",
           lambda a: check_fp16_training(a.size, min(a.batch_size, 64)), seconds=5),
     Check("fp16-numbers", "an fp16 step that overflows is skipped, then 5 steps match a "
@@ -211,7 +217,7 @@ CHECKS: list[Check] = [
     Check("map-ranks", "a detector's validation mAP over 2 gloo ranks spawned here (one GPU "
           "shared, or the CPU) equals one process's over the same 13 images, each counted "
           "once; fails on another figure, a lost image, an error or a hang",
-          check_map_ranks, cuda=False, seconds=30),
+          check_map_ranks, cuda=False, packages=DETECTION, seconds=30, how=DETECTION_HOW),
     Check("ddp", "2 ranks through the project's process group end with replicas in sync "
           "(NCCL on 2 GPUs; on fewer, gloo, and the row says NCCL is untested)",
           lambda a: check_ddp(), cuda=False, seconds=30),

@@ -366,7 +366,7 @@ def _detections_row(model, batches, steps: int, batch: int) -> Row:
                f"{'GPU' if on_cuda() else 'device'} vs float32 on the CPU",
                anchor_gap <= ANCHOR_SCORE_DIFF and agreement.holds() and gap <= MAP_DIFF,
                f"{images} images: anchors' class scores ({low:.3f} to {high:.3f}) within "
-               f"{anchor_gap:.4f} (<= {ANCHOR_SCORE_DIFF}); {agreement}; mAP@0.5 {maps['device']:.4f} vs "
+               f"{anchor_gap:.2g} (<= {ANCHOR_SCORE_DIFF}); {agreement}; mAP@0.5 {maps['device']:.4f} vs "
                f"{maps['cpu']:.4f} (within {MAP_DIFF}); batch {batch}")
 
 
