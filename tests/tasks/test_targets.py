@@ -188,3 +188,60 @@ def test_every_existing_spelling_keeps_its_meaning(spelling: str, kind: TargetNa
     assert config.dataset.targets.kind is kind
     assert config.dataset.targets.boxes == (kind is TargetName.boxes)
     assert Targets.masks.kind is TargetName.masks and not Targets.masks.boxes
+
+
+# Where a kind other than the class index is still named outside its record's module
+# (runner/data/targets/) and runner/model/, and why it stays there.
+KIND_NAMED = {
+    "runner/config/schema.py": "TargetName and dataset.targets' words are defined there; "
+                               "dataset.crop defaults to the letterbox for boxes when a "
+                               "DatasetConfig is made, in the config layer below the records",
+    "runner/config/rules.py": "task.augment.mosaic and box_crop move boxes: refused at compose "
+                              "time for other targets, in the config layer below the records",
+    "runner/job/compose.py": "a detector's letterbox for unlabelled images: skipped where "
+                             "DatasetConfig chose it for boxes already (schema.py's rule)",
+    "runner/data/sources/detection.py": "the boxes' own reader: its listing's targets are "
+                                        "boxes, its layout word (yolo, coco) the format",
+    "runner/data/sources/masklabels.py": "the masks' own reader: its listing's targets",
+    "runner/data/storage/packed.py": "the stores that keep boxes beside the images (their "
+                                     "side stores of boxes: issue 60's storage work)",
+    "runner/data/storage/shards.py": "as packed.py",
+    "runner/data/storage/memmap.py": "as packed.py",
+}
+
+
+def kind_names(path: Path) -> list[str]:
+    """Where a file names a kind of target other than the class index: ``TargetName.<kind>``,
+    ``Targets.<word>`` or ``<dataset>.targets.boxes``."""
+    where = path.relative_to(REPO) if REPO in path.parents else path.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        named = isinstance(node.value, ast.Name) and (
+            node.value.id == "TargetName" and node.attr != TargetName.classes.value
+            or node.value.id == "Targets" and node.attr != Targets.none.value)
+        boxes = node.attr == "boxes" and isinstance(node.value, ast.Attribute) and \
+            node.value.attr == "targets"
+        if named or boxes:
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_but_a_kinds_own_names_a_kind():
+    """A layer asks ``TARGETS[dataset.targets.kind]`` (its listing, its crop follower, its
+    outputs) instead of naming a kind; ``KIND_NAMED`` says where one is still named, and
+    why."""
+    own = [RUNNER / "data" / "targets", RUNNER / "model"]
+    found = [hit for path in sorted(RUNNER.rglob("*.py"))
+             if not any(o in path.parents for o in own) for hit in kind_names(path)]
+    assert sorted({hit.split(":")[0] for hit in found} - set(KIND_NAMED)) == [], found
+
+
+def test_the_kind_check_finds_a_branch_on_masks(tmp_path: Path):
+    sample = tmp_path / "caller.py"
+    sample.write_text("def f(dataset):\n"
+                      "    if dataset.targets.kind is TargetName.masks:\n        return 1\n"
+                      "    return dataset.targets.boxes or TargetName.classes\n")
+    assert kind_names(sample) == ["caller.py:2: TargetName.masks",
+                                  "caller.py:4: dataset.targets.boxes"]

@@ -53,6 +53,10 @@ class TargetKind:
             ``kind`` names this record) through the window and flip a decoder cut its
             pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
             target does not follow the pixels.
+        list_labelled: ``list_labelled(dataset, path) -> Listing``: the images at a local
+            ``path`` that its labels name, each with its target (the listing's
+            ``targets``, whose ``kind`` names this record), the split ``dataset.split``
+            names; None: class folders or a manifest (runner/data/sources/listing.py).
         recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
         setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
     """
@@ -73,6 +77,7 @@ class TargetKind:
     default_path: Callable[[DatasetConfig, bool], Path] | None = None
     sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
     has_val_split: Callable[[DatasetConfig], bool] | None = None
+    list_labelled: Callable[[DatasetConfig, str | Path], Any] | None = None
 
     def carried(self, keys: Any) -> bool:
         """Whether a batch with ``keys`` carries this kind's target."""

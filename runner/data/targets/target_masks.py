@@ -21,7 +21,12 @@ from runner.config.schema import Crop, DatasetConfig, Output, Split, TargetName
 from runner.data.decode.boxgeometry import Window
 from runner.data.decode.maskgeometry import map_mask, map_masks
 from runner.data.protocol import Sample
-from runner.data.sources.masklabels import MaskTargets, default_masks_path, has_mask_split
+from runner.data.sources.masklabels import (
+    MaskTargets,
+    default_masks_path,
+    has_mask_split,
+    list_masks,
+)
 from runner.data.targets.target import TargetKind
 
 MASK_KEYS = ("mask",)
@@ -81,6 +86,7 @@ KIND = TargetKind(
     recipe="segment_shapes",
     sample_fields=sample_fields,
     has_val_split=has_val_split,
+    list_labelled=list_masks,  # the images that have a mask, each with it
     default_path=default_masks_path,
     setting="dataset.targets=masks (images/ and masks/ side by side at dataset.path)",
 )
