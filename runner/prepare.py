@@ -84,9 +84,9 @@ def store_sizes(config: Config, folder: FolderStorage | None = None) -> Sizes:
     path = resolve_dataset(config.dataset)
     if folder is None:
         folder = open_folder(config.loader, config.dataset, path)
-    target = config.dataset.targets.kind  # the stores that carry its target (boxes, masks)
+    kind = config.dataset.targets.kind  # boxes, masks: the stores that carry them
     stores = [(k, k.footprint(config.dataset, folder)) for k in STORAGES.values()
-              if k.footprint is not None and k.reads_path and k.carries(target)]
+              if k.footprint is not None and k.reads_path and k.carries(kind)]
     return Sizes(len(folder), stores, memory_available(),
                  _free_disk(Path(config.dataset.cache_dir)),
                  Path(config.dataset.cache_dir).expanduser())

@@ -21,13 +21,14 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 def quick_ddp(monkeypatch) -> list[str]:
-    """The one row that runs without CUDA, replaced by a quick one that records its call
-    (its own torchrun run is exercised by tests/launch/test_distributed.py)."""
+    """The rows that run without CUDA (ddp, map-ranks), each replaced by a quick one that
+    records its call (ddp's own torchrun run is exercised by tests/launch/test_distributed.py,
+    map-ranks' ranks below)."""
     ran: list[str] = []
     for check in CHECKS:
-        if check.name == "ddp":
-            monkeypatch.setattr(check, "run", lambda a: ran.append("ddp") or [
-                Row("ddp row", True, "ran")])
+        if not check.cuda:
+            monkeypatch.setattr(check, "run", lambda a, name=check.name: ran.append(name) or [
+                Row(f"{name} row", True, "ran")])
     return ran
 
 
@@ -39,9 +40,9 @@ def test_without_cuda_every_gpu_row_is_untested_and_listed_apart(monkeypatch, ca
     lines = out.splitlines()
     assert lines[0].startswith("runner.selfcheck certifies torch ")
     assert "no CUDA device" in lines[0] and "supports torch>=" in lines[0]
-    assert ran == ["ddp"]  # the rows that need no GPU still run
+    assert ran == ["map-ranks", "ddp"]  # the rows that need no GPU still run
     summary = next(line for line in lines if " passed, " in line)
-    assert summary.startswith("1 passed, 0 failed, ")
+    assert summary.startswith("2 passed, 0 failed, ")
     untested = out.split("untested here:")[1].splitlines()
     gpu_rows = [c.name for c in CHECKS if c.cuda]
     for name in gpu_rows:
@@ -549,3 +550,213 @@ def test_the_tensorrt_rows_say_how_to_run_them_where_it_is_installed(monkeypatch
         line = next(x for x in untested.splitlines() if f" {name} " in x)
         assert ("torch_tensorrt not installed; where it is installed (pip install "
                 "torch-tensorrt" in line and "--only tensorrt tensorrt-job" in line), line
+
+
+# --- issue 64: the rows of detectors and segmenters (target_rows.py) --------------------------
+
+def test_the_target_rows_are_listed_with_where_they_run():
+    by_name = {c.name: c for c in CHECKS}
+    assert by_name["map-ranks"].cuda is False  # a correctness row: it runs on the CPU too
+    assert by_name["bf16-targets"].cuda and by_name["boxes-on-device"].cuda
+    assert "gloo" in by_name["map-ranks"].claim and "float32 on the CPU" in \
+        by_name["bf16-targets"].claim and "host sync" in by_name["boxes-on-device"].claim
+
+
+def tiny_detections(autocast: bool, shift: float = 0.0, bump: float = 0.0):
+    """A small conv net's detections (a box and a score per cell of its output) on smooth
+    images, in float32 or under the CPU's bf16 autocast: boxes and scores as torchmetrics'
+    lists, ``shift`` px added to every box, ``bump`` to every score."""
+    g = torch.Generator().manual_seed(0)
+    net = torch.nn.Conv2d(3, 5, 5, stride=4)
+    with torch.no_grad():
+        net.weight.copy_(torch.randn(net.weight.shape, generator=g) * 0.3)
+        images = torch.nn.functional.interpolate(torch.rand(2, 3, 6, 6, generator=g),
+                                                 size=(64, 64), mode="bilinear")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = net(images).float()
+    cells = torch.arange(out.shape[-1], dtype=torch.float32) * 4 + 2
+    cy, cx = torch.meshgrid(cells, cells, indexing="ij")
+    lists = []
+    for o in out:
+        box = torch.stack([cx - 8, cy - 8, cx + 8, cy + 8], -1).view(-1, 4)
+        box = box + 2 * o[:4].permute(1, 2, 0).reshape(-1, 4) + shift
+        keep = slice(None, None, 7)  # sparse, as boxes left after NMS: fewer near scores
+        lists.append({"boxes": box[keep], "scores": o[4].sigmoid().flatten()[keep] + bump,
+                      "labels": torch.zeros(box[keep].shape[0], dtype=torch.long)})
+    return lists
+
+
+def test_detections_under_bf16_match_float32_and_moved_boxes_or_scores_do_not():
+    from runner.bench.selfcheck.target_rows import compare_detections
+
+    reference = tiny_detections(autocast=False)
+    same = compare_detections(reference, tiny_detections(autocast=True))
+    assert same.compared >= 8 and same.holds(), str(same)
+    assert same.worst_score_diff > 0  # bf16 did round: the two sides differ a little
+    moved = compare_detections(reference, tiny_detections(autocast=True, shift=3.0))
+    assert not moved.holds() and moved.matched == 0, str(moved)  # IoU 0.68 < 0.9
+    scored = compare_detections(reference, tiny_detections(autocast=True, bump=0.1))
+    assert not scored.holds(), str(scored)
+
+
+def test_tied_scores_are_left_out_of_the_detections_compared():
+    """An untrained SSDlite scores every anchor 0.25: which tied box NMS keeps is arbitrary
+    on either side, so tied boxes are not compared (the anchors' scores are)."""
+    from runner.bench.selfcheck.target_rows import compare_detections
+
+    reference = tiny_detections(autocast=False)
+    for image in reference:
+        image["scores"] = torch.full_like(image["scores"], 0.25)
+    tied = compare_detections(reference, tiny_detections(autocast=True, shift=3.0))
+    assert tied.compared == 0 and tied.tied == 20 and "all tie" in str(tied)
+
+
+@pytest.mark.slow
+def test_masks_under_bf16_on_the_cpu_match_float32_and_other_masks_do_not():
+    """LR-ASPP, the segmenter the row trains, in float32 and under the CPU's bf16
+    autocast: its masks alike within the row's tolerance; masks 5% apart are not."""
+    from runner.bench.selfcheck.target_rows import PIXELS_ALIKE, compare_masks
+    from runner.config.schema import ModelConfig
+    from runner.model.families import build_family_model
+    from runner.model.networks import main_output
+
+    torch.manual_seed(0)
+    model = build_family_model(ModelConfig("lraspp_mobilenet_v3_large", num_classes=4), 0,
+                               torch.device("cpu"), train=False).eval()
+    images = torch.randint(0, 256, (2, 3, 96, 96), dtype=torch.uint8)
+    with torch.no_grad():
+        reference = main_output(model(images)).argmax(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            other = main_output(model(images)).float().argmax(1)
+    alike = compare_masks(reference, other)
+    assert alike.holds() and alike.pixels == 2 * 96 * 96, str(alike)
+    changed = reference.clone()
+    changed.view(-1)[: int(0.05 * changed.numel())] += 1
+    apart = compare_masks(reference, changed)
+    assert not apart.holds() and apart.alike < PIXELS_ALIKE
+
+
+@pytest.mark.slow
+def test_the_boxes_on_device_row_runs_on_the_cpu_and_fails_on_a_box_astray(monkeypatch):
+    """Its code on the CPU (the sync check is CUDA's): the letterboxed store and the device
+    crops pass; a replay whose mosaic centre is a pixel off (boxes the device did not
+    move) fails both."""
+    import argparse
+
+    from runner.bench.selfcheck import target_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    args = argparse.Namespace(size=224, batch_size=256)
+    rows = target_rows.check_boxes_on_device(args)
+    assert [r.ok for r in rows] == [True, True], [r.figure for r in rows]
+    assert "letterbox" in rows[0].check and "within 0 px" in rows[0].figure
+    real = target_rows._on_cpu
+
+    def off_by_one(x):
+        moved = real(x)
+        if hasattr(moved, "cx"):
+            moved.cx = torch.where(moved.cx > 20, moved.cx - 1, moved.cx)
+        return moved
+
+    monkeypatch.setattr(target_rows, "_on_cpu", off_by_one)
+    assert [r.ok for r in target_rows.check_boxes_on_device(args)] == [False, False]
+
+
+@pytest.mark.process
+@pytest.mark.ranks
+@pytest.mark.slow
+def test_the_map_ranks_row_runs_on_the_cpu_and_its_claim_holds(monkeypatch):
+    """Two gloo ranks spawned on the CPU, 7 and 6 of 13 validation images: the mAP they
+    gather is one process's (before the fix, torchmetrics' own sync aborted gloo on the
+    uneven shares)."""
+    import argparse
+
+    from runner.bench.selfcheck import target_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    (row,) = target_rows.check_map_ranks(argparse.Namespace(size=224, batch_size=256))
+    assert row.ok, row.figure
+    assert "13 images, 7 + 6 on the ranks" in row.figure and "max |diff| 0 " in row.figure
+
+
+def test_the_target_rows_honour_budget_and_land_in_the_out_table(monkeypatch, tmp_path):
+    """Item 4 for the new rows: in the --out table when they run; a --budget under one's
+    expected seconds leaves it untested, said in the table, and the others still run."""
+    import dataclasses
+
+    names = ("boxes-on-device", "bf16-targets", "map-ranks")
+    checks = [dataclasses.replace(c, cuda=False, run=lambda a, n=c.name: [
+        Row(f"{n} row", True, "ran")]) for c in CHECKS if c.name in names]
+    assert [c.name for c in checks] == list(names)
+    monkeypatch.setattr(selfcheck, "CHECKS", checks)
+    table = tmp_path / "selfcheck.md"
+    assert main(["--no-build", "--out", str(table)]) == 0
+    text = table.read_text()
+    assert all(f"{n} row" in text for n in names) and "3 passed, 0 failed" in text
+    budget = next(c.seconds for c in checks if c.name == "bf16-targets") - 5
+    assert main(["--no-build", "--budget", f"{budget:g}", "--out", str(table)]) == 0
+    text = table.read_text()
+    assert re.search(rf"UNTESTED +bf16-targets +skipped by --budget {budget:g} s: expected "
+                     r"\d+ s", text), text
+    assert "boxes-on-device row" in text and "map-ranks row" in text
+
+
+@pytest.mark.parametrize(("ranks", "ok"), [
+    ([(0.5, 7), (0.5, 6)], True),
+    ([(0.49, 7), (0.49, 6)], False),  # another figure
+    ([(0.5, 7), (0.5, 7)], False),  # an image counted twice
+    ([(0.5, 7), (0.5, 5)], False),  # an image lost
+])
+def test_the_map_ranks_row_fails_on_another_figure_or_count(monkeypatch, ranks, ok):
+    import argparse
+
+    from runner.bench.selfcheck import target_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(target_rows, "_validation",
+                        lambda device, ranks=None: ({"map": 0.5, "map_50": 0.75}, 13))
+
+    def spawned(world, device, out):
+        for rank, (figure, counted) in enumerate(ranks):
+            torch.save({"figures": {"map": figure, "map_50": 0.75}, "counted": counted},
+                       f"{out}.{rank}")
+
+    monkeypatch.setattr(target_rows, "_spawn_ranks", spawned)
+    (row,) = target_rows.check_map_ranks(argparse.Namespace(size=224, batch_size=256))
+    assert row.ok is ok, row.figure
+
+
+def test_a_rank_that_fails_is_named_by_its_error(monkeypatch):
+    import argparse
+
+    from runner.bench.selfcheck import target_rows
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(target_rows, "_validation",
+                        lambda device, ranks=None: ({"map": 0.5, "map_50": 0.75}, 13))
+
+    def broken(world, device, out):
+        raise RuntimeError("\n\n-- Process 1 terminated with the following error:\nTraceback "
+                           "(most recent call last):\n  File \"x.py\", line 1\nValueError: "
+                           "rank one broke\n")
+
+    monkeypatch.setattr(target_rows, "_spawn_ranks", broken)
+    (row,) = target_rows.check_map_ranks(argparse.Namespace(size=224, batch_size=256))
+    assert row.ok is False and row.figure == "RuntimeError: ValueError: rank one broke"
+
+
+def test_the_detection_rows_say_how_to_run_them_without_the_detection_extra(monkeypatch,
+                                                                            capsys):
+    """A node's wheelhouse (docs/gpu.md) may lack torchmetrics and pycocotools: the rows
+    that score boxes and masks are untested, saying which wheels to bring."""
+    monkeypatch.setattr(selfcheck, "CHECKS", [c for c in CHECKS
+                                              if c.name in ("map-ranks", "bf16-targets")])
+    real = selfcheck.importlib.util.find_spec
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pycocotools" else real(name, *a))
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    assert main(["--no-build"]) == 0
+    untested = capsys.readouterr().out.split("untested here:")[1]
+    for name in ("map-ranks", "bf16-targets"):
+        line = next(x for x in untested.splitlines() if f" {name} " in x)
+        assert "pycocotools not installed; bring them as wheels" in line, line

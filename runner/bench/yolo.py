@@ -22,6 +22,15 @@ padded with grey 114), its boxes carried in every batch, no augmentation.
   (``dataset.store_side=longer dataset.store_size=SIZE``: built once, outside the timing),
   the same threads.
 
+- **decode bound**: the same JPEG files read and decoded to full-size RGB (simplejpeg,
+  libjpeg-turbo, as cv2.imread is) by as many threads, nothing else: no letterbox, no
+  collation, no boxes. No loader that decodes each image every epoch reads faster than
+  this row, so where it is under a target's ratio, that target is out of reach on these
+  images for folder (and for packed when its store is no smaller than the sources), and
+  the row says so: the way past it is fewer pixels to decode (a packed store at a smaller
+  ``store_size``, which pays where the sources are larger than the letterbox: ``--height
+  1080 --width 1920``) or no decode at all (memmap, ram).
+
 Each row is one epoch after its start-up (the data path or dataset and loader built),
 images/s counted from the epoch's first batch on (a worker pool's start is the first
 batch's wait, reported on its own). Rows alternate over ``--rounds``; each figure is the
@@ -141,6 +150,30 @@ def run_ultralytics(python: str, images_dir: Path, names: list[str], size: int, 
     return got
 
 
+DECODE = "decode bound"
+
+
+def decode_epoch(images_dir: Path, threads: int) -> dict:
+    """Every JPEG under ``images_dir`` read and decoded to RGB by ``threads`` threads
+    (simplejpeg releases the GIL while it decodes): the ceiling of any loader that decodes
+    each image every epoch, on this machine and these files."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import simplejpeg
+
+    files = sorted(p for p in images_dir.iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
+
+    def one(path: Path) -> int:
+        return simplejpeg.decode_jpeg(path.read_bytes(), colorspace="RGB").shape[0]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        images = sum(1 for _ in pool.map(one, files, chunksize=8))
+    seconds = time.perf_counter() - t0
+    return {"startup_s": 0.0, "first_batch_s": 0.0, "images": images, "boxes": None,
+            "epoch_images_per_s": images / max(seconds, 1e-9), "shapes": []}
+
+
 def runner_epoch(config) -> dict:
     """The runner's data path of ``config``, built (start-up) and read for one epoch."""
     t0 = time.perf_counter()
@@ -184,14 +217,18 @@ def bench_yolo(args: argparse.Namespace) -> dict:
     why = missing(args.ultralytics_python)
     if why:
         print(f"  ultralytics: {why}")
-    rows = [*(() if why else (ULTRALYTICS,)), *configs]
+    rows = [*(() if why else (ULTRALYTICS,)), *configs, DECODE]
     rounds: list[dict[str, dict]] = []
     for k in range(args.rounds):
         row = {}
         for name in rows:
-            row[name] = (run_ultralytics(args.ultralytics_python, images_dir, names, size,
-                                         args.batch_size, workers)
-                         if name == ULTRALYTICS else runner_epoch(configs[name]))
+            if name == ULTRALYTICS:
+                row[name] = run_ultralytics(args.ultralytics_python, images_dir, names, size,
+                                            args.batch_size, workers)
+            elif name == DECODE:
+                row[name] = decode_epoch(images_dir, workers)
+            else:
+                row[name] = runner_epoch(configs[name])
         rounds.append(row)
         print(f"  round {k + 1} done", flush=True)
     return {"rounds": rounds, "targets": yolo_targets(rounds, why), "dataset": str(root),
@@ -213,7 +250,8 @@ def yolo_targets(rounds: list[dict], why: str | None = None) -> list[dict]:
         print(f"  {key:12s} {cells[0]:>16s} {cells[1]:>16s} {cells[2]:>20s}")
     if why:
         print(f"  {ULTRALYTICS:12s} {why}")
-    read = {(r[key]["images"], r[key]["boxes"]) for r in rounds for key in r}
+    read = {(r[key]["images"], r[key]["boxes"]) for r in rounds for key in r
+            if r[key]["boxes"] is not None}  # the decode bound reads no labels
     shapes = {tuple(s) for r in rounds for key in r for s in r[key]["shapes"]}
     print(f"  every row read (images, boxes) {sorted(read)}, batches of {sorted(shapes)}")
     checks = []
@@ -228,9 +266,24 @@ def yolo_targets(rounds: list[dict], why: str | None = None) -> list[dict]:
         met = median(ratios) >= target
         print(f"  {'PASS' if met else 'FAIL'}  {what}: {median(ratios):.2f}x "
               f"({min(ratios):.2f}-{max(ratios):.2f}), target >= {target:.1f}x")
-        checks.append({"what": what, "ratio": median(ratios), "min": min(ratios),
-                       "max": max(ratios), "target": target, "met": met})
+        check = {"what": what, "ratio": median(ratios), "min": min(ratios),
+                 "max": max(ratios), "target": target, "met": met}
+        bound = decode_bound(rounds)
+        if not met and bound is not None and bound < target:
+            check["why"] = (f"out of reach on these images: decoding each JPEG alone, "
+                            f"nothing else, is {bound:.2f}x ultralytics on this machine")
+            print(f"        {check['why']}")
+        checks.append(check)
     return checks
+
+
+def decode_bound(rounds: list[dict]) -> float | None:
+    """The decode bound's images/s over ultralytics', median of rounds (None without
+    either row)."""
+    if not all(DECODE in r and ULTRALYTICS in r for r in rounds):
+        return None
+    return median([r[DECODE]["epoch_images_per_s"] / r[ULTRALYTICS]["epoch_images_per_s"]
+                   for r in rounds])
 
 
 def main(argv: list[str]) -> int:

@@ -613,11 +613,18 @@ class LoaderConfig:
                                 "resume keeps the checkpoint's, on a node count that divides it")
     group_aspect: bool = key(False, resume="must_match",
                              doc="batches of images of one aspect-ratio bin (torchvision's "
-                                 "GroupedBatchSampler, ultralytics' rect order) for "
-                                 "dataset.crop=whole or letterbox; every image still read once per "
+                                 "GroupedBatchSampler, ultralytics' rect) for dataset.crop=whole "
+                                 "or letterbox, each batch decoded at its bin's shape, not the "
+                                 "square dataset.image_size: the long side the image size, the "
+                                 "other the bin's squarest image's, rounded up to a multiple of "
+                                 "32 (4:3 landscape photos at 640: batches 480 high, 640 wide). The shape is a "
+                                 "function of the bin alone (a handful per run, so cudnn and "
+                                 "compile see few shapes); boxes follow and task=infer serves "
+                                 "them in the source's pixels. Every image still read once per "
                                  "epoch (each bin's rest a short batch of its own), the order "
                                  "still a function of the seed and epoch; the sizes from the "
-                                 "detection labels (dataset.targets)")
+                                 "detection labels (dataset.targets). loader=folder or packed "
+                                 "(memmap and ram hold square images: refused)")
     batched: bool = key(False, resume="free",
                         doc="one __getitems__ call per batch instead of one call per image")
     decode_threads: int | None = key(None, resume="free", at_least=0,

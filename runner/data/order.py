@@ -26,6 +26,9 @@ order, and cut into global batches of one bin; those are read in a seeded order,
 world size with its own images marked as padding. Every batch holds one bin, every image
 is read once per epoch, the order is a function of (seed, epoch) and the steps per epoch
 of the bins' counts alone; a rank takes every ``world``-th image of each global batch.
+Since a batch never mixes bins, each bin has one batch shape (``bin_shapes``: ultralytics'
+rect shape, long side the output's, the other the bin's squarest image's rounded up to a
+multiple of 32), which the storage decodes its images at (``set_item_shapes``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,42 @@ def aspect_bins(sizes: list[tuple[int, int]], k: int = ASPECT_GROUPS) -> torch.T
     hw = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
     ratio = np.where((hw[:, 0] > 0) & (hw[:, 1] > 0), hw[:, 1] / np.maximum(hw[:, 0], 1), 1.0)
     return torch.from_numpy(np.searchsorted(edges, ratio, side="right").astype(np.int64))
+
+
+# Each side of a bin's batch shape is a multiple of this: ultralytics' rect batches (its
+# ``batch_shapes``) round up to the model's largest stride, 32 for its YOLOs; torchvision's
+# detectors pad their batches to multiples of 32 too (``GeneralizedRCNNTransform``).
+RECT_STRIDE = 32
+
+
+def bin_shapes(sizes: list[tuple[int, int]], bins: torch.Tensor, size: tuple[int, int],
+               stride: int = RECT_STRIDE) -> torch.Tensor:
+    """Each item's output (height, width), int64 [N, 2], under ``loader.group_aspect``: its
+    bin's shape, the same for every item of a bin (a handful of shapes per run).
+
+    ultralytics' rect batch shape (``set_rectangle``: the batch's squarest image sets it),
+    taken over the bin's images of the whole set instead of one batch's, so it is a
+    function of the bin alone: the squarest image of the bin (an unknown size, 0, counts
+    as square) letterboxed into ``size`` fills one side of it; the other side is its
+    picture's, rounded up to a multiple of ``stride`` (at most ``size``'s). Every other
+    image of the bin is as wide (or as tall) or more, so it fills the same long side and
+    fits."""
+    hw = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    known = (hw[:, 0] > 0) & (hw[:, 1] > 0)
+    hw = np.where(known[:, None], hw, 1)  # unknown: square
+    out_h, out_w = (int(v) for v in size)
+    shapes = np.empty((len(hw), 2), dtype=np.int64)
+    binned = bins.numpy()
+    for b in np.unique(binned):
+        members = np.flatnonzero(binned == b)
+        h, w = (int(v) for v in hw[members[np.argmin(np.abs(np.log(
+            hw[members, 0] / hw[members, 1])))]])
+        if h * out_w <= w * out_h:  # as wide as the output or wider: fills its width
+            shape = (min(out_h, -(-h * out_w // (w * stride)) * stride), out_w)
+        else:  # taller: fills its height
+            shape = (out_h, min(out_w, -(-w * out_h // (h * stride)) * stride))
+        shapes[members] = shape
+    return torch.from_numpy(shapes)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

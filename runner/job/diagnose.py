@@ -306,18 +306,18 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     synthetic data, which nothing reads afterwards (the checkpoint was written before).
     Past ``deadline``, no burst starts: the model's rate is the step already timed.
     """
+    from runner.data.targets import TARGETS
+
     bs = probe_batch(cfg, images or cfg.loader.batch_size)
     h, w = cfg.dataset.image_size
+    kind = TARGETS[cfg.dataset.targets.kind]
     batch = TensorDict({
         "image": as_batches_come(cfg, torch.randint(  # as the loop feeds it (host_dtype)
             0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8)).to(device),
         "label": torch.randint(0, num_classes, (bs,), device=device),
         "index": torch.arange(bs, device=device),
-        # a detector's step trains on boxes (one per image, its middle); others ignore them
-        "boxes": torch.tensor([[w / 4, h / 4, 3 * w / 4, 3 * h / 4]], device=device)
-        .expand(bs, 1, 4).contiguous(),
-        "box_labels": torch.zeros((bs, 1), dtype=torch.long, device=device),
-        "box_count": torch.ones(bs, dtype=torch.long, device=device),
+        # the target the step trains on (boxes, masks), as its kind's record makes it
+        **(kind.probe(bs, (h, w), num_classes, device) if kind.probe is not None else {}),
     }, batch_size=[bs])
 
     def one_step() -> int:

@@ -30,6 +30,24 @@ def test_the_targets_are_folder_2x_and_packed_3x_medians_of_rounds(capsys):
     assert "folder / ultralytics" in capsys.readouterr().out
 
 
+def test_a_target_past_the_decode_bound_is_said_out_of_reach(capsys):
+    """Where decoding alone is under a target's ratio, no per-epoch decoder meets it: the
+    failed target says so with the bound; one within the bound says nothing more."""
+    from runner.bench.yolo import DECODE
+
+    def with_bound(rate):
+        row = rows(100, 160, 170)
+        row[DECODE] = {**row["folder"], "epoch_images_per_s": rate, "boxes": None}
+        return row
+
+    checks = yolo_targets([with_bound(180), with_bound(175), with_bound(185)])
+    assert [c["met"] for c in checks] == [False, False]
+    assert all("decoding each JPEG alone, nothing else, is 1.80x" in c["why"] for c in checks)
+    assert "out of reach" in capsys.readouterr().out
+    checks = yolo_targets([with_bound(400)])
+    assert all("why" not in c for c in checks)
+
+
 def test_without_ultralytics_the_row_says_how_to_install_it_and_fails(capsys, monkeypatch):
     import subprocess
 
@@ -70,8 +88,10 @@ def test_one_round_reads_the_same_images_and_boxes_letterboxed_alike(tmp_path: P
                               out=tmp_path / "out")
     result = bench_yolo(args)
     (row,) = result["rounds"]
-    assert set(row) == {"ultralytics", "folder", "packed"}
-    assert len({(r["images"], r["boxes"]) for r in row.values()}) == 1  # the same work
+    assert set(row) == {"ultralytics", "folder", "packed", "decode bound"}
+    assert row["decode bound"]["images"] == row["folder"]["images"]
+    work = {(r["images"], r["boxes"]) for k, r in row.items() if k != "decode bound"}
+    assert len(work) == 1  # the same work
     assert {tuple(s) for r in row.values() for s in r["shapes"]} == {(3, 96, 96)}
     assert [c["what"].split(" /")[0] for c in result["targets"]] == ["folder", "packed"]
     # one image as ultralytics letterboxes it and as the runner's folder does

@@ -1,6 +1,11 @@
 """``loader.group_aspect``: batches of one aspect-ratio bin (torchvision's
 GroupedBatchSampler, ultralytics' rect), every image once per epoch, the order a function
-of the seed and epoch (a resume reads the rest of the same epoch), on one rank or several."""
+of the seed and epoch (a resume reads the rest of the same epoch), on one rank or several;
+each bin's batches at the bin's shape (ultralytics' rect shapes), boxes following
+(torchvision v2) and served back in the source's pixels.
+
+The sizes are 128 with 96x128 images, not 64 with 48x64: a bin's shape is rounded up to a
+multiple of 32 (ultralytics' stride), so 48 would round up to the square 64."""
 
 from __future__ import annotations
 
@@ -113,3 +118,210 @@ def test_the_loader_groups_a_detection_folder_and_refuses_what_it_cannot(tmp_pat
                                  "loader.group_aspect=true", "dataset.crop=whole",
                                  f"dataset.cache_dir={tmp_path / 'cache'}"]),
                         torch.device("cpu"), epochs=1, progress=False)
+
+
+# --- each bin's batches at the bin's shape (ultralytics' rect) -------------------------
+
+def ultralytics_shape(hws: list[tuple[int, int]], imgsz: int, stride: int = 32):
+    """ultralytics' ``set_rectangle`` batch shape for images of sizes ``hws`` (its formula,
+    ``pad=0.0``, as its training sets use; an epsilon against float noise in the ceil)."""
+    import numpy as np
+
+    ar = np.array([h / w for h, w in hws])
+    shape = [1, 1]
+    if ar.max() < 1:
+        shape = [ar.max(), 1]
+    elif ar.min() > 1:
+        shape = [1, 1 / ar.min()]
+    return tuple(int(v) for v in np.ceil(np.array(shape) * imgsz / stride - 1e-9) * stride)
+
+
+def test_bin_shapes_are_ultralytics_rect_shapes_over_each_bins_images():
+    from runner.data.order import bin_shapes
+
+    sizes = [(480, 640), (640, 480), (640, 640), (427, 640), (500, 640), (640, 300),
+             (0, 0), (600, 640), (1000, 640), (320, 640)]
+    bins = aspect_bins(sizes)
+    shapes = bin_shapes(sizes, bins, (640, 640))
+    for b in torch.unique(bins).tolist():
+        members = [s for s, k in zip(sizes, bins.tolist()) if k == b and s[0]]
+        expected = ultralytics_shape(members or [(1, 1)], 640)
+        assert {tuple(shapes[i].tolist()) for i in range(len(sizes)) if bins[i] == b} == \
+            {expected}, (b, members)
+    as_list = [tuple(s) for s in shapes.tolist()]
+    assert as_list[0] == (512, 640)  # 4:3 with 500x640 (the bin's squarest) in its bin
+    assert as_list[1] == (640, 480) and as_list[2] == (640, 640) and as_list[6] == (640, 640)
+    assert as_list[9] == (320, 640) and as_list[5] == (640, 320)
+    alone = bin_shapes([(480, 640), (640, 480)], aspect_bins([(480, 640), (640, 480)]),
+                       (640, 640))
+    assert alone.tolist() == [[480, 640], [640, 480]]  # the brief's 640 case, exactly
+    # a bin's shape never exceeds the output, and every image of it fits (fills a side)
+    assert (shapes <= 640).all() and (shapes % 32 == 0).all()
+
+
+def mixed_set(root: Path) -> dict[str, tuple[int, int, list[list[int]]]]:
+    """A COCO set of 4:3 landscape, 3:4 portrait, 3:2 landscape and square images
+    (image_size 128: the bins' shapes 96x128, 128x96, 128x128); name -> (id, hw, boxes)."""
+    import json
+
+    from tests.data.decode.test_letterbox import jpeg
+
+    sizes = [(96, 128), (128, 96), (128, 128), (96, 128), (84, 126), (150, 112),
+             (128, 96), (90, 90), (192, 256), (96, 128)]
+    (root / "val2017").mkdir(parents=True)
+    images, annotations, truth = [], [], {}
+    for k, (h, w) in enumerate(sizes):
+        name = f"{k}.jpg"
+        (root / "val2017" / name).write_bytes(jpeg(h, w, seed=k))
+        images.append({"id": 20 + k, "file_name": name, "height": h, "width": w})
+        rows = [[3 + k, 5, 3 + k + w // 2, 5 + h // 3], [w // 3, h // 2, w - 2, h - 3]]
+        truth[name] = (20 + k, (h, w), rows)
+        for j, (x1, y1, x2, y2) in enumerate(rows):
+            annotations.append({"id": 10 * k + j + 1, "image_id": 20 + k, "category_id": 3,
+                                "bbox": [x1, y1, x2 - x1, y2 - y1],
+                                "area": (x2 - x1) * (y2 - y1), "iscrowd": 0})
+    (root / "annotations").mkdir()
+    (root / "annotations" / "instances_val2017.json").write_text(json.dumps({
+        "images": images, "annotations": annotations,
+        "categories": [{"id": 3, "name": "car"}]}))
+    return truth
+
+
+def rect_shape_of(hw: tuple[int, int]) -> tuple[int, int]:
+    """The bin shape mixed_set's image of ``hw`` is letterboxed to at 128."""
+    return (96, 128) if hw[1] > 1.2 * hw[0] else (128, 96) if hw[0] > 1.2 * hw[1] \
+        else (128, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader,path", [
+    ("folder", ["loader.num_workers=0"]),  # decode threads into reused buffers
+    ("folder", ["loader.num_workers=1"]),  # a worker, collated per batch
+    ("folder", ["loader.decode_threads=0", "loader.batched=true"]),  # one gather per batch
+    ("packed", ["loader.num_workers=0"]),  # the binding's batch decode
+    ("folder", ["dataset.crop=whole"]),  # resized to the bin's shape, no pads
+])
+def test_letterboxed_batches_take_their_bins_shape_and_boxes_follow(tmp_path, loader, path):
+    """loader.group_aspect with the letterbox: each batch at its bin's shape (4:3 images
+    at 96x128, not padded to 128x128), never mixing bins; images and boxes equal
+    torchvision v2's resize then pad into that shape (boxes within a pixel; a packed
+    store's own copy rounds by a pixel more). With dataset.crop=whole: its resize alone."""
+    import io
+
+    from PIL import Image
+    from torchvision import tv_tensors
+    from torchvision.transforms.v2 import functional as TF
+
+    from runner.config.schema import Crop
+    from runner.data import build_data_path
+    from runner.data.decode.decoders import PAD_VALUE, letterbox_place
+    from runner.job.compose import compose
+
+    truth = mixed_set(tmp_path / "coco")
+    config = compose([f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
+                      f"loader={loader}", "dataset.image_size=[128,128]",
+                      f"dataset.cache_dir={tmp_path / 'cache'}", "loader.batch_size=2",
+                      "loader.decoder=pil", "loader.group_aspect=true", "task.name=train",
+                      "loader.drop_last=false", *path])
+    data = build_data_path(config, torch.device("cpu"), epochs=2, progress=False)
+    shapes, seen = set(), []
+    try:
+        for batch in data:
+            names = [Path(data.storage.name_of(i)).name for i in batch["index"].tolist()]
+            shape = tuple(batch["image"].shape[-2:])
+            assert {rect_shape_of(truth[n][1]) for n in names} == {shape}, (names, shape)
+            shapes.add(shape)
+            for k, name in enumerate(names):
+                seen.append(name)
+                _, hw, rows = truth[name]
+                top, left, nh, nw = letterbox_place(*hw, *shape) \
+                    if config.dataset.crop is Crop.letterbox else (0, 0, *shape)
+                pads = [left, top, shape[1] - nw - left, shape[0] - nh - top]
+                bb = tv_tensors.BoundingBoxes(torch.tensor(rows, dtype=torch.float32),
+                                              format="XYXY", canvas_size=hw)
+                theirs = TF.pad(TF.resize(bb, [nh, nw]), pads).as_subclass(torch.Tensor)
+                n = int(batch["box_count"][k])
+                assert n == len(rows)
+                assert torch.allclose(batch["boxes"][k, :n], theirs, atol=1.0), name
+                image = batch["image"][k]
+                if loader == "folder":  # the source decoded itself: the same pixels
+                    data_bytes = (tmp_path / "coco" / "val2017" / name).read_bytes()
+                    source = TF.pil_to_tensor(Image.open(io.BytesIO(data_bytes)))
+                    want = TF.pad(TF.resize(source, [nh, nw], antialias=True), pads,
+                                  fill=PAD_VALUE)
+                    assert (image.int() - want.int()).abs().max() <= 2, name
+                else:  # the pads where the letterbox puts them, a pixel's slack
+                    pad = torch.ones(shape, dtype=torch.bool)
+                    pad[max(top - 1, 0): top + nh + 1, max(left - 1, 0): left + nw + 1] = False
+                    assert (image[:, pad] == PAD_VALUE).all(), name
+    finally:
+        data.close()
+    assert shapes == {(96, 128), (128, 96), (128, 128)}
+    assert sorted(seen) == sorted(list(truth) * 2)  # every image once per epoch
+
+
+def test_stores_decoded_once_refuse_in_one_line():
+    from runner.common.errors import ConfigError
+    from runner.job.compose import compose
+
+    for loader in ("memmap", "ram"):
+        with pytest.raises(ConfigError, match=f"group_aspect=true with loader={loader}: its "
+                                              "images are decoded once"):
+            compose([f"loader={loader}", "dataset.targets=coco", "loader.group_aspect=true"])
+
+
+class HalfDetector(torch.nn.Module):
+    """torchvision's detection protocol: predicts the middle half of whatever input it is
+    given (one box, class 0, score 1), and records the input shapes it saw."""
+
+    seen: list[tuple[int, int]] = []
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, images, targets=None):
+        out = []
+        for image in images:
+            h, w = image.shape[-2:]
+            HalfDetector.seen.append((h, w))
+            box = torch.tensor([[w / 4, h / 4, 3 * w / 4, 3 * h / 4]]) + self.bias * 0
+            out.append({"boxes": box, "labels": torch.zeros(1, dtype=torch.int64),
+                        "scores": torch.ones(1)})
+        return out
+
+
+def half_detector(num_classes: int) -> HalfDetector:
+    return HalfDetector(num_classes)
+
+
+@pytest.mark.slow
+def test_served_boxes_of_rect_batches_are_in_the_source_frame(tmp_path):
+    """task=infer with loader.group_aspect: the model sees each bin's shape, and its boxes
+    are served in the source's pixels through that shape's letterbox: the middle half of
+    a 96x128 input of a 4:3 image (no pads) is the middle half of the source."""
+    import json
+
+    from runner.data.decode.decoders import letterbox_place
+    from tests.conftest import run_in_process
+
+    truth = mixed_set(tmp_path / "coco")
+    HalfDetector.seen.clear()
+    run = tmp_path / "run"
+    run_in_process("task=infer", f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
+                   "loader=folder", "dataset.image_size=[128,128]", "loader.batch_size=2",
+                   "loader.group_aspect=true", f"dataset.cache_dir={tmp_path / 'cache'}",
+                   "model=custom", f"model.target={__name__}:half_detector", "logger=none",
+                   "diagnose=false", "run.timeline=false", "run.progress=false",
+                   "run.warmup_steps=0", run_dir=run)
+    assert set(HalfDetector.seen) == {(96, 128), (128, 96), (128, 128)}
+    rows = {r["image_id"]: r["bbox"] for r in json.loads((run / "detections.json").read_text())}
+    for name, (image_id, (h, w), _) in truth.items():
+        shape = rect_shape_of((h, w))
+        top, left, nh, nw = letterbox_place(h, w, *shape)
+        sy, sx = nh / h, nw / w  # input pixels per source pixel
+        x1, y1 = (shape[1] / 4 - left) / sx, (shape[0] / 4 - top) / sy
+        x2, y2 = (3 * shape[1] / 4 - left) / sx, (3 * shape[0] / 4 - top) / sy
+        x1, y1, x2, y2 = max(x1, 0), max(y1, 0), min(x2, w), min(y2, h)
+        assert rows[image_id] == pytest.approx([x1, y1, x2 - x1, y2 - y1], abs=0.02), name
+    assert rows[20] == pytest.approx([32, 24, 64, 48], abs=0.02)  # 96x128: unpadded

@@ -291,6 +291,22 @@ def test_the_verdicts_model_probe_trains_a_detector_on_boxes():
     assert rates and all(r > 0 for r in rates) and step.steps >= 2
 
 
+def test_the_verdicts_model_probe_trains_a_segmenter_on_masks():
+    """A segmenter's probe batch carries masks, as its kind's record makes them (the
+    diagnosis failed on every masks run with KeyError 'mask')."""
+    from runner.job import diagnose
+    from runner.model.families import build_family_model
+    from runner.tasks import make_step
+
+    config = compose(["task=train", "model.name=lraspp_mobilenet_v3_large",
+                      "dataset.targets=masks", "dataset.image_size=[32,32]",
+                      "loader.batch_size=2"])
+    model = build_family_model(config.model, 3, CPU, image_size=(32, 32))
+    step = make_step(config.task, {"seg": model}, AmpConfig(AmpName.off), CPU, total_steps=8)
+    rates = diagnose.model_ceiling(step, config, 3, CPU, budget=0.5)
+    assert rates and all(r > 0 for r in rates) and step.steps >= 2
+
+
 def test_the_verdict_names_the_counters_that_explain_it_each_with_its_fix():
     """iowait and the storage tier for an I/O-bound run, the involuntary context switches
     of more workers than cores, the major page faults of a store read through them; none

@@ -189,6 +189,7 @@ def test_a_wandb_setting_wandb_refuses_is_one_line_naming_the_values(tmp_path: P
     logger.close("ok")
 
 
+@pytest.mark.process
 def test_the_wandb_environment_set_after_a_run_in_the_same_process_is_honoured(
         tmp_path: Path, monkeypatch, caplog):
     """wandb reads its environment at its first setup in a process: a second run (a

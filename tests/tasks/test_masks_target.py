@@ -75,3 +75,17 @@ def test_a_segmenter_trains_on_masks_validates_by_miou_and_serves_masks(tmp_path
                    f"model.weights={train / 'checkpoint.pt'}", *quiet, run_dir=serve)
     written = sorted((serve / "masks").rglob("*.png"))
     assert written and np.array(Image.open(written[0])).shape == (160, 160)  # source size
+
+
+def test_a_segmenter_head_smaller_than_the_masks_classes_is_refused(tmp_path: Path):
+    """model.num_classes=2 on the shapes masks' 4 classes (ids 0..3): one line before any
+    step, as for a classifier (was the loss's ``Target 3 is out of bounds``)."""
+    from runner.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.num_classes=2, and the data's labels run "
+                                          r"to 3 \(4 classes: background, circle") as e:
+        run_in_process("task=train", "model.name=lraspp_mobilenet_v3_large",
+                       "model.num_classes=2", "logger=none", "diagnose=false",
+                       "dataset.image_size=[32,32]", f"dataset.cache_dir={tmp_path}", *SMALL,
+                       run_dir=tmp_path / "run")
+    assert "\n" not in str(e.value)

@@ -51,6 +51,18 @@ prints every row and what makes it fail, without running anything.
 - **dali-gpu**: ``loader=dali`` decodes on the GPU into the run's batches.
 - **ddp**: two ranks through the project's process group; NCCL needs two GPUs, so on one
   GPU the row says so and runs the ranks on gloo.
+- **map-ranks**: a detector's validation mAP over two gloo ranks spawned here (one GPU
+  shared; without one, the CPU: it runs everywhere) equals one process's over the same
+  images (13, dealt 7 and 6), each counted once.
+- **bf16-targets**: a detector (SSDlite) and a segmenter (LR-ASPP) trained 60 steps in bf16
+  on the GPU, then bf16 on the GPU against float32 on the CPU, the same weights and images:
+  the head's class scores of every anchor within 0.02, >= 90% of the CPU's 10 best untied
+  boxes an image found (same class, IoU >= 0.9, score within 0.05), mAP@0.5 within 0.02;
+  masks >= 98% of pixels alike, mIoU within 0.02.
+- **boxes-on-device**: memmap batches (a letterboxed store; the device crops) through a
+  mosaic and box crops on the device under sync debug "error", against the CPU's replay of
+  the same draws: boxes within 1e-3 px, pixels within one level, every box inside its image
+  (the store's inside the letterbox's picture).
 
 Rows that need a package the node lacks (TensorRT, DALI) are *untested*, listed apart from
 the passes; a row asked for by ``--only`` that cannot run is a failure. Without CUDA every
@@ -72,7 +84,8 @@ and prints the table; harness.py holds what rows build on (the row record, the s
 detector, the timers); node.py what is said of the node first; the rows live by what they
 check: train_rows.py (sync, detector-sync, fp16, fp16-numbers, resume, ddp), copy_rows.py (prefetch,
 transfers, timing, pinned, timeline, host-dtype), decode_rows.py (gpu-decode, dali-gpu),
-model_rows.py (inductor, tensorrt, tensorrt-job, infer, reduce-on, onnxruntime-gpu).
+model_rows.py (inductor, tensorrt, tensorrt-job, infer, reduce-on, onnxruntime-gpu),
+target_rows.py (map-ranks, bf16-targets, boxes-on-device: detectors' and segmenters').
 ``python -m runner.selfcheck`` and ``python -m runner.bench selfcheck`` run :func:`main`.
 """
 
@@ -107,6 +120,11 @@ from runner.bench.selfcheck.model_rows import (
     check_tensorrt_job,
 )
 from runner.bench.selfcheck.node import build_region, header, missing_dependencies
+from runner.bench.selfcheck.target_rows import (
+    check_bf16_targets,
+    check_boxes_on_device,
+    check_map_ranks,
+)
 from runner.bench.selfcheck.train_rows import (
     check_ddp,
     check_detector_sync,
@@ -119,6 +137,11 @@ from runner.bench.selfcheck.train_rows import (
 # where torch_tensorrt is missing (the H200 node has none), how to measure these rows
 TENSORRT_HOW = ("where it is installed (pip install torch-tensorrt, the release built for "
                 "this torch), run: python -m runner.selfcheck --only tensorrt tensorrt-job")
+# the detection extra's packages (a detector's mAP, a segmenter's mIoU), where a node lacks them
+DETECTION = ("torchmetrics", "lightning_utilities", "pycocotools")
+DETECTION_HOW = ("bring them as wheels (pip download torchmetrics lightning-utilities "
+                 "pycocotools into docs/gpu.md's wheelhouse) and run: python -m "
+                 "runner.selfcheck --only map-ranks bf16-targets")
 # the whole self-check in one call on a GPU node (--budget 600): the rows it runs there
 # (those needing no package it lacks) fit in this many seconds, the header and build included
 NODE_BUDGET = 600
@@ -128,10 +151,10 @@ CHECKS: list[Check] = [
     Check("sync", "each recipe (recipe=quick; AdamW + EMA + clipping + accumulation; every "
           "task.augment option; memmap random crops) trains 8 steps at 64x128 px with no "
           "implicit host sync; fails on the first sync the debug mode catches", check_sync,
-          seconds=60),
+          seconds=40),
     Check("prefetch", "prefetch=gpu's step within 5% of the model alone (plain, "
           "channels_last, random crops) with no sync; fails above 1.05x; and channels_last "
-          "fails when slower than NCHW", check_prefetch, seconds=45),
+          "fails when slower than NCHW", check_prefetch, seconds=30),
     Check("transfers", "uint8 over PCIe > 3x faster than float32, pinned > 1.2x pageable",
           lambda a: check_transfers(a.size, a.batch_size), seconds=5),
     Check("timing", "gpu_idle_frac within 0.15 of a known idle share, epoch pauses left out, "
@@ -143,11 +166,21 @@ CHECKS: list[Check] = [
           "pixels); fails below any", check_nvjpeg, seconds=45),
     Check("pinned", "every batch of folder, packed and memmap is pinned; fails on one "
           "pageable tensor", lambda a: check_pinned_storages(min(a.batch_size, 64)),
-          seconds=20),
+          seconds=10),
     Check("detector-sync", "a detector (SSDlite) trains with amp=fp16 and amp=bf16, and "
           "with memmap device crops moving its boxes, 6 steps each with no implicit host "
           "sync; fails on the first sync the debug mode catches", check_detector_sync,
           seconds=40),
+    Check("boxes-on-device", "memmap batches (a letterboxed store; the device crops) through "
+          "a mosaic and box crops on the device with no implicit host sync, boxes as the "
+          "CPU's replay of the same draws (1e-3 px) and inside the image; fails on a sync or "
+          "a box astray", check_boxes_on_device, seconds=15),
+    Check("bf16-targets", "a detector and a segmenter trained 60 steps in bf16, then bf16 on "
+          "the GPU vs float32 on the CPU: anchors' class scores within 0.02, >= 90% of the "
+          "CPU's 10 best untied boxes an image found (IoU >= 0.9, score within 0.05), "
+          "mAP@0.5 within 0.02; masks >= 98% of pixels "
+          "alike, mIoU within 0.02", check_bf16_targets, packages=DETECTION, seconds=60,
+          how=DETECTION_HOW),
     Check("fp16", "amp=fp16 training with no per-step sync",
           lambda a: check_fp16_training(a.size, min(a.batch_size, 64)), seconds=5),
     Check("fp16-numbers", "an fp16 step that overflows is skipped, then 5 steps match a "
@@ -157,16 +190,16 @@ CHECKS: list[Check] = [
           check_infer, seconds=60),
     Check("resume", "a CUDA checkpoint resumed mid-accumulation gives an uninterrupted run's "
           "weights and EMA (within the GPU's own run-to-run difference)", check_resume,
-          seconds=15),
+          seconds=10),
     Check("timeline", "run.timeline's GPU copy and compute lanes from CUDA events, each in "
           "order, a copy overlapping a compute (prefetch=gpu); fails on a missing lane, "
           "spans out of order or no overlap", check_timeline, seconds=30),
     Check("reduce-on", "task.reduce_on=device gives host's outputs (topk, masks) with fewer "
           "bytes to the host; fails on another output or as many bytes", check_reduce_on,
-          seconds=15),
+          seconds=10),
     Check("host-dtype", "loader.host_dtype's copy at 224 and 512 px: float16 >= 1.6x and "
           "float32 >= 3x uint8's, 512 px >= 3x 224 px, batches pinned; fails below",
-          check_host_dtype, seconds=10),
+          check_host_dtype, seconds=5),
     Check("onnxruntime-gpu", "compile=onnxruntime on CUDA's provider (I/O binding) verified "
           "against eager float32, output on the GPU, speed shown; fails on a mismatch or a "
           "CPU fallback (untested without onnxruntime-gpu)", check_onnxruntime,
@@ -181,6 +214,10 @@ CHECKS: list[Check] = [
           how=TENSORRT_HOW),
     Check("dali-gpu", "the DALI loader decodes into device batches of the run's shape", check_dali,
           packages=("nvidia.dali",), seconds=15),
+    Check("map-ranks", "a detector's validation mAP over 2 gloo ranks spawned here (one GPU "
+          "shared, or the CPU) equals one process's over the same 13 images, each counted "
+          "once; fails on another figure, a lost image, an error or a hang",
+          check_map_ranks, cuda=False, packages=DETECTION, seconds=30, how=DETECTION_HOW),
     Check("ddp", "2 ranks through the project's process group end with replicas in sync "
           "(NCCL on 2 GPUs; on fewer, gloo, and the row says NCCL is untested)",
           lambda a: check_ddp(), cuda=False, seconds=30),

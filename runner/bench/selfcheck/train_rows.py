@@ -1,6 +1,7 @@
-"""The training rows: the recipes with no per-step host sync (``sync``; ``fp16``), fp16's
-numbers against a reference SGD (``fp16-numbers``), a CUDA checkpoint resumed exactly
-(``resume``), and two ranks through the project's process group (``ddp``)."""
+"""The training rows: the recipes with no per-step host sync (``sync``, ``detector-sync``:
+both through ``sync_rows``, a row per recipe; ``fp16``), fp16's numbers against a
+reference SGD (``fp16-numbers``), a CUDA checkpoint resumed exactly (``resume``), and two
+ranks through the project's process group (``ddp``)."""
 
 from __future__ import annotations
 
@@ -51,25 +52,22 @@ RECIPES: list[tuple[str, list[str]]] = [
 SYNC_SIZE = (64, 128)
 
 
-def check_sync(args: argparse.Namespace) -> list[Row]:
-    """Each recipe: memmap + prefetch=gpu + bf16, 8 steps under sync debug "error", at
-    ``SYNC_SIZE``; a recipe that fails (its pipeline's build included) is a failed row
-    naming its innermost cause and line, and the other recipes still run."""
-    (height, width), batch = SYNC_SIZE, min(args.batch_size, 128) if on_cuda() else 16
-    model = "resnet18" if on_cuda() else "tiny"
+def sync_rows(recipes: list[tuple[str, list[str]]], base: list[str], steps: int,
+              said: str) -> list[Row]:
+    """A row per recipe: its pipeline (``base``, then the recipe's overrides) and the run's
+    training step, 3 warm-up steps, then ``steps`` under sync debug "error"; a recipe that
+    fails (its pipeline's build included) is a failed row naming its innermost cause and
+    line, and the other recipes still run. ``said``: what a passing row's figure says
+    before its ms/step."""
     rows = []
-    for what, overrides in RECIPES:
+    for what, overrides in recipes:
         pipeline = None
         try:  # the pipeline's build too: one recipe's failure never hides the others'
-            pipeline = _pipeline(_loader("MEMMAP"),
-                                 f"prefetch={'gpu' if on_cuda() else 'cpu'}",
-                                 "amp=bf16", f"model={model}", f"loader.batch_size={batch}",
-                                 f"dataset.image_size=[{height},{width}]", *overrides)
-            step = _train_step(pipeline, 11)
-            ms = _steps(pipeline, step, 8, sync_check=True)
+            pipeline = _pipeline(*base, *overrides)
+            step = _train_step(pipeline, steps + 3)
+            ms = _steps(pipeline, step, steps, sync_check=True)
             rows.append(Row(f"no per-step sync: {what}", True,
-                            f"8 steps of {model} at {height}x{width} px, none synced "
-                            f"({ms:.1f} ms/step)"))
+                            f"{said}, none synced ({ms:.1f} ms/step)"))
         except SyncError as e:
             rows.append(Row(f"no per-step sync: {what}", False, str(e)))
         except Exception as e:
@@ -79,6 +77,17 @@ def check_sync(args: argparse.Namespace) -> list[Row]:
             if pipeline is not None:
                 pipeline.close()
     return rows
+
+
+def check_sync(args: argparse.Namespace) -> list[Row]:
+    """Each recipe: memmap + prefetch=gpu + bf16, 8 steps under sync debug "error", at
+    ``SYNC_SIZE`` (``sync_rows``)."""
+    (height, width), batch = SYNC_SIZE, min(args.batch_size, 128) if on_cuda() else 16
+    model = "resnet18" if on_cuda() else "tiny"
+    base = [_loader("MEMMAP"), f"prefetch={'gpu' if on_cuda() else 'cpu'}", "amp=bf16",
+            f"model={model}", f"loader.batch_size={batch}",
+            f"dataset.image_size=[{height},{width}]"]
+    return sync_rows(RECIPES, base, 8, f"8 steps of {model} at {height}x{width} px")
 
 
 # a detector's training paths that have never run on a GPU: amp for detectors, and the
@@ -94,32 +103,15 @@ DETECTOR_RECIPES: list[tuple[str, list[str]]] = [
 
 def check_detector_sync(args: argparse.Namespace) -> list[Row]:
     """A detector's training step (fp16 and bf16 amp; and the memmap device crops that move
-    its boxes), 6 steps under sync debug "error" on the generated shapes dataset at 128 px:
-    a row per recipe, failing on the first implicit sync (or any error, named)."""
+    its boxes), 6 steps under sync debug "error" on the generated shapes dataset at 128 px
+    (``sync_rows``): a row per recipe, failing on the first implicit sync (or any error,
+    named)."""
     batch = min(args.batch_size, 32) if on_cuda() else 4
-    rows = []
-    for what, overrides in DETECTOR_RECIPES:
-        pipeline = None
-        try:
-            pipeline = _pipeline(_loader("MEMMAP"), f"prefetch={'gpu' if on_cuda() else 'cpu'}",
-                                 f"model.name={DETECTOR}", "dataset.targets=auto",
-                                 "dataset.num_images=64", "dataset.image_size=[128,128]",
-                                 "model.image_size=[128,128]",
-                                 f"loader.batch_size={batch}", *overrides)
-            step = _train_step(pipeline, 9)
-            ms = _steps(pipeline, step, 6, sync_check=True)
-            rows.append(Row(f"no per-step sync: {what}", True,
-                            f"6 steps at 128x128 px, batch {batch}, none synced "
-                            f"({ms:.1f} ms/step)"))
-        except SyncError as e:
-            rows.append(Row(f"no per-step sync: {what}", False, str(e)))
-        except Exception as e:
-            traceback.print_exc(file=sys.stderr)
-            rows.append(Row(f"no per-step sync: {what}", False, describe(e)))
-        finally:
-            if pipeline is not None:
-                pipeline.close()
-    return rows
+    base = [_loader("MEMMAP"), f"prefetch={'gpu' if on_cuda() else 'cpu'}",
+            f"model.name={DETECTOR}", "dataset.targets=auto", "dataset.num_images=64",
+            "dataset.image_size=[128,128]", "model.image_size=[128,128]",
+            f"loader.batch_size={batch}"]
+    return sync_rows(DETECTOR_RECIPES, base, 6, f"6 steps at 128x128 px, batch {batch}")
 
 
 def check_fp16_training(size: int, batch: int) -> list[Row]:

@@ -224,14 +224,18 @@ def shown_window(hw: tuple[int, int], size: tuple[int, int], crop: Crop, fractio
     return cut_window(center_box(h, w, *size, fraction), hw)
 
 
-def to_source(boxes: torch.Tensor, windows: torch.Tensor, size: tuple[int, int]
-              ) -> torch.Tensor:
-    """Boxes [B, K, 4] in pixels of output images of ``size`` back into pixels of their
-    source images, each image's ``windows`` row (top, left, height, width: [B, 4], the
-    ``Window`` it shows) undone: ``x = left + x' * width / out_w``, the same for y; the
+def to_source(boxes: torch.Tensor, windows: torch.Tensor,
+              size: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+    """Boxes [B, K, 4] in pixels of output images of ``size`` (one (height, width), or
+    one per image [B, 2]: batches of aspect bins, ``loader.group_aspect``) back into pixels
+    of their source images, each image's ``windows`` row (top, left, height, width: [B, 4],
+    the ``Window`` it shows) undone: ``x = left + x' * width / out_w``, the same for y; the
     inverse of ``map_boxes`` for a box the crop kept whole."""
-    out_h, out_w = size
     w = windows.to(torch.float64)
+    if isinstance(size, torch.Tensor):
+        out_h, out_w = size.to(torch.float64).reshape(-1, 2).unbind(1)
+    else:
+        out_h, out_w = size
     scale = torch.stack([w[:, 3] / out_w, w[:, 2] / out_h] * 2, -1)[:, None, :]
     offset = torch.stack([w[:, 1], w[:, 0]] * 2, -1)[:, None, :]
     return (boxes.to(torch.float64) * scale + offset).to(boxes.dtype)

@@ -1,18 +1,18 @@
 """A mask's bytes in a store: a segmentation target as the storages carry it, kind-blind.
 
 packed and shards keep each image's encoded bytes and decode them every epoch; a mask
-rides beside them as one more blob: ``encode_mask`` writes the [H, W] uint8 class-id mask
-(at the upright source size, 255 = ignore) as a one-channel PNG (lossless: a class id is
+rides beside them as one more blob (the masks record's ``to_blob``,
+runner/data/targets/target_masks.py): ``encode_mask`` writes the [H, W] uint8 class-id mask
+(at the stored image's upright size, 255 = ignore) as a one-channel PNG (lossless: a class id is
 never blurred into another, as JPEG would; zlib makes the flat regions of a mask small,
 a few hundred bytes to a few KB), and ``decode_mask`` gives the array back, bit for bit.
 The store never looks inside (FFCV's fields: a store carries a field's bytes without
 knowing what they mean).
 
-The blob is also the source-size record a served mask needs: the mask is kept at the
-source image's upright size, and ``blob_size`` reads that size from the PNG's header
-(IHDR: width and height at bytes 16..24) without decoding, so a store that keeps the
-blob needs no other record to map a prediction back (runner/data/decode/maskgeometry.py:
-``mask_to_source``).
+``blob_size`` reads a blob's size from the PNG's header (IHDR: width and height at bytes
+16..24) without decoding. The source size a served mask goes back to
+(runner/data/decode/maskgeometry.py: ``mask_to_source``) is the store's own record
+(packed.py's ``blobindex.bin``), as the blob is at the stored size.
 
 memmap and ram keep decoded, deterministically cropped images at a fixed size; their
 masks are the same crop of the mask (``maskgeometry.map_mask`` with the store's window),

@@ -17,7 +17,10 @@ whole image resized with its aspect kept to fit ``size``, centred, the rest padd
 says where the resized image lands (``Placement``: top, left, height, width in output
 pixels; ultralytics' rounding of the new size and of the two pads); ``letterbox_mask``
 resizes the mask into it (NEAREST) and pads the rest with ``IGNORE``, so the padding never
-counts in the loss or the metric.
+counts in the loss or the metric. A decoder says a letterbox as a window reaching over the
+pads (runner/data/decode/decoders.py's ``letterbox_window``, what boxes follow); ``map_mask``
+takes such a window back to its ``Placement`` (``window_placement``), so a decode's mask
+lands on exactly the pixels its image did.
 
 **A batch on the device** (``map_masks``): [B, H, W] uint8 masks, each cut by its own
 window (``crops.Boxes``, float32 tensors of integer values, as the pixels' crops are), with
@@ -74,12 +77,42 @@ def map_mask(mask: torch.Tensor, window: Window, size: tuple[int, int], flip: bo
              ) -> torch.Tensor:
     """One [H, W] mask through ``window`` resized to ``size`` (height, width), flipped
     left-right when ``flip``: torchvision v2's ``resized_crop`` and ``horizontal_flip`` of a
-    ``tv_tensors.Mask`` (NEAREST)."""
+    ``tv_tensors.Mask`` (NEAREST). A window that reaches past the mask is a letterbox's
+    (the decoders' ``letterbox_window``: the whole image and its pads): the mask is placed
+    where the pixels were (``window_placement``) and the pads are ``IGNORE``
+    (``letterbox_mask``), never a class (v2's crop would pad with 0, a class)."""
+    if reaches_past(window, tuple(mask.shape[-2:])):
+        out = letterbox_mask(mask, window_placement(window, tuple(mask.shape[-2:]), size), size)
+        return (TF.horizontal_flip(out) if flip else out).as_subclass(torch.Tensor)
     top, left, height, width = integer_window(window)
     out = TF.resized_crop(tv_tensors.Mask(mask), top, left, height, width, list(size))
     if flip:
         out = TF.horizontal_flip(out)
     return out.as_subclass(torch.Tensor)
+
+
+SLACK = 1e-4  # source pixels: a window inside the mask, up to the float error of a rescale
+
+
+def reaches_past(window: Window, hw: tuple[int, int]) -> bool:
+    """Whether ``window`` reaches past an ``hw`` image (a letterbox's pads)."""
+    h, w = hw
+    return (window.top < -SLACK or window.left < -SLACK
+            or window.top + window.height > h + SLACK
+            or window.left + window.width > w + SLACK)
+
+
+def window_placement(window: Window, hw: tuple[int, int], size: tuple[int, int]
+                     ) -> Placement:
+    """Where the whole ``hw`` image lies in an output of ``size`` that shows ``window`` of
+    it (a letterbox's, reaching over the pads): the inverse of the decoders'
+    ``letterbox_window``, so the mask lands on exactly the pixels the image did."""
+    h, w = hw
+    sy, sx = size[0] / window.height, size[1] / window.width  # output pixels per source one
+    top, left = int(round(-window.top * sy)), int(round(-window.left * sx))
+    height = max(1, min(size[0] - top, int(round(h * sy))))
+    width = max(1, min(size[1] - left, int(round(w * sx))))
+    return Placement(top, left, height, width)
 
 
 def letterbox_layout(hw: tuple[int, int], size: tuple[int, int]) -> Placement:

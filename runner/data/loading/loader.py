@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from runner.config.schema import Config, LoaderConfig
 from runner.data.loading.buffers import BufferPool, pin_small_fields
-from runner.data.order import BatchOrder
+from runner.data.order import BatchOrder, unpad
 from runner.data.protocol import Sample, SkippedFile, Storage
 from runner.data.storage.folder import UNREADABLE
 from runner.data.targets import batch_fields
@@ -119,6 +119,7 @@ class ThreadedBatches:
             indices = list(zip(indices, self.order.seeds_for(index)))
         with torch.inference_mode(False):  # the decode threads write into it outside any
             out = self.pool.take(len(indices))  # inference_mode the caller may be in
+            out = batch_view(out, self.storage, index)
         # a few slices per thread: balanced when one image is slow, few tasks per batch
         step = max(1, -(-len(indices) // (2 * self.threads)))
         futures = [executor.submit(self.storage.decode_slice, out,
@@ -193,6 +194,8 @@ class InProcessBatches:
     def __iter__(self) -> Iterator[tuple[dict | None, list[SkippedFile]]]:
         for index in self.order.batches():
             out = self.pool.take(len(index)) if self.pool is not None else None
+            if out is not None:
+                out = batch_view(out, self.storage, index)
             batch, skipped = self.storage.gather(index, out=out, rows=self.rows)
             if batch is not None and self.pin and out is not None:
                 batch = pin_small_fields(batch)
@@ -200,6 +203,18 @@ class InProcessBatches:
 
     def close(self) -> None:
         self.rows.close()
+
+
+def batch_view(out: torch.Tensor, storage: Storage, index: torch.Tensor) -> torch.Tensor:
+    """A batch buffer (rows of ``item_shape``) as the rows of the batch ``index`` decodes
+    to: the same memory at its aspect bin's shape under ``loader.group_aspect`` (never
+    larger than ``item_shape``, the largest: ``bin_shapes``), else as it is."""
+    shapes = getattr(storage, "item_shapes", None)
+    if shapes is None or not len(index):
+        return out
+    h, w = shapes[unpad(int(index[0]))[0]].tolist()
+    n, c = out.shape[:2]
+    return out.view(-1)[: n * c * h * w].view(n, c, h, w)
 
 
 def decode_threads(cfg: LoaderConfig, storage: Storage) -> int:
@@ -225,17 +240,38 @@ def batch_order(storage: Storage, cfg: LoaderConfig, seed: int, rank: int = 0,
                        world=world, crop_seeds=storage.random_crops, groups=groups,
                        group_block=getattr(storage, "group_block", 1), lanes=lanes,
                        members=getattr(storage, "order_members", None),
-                       bins=storage_aspect_bins(storage, cfg) if cfg.group_aspect else None)
+                       bins=aspect_groups(storage, cfg) if cfg.group_aspect else None)
     if groups is not None:
         storage.follow(order)
     return order
 
 
-def storage_aspect_bins(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
+def aspect_groups(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
     """Each item's aspect-ratio bin (runner/data/order.py: ``aspect_bins``) from the
     source sizes its detection labels carry (a YOLO image without boxes, whose labels gave
-    no size, goes with the square ones), or a ConfigError saying why this storage cannot
-    group: no labels with sizes, or a sharded order (read a block of shards at a time)."""
+    no size, goes with the square ones), the storage told to decode each bin at its shape
+    (``bin_shapes``, ``set_item_shapes``); or a ConfigError saying why this storage cannot
+    group: no labels with sizes, a sharded order (read a block of shards at a time), or a
+    storage that decodes at one size alone (memmap and ram are refused earlier, when the
+    config is settled: runner/data/storage/__init__.py)."""
+    from runner.common.errors import ConfigError
+    from runner.data.order import bin_shapes
+
+    bins, sizes = storage_aspect_bins(storage, cfg)
+    if not callable(getattr(storage, "set_item_shapes", None)):
+        raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: it "
+                          "cannot decode each aspect bin's batches at the bin's shape; use "
+                          "loader=folder or packed")
+    size = storage.item_shape[1:]
+    storage.set_item_shapes(bin_shapes(sizes, bins, size))
+    return bins
+
+
+def storage_aspect_bins(storage: Storage, cfg: LoaderConfig
+                        ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Each item's aspect-ratio bin (runner/data/order.py: ``aspect_bins``) and its source
+    size, from its detection labels, or a ConfigError saying why there are none (see
+    ``aspect_groups``)."""
     from runner.common.errors import ConfigError
     from runner.data.order import aspect_bins
 
@@ -248,7 +284,8 @@ def storage_aspect_bins(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
         raise ConfigError("loader.group_aspect=true groups images by their sizes, which "
                           "the detection labels carry (dataset.targets=auto, yolo or coco): "
                           "give those, or leave loader.group_aspect=false")
-    return aspect_bins([targets.source_size(i) for i in range(len(storage))])
+    sizes = [targets.source_size(i) for i in range(len(storage))]
+    return aspect_bins(sizes), sizes
 
 
 def drops_remainder(config: Config, world: int, every_image: bool = False,

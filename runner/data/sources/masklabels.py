@@ -30,8 +30,14 @@ said once with its count and first example, and where an image is lost it is a
 ``SkippedFile`` with its reason: an image without a mask, a mask without an image, a mask
 whose size is not its image's (upright) size, a colour mask (RGB: not class ids), a file
 whose header cannot be read; COCO's malformed annotations and images, as labels.py's.
-A mask pixel above the last class (not 255) is made ``IGNORE`` by ``load_mask`` when it
-is told the number of classes, and counted where the classes come from the masks.
+**Ids beyond the classes.** Where the classes are named (data.yaml, classes.txt,
+``classes``), each mask is read once (on threads) for ids at or beyond their count; a pixel
+with one (not 255) is made ``IGNORE`` by ``load_mask``, as a box of a class out of range is
+dropped (labels.py), and never silently: the masks holding one are counted and said in one
+warning with the class count, the ids found and the files (the first few). Where the classes
+come from the masks (``0..max``) there is none. A model's head smaller than the classes
+(``model.num_classes``) is refused before training (runner/tasks/train/training.py's
+``check_head_size``), as a classifier's is.
 """
 
 from __future__ import annotations
@@ -327,6 +333,7 @@ def read_mask_folder(path: str | Path, split: str | None = None,
         targets[image] = MaskTarget(size[0], size[1], place[image], file=file)
     if names:
         found = list(names)
+        _count_beyond(targets, len(found), report, masks)
     else:
         found = _classes_from_masks(targets, report)
         if not classes_said(root):
@@ -339,11 +346,45 @@ def read_mask_folder(path: str | Path, split: str | None = None,
     return MaskSet("pairs", images, masks, found, targets, report.skipped, report.counts)
 
 
+def _ids_in(target: MaskTarget) -> np.ndarray:
+    """The distinct class ids a mask file holds (``IGNORE`` left out)."""
+    ids = np.unique(read_mask_file(target.file))
+    return ids[ids != IGNORE]
+
+
+SAID_FILES = 3  # the files a warning names (it counts them all)
+
+
+def _count_beyond(targets: dict[str, MaskTarget], count: int, report: _MaskReport,
+                  masks: Path) -> None:
+    """Count the masks holding ids at or beyond the ``count`` named classes (their pixels
+    become ``IGNORE``): said once by ``report``, with the ids and the first files (under
+    ``masks``, the folder the warning names)."""
+    def beyond(target: MaskTarget) -> list[int]:
+        try:
+            ids = _ids_in(target)
+        except Exception:  # unreadable now: its decode says so, counted there
+            return []
+        return ids[ids >= count].tolist()
+
+    found = [(t.file, ids) for t, ids in zip(targets.values(),
+                                              _threaded(beyond, list(targets.values())))
+             if ids]
+    if not found:
+        return
+    ids = sorted({i for _, got in found for i in got})
+    files = ", ".join(printable(os.path.relpath(f, masks)) for f, _ in found[:SAID_FILES]) + (
+        f" and {len(found) - SAID_FILES} more" if len(found) > SAID_FILES else "")
+    report.count("out_of_range", files,
+                 f"ids {', '.join(map(str, ids))} at or beyond the {count} named classes "
+                 f"(0..{count - 1}); name every class (data.yaml's names, classes.txt), or "
+                 "repaint those pixels 255 to ignore them", n=len(found))
+
+
 def _classes_from_masks(targets: dict[str, MaskTarget], report: _MaskReport) -> list[str]:
     """``0..max`` of the ids the masks hold (each mask read once, on threads)."""
     def most(target: MaskTarget) -> int:
-        ids = np.unique(read_mask_file(target.file))
-        ids = ids[ids != IGNORE]
+        ids = _ids_in(target)
         return int(ids.max()) if len(ids) else 0
 
     top = max(_threaded(most, list(targets.values())), default=0)
@@ -462,6 +503,10 @@ class MaskTargets:
     def mask(self, index: int) -> np.ndarray:
         """Image ``index``'s [H, W] uint8 mask (ids past the classes ``IGNORE``)."""
         return load_mask(self.items[index], self.num_classes)
+
+    def target(self, index: int) -> np.ndarray:
+        """Image ``index``'s target as its kind's record reads it (a store's too): its mask."""
+        return self.mask(index)
 
     def source_size(self, index: int) -> tuple[int, int]:
         return self.items[index].height, self.items[index].width

@@ -28,7 +28,20 @@ centre and random crops; at the output size, the centre crop and the whole side 
 stores. ``dataset.crop=letterbox`` (the detectors' default: the whole image, aspect kept,
 padded with grey 114) is decoded so by folder, packed and shards, and stored so by memmap
 and ram (at ``dataset.image_size``: with ``dataset.store_size`` refused in one line); DALI
-and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``). ``loader.decoder=auto`` (the folder's default) picks the region decoder when its
+and FFCV have no letterbox and say so (runner/data/decode/decoders.py: ``letterbox_place``).
+
+**Targets beside the label** (``dataset.targets``: boxes, masks) go where the pixels go:
+a storage's record says which kinds it carries (``StorageKind.carries``). A store keeps
+each image's target as its kind's record makes it: boxes in their own arrays, any other
+kind (masks) as an opaque blob beside the stored image (``TargetKind.to_blob`` and
+``from_blob``: packed's ``blobs.bin``, shards' ``<key>.<blob_ext>`` member), moved through
+the crop by the kind's ``sample_fields`` as on a folder; the store's key names the kind
+and its plan the kind's ``fingerprint``, so an edited label or mask rebuilds it. memmap
+and ram keep a per-pixel target (masks) decoded, as a plane beside their images at the
+stored size (``TargetKind.plane``: its key and dtype, decoded.py), cut, resized and
+flipped on the device with the pixels by the kind's ``follow``.
+
+``loader.decoder=auto`` (the folder's default) picks the region decoder when its
 binding is built, else simplejpeg with DCT scaling; the run's ``metrics.json`` names the
 one that ran. How fast each storage is here: ``python -m runner.bench stores`` (figures
 depend on the machine, so they live in the bench's output, not in the docs).
@@ -157,6 +170,12 @@ def settle_loader(loader: LoaderConfig, dataset: DatasetConfig | None = None) ->
             raise ConfigError(f"{given} maps boxes through the CPU decoders' crops, not "
                               f"loader.decoder={loader.decoder.value}: use a CPU decoder "
                               "(loader.decoder=auto)")
+    if loader.group_aspect and not kind.decodes_per_epoch:
+        # a letterbox stored square could be cut to a bin's shape on the device; not done
+        raise ConfigError(f"loader.group_aspect=true with loader={loader.name.value}: its "
+                          "images are decoded once at the square dataset.image_size, so its "
+                          "batches cannot take each aspect bin's shape; use loader=folder or "
+                          "packed (decoded every epoch)")
     if dataset is not None and dataset.crop is Crop.letterbox and DECODERS[loader.decoder].cuda:
         # (its batched resample of mixed sizes fills the output: no pads)
         raise ConfigError(f"loader.decoder={loader.decoder.value} has no "

@@ -11,10 +11,11 @@ here, written once:
   BLAKE2b hash of its bytes (``sources.bin``). Opening compares the stats only (one ``stat``
   per file) and hashes again just the files whose stat moved, so an unchanged folder costs
   no reads, and a rewrite that kept the mtime (``cp -p``, ``rsync -a``, tar) is still seen;
-  a detection set's boxes as the listing parsed them (``targets_fingerprint``: format,
-  classes, every image's boxes, labels, size and id), so an edited label file, or labels
-  read another way, rebuilds the store instead of serving stale boxes (a store of the same
-  folder without boxes has none, and its kind's settings give it a folder of its own);
+  a detection set's boxes as the listing parsed them, a masks set's mask files' bytes
+  (``targets_fingerprint``: format, classes, then the target kind's ``fingerprint``), so
+  an edited label file or mask, or labels read another way, rebuilds the store instead of
+  serving stale targets (a store of the same folder without them has none, and its kind's
+  settings give it a folder of its own);
 - **resumable**: the conversion builds in ``<key>.partial``; its ``Journal`` records each
   finished chunk (``done.jsonl``) only after the chunk's bytes are synced, so a rerun after a
   kill redoes only the unfinished chunks and gives the same bytes;
@@ -46,7 +47,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from filelock import FileLock
 
 from runner.common.atomic import dumps, write_json
@@ -58,6 +58,7 @@ from runner.data.protocol import SkippedFile
 from runner.data.sources.files import read_file
 from runner.data.sources.listing import stat_row
 from runner.data.storage.folder import FolderStorage
+from runner.data.targets import TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -139,17 +140,15 @@ def layout_fingerprint(folder: FolderStorage) -> str:
 
 
 def targets_fingerprint(folder: FolderStorage) -> str | None:
-    """A digest of a detection set's boxes as its listing parsed them (None: no boxes):
-    changes when a label file's boxes, labels or classes change, whatever its stat says."""
+    """A digest of the targets a store keeps, as the listing has them (None: none): their
+    format and classes, then what their kind's record says a store depends on (its
+    ``fingerprint``: boxes as parsed, each mask file's bytes), so an edited label file
+    rebuilds the store, whatever its stat says."""
     targets = folder.targets
     if targets is None:
         return None
     digest = hashlib.sha256(f"{targets.format}\n".encode() + "\n".join(folder.classes).encode())
-    for i in range(len(targets)):
-        t = targets[i]
-        digest.update(b"\n%d %d %d %d" % (t.height, t.width, t.image_id, len(t.labels)))
-        digest.update(t.boxes.to(torch.float32).contiguous().numpy().tobytes())
-        digest.update(t.labels.to(torch.int64).contiguous().numpy().tobytes())
+    TARGETS[targets.kind].fingerprint(targets, digest)
     return digest.hexdigest()
 
 
@@ -267,7 +266,7 @@ def valid_cache(folder: Path, spec: StoreSpec, source: FolderStorage) -> dict[st
                  "rebuilding", folder)
         return None
     if meta.get("targets") != targets_fingerprint(source):
-        log.info("the detection labels changed since %s was built: rebuilding", folder)
+        log.info("the labels (boxes, masks) changed since %s was built: rebuilding", folder)
         return None
     check_files(folder, meta, spec)
     changed = changed_files(folder, meta, source)

@@ -11,6 +11,18 @@ maps them at that size). A batch gathers its images' boxes into the padded form
 (``boxes``, ``box_labels``, ``box_count``) with one gather and one scatter
 (``gather_padded``); the device's crops of the store then move them with the pixels
 (runner/data/path.py: ``DataPath.finish``).
+
+A per-pixel target (its kind's ``TargetPlane``, runner/data/targets/target.py: masks) is a
+plane: one more dense tensor [N, H, W] beside the images, at the stored size, each slot the
+target as the conversion's decode made it with the pixels (masks: NEAREST, 255 where there
+is none and in a letterbox's padding). The store knows a plane only by its key and dtype
+(``planes``: key -> tensor), never what its values mean: a batch gathers each plane with
+the same slots as its images, under its key (``mask``, the key loader=folder's batches
+carry it under), and the device's crops and flips then move it with the pixels by its
+kind's ``follow`` (masks: runner/data/decode/maskgeometry.py's ``map_masks``). A memmap
+store's planes are mapped once: ``dataset.page_cache=cold`` evicts and maps again the
+images (``files``, what the bench measures), not the planes (a third of their bytes for a
+uint8 mask).
 """
 
 from __future__ import annotations
@@ -102,6 +114,7 @@ class DecodedStorage(Dataset):
             whole folder), in order; None: every slot. The skipped files of other slots
             are not this run's.
         boxes: a detection store's boxes per slot (``RaggedBoxes``), or None.
+        planes: a per-pixel target's planes by key (``mask``: uint8 [N, H, W]), or None.
     """
 
     decodes_per_epoch = False
@@ -119,9 +132,11 @@ class DecodedStorage(Dataset):
                  skipped: list[SkippedFile], classes: list[str], names: list[str],
                  root: Path | None, files: list[str] | None = None,
                  reopen: Callable[[], torch.Tensor] | None = None,
-                 keep: list[int] | None = None, boxes: RaggedBoxes | None = None):
+                 keep: list[int] | None = None, boxes: RaggedBoxes | None = None,
+                 planes: dict[str, torch.Tensor] | None = None):
         self.images = images
         self.boxes = boxes
+        self.planes = dict(planes or {})
         self._files = files or []
         self._reopen = reopen
         self.labels = labels
@@ -173,13 +188,16 @@ class DecodedStorage(Dataset):
         index, valid = unpad(index)
         slot = int(self.slots[index])
         boxes = self.boxes.item(slot) if self.boxes is not None else (None, None)
-        return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid, *boxes)
+        planes = {key: plane[slot].clone() for key, plane in self.planes.items()}
+        return Sample(self.images[slot].clone(), int(self.labels[slot]), index, valid, *boxes,
+                      **planes)
 
     def gather(self, index: torch.Tensor, out: torch.Tensor | None = None,
-               rows: RowPool | None = None) -> tuple[dict, list[SkippedFile]]:
+               rows: RowPool | None = None, shared: bool = False
+               ) -> tuple[dict, list[SkippedFile]]:
         """One batch with one indexed read of the image tensor (into ``out`` if given),
         split over ``rows``' threads when given (runner/data/threads.py: why not torch's
-        intra-op threads)."""
+        intra-op threads), and one of each plane (into shared memory when ``shared``)."""
         index, valid = split_padding(index)
         slots = index if self.contiguous_slots else self.slots.index_select(0, index)
         with timeline.span("gather"):
@@ -194,6 +212,9 @@ class DecodedStorage(Dataset):
         batch = {"image": image, "label": self.labels.index_select(0, slots), "index": index}
         if self.boxes is not None:  # detection: the batch's boxes, padded
             batch.update(self.boxes.gather(slots))
+        for key, plane in self.planes.items():  # a per-pixel target: the same slots
+            into = shared_empty((len(slots), *plane.shape[1:]), plane.dtype) if shared else None
+            batch[key] = torch.index_select(plane, 0, slots, out=into)
         if valid is not None:
             batch["valid"] = valid
         return batch, []
@@ -205,7 +226,7 @@ class DecodedStorage(Dataset):
         out = None
         if get_worker_info() is not None:
             out = shared_empty((len(index), *self.image_shape), self.images.dtype)
-        return self.gather(index, out)
+        return self.gather(index, out, shared=out is not None)
 
     @staticmethod
     def pack(images: list[torch.Tensor]) -> dict[str, torch.Tensor]:

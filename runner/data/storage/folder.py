@@ -57,6 +57,9 @@ class FolderStorage(torch.utils.data.Dataset):
 
     targets = None  # detection: each image's boxes (DetectionTargets; packed's and shards'
     # their own, read from the store: packed.py, shards.py); a rival's carries none
+    # loader.group_aspect: each item's output (height, width), int64 [N, 2], its aspect
+    # bin's (runner/data/order.py: ``bin_shapes``); None: every item's is ``item_shape``'s
+    item_shapes: torch.Tensor | None = None
 
     def __init__(self, source: Files | str | Path, decode: ImageDecoder | ReadBytes,
                  on_corrupt: OnCorrupt):
@@ -99,6 +102,22 @@ class FolderStorage(torch.utils.data.Dataset):
     @property
     def item_shape(self) -> tuple[int, ...] | None:
         return self.decode.item_shape
+
+    def set_item_shapes(self, shapes: torch.Tensor) -> None:
+        """Decode item ``i`` at ``shapes[i]`` (height, width) instead of the decoder's size
+        (``loader.group_aspect``: each aspect bin's batch shape, a batch of one bin at a
+        time), its letterbox (or whole image) fitted there and its boxes following. The
+        decoder's size stays the largest shape, which the batch buffers are sized by."""
+        self.item_shapes = shapes
+        self._decoders = {shape: dataclasses.replace(self.decode, size=shape)
+                          for shape in map(tuple, shapes.unique(dim=0).tolist())}
+
+    def decoder_for(self, index: int) -> ImageDecoder | ReadBytes:
+        """What decodes item ``index``: the decoder, at its bin's shape under
+        ``set_item_shapes``."""
+        if self.item_shapes is None:
+            return self.decode
+        return self._decoders[tuple(self.item_shapes[index].tolist())]
 
     def reopen(self) -> None:
         """Nothing to do: files are opened and closed per read."""
@@ -167,9 +186,10 @@ class FolderStorage(torch.utils.data.Dataset):
         try:
             if not data:
                 raise CorruptImageError("empty file" if data is not None else "unreadable")
+            decode = self.decoder_for(index)
             if self.targets is None:
-                return Sample(self.decode(data, seed), label, index, valid)
-            image, window, flip, hw = self.decode.decode_window(data, seed)
+                return Sample(decode(data, seed), label, index, valid)
+            image, window, flip, hw = decode.decode_window(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
         # the target through the same window and flip: its kind's record says how

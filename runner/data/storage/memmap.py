@@ -29,6 +29,19 @@ file rebuilds the store: convert.py's ``layout_fingerprint``). The readers load 
 into memory (small beside the pixels); a detection layout's own split folders and
 ``dataset.val_fraction`` together are refused (``check_whole_listing``).
 
+A store of a per-pixel target (masks: ``dataset.targets=masks``; the kind's ``TargetPlane``,
+runner/data/targets/target.py) adds one plane file per target, ``<key>.memmap`` (masks:
+``mask.memmap``, uint8 [N, H, W] at the stored size), written by the conversion's workers
+straight into its rows as they write the pixels (each image's target as the folder loader
+makes it at that size: masks resized NEAREST through the same window, 255 ignored, also
+for a letterbox's padding and a skipped slot) and synced with them before a chunk is
+recorded. The store names the plane by its key and dtype only (``settings``' ``plane``);
+the readers map it beside the images (memmap) or read it into shared memory (ram). Its
+key holds the kind's label format and images folder as a detection store's does, and the
+source's fingerprint holds every mask file's bytes (an edited mask rebuilds the store:
+convert.py's ``targets_fingerprint``). A layout with split folders of its own and
+``dataset.val_fraction`` together are refused, as for boxes.
+
 The conversion decodes with the folder loader itself (same decoder, resize, class
 indices), in worker processes, one chunk of images per task, with a progress bar; a worker
 that dies fails the conversion at once (``WorkerDied``), never hangs it. The content hash
@@ -79,6 +92,8 @@ from runner.data.storage.convert import (
 )
 from runner.data.storage.decoded import DecodedStorage, RaggedBoxes
 from runner.data.storage.folder import FolderStorage, open_folder
+from runner.data.targets import TARGETS
+from runner.data.targets.target import TargetPlane
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +102,23 @@ IMAGES, LABELS = "images.memmap", "labels.memmap"
 # a detection store's side store of boxes (RaggedBoxes' four tensors, raw little-endian)
 BOXES, BOX_LABELS = "boxes.memmap", "box_labels.memmap"
 BOX_OFFSETS, BOX_COUNTS = "box_offsets.memmap", "box_counts.memmap"
+
+
+def plane_file(key: str) -> str:
+    """The file of a per-pixel target's plane (``mask.memmap``)."""
+    return f"{key}.memmap"
+
+
+def plane_dtype(name: str) -> torch.dtype:
+    """A plane's dtype from its name in ``meta.json`` (``uint8``)."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def plane_nbytes(count: int, image_size, dtype: torch.dtype) -> int:
+    return count * int(image_size[0]) * int(image_size[1]) * dtype.itemsize
 
 
 def stored_size(dataset: DatasetConfig) -> tuple[int, int]:
@@ -123,6 +155,8 @@ class MemmapSpec(StoreSpec):
     # are in, relative to the source (a layout's split folder); None: a classification store
     targets: str | None = None
     images: str | None = None
+    # a per-pixel target kept as a plane beside the images (masks), or None
+    plane: TargetPlane | None = None
 
     kind = StorageName.memmap.value
     version = CACHE_VERSION
@@ -133,7 +167,9 @@ class MemmapSpec(StoreSpec):
                 **({"crop": "whole"} if self.whole else {}),
                 **({"crop": "letterbox"} if self.letterbox else {}),
                 **({"crop_fraction": self.fraction} if self.fraction != 1.0 else {}),
-                **({"targets": self.targets, "images": self.images} if self.targets else {})}
+                **({"targets": self.targets, "images": self.images} if self.targets else {}),
+                **({"plane": self.plane.key, "plane_dtype": dtype_name(self.plane.dtype)}
+                   if self.plane is not None else {})}
 
     def label(self) -> str:
         h, w = self.image_size
@@ -141,7 +177,8 @@ class MemmapSpec(StoreSpec):
                 f"{'-whole' if self.whole else ''}"
                 f"{'-letterbox' if self.letterbox else ''}"
                 f"{f'-crop{self.fraction:g}' if self.fraction != 1.0 else ''}"
-                f"{f'-{self.targets}' if self.targets else ''}")
+                f"{f'-{self.targets}' if self.targets else ''}"
+                f"{f'-{self.plane.key}' if self.plane is not None else ''}")
 
     def overrides(self) -> list[str]:
         h, w = self.image_size
@@ -157,12 +194,18 @@ class MemmapSpec(StoreSpec):
                                        f"{list(self.image_size)}")
         count = meta["count"]
         sizes = {IMAGES: count * image_nbytes(self.image_size), LABELS: count * 8}
-        if self.targets:
+        if self.targets and self.plane is None:  # boxes: the ragged side store
             room = meta.get("boxes")
             if not isinstance(room, int) or room < 0:
                 raise self.damaged(folder, f"its {META} has no box count")
             sizes.update({BOXES: room * 16, BOX_LABELS: room * 8,
                           BOX_OFFSETS: (count + 1) * 8, BOX_COUNTS: count * 8})
+        if self.plane is not None:
+            if meta.get("planes") != {self.plane.key: dtype_name(self.plane.dtype)}:
+                raise self.damaged(folder, f"its {META} does not name its "
+                                           f"{self.plane.key} plane")
+            sizes[plane_file(self.plane.key)] = plane_nbytes(count, self.image_size,
+                                                             self.plane.dtype)
         return sizes
 
     def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
@@ -192,7 +235,8 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     if fraction != 1.0:
         picked.append(f"dataset.crop_fraction={fraction:g}")
     targets = images = None
-    if dataset.targets.boxes:
+    kind = TARGETS[dataset.targets.kind]
+    if kind.batch_keys:  # a target beside the label (boxes, masks): keyed by its layout
         picked.append(f"dataset.targets={dataset.targets.value}")
         if dataset.split is Split.val:
             picked.append("dataset.split=val")
@@ -203,8 +247,11 @@ def memmap_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
             targets = dataset.targets.value
     return MemmapSpec(source, stored_size(dataset), loader.decoder.value, bool(loader.draft),
                       selected_by=tuple(picked), whole=whole, letterbox=letterbox,
-                      fraction=fraction,
-                      targets=targets, images=images)
+                      fraction=fraction, targets=targets, images=images, plane=kind.plane)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def stored_fraction(dataset: DatasetConfig) -> float:
@@ -262,6 +309,7 @@ class PinnedStore:
     images: Any  # the open images.memmap (a binary file object)
     labels: torch.Tensor
     boxes: RaggedBoxes | None = None  # a detection store's side store, read into memory
+    planes: dict[str, Any] = field(default_factory=dict)  # key -> its open plane file
 
     @property
     def images_path(self) -> str:
@@ -269,6 +317,18 @@ class PinnedStore:
 
     def map_images(self) -> MemoryMappedTensor:
         return open_images(Path(self.images_path), self.meta, name=None)
+
+    def plane_path(self, key: str) -> str:
+        return fd_path(self.planes[key].fileno())
+
+    def map_planes(self) -> dict[str, MemoryMappedTensor]:
+        """Each plane mapped (mode "r": copy-on-write, as the images)."""
+        return {key: open_plane(Path(self.plane_path(key)), self.meta, key)
+                for key in self.planes}
+
+    def close_planes(self) -> None:
+        for f in self.planes.values():
+            f.close()
 
 
 PIN_TRIES = 5
@@ -310,16 +370,23 @@ def _open_pinned(folder: Path, meta: dict[str, Any]) -> PinnedStore | None:
         images = open(IMAGES, "rb", buffering=0, opener=opener)
         labels = _read_tensor(LABELS, torch.int64, opener)
         boxes = _read_boxes(meta, opener) if "boxes" in meta else None
+        planes = {key: open(plane_file(key), "rb", buffering=0, opener=opener)
+                  for key in meta.get("planes", {})}
     finally:
         os.close(directory)
     count = meta["count"]
     if len(labels) != count or os.fstat(images.fileno()).st_size != \
             count * image_nbytes(tuple(meta["image_size"])) or (
                 boxes is not None and (len(boxes.counts) != count
-                                       or len(boxes.labels) != meta["boxes"])):
+                                       or len(boxes.labels) != meta["boxes"])) or any(
+                os.fstat(f.fileno()).st_size != plane_nbytes(
+                    count, meta["image_size"], plane_dtype(meta["planes"][key]))
+                for key, f in planes.items()):
         images.close()
+        for f in planes.values():
+            f.close()
         return None  # not the files check_files measured: look again
-    return PinnedStore(folder, meta, images, labels, boxes)
+    return PinnedStore(folder, meta, images, labels, boxes, planes)
 
 
 def _read_tensor(name: str, dtype: torch.dtype, opener: Callable) -> torch.Tensor:
@@ -347,6 +414,15 @@ def open_images(folder: Path, meta: dict[str, Any], writable: bool = False,
                                             shape=torch.Size(shape), mode="r+" if writable else "r")
 
 
+def open_plane(path: Path, meta: dict[str, Any], key: str, writable: bool = False
+               ) -> MemoryMappedTensor:
+    """The plane ``key`` of a store, at ``path`` (the file itself), mapped [N, H, W]."""
+    shape = (meta["count"], *meta["image_size"])
+    return MemoryMappedTensor.from_filename(path, dtype=plane_dtype(meta["planes"][key]),
+                                            shape=torch.Size(shape),
+                                            mode="r+" if writable else "r")
+
+
 def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
                     progress: bool = True) -> FolderStorage:
     """The folder a decode-once store is made from: every image of it (no split), decoded
@@ -367,21 +443,23 @@ def decoding_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
 
 
 def check_whole_listing(dataset: DatasetConfig, path: Path) -> None:
-    """A detection layout with split folders of its own lists one of them without
+    """A detection or masks layout with split folders of its own lists one of them without
     ``dataset.val_fraction`` and all of it with one: a store of the whole listing
     (``whole_folder``) cannot be split as the run lists it. Refused in one line."""
-    from runner.data.sources.detection import has_split
-
-    if not dataset.targets.boxes or dataset.val_fraction <= 0 or path is None:
+    kind = TARGETS[dataset.targets.kind]
+    if not kind.batch_keys or kind.has_val_split is None or dataset.val_fraction <= 0 \
+            or path is None:
         return
-    split = dataset.split.value
-    if has_split(Path(path).expanduser(), dataset.targets.value, split):
+    # the layout's own split, asked as a run without val_fraction would ask it
+    own = dataclasses.replace(dataset, val_fraction=0.0, path=str(path), val_path=None,
+                              manifest=None)
+    if kind.has_val_split(own):
         raise ConfigError(
-            f"dataset.val_fraction={dataset.val_fraction:g} splits a detection layout that "
-            f"has split folders of its own ({split}: its images and the others listed "
-            "together), which loader=memmap and loader=ram do not store: leave "
-            "dataset.val_fraction=0 (the layout's own split), or use loader=folder or "
-            "loader=packed")
+            f"dataset.val_fraction={dataset.val_fraction:g} splits a {kind.name.value} "
+            f"layout that has split folders of its own ({dataset.split.value}: its images "
+            "and the others listed together), which loader=memmap and loader=ram do not "
+            "store: leave dataset.val_fraction=0 (the layout's own split), or use "
+            "loader=folder or loader=packed")
 
 
 def open_memmap(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
@@ -414,7 +492,8 @@ def open_cache(folder: FolderStorage, spec: MemmapSpec, cache_root: Path,
                              skipped=skipped_files(pinned.meta), classes=folder.classes,
                              names=folder.names(), root=folder.root,
                              files=[str(pinned.folder / IMAGES)], reopen=pinned.map_images,
-                             keep=keep, boxes=pinned.boxes)
+                             keep=keep, boxes=pinned.boxes, planes=pinned.map_planes())
+    pinned.close_planes()  # mapped: the mappings hold the bytes they were opened with
     return with_label_skips(storage, folder)
 
 
@@ -431,7 +510,10 @@ def with_label_skips(storage: DecodedStorage, folder: FolderStorage,
 
 def raw_footprint(dataset: DatasetConfig, folder: FolderStorage) -> StoreFootprint:
     h, w = stored_size(dataset)
-    return StoreFootprint(f"raw uint8 at {h}x{w}", len(folder) * 3 * h * w)
+    plane = TARGETS[dataset.targets.kind].plane  # a per-pixel target's plane beside them
+    extra = 0 if plane is None else plane_nbytes(1, (h, w), plane.dtype)
+    return StoreFootprint(f"raw uint8 at {h}x{w}" + (f" + a {plane.key} plane" if plane else ""),
+                          len(folder) * (3 * h * w + extra))
 
 
 # --- conversion ---------------------------------------------------------------------------
@@ -442,6 +524,10 @@ def _convert(folder_storage: FolderStorage, spec: MemmapSpec, journal: Journal,
     reserve(partial / IMAGES, count * image_nbytes(spec.image_size))  # zeros until decoded
     reserve(partial / SOURCES, count * SOURCE_DTYPE.itemsize)
     boxes = box_room(folder_storage)  # detection: this run's chunks, written as they finish
+    planes_meta = {} if spec.plane is None else {spec.plane.key: dtype_name(spec.plane.dtype)}
+    for key, dtype in planes_meta.items():  # a per-pixel target: its workers write its rows
+        reserve(partial / plane_file(key), plane_nbytes(count, spec.image_size,
+                                                        plane_dtype(dtype)))
     if boxes is not None:
         reserve(partial / BOXES, len(boxes.labels) * 16)
         reserve(partial / BOX_LABELS, len(boxes.labels) * 8)
@@ -455,25 +541,39 @@ def _convert(folder_storage: FolderStorage, spec: MemmapSpec, journal: Journal,
     todo = journal.todo(chunks)
     images = open_images(partial, {"count": count, "image_size": spec.image_size}, writable=True)
     sources = np.memmap(partial / SOURCES, dtype=SOURCE_DTYPE, mode="r+", shape=(count,))
-    with open(partial / IMAGES, "rb+") as pixels, BoxFiles(partial, boxes) as box_files:
-        def on_chunk(chunk: tuple[int, int], skipped: list[SkippedFile]) -> None:
-            sources.flush()
-            box_files.write(*chunk)  # the chunk's boxes, synced
-            os.fdatasync(pixels.fileno())  # the pixels reach the disk before the record does
-            journal.record(chunk[0], skipped)
+    shape = {"count": count, "image_size": spec.image_size, "planes": planes_meta}
+    planes = {key: open_plane(partial / plane_file(key), shape, key, writable=True)
+              for key in planes_meta}
+    plane_fds = [os.open(partial / plane_file(key), os.O_RDWR) for key in planes_meta]
+    try:
+        with open(partial / IMAGES, "rb+") as pixels, BoxFiles(partial, boxes) as box_files:
+            def on_chunk(chunk: tuple[int, int], skipped: list[SkippedFile]) -> None:
+                sources.flush()
+                box_files.write(*chunk)  # the chunk's boxes, synced
+                for fd in (pixels.fileno(), *plane_fds):  # pixels and planes reach the
+                    os.fdatasync(fd)  # disk before the record does
+                journal.record(chunk[0], skipped)
 
-        decode_into(images, folder_storage, todo, progress, on_chunk, total=count,
-                    already=count - sum(e - s for s, e in todo), sources=sources, boxes=boxes)
+            decode_into(images, folder_storage, todo, progress, on_chunk, total=count,
+                        already=count - sum(e - s for s, e in todo), sources=sources,
+                        boxes=boxes, planes=planes)
+    finally:
+        for fd in plane_fds:
+            os.close(fd)
     sources.flush()
-    del images
+    del images, planes
     extra = {} if boxes is None else {"boxes": len(boxes.labels)}
+    if planes_meta:
+        extra["planes"] = planes_meta
     return journal.finish(image_size=list(spec.image_size), dtype="uint8",
                           classes=folder_storage.classes, **extra)
 
 
 def box_room(folder_storage: FolderStorage) -> RaggedBoxes | None:
-    """An empty side store with room for each listed image's boxes (None: no targets)."""
-    if folder_storage.targets is None:
+    """An empty side store with room for each listed image's boxes (None: no targets, or
+    a per-pixel target, which is kept as a plane instead)."""
+    targets = folder_storage.targets
+    if targets is None or TARGETS[targets.kind].plane is not None:
         return None
     return RaggedBoxes.room([len(t.labels) for t in folder_storage.targets.items])
 
@@ -508,17 +608,20 @@ class BoxFiles:
             os.close(fd)
 
 
-# Worker processes are forked with this set: they inherit the target mapping and the
-# folder storage instead of receiving them by pickling.
-_JOB: tuple[torch.Tensor, FolderStorage, np.ndarray | None] | None = None
+# Worker processes are forked with this set: they inherit the target mapping (and the
+# planes') and the folder storage instead of receiving them by pickling.
+_JOB: tuple[torch.Tensor, FolderStorage, np.ndarray | None, dict[str, torch.Tensor]] | None \
+    = None
 
 
 def _decode_chunk(chunk: tuple[int, int]
                   ) -> tuple[tuple[int, int], list[SkippedFile], list[tuple]]:
     """Decode ``chunk`` into the target's rows: its (start, end), its skipped files and,
     for detection, each decoded image's (index, boxes, labels) as numpy arrays (the
-    parent writes them into its side store)."""
-    target, folder_storage, sources = _JOB
+    parent writes them into its side store). A plane's rows are written here, as the
+    pixels are: each decoded image's target by its key, a skipped one's the plane's fill."""
+    target, folder_storage, sources, planes = _JOB
+    fill = TARGETS[folder_storage.targets.kind].plane.fill if planes else 0
     skipped, boxes = [], []
     for i in range(*chunk):
         row, data = file_record(folder_storage.samples[i][0])
@@ -528,8 +631,12 @@ def _decode_chunk(chunk: tuple[int, int]
             sources[i] = row
         if isinstance(item, SkippedFile):
             skipped.append(item)
+            for plane in planes.values():
+                plane[i] = fill
         else:
             target[i] = item.image
+            for key, plane in planes.items():
+                plane[i] = getattr(item, key)
             if item.boxes is not None:
                 boxes.append((i, item.boxes.numpy(), item.box_labels.numpy()))
     return chunk, skipped, boxes
@@ -542,20 +649,22 @@ def _init_worker() -> None:
 def decode_into(target: torch.Tensor, folder_storage: FolderStorage,
                 chunks: list[tuple[int, int]], progress: bool, on_chunk=None,
                 total: int | None = None, already: int = 0,
-                sources: np.ndarray | None = None, boxes: RaggedBoxes | None = None
-                ) -> list[SkippedFile]:
+                sources: np.ndarray | None = None, boxes: RaggedBoxes | None = None,
+                planes: dict[str, torch.Tensor] | None = None) -> list[SkippedFile]:
     """Decode ``chunks`` of ``folder_storage`` into rows of ``target`` with every core,
     recording each file's stat and content hash in ``sources`` when given, and each
-    image's boxes (at the decoded size) in ``boxes`` when given, before ``on_chunk``.
+    image's boxes (at the decoded size) in ``boxes`` when given, and each image's per-pixel
+    target in the rows of ``planes`` (key -> [N, H, W]) when given, before ``on_chunk``.
 
-    ``target`` (and ``sources``) must be shared with forked children: a file mapping, or
-    shared memory. A worker that dies fails this at once (``runner.data.pool.WorkerDied``).
+    ``target`` (and ``sources``, ``planes``) must be shared with forked children: a file
+    mapping, or shared memory. A worker that dies fails this at once
+    (``runner.data.pool.WorkerDied``).
     """
     global _JOB
     skipped: list[SkippedFile] = []
     bar = tqdm(total=total or len(folder_storage), initial=already, unit="img",
                desc="decoding", disable=not progress)
-    _JOB = (target, folder_storage, sources)
+    _JOB = (target, folder_storage, sources, planes or {})
     try:
         for chunk, chunk_skipped, found in parallel_imap(_decode_chunk, chunks,
                                                          initializer=_init_worker):
@@ -585,4 +694,5 @@ KIND = StorageKind(
     footprint=raw_footprint,
     speed_rank=0,
     boxes=True,  # a ragged side store beside the images, moved by the device's crops
+    masks=True,  # a uint8 plane beside the images, moved by the device's crops
 )

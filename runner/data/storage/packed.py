@@ -49,6 +49,17 @@ valid store without reading a label file (``open_without_labels``): the images l
 the listing lists them, one ``stat`` per label file, the store's metadata checked as the
 engine checks it; anything that differs (a label file edited, added or removed, an image
 changed) falls back to the full listing, whose digest decides whether to rebuild.
+
+**Any other target** (masks): kept as its kind's opaque blob, the store never knowing
+what it is (FFCV's fields): ``blobs.bin`` holds each image's blob back to back, in index
+order, as its kind's record wrote it for the stored image's size (``TargetKind.to_blob``:
+a mask resized NEAREST to it, a lossless PNG), and ``blobindex.bin`` per source file its
+offset and size, the image's id and its upright source size (``BLOB_DTYPE``); the
+record's ``from_blob`` gives it back (``StoredBlobs``) and its ``sample_fields`` moves it
+through the crop the stored JPEG is cut by, as on a folder. The store's key names the kind
+(``settings``: ``blobs``), its plan the kind's ``fingerprint`` (an edited mask rebuilds
+it). Boxes keep their own layout above, older than the blobs: fixed-size rows a run and
+the YOLO shortcut read as arrays, and stores already built keep their key.
 """
 
 from __future__ import annotations
@@ -114,7 +125,7 @@ from runner.data.storage.convert import (
     skipped_files,
 )
 from runner.data.storage.folder import FolderStorage, folder_decoder, open_folder
-from runner.data.targets.target_boxes import follow_sample as follow
+from runner.data.targets import TARGETS as KINDS  # (TARGETS: the boxes' file)
 from runner.measure import timeline
 
 log = logging.getLogger(__name__)
@@ -128,6 +139,10 @@ BOX_DTYPE = np.dtype([("box", "<f4", (4,)), ("label", "<i8")])
 # frame served detections are mapped back to)
 TARGET_DTYPE = np.dtype([("start", "<i8"), ("count", "<i8"), ("image_id", "<i8"),
                          ("source_height", "<i4"), ("source_width", "<i4")])
+BLOBS, BLOB_INDEX = "blobs.bin", "blobindex.bin"  # another kind's targets, as blobs
+# per image: where its blob starts and its size, its id and its upright source size
+BLOB_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("image_id", "<i8"),
+                       ("source_height", "<i4"), ("source_width", "<i4")])
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
                         ("width", "<i4"), ("label", "<i8"), ("crc", "<u4"), ("pad", "<u4")])
 SAMPLE = 32  # images encoded up front to estimate the store's size
@@ -163,6 +178,7 @@ class PackedSpec(StoreSpec):
     quality: int
     selected_by: tuple[str, ...] = field(default=(), compare=False)
     targets: str | None = None  # detection: the labels' format (the store holds boxes)
+    blobs: str | None = None  # the target kind whose blobs it holds (masks)
 
     kind = StorageName.packed.value
     version = PACKED_VERSION
@@ -172,17 +188,21 @@ class PackedSpec(StoreSpec):
                "side": self.side.value, "quality": self.quality}
         if self.targets is not None:  # a store with boxes is not the one without
             out["targets"] = self.targets
+        if self.blobs is not None:  # nor one with masks
+            out["blobs"] = self.blobs
         return out
 
     def label(self) -> str:
         boxes = f"-{self.targets}" if self.targets is not None else ""
-        return f"{self.side.value}{self.store_size}-q{self.quality}{boxes}"
+        blobs = f"-{self.blobs}" if self.blobs is not None else ""
+        return f"{self.side.value}{self.store_size}-q{self.quality}{boxes}{blobs}"
 
     def overrides(self) -> list[str]:
         return list(self.selected_by) or [
             f"dataset.path={self.source}", f"dataset.store_size={self.store_size}",
             f"dataset.store_side={self.side.value}", f"dataset.store_quality={self.quality}",
-            *([f"dataset.targets={self.targets}"] if self.targets is not None else [])]
+            *([f"dataset.targets={self.targets}"] if self.targets is not None else []),
+            *([f"dataset.targets={self.blobs}"] if self.blobs is not None else [])]
 
     def file_sizes(self, folder: Path, meta: dict[str, Any]) -> dict[str, int]:
         if not isinstance(meta.get("data_bytes"), int):
@@ -195,6 +215,11 @@ class PackedSpec(StoreSpec):
             sizes[TARGETS] = meta["count"] * TARGET_DTYPE.itemsize
             if isinstance(meta.get("label_inputs"), dict):
                 sizes[LABELS] = meta["label_inputs"].get("count", -1) * SOURCE_DTYPE.itemsize
+        if self.blobs is not None:
+            if not isinstance(meta.get("blob_bytes"), int):
+                raise self.damaged(folder, f"its {META} lacks or mistypes: blob_bytes")
+            sizes[BLOBS] = meta["blob_bytes"]
+            sizes[BLOB_INDEX] = meta["count"] * BLOB_DTYPE.itemsize
         return sizes
 
     def convert(self, folder_storage: FolderStorage, journal: Journal, progress: bool
@@ -211,16 +236,30 @@ def packed_spec(loader: LoaderConfig, dataset: DatasetConfig, path: Path) -> Pac
               f"dataset.image_size=[{','.join(str(int(v)) for v in dataset.image_size)}]",
               f"dataset.store_size={size}", f"dataset.store_side={dataset.store_side.value}",
               f"dataset.store_quality={dataset.store_quality}")
-    if dataset.targets.boxes:
+    if KINDS[dataset.targets.kind].batch_keys:  # boxes, masks
         picked += (f"dataset.targets={dataset.targets.value}",)
     return PackedSpec(source, size, dataset.store_side, dataset.store_quality,
                       selected_by=picked)
 
 
 def with_targets(spec: PackedSpec, folder: FolderStorage) -> PackedSpec:
-    """``spec`` for ``folder``: keyed by its labels' format when it lists boxes."""
-    format = folder.targets.format if folder.targets is not None else None
-    return spec if spec.targets == format else dataclasses.replace(spec, targets=format)
+    """``spec`` for ``folder``: keyed by its labels' format when it lists boxes, by the
+    target kind when it lists a kind kept as blobs (masks)."""
+    format, blobs = None, None
+    if folder.targets is not None:
+        kind = KINDS[folder.targets.kind]
+        if kind.to_blob is not None:
+            blobs = kind.name.value
+        else:
+            format = folder.targets.format
+    if (spec.targets, spec.blobs) == (format, blobs):
+        return spec
+    return dataclasses.replace(spec, targets=format, blobs=blobs)
+
+
+def keeps_blobs(folder: FolderStorage) -> bool:
+    """Whether ``folder``'s targets are kept as their kind's blobs (masks), not boxes."""
+    return folder.targets is not None and KINDS[folder.targets.kind].to_blob is not None
 
 
 # --- encoding -----------------------------------------------------------------------------
@@ -283,7 +322,9 @@ def _encode_chunk(chunk: tuple[int, int]) -> tuple[tuple[int, int], list, list[S
             skipped.append(folder_storage.undecodable(path, e, i))  # on_corrupt=fail raises
             encoded, h, w = b"", 0, 0
         boxes = None
-        if folder_storage.targets is not None:  # detection: its boxes at the stored size
+        if keeps_blobs(folder_storage):  # its kind's blob, for the stored image's size
+            boxes = stored_blob(folder_storage.targets, i, h, w)
+        elif folder_storage.targets is not None:  # detection: its boxes at the stored size
             boxes = stored_boxes(folder_storage.targets[i], h, w, data)
         rows.append((source, encoded, h, w, label, boxes))
     return chunk, rows, skipped
@@ -312,6 +353,14 @@ def stored_boxes(target, height: int, width: int, data: bytes | None = None
     return rows, int(target.image_id), source
 
 
+def stored_blob(targets, index: int, height: int, width: int
+                ) -> tuple[bytes, int, tuple[int, int]]:
+    """Image ``index``'s target as its kind's blob (``to_blob``) for its stored ``height``
+    x ``width`` image (none for an image not stored), its id and its upright source size."""
+    blob = KINDS[targets.kind].to_blob(targets, index, (height, width)) if height else b""
+    return blob, int(targets.image_id(index)), tuple(targets.source_size(index))
+
+
 def _init_worker() -> None:
     import torch
 
@@ -333,12 +382,17 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
     reserve(partial / DATA, reserved, estimated=True, also=also)
     reserve(partial / INDEX, count * INDEX_DTYPE.itemsize)
     reserve(partial / SOURCES, count * SOURCE_DTYPE.itemsize)
-    detection = folder_storage.targets is not None
+    blobs = keeps_blobs(folder_storage)
+    detection = folder_storage.targets is not None and not blobs
     box_end = max((e.get("boxes", 0) for e in journal.done.values()), default=0)
+    blob_end = max((e.get("blob_bytes", 0) for e in journal.done.values()), default=0)
     if detection:  # at most every listed box (an image not stored keeps none)
         most = sum(len(folder_storage.targets[i].labels) for i in range(count))
         reserve(partial / BOXES, max(most, box_end) * BOX_DTYPE.itemsize)
         reserve(partial / TARGETS, count * TARGET_DTYPE.itemsize)
+    if blobs:  # the blobs' bytes are not known before they are made: the file grows
+        reserve(partial / BLOB_INDEX, count * BLOB_DTYPE.itemsize)
+        (partial / BLOBS).touch()
     if not journal.done:
         journal.start()
     index = np.memmap(partial / INDEX, dtype=INDEX_DTYPE, mode="r+", shape=(count,))
@@ -346,6 +400,10 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
     if detection:
         per_image = np.memmap(partial / TARGETS, dtype=TARGET_DTYPE, mode="r+", shape=(count,))
         box_fd = os.open(partial / BOXES, os.O_RDWR)
+    if blobs:
+        blob_index = np.memmap(partial / BLOB_INDEX, dtype=BLOB_DTYPE, mode="r+",
+                               shape=(count,))
+        blob_fd = os.open(partial / BLOBS, os.O_RDWR)
     fd = os.open(partial / DATA, os.O_RDWR)
     bar = tqdm(total=count, initial=count - sum(e - s for s, e in todo), unit="img",
                desc="packing", disable=not progress)
@@ -387,6 +445,16 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
                     per_image.flush()
                     os.fdatasync(box_fd)
                     extra["boxes"] = box_end
+                if blobs:  # the chunk's blobs after the ones before, in index order
+                    start = blob_end
+                    for k, row in enumerate(rows):
+                        blob, image_id, (sh, sw) = row[5]
+                        blob_index[chunk[0] + k] = (blob_end, len(blob), image_id, sh, sw)
+                        blob_end += len(blob)
+                    os.pwrite(blob_fd, b"".join(r[5][0] for r in rows), start)
+                    blob_index.flush()
+                    os.fdatasync(blob_fd)
+                    extra["blob_bytes"] = blob_end
                 os.fdatasync(fd)  # bytes and rows reach the disk before the record does
                 journal.record(chunk[0], skipped, end=end, **extra)
                 bar.update(chunk[1] - chunk[0])
@@ -396,15 +464,24 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
         if detection:
             os.ftruncate(box_fd, box_end * BOX_DTYPE.itemsize)
             os.fsync(box_fd)
+        if blobs:  # bytes past the end, from a killed conversion, go
+            os.ftruncate(blob_fd, blob_end)
+            os.fsync(blob_fd)
     finally:
         _JOB = None
         bar.close()
         os.close(fd)
         if detection:
             os.close(box_fd)
+        if blobs:
+            os.close(blob_fd)
     del index, sources
     extra = {"boxes": box_end} if detection else {}
-    if detection and folder_storage.targets.category_ids is not None:  # COCO's own ids
+    if blobs:
+        del blob_index
+        extra = {"blobs": folder_storage.targets.kind.value, "blob_bytes": blob_end}
+    if folder_storage.targets is not None and \
+            folder_storage.targets.category_ids is not None:  # COCO's own ids
         extra["category_ids"] = list(folder_storage.targets.category_ids)
     if detection and folder_storage.targets.inputs is not None:
         extra.update(label_record(folder_storage, partial))
@@ -469,6 +546,12 @@ class PackedStorage(FolderStorage):
             except ValueError as e:
                 raise self.damaged(str(e)) from e
             self.known_skipped += self.targets.skipped  # bad labels, as the folder says
+        elif isinstance(meta.get("blobs"), str):  # another kind's targets, as its blobs
+            try:
+                self.targets = StoredBlobs.load(cache, meta, keep, folder.targets)
+            except ValueError as e:
+                raise self.damaged(str(e)) from e
+            self.known_skipped += self.targets.skipped
         self.targets_digest = meta.get("targets")
         self.data_bytes = meta["data_bytes"]
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -507,6 +590,8 @@ class PackedStorage(FolderStorage):
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if isinstance(self.targets, StoredBlobs):
+            self.targets.close()
         self._close_fd()
 
     def __del__(self) -> None:
@@ -600,15 +685,16 @@ class PackedStorage(FolderStorage):
             return super().decode_slice(out, positions, indices)
         from runner.data.decode import _jpegregion
 
-        decoder: ImageDecoder = self.decode
-        size = tuple(decoder.size)
         t0 = time.perf_counter()
         items: list[Sample | SkippedFile | None] = []
         jobs, todo = [], []
-        boxes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fields: dict[int, dict[str, torch.Tensor]] = {}  # each image's target's
+        kind = KINDS[self.targets.kind] if self.targets is not None else None
         for k in positions:
             index, seed = indices[k] if isinstance(indices[k], tuple) else (indices[k], None)
             index, valid = unpad(index)
+            decoder: ImageDecoder = self.decoder_for(index)  # its bin's shape: group_aspect
+            size = tuple(decoder.size)
             try:
                 data = self.read(index)
             except OSError as e:
@@ -617,11 +703,11 @@ class PackedStorage(FolderStorage):
             header = JpegHeader(self.heights[index], self.widths[index], 3)  # stored upright
             box, flip = decoder.box_for(header.height, header.width, seed)
             denom, top, left, ch, cw = region_window(header, box, size)
-            if self.targets is not None:  # the boxes through the window decoded at 1/denom
-                window = source_window(box, (header.height, header.width), (
-                    -(-header.height // denom), -(-header.width // denom)))
-                boxes[k] = follow(self.targets[index], decoder.shows(window, (ch, cw)), flip,
-                                  size)
+            if kind is not None:  # the target through the window decoded at 1/denom
+                hw = (header.height, header.width)
+                window = source_window(box, hw, (-(-hw[0] // denom), -(-hw[1] // denom)))
+                fields[k] = kind.sample_fields(self.targets, index,
+                                               decoder.shows(window, (ch, cw)), flip, size, hw)
             planar = (ch, cw) == size and not flip and decoder.crop is not Crop.letterbox
             dest = memoryview(out[k].numpy()).cast("B") if planar else bytearray(ch * cw * 3)
             jobs.append((data, denom, top, left, ch, cw, dest, planar))
@@ -639,9 +725,8 @@ class PackedStorage(FolderStorage):
             else:
                 if not planar:
                     img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
-                    decoder.place(out[k], img.permute(2, 0, 1), flip)
-                item = Sample(None, self.samples[index][1], index, valid, *boxes.get(k, (
-                    None, None)))
+                    self.decoder_for(index).place(out[k], img.permute(2, 0, 1), flip)
+                item = Sample(None, self.samples[index][1], index, valid, **fields.get(k, {}))
             items[slot] = item
         if timeline.enabled():
             timeline.record("read", t0, t1)
@@ -765,6 +850,85 @@ class StoredTargets:
                             self.widths[index], self.image_ids[index])
 
 
+class StoredBlobs:
+    """The targets a packed store keeps as their kind's blobs (masks), read per image with
+    one ``pread`` and given back by the kind's ``from_blob``: ``target(i)`` is stored image
+    ``i``'s, at its stored size, as the kind's ``sample_fields`` reads it. The store does
+    not know what they are.
+
+    Args:
+        path: ``blobs.bin``.
+        rows: ``BLOB_DTYPE`` rows of the stored images, in storage order.
+        kind: their ``TargetName``.
+        format: the labels' format; skipped: the labels' bad input, as listed.
+        category_ids: COCO's id of each class (None: the class index).
+    """
+
+    def __init__(self, path: Path, rows: np.ndarray, kind: TargetName, format: str,
+                 skipped: list[SkippedFile], category_ids: list[int] | None = None):
+        self.path, self.kind, self.format, self.skipped = path, kind, format, skipped
+        self.offsets, self.sizes = rows["offset"].tolist(), rows["size"].tolist()
+        self.image_ids = rows["image_id"].tolist()
+        self.source_sizes = list(zip(rows["source_height"].tolist(),
+                                     rows["source_width"].tolist()))
+        self.category_ids = category_ids
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    @classmethod
+    def load(cls, cache: Path, meta: dict[str, Any], keep: np.ndarray, listed=None
+             ) -> StoredBlobs:
+        """The blobs of the store's stored images ``keep`` (positions in its index);
+        ``listed``: the folder's targets (their format and the bad input they reported)."""
+        rows = np.fromfile(cache / BLOB_INDEX, dtype=BLOB_DTYPE, count=meta["count"])[keep]
+        if len(rows) and (rows["offset"] + rows["size"] > meta["blob_bytes"]).any():
+            raise ValueError(f"{BLOBS} holds fewer bytes than its {BLOB_INDEX} says")
+        return cls(cache / BLOBS, rows, TargetName(meta["blobs"]),
+                   listed.format if listed is not None else "stored",
+                   list(listed.skipped) if listed is not None else [],
+                   meta.get("category_ids"))
+
+    def __getstate__(self) -> dict:  # a worker process opens the file itself
+        return {k: v for k, v in self.__dict__.items() if k != "_fd"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def blob(self, index: int) -> bytes:
+        """Stored image ``index``'s blob, as its kind wrote it."""
+        if self._fd is None:
+            raise OSError(errno.EBADF, f"{self.path}: read after the store was closed")
+        data = os.pread(self._fd, self.sizes[index], self.offsets[index])
+        if len(data) != self.sizes[index]:
+            raise OSError(errno.EIO, f"{self.path} ends before blob {index}'s bytes")
+        return data
+
+    def target(self, index: int):
+        """Stored image ``index``'s target, from its blob (its kind's ``from_blob``)."""
+        return KINDS[self.kind].from_blob(self.blob(index))
+
+    def source_size(self, index: int) -> tuple[int, int]:
+        """Image ``index``'s upright source size (height, width)."""
+        return self.source_sizes[index]
+
+    def image_id(self, index: int) -> int:
+        return self.image_ids[index]
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, AttributeError):  # its file system gone first; never opened
+            pass
+
+
 def unpad_all(index: torch.Tensor) -> list[int]:
     """The storage indices of a batch's rows, padding rows mapped back to theirs."""
     return split_padding(index)[0].tolist()
@@ -784,7 +948,7 @@ def refresh_labels(cache: Path, meta: dict[str, Any], folder: FolderStorage) -> 
     not (a label file rewritten as it was): record the new stats, so the next open reads
     no label file again (a read-only store keeps the old ones)."""
     targets, record = folder.targets, meta.get("label_inputs")
-    if targets is None or targets.inputs is None or not isinstance(record, dict) or \
+    if getattr(targets, "inputs", None) is None or not isinstance(record, dict) or \
             record.get("digest") != inputs_digest(targets.inputs, folder.root) or \
             meta.get("label_skipped") != [[s.path, s.error] for s in targets.skipped]:
         return
@@ -904,4 +1068,5 @@ KIND = StorageKind(
     footprint=packed_footprint,
     speed_rank=1,
     boxes=True,
+    masks=True,  # as its kind's blobs beside the JPEGs (StoredBlobs)
 )

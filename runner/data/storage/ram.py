@@ -11,7 +11,9 @@ refused before anything is loaded.
 
 A detection set's boxes come the same way: the memmap store's side store read into memory
 (runner/data/storage/memmap.py), or each decoded image's boxes gathered into an in-memory
-``RaggedBoxes`` (runner/data/storage/decoded.py) as the images are decoded.
+``RaggedBoxes`` (runner/data/storage/decoded.py) as the images are decoded; a per-pixel
+target's plane (masks) too: the memmap store's plane file read into shared memory, or each
+image's target decoded into a plane in shared memory beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from runner.data.storage.memmap import (
     image_shape,
     memmap_spec,
     pin_store,
+    plane_nbytes,
     raw_footprint,
     split_slots,
     with_label_skips,
@@ -173,15 +176,20 @@ def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
     if pinned is not None:
         count = len(folder_storage)
         shape = image_shape(count, spec.image_size)
-        check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
+        check_fits(count * (image_nbytes(spec.image_size) + plane_bytes(spec)), count, shape[1:])
         check_skipped(pinned.meta, folder_storage)
         images = shared_empty(shape, torch.uint8)
+        planes = {key: shared_empty(plane.shape, plane.dtype)
+                  for key, plane in pinned.map_planes().items()}
         with pinned.images:
             _read_file(pinned.images_path, images, progress)
+            for key, plane in planes.items():
+                _read_file(pinned.plane_path(key), plane, progress)
+        pinned.close_planes()
         storage = DecodedStorage(images, pinned.labels, skipped=skipped_files(pinned.meta),
                                  classes=folder_storage.classes,
                                  names=folder_storage.names(), root=folder_storage.root,
-                                 keep=keep, boxes=pinned.boxes)
+                                 keep=keep, boxes=pinned.boxes, planes=planes)
         return with_label_skips(storage, folder_storage)
     whole = folder_storage
     if keep is not None:  # the split's side alone, as a folder of it would list it
@@ -192,15 +200,23 @@ def load_ram(folder_storage: FolderStorage, spec: MemmapSpec, cache_root: Path,
         folder_storage = kept
     count = len(folder_storage)
     shape = image_shape(count, spec.image_size)
-    check_fits(count * image_nbytes(spec.image_size), count, shape[1:])
+    check_fits(count * (image_nbytes(spec.image_size) + plane_bytes(spec)), count, shape[1:])
     images = shared_empty(shape, torch.uint8)
     boxes = box_room(folder_storage)
+    planes = {} if spec.plane is None else {  # a per-pixel target, decoded with the pixels
+        spec.plane.key: shared_empty((count, *spec.image_size), spec.plane.dtype)}
     log.info("no memmap cache for %s: decoding %d images into memory", spec.source, count)
-    skipped = decode_into(images, folder_storage, chunk_ranges(count), progress, boxes=boxes)
+    skipped = decode_into(images, folder_storage, chunk_ranges(count), progress, boxes=boxes,
+                          planes=planes)
     storage = DecodedStorage(images, folder_storage.label_tensor(), skipped=skipped,
                              classes=folder_storage.classes, names=folder_storage.names(),
-                             root=folder_storage.root, boxes=boxes)
+                             root=folder_storage.root, boxes=boxes, planes=planes)
     return with_label_skips(storage, whole, folder_storage)
+
+
+def plane_bytes(spec: MemmapSpec) -> int:
+    """Bytes of one image's per-pixel target plane (0: none)."""
+    return 0 if spec.plane is None else plane_nbytes(1, spec.image_size, spec.plane.dtype)
 
 
 def _valid(folder: Path, spec: MemmapSpec, source: FolderStorage
@@ -210,7 +226,8 @@ def _valid(folder: Path, spec: MemmapSpec, source: FolderStorage
 
 
 def _read_file(path: Path, images: torch.Tensor, progress: bool) -> None:
-    """Read the cache file straight into the tensor's memory, in 64 MiB pieces."""
+    """Read a cache file (the images, a plane) straight into the tensor's memory, in 64 MiB
+    pieces."""
     view = memoryview(images.numpy()).cast("B")
     step = 64 * 1024 * 1024
     with open(path, "rb", buffering=0) as f, tqdm(total=len(view), unit="B", unit_scale=True,
@@ -236,4 +253,5 @@ KIND = StorageKind(
     footprint=raw_footprint,
     speed_rank=0,
     boxes=True,  # a ragged side store beside the images, moved by the device's crops
+    masks=True,  # a uint8 plane beside the images, moved by the device's crops
 )

@@ -21,6 +21,12 @@ without them under ``dataset.targets`` is a DatasetError saying so, and a sample
 member is missing or not boxes is an unreadable sample (skipped and counted). Remote sets
 read the same spans through the same source.
 
+**Any other target** (masks): each sample's ``<key>.<blob_ext>`` member (its kind's blob,
+tarformat.py) is read with its JPEG in the same one ``pread`` and handed, unread, to its
+kind's record (``ShardBlobs``: ``from_blob``, then ``sample_fields`` through the crop, as
+on packed and folder). The member columns (``box_offsets``, ``box_sizes``) then hold the
+blob's; a set without them under ``dataset.targets=masks`` is a DatasetError saying so.
+
 **Order.** Shards are shuffled in blocks of ``SHARDS_PER_BLOCK`` and the samples of a block
 among themselves (``BatchOrder`` with ``groups``): a function of (seed, epoch) and the shard
 set, so a resumed run reads exactly what an uninterrupted one does, on every rank. A set
@@ -78,9 +84,12 @@ from runner.data.storage.tarformat import (
     index_tar,
     load_json,
 )
+from runner.data.targets import TARGETS
 
 log = logging.getLogger(__name__)
 
+# the members a tar someone else wrote may hold a target's blob in (each kind's extension)
+BLOB_EXTS = tuple(k.blob_ext for k in TARGETS.values() if k.blob_ext)
 BOX_GAP = 4096  # at most this many bytes between a sample's image and its boxes read as one
 
 # --- where the shards are -----------------------------------------------------------------
@@ -148,14 +157,15 @@ class ShardsStorage(PackedStorage):
     def __init__(self, root: str | Path, indexes: list[ShardIndex], classes: list[str],
                  decode, on_corrupt, source: LocalShards | RemoteShards,
                  skipped: list[SkippedFile] = (), duplicates: int = 0, boxes: bool = False,
-                 category_ids: list[int] | None = None):
+                 category_ids: list[int] | None = None, blobs: str | None = None):
         self.root, self.classes = root, classes
         self.decode, self.on_corrupt = decode, on_corrupt
         self.known_skipped = list(skipped)  # what the conversion to shards skipped
         self.duplicates = duplicates  # samples of a key met before, not read
         self.samples, self.offsets, self.sizes = [], [], []
         self.heights, self.widths, self.crcs, self.shard_of = [], [], [], []
-        self.box_offsets, self.box_sizes, self.spans = [], [], []  # boxes; what a read takes
+        # the target's member (boxes' .json, or a kind's blob); what a read takes
+        self.box_offsets, self.box_sizes, self.spans = [], [], []
         self.order_groups = [0]
         self.order_members = None  # the sample at each place of the shards (None: in order)
         upright = True
@@ -167,9 +177,10 @@ class ShardsStorage(PackedStorage):
             self.heights += index.heights
             self.widths += index.widths
             self.crcs += index.crcs
-            self.box_offsets += index.box_offsets or [-1] * len(index)
-            self.box_sizes += index.box_sizes or [0] * len(index)
-            self.spans += sample_spans(index, boxes)
+            offsets, sizes = member_columns(index, blobs)
+            self.box_offsets += offsets or [-1] * len(index)
+            self.box_sizes += sizes or [0] * len(index)
+            self.spans += sample_spans(index, boxes, blobs)
             self.shard_of += [k] * len(index)
             self.order_groups.append(len(self.samples))
             upright = upright and all(index.upright)
@@ -191,6 +202,8 @@ class ShardsStorage(PackedStorage):
         self.path = None
         self._last = threading.local()  # per decode thread: the boxes of the sample it read
         self.targets = ShardTargets(self, category_ids) if boxes else None
+        if blobs is not None:  # another kind's targets, as its blobs
+            self.targets = ShardBlobs(self, TargetName(blobs), category_ids)
         # per sample, once its boxes were read: its id and upright source size (for the
         # detections a run serves; -1: not read yet)
         self.served = np.full((len(self.samples), 3), -1, dtype=np.int64) if boxes else None
@@ -256,7 +269,9 @@ class ShardsStorage(PackedStorage):
             else:  # not beside it (a tar written another way): a read of its own
                 boxes = self.source.read(self.shard_of[index], self.box_offsets[index],
                                          box_size, index) if box_size > 0 else b""
-            self._last.item = (index, self.parse_boxes(index, boxes))
+            self._last.item = (index, self.parse_boxes(index, boxes)
+                               if isinstance(self.targets, ShardTargets)
+                               else self.check_blob(index, boxes))
             data = data[at:at + size]
         if len(data) != size or zlib.crc32(data) != self.crcs[index]:
             raise OSError(f"{self.root}/{self.samples[index][0]}: its bytes fail the CRC-32 "
@@ -292,6 +307,15 @@ class ShardsStorage(PackedStorage):
         source = entry.get("source") or (h, w)  # the stored size, for a set without it
         self.served[index] = (image_id, int(source[0]), int(source[1]))
         return ImageTargets(boxes, labels, h, w, image_id)
+
+    def check_blob(self, index: int, data: bytes) -> bytes:
+        """Sample ``index``'s target blob as read; an OSError naming the member when it is
+        missing (an unreadable sample)."""
+        if not data:
+            ext = TARGETS[self.targets.kind].blob_ext
+            raise OSError(f"{self.root}/{self.samples[index][0]}.{ext} is missing: a "
+                          f"{self.targets.kind.value} sample needs its blob beside its image")
+        return bytes(data)
 
     def check_stored(self, index: int, data: bytes | bytearray) -> None:
         """Nothing more: ``read`` checked the CRC already."""
@@ -345,20 +369,82 @@ class ShardTargets:
         return last[1]
 
 
+class ShardBlobs:
+    """A shard set's targets kept as their kind's blobs (masks), as the storage's
+    ``targets``: ``target(i)`` is sample ``i``'s, from the blob the decode thread asking
+    has just read with its JPEG (``ShardsStorage.read``), else read again, given back by
+    the kind's ``from_blob``. Its size is the stored image's, which is its source size here
+    (the shards keep no other), and its id its place."""
+
+    format = "shards"
+    skipped: list[SkippedFile] = []
+
+    def __init__(self, storage: ShardsStorage, kind: TargetName,
+                 category_ids: list[int] | None = None):
+        self.storage, self.kind, self.category_ids = storage, kind, category_ids
+
+    def __len__(self) -> int:
+        return len(self.storage)
+
+    def target(self, index: int):
+        last = getattr(self.storage._last, "item", None)
+        if last is None or last[0] != index:
+            self.storage.read(index)
+            last = self.storage._last.item
+        return TARGETS[self.kind].from_blob(last[1])
+
+    def source_size(self, index: int) -> tuple[int, int]:
+        return self.storage.heights[index], self.storage.widths[index]
+
+    def image_id(self, index: int) -> int:
+        return index
+
+
 # --- opening a shard set ------------------------------------------------------------------
 
-def sample_spans(index: ShardIndex, boxes: bool) -> list[tuple[int, int]]:
+def member_columns(index: ShardIndex, blobs: str | None
+                   ) -> tuple[list[int] | None, list[int] | None]:
+    """The (offsets, sizes) of each sample's target member: its blob's with ``blobs`` (a
+    target kind kept as blobs), else its boxes'."""
+    if blobs is not None:
+        return index.blob_offsets, index.blob_sizes
+    return index.box_offsets, index.box_sizes
+
+
+def sample_spans(index: ShardIndex, boxes: bool, blobs: str | None = None
+                 ) -> list[tuple[int, int]]:
     """(offset, size) of what one read of each sample of ``index`` takes: its image, and
-    with ``boxes`` its boxes member too when the two are near (adjacent in shards the
-    runner writes: one header block between them)."""
-    if not boxes or index.box_offsets is None:
+    with ``boxes`` (or ``blobs``) its target's member too when the two are near (adjacent
+    in shards the runner writes: one header block between them)."""
+    offsets, sizes = member_columns(index, blobs)
+    if not (boxes or blobs) or offsets is None:
         return list(zip(index.offsets, index.sizes))
     spans = []
-    for o, s, bo, bs in zip(index.offsets, index.sizes, index.box_offsets, index.box_sizes):
+    for o, s, bo, bs in zip(index.offsets, index.sizes, offsets, sizes):
         start, end = min(o, bo), max(o + s, bo + bs)
         near = bs > 0 and bo >= 0 and end - start <= s + bs + BOX_GAP
         spans.append((start, end - start) if near else (o, s))
     return spans
+
+
+def check_blobs(indexes: list[ShardIndex], dataset: DatasetConfig, where: str | Path
+                ) -> str | None:
+    """The target kind whose blobs the samples carry (``dataset.targets`` of a kind kept
+    as blobs: masks), or None; a DatasetError when the set holds none to read."""
+    kind = TARGETS[dataset.targets.kind]
+    if kind.to_blob is None:
+        return None
+    without = [i.shard for i in indexes if i.blob_sizes is None
+               or not any(s > 0 for s in i.blob_sizes)]
+    if without:
+        raise DatasetError(
+            f"dataset.targets={dataset.targets.value}: the shards at {where} hold no "
+            f"{kind.name.value} (no <key>.{kind.blob_ext} member beside the images of "
+            f"{without[0]}{f' and {len(without) - 1} more' if len(without) > 1 else ''}): "
+            "write the shards of your set with python -m runner.prepare shards "
+            f"dataset.targets={dataset.targets.value} dataset.path=<its folder> "
+            "out=<folder or URL>, or leave dataset.targets=none")
+    return kind.name.value
 
 
 def check_boxes(indexes: list[ShardIndex], dataset: DatasetConfig, where: str | Path) -> bool:
@@ -426,7 +512,7 @@ def _cached_index(tar: Path, cache: Path) -> ShardIndex:
     if saved.is_file():
         return ShardIndex.from_json(json.loads(saved.read_text()))
     with open(tar, "rb") as f:
-        index = index_tar(f, tar.name, st.st_size)
+        index = index_tar(f, tar.name, st.st_size, BLOB_EXTS)
     saved.write_text(json.dumps(index.to_json()))
     return index
 
@@ -548,7 +634,7 @@ def _remote_tar_index(url: RemoteURL, key: str, objects: dict, engine, cache) ->
     with tempfile.TemporaryFile(dir=cache.folder) as f:
         f.write(bytes(engine.get(key, info.size).result()))
         f.seek(0)
-        index = index_tar(f, name, info.size)
+        index = index_tar(f, name, info.size, BLOB_EXTS)
     saved.write_text(json.dumps(index.to_json()))
     return index
 
@@ -592,9 +678,9 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
                        bound)
     indexes, classes, skipped, category_ids = _remote_set(url, dataset, engine, cache)
     indexes, duplicates = _without_duplicates(indexes, url)
-    boxes = check_boxes(indexes, dataset, url)
+    boxes, blobs = check_boxes(indexes, dataset, url), check_blobs(indexes, dataset, url)
     shard_of = [k for k, i in enumerate(indexes) for _ in range(len(i))]
-    spans = [span for i in indexes for span in sample_spans(i, boxes)]
+    spans = [span for i in indexes for span in sample_spans(i, boxes, blobs)]
     inverse = dataset_order(indexes)
     if inverse is not None:  # numbered as ShardsStorage numbers them
         shard_of, spans = [shard_of[k] for k in inverse], [spans[k] for k in inverse]
@@ -606,7 +692,7 @@ def open_remote_shards(loader: LoaderConfig, dataset: DatasetConfig, text: str,
     source = RemoteShards(url, engine, [i.shard for i in indexes], [i.nbytes for i in indexes],
                           cache, shard_of, spans)
     return ShardsStorage(str(url), indexes, classes, decode, dataset.on_corrupt, source,
-                         skipped, duplicates, boxes, category_ids)
+                         skipped, duplicates, boxes, category_ids, blobs)
 
 
 def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
@@ -627,10 +713,10 @@ def open_shards(loader: LoaderConfig, dataset: DatasetConfig, path: Path | str,
     indexes, duplicates = _without_duplicates(indexes, folder)
     if not indexes:
         raise DatasetError(f"dataset.path={folder} holds no samples in its shards")
-    boxes = check_boxes(indexes, dataset, folder)
+    boxes, blobs = check_boxes(indexes, dataset, folder), check_blobs(indexes, dataset, folder)
     source = LocalShards(folder, [i.shard for i in indexes])
     return ShardsStorage(folder, indexes, classes, decode, dataset.on_corrupt, source,
-                         skipped, duplicates, boxes, category_ids)
+                         skipped, duplicates, boxes, category_ids, blobs)
 
 
 def _decoder(loader: LoaderConfig, dataset: DatasetConfig):
@@ -670,4 +756,5 @@ KIND = StorageKind(
     speed_rank=2,
     urls=True,
     boxes=True,
+    masks=True,  # as its kind's blob member beside each JPEG (ShardBlobs)
 )

@@ -12,6 +12,9 @@ staging folder (a manifest keeps its order and labels). Unset ``out=``: the cach
 A detection set (``dataset.targets``) is packed with its boxes, and each sample's boxes are
 written beside its JPEG as ``<key>.json`` (tarformat.py); the manifest's ``packed`` facts
 then name the boxes' digest, so shards in the cache are rewritten when the labels change.
+A set of any other target (masks) is packed with its kind's blobs (packed.py's
+``StoredBlobs``), each written beside its JPEG as ``<key>.<blob_ext>`` as the store holds it,
+unread; the manifest names the kind (``blobs``) and the targets' digest the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from filelock import FileLock
 from runner.config.schema import DatasetConfig, LoaderConfig
 from runner.data.sources.url import RemoteURL, is_url
 from runner.data.storage.convert import CacheError
-from runner.data.storage.packed import PackedStorage, build_packed, open_packed
+from runner.data.storage.packed import PackedStorage, StoredBlobs, build_packed, open_packed
 from runner.data.storage.tarformat import (
     DEFAULT_SHARD_BYTES,
     MANIFEST,
@@ -41,6 +44,7 @@ from runner.data.storage.tarformat import (
     box_json,
     write_manifest,
 )
+from runner.data.targets import TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +71,22 @@ def write_packed_as_shards(packed: PackedStorage, out: Path, shard_bytes: int,
     ``facts["shuffle"]["seed"]``, with indexes and manifest; a sample's key is its place in
     the dataset."""
     writer = ShardWriter(out, shard_bytes)
+    if isinstance(packed.targets, StoredBlobs):
+        ext = TARGETS[packed.targets.kind].blob_ext
     order = write_order(len(packed), facts["shuffle"]["seed"])
     for k, i in enumerate(order.tolist()):
         if k % READ_AHEAD == 0:  # the next images asked for together: on a far disk one
             # request per run of neighbours, locally the kernel's readahead
             packed.will_need(order[k:k + READ_AHEAD].sort().values)
-        boxes = None
-        if packed.targets is not None:  # detection: its boxes beside it, as packed holds them
+        boxes, blob = None, None
+        if isinstance(packed.targets, StoredBlobs):  # its target's blob, as packed holds it
+            blob = (ext, packed.targets.blob(i))
+        elif packed.targets is not None:  # detection: its boxes beside it, as packed holds them
             t = packed.targets[i]
             boxes = box_json(t.boxes, t.labels, t.image_id, packed.heights[i], packed.widths[i],
                              packed.targets.source_size(i))
         writer.add(f"{i:08d}", packed.read(i), packed.samples[i][1], packed.heights[i],
-                   packed.widths[i], packed.name_of(i), i, boxes)
+                   packed.widths[i], packed.name_of(i), i, boxes, blob)
     skipped = [{"path": s.path, "error": s.error, **({"label": True} if s.label else {})}
                for s in packed.known_skipped]
     images = [s for s in skipped if "label" not in s]  # bad labels: said when read
@@ -102,6 +110,8 @@ def _packed_facts(packed: PackedStorage, shard_bytes: int,
         if packed.targets.category_ids is not None:  # COCO's own ids, for served detections
             facts["category_ids"] = packed.targets.category_ids
         facts["packed"]["targets"] = packed.targets_digest
+    if isinstance(packed.targets, StoredBlobs):  # the kind whose blobs the shards hold
+        facts["blobs"] = packed.targets.kind.value
     return facts
 
 

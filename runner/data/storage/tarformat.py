@@ -18,6 +18,13 @@ offset and size too (``box_offsets``, ``box_sizes``), so the reader takes the JP
 its boxes in one ``pread`` (or one range request) of the two adjacent members. A tar
 someone else wrote is indexed with its ``.json`` members the same way (``BOX_EXT``).
 
+Any other target (masks) rides as its kind's opaque blob, one member right after the JPEG:
+``<key>.<blob_ext>`` (the kind's record names the extension: ``<key>.mask.png``, a PNG of
+class ids at the stored image's size, which any WebDataset reader decodes as a PNG), its
+offset and size in the index (``blob_offsets``, ``blob_sizes``) and the kind in the
+manifest (``blobs``); the shards never look inside. A tar someone else wrote is indexed
+with such members too (``blob_exts``).
+
 The samples are written in a shuffled order (a permutation of the dataset drawn from
 ``shuffle_seed``, recorded in the manifest as ``shuffle``): written in dataset order, a
 shard held one or two classes, so the shard shuffle and sample buffer of WebDataset (or any
@@ -83,8 +90,10 @@ class ShardIndex:
     box_offsets: list[int] | None = None  # each sample's ``<key>.json`` (detection), where
     box_sizes: list[int] | None = None  # its data starts in the tar and its size (None: no
     # sample has one; -1 and 0: this one has none)
+    blob_offsets: list[int] | None = None  # each sample's target blob (masks), the same way
+    blob_sizes: list[int] | None = None
 
-    OPTIONAL = ("positions", "box_offsets", "box_sizes")
+    OPTIONAL = ("positions", "box_offsets", "box_sizes", "blob_offsets", "blob_sizes")
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION,
@@ -95,6 +104,11 @@ class ShardIndex:
     def from_json(cls, data: dict[str, Any]) -> ShardIndex:
         fields = {k: data[k] for k in cls.__dataclass_fields__ if k not in cls.OPTIONAL}
         return cls(**fields, **{k: data.get(k) for k in cls.OPTIONAL})
+
+    @property
+    def has_blobs(self) -> bool:
+        """Every sample has a target blob member."""
+        return self.blob_sizes is not None and all(s > 0 for s in self.blob_sizes)
 
     @property
     def has_boxes(self) -> bool:
@@ -154,10 +168,13 @@ class ShardWriter:
         return offset
 
     def add(self, key: str, jpeg: bytes, label: int, height: int, width: int,
-            name: str, position: int, boxes: bytes | None = None) -> None:
+            name: str, position: int, boxes: bytes | None = None,
+            blob: tuple[str, bytes] | None = None) -> None:
         """One sample: its JPEG, its boxes member right after it (``boxes``: the
-        ``<key>.json`` bytes, detection only; ``box_json`` makes them), its class."""
+        ``<key>.json`` bytes, detection only; ``box_json`` makes them) or its target's blob
+        (``blob``: its extension and bytes, as its kind's record made them), its class."""
         extra = len(boxes) + 512 if boxes is not None else 0
+        extra += len(blob[1]) + 512 if blob is not None else 0
         if self._tar is not None and self._tar.offset + len(jpeg) + extra + 2048 > \
                 self.shard_bytes and len(self._index):
             self._finish()
@@ -170,6 +187,11 @@ class ShardWriter:
                 index.box_offsets, index.box_sizes = [], []
             index.box_offsets.append(self._member(f"{key}.{BOX_EXT}", boxes))
             index.box_sizes.append(len(boxes))
+        if blob is not None:
+            if index.blob_offsets is None:
+                index.blob_offsets, index.blob_sizes = [], []
+            index.blob_offsets.append(self._member(f"{key}.{blob[0]}", blob[1]))
+            index.blob_sizes.append(len(blob[1]))
         self._member(f"{key}.cls", str(label).encode())
         for column, value in (("keys", key), ("offsets", offset), ("sizes", len(jpeg)),
                               ("labels", label), ("heights", height), ("widths", width),
@@ -228,21 +250,26 @@ def split_key(member: str) -> tuple[str, str]:
     return posixpath.join(folder, stem) if folder else stem, ext.lower()
 
 
-def index_tar(fileobj: BinaryIO, shard: str, nbytes: int) -> ShardIndex:
+def index_tar(fileobj: BinaryIO, shard: str, nbytes: int,
+              blob_exts: tuple[str, ...] = ()) -> ShardIndex:
     """The index of a WebDataset tar: per key, its image member (the first of
-    ``IMAGE_EXTS``) and its label (``.cls``; -1 when there is none). A tar cut short is
+    ``IMAGE_EXTS``), its label (``.cls``; -1 when there is none), its boxes (``.json``)
+    and its target blob (a member of ``blob_exts``, a kind's extension). A tar cut short is
     indexed as far as its member headers go (said once); a sample whose bytes it lost
     stays in the index and reads as unreadable (its size is not there), so it is counted
     in ``skipped_files``."""
     images: dict[str, tuple[int, int, str]] = {}
     labels: dict[str, int] = {}
     boxes: dict[str, tuple[int, int]] = {}
+    blobs: dict[str, tuple[int, int]] = {}
     order: list[str] = []
     with tarfile.open(fileobj=fileobj, mode="r:") as tar:
         try:
             for info in _members(tar):
                 key, ext = split_key(info.name)
-                if ext in IMAGE_EXTS and key not in images:
+                if ext in blob_exts and key not in blobs:  # before the images: mask.png
+                    blobs[key] = (info.offset_data, info.size)
+                elif ext in IMAGE_EXTS and key not in images:
                     images[key] = (info.offset_data, info.size, info.name)
                     order.append(key)
                 elif ext in LABEL_EXTS and key not in labels:
@@ -258,6 +285,9 @@ def index_tar(fileobj: BinaryIO, shard: str, nbytes: int) -> ShardIndex:
     if boxes:
         index.box_offsets = [boxes.get(k, (-1, 0))[0] for k in order]
         index.box_sizes = [boxes.get(k, (-1, 0))[1] for k in order]
+    if blobs:
+        index.blob_offsets = [blobs.get(k, (-1, 0))[0] for k in order]
+        index.blob_sizes = [blobs.get(k, (-1, 0))[1] for k in order]
     for key in order:
         offset, size, name = images[key]
         fileobj.seek(offset)

@@ -20,6 +20,24 @@ from runner.data.protocol import Sample
 
 
 @dataclass(frozen=True)
+class TargetPlane:
+    """A per-pixel target: one value per pixel of the image it belongs to, which a decoded
+    store (runner/data/storage/decoded.py: ``loader=memmap``, ``loader=ram``) keeps as one
+    more dense [N, H, W] tensor beside its [N, 3, H, W] images, at the stored size, without
+    knowing what the values mean.
+
+    Args:
+        key: the ``Sample`` field the decode fills and the batch key it travels under.
+        dtype: its values' dtype.
+        fill: the value of a pixel that has none (a skipped image's slot).
+    """
+
+    key: str
+    dtype: torch.dtype
+    fill: int
+
+
+@dataclass(frozen=True)
 class TargetKind:
     """One kind of target and everything callers need to know of it.
 
@@ -53,6 +71,26 @@ class TargetKind:
             ``kind`` names this record) through the window and flip a decoder cut its
             pixels by, at ``size``; ``hw`` the decoded image's upright size. None: the
             target does not follow the pixels.
+        fingerprint: ``fingerprint(targets, digest)``: update ``digest`` with what a store
+            built with them depends on (boxes: each image's parsed boxes; masks: each mask file's bytes or COCO
+            shapes), so an edited label rebuilds it (runner/data/storage/convert.py's
+            ``targets_fingerprint``); None: a store keeps none of it (a class index).
+        to_blob: ``to_blob(targets, index, hw) -> bytes``: image ``index``'s target (of
+            its listing's ``targets``) as the opaque bytes a store keeps beside its stored
+            image, at the stored upright size ``hw`` (packed.py and shards.py write and read
+            them without knowing what they are, as FFCV's fields); None: the stores keep it
+            their own way (boxes: packed's ``boxes.bin``, shards' ``<key>.json``) or not at
+            all.
+        from_blob: ``from_blob(bytes)``: the target ``to_blob`` wrote, as ``sample_fields``
+            reads it from a store's targets (``targets.target(index)``).
+        blob_ext: the extension of its blob's member in a WebDataset shard
+            (``<key>.<blob_ext>``).
+        probe: ``probe(bs, (h, w), num_classes, device) -> {key: tensor}``: a synthetic
+            batch's target (its ``batch_keys``) for the bottleneck diagnosis' model-alone
+            probe (runner/job/diagnose.py ``model_ceiling``); None: it has none.
+        plane: a per-pixel target (``TargetPlane``), kept by the decoded stores as a plane
+            beside the pixels and moved on the device by ``follow``; None: none (a class
+            index; boxes, which they keep in a ragged table of their own).
         list_labelled: ``list_labelled(dataset, path) -> Listing``: the images at a local
             ``path`` that its labels name, each with its target (the listing's
             ``targets``, whose ``kind`` names this record), the split ``dataset.split``
@@ -77,6 +115,13 @@ class TargetKind:
     default_path: Callable[[DatasetConfig, bool], Path] | None = None
     sample_fields: Callable[..., dict[str, torch.Tensor]] | None = None
     has_val_split: Callable[[DatasetConfig], bool] | None = None
+    fingerprint: Callable[[Any, Any], None] | None = None
+    to_blob: Callable[[Any, int, tuple[int, int]], bytes] | None = None
+    from_blob: Callable[[bytes], Any] | None = None
+    blob_ext: str | None = None
+    probe: Callable[[int, tuple[int, int], int, torch.device], dict[str, torch.Tensor]] | None \
+        = None
+    plane: TargetPlane | None = None
     list_labelled: Callable[[DatasetConfig, str | Path], Any] | None = None
 
     def carried(self, keys: Any) -> bool:

@@ -59,6 +59,16 @@ def sample_fields(targets, index: int, window: tuple[float, float, float, float]
     return {"boxes": boxes, "box_labels": labels}
 
 
+def fingerprint(targets, digest) -> None:
+    """Update ``digest`` with the boxes as the listing parsed them (each image's size, id,
+    boxes and labels): an edited label file changes it, whatever its stat says."""
+    for i in range(len(targets)):
+        t = targets[i]
+        digest.update(b"\n%d %d %d %d" % (t.height, t.width, t.image_id, len(t.labels)))
+        digest.update(t.boxes.to(torch.float32).contiguous().numpy().tobytes())
+        digest.update(t.labels.to(torch.int64).contiguous().numpy().tobytes())
+
+
 def has_val_split(dataset) -> bool:
     """A YOLO or COCO layout with both splits, or the generated shapes (detection.py's)."""
     from runner.data.sources.detection import has_val_split as has
@@ -80,6 +90,16 @@ def default_path(dataset, progress: bool = True):
     return shapes(dataset, progress)
 
 
+def probe(bs: int, hw: tuple[int, int], num_classes: int, device: torch.device
+          ) -> dict[str, torch.Tensor]:
+    """A synthetic batch's boxes: one per image, its middle half, class 0."""
+    h, w = hw
+    return {"boxes": torch.tensor([[w / 4, h / 4, 3 * w / 4, 3 * h / 4]], device=device)
+            .expand(bs, 1, 4).contiguous(),
+            "box_labels": torch.zeros((bs, 1), dtype=torch.long, device=device),
+            "box_count": torch.ones(bs, dtype=torch.long, device=device)}
+
+
 KIND = TargetKind(
     name=TargetName.boxes,
     summary="detection boxes per image, each with its class (a YOLO layout or COCO's JSON)",
@@ -90,12 +110,14 @@ KIND = TargetKind(
     mixes=False,
     best="val_map",
     figures=("map", "map_50"),
+    probe=probe,
     outputs=(Output.detections,),
     applies=frozenset({Output.detections}),
     default_path=default_path,
     sample_fields=sample_fields,
     has_val_split=has_val_split,
     list_labelled=list_labelled,
+    fingerprint=fingerprint,
     recipe="detect_shapes",
     setting="dataset.targets=auto (a YOLO layout or COCO's JSON at dataset.path; without "
             "dataset.path, the generated shapes dataset)",

@@ -144,6 +144,9 @@ class ServedFrame:
       YOLO image with no boxes), or any image of a folder without labels, has its size
       read from its file's header; in a bucket (``dataset.path`` a URL) such a folder's
       boxes stay in input pixels (said once).
+    - ``input_sizes``: under ``loader.group_aspect`` each image's output size, its aspect
+      bin's (``shapes``), which its window is taken at; else every image's is
+      ``dataset.image_size``.
 
     Args:
         targets: the storage's targets (``DetectionTargets``, a store's): their
@@ -151,12 +154,14 @@ class ServedFrame:
             labels (ids are dataset indices, categories class indices).
         dataset: the run's dataset config (crop, crop_fraction, image_size).
         source: dataset index -> the image's source file (for a size the labels lack).
+        shapes: each dataset index's output (height, width) [N, 2] where it differs by
+            image (the storage's ``item_shapes``: ``loader.group_aspect``), else None.
     """
 
-    def __init__(self, targets, dataset, source):
+    def __init__(self, targets, dataset, source, shapes=None):
         from runner.config.schema import Crop
 
-        self.targets, self.source = targets, source
+        self.targets, self.source, self.shapes = targets, source, shapes
         self.size = tuple(int(v) for v in dataset.image_size)
         self.crop, self.fraction = dataset.crop, float(dataset.crop_fraction)
         self.mapped = self.crop is not Crop.random
@@ -183,9 +188,17 @@ class ServedFrame:
         """The windows [B, 4] (top, left, height, width) of images ``index``."""
         from runner.data.decode.boxgeometry import shown_window
 
-        return np.array([list(vars(shown_window(self._size(int(i)), self.size, self.crop,
-                                                self.fraction)).values())
+        return np.array([list(vars(shown_window(self._size(int(i)), self._shape(int(i)),
+                                                self.crop, self.fraction)).values())
                          for i in index], dtype=np.float64).reshape(-1, 4)
+
+    def _shape(self, index: int) -> tuple[int, int]:
+        """The output size of image ``index``: its bin's, or ``dataset.image_size``."""
+        return self.size if self.shapes is None else tuple(self.shapes[index].tolist())
+
+    def input_sizes(self, index: np.ndarray) -> np.ndarray:
+        """The output sizes [B, 2] (height, width) of images ``index``."""
+        return np.array([self._shape(int(i)) for i in index], dtype=np.float64).reshape(-1, 2)
 
     def source_sizes(self, index: np.ndarray) -> np.ndarray:
         """The upright source sizes [B, 2] (height, width) of images ``index``."""
@@ -198,6 +211,8 @@ class ServedFrame:
                 "source_windows": self.source_windows if self.mapped else None,
                 "source_sizes": self.source_sizes if self.mapped else None,
                 "input_size": self.size if self.mapped else None,
+                "input_sizes": self.input_sizes if self.mapped and self.shapes is not None
+                else None,
                 "category_ids": category_ids if category_ids is not None
                 else getattr(self.targets, "category_ids", None)}
 
@@ -221,8 +236,13 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
       (``names``); without them, each model class's id by its name in the data (each
       name once there); a model whose names are unknown takes the data's ids by position
       when the counts agree;
-    - the data has none (YOLO: the class index is the id): the class index, or, on images
-      without labels (``labelled`` false), the checkpoint's own ids when it has them.
+    - the data has none (YOLO: the class index is the id): the class index when the
+      model's names are the data's in order (or unknown), each model class's index in
+      the data by name when they are the same names in another order (a model trained on
+      ``[car, person]`` served on a folder whose classes.txt says ``person, car``: served
+      as is, every detection would carry the other class's index); refused naming both
+      lists when a name is not there; on images without labels (``labelled`` false), the
+      checkpoint's own ids when it has them.
 
     Args:
         model: the model's name, for the message.
@@ -237,7 +257,22 @@ def served_category_ids(model: str, names: Sequence[str], count: int,
     trained = list(trained_ids) if trained_ids is not None and len(trained_ids) == count \
         else None
     if data_ids is None:
-        return trained if trained is not None and not labelled else None
+        if not labelled:
+            return trained
+        if not named or not data_names or list(names) == list(data_names):
+            return None
+        index = {n: i for i, n in enumerate(data_names)}
+        missing = [n for n in names if n not in index]
+        if missing or len(set(names)) != len(names):
+            bad = missing[0] if missing else next(n for n in names if list(names).count(n) > 1)
+            raise ConfigError(
+                f"model {model}'s classes {list(names)[:12]} are not the classes of {where} "
+                f"{list(data_names)[:12]}: {bad!r} is "
+                f"{'not there' if missing else 'the model’s more than once'}, so its "
+                "detections cannot carry that folder's class indices. Serve it on labels "
+                "with its classes, or on images without labels")
+        table = [index[n] for n in names]
+        return None if table == list(range(count)) else table
     data = dict(zip(data_ids, data_names))
     theirs = _categories(data_ids, data_names)
     if trained is not None and named:

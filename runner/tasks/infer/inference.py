@@ -118,7 +118,8 @@ class InferTask(TaskBase):
             for name in self.models}
         # a detector's boxes served in the source's frame (its labels' ids, if it has
         # labels): each model's category ids decided, or refused, before the probe and pass
-        frame = ServedFrame(getattr(storage, "targets", None), cfg.dataset, source_of(storage)) \
+        frame = ServedFrame(getattr(storage, "targets", None), cfg.dataset, source_of(storage),
+                            getattr(storage, "item_shapes", None)) \
             if any(OUTPUT_KINDS[o].detector for o in cfg.task.outputs) else None
         served = {name: self._category_ids(name, classes[name], frame) for name in self.models}
         example = as_batches_come(cfg, storage.example(1)).to(device)  # loader.host_dtype

@@ -8,8 +8,17 @@ layout of runner/model/detectors.py: ``boxes`` [B, K, 4] xyxy pixels, ``box_scor
 epoch's end, over every image it was given: COCO's mAP is not a mean of per-batch
 figures. The padded rows are dropped before the metric sees them, as are target boxes of
 no area (as in training: runner/model/detectors.py's ``as_targets``); an image without
-boxes still counts (its detections are false positives). Under DDP torchmetrics gathers
-every rank's images before computing, so each rank gets the figures of the whole split.
+boxes still counts (its detections are false positives).
+
+Under torch.distributed each rank holds its own images; ``compute`` gathers them whole,
+once (``all_gather_object`` of each rank's per-image predictions and targets, on the CPU),
+puts them in the dataset's order (the images' ``index``, when ``update`` was given it) and
+computes the figures of the whole split on every rank: the same figures, to the bit, as one
+process given every image. torchmetrics' own sync is off (``sync_on_compute=False``): it
+gathers a list state one tensor per image, one collective each, so two ranks holding
+different numbers of images (a split that does not divide by the world, its padding rows
+dropped) called different numbers of collectives, and gloo aborted ("Received data size
+doesn't match expected size") or the ranks hung.
 
 COCO's rules hold: the best 100 detections per image count (a model that returns more,
 such as RetinaNet's and SSD's 300, is cut there without a warning each epoch), classes
@@ -56,37 +65,76 @@ class DetectionMAP:
         except ImportError as e:
             raise Unavailable("a detector's mAP needs torchmetrics and pycocotools: "
                               "pip install -e '.[detection]'") from e
+        # the ranks' images are gathered whole in ``compute`` (the module docstring says why
+        # not torchmetrics' own sync); given here: Metric reads it once, in its __init__
         self.metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox",
-                                           class_metrics=class_metrics, backend=backend)
+                                           class_metrics=class_metrics, backend=backend,
+                                           sync_on_compute=False)
         self.metric.warn_on_many_detections = False
-        self.images = 0
+        # per image, in the order given: its predictions, its targets, its index (or None)
+        self.preds: list[dict[str, torch.Tensor]] = []
+        self.truth: list[dict[str, torch.Tensor]] = []
+        self.order: list[int | None] = []
+        self.counted = 0  # the images the last ``compute`` scored, every rank's
+
+    @property
+    def images(self) -> int:
+        """The images given to this process so far."""
+        return len(self.preds)
 
     def to(self, device: torch.device) -> DetectionMAP:
         self.metric = self.metric.to(device)
         return self
 
     def update(self, predictions: Mapping[str, torch.Tensor],
-               targets: Mapping[str, torch.Tensor]) -> None:
-        """One batch's padded predictions and targets (the same images, in order)."""
+               targets: Mapping[str, torch.Tensor], index: torch.Tensor | None = None) -> None:
+        """One batch's padded predictions and targets (the same images, in order), and
+        the images' dataset indices (``index``: their order when ranks are gathered)."""
         preds = as_prediction_lists({k: v.detach() for k, v in predictions.items()
                                      if isinstance(v, torch.Tensor)})
         truth = as_targets(targets)
         if len(preds) != len(truth):
             raise ValueError(f"{len(preds)} images of predictions for {len(truth)} of targets")
-        self.metric.update(preds, truth)
-        self.images += len(preds)
+        order = index.tolist() if index is not None else [None] * len(preds)
+        if len(order) != len(preds):
+            raise ValueError(f"{len(order)} indices for {len(preds)} images")
+        self.preds += preds
+        self.truth += truth
+        self.order += order
 
-    def compute(self) -> dict[str, float]:
-        """``map``, ``map_50``, ``map_75``, ``mar_100`` over the images so far (NaN: nothing
-        to measure); nothing fed yet is NaN for each."""
+    def _gathered(self) -> tuple[list[dict], list[dict]]:
+        """Every rank's images (this process's alone without a group), in the dataset's
+        order where every image has an index, else rank after rank."""
         import torch.distributed as dist
 
-        if not self.images and not (dist.is_available() and dist.is_initialized()):
-            return {k: math.nan for k in FIGURES}  # (under DDP every rank joins the gather)
+        every = list(zip(self.order, self.preds, self.truth))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            mine = [(i, {k: v.cpu() for k, v in p.items()}, {k: v.cpu() for k, v in t.items()})
+                    for i, p, t in every]
+            out: list = [None] * dist.get_world_size()
+            dist.all_gather_object(out, mine)  # every rank joins, with images or none
+            device = self.metric.device
+            every = [(i, {k: v.to(device) for k, v in p.items()},
+                      {k: v.to(device) for k, v in t.items()})
+                     for rank in out for i, p, t in rank]
+        if all(i is not None for i, _, _ in every):  # the dataset's order, whoever held them
+            every.sort(key=lambda image: image[0])
+        return [p for _, p, _ in every], [t for _, _, t in every]
+
+    def compute(self) -> dict[str, float]:
+        """``map``, ``map_50``, ``map_75``, ``mar_100`` over the images so far, every
+        rank's under torch.distributed (NaN: nothing to measure; nothing fed is NaN)."""
+        preds, truth = self._gathered()
+        self.counted = len(preds)
+        if not preds:
+            return {k: math.nan for k in FIGURES}
+        self.metric.reset()
+        self.metric.update(preds, truth)
         out = self.metric.compute()
+        self.metric.reset()  # its copies of the images: kept once, in the lists
         figures = {k: float(out[k]) for k in FIGURES}
         return {k: (math.nan if v == -1 else v) for k, v in figures.items()}
 
     def reset(self) -> None:
         self.metric.reset()
-        self.images = 0
+        self.preds, self.truth, self.order = [], [], []

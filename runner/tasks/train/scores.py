@@ -8,7 +8,8 @@ each batch the model was given (``update(model, batch)``: it runs the model's ev
 itself, since what it reads differs by kind) and asked for the figures once at the end
 (``compute``): the names its target kind's record lists (``TargetKind.figures``), as
 ``val_<figure>``. Under torch.distributed each gives the figures of the whole split: the
-classes' sums are all-reduced, torchmetrics gathers the boxes' and masks' states.
+classes' sums are all-reduced, the boxes' images gathered whole (detection_metrics.py),
+torchmetrics sums the masks' confusion matrices.
 
 - a classifier: loss, top-1 and top-5 (``ClassScores``);
 - a detector: mAP (COCO's, IoU 0.50:0.95) and mAP@0.5 (``BoxScores``, detection_metrics.py);
@@ -91,11 +92,14 @@ class BoxScores:
     def update(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
         predictions = model(batch["image"])
         targets = {k: batch[k] for k in ("boxes", "box_labels", "box_count")}
+        index = batch["index"] if "index" in batch.keys() else None
         keep = _valid(batch)
         if keep is not None:  # a shard's padding rows: not images
             predictions = {k: v[keep] for k, v in predictions.items()}
             targets = {k: v[keep] for k, v in targets.items()}
-        self.metric.update(predictions, targets)
+            index = index[keep] if index is not None else None
+        # the indices put every rank's images in the dataset's order when they are gathered
+        self.metric.update(predictions, targets, index)
 
     def compute(self) -> dict[str, float]:
         figures = self.metric.compute()

@@ -242,11 +242,14 @@ def run_family(config: Config) -> Family:
 
 
 def check_head_size(config: Config, classes: list[str]) -> None:
-    """A classifier's ``model.num_classes`` that holds every class of the data: a label at
-    or beyond it would fail the loss at its first batch (``Target 3 is out of bounds``)."""
+    """A classifier's or a segmenter's ``model.num_classes`` that holds every class of the
+    data: a label (a mask's class id) at or beyond it would fail the loss at its first
+    batch (``Target 3 is out of bounds``)."""
     asked = config.model.num_classes
-    if asked is None or len(classes) <= asked or config.model.name == NO_MODEL \
-            or TARGETS[run_family(config).target].batch_keys:  # a class index per image only
+    if asked is None or len(classes) <= asked or config.model.name == NO_MODEL:
+        return
+    kind = TARGETS[run_family(config).target]
+    if kind.batch_keys and kind.plane is None:  # boxes: a detector's head has its own count
         return
     names = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
     raise ConfigError(f"model.num_classes={asked}, and the data's labels run to "

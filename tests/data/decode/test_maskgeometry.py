@@ -188,3 +188,22 @@ def test_an_integer_reduction_round_trips_exactly():
     small = map_mask(mask, window, (50, 80))
     back = mask_to_source(small, window, HW)
     assert torch.equal(back[20:220, 40:360], mask[20:220, 40:360])
+
+
+@pytest.mark.parametrize("hw,size", [(HW, (128, 128)), ((100, 300), (64, 64)),
+                                     ((300, 200), (96, 128))])
+def test_a_letterbox_decode_places_the_mask_on_its_pixels_and_ignores_the_pads(hw, size):
+    """The decoder's letterbox window (reaching over the pads) takes the mask to where the
+    pixels went: ``letterbox_mask`` at ultralytics' layout, the pads ``IGNORE`` (was: the
+    window stretched over the pads, which v2's crop filled with class 0)."""
+    mask = TF.resize(tv_tensors.Mask(blocks(cell=40)), list(hw)).as_subclass(torch.Tensor)
+    decoder = ImageDecoder(Decoder.pil, size, Crop.letterbox)
+    image, window, flip, upright = decoder.decode_window(mask_png(mask))  # as a decode's
+    assert upright == hw and window[0] + window[1] < 0  # over the pads
+    got = map_mask(mask, Window(*window), size, flip)
+    place = letterbox_layout(hw, size)
+    assert torch.equal(got, letterbox_mask(mask, place, size))
+    pads = torch.ones(size, dtype=torch.bool)
+    pads[place.top : place.top + place.height, place.left : place.left + place.width] = False
+    assert pads.any() and (got[pads] == IGNORE).all()
+    assert (image[:, pads] == 114).all() and (image[:, ~pads] != 114).any()  # its grey

@@ -129,6 +129,34 @@ def test_classes_from_the_masks_and_out_of_range_ids_ignored(tmp_path, caplog):
     assert np.array_equal(clipped[2:], m[2:])
 
 
+def test_ids_beyond_the_named_classes_are_counted_and_said_once(tmp_path, caplog):
+    """Three named classes and masks holding ids 4 and 7: those pixels are ignored (255),
+    never silently: one warning counts the masks, names their files, the ids and the
+    class count; a mask within the classes is not counted."""
+    (tmp_path / "data.yaml").write_text("names: [bg, a, b]\n")
+    for name, bad in (("a", 4), ("b", 7), ("c", None)):
+        m = ids(6, 8, top=2)
+        if bad is not None:
+            m[0, 0] = bad
+        m[5, 7] = IGNORE
+        image(tmp_path / "images" / f"{name}.jpg", 8, 6)
+        mask(tmp_path / "masks" / f"{name}.png", m)
+    with caplog.at_level(logging.WARNING):
+        found = read_masks(tmp_path)
+        listing = list_masks(DatasetConfig(), tmp_path)
+    assert found.classes == ["bg", "a", "b"] and len(found.targets) == 3  # none skipped
+    assert found.counts["out_of_range"] == 2
+    said = [r.getMessage() for r in caplog.records if "beyond" in r.getMessage()]
+    assert len(said) == 2  # once per read: read_masks, then the listing's
+    line = said[0]
+    assert "2 masks with ids beyond the classes" in line and "a.png" in line \
+        and "b.png" in line and "c.png" not in line
+    assert "ids 4, 7 at or beyond the 3 named classes (0..2)" in line
+    got = listing.targets.mask(0)  # a.png, as the batches get it
+    assert got[0, 0] == IGNORE and got[5, 7] == IGNORE
+    assert np.array_equal(got[2:5], ids(6, 8, top=2)[2:5])
+
+
 def test_split_folders_and_the_listing(tmp_path):
     for split, n in (("train", 3), ("val", 2)):
         for k in range(n):

@@ -101,3 +101,71 @@ def test_without_torchmetrics_the_metric_is_unavailable_naming_the_extra(monkeyp
     monkeypatch.setitem(sys.modules, "torchmetrics.detection", None)
     with pytest.raises(Unavailable, match=r"\.\[detection\]"):
         DetectionMAP()
+
+
+# --- the figures of every rank's images (issue 64) ------------------------------------------
+
+# five images: (x1, y1, x2, y2, label[, score]) rows, their detections near misses and hits
+SPLIT_TRUTH = [[(0, 0, 40, 40, 0)], [(10, 10, 50, 60, 1), (60, 60, 90, 90, 0)],
+               [(5, 5, 30, 25, 1)], [], [(20, 20, 70, 70, 0)]]
+SPLIT_PREDS = [[(2, 0, 40, 42, 0, 0.9), (50, 50, 60, 60, 1, 0.3)],
+               [(10, 12, 52, 60, 1, 0.8), (61, 58, 90, 92, 0, 0.55)],
+               [(5, 5, 20, 25, 1, 0.7)], [(1, 1, 9, 9, 0, 0.6)],
+               [(22, 20, 70, 66, 0, 0.45), (0, 0, 10, 10, 1, 0.35)]]
+
+
+def split_figures(order: list[int]) -> tuple[dict[str, float], int]:
+    """The five images fed one by one in ``order``, each with its index."""
+    metric = DetectionMAP()
+    for i in order:
+        metric.update(padded([SPLIT_PREDS[i]], True), padded([SPLIT_TRUTH[i]], False),
+                      torch.tensor([i]))
+    return metric.compute(), metric.counted
+
+
+def test_images_given_with_their_indices_score_the_same_in_any_order():
+    """What a gathered split relies on: its images in the dataset's order again, so the
+    figures equal one process's to the bit (COCO's ranking of tied scores follows the
+    images' order)."""
+    straight, counted = split_figures([0, 1, 2, 3, 4])
+    assert counted == 5 and 0 < straight["map"] < 1
+    assert split_figures([3, 1, 4, 0, 2])[0] == straight
+
+
+def _split_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    import torchmetrics.metric
+
+    def own_sync(*args, **kwargs):  # each rank's images would be gathered a second time
+        raise AssertionError("torchmetrics' own sync ran")
+
+    torchmetrics.metric.gather_all_tensors = own_sync  # (a spawned process: its own copy)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        mine = [0, 2, 4] if rank == 0 else [1, 3]  # three images and two: uneven
+        figures, counted = split_figures(mine)
+        torch.save({"figures": figures, "counted": counted}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.process
+@pytest.mark.ranks
+def test_two_ranks_holding_uneven_shares_get_the_figures_of_every_image(tmp_path):
+    """Three images on rank 0 and two on rank 1 (a split that does not divide by the
+    world): each rank gets the figures one process gets from all five, gathered once.
+    torchmetrics' own sync gathered one collective per image and gloo aborted ("Received
+    data size doesn't match expected size"); left on beside the gather, it would have
+    counted every image twice (a tie-heavy detector's mAP moved: 7.10e-5 to 6.84e-5)."""
+    import torch.multiprocessing as mp
+
+    from tests.launch.test_distributed import free_port
+
+    out = str(tmp_path / "rank")
+    mp.spawn(_split_rank, args=(free_port(), out), nprocs=2)
+    alone, _ = split_figures([0, 1, 2, 3, 4])
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}", weights_only=False)
+        assert got["counted"] == 5
+        assert got["figures"] == alone

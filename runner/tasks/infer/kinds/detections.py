@@ -145,7 +145,9 @@ class DetectionsWriter:
         ids = index.tolist()
         if self.ctx.source_windows is not None:  # the boxes in their source's pixels
             windows = torch.from_numpy(self.ctx.source_windows(index))
-            boxes = to_source(torch.from_numpy(kept["boxes"]), windows, self.ctx.input_size)
+            size = self.ctx.input_size if self.ctx.input_sizes is None \
+                else torch.from_numpy(self.ctx.input_sizes(index))  # each bin's shape
+            boxes = to_source(torch.from_numpy(kept["boxes"]), windows, size)
             if self.ctx.source_sizes is not None:  # a box reaching into a letterbox's pads
                 hw = torch.from_numpy(self.ctx.source_sizes(index)).to(boxes.dtype)
                 limit = torch.stack([hw[:, 1], hw[:, 0]] * 2, -1)[:, None, :]

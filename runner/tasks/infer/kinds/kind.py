@@ -52,6 +52,9 @@ class WriterContext:
     # output images' size (None: boxes stay in the model's input pixels)
     source_windows: Callable[[np.ndarray], np.ndarray] | None = None
     input_size: tuple[int, int] | None = None
+    # dataset indices [B] -> each output image's size [B, 2] where they differ
+    # (loader.group_aspect: each aspect bin's batch shape); None: input_size for all
+    input_sizes: Callable[[np.ndarray], np.ndarray] | None = None
     # dataset indices [B] -> each source image's (height, width), [B, 2]: served boxes
     # are clipped to it (a letterbox's pads lie outside the image; ultralytics clips too)
     source_sizes: Callable[[np.ndarray], np.ndarray] | None = None

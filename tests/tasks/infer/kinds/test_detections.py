@@ -424,6 +424,24 @@ def test_the_checkpoints_own_ids_are_served_when_the_datas_names_agree():
     assert served_category_ids("m", names, 3, ids, [], None, False) == [1, 7, 90]
 
 
+def test_yolo_labels_naming_the_models_classes_in_another_order_get_their_own_indices():
+    """YOLO labels carry class indices: a model trained on [person, car, toothbrush]
+    served on a folder whose classes are [car, toothbrush, person] served its own indices
+    as theirs, every detection under another class; each is mapped by name, and a name
+    the folder lacks is refused naming both lists."""
+    from runner.tasks.infer.coco_results import served_category_ids
+
+    names = TRAINED[0]
+    assert served_category_ids("m", names, 3, None, ["car", "toothbrush", "person"], None,
+                               True) == [2, 0, 1]
+    assert served_category_ids("m", names, 3, None, [*names, "dog"], None, True) is None
+    assert served_category_ids("m", [], 3, None, ["car", "person", "dog"], None, True) is None
+    with pytest.raises(ConfigError, match=r"model m's classes \['person', 'car', "
+                       r"'toothbrush'\] are not the classes of X \['car', 'person'\]: "
+                       r"'toothbrush' is not there"):
+        served_category_ids("m", names, 3, None, ["car", "person"], None, True, "X")
+
+
 @pytest.mark.parametrize("names, count, ids, data, match", [
     (TRAINED[0], 3, TRAINED[1], (["person", "bicycle", "truck", "toothbrush"], [1, 5, 7, 90]),
      r"model m was trained on categories \[1 person, 7 car, 90 toothbrush\]; the "
