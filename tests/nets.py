@@ -34,3 +34,27 @@ class Dropping(nn.Module):
 
     def forward(self, x):
         return self.body(x)
+
+
+class ConvHead(nn.Module):
+    """A fully convolutional classifier: a 1 x 1 convolution after global pooling, its
+    scores left unflattened, [B, classes, 1, 1] (a 4-d output, as a segmenter's is)."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, num_classes, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class PerPixel(nn.Module):
+    """Class scores per pixel, [B, classes, H, W]."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.head = nn.Conv2d(3, num_classes, 1)
+
+    def forward(self, x):
+        return self.head(x)

@@ -243,31 +243,40 @@ class TargetName(Enum):
     masks = "masks"  # a class per pixel (semantic segmentation)
 
 
+# dataset.targets' layout words that are not a kind's own name, and the kind each gives
+# (every other kind is read from a layout of its own, named by the kind: ``Targets``)
+LAYOUT_KINDS = {"none": TargetName.classes, "auto": TargetName.boxes,
+                "yolo": TargetName.boxes, "coco": TargetName.boxes}
+
+
 class Targets(Enum):
     """``dataset.targets``: the kind of an image's target and the layout its labels are
     read from, in one word (the spellings runs and recipes already use): ``kind`` is the
-    ``TargetName`` every layer asks its record by, the value names the layout."""
+    ``TargetName`` every layer asks its record by, the value names the layout. The layout
+    words (``LAYOUT_KINDS``) are written out; every kind no layout word gives is a member
+    of its own, named as the kind (``masks``), so a new kind is its ``TargetName`` member
+    alone (tests/tasks/test_targets.py adds one)."""
+
+    _ignore_ = ["_kind"]
 
     none = "none"  # a class index (the class folder, a manifest's label) or none
     auto = "auto"  # detection boxes, the layout told from the folder (YOLO or COCO)
     yolo = "yolo"  # images/ and labels/*.txt (class cx cy w h, normalised)
     coco = "coco"  # annotations/instances_<split>.json beside the images
-    masks = "masks"  # a class-id PNG per image: images/ and masks/ side by side
+    # masks: a class-id PNG per image, images/ and masks/ side by side (or COCO's polygons)
+    for _kind in TargetName:
+        if _kind not in LAYOUT_KINDS.values():
+            vars()[_kind.value] = _kind.value
 
     @property
     def kind(self) -> TargetName:
         """The kind of target this layout gives (its record: runner/data/targets/); a
         word that is a kind's own name is that kind."""
-        return _TARGET_KIND.get(self) or TargetName(self.value)
+        return LAYOUT_KINDS.get(self.value) or TargetName(self.value)
 
     @property
     def boxes(self) -> bool:
         return self.kind is TargetName.boxes
-
-
-# the layouts' kinds (a word that is not a kind's own name)
-_TARGET_KIND = {Targets.none: TargetName.classes, Targets.auto: TargetName.boxes,
-                Targets.yolo: TargetName.boxes, Targets.coco: TargetName.boxes}
 
 
 class ModelFamily(Enum):
@@ -407,12 +416,14 @@ class DatasetConfig:
                              "folder with images of its own: unlabelled), folders (one sub-folder "
                              "per class) or none (every image under the folder, unlabelled)")
     targets: Targets = key(Targets.none, resume="must_match", shapes_outputs=True,
-                           doc="what an image's target is, and its labels' layout (its kind: "
-                               "classes, boxes or masks, each a record in runner/data/targets/). "
-                               "none: a class index per image; auto/yolo/coco: detection boxes "
-                               "read from a YOLO layout or COCO's JSON (auto tells which); masks: "
-                               "a class-id PNG per image (images/ and masks/ side by side) or "
-                               "COCO's polygons; unset dataset.path: a generated shapes dataset")
+                           doc="what an image's target is and its labels' layout, in one word "
+                               "(its kind's record: runner/data/targets/). none: a class "
+                               "index per image; auto/yolo/coco: detection boxes read from a "
+                               "YOLO layout or COCO's JSON (auto tells which); any other kind "
+                               "by its own name, read from a layout of its own (masks: a "
+                               "class-id PNG per image, images/ and masks/ side by side, or "
+                               "COCO's polygons); unset dataset.path: the kind's generated "
+                               "dataset")
     manifest: str | None = key(None, resume="must_match", own_reading=True, url=True,
                                shapes_outputs=True,
                                doc="a CSV (header: path[,label]) or JSON-lines file listing the "

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
 from runner.common.text import human_bytes
-from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig, TargetName
+from runner.config.schema import Config, Crop, LoaderConfig, PageCache, RunConfig
 from runner.data.decode.boxgeometry import center_windows
 from runner.data.decode.crops import BatchAugment, CenterCrop
 from runner.data.decode.decoders import CROP_UNIFORMS, DECODERS
@@ -47,7 +47,7 @@ from runner.data.protocol import Storage, StorageKind
 from runner.data.sources.pagecache import ColdPageCache
 from runner.data.storage import STORAGES, build_storage, resolve_dataset
 from runner.data.storage.ram import memory_available
-from runner.data.targets import TARGETS, carried
+from runner.data.targets import carried
 from runner.data.threads import RowPool
 from runner.launch.distributed import Ranks, barrier
 from runner.measure import storage_tier
@@ -232,14 +232,13 @@ CROP_DRAWS = ("crop_uniforms",)
 
 
 def crop_targets(augment: BatchAugment | CenterCrop, batch: TensorDict, draws: dict | None,
-                 follow: Callable | None = None) -> dict | None:
+                 follow: Callable) -> dict | None:
     """Move a batch's target through the windows and flips ``augment`` cuts its images
     by (``BatchAugment``'s random-resized crops from ``draws``, ``CenterCrop``'s centre
     window), on the batch's device with no host sync: ``follow`` is its kind's
     (runner/data/targets/: boxes by boxgeometry's ``map_padded``, one rule for boxes that
     leave the crop; masks nearest); returns the draws the images must be cut with (drawn
     here when the batch carries none, so pixels and target share them)."""
-    follow = follow or TARGETS[TargetName.boxes].follow
     image = batch["image"]
     n, hw, device = image.shape[0], tuple(image.shape[-2:]), image.device
     if isinstance(augment, BatchAugment):

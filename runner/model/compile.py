@@ -59,7 +59,7 @@ from runner.config.schema import (
 from runner.data.device.normalize import as_batches_come
 from runner.data.loading.loader import drops_remainder
 from runner.data.targets import TARGETS
-from runner.launch.distributed import Ranks, replicate
+from runner.launch.distributed import Ranks, local_module, replicate
 from runner.measure.clock import synchronize
 from runner.model.amp import DTYPES, TOLERANCE, autocast, tolerance  # noqa: F401 (re-exported)
 from runner.model.families import build_family_model, family_of, family_of_config
@@ -354,12 +354,24 @@ def compile_model(model: nn.Module, cfg: CompileConfig, amp: AmpConfig, task: Ta
     # its kernels on the first call of each shape, the short last batch's included
     compiled = model if backend.build is None else backend.build(model, cfg, example, train,
                                                                  amp, cache)
+    carry_family(model, compiled)
     with backend.warm_in(cfg, train):  # inductor compiles on the first calls, made here
         _warm(model, compiled, example, shapes, train, amp if backend.autocast else None)
     synchronize(device)
     seconds = time.perf_counter() - start
     log.info("compile=%s took %.1f s (not counted in any figure)", cfg.name.name, seconds)
     return compiled, seconds
+
+
+def carry_family(model: nn.Module, compiled: nn.Module) -> None:
+    """The compiled model carries the eager one's family (``build_family_model``'s): an
+    engine (ONNX Runtime's, TensorRT's) keeps no eager model as ``_orig_mod`` (TorchScript's
+    ``Traced`` and torch.compile's do), and the steps that run it ask ``family_of(model)``
+    what it gives (the verdict's probe of an inference)."""
+    family = getattr(local_module(model), "family", None)
+    if compiled is not model and family is not None and \
+            getattr(local_module(compiled), "family", None) is None:
+        local_module(compiled).family = family
 
 
 def _warm(model: nn.Module, compiled: nn.Module, example: torch.Tensor, shapes: list[int],

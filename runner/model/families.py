@@ -5,8 +5,11 @@ A family says what callers outside runner/model/ would otherwise learn by an ``i
 on the model: the kind of target it learns (``target``: its record in runner/data/targets/
 says how that target is collated, which figures score it and which outputs it gives), how a
 batch goes through it in training (``forward``) and what it is trained by (``loss``), the
-network an EMA's averaged weights are served as (``averaged``), and what it refuses
-(``uint8``: it normalizes inside, ``compiles``). ``FAMILIES`` maps every ``ModelFamily`` to
+network an EMA's averaged weights are served as (``averaged``), how inference reads its
+forward's scores (``scores``: a classifier's are [batch, classes]), and what it refuses
+(``uint8``: it normalizes inside, ``compiles``). Inference asks the family of the model it
+built (``family_of(model)``), never the shape of what the model gave: a user's classifier
+whose scores come as [B, C, 1, 1] is still a classifier. ``FAMILIES`` maps every ``ModelFamily`` to
 its record; ``family_of(model)`` and ``family_of_config(cfg, targets)`` are the two ways to
 ask, and the only places a family is told from a model's type or name.
 
@@ -77,6 +80,10 @@ class Family:
             backward through every batch shape before timing (compile's warm-up).
         averaged: ``averaged(model, ema_model)``: an EMA's averaged network (optim.py's
             ``Ema.model``) served as ``model`` is, behind its input layer.
+        scores: ``scores(out)``: the tensor of a forward's output that inference's
+            outputs of ``LOGITS`` read (runner/tasks/infer/kinds/: top-k, probs, masks);
+            a ConfigError, in one line, for a shape the family cannot give. Unused by a
+            family whose outputs read its own predictions (a detector's).
         uint8: it normalizes inside and takes uint8 batches only (``loader.host_dtype``).
         compiles: None: ``compile=`` may train it; else why it may not (one line).
         examples: ``model.name`` values of it, for errors.
@@ -92,6 +99,7 @@ class Family:
     averaged: Callable[[nn.Module, nn.Module], nn.Module]
     names: Callable[[ModelConfig], bool] | None = None
     examples: str = ""
+    scores: Callable[[Any], torch.Tensor] = main_output
     uint8: bool = False
     compiles: str | None = None
 
@@ -118,6 +126,22 @@ def class_loss(out: Any, batch: Mapping, task: TaskConfig) -> torch.Tensor:
                                 label_smoothing=smoothing)
         losses = (1 - mix) * losses + mix * other
     return _valid_mean(losses, batch)
+
+
+def class_scores(out: Any) -> torch.Tensor:
+    """A classifier's scores, [batch, classes]: its main output, with the trailing 1 x 1 of
+    a convolutional head (a 1 x 1 convolution after global pooling, unflattened) dropped;
+    a ConfigError for per-pixel scores (shapes only: no sync with the device)."""
+    scores = main_output(out)
+    if scores.dim() > 2 and all(n == 1 for n in scores.shape[2:]):
+        return scores.flatten(1)
+    if scores.dim() != 2:
+        raise ConfigError(
+            f"a classifier's scores are [batch, classes], but the model gave "
+            f"{list(scores.shape)}: a model of per-pixel scores is a segmenter "
+            "(model.family=segmenter), one of a detector's boxes a detector "
+            "(model.family=detector)")
+    return scores
 
 
 def mask_loss(out: Any, batch: Mapping, task: TaskConfig) -> torch.Tensor:
@@ -211,7 +235,7 @@ FAMILIES: Registry[Family] = Registry(ModelFamily, "model.family={}", [
     Family(ModelFamily.classifier, TargetName.classes,
            "class scores per image (torchvision's classifiers, timm, the user's own)",
            build=network_builder(ModelFamily.classifier), forward=images_forward,
-           loss=class_loss, warm_loss=output_sum, averaged=behind_input,
+           loss=class_loss, warm_loss=output_sum, averaged=behind_input, scores=class_scores,
            examples="tiny, resnet50, efficientnet_b0", names=lambda cfg: SOURCES[cfg.source].by_name
            and cfg.name in torchvision_classifiers()),
     Family(ModelFamily.segmenter, TargetName.masks,

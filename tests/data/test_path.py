@@ -9,9 +9,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from runner.config.schema import Crop, Decoder
+from runner.config.schema import Crop, Decoder, TargetName
 from runner.data.decode.boxgeometry import Window, decoder_window, unpad
 from runner.data.decode.decoders import ImageDecoder
+from runner.data.targets import TARGETS
 from tests.data.decode.test_boxgeometry import assert_same, torchvision_boxes
 
 SIZE = (48, 56)
@@ -94,7 +95,7 @@ def test_a_batch_without_crop_draws_cuts_its_pixels_and_boxes_by_the_same_draws(
     batch = TensorDict({"image": torch.zeros(4, 3, 64, 80, dtype=torch.uint8), **targets},
                        batch_size=[4])
     torch.manual_seed(0)
-    draws = crop_targets(augment, batch, None)
+    draws = crop_targets(augment, batch, None, TARGETS[TargetName.boxes].follow)
     assert draws is not None and draws["crop_uniforms"].shape[0] == 4
     windows = augment.boxes(4, 64, 80, torch.device("cpu"), draws=draws)
     expected = map_padded(targets["boxes"], targets["box_labels"], targets["box_count"],

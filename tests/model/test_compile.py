@@ -429,3 +429,27 @@ def test_a_detector_is_built_at_the_batches_size_and_warmed_on_its_losses():
     compiling._warm(model, model, DetectionStorage().example(2), [2, 1], True, None)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_onnxruntime_model_carries_its_family_to_the_steps_that_ask_it(tmp_path: Path):
+    """An ONNX Runtime session keeps no eager model (no ``_orig_mod``, as TorchScript's
+    ``Traced`` has): the compiled model carries the eager one's family, so a step made
+    from it (the verdict's probe of an inference, no reducers given) reduces what its
+    family gives: a segmenter's masks."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from runner.config.schema import ModelFamily, ModelSource, Output
+    from runner.model.families import build_family_model, family_of
+
+    cfg = ModelConfig("custom", source=ModelSource.custom, target="tests.nets:PerPixel",
+                      family=ModelFamily.segmenter)
+    model = build_family_model(cfg, 3, CPU, train=False).eval()
+    x = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    compiled, _ = compiling.compile_model(model, CompileConfig(CompileName.onnxruntime), OFF,
+                                          TaskName.infer, x, [2], tmp_path)
+    assert not hasattr(compiled, "_orig_mod")
+    assert family_of(compiled).name is ModelFamily.segmenter
+    step = InferStep({"seg": compiled}, TaskConfig(TaskName.infer, outputs=[Output.masks]),
+                     device=CPU)
+    kept = step.reducers["seg"](compiled(x), None)
+    assert kept["masks"].shape == (2, 8, 8) and kept["masks"].dtype == torch.uint8

@@ -273,6 +273,7 @@ def check_reduce_on(args: argparse.Namespace) -> Iterator[Row]:
         TaskName,
     )
     from runner.model.amp import autocast
+    from runner.model.families import family_of_config
     from runner.model.networks import build_model, main_output, split_input
     from runner.tasks.infer.outputs import Reduce
 
@@ -289,7 +290,7 @@ def check_reduce_on(args: argparse.Namespace) -> Iterator[Row]:
         kept, crossed = {}, {}
         for where in (ReduceOn.device, ReduceOn.host):
             cfg = TaskConfig(TaskName.infer, outputs=[output], reduce_on=where)
-            reduce = Reduce(cfg, split_input(model)[1])
+            reduce = Reduce(cfg, split_input(model)[1], family_of_config(model_cfg))
             reduce.start()
             with torch.inference_mode(), autocast(amp, device):
                 out = model(x)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from runner.config.schema import DatasetConfig, TargetName
+from runner.config.schema import DatasetConfig
 from runner.data.order import split_padding
 from runner.data.sources.fardisk import is_far
 from runner.data.sources.listing import Listing, list_images
@@ -182,10 +183,19 @@ def far_engine():
     return ReadEngine(ObjectStore(RemoteURL(LOCAL_SCHEME, "", "")))
 
 
-def open_files(dataset: DatasetConfig, path: str | Path) -> Files:
+def open_files(dataset: DatasetConfig, path: str | Path,
+               list_labelled: Callable[[DatasetConfig, str | Path], Listing] | None = None
+               ) -> Files:
     """The images ``dataset.*`` lists at ``path`` (a folder or a manifest; a URL checked
     readable already), with the side that reads them: a store's objects, a far disk's files
-    or this machine's."""
+    or this machine's.
+
+    Args:
+        list_labelled: the listing of ``dataset.targets``' kind, whose labels name the
+            images and carry their targets (its record's, runner/data/targets/: boxes'
+            ``list_detection``, masks' ``list_masks``); None: a class per image (class
+            folders or a manifest), read from where the images are.
+    """
     if is_url(path):  # one object per image, in a store
         from runner.data.sources.objectstore import ObjectStore
         from runner.data.sources.readengine import ReadEngine
@@ -194,14 +204,8 @@ def open_files(dataset: DatasetConfig, path: str | Path) -> Files:
 
         store = ObjectStore(RemoteURL.parse(path), dataset.endpoint_url)
         return StoreFiles(list_remote(dataset, path, store), ReadEngine(store))
-    if dataset.targets.boxes:  # detection: the images the labels name, with their boxes
-        from runner.data.sources.detection import list_detection
-
-        return Files(list_detection(dataset, path))
-    if dataset.targets.kind is TargetName.masks:  # the images that have a mask, with it
-        from runner.data.sources.masklabels import list_masks
-
-        return Files(list_masks(dataset, path))
+    if list_labelled is not None:  # the images the kind's labels name, with their targets
+        return Files(list_labelled(dataset, path))
     listing = list_images(dataset, path)
     far, why = is_far([p for p, _ in listing.samples], dataset.far_disk)
     if far:

@@ -319,7 +319,9 @@ def open_folder(loader: LoaderConfig, dataset: DatasetConfig, path: Path,
     ``loader.decoder`` at ``dataset.image_size`` and ``dataset.crop`` (or with ``decode``:
     a store built from the folder decodes its own way)."""
     decode = decode or folder_decoder(loader, dataset)
-    files = open_files(dataset, path)  # listed, and read from where they are, decided once
+    # listed (by its kind's labels, if its kind has any), and read from where they are,
+    # decided once
+    files = open_files(dataset, path, TARGETS[dataset.targets.kind].list_labelled)
     return FolderStorage(files, decode, dataset.on_corrupt)
 
 

@@ -17,9 +17,9 @@ are therefore facts, not code: names of figures and ``Output`` kinds the tasks r
 What trains and scores a kind lives where that code may import the model: the model family
 (runner/model/families.py: the wrapper, the loss, which kind it learns) and its scorer
 (runner/tasks/train/scores.py), each a registry keyed by ``ModelFamily`` and walked against
-it by tests/tasks/test_targets.py. A new kind is one ``TargetName`` member (and its word in
-``Targets``, the user's spelling of kind and layout), one module here and its recipe
-preset; a model family (and its scorer) only if none learns it yet.
+it by tests/tasks/test_targets.py. A new kind is one ``TargetName`` member (``Targets``, the
+user's spelling of kind and layout, gains the kind's own name with it), one module here and
+its recipe preset; a model family (and its scorer) only if none learns it yet.
 """
 
 from __future__ import annotations

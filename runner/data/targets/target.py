@@ -91,6 +91,10 @@ class TargetKind:
         plane: a per-pixel target (``TargetPlane``), kept by the decoded stores as a plane
             beside the pixels and moved on the device by ``follow``; None: none (a class
             index; boxes, which they keep in a ragged table of their own).
+        list_labelled: ``list_labelled(dataset, path) -> Listing``: the images at a local
+            ``path`` that its labels name, each with its target (the listing's
+            ``targets``, whose ``kind`` names this record), the split ``dataset.split``
+            names; None: class folders or a manifest (runner/data/sources/listing.py).
         recipe: ``conf/recipe/<recipe>.yaml``, the preset that trains a model on it.
         setting: how a user asks for it, for errors (``dataset.targets=auto (...)``).
     """
@@ -118,6 +122,7 @@ class TargetKind:
     probe: Callable[[int, tuple[int, int], int, torch.device], dict[str, torch.Tensor]] | None \
         = None
     plane: TargetPlane | None = None
+    list_labelled: Callable[[DatasetConfig, str | Path], Any] | None = None
 
     def carried(self, keys: Any) -> bool:
         """Whether a batch with ``keys`` carries this kind's target."""

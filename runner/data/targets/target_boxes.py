@@ -76,6 +76,13 @@ def has_val_split(dataset) -> bool:
     return has(dataset)
 
 
+def list_labelled(dataset, path):
+    """The images a YOLO layout's or COCO JSON's labels name, with their boxes."""
+    from runner.data.sources.detection import list_detection
+
+    return list_detection(dataset, path)
+
+
 def default_path(dataset, progress: bool = True):
     """The generated shapes dataset (runner/data/sources/shapes.py), boxes known."""
     from runner.data.sources.detection import default_path as shapes
@@ -109,6 +116,7 @@ KIND = TargetKind(
     default_path=default_path,
     sample_fields=sample_fields,
     has_val_split=has_val_split,
+    list_labelled=list_labelled,
     fingerprint=fingerprint,
     recipe="detect_shapes",
     setting="dataset.targets=auto (a YOLO layout or COCO's JSON at dataset.path; without "

@@ -40,6 +40,7 @@ from runner.data.sources.masklabels import (
     MaskTargets,
     default_masks_path,
     has_mask_split,
+    list_masks,
 )
 from runner.data.targets.target import TargetKind, TargetPlane
 
@@ -155,10 +156,11 @@ KIND = TargetKind(
     figures=("miou", "pixel_accuracy"),
     probe=probe,
     outputs=(Output.masks,),
-    applies=frozenset({Output.masks}),
+    applies=frozenset({Output.masks, Output.embeddings}),  # its task.embed_layer's
     recipe="segment_shapes",
     sample_fields=sample_fields,
     has_val_split=has_val_split,
+    list_labelled=list_masks,  # the images that have a mask, each with it
     default_path=default_masks_path,
     fingerprint=fingerprint,
     to_blob=to_blob,

@@ -27,6 +27,7 @@ from runner.measure import timeline
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast
 from runner.model.compile import build_models, step_amp
+from runner.model.families import family_of
 from runner.model.networks import split_input
 from runner.tasks import checkpoint
 from runner.tasks.infer import outputs
@@ -84,7 +85,7 @@ class InferTask(TaskBase):
         reducers: dict[str, Reduce] = {}
 
         def tap(name: str, model: nn.Module) -> None:
-            reducers[name] = Reduce(cfg.task, split_input(model)[1])
+            reducers[name] = Reduce(cfg.task, split_input(model)[1], family_of(model))
 
         self.built = build_models(cfg, ctx.data.storage, ctx.device, ctx.ranks,
                                   before_compile=tap)
@@ -245,6 +246,8 @@ class InferStep:
         # verdict's probe; with no network to tap, no embeddings)
         self.reducers = reducers if reducers is not None else {
             name: Reduce(cfg, None) for name in models}
+        for name, reduce in self.reducers.items():  # what each model gives: its family's
+            reduce.bind_to(models[name])
         self.outputs = outputs
         self.device = device or torch.device("cpu")
         amp = amp or AmpConfig(AmpName.off)

@@ -80,7 +80,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -105,19 +105,15 @@ from runner.config.schema import (
 )
 from runner.data.targets import TARGETS
 from runner.data.threads import bind_cuda, cuda_index
-from runner.model.families import FAMILIES, family_of_config
-from runner.model.networks import main_output
+from runner.model.families import FAMILIES, Family, family_of, family_of_config
 from runner.tasks.checkpoint import CheckpointError
 from runner.tasks.infer.coco_results import ServedFrame
 from runner.tasks.infer.kinds import OUTPUT_KINDS, built_in_keys, kind_of
 from runner.tasks.infer.kinds.kind import (
-    CLASSIFIER,
     DETECTIONS,
-    DETECTOR,
     FEATURES,
     LOGITS,
     PARTIAL,
-    SEGMENTATION,
     KindWriter,
     RowsWriter,
     WriterContext,
@@ -213,22 +209,34 @@ class Reduce:
     the kinds read copied to the host first and reduced there (``host``, as a naive script
     does: the copy waits for the model, and a mask's every logit crosses).
 
+    Which outputs the model gives, and how its scores are read, are its family's
+    (runner/model/families.py's record: the outputs its kind of target applies,
+    ``TargetKind.applies``, and ``Family.scores``), never guessed from what its forward
+    gave.
+
     Args:
         cfg: the task (outputs, topk, embed_layer, postprocess, reduce_on).
         network: the eager network (for the embedding tap), before it is compiled. None:
             no network to tap, and so no embeddings kept (the verdict's timed forward,
             which writes nothing).
+        family: the model's family (``family_of(model)``); None: the model's, once it is
+            known (``bind``: ``output_shapes`` and ``InferStep`` bind it to their model).
     """
 
-    def __init__(self, cfg: TaskConfig, network: nn.Module | None):
+    def __init__(self, cfg: TaskConfig, network: nn.Module | None,
+                 family: Family | None = None):
         self.task = cfg
         # unset (a step made outside a run, which settles it): a classifier's default
         kept = cfg.outputs if cfg.outputs is not None else TARGETS[TargetName.classes].outputs
-        self.kinds = [OUTPUT_KINDS[o] for o in kept]
+        self.asked = [OUTPUT_KINDS[o] for o in kept]
         if network is None:
-            self.kinds = [k for k in self.kinds if k.needs != FEATURES]
+            self.asked = [k for k in self.asked if k.needs != FEATURES]
+        self.family: Family | None = None
+        self.kinds: list = []
+        if family is not None:
+            self.bind(family)
         self.on_host = cfg.reduce_on is ReduceOn.host
-        features = any(k.needs == FEATURES for k in self.kinds)
+        features = any(k.needs == FEATURES for k in self.asked)
         self.tap = Tap(network, cfg.embed_layer) if features else None
         self.target = cfg.postprocess
         self.postprocess = load_postprocess(cfg.postprocess)
@@ -236,20 +244,33 @@ class Reduce:
         # every later batch must return the same names, rows shaped alike
         self.post_rows: dict[str, tuple[tuple[int, ...], bool]] | None = None
 
+    def bind(self, family: Family) -> Family:
+        """The model's family, and so the asked outputs it gives (its kind of target's
+        ``applies``; ``check_outputs`` refused the others before any file was made)."""
+        self.family = family
+        applies = TARGETS[family.target].applies
+        self.kinds = [k for k in self.asked if k.name in applies]
+        return family
+
+    def bind_to(self, model: nn.Module) -> Family:
+        """Bound to ``model``'s family (``family_of``), unless bound already."""
+        return self.family if self.family is not None else self.bind(family_of(model))
+
     def start(self) -> None:
         """Before the model's forward: what the tap kept from another forward is gone."""
         if self.tap is not None:
             self.tap.value = None
 
     def __call__(self, out: Any, batch: Any) -> dict[str, torch.Tensor]:
-        family = family_of(out)
+        if self.family is None:
+            raise RuntimeError("Reduce is not bound to its model's family: bind() or "
+                               "bind_to(model) first (output_shapes and InferStep do)")
         raw: dict[str, Any] = {}
-        if family == DETECTOR:  # the padded predictions (runner/model/detectors.py)
-            raw[DETECTIONS] = {k: out[k] for k in DETECTION_KEYS}
-            rows = out["box_count"].shape[0]
-        else:
-            raw[LOGITS] = main_output(out)
-            rows = raw[LOGITS].shape[0]
+        for need in {k.needs for k in self.kinds}:
+            if need == DETECTIONS:  # a detector's padded predictions (runner/model/detectors.py)
+                raw[DETECTIONS] = {k: out[k] for k in DETECTION_KEYS}
+            elif need == LOGITS:  # the scores, as its family reads them
+                raw[LOGITS] = self.family.scores(out)
         if self.tap is not None:
             raw[FEATURES] = self.tap.take()
         if self.on_host:  # note: a sync with the device, as the naive script's .cpu() is
@@ -257,12 +278,10 @@ class Reduce:
                    for k, v in raw.items()}
         kept: dict[str, torch.Tensor] = {}
         for kind in self.kinds:
-            if not kind.gives(family):
-                continue  # not this model's (check_outputs refused what none gives)
             reduce = kind.on_host() if self.on_host else kind.reduce
             kept.update(reduce(raw[kind.needs], self.task))
         if self.postprocess is not None:  # the user's code runs on the device either way
-            for name, value in self._post(out, batch, rows).items():
+            for name, value in self._post(out, batch, batch["image"].shape[0]).items():
                 kept[f"post.{name}"] = value
         return kept
 
@@ -314,20 +333,12 @@ class Reduce:
         return f"rows of shape {row[0]} ({'float' if row[1] else 'integer'})"
 
 
-def family_of(out: Any) -> str:
-    """What a model is by what its forward gave: a detector's padded predictions (a dict
-    with ``box_count``), a segmentation model's per-pixel logits, or a classifier's."""
-    if isinstance(out, Mapping) and "box_count" in out:
-        return DETECTOR
-    return SEGMENTATION if main_output(out).dim() == 4 else CLASSIFIER
-
-
 def check_detector(cfg: TaskConfig, detector: bool, model: str) -> None:
     """A ConfigError naming the model and the kinds: a detector gives only the detector
     kinds (``OutputKind.detector``: detections), any other model none of them."""
     asked = [OUTPUT_KINDS[o] for o in cfg.outputs]
     if detector:
-        other = [k.name.value for k in asked if not k.gives(DETECTOR)]
+        other = [k.name.value for k in asked if not k.detector]
         if other:
             theirs = ",".join(k.name.value for k in OUTPUT_KINDS.values() if k.detector)
             raise ConfigError(f"task.outputs has {', '.join(other)}, but model {model} is a "
@@ -352,7 +363,11 @@ def gives_boxes(cfg: ModelConfig, config: Config) -> bool:
     """Whether the model ``cfg`` names learns boxes (its family's target: runner/model/
     families.py, told from its name or, for the user's own, ``model.family`` or the data's
     kind of target)."""
-    family = family_of_config(cfg, config.dataset.targets)
+    return boxes_of(family_of_config(cfg, config.dataset.targets))
+
+
+def boxes_of(family: Family) -> bool:
+    """Whether a model of ``family`` gives boxes (its kind of target's outputs do)."""
     return any(OUTPUT_KINDS[o].detector for o in TARGETS[family.target].applies)
 
 
@@ -386,24 +401,35 @@ def check_models(config: Config) -> None:
         check_detector(config.task, gives_boxes(m, config), m.label)
 
 
-def check_outputs(cfg: TaskConfig, dense: bool, model: str, detector: bool = False) -> None:
+def check_outputs(cfg: TaskConfig, family: Family, model: str) -> None:
     """A ConfigError for an output this model cannot give (masks of a classifier, class
     outputs of a segmentation model or a detector, boxes of anything but a detector), by
-    the kinds' records (``dense``, ``detector``)."""
+    its family's record (the outputs its kind of target applies) and the output kinds'
+    (``dense``, ``detector``, which word the refusal)."""
+    applies = TARGETS[family.target].applies
+    detector = boxes_of(family)
     check_detector(cfg, detector, model)
     if detector:
         return
     asked = [OUTPUT_KINDS[o] for o in cfg.outputs]
     names = ", ".join(o.value for o in cfg.outputs)
+    dense = any(OUTPUT_KINDS[o].dense is True for o in applies)  # scores per pixel
     pixels = [k.name.value for k in asked if k.dense is True]
     classes = [k.name.value for k in asked if k.dense is False]
     if dense and classes and not pixels:
-        raise ConfigError(f"model {model} is a segmentation model: it gives masks, not "
-                          f"classes; use task.outputs=[masks] (asked: {names})")
+        given = ",".join(o.value for o in TARGETS[family.target].outputs)
+        raise ConfigError(f"model {model} is a {family.name.value}: it gives {given}, not "
+                          f"classes; use task.outputs=[{given}] (asked: {names})")
     if not dense and pixels:
         raise ConfigError(f"task.outputs has {', '.join(pixels)}, but model {model} is a "
-                          "classifier (one score per class, not per pixel): masks need a "
-                          "segmentation model, e.g. model.name=deeplabv3_mobilenet_v3_large")
+                          f"{family.name.value} (one score per class, not per pixel): masks "
+                          "need a segmentation model, e.g. "
+                          "model.name=deeplabv3_mobilenet_v3_large (your own: "
+                          "model.family=segmenter)")
+    if asked and not any(o in applies for o in cfg.outputs):  # it would write none of them
+        raise ConfigError(f"task.outputs has {names}, but model {model} is a "
+                          f"{family.name.value}: it gives "
+                          f"{', '.join(sorted(o.value for o in applies))}")
 
 
 # --- on the host -----------------------------------------------------------------------------
@@ -651,8 +677,7 @@ def output_shapes(reduce: Reduce, model: nn.Module, example: torch.Tensor, amp_c
     with torch.inference_mode(), amp_context():
         reduce.start()
         out = model(x)
-        family = family_of(out)
-        check_outputs(task, family == SEGMENTATION, name, family == DETECTOR)
+        check_outputs(task, reduce.bind_to(model), name)  # its family's, not its output's
         kept = reduce(out, batch)  # task.postprocess's result checked there
     shapes = {}
     for key, value in kept.items():

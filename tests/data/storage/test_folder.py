@@ -222,3 +222,37 @@ def test_a_missing_class_folder_image_read_mid_run_is_a_skip(tmp_path: Path):
     (root / "a" / "1.jpg").unlink()  # deleted after the listing
     items = [folder[i] for i in range(len(folder))]
     assert sum(not hasattr(i, "image") for i in items) == 1
+
+
+def test_a_folder_is_listed_by_its_kinds_own_labels(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch):
+    """``loader=folder`` lists the images its kind's labels name by the kind's record
+    (``TargetKind.list_labelled``: masks' ``list_masks``); files.py names no kind."""
+    import dataclasses
+
+    import numpy as np
+
+    from runner.config.schema import DatasetConfig, TargetName, Targets
+    from runner.data.storage.folder import open_folder
+    from runner.data.targets import TARGETS
+    from tests.data.sources.test_masklabels import ids, image, mask
+
+    for k, name in enumerate(("a", "b", "c")):
+        image(tmp_path / "images" / f"{name}.jpg", 12, 10)
+        if name != "c":  # an image without a mask: not listed by the masks' labels
+            mask(tmp_path / "masks" / f"{name}.png", ids(10, 12, k))
+    record = TARGETS[TargetName.masks]
+    asked = []
+
+    def listed(dataset, path):
+        asked.append(Path(path))
+        return record.list_labelled(dataset, path)
+
+    monkeypatch.setitem(TARGETS, TargetName.masks,
+                        dataclasses.replace(record, list_labelled=listed))
+    dataset = DatasetConfig(path=str(tmp_path), targets=Targets.masks, image_size=[8, 8],
+                            crop=Crop.whole)
+    storage = open_folder(loader_config(), dataset, tmp_path)
+    assert asked == [tmp_path] and len(storage) == 2
+    assert storage[0].mask is not None and storage[0].mask.shape == (8, 8)
+    assert np.array_equal(storage.targets.mask(0), ids(10, 12, 0))

@@ -3,8 +3,9 @@
 A kind says which tensor of a model's forward it reads (``needs``: the logits, the
 features its embedding tap kept, or a detector's padded predictions), how that is reduced
 to what is kept (``reduce``: on the device, or, with ``task.reduce_on=host``, on the host's
-copy of the raw tensor, as a naive script does), which models give it (``dense``,
-``detector``: ``gives``), and how it is written (``writer``, which also lists its files).
+copy of the raw tensor, as a naive script does), which models it suits (``dense``,
+``detector``: the refusals' words; which a model gives is its kind of target's record's,
+``TargetKind.applies``), and how it is written (``writer``, which also lists its files).
 The writers here are shared: ``RowsWriter`` keeps each image's row in a ``.npy`` by dataset
 index; the top-k CSV, the mask PNGs and the detections have their own beside their records
 (topk.py, masks.py, detections.py).
@@ -29,9 +30,6 @@ PARTIAL = ".partial"  # after the name of an array or files.txt until the run co
 # detector's padded predictions (a dict: runner/model/detectors.py's ``boxes``, ``box_scores``,
 # ``box_labels``, ``box_count``)
 LOGITS, FEATURES, DETECTIONS = "logits", "features", "detections"
-
-# what a model is, by what its forward gives (``family``)
-CLASSIFIER, SEGMENTATION, DETECTOR = "classifier", "segmentation model", "detector"
 
 
 @dataclass
@@ -122,13 +120,6 @@ class OutputKind:
 
     def on_host(self) -> Callable[[torch.Tensor, TaskConfig], dict[str, torch.Tensor]]:
         return self.reduce_host or self.reduce
-
-    def gives(self, family: str) -> bool:
-        """Whether a model of ``family`` (``CLASSIFIER``, ``SEGMENTATION``, ``DETECTOR``)
-        gives this output."""
-        if self.detector or family == DETECTOR:
-            return self.detector and family == DETECTOR
-        return self.dense is None or self.dense == (family == SEGMENTATION)
 
 
 def unfinished(path: Path, create: bool = True) -> Path:

@@ -21,7 +21,15 @@ import torch
 from tensordict import TensorDict
 
 from runner.common.errors import ConfigError
-from runner.config.schema import Crop, DatasetConfig, Output, ReduceOn, TaskConfig, TaskName
+from runner.config.schema import (
+    Crop,
+    DatasetConfig,
+    ModelFamily,
+    Output,
+    ReduceOn,
+    TaskConfig,
+    TaskName,
+)
 from runner.data.sources.detection import DetectionTargets
 from runner.data.sources.labels import ImageTargets
 from runner.launch.distributed import Ranks
@@ -183,11 +191,13 @@ def synthetic(rows: list[list[tuple]], k: int = 5) -> dict[str, torch.Tensor]:
 
 
 class Replay(torch.nn.Module):
-    """A 'detector' that gives the synthetic predictions of the images it is shown."""
+    """A 'detector' that gives the synthetic predictions of the images it is shown (a
+    detector by its family, as ``build_family_model`` marks the models it builds)."""
 
     def __init__(self, predictions: dict[str, torch.Tensor]):
         super().__init__()
         self.predictions = predictions
+        self.family = ModelFamily.detector
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         rows = x[:, 0, 0, 0].long()  # the image's own index, painted in its first pixel
