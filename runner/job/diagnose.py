@@ -307,10 +307,13 @@ def model_ceiling(step: Callable[[TensorDict], Any], cfg: Config, num_classes: i
     Past ``deadline``, no burst starts: the model's rate is the step already timed.
     """
     from runner.data.targets import TARGETS
+    from runner.model.families import family_of_config
 
     bs = probe_batch(cfg, images or cfg.loader.batch_size)
     h, w = cfg.dataset.image_size
-    kind = TARGETS[cfg.dataset.targets.kind]
+    # the target the model's family learns (a detector's step trains on boxes, whatever
+    # dataset.targets says: the probe's batch is the model's, not the data's)
+    kind = TARGETS[family_of_config(cfg.model, cfg.dataset.targets).target]
     batch = TensorDict({
         "image": as_batches_come(cfg, torch.randint(  # as the loop feeds it (host_dtype)
             0, 256, (bs, 3, *cfg.dataset.image_size), dtype=torch.uint8)).to(device),
