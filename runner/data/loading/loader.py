@@ -259,9 +259,12 @@ def aspect_groups(storage: Storage, cfg: LoaderConfig) -> torch.Tensor:
 
     bins, sizes = storage_aspect_bins(storage, cfg)
     if not callable(getattr(storage, "set_item_shapes", None)):
+        from runner.config.schema import StorageName
+
+        can = f"loader={StorageName.folder.value} or {StorageName.packed.value}"
         raise ConfigError(f"loader.group_aspect=true with loader={cfg.name.value}: it "
-                          "cannot decode each aspect bin's batches at the bin's shape; use "
-                          "loader=folder or packed")
+                          f"cannot decode each aspect bin's batches at the bin's shape; use "
+                          f"{can}")
     size = storage.item_shape[1:]
     storage.set_item_shapes(bin_shapes(sizes, bins, size))
     return bins
