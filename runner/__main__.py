@@ -1,15 +1,24 @@
 """``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep).
 
+One job (a command line of overrides alone) composes its config once: ``cli`` composes it
+with Hydra (runner/job/compose.py's ``compose_job``, the config ``hydra.main`` would compose,
+its ``hydra`` node included), checks it (the cheap checks before torch, then the rest, all
+before a run folder exists), and runs ``job`` on that same config through Hydra's own
+``run_job`` as ``hydra.main``'s ``Hydra.run`` does (its callbacks, the .hydra/ files, the
+logging, the errors it reports); ``hydra.main`` would compose it twice more (once to read
+its run mode, once to run). Every other command line (``-m``, ``--cfg hydra``, ``-cn``, ...)
+is checked by ``refusal`` and handed to ``main``, ``hydra.main`` itself.
+
 ``--cfg job`` prints the config as it will run on this machine, the defaults that depend on
-it settled (runner/job/compose.py's ``settled_page``). ``--help KEY`` (``--help
-loader.num_workers``, ``--help dataset``) prints what the key's declaration says
+it settled (runner/job/compose.py's ``settled_page``, one composition). ``--help KEY``
+(``--help loader.num_workers``, ``--help dataset``) prints what the key's declaration says
 (runner/config/keyhelp.py) without composing anything.
 
 What answers without running a job (``--help``, ``--help KEY``, a typo's one line, a tab
 completion's ``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
-(``runner.job.run``, imported inside ``main``) and with the checks that need them
+(``runner.job.run``, imported inside ``job``) and with the checks that need them
 (runner/job/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
-this.
+this, and that one command composes its config once.
 """
 
 from __future__ import annotations

@@ -8,9 +8,12 @@ runner`` calls it first thing); ``compose`` composes overrides exactly as the co
 does, for commands and tests that run outside a Hydra job; a config Hydra refuses to
 compose (``loader.batch_size=abc``, ``dataset.crop=centre``) is a ConfigError in one line.
 
-``refusal`` is ``python -m runner``'s check of its own command line, before ``hydra.main``
-makes the run folder: every config error (a typo, a type, a choice, a range, two keys that
-contradict each other) is one line, status 2, and no folder. A multirun is refused when a
+``compose_job`` is Hydra's composition of one job (its ``hydra`` node included) and
+``job_checks`` the checks on it: ``python -m runner`` composes one job once with them and
+runs it on that config (runner/__main__.py). ``refusal`` checks every other command line
+(a multirun, a printed config) before ``hydra.main`` makes the run folder: every config
+error (a typo, a type, a choice, a range, two keys that contradict each other) is one
+line, status 2, and no folder. A multirun is refused when a
 value of one of its sweeps cannot be composed, or when none of its jobs could run; a
 sweep whose jobs fail only in some combinations still runs the others (each failed job is
 recorded in its folder and named at the end, runner/job/sweep.py).
