@@ -1,34 +1,53 @@
 """``python -m runner [overrides]``: compose conf/ with Hydra and run one job (``-m``: a sweep).
 
+One job (a command line of overrides alone) composes its config once: ``cli`` composes it
+with Hydra (runner/job/compose.py's ``compose_job``, the config ``hydra.main`` would compose,
+its ``hydra`` node included), checks it (the cheap checks before torch, then the rest, all
+before a run folder exists), and runs ``job`` on that same config through Hydra's own
+``run_job`` as ``hydra.main``'s ``Hydra.run`` does (its callbacks, the .hydra/ files, the
+logging, the errors it reports); ``hydra.main`` would compose it twice more (once to read
+its run mode, once to run). Every other command line (``-m``, ``--cfg hydra``, ``-cn``, ...)
+is checked by ``refusal`` and handed to ``main``, ``hydra.main`` itself.
+
 ``--cfg job`` prints the config as it will run on this machine, the defaults that depend on
-it settled (runner/job/compose.py's ``settled_page``). ``--help KEY`` (``--help
-loader.num_workers``, ``--help dataset``) prints what the key's declaration says
+it settled (runner/job/compose.py's ``settled_page``, one composition). ``--help KEY``
+(``--help loader.num_workers``, ``--help dataset``) prints what the key's declaration says
 (runner/config/keyhelp.py) without composing anything.
 
 What answers without running a job (``--help``, ``--help KEY``, a typo's one line, a tab
 completion's ``-sc query=bash``) imports neither torch nor tensordict: those come in with the job
-(``runner.job.run``, imported inside ``main``) and with the checks that need them
+(``runner.job.run``, imported inside ``job``) and with the checks that need them
 (runner/job/compose.py), so an answer takes a second, not six. tests/test_startup.py holds
-this.
+this, and that one command composes its config once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.common.errors import EXIT_USER_ERROR
+from runner.common.errors import EXIT_USER_ERROR, ConfigError
 from runner.config.schema import config_dir
 from runner.job import sweep
 from runner.job.commandline import check_command_line, help_page, key_help, register_configs
-from runner.job.compose import refusal, runs_nothing, settled_page
+from runner.job.compose import (
+    compose_job,
+    hydra_session,
+    job_checks,
+    overrides_of,
+    refusal,
+    runs_nothing,
+    settled_page,
+)
 from runner.launch.outcome import (
     RunDirInUse,
     RunDirUnusable,
@@ -41,8 +60,7 @@ from runner.launch.outcome import (
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
-def main(cfg: DictConfig) -> float:
+def job(cfg: DictConfig) -> float:
     """One job; returns ``run.objective`` for Hydra's sweepers (NaN when it did not succeed).
 
     In a sweep a failed job is recorded in its metrics.json and the sweep goes on; alone,
@@ -65,39 +83,116 @@ def main(cfg: DictConfig) -> float:
     return sweep.objective(metrics, cfg.run.objective)
 
 
+main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(job)
+
+
 def cli() -> None:
     """The ``runner`` console script (and ``python -m runner``)."""
-    answer = key_help(sys.argv[1:])  # --help KEY: the key's declaration, nothing composed
+    argv = sys.argv[1:]
+    answer = key_help(argv)  # --help KEY: the key's declaration, nothing composed
     if answer is not None:
         text, status = answer
         print(text, file=sys.stdout if status == 0 else sys.stderr)
         sys.exit(status)
-    check_command_line(sys.argv[1:])
-    why = refusal(sys.argv[1:])  # every config error, before Hydra makes a run folder
-    if why:
-        print(f"error: {why}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
-    page = help_page(sys.argv[1:]) or settled_page(sys.argv[1:])  # --help, --cfg job
+    check_command_line(argv)
+    try:
+        page = help_page(argv) or settled_page(argv)  # --help, --cfg job
+    except ConfigError as e:
+        refuse(e)
     if page is not None:
         print(page)
         sys.exit(0)
-    if not runs_nothing(sys.argv[1:]):  # help, completion: no folder to check (nor torch)
+    if "RANK" in os.environ and not runs_nothing(argv):  # under torchrun (torch comes in)
         from runner.launch.distributed import scratch_dirs_for_other_ranks
 
-        sys.argv[1:] = scratch_dirs_for_other_ranks(sys.argv[1:])
-        try:
-            check_run_folder(sys.argv[1:])  # one line, not Hydra's traceback, when unusable
-            claim_given_run_dir(sys.argv[1:])  # held until the process ends
-        except (RunDirInUse, RunDirUnusable) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(EXIT_USER_ERROR)
+        sys.argv[1:] = argv = scratch_dirs_for_other_ranks(argv)
+    if one_job(argv) and run_one_job(argv):
+        return
+    why = refusal(argv)  # every config error, before Hydra makes a run (sweep) folder
+    if why:
+        refuse(why)
+    if not runs_nothing(argv):  # help, completion: no folder to check (nor torch)
+        claim_run_folder(argv)
     try:
         main()
     except KeyboardInterrupt as e:
-        name = getattr(e, "signal_name", "SIGINT")
-        sys.exit(128 + getattr(signal, name, signal.SIGINT))
+        stopped(e)
     if sweep.FAILED_JOBS:
         sys.exit(1)
+
+
+def one_job(argv: list[str]) -> bool:
+    """A command line of overrides alone (no flag, no ``hydra.mode``): one job."""
+    return not any(a.startswith("-") or a.lstrip("+~").startswith("hydra.mode=")
+                   for a in argv)
+
+
+def run_one_job(argv: list[str]) -> bool:
+    """One job, its config composed once: checked (before torch, before its run folder),
+    then run as ``hydra.main`` runs it (its hydra.yaml, logging, callbacks, the errors it
+    reports) on that very config. False, nothing done, where ``hydra.main`` must answer:
+    a composition whose refusal is Hydra's to say, a config that asks for a multirun."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.utils import run_and_report
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import configure_log, run_job
+    from hydra.types import HydraContext
+    from omegaconf import read_write
+
+    overrides = overrides_of(argv)
+    with hydra_session():
+        try:
+            cfg = compose_job(overrides)
+        except ConfigError as e:
+            refuse(e)
+        if cfg is None or cfg.hydra.mode == RunMode.MULTIRUN:
+            return False
+        why = job_checks(cfg, overrides)
+        if why:
+            refuse(why)
+        claim_run_folder(argv)
+        if cfg.hydra.mode is None:  # what hydra.main does (its hydra.yaml says it)
+            with read_write(cfg.hydra):
+                cfg.hydra.mode = RunMode.RUN
+                cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+
+        def run() -> None:  # hydra.main's Hydra.run, after its composition
+            callbacks = Callbacks(cfg)
+            callbacks.on_run_start(config=cfg, config_name="config")
+            context = HydraContext(config_loader=GlobalHydra.instance().config_loader(),
+                                   callbacks=callbacks)
+            ret = run_job(task_function=job, config=cfg, job_dir_key="hydra.run.dir",
+                          job_subdir_key=None, hydra_context=context)
+            callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+            _ = ret.return_value  # a job's exception, reported as Hydra reports it
+
+        try:
+            run_and_report(run)
+        except KeyboardInterrupt as e:
+            stopped(e)
+    return True
+
+
+def claim_run_folder(argv: list[str]) -> None:
+    """The run (sweep) folder can be made, and a given ``hydra.run.dir`` is this run's
+    (held until the process ends); else one line, status 2."""
+    try:
+        check_run_folder(argv)  # one line, not Hydra's traceback, when unusable
+        claim_given_run_dir(argv)
+    except (RunDirInUse, RunDirUnusable) as e:
+        refuse(e)
+
+
+def refuse(why: object) -> NoReturn:
+    print(f"error: {why}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def stopped(e: KeyboardInterrupt) -> NoReturn:
+    """Ctrl-C or a signal: the conventional 128 + its number."""
+    name = getattr(e, "signal_name", "SIGINT")
+    sys.exit(128 + getattr(signal, name, signal.SIGINT))
 
 
 if __name__ == "__main__":

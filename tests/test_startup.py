@@ -90,3 +90,72 @@ def test_help_is_left_to_hydra_where_the_page_would_differ():
     assert help_page(["loader=memmap"]) is None  # no --help
     assert help_page(["--help", "-cn", "other"]) is None  # another config
     assert help_page(["--help", "loader.batch_size=abc"]) is None  # Hydra says why
+
+
+# ``python -m runner ARGV`` with Hydra's composition counted (ConfigLoaderImpl is what
+# hydra.main, hydra.compose and a launcher compose with); the count goes to stderr at exit
+COUNTED = """
+import atexit, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+calls, load = [], ConfigLoaderImpl.load_configuration
+def counted(self, *args, **kwargs):
+    calls.append(1)
+    return load(self, *args, **kwargs)
+ConfigLoaderImpl.load_configuration = counted
+atexit.register(lambda: print(f"compositions: {len(calls)}", file=sys.stderr))
+from runner.__main__ import cli
+cli()
+"""
+
+
+def composed(*argv: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """``python -m runner argv``: the process and how many times it composed a config."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"}
+    proc = subprocess.run([sys.executable, "-c", COUNTED, *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    counts = [line for line in proc.stderr.splitlines() if line.startswith("compositions: ")]
+    return proc, int(counts[-1].split()[-1])
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("argv", "status"), [
+    (["model=none", "run.steps=2", "logger=none", "diagnose=false"], 0),  # a job that runs
+    (["model.name=resnet5"], 2),  # refused by the cheap checks
+    (["loader.batch_size=abc"], 2),  # refused by Hydra, in one line
+    (["--cfg", "job", "loader.batch_size=8"], 0),  # the settled page
+], ids=["run", "precheck", "hydra-refusal", "cfg-job"])
+def test_one_command_composes_its_config_once(argv: list[str], status: int, tmp_path: Path):
+    """The checks before the run folder and the job itself read one composition (Hydra's
+    ``hydra.main`` composed it twice more: once for its run mode, once to run)."""
+    from tests.conftest import SMALL_DATASET
+
+    proc, count = composed(*argv, *(SMALL_DATASET if status == 0 else []), cwd=tmp_path)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert count == 1, proc.stderr[-3000:]
+    if argv[0] == "model=none":
+        (metrics,) = tmp_path.glob("outputs/runs/*/metrics.json")
+        assert '"status": "ok"' in metrics.read_text()
+    else:
+        assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.process
+def test_a_run_writes_what_hydra_main_writes(tmp_path: Path):
+    """A job run on the one composition writes the .hydra/ files ``hydra.main`` writes (its
+    config, its Hydra config with ``hydra.mode=RUN``, its overrides) and its runner.log."""
+    from tests.conftest import SMALL_DATASET
+
+    argv = ["model=none", "run.steps=1", "logger=none", "diagnose=false", *SMALL_DATASET]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"}
+    folders = {"cli": "folder-of-cli", "main": "folder-of-main"}
+    for entry, folder in folders.items():
+        subprocess.run([sys.executable, "-c", f"from runner.__main__ import {entry}; {entry}()",
+                        *argv, f"hydra.run.dir={folder}"], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, timeout=300)
+    for file in (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"):
+        once, hydra = ((tmp_path / folder / file).read_text().replace(folder, "X")
+                       for folder in folders.values())
+        assert once == hydra, file
+    assert "- hydra.mode=RUN" in (tmp_path / folders["cli"] / ".hydra/hydra.yaml").read_text()
+    logs = [(tmp_path / folder / "runner.log").read_text() for folder in folders.values()]
+    assert all("images/s" in log for log in logs)

@@ -8,9 +8,12 @@ runner`` calls it first thing); ``compose`` composes overrides exactly as the co
 does, for commands and tests that run outside a Hydra job; a config Hydra refuses to
 compose (``loader.batch_size=abc``, ``dataset.crop=centre``) is a ConfigError in one line.
 
-``refusal`` is ``python -m runner``'s check of its own command line, before ``hydra.main``
-makes the run folder: every config error (a typo, a type, a choice, a range, two keys that
-contradict each other) is one line, status 2, and no folder. A multirun is refused when a
+``compose_job`` is Hydra's composition of one job (its ``hydra`` node included) and
+``job_checks`` the checks on it: ``python -m runner`` composes one job once with them and
+runs it on that config (runner/__main__.py). ``refusal`` checks every other command line
+(a multirun, a printed config) before ``hydra.main`` makes the run folder: every config
+error (a typo, a type, a choice, a range, two keys that contradict each other) is one
+line, status 2, and no folder. A multirun is refused when a
 value of one of its sweeps cannot be composed, or when none of its jobs could run; a
 sweep whose jobs fail only in some combinations still runs the others (each failed job is
 recorded in its folder and named at the end, runner/job/sweep.py).
@@ -18,6 +21,8 @@ recorded in its folder and named at the end, runner/job/sweep.py).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import logging
 from collections.abc import Iterator
@@ -167,19 +172,27 @@ def settled_page(argv: list[str]) -> str | None:
     (``device``, ``loader.decoder``, ``loader.draft``, ``loader.pin_memory``,
     ``loader.decode_threads``), not the presets' ``auto`` and unset values Hydra's page
     shows; None for any other command line (Hydra's own page: ``--cfg hydra``, ``-p``, a
-    multirun, another config)."""
+    multirun, another config). Composed once: a config Hydra refuses is a ConfigError (one
+    line); one the checks refuse is printed as given, as Hydra's page prints it."""
     flags = [a for a in argv if a.startswith("-")]
     shown = next((b for a, b in zip(argv, argv[1:], strict=False) if a in ("-c", "--cfg")),
                  None)
     if shown != "job" or set(flags) - {"-c", "--cfg", "--resolve"}:
         return None
     overrides = overrides_of(argv)
+    with hydra_session():
+        cfg = compose_job(overrides)  # composed once: a refusal is the caller's one line
+    if cfg is None:
+        return None  # Hydra's own message stands
+    job = job_part(cfg)
     try:
-        config = compose(overrides)
+        config = to_config(job, overrides)
     except ConfigError as e:  # a value out of range: Hydra's own page, as typed, then why
         log.warning("%s (the page below is the config as given, not settled)",
                     str(e).splitlines()[0])
-        return None
+        if "--resolve" in flags:
+            OmegaConf.resolve(job)
+        return OmegaConf.to_yaml(job)
     return ("# the config as it will run on this machine (device, loader.decoder, draft, "
             "pin_memory, decode_threads settled)\n"
             + OmegaConf.to_yaml(OmegaConf.structured(config)))
@@ -224,25 +237,67 @@ def refusal(argv: list[str]) -> str | None:
 
 def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
     """Why one job of these overrides cannot run, or None."""
-    from hydra import compose as hydra_compose
+    try:
+        with hydra_session():
+            cfg = compose_job(overrides)
+    except ConfigError as e:
+        return str(e)
+    if cfg is None or not runnable:
+        return None
+    return job_checks(cfg, overrides)
+
+
+@contextlib.contextmanager
+def hydra_session() -> Iterator[None]:
+    """Hydra initialized on conf/ (the schema registered) as ``hydra.main`` initializes it,
+    for ``compose_job``; the job of ``python -m runner`` runs inside it too (__main__.py)."""
     from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), job_name="runner",
+                               version_base="1.3"):
+        yield
+
+
+def compose_job(overrides: list[str]) -> DictConfig | None:
+    """Hydra's composition of one job, its ``hydra`` node included: the config ``hydra.main``
+    composes for a run, composed once (inside ``hydra_session``). A ConfigError, in one
+    line, where the runner can say why Hydra refuses it; None where Hydra's own message
+    must stand."""
+    from hydra import compose as hydra_compose
+
+    why = argv_refusal(overrides)  # a URL's credentials, before Hydra's messages repeat them
+    if why:
+        raise ConfigError(why)
+    try:
+        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    except Exception as e:  # Hydra's refusal, in one line where it is the user's
+        message = composition_message(e)
+        if message is None:
+            return None
+        raise ConfigError(message) from e
+
+
+def job_part(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` without its ``hydra`` node, as Hydra hands it to the job, with
+    ``${hydra:...}`` resolving as in the job (``cfg`` itself is left as it is)."""
     from hydra.core.hydra_config import HydraConfig
 
-    if argv_refusal(overrides):  # a URL's credentials, before Hydra's messages repeat them
-        return argv_refusal(overrides)
-    register_configs()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        try:
-            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
-        except Exception as e:  # Hydra's refusal, in one line where it is the user's
-            return composition_message(e)
-    if not runnable:
-        return None
-    HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in the job
-    with open_dict(cfg):
-        del cfg["hydra"]
+    job = copy.deepcopy(cfg)
+    HydraConfig.instance().set_config(job)
+    with open_dict(job):
+        del job["hydra"]
+    return job
+
+
+def job_checks(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """Why the job of ``cfg`` (``compose_job``'s, left as it is) cannot run, or None: the
+    cheap checks before torch (runner/job/precheck.py), then the ones that need it."""
+    job = job_part(cfg)
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the job says its warnings (once) when it runs
     try:
-        config = validated(cfg, overrides)
+        config = validated(job, overrides)
         check_before_torch(config)  # a missing folder, model or weights file: without torch
         settle(config, overrides)
         from runner.data.storage import check_dataset_found  # torch: once the config is good
@@ -253,6 +308,8 @@ def job_refusal(overrides: list[str], runnable: bool = True) -> str | None:
         return str(e).splitlines()[0]
     except Exception:  # skipped (Unavailable) or failed by the job itself, as before
         return None
+    finally:
+        logging.disable(quiet)
     return None
 
 
