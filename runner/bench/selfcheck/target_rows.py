@@ -463,14 +463,16 @@ def _no_sync(work):
 def _move_boxes(batch, crop, draws, plan, windows):
     """The device pass's work on ``batch`` in place: the store's crop from ``draws`` (when
     there is one), the mosaic of ``plan``, the box crops of ``windows``."""
+    from runner.config.schema import TargetName
     from runner.data.decode.boxgeometry import map_padded
     from runner.data.decode.crops import BatchAugment
     from runner.data.decode.decoders import RATIO
     from runner.data.device.boxaugment import mosaic_boxes, mosaic_images
     from runner.data.path import crop_targets
+    from runner.data.targets import TARGETS
 
     if crop is not None:
-        crop_targets(crop, batch, draws)
+        crop_targets(crop, batch, draws, TARGETS[TargetName.boxes].follow)
         batch["image"] = crop(batch["image"], draws)
     size = tuple(batch["image"].shape[-2:])
     batch["image"] = mosaic_images(batch["image"], plan)

@@ -97,6 +97,7 @@ from runner.config.schema import (
     ConfigError,
     ModelConfig,
     ModelFamily,
+    Output,
     ReduceOn,
     TargetName,
     TaskConfig,
@@ -248,7 +249,7 @@ class Reduce:
         """The model's family, and so the asked outputs it gives (its kind of target's
         ``applies``; ``check_outputs`` refused the others before any file was made)."""
         self.family = family
-        applies = TARGETS[family.target].applies
+        applies = gives(family)
         self.kinds = [k for k in self.asked if k.name in applies]
         return family
 
@@ -371,6 +372,20 @@ def boxes_of(family: Family) -> bool:
     return any(OUTPUT_KINDS[o].detector for o in TARGETS[family.target].applies)
 
 
+def gives(family: Family) -> frozenset[Output]:
+    """Every output kind a model of ``family`` gives: those its kind of target lists
+    (``TargetKind.applies``) and any other whose own record says it applies to such a model
+    (``OutputKind.detector``, ``dense``), so a new output kind is its enum value and its
+    module: asked of a classifier, a class output the lists do not name was dropped without
+    a word."""
+    listed = TARGETS[family.target].applies
+    if boxes_of(family):
+        return frozenset(listed | {o for o, k in OUTPUT_KINDS.items() if k.detector})
+    dense = any(OUTPUT_KINDS[o].dense is True for o in listed)  # scores per pixel
+    return frozenset(listed | {o for o, k in OUTPUT_KINDS.items()
+                               if not k.detector and k.dense in (None, dense)})
+
+
 def settle_outputs(config: Config) -> None:
     """An unset ``task.outputs`` becomes what the pass's models give by default: the
     outputs of the kind of target each one's family learns (``TargetKind.outputs``: a
@@ -406,7 +421,7 @@ def check_outputs(cfg: TaskConfig, family: Family, model: str) -> None:
     outputs of a segmentation model or a detector, boxes of anything but a detector), by
     its family's record (the outputs its kind of target applies) and the output kinds'
     (``dense``, ``detector``, which word the refusal)."""
-    applies = TARGETS[family.target].applies
+    applies = gives(family)
     detector = boxes_of(family)
     check_detector(cfg, detector, model)
     if detector:
