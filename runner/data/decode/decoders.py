@@ -663,6 +663,16 @@ class ImageDecoder:
             return Box(0, 0, h, w), False
         return center_box(h, w, *self.size, self.fraction), False
 
+    def needed(self, box: Box) -> tuple[int, int]:
+        """The size ``box``'s pixels are resized to: the output's, or with
+        ``dataset.crop=letterbox`` the picture's inside the pads (aspect kept: a 1080x1920
+        source letterboxed to 640 is 360x640), which is what a reduced-scale DCT decode
+        must keep (a 1/2-scale decode of that source, 540x960, still holds 360x640; asked
+        against the whole square, a DCT scale was never taken)."""
+        if self.crop is not Crop.letterbox:
+            return tuple(self.size)
+        return tuple(letterbox_place(box.height, box.width, *self.size)[2:])
+
     def finish(self, img: torch.Tensor, box: Box, flip: bool = False) -> torch.Tensor:
         """Crop, resize and maybe flip an upright CHW image, on its device (on the CPU with
         ``resize_into``, as a packed store's batch decode does: the same pixels)."""
@@ -718,16 +728,17 @@ class ImageDecoder:
         oh, ow = header.oriented_hw
         box, flip = self.box_for(oh, ow, seed)
         kind = DECODERS[self.decoder]
+        need = self.needed(box)
         if kind.region:
-            denom = region_scale(box, self.size)  # decoded at 1/denom: libjpeg's sizes
+            denom = region_scale(box, need)  # decoded at 1/denom: libjpeg's sizes
             window = source_window(box, (oh, ow), (-(-oh // denom), -(-ow // denom)))
-            img, cut = decode_region(data, header, box, self.size)
+            img, cut = decode_region(data, header, box, need)
             return (self.finish(img, cut, flip), self.shows(window, img.shape[-2:]), flip,
                     (oh, ow))
         min_hw = None
         if self.draft and kind.scales:
             # The decode only needs to be as large as the crop will be after resizing.
-            shrink = max(self.size[0] / box.height, self.size[1] / box.width)
+            shrink = max(need[0] / box.height, need[1] / box.width)
             if shrink <= 0.5:
                 min_hw = (math.ceil(header.height * shrink), math.ceil(header.width * shrink))
         img = kind.decode(data, min_hw)
