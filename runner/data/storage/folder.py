@@ -156,7 +156,8 @@ class FolderStorage(torch.utils.data.Dataset):
         except OSError as e:  # deleted, moved or unreadable since the folder was listed
             return self.unreadable(index, e)
         t1 = time.perf_counter()
-        item = self.decode_data(index, data, valid, seed, out)
+        item = (self.decode_data(index, data, valid, seed) if out is None  # a store's own
+                else self.decode_data(index, data, valid, seed, out))
         if timeline.enabled():
             timeline.record("read", t0, t1)
             timeline.record("decode", t1, time.perf_counter())
@@ -235,7 +236,8 @@ class FolderStorage(torch.utils.data.Dataset):
         items = []
         # a CPU decoder writes each image into its slot (no image of its own, no copy
         # after); a subclass's own items are taken as it makes them
-        into = type(self).__getitem__ is FolderStorage.__getitem__
+        into = (type(self).__getitem__ is FolderStorage.__getitem__
+                and type(self).decode_data is FolderStorage.decode_data)
         for k in positions:
             item = self._item(indices[k], out[k]) if into else self[indices[k]]
             if isinstance(item, Sample):
