@@ -141,6 +141,11 @@ class FolderStorage(torch.utils.data.Dataset):
     def __getitem__(self, index: int | tuple[int, int]) -> Sample | SkippedFile:
         """Item ``index``; ``(index, crop_seed)`` draws its random crop from that seed (the
         batch order gives each image of each epoch one, so every path crops alike)."""
+        return self._item(index)
+
+    def _item(self, index: int | tuple[int, int], out: torch.Tensor | None = None
+              ) -> Sample | SkippedFile:
+        """``__getitem__``'s item, its image decoded into ``out`` when given."""
         seed = None
         if isinstance(index, tuple):
             index, seed = index
@@ -151,7 +156,8 @@ class FolderStorage(torch.utils.data.Dataset):
         except OSError as e:  # deleted, moved or unreadable since the folder was listed
             return self.unreadable(index, e)
         t1 = time.perf_counter()
-        item = self.decode_data(index, data, valid, seed)
+        item = (self.decode_data(index, data, valid, seed) if out is None  # a store's own
+                else self.decode_data(index, data, valid, seed, out))
         if timeline.enabled():
             timeline.record("read", t0, t1)
             timeline.record("decode", t1, time.perf_counter())
@@ -178,18 +184,26 @@ class FolderStorage(torch.utils.data.Dataset):
         """Nothing to check for a folder's own file (a store checks its copy's checksum)."""
 
     def decode_data(self, index: int, data: bytearray | None, valid: bool = True,
-                    seed: int | None = None) -> Sample | SkippedFile:
+                    seed: int | None = None, out: torch.Tensor | None = None
+                    ) -> Sample | SkippedFile:
         """Item ``index`` from its file's bytes (None: the file could not be read); a
         random crop from the image's crop ``seed``; with detection targets, its boxes
-        through the window and flip the decoder made the image of."""
+        through the window and flip the decoder made the image of. ``out``: the batch
+        slot a CPU decoder writes the image into (``decode_slice``)."""
         path, label = self.samples[index]
         try:
             if not data:
                 raise CorruptImageError("empty file" if data is not None else "unreadable")
             decode = self.decoder_for(index)
-            if self.targets is None:
+            if (out is not None and isinstance(decode, ImageDecoder)
+                    and tuple(out.shape[-2:]) == tuple(decode.size)):
+                image, window, flip, hw = decode.decode_window(data, seed, out)
+                if self.targets is None:
+                    return Sample(image, label, index, valid)
+            elif self.targets is None:
                 return Sample(decode(data, seed), label, index, valid)
-            image, window, flip, hw = decode.decode_window(data, seed)
+            else:
+                image, window, flip, hw = decode.decode_window(data, seed)
         except (CorruptImageError, OSError) as e:
             return self.undecodable(path, e, index)
         # the target through the same window and flip: its kind's record says how
@@ -220,10 +234,15 @@ class FolderStorage(torch.utils.data.Dataset):
         """Items ``indices[k]`` for ``k`` in ``positions`` decoded into ``out[k]`` (the
         decode threads' unit of work, ``ThreadedBatches``); the Samples carry no image."""
         items = []
+        # a CPU decoder writes each image into its slot (no image of its own, no copy
+        # after); a subclass's own items are taken as it makes them
+        into = (type(self).__getitem__ is FolderStorage.__getitem__
+                and type(self).decode_data is FolderStorage.decode_data)
         for k in positions:
-            item = self[indices[k]]
+            item = self._item(indices[k], out[k]) if into else self[indices[k]]
             if isinstance(item, Sample):
-                out[k].copy_(item.image)
+                if item.image.data_ptr() != out[k].data_ptr():
+                    out[k].copy_(item.image)
                 item = dataclasses.replace(item, image=None)
             items.append(item)
         return items

@@ -702,7 +702,7 @@ class PackedStorage(FolderStorage):
                 continue
             header = JpegHeader(self.heights[index], self.widths[index], 3)  # stored upright
             box, flip = decoder.box_for(header.height, header.width, seed)
-            denom, top, left, ch, cw = region_window(header, box, size)
+            denom, top, left, ch, cw = region_window(header, box, decoder.needed(box))
             if kind is not None:  # the target through the window decoded at 1/denom
                 hw = (header.height, header.width)
                 window = source_window(box, hw, (-(-hw[0] // denom), -(-hw[1] // denom)))

@@ -89,6 +89,52 @@ def test_pixels_and_boxes_equal_torchvision_resize_then_pad(hw, size):
     assert torch.allclose(back, boxes[kept], atol=1e-3)
 
 
+@pytest.mark.parametrize("decoder,draft", [(Decoder.region, False), (Decoder.simplejpeg, True)])
+def test_a_large_source_is_decoded_at_the_dct_scale_its_letterbox_allows(monkeypatch, decoder,
+                                                                         draft):
+    """A 216 x 384 source letterboxed to 128 x 128 shows a 72 x 128 picture: a 1/2-scale
+    decode (108 x 192) still holds it. The scale was asked against the whole square (128
+    high: 216 / 2 is under it), so a letterbox never took one; at 1080x1920 -> 640 that
+    is a full decode where a half one does. Boxes and pixels stay those of torchvision's
+    resize and pad."""
+    from runner.data.decode import decoders
+
+    if not decoders.DECODERS[decoder].available():
+        pytest.skip(f"loader.decoder={decoder.value} is not installed here")
+    hw, size = (216, 384), (128, 128)
+    data = jpeg(*hw, seed=3)
+    import simplejpeg
+
+    scales = []
+    real_region, real_simple = decoders.decode_region, simplejpeg.decode_jpeg
+
+    def region(data, header, box, need):
+        scales.append(decoders.region_scale(box, need))
+        return real_region(data, header, box, need)
+
+    def simple(data, **kwargs):  # libjpeg's scale: the decoded height against the source's
+        out = real_simple(data, **kwargs)
+        scales.append(hw[0] // out.shape[0])
+        return out
+
+    monkeypatch.setattr(decoders, "decode_region", region)
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", simple)
+    image, window, _, _ = ImageDecoder(decoder, size, Crop.letterbox, draft=draft
+                                       ).decode_window(data)
+    assert scales == [2]
+    top, left, nh, nw = letterbox_place(*hw, *size)
+    assert (top, nh, nw) == (28, 72, 128)
+    source = TF.pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
+    theirs = TF.pad(TF.resize(source, [nh, nw], antialias=True),
+                    [left, top, size[1] - nw - left, size[0] - nh - top], fill=PAD_VALUE)
+    assert (image.int() - theirs.int()).abs().float().mean() < 2
+    boxes = torch.tensor([[40.0, 30, 200, 150]])
+    mine, _ = map_boxes(boxes, torch.tensor([0]), Window(*window), size)
+    bb = tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=hw)
+    tv = TF.pad(TF.resize(bb, [nh, nw]), [left, top]).as_subclass(torch.Tensor)
+    assert torch.allclose(mine, tv, atol=1.0)
+
+
 def test_shown_window_is_the_decoders():
     decoder = ImageDecoder(Decoder.pil, (96, 128), Crop.letterbox)
     _, window, _, hw = decoder.decode_window(jpeg(300, 170))
