@@ -229,6 +229,7 @@ class StepClock:
         system.predating()
         self.gpu, self.gpu_note = system.open_nvml(device)
         self._shared = SharedCores(self.gpu)
+        self._sampled = False  # a window has taken the counters' sample since the start
 
     def _empty(self) -> Window:
         window = Window()
@@ -307,7 +308,10 @@ class StepClock:
         synchronize(self.device)
         window = self._window
         window.seconds = time.perf_counter() - self._start
-        if self._shared.age() >= SHARED_SAMPLE_SECONDS:  # after the clock stopped
+        # a sample per 50 ms, and the first window's whatever its age: a timed part shorter
+        # than 50 ms (a quick run) had no sample at all in its timeline's counters lane
+        if self._shared.age() >= SHARED_SAMPLE_SECONDS or not self._sampled:
+            self._sampled = True
             window.others_cpu, window.others_span = self._shared.others(), self._shared.age()
             window.counts = self._shared.counts()
             timeline.record_counters(self._shared.start[0], window.counts.seconds
