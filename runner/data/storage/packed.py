@@ -74,6 +74,7 @@ import math
 import os
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,23 @@ def _encode_chunk(chunk: tuple[int, int]) -> tuple[tuple[int, int], list, list[S
     return chunk, rows, skipped
 
 
+def append_side(fd: int, table: np.ndarray, first: int, rows: list, end: int, unit: int,
+                encode: Callable[[Any], bytes]) -> int:
+    """A chunk's side parts (each row's sixth field: the part, its image id, its source
+    size), boxes or a kind's blobs, after the ones before in index order: each row's start
+    and length (in ``unit``-byte items) in ``table`` from row ``first``, their bytes at
+    ``end`` items into ``fd``, both on disk before the chunk is recorded; the new end."""
+    start = end
+    for k, row in enumerate(rows):
+        part, image_id, (sh, sw) = row[5]
+        table[first + k] = (end, len(part), image_id, sh, sw)
+        end += len(part)
+    os.pwrite(fd, b"".join(encode(r[5][0]) for r in rows), start * unit)
+    table.flush()
+    os.fdatasync(fd)
+    return end
+
+
 def stored_boxes(target, height: int, width: int, data: bytes | None = None
                  ) -> tuple[np.ndarray, int, tuple[int, int]]:
     """An image's boxes (its ``ImageTargets``, at its source size) as ``BOX_DTYPE`` rows in
@@ -435,25 +453,12 @@ def _convert(folder_storage: FolderStorage, spec: PackedSpec, journal: Journal,
                 sources.flush()
                 extra = {}
                 if detection:  # the chunk's boxes after the ones before, in index order
-                    start = box_end
-                    for k, row in enumerate(rows):
-                        boxes, image_id, (sh, sw) = row[5]
-                        per_image[chunk[0] + k] = (box_end, len(boxes), image_id, sh, sw)
-                        box_end += len(boxes)
-                    os.pwrite(box_fd, b"".join(r[5][0].tobytes() for r in rows),
-                              start * BOX_DTYPE.itemsize)
-                    per_image.flush()
-                    os.fdatasync(box_fd)
+                    box_end = append_side(box_fd, per_image, chunk[0], rows, box_end,
+                                          BOX_DTYPE.itemsize, lambda boxes: boxes.tobytes())
                     extra["boxes"] = box_end
                 if blobs:  # the chunk's blobs after the ones before, in index order
-                    start = blob_end
-                    for k, row in enumerate(rows):
-                        blob, image_id, (sh, sw) = row[5]
-                        blob_index[chunk[0] + k] = (blob_end, len(blob), image_id, sh, sw)
-                        blob_end += len(blob)
-                    os.pwrite(blob_fd, b"".join(r[5][0] for r in rows), start)
-                    blob_index.flush()
-                    os.fdatasync(blob_fd)
+                    blob_end = append_side(blob_fd, blob_index, chunk[0], rows, blob_end, 1,
+                                           lambda blob: blob)
                     extra["blob_bytes"] = blob_end
                 os.fdatasync(fd)  # bytes and rows reach the disk before the record does
                 journal.record(chunk[0], skipped, end=end, **extra)

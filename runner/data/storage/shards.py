@@ -278,6 +278,16 @@ class ShardsStorage(PackedStorage):
                           "of the shard's index (a damaged or changed shard)")
         return data
 
+    def last_target(self, index: int):
+        """Sample ``index``'s target as ``read`` left it for this decode thread (its boxes
+        parsed, or its kind's blob checked), read again when the thread's last read was
+        another sample."""
+        last = getattr(self._last, "item", None)
+        if last is None or last[0] != index:
+            self.read(index)
+            last = self._last.item
+        return last[1]
+
     def parse_boxes(self, index: int, data: bytes):
         """Sample ``index``'s ``<key>.json`` as its ``ImageTargets`` in pixels of its stored
         image (boxes given for another ``height`` x ``width`` scaled to it); an OSError
@@ -362,11 +372,7 @@ class ShardTargets:
         return len(self.storage)
 
     def __getitem__(self, index: int):
-        last = getattr(self.storage._last, "item", None)
-        if last is None or last[0] != index:
-            self.storage.read(index)
-            last = self.storage._last.item
-        return last[1]
+        return self.storage.last_target(index)
 
 
 class ShardBlobs:
@@ -387,11 +393,7 @@ class ShardBlobs:
         return len(self.storage)
 
     def target(self, index: int):
-        last = getattr(self.storage._last, "item", None)
-        if last is None or last[0] != index:
-            self.storage.read(index)
-            last = self.storage._last.item
-        return TARGETS[self.kind].from_blob(last[1])
+        return TARGETS[self.kind].from_blob(self.storage.last_target(index))
 
     def source_size(self, index: int) -> tuple[int, int]:
         return self.storage.heights[index], self.storage.widths[index]
