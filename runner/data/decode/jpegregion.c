@@ -2,9 +2,11 @@
  *
  * decode(data, denom, top, left, height, width) -> bytearray (height * width * 3, RGB)
  * decode_batch(items) -> [None or error message] per item
- *   (data, denom, top, left, height, width, dest, planar): each window decoded straight
- *   into its destination buffer (a slot of the batch tensor: CHW planes; or HWC), the
- *   whole batch in one call without the GIL (no Python between images).
+ *   (data, denom, top, left, height, width, dest, planar[, plane_stride, row_stride]):
+ *   each window decoded straight into its destination buffer (a slot of the batch tensor:
+ *   CHW planes, or a window of them with the strides in bytes, as a letterbox's picture
+ *   inside its pads; or HWC), the whole batch in one call without the GIL (no Python
+ *   between images).
  *
  * Decodes only the rows and columns of the window (top, left, height, width), given in
  * the coordinates of the image scaled by 1/denom (denom 1, 2, 4 or 8: libjpeg's fast DCT
@@ -50,8 +52,9 @@ static void on_message(j_common_ptr cinfo, int level) {
 }
 
 /* Decode the window (top, left, height, width) of the image scaled by 1/denom into dst:
- * interleaved RGB rows (height x width x 3) or, with planar, three planes (3 x height x
- * width: a CHW image). A window narrower than WHOLE_ROWS_FROM of the scaled width is cut
+ * interleaved RGB rows (height x width x 3) or, with planar, three planes (a CHW image;
+ * plane and row strides in bytes, so the planes may be a window of a larger image). A
+ * window narrower than WHOLE_ROWS_FROM of the scaled width is cut
  * by jpeg_crop_scanline; a wider one is decoded in whole rows and cut here (libjpeg's
  * column crop costs more than it saves there). Returns 0, or 1 with problem set. Runs
  * without the GIL. */
@@ -73,8 +76,8 @@ static void planes_row(const unsigned char *src, unsigned char *r, unsigned char
 }
 
 static int decode_one(const unsigned char *buf, size_t len, int denom, int top, int left,
-                      int height, int width, unsigned char *dst, int planar, char *problem,
-                      size_t problem_size) {
+                      int height, int width, unsigned char *dst, int planar,
+                      size_t plane, size_t row_stride, char *problem, size_t problem_size) {
     struct jpeg_decompress_struct cinfo;
     struct region_error err;
     /* volatile: read after a longjmp */
@@ -111,7 +114,6 @@ static int decode_one(const unsigned char *buf, size_t len, int denom, int top, 
                 w = cinfo.output_width;
             }
             size_t skip = (size_t)(left - (int)x) * 3, stride = (size_t)w * 3;
-            size_t plane = (size_t)height * width;
             /* whole-width interleaved windows are read straight into dst; the others
                through a buffer of ROWS rows */
             int direct = (!planar && skip == 0 && w == (JDIMENSION)width);
@@ -138,7 +140,7 @@ static int decode_one(const unsigned char *buf, size_t len, int denom, int top, 
                         const unsigned char *src = pointers[k] + skip;
                         size_t y = (size_t)(done + (int)k);
                         if (planar) {
-                            unsigned char *r = dst + y * width;
+                            unsigned char *r = dst + y * row_stride;
                             planes_row(src, r, r + plane, r + 2 * plane, width);
                         } else {
                             memcpy(dst + y * width * 3, src, (size_t)width * 3);
@@ -183,7 +185,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = decode_one((const unsigned char *)data.buf, (size_t)data.len, denom, top, left,
-                        height, width, pixels, 0, problem, sizeof problem);
+                        height, width, pixels, 0, 0, 0, problem, sizeof problem);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     if (failed) {
@@ -195,12 +197,15 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 }
 
 /* decode_batch(items) -> list of None (decoded) or str (why not), one per item; each item
- * is (data, denom, top, left, height, width, dest, planar): the window decoded into the
- * writable buffer dest (height * width * 3 bytes), as CHW planes when planar, else HWC.
+ * is (data, denom, top, left, height, width, dest, planar[, plane_stride, row_stride]):
+ * the window decoded into the writable buffer dest, as CHW planes when planar (each
+ * plane_stride bytes after the last, rows row_stride bytes apart; by default
+ * height * width and width: a contiguous image), else HWC (height * width * 3 bytes).
  * The whole batch runs without the GIL: one call, not one per image. */
 struct job {
     Py_buffer data, dest;
     int denom, top, left, height, width, planar, failed;
+    Py_ssize_t plane, row;
     char problem[JMSG_LENGTH_MAX + 64];
 };
 
@@ -218,12 +223,25 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
     }
     for (; parsed < n; parsed++) {
         struct job *j = &jobs[parsed];
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, parsed), "y*iiiiiw*p", &j->data,
-                              &j->denom, &j->top, &j->left, &j->height, &j->width, &j->dest,
-                              &j->planar))
+        j->plane = j->row = -1;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, parsed), "y*iiiiiw*p|nn",
+                              &j->data, &j->denom, &j->top, &j->left, &j->height, &j->width,
+                              &j->dest, &j->planar, &j->plane, &j->row))
             goto done;
+        if (j->plane < 0) j->plane = (Py_ssize_t)j->height * j->width;
+        if (j->row < 0) j->row = j->width;
+        /* the last byte written: HWC's, or the last plane's last row's last pixel */
+        Py_ssize_t reach = j->planar ? 2 * j->plane + (Py_ssize_t)(j->height - 1) * j->row +
+                                           j->width
+                                     : (Py_ssize_t)j->height * j->width * 3;
+        if (j->planar && (j->row < j->width || j->plane < (Py_ssize_t)j->height * j->row -
+                                                             (j->row - j->width))) {
+            PyErr_SetString(PyExc_ValueError, "the planes' strides overlap their rows");
+            parsed++;
+            goto done;
+        }
         if (!check_window(j->denom, j->top, j->left, j->height, j->width) ||
-            j->dest.len < (Py_ssize_t)j->height * j->width * 3) {
+            j->dest.len < reach) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "dest is smaller than the window's pixels");
             parsed++; /* its buffers are held: released below */
@@ -235,8 +253,8 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
         struct job *j = &jobs[k];
         j->failed = decode_one((const unsigned char *)j->data.buf, (size_t)j->data.len,
                                j->denom, j->top, j->left, j->height, j->width,
-                               (unsigned char *)j->dest.buf, j->planar, j->problem,
-                               sizeof j->problem);
+                               (unsigned char *)j->dest.buf, j->planar, (size_t)j->plane,
+                               (size_t)j->row, j->problem, sizeof j->problem);
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
@@ -401,8 +419,8 @@ static PyMethodDef methods[] = {
      "bytes: the window of the image scaled by 1/denom, decoded alone."},
     {"decode_batch", decode_batch, METH_VARARGS,
      "decode_batch(items) -> [None or error] per item (data, denom, top, left, height, "
-     "width, dest, planar): each window decoded into dest (CHW planes or HWC), the whole "
-     "batch without the GIL."},
+     "width, dest, planar[, plane_stride, row_stride]): each window decoded into dest (CHW "
+     "planes, strides in bytes, or HWC), the whole batch without the GIL."},
     {"upsample_batch", upsample_batch, METH_VARARGS,
      "upsample_batch(items) -> None: each (src address, channel, row and column strides, "
      "height, width, dst address, out height, out width, flip) enlarged bilinearly into the "

@@ -86,7 +86,6 @@ from PIL import Image
 from tqdm import tqdm
 
 from runner.config.schema import (
-    Crop,
     DatasetConfig,
     LoaderConfig,
     StorageName,
@@ -100,6 +99,7 @@ from runner.data.decode.decoders import (
     JpegHeader,
     read_jpeg_header,
     region_window,
+    slot_planes,
     source_window,
     upright_rgb,
 )
@@ -682,7 +682,8 @@ class PackedStorage(FolderStorage):
         at all: no header parse (the stored size is in the index; packed images are
         stored upright), the window of each crop at its DCT scale, a window of the output
         size decoded straight into its slot of the batch as CHW planes (the centre crop of
-        a store at 256 for 224 at crop fraction 0.875: no resize, no copy), any other
+        a store at 256 for 224 at crop fraction 0.875; a letterbox's picture stored at its
+        size, inside its pads: no resize, no copy), any other
         window (random crops) into its own buffer, then resized (and flipped) into the
         slot. A stored image the binding cannot decode goes through the per-image path:
         PIL's fallback, the checksum that names damage to the store, the skip."""
@@ -713,14 +714,16 @@ class PackedStorage(FolderStorage):
                 window = source_window(box, hw, (-(-hw[0] // denom), -(-hw[1] // denom)))
                 fields[k] = kind.sample_fields(self.targets, index,
                                                decoder.shows(window, (ch, cw)), flip, size, hw)
-            planar = (ch, cw) == size and not flip and decoder.crop is not Crop.letterbox
-            dest = memoryview(out[k].numpy()).cast("B") if planar else bytearray(ch * cw * 3)
-            jobs.append((data, denom, top, left, ch, cw, dest, planar))
-            todo.append((len(items), k, index, valid, seed, flip))
+            where = decoder.direct(out[k], (ch, cw), flip)  # straight into its slot
+            planar = where is not None
+            dest, *strides = (slot_planes(out[k], *where[:2]) if planar
+                              else (bytearray(ch * cw * 3), ch * cw, cw))
+            jobs.append((data, denom, top, left, ch, cw, dest, planar, *strides))
+            todo.append((len(items), k, index, valid, seed, flip, where))
             items.append(None)
         t1 = time.perf_counter()
         errors = _jpegregion.decode_batch(jobs)
-        for error, job, (slot, k, index, valid, seed, flip) in zip(errors, jobs, todo):
+        for error, job, (slot, k, index, valid, seed, flip, where) in zip(errors, jobs, todo):
             data, ch, cw, dest, planar = job[0], job[4], job[5], job[6], job[7]
             if error is not None:  # PIL's fallback, the checksum, or a skip
                 item = self.decode_data(index, data, valid, seed)
@@ -731,6 +734,8 @@ class PackedStorage(FolderStorage):
                 if not planar:
                     img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
                     self.decoder_for(index).place(out[k], img.permute(2, 0, 1), flip)
+                else:  # a letterbox's pads around its picture
+                    ImageDecoder.pad(out[k], *where)
                 item = Sample(None, self.samples[index][1], index, valid, **fields.get(k, {}))
             items[slot] = item
         if timeline.enabled():

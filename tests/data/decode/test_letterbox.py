@@ -135,6 +135,67 @@ def test_a_large_source_is_decoded_at_the_dct_scale_its_letterbox_allows(monkeyp
     assert torch.allclose(mine, tv, atol=1.0)
 
 
+@pytest.mark.parametrize("hw,size,crop,direct", [
+    ((96, 128), (128, 128), Crop.letterbox, True),
+    ((128, 72), (128, 128), Crop.letterbox, True),
+    ((80, 96), (80, 96), Crop.whole, True),
+    ((96, 128), (64, 64), Crop.letterbox, True),  # a 1/2-scale decode is its 48 x 64 picture
+    ((100, 130), (64, 64), Crop.letterbox, False),  # 50 x 65 at 1/2 for 49 x 64: resized
+    ((80, 96), (64, 96), Crop.whole, False)])
+def test_a_window_that_needs_no_resize_is_decoded_straight_into_its_slot(monkeypatch, hw, size,
+                                                                          crop, direct):
+    """The region binding writes a window the letterbox (or whole crop) places unchanged
+    straight into the batch slot as CHW planes at its place, the pads filled around it: no
+    HWC image, no copy (``place`` is never called), and the slot's bytes are those of the
+    decode-then-place path, pads included. One that needs a resize still takes ``place``."""
+    from runner.data.decode import decoders
+
+    if not decoders.DECODERS[Decoder.region].available():
+        pytest.skip("loader.decoder=region is not built here")
+    data = jpeg(*hw, seed=hw[1])
+    decoder = ImageDecoder(Decoder.region, size, crop)
+    placed = []
+    real_place = ImageDecoder.place
+
+    def place(self, *args, **kwargs):
+        placed.append(args[1].shape)
+        return real_place(self, *args, **kwargs)
+
+    monkeypatch.setattr(ImageDecoder, "place", place)
+    slots = torch.full((2, 3, *size), 7, dtype=torch.uint8)  # stale bytes in the slot
+    image, window, flip, got_hw = decoder.decode_window(data, None, slots[1])
+    assert (placed == []) == direct
+    assert image.data_ptr() == slots[1].data_ptr() and (slots[0] == 7).all()
+    reference, ref_window, _, _ = decoder.decode_window(data)  # the old path: place
+    assert torch.equal(slots[1], reference)
+    assert window == ref_window and not flip and got_hw == hw
+
+
+def test_the_binding_writes_planes_at_any_strides():
+    """``decode_batch``'s planar item with plane and row strides: the CHW window of a larger
+    image, each plane where the strides say, nothing outside it touched; strides that would
+    overlap their rows, or a destination too short, are refused."""
+    from runner.data.decode import decoders
+
+    if not decoders.DECODERS[Decoder.region].available():
+        pytest.skip("loader.decoder=region is not built here")
+    from runner.data.decode import _jpegregion
+
+    data = jpeg(40, 56, seed=5)
+    hwc = torch.frombuffer(_jpegregion.decode(data, 1, 0, 0, 40, 56), dtype=torch.uint8)
+    chw = hwc.view(40, 56, 3).permute(2, 0, 1)
+    big = torch.zeros((3, 64, 80), dtype=torch.uint8)
+    dest = memoryview(big.numpy()).cast("B")[10 * 80 + 12 :]
+    assert _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, dest, True, 64 * 80, 80)]) == [None]
+    assert torch.equal(big[:, 10:50, 12:68], chw)
+    big[:, 10:50, 12:68] = 0
+    assert (big == 0).all()  # nothing written outside the window
+    with pytest.raises(ValueError, match="overlap"):
+        _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, dest, True, 56 * 39, 80)])
+    with pytest.raises(ValueError, match="smaller"):
+        _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, bytearray(3 * 40 * 56 - 1), True)])
+
+
 def test_shown_window_is_the_decoders():
     decoder = ImageDecoder(Decoder.pil, (96, 128), Crop.letterbox)
     _, window, _, hw = decoder.decode_window(jpeg(300, 170))
