@@ -369,3 +369,46 @@ def test_a_detector_on_photos_without_labels_is_letterboxed_unless_asked(caplog)
     with caplog.at_level(logging.WARNING):
         assert compose([*detector, "dataset.crop=center"]).dataset.crop is Crop.center
     assert caplog.text.count("centre crop cuts away") == 1
+
+
+def test_a_packed_store_at_the_letterbox_size_decodes_straight_into_the_batch(tmp_path,
+                                                                              monkeypatch):
+    """A store kept at the letterbox's long side (``dataset.store_side=longer``) holds each
+    picture at the size the letterbox places it: the batch decode writes every one into
+    its slot as planes (``place`` is never called) and the batches are byte for byte
+    those of decoding to an image and placing it."""
+    from runner.data import build_data_path
+    from runner.data.decode import decoders
+    from runner.job.compose import compose
+
+    if not decoders.DECODERS[Decoder.region].available():
+        pytest.skip("loader.decoder=region is not built here")
+    coco_set(tmp_path / "coco")
+    config = compose([f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
+                      "loader=packed", "dataset.image_size=[64,64]",
+                      "dataset.store_side=longer", "dataset.store_size=64",
+                      f"dataset.cache_dir={tmp_path / 'cache'}", "loader.batch_size=4",
+                      "loader.decoder=region", "loader.decode_threads=1"])
+
+    def epoch() -> list[dict]:
+        data = build_data_path(config, torch.device("cpu"), epochs=1, progress=False,
+                               every_image=True)
+        try:
+            return [{k: batch[k].clone() for k in ("image", "boxes", "index")}
+                    for batch in data.device_batches()]
+        finally:
+            data.close()
+
+    placed = []
+    real_place = ImageDecoder.place
+    monkeypatch.setattr(ImageDecoder, "place",
+                        lambda self, *a, **k: placed.append(1) or real_place(self, *a, **k))
+    direct = epoch()
+    assert placed == [] and sum(len(b["index"]) for b in direct) == 4
+    monkeypatch.setattr(ImageDecoder, "direct", lambda self, *a: None)  # the old path
+    old = epoch()
+    assert len(placed) == 4
+    for a, b in zip(direct, old):
+        assert torch.equal(a["index"], b["index"]) and torch.equal(a["boxes"], b["boxes"])
+        assert torch.equal(a["image"], b["image"])
+        assert (a["image"] == PAD_VALUE).any()  # the pads were filled around the pictures
