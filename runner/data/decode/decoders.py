@@ -706,6 +706,8 @@ class ImageDecoder:
         picture = out[:, top : top + nh, left : left + nw]
         if (nh, nw) == tuple(window.shape[-2:]):  # no resize: one copy, straight into place
             picture.copy_(window.flip(2) if flip else window)
+        elif window.shape[-2] > nh or window.shape[-1] > nw or window.stride(-1) != 1:
+            resize_into(picture, window, flip)  # torch's resize, copied into place once
         else:
             content = torch.empty((window.shape[0], nh, nw), dtype=window.dtype)
             resize_into(content, window, flip)  # a contiguous slot: the binding's fast path
