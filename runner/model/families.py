@@ -238,11 +238,13 @@ def detector_backbone(model: nn.Module) -> nn.Module:
     the run's image size; the transform's lists, the anchors, the heads' box decoding and
     NMS have data-dependent shapes and stay eager."""
     detector = local_module(model)
-    backbone = getattr(detector[1], "backbone", None)
+    network = detector[1]
+    backbone = getattr(network, "backbone", None)
     if not isinstance(backbone, nn.Module):
         raise ConfigError(f"compile=inductor compiles a detector's backbone (its network's "
                           f".backbone module, as torchvision's detectors have), and model "
-                          f"{detector.name} has none: use compile=eager")
+                          f"{detector.name} ({type(network).__name__}) has none: use "
+                          "compile=eager")
     return backbone
 
 
