@@ -478,11 +478,26 @@ def ssd(train: bool):
     return model, torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
 
 
+def own_with_backbone(train: bool):
+    """A user's own detector whose network has a ``backbone`` (tests/model/own_detector.py),
+    as build_family_model builds it, and a batch of 2."""
+    from runner.config.schema import ModelFamily, ModelSource
+    from runner.model.families import build_family_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig("custom", source=ModelSource.custom, family=ModelFamily.detector,
+                      target="tests.model.own_detector:detector_with_backbone")
+    model = build_family_model(cfg, 3, CPU, train=train).train(train)
+    return model, torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+
+
 def shifted(backbone: nn.Module, error: float):
-    """A 'compiled' call of ``backbone`` (a function, as torch.compile gives) whose feature
-    maps are eager's + ``error``."""
+    """A 'compiled' call of ``backbone`` (a function, as torch.compile gives) whose output
+    is eager's + ``error``."""
+    from torch.utils._pytree import tree_map
+
     def call(x):
-        return {k: v + error for k, v in backbone._call_impl(x).items()}
+        return tree_map(lambda v: v + error, backbone._call_impl(x))
 
     return call
 
@@ -509,10 +524,10 @@ def test_inductor_compiles_a_detectors_backbone_in_place_keeping_its_keys(tmp_pa
 
 @pytest.mark.parametrize("train", [True, False])
 def test_verify_compares_a_detectors_compiled_backbone_with_eager(train: bool):
-    """A detector compiled in part is itself: verify compares its backbone's feature maps
+    """A detector compiled in part is itself: verify compares its backbone's output
     (not its detections: NMS reorders on the last bits) compiled and eager, and fails
     naming the difference; the weights and BN statistics are left as they were."""
-    model, x = ssd(train)
+    model, x = own_with_backbone(train)
     backbone = model[1].backbone
     cfg = CompileConfig(CompileName.inductor)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -525,6 +540,26 @@ def test_verify_compares_a_detectors_compiled_backbone_with_eager(train: bool):
                              r"eager: max \|difference\| 0\.5 on one batch, tolerance "):
         compiling.verify(model, model, x, cfg, OFF, train)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.slow
+def test_a_users_own_detector_with_a_backbone_compiles_it(tmp_path: Path):
+    """A user's own detector whose network has a ``.backbone``: inductor compiles that,
+    trains through it (the real weights move) and matches eager."""
+    model, x = own_with_backbone(True)
+    cfg = CompileConfig(CompileName.inductor)
+    compiled, seconds = compiling.compile_model(model, cfg, OFF, TaskName.train, x, [2],
+                                                tmp_path)
+    assert compiled is model and compiling.compiled_part(model) is model[1].backbone
+    assert compiling.verify(model, compiled, x, cfg, OFF, True) < 1e-4
+    weight = model[1].backbone[0].weight
+    before = weight.detach().clone()
+    targets = {"boxes": torch.tensor([[[1.0, 2.0, 9.0, 12.0]]] * 2),
+               "box_labels": torch.tensor([[0], [2]]), "box_count": torch.tensor([1, 1])}
+    loss = sum(compiled(x, targets).values())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(before, weight)
 
 
 def test_a_users_own_detector_without_a_backbone_is_refused_by_inductor_in_one_line(
