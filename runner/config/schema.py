@@ -1027,11 +1027,11 @@ class CompileConfig:
     name: CompileName = key(MISSING, resume="applied", shapes_outputs=True,
                             autotune=("eager", "inductor"), autotune_cuda=("inductor",),
                             doc="how the model runs: eager, torchscript, inductor "
-                                "(torch.compile), tensorrt, or onnxruntime (the exported ONNX "
-                                "graph, task=infer)")
+                                "(torch.compile; of a detector, its backbone alone), tensorrt, "
+                                "or onnxruntime (the exported ONNX graph, task=infer)")
     verify: bool = key(True, resume="free",
                        doc="every backend: run one batch through eager and compiled, fail the run "
-                           "if they differ")
+                           "if they differ (a detector: its backbone's feature maps)")
     freeze: bool = key(True, resume="free", shapes_outputs=True,
                        doc="task=infer: weights become constants (torchscript: torch.jit.freeze + "
                            "optimize_for_inference; inductor: inductor's freezing)")

@@ -16,11 +16,23 @@ does; a TorchScript module is wrapped in ``Traced``), and the two share their pa
 a checkpoint is the network's own state_dict whatever ``compile=`` trained it, loadable by
 ``model.weights=`` and by a resume under any backend.
 
+A detector (a family with ``Family.part``) is compiled in part: ``compile=inductor`` compiles
+its backbone in place (``nn.Module.compile``, so the state_dict's keys and ``family_of`` are
+the model's own), where a step's time goes at shapes the run's image size fixes, and leaves
+the rest eager: torchvision's transform (lists, resizing), the anchors, the heads' box
+decoding and NMS, whose shapes follow the data. The backends that compile a whole model
+(torchscript, tensorrt, onnxruntime) are refused for it in one line (``check_compiles``):
+its forward takes the batch's boxes and gives dicts of losses or ragged detections. A user's
+own detector without a ``.backbone`` module is refused by inductor too, naming compile=eager.
+``nn.Module.compile`` keeps the compiled call out of a copy (``__getstate__`` drops it), so
+an EMA's averaged copy is an eager network of its own weights.
+
 ``compile_model`` compiles, then runs the compiled model on every batch shape the run will
 see (the full batch, and the last short one when there is one), so any recompilation
 happens here and is counted in ``compile_seconds``, never inside the timed loop. With
 ``compile.verify`` (default) one real batch goes through eager and compiled, and a
-difference beyond a tolerance that fits the dtype fails the run, naming the difference.
+difference beyond a tolerance that fits the dtype fails the run, naming the difference; a
+model compiled in part is verified on that part's outputs (a detector's feature maps).
 """
 
 from __future__ import annotations
@@ -107,7 +119,63 @@ class Traced(nn.Module):
 
 def _inductor(model: nn.Module, cfg: CompileConfig, example: torch.Tensor, train: bool,
               amp: AmpConfig, cache: Path) -> nn.Module:
-    return torch.compile(model, backend="inductor", mode=cfg.mode.value, dynamic=cfg.dynamic)
+    options = {"backend": "inductor", "mode": cfg.mode.value, "dynamic": cfg.dynamic}
+    part = family_of(model).part
+    if part is None:
+        return torch.compile(model, **options)
+    # in place, the model itself returned: torch.compile's wrapper module would put
+    # ``_orig_mod.`` into the detector's state_dict keys, nn.Module.compile does not
+    part(model).compile(**options)
+    return model
+
+
+def compiled_part(model: nn.Module) -> nn.Module | None:
+    """The part of ``model`` compiled in place (``Family.part``), or None."""
+    part = family_of(model).part
+    if part is None:
+        return None
+    module = part(model)
+    return module if module._compiled_call_impl is not None else None
+
+
+@contextlib.contextmanager
+def eagerly(module: nn.Module):
+    """``module`` called eagerly within (its compiled call set aside, then put back)."""
+    compiled, module._compiled_call_impl = module._compiled_call_impl, None
+    try:
+        yield module
+    finally:
+        module._compiled_call_impl = compiled
+
+
+class _Reached(Exception):
+    """A forward stopped where a part's input was caught (``part_input``)."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        super().__init__()
+        self.args_, self.kwargs = args, kwargs
+
+
+def part_input(model: nn.Module, part: nn.Module, example: torch.Tensor, train: bool,
+               amp: AmpConfig) -> tuple[tuple, dict]:
+    """What ``model`` gives ``part`` on ``example`` (a detector's backbone: the transformed
+    batch), the forward stopped there: the heads and NMS are not run."""
+    def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Reached(args, kwargs)
+
+    inner = local_module(model)  # not DDP's forward: nothing for its reducer to expect
+    handle = part.register_forward_pre_hook(stop, with_kwargs=True)
+    # inference tensors in inference, as the warm-up gave it: else a second compilation
+    mode = torch.no_grad() if train else torch.inference_mode()
+    try:
+        with eagerly(part), mode, autocast(amp, example.device):
+            family_of(inner).warm_loss(inner, example) if train else inner(example)
+    except _Reached as reached:
+        return reached.args_, reached.kwargs
+    finally:
+        handle.remove()
+    raise ConfigError(f"compile.verify: the model's {family_of(inner).part_name} was not "
+                      "called on a batch, so nothing compiled was run: use compile=eager")
 
 
 def batch_dynamic_shapes(max_batch: int) -> tuple[dict[int, Any]]:
@@ -274,6 +342,9 @@ class Backend:
         what: what it does, for the message when this run's device is not one of
             ``devices``.
         warm_in: the context its first calls (compiling, for inductor) run in.
+        parts: it can compile a family's ``part`` in place (``Family.part``: a detector's
+            backbone); the others compile whole models, and are refused for a family that
+            cannot be compiled whole (``check_compiles``).
     """
 
     name: Enum
@@ -286,6 +357,7 @@ class Backend:
     requires: Callable[[], None] | None = None
     what: str = ""
     warm_in: Callable[[CompileConfig, bool], AbstractContextManager] = _plain
+    parts: bool = False
 
     def check(self, device: torch.device, train: bool, amp: AmpConfig) -> None:
         """An ``Unavailable`` naming the fix when this run cannot use it: the device, a
@@ -315,7 +387,7 @@ BACKENDS: Registry[Backend] = Registry(CompileName, "compile={}", (
     Backend(CompileName.eager, None),
     Backend(CompileName.torchscript, _torchscript,
             under_ddp="cannot trace a DistributedDataParallel model"),
-    Backend(CompileName.inductor, _inductor, warm_in=_inductor_freezing),
+    Backend(CompileName.inductor, _inductor, warm_in=_inductor_freezing, parts=True),
     Backend(CompileName.tensorrt, _tensorrt, devices=("cuda",), autocast=False,
             trains="builds inference engines", requires=_require_tensorrt,
             what="builds NVIDIA TensorRT engines"),
@@ -397,38 +469,64 @@ def _warm(model: nn.Module, compiled: nn.Module, example: torch.Tensor, shapes: 
 
 def verify(model: nn.Module, compiled: nn.Module, example: torch.Tensor, cfg: CompileConfig,
            amp: AmpConfig, train: bool) -> float:
-    """Max |compiled - eager| on ``example``; CompileMismatch when beyond the tolerance."""
+    """Max |compiled - eager| on ``example``; CompileMismatch when beyond the tolerance. A
+    model compiled in part (``compiled_part``) is compared on that part's outputs."""
     saved = copy.deepcopy(model.state_dict()) if train else None
     dtype = DTYPES[amp.name]
-    with torch.no_grad(), autocast(amp, example.device):
-        expected = main_output(model(example)).float()
-    compiled_amp = amp if uses_autocast(cfg) else AmpConfig(AmpName.off)
-    with torch.no_grad(), autocast(compiled_amp, example.device):
-        got = main_output(compiled(example)).float()
+    part = compiled_part(model) if compiled is model else None
+    if part is None:
+        what = f"compile={cfg.name.name}"
+        with torch.no_grad(), autocast(amp, example.device):
+            expected = [main_output(model(example)).float()]
+        compiled_amp = amp if uses_autocast(cfg) else AmpConfig(AmpName.off)
+        with torch.no_grad(), autocast(compiled_amp, example.device):
+            got = [main_output(compiled(example)).float()]
+    else:
+        # A detector's backbone's feature maps, not its detections: NMS and the score
+        # threshold turn a difference in the last bits into other boxes or another order.
+        what = f"compile={cfg.name.name}'s {family_of(model).part_name}"
+        args, kwargs = part_input(model, part, example, train, amp)
+        # the grad mode the warm-up compiled it in: no second compilation here
+        mode = contextlib.nullcontext() if train else torch.inference_mode()
+        with mode, autocast(amp, example.device):
+            with eagerly(part):
+                expected = _float_leaves(part(*args, **kwargs))
+            got = _float_leaves(part(*args, **kwargs))
     if saved is not None:
         model.load_state_dict(saved)  # two train-mode forwards moved the BN statistics
-    scale = max(1.0, expected.abs().max().item())
-    diff = (got - expected).abs().max().item()
+    scale = max([1.0, *(e.abs().max().item() for e in expected if e.numel())])
+    diff = max((g - e).abs().max().item() if e.numel() else 0.0
+               for g, e in zip(got, expected, strict=True))
     allowed = tolerance(dtype, example.device) * scale
     if not diff <= allowed:  # also catches NaN
         raise CompileMismatch(
-            f"compile={cfg.name.name} computes something different from eager: max |difference| "
+            f"{what} computes something different from eager: max |difference| "
             f"{diff:.3g} on one batch, tolerance {allowed:.3g} for "
             f"{'float32' if dtype is None else str(dtype).replace('torch.', '')} "
             "(compile.verify=false skips this check)")
-    log.info("compile=%s matches eager: max |difference| %.3g (tolerance %.3g)",
-             cfg.name.name, diff, allowed)
+    log.info("%s matches eager: max |difference| %.3g (tolerance %.3g)", what, diff, allowed)
     return diff
 
 
+def _float_leaves(out: Any) -> list[torch.Tensor]:
+    """Every tensor of an output (a tensor, or a dict of feature maps), detached, float32."""
+    from torch.utils._pytree import tree_leaves
+
+    return [t.detach().float() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
 def check_compiles(family, cfg: CompileConfig, label: str) -> None:
-    """A ConfigError, in one line, for a compiled backend a model's family cannot take
-    (``Family.compiles``: a detector's forward takes boxes and gives dicts of losses or
-    ragged detections, which the backends' tracing and ``verify`` do not follow)."""
-    if family.compiles is not None and BACKENDS[cfg.name].build is not None:
+    """A ConfigError, in one line, for a backend that compiles whole models, given a family
+    that cannot be compiled whole (``Family.compiles``: a detector's forward takes boxes
+    and gives dicts of losses or ragged detections, which the backends' tracing and
+    ``verify`` do not follow); a backend that compiles its ``part`` (inductor) applies."""
+    backend = BACKENDS[cfg.name]
+    if family.compiles is not None and backend.build is not None and not backend.parts:
+        parts = " or ".join(f"compile={b.name.value}" for b in BACKENDS.values() if b.parts)
         raise ConfigError(f"compile={cfg.name.value} does not compile a {family.name.value} "
-                          f"(model {label}: {family.compiles}); use compile=eager (amp=bf16 "
-                          "applies to it)")
+                          f"(model {label}: {family.compiles}); use {parts}, which compiles "
+                          f"its {family.part_name} alone, or compile=eager (amp=bf16 applies "
+                          "to both)")
 
 
 def step_amp(config: Config) -> AmpConfig:
@@ -496,7 +594,8 @@ def build_models(config: Config, storage, device: torch.device, ranks: Ranks,
         compiled, seconds = compile_model(model, config.compile, config.amp, config.task.name,
                                           example, shapes, cache)
         out.compile_seconds += seconds
-        if config.compile.verify and compiled is not model:
+        # a model compiled in part (a detector's backbone) is itself: verified all the same
+        if config.compile.verify and BACKENDS[config.compile.name].build is not None:
             out.max_diff[name] = verify(model, compiled, example, config.compile, config.amp,
                                         train)
         out.models[name], out.configs[name], out.networks[name] = compiled, cfg, model

@@ -6,8 +6,9 @@ on the model: the kind of target it learns (``target``: its record in runner/dat
 says how that target is collated, which figures score it and which outputs it gives), how a
 batch goes through it in training (``forward``) and what it is trained by (``loss``), the
 network an EMA's averaged weights are served as (``averaged``), how inference reads its
-forward's scores (``scores``: a classifier's are [batch, classes]), and what it refuses
-(``uint8``: it normalizes inside, ``compiles``). Inference asks the family of the model it
+forward's scores (``scores``: a classifier's are [batch, classes]), what it refuses
+(``uint8``: it normalizes inside, ``compiles``) and what ``compile=inductor`` compiles of it
+(``part``: a detector's backbone, the whole model for the others). Inference asks the family of the model it
 built (``family_of(model)``), never the shape of what the model gave: a user's classifier
 whose scores come as [B, C, 1, 1] is still a classifier. ``FAMILIES`` maps every ``ModelFamily`` to
 its record; ``family_of(model)`` and ``family_of_config(cfg, targets)`` are the two ways to
@@ -85,7 +86,14 @@ class Family:
             a ConfigError, in one line, for a shape the family cannot give. Unused by a
             family whose outputs read its own predictions (a detector's).
         uint8: it normalizes inside and takes uint8 batches only (``loader.host_dtype``).
-        compiles: None: ``compile=`` may train it; else why it may not (one line).
+        compiles: None: any ``compile=`` backend may compile it whole; else why not (one
+            line), and only a backend that compiles its ``part`` in place applies
+            (runner/model/compile.py's ``Backend.parts``: inductor).
+        part: None: ``compile=inductor`` compiles the whole model; else ``part(model)``, the
+            module it compiles in place (``nn.Module.compile``: the state_dict's keys stay
+            the network's own), the rest running eagerly; a ConfigError, in one line, for
+            a model without one.
+        part_name: what ``part`` is, in words, for messages.
         examples: ``model.name`` values of it, for errors.
     """
 
@@ -102,6 +110,8 @@ class Family:
     scores: Callable[[Any], torch.Tensor] = main_output
     uint8: bool = False
     compiles: str | None = None
+    part: Callable[[nn.Module], nn.Module] | None = None
+    part_name: str = ""
 
 
 # --- classifiers and segmenters: networks.py's models --------------------------------------
@@ -221,6 +231,23 @@ def detector_warm_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return total_loss(model(images, no_boxes(len(images), images.device))).float()
 
 
+def detector_backbone(model: nn.Module) -> nn.Module:
+    """What ``compile=inductor`` compiles of a detector: its network's ``backbone`` (every
+    torchvision detector has one: the transformed [B, 3, H, W] batch in, a tensor or an
+    OrderedDict of feature maps out). That is where a step's time goes, at shapes fixed by
+    the run's image size; the transform's lists, the anchors, the heads' box decoding and
+    NMS have data-dependent shapes and stay eager."""
+    detector = local_module(model)
+    network = detector[1]
+    backbone = getattr(network, "backbone", None)
+    if not isinstance(backbone, nn.Module):
+        raise ConfigError(f"compile=inductor compiles a detector's backbone (its network's "
+                          f".backbone module, as torchvision's detectors have), and model "
+                          f"{detector.name} ({type(network).__name__}) has none: use "
+                          "compile=eager")
+    return backbone
+
+
 def detector_averaged(model: nn.Module, averaged: nn.Module) -> nn.Module:
     """The EMA's network (``averaged.module``) as a ``Detector``: its padded predictions,
     as the model's."""
@@ -250,7 +277,8 @@ FAMILIES: Registry[Family] = Registry(ModelFamily, "model.family={}", [
            total_loss(out).float(), warm_loss=detector_warm_loss, averaged=detector_averaged,
            names=detectors.is_detector_config, uint8=True,
            examples=", ".join(detectors.DETECTORS),
-           compiles="its forward takes the batch's boxes and gives a dict of losses"),
+           compiles="its forward takes the batch's boxes and gives a dict of losses",
+           part=detector_backbone, part_name="backbone"),
 ])
 
 

@@ -44,3 +44,18 @@ class TinyDetector(nn.Module):
 def tiny_detector(num_classes: int) -> TinyDetector:
     """A factory, as ``model.target=tests.model.own_detector:tiny_detector`` names one."""
     return TinyDetector(num_classes)
+
+
+class WithBackbone(TinyDetector):
+    """The same, its convolutions a ``backbone`` module as torchvision's detectors have
+    (what ``compile=inductor`` compiles of a detector)."""
+
+    def __init__(self, num_classes: int, width: int = 8):
+        super().__init__(num_classes, width)
+        self.backbone = nn.Sequential(nn.Conv2d(3, width, 3, stride=2, padding=1),
+                                      nn.BatchNorm2d(width), nn.ReLU())
+        self.features = nn.Sequential(self.backbone, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
+def detector_with_backbone(num_classes: int) -> WithBackbone:
+    return WithBackbone(num_classes)

@@ -453,3 +453,177 @@ def test_an_onnxruntime_model_carries_its_family_to_the_steps_that_ask_it(tmp_pa
                      device=CPU)
     kept = step.reducers["seg"](compiled(x), None)
     assert kept["masks"].shape == (2, 8, 8) and kept["masks"].dtype == torch.uint8
+
+
+# --- a detector: inductor compiles its backbone ---------------------------------------------
+
+SSD = "ssdlite320_mobilenet_v3_large"
+# 12 generated images with boxes, 10 to train: batches of 2 have no short last one, so
+# inductor compiles one shape; 64 px is the least ssdlite's extra layers take
+BOXES = ["dataset.targets=auto", "dataset.num_images=12", "dataset.image_size=[64,64]",
+         "loader.batch_size=2", "logger=none", "diagnose=false", "run.timeline=false",
+         "run.progress=false", "run.warmup_steps=0"]
+DETECTION = [*BOXES, f"model.name={SSD}"]
+
+
+def ssd(train: bool):
+    """ssdlite at 64 px, 3 classes, its family recorded as build_family_model records it,
+    and a batch of 2."""
+    from runner.config.schema import ModelFamily
+    from runner.model.detectors import build_detector
+
+    torch.manual_seed(0)
+    model = build_detector(SSD, 3, (64, 64)).train(train)
+    model.family = ModelFamily.detector
+    return model, torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
+
+
+def own_with_backbone(train: bool):
+    """A user's own detector whose network has a ``backbone`` (tests/model/own_detector.py),
+    as build_family_model builds it, and a batch of 2."""
+    from runner.config.schema import ModelFamily, ModelSource
+    from runner.model.families import build_family_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig("custom", source=ModelSource.custom, family=ModelFamily.detector,
+                      target="tests.model.own_detector:detector_with_backbone")
+    model = build_family_model(cfg, 3, CPU, train=train).train(train)
+    return model, torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+
+
+def shifted(backbone: nn.Module, error: float):
+    """A 'compiled' call of ``backbone`` (a function, as torch.compile gives) whose output
+    is eager's + ``error``."""
+    from torch.utils._pytree import tree_map
+
+    def call(x):
+        return tree_map(lambda v: v + error, backbone._call_impl(x))
+
+    return call
+
+
+def test_inductor_compiles_a_detectors_backbone_in_place_keeping_its_keys(tmp_path: Path):
+    """torch.compile around the detector (or a backbone swapped for its wrapper) would put
+    ``_orig_mod.`` into the keys: the backbone is compiled in place, the model itself is
+    returned, still a detector; an EMA's copy of it runs eagerly (the compiled call is not
+    copied, else it would run the live network's weights)."""
+    from runner.model.families import family_of
+    from runner.tasks.train.optim import Ema
+
+    model, x = ssd(True)
+    keys = list(model.state_dict())
+    compiled = compiling._inductor(model, CompileConfig(CompileName.inductor), x, True, OFF,
+                                   tmp_path)  # torch.compile is lazy: nothing compiled yet
+    assert compiled is model and list(model.state_dict()) == keys
+    assert compiling.compiled_part(model) is model[1].backbone
+    assert family_of(compiled).name.value == "detector"
+    ema = Ema(model, 0.9).model.module
+    assert ema[1].backbone._compiled_call_impl is None
+    assert [k.removeprefix("module.") for k in Ema(model, 0.9).model.state_dict()] == keys
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_verify_compares_a_detectors_compiled_backbone_with_eager(train: bool):
+    """A detector compiled in part is itself: verify compares its backbone's output
+    (not its detections: NMS reorders on the last bits) compiled and eager, and fails
+    naming the difference; the weights and BN statistics are left as they were."""
+    model, x = own_with_backbone(train)
+    backbone = model[1].backbone
+    cfg = CompileConfig(CompileName.inductor)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    backbone._compiled_call_impl = shifted(backbone, 1e-5)
+    assert compiling.compiled_part(model) is backbone
+    assert 0 < compiling.verify(model, model, x, cfg, OFF, train) < 1e-3
+    backbone._compiled_call_impl = shifted(backbone, 0.5)
+    with pytest.raises(compiling.CompileMismatch,
+                       match=r"compile=inductor's backbone computes something different from "
+                             r"eager: max \|difference\| 0\.5 on one batch, tolerance "):
+        compiling.verify(model, model, x, cfg, OFF, train)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.slow
+def test_a_users_own_detector_with_a_backbone_compiles_it(tmp_path: Path):
+    """A user's own detector whose network has a ``.backbone``: inductor compiles that,
+    trains through it (the real weights move) and matches eager."""
+    model, x = own_with_backbone(True)
+    cfg = CompileConfig(CompileName.inductor)
+    compiled, seconds = compiling.compile_model(model, cfg, OFF, TaskName.train, x, [2],
+                                                tmp_path)
+    assert compiled is model and compiling.compiled_part(model) is model[1].backbone
+    assert compiling.verify(model, compiled, x, cfg, OFF, True) < 1e-4
+    weight = model[1].backbone[0].weight
+    before = weight.detach().clone()
+    targets = {"boxes": torch.tensor([[[1.0, 2.0, 9.0, 12.0]]] * 2),
+               "box_labels": torch.tensor([[0], [2]]), "box_count": torch.tensor([1, 1])}
+    loss = sum(compiled(x, targets).values())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(before, weight)
+
+
+def test_a_users_own_detector_without_a_backbone_is_refused_by_inductor_in_one_line(
+        tmp_path: Path, cache_dir: Path):
+    """inductor compiles a detector's ``.backbone``; a user's own detector without one is
+    refused, naming compile=eager, before anything is compiled."""
+    from runner.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"compile=inductor compiles a detector's backbone "
+                                          r".*model custom \(TinyDetector\) has none: use "
+                                          r"compile=eager$"):
+        run_in_process(*BOXES, "model=custom", "compile=inductor",
+                       "model.target=tests.model.own_detector:tiny_detector", "task=train",
+                       "run.steps=1", run_dir=tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_detector_trains_under_inductor_and_its_checkpoint_is_the_networks_own(
+        tmp_path: Path, cache_dir: Path):
+    """compile=inductor trains a detector (its backbone compiled, verified against eager):
+    the checkpoint holds torchvision's own keys, no ``_orig_mod.``, its EMA the same under
+    ``module.``, and an eager run resumes from it."""
+    from runner.model.detectors import build_detector
+
+    train = tmp_path / "train"
+    trained = run_in_process(*DETECTION, "task=train", "compile=inductor", "run.epochs=1",
+                             "task.ema_decay=0.9", run_dir=train)
+    assert trained["status"] == "ok" and 0 <= trained["compile_max_diff"][SSD] < 1e-2
+    saved = torch.load(train / "checkpoint.pt", weights_only=True)
+    keys = list(build_detector(SSD, 3, (64, 64))[1].state_dict())
+    assert list(saved["model"]) == keys
+    assert [k.removeprefix("module.") for k in saved["ema"]["model"]] == keys
+    resumed = run_in_process(*DETECTION, "task=train", "compile=eager", "run.epochs=2",
+                             "task.ema_decay=0.9", f"resume={train}",
+                             run_dir=tmp_path / "resume")
+    assert resumed["status"] == "ok" and resumed["start_step"] == 5
+
+
+@pytest.mark.slow
+def test_a_detector_infers_under_inductor_and_bf16(tmp_path: Path, cache_dir: Path):
+    """compile=inductor with amp=bf16 serves a detector's detections, its backbone verified
+    against eager's under the same autocast (compile_max_diff in metrics.json)."""
+    import json
+
+    run = tmp_path / "infer"
+    got = run_in_process(*DETECTION, "task=infer", "compile=inductor", "amp=bf16",
+                         run_dir=run)
+    assert got["status"] == "ok" and SSD in got["compile_max_diff"]
+    assert read_metrics(run)["compile_max_diff"][SSD] == got["compile_max_diff"][SSD]
+    rows = json.loads((run / "detections.json").read_text())
+    assert rows and all(len(r["bbox"]) == 4 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_detector_trains_and_infers_under_bf16_eagerly(tmp_path: Path, cache_dir: Path):
+    """amp=bf16 on the CPU (autocast) trains a detector and serves its checkpoint."""
+    import json
+    import math
+
+    train = tmp_path / "train"
+    trained = run_in_process(*DETECTION, "task=train", "amp=bf16", "run.steps=3",
+                             run_dir=train)
+    assert trained["status"] == "ok" and math.isfinite(trained["loss_last"])
+    run_in_process(*DETECTION, "task=infer", "amp=bf16",
+                   f"model.weights={train / 'checkpoint.pt'}", run_dir=tmp_path / "infer")
+    rows = json.loads((tmp_path / "infer" / "detections.json").read_text())
+    assert rows and all(math.isfinite(r["score"]) for r in rows)

@@ -248,15 +248,36 @@ def test_a_detector_under_bf16_autocast_matches_its_float32_losses_and_boxes():
     assert half["boxes"].shape[1:] == plain["boxes"].shape[1:] and half["boxes"].isfinite().all()
 
 
-def test_a_compiled_backend_is_refused_for_a_detector_in_one_line():
+def test_a_whole_model_backend_is_refused_for_a_detector_in_one_line_naming_inductor():
+    """torchscript, tensorrt and onnxruntime compile a whole model, which a detector's
+    forward (boxes in, dicts out) does not suit: one line names compile=inductor (which
+    compiles its backbone) and compile=eager; inductor itself is accepted, at config time
+    (train's check_target_task) as at build time (check_compiles)."""
+    import dataclasses
+
     from runner.common.errors import ConfigError
     from runner.config.schema import CompileConfig, CompileName, ModelFamily
+    from runner.job.compose import compose
     from runner.model.compile import check_compiles
     from runner.model.families import FAMILIES
+    from runner.tasks.train.training import check_target_task
 
-    with pytest.raises(ConfigError, match=r"compile=inductor does not compile a detector "
-                                          r"\(model det: .*use compile=eager"):
-        check_compiles(FAMILIES[ModelFamily.detector], CompileConfig(CompileName.inductor),
-                       "det")
-    check_compiles(FAMILIES[ModelFamily.detector], CompileConfig(CompileName.eager), "det")
-    check_compiles(FAMILIES[ModelFamily.classifier], CompileConfig(CompileName.inductor), "c")
+    detector = FAMILIES[ModelFamily.detector]
+    for name in (CompileName.torchscript, CompileName.tensorrt, CompileName.onnxruntime):
+        with pytest.raises(ConfigError, match=rf"compile={name.value} does not compile a "
+                                              r"detector \(model det: .*\); use compile="
+                                              r"inductor, which compiles its backbone alone, "
+                                              r"or compile=eager"):
+            check_compiles(detector, CompileConfig(name), "det")
+    check_compiles(detector, CompileConfig(CompileName.inductor), "det")
+    check_compiles(detector, CompileConfig(CompileName.eager), "det")
+    check_compiles(FAMILIES[ModelFamily.classifier], CompileConfig(CompileName.torchscript),
+                   "c")
+    config = compose(["task=train", "model.name=ssdlite320_mobilenet_v3_large",
+                      "dataset.targets=auto"])
+    check_target_task(dataclasses.replace(config, compile=CompileConfig(CompileName.inductor)))
+    with pytest.raises(ConfigError, match=r"compile=torchscript does not compile a detector "
+                                          r"\(model ssdlite320_mobilenet_v3_large: .*use "
+                                          r"compile=inductor"):
+        check_target_task(dataclasses.replace(
+            config, compile=CompileConfig(CompileName.torchscript)))

@@ -17,8 +17,9 @@ same accumulation, clipping, scaler and EMA. The validation figures are the kind
 follows the kind's own (``TargetKind.best``) unless ``task.best_metric`` names another of
 them. ``check_target_task`` refuses a model that does not learn the data's kind, mixing
 images whose target belongs to one image (``task.augment.mixup``, ``cutmix``), a
-host-normalized batch for a family that normalizes inside and a compiled model for one that
-cannot be compiled.
+host-normalized batch for a family that normalizes inside and a backend that compiles whole
+models for one that cannot be compiled whole (a detector: compile=inductor compiles its
+backbone).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from runner.data.targets import TARGETS, TargetKind
 from runner.launch.distributed import parameter_digest
 from runner.measure.clock import MAX_PENDING_EVENTS, DeviceClock
 from runner.model.amp import autocast, grad_scaler
-from runner.model.compile import BACKENDS, build_models, step_amp
+from runner.model.compile import build_models, check_compiles, step_amp
 from runner.model.families import Family, family_of, family_of_config, learns
 from runner.tasks import checkpoint, results
 from runner.tasks.checkpoint import unwrapped_network
@@ -263,7 +264,8 @@ def check_target_task(config: Config) -> None:
     """The model learns the kind of target ``dataset.targets`` gives (its family's
     ``target``); a target that belongs to one image is trained without mixing images
     (``task.augment.mixup``/``cutmix``); a family that normalizes inside gets uint8 batches
-    (``loader.host_dtype``) and one that cannot be compiled trains eagerly; the best
+    (``loader.host_dtype``) and one that cannot be compiled whole gets a backend that
+    compiles its part (``check_compiles``) or none; the best
     checkpoint follows a figure the kind's validation gives."""
     model, targets = config.model, config.dataset.targets
     if model.name == NO_MODEL:
@@ -288,9 +290,7 @@ def check_target_task(config: Config) -> None:
         raise ConfigError(f"loader.host_dtype={config.loader.host_dtype.value} normalizes on "
                           f"the host, and {name} normalizes its own way inside: "
                           "use loader.host_dtype=uint8")
-    if family.compiles is not None and BACKENDS[config.compile.name].build is not None:
-        raise ConfigError(f"compile={config.compile.name.value} does not train a "
-                          f"{family.name.value} ({name}: {family.compiles}); use compile=eager")
+    check_compiles(family, config.compile, model.label)
     key = config.task.best_metric
     if key != DEFAULT_BEST and key.removeprefix("val_").removeprefix("ema_") \
             not in kind.figures:
