@@ -896,6 +896,12 @@ class TaskConfig:
                                 doc="> 0: gradients clipped to this global norm")
     label_smoothing: float = key(0.0, resume="applied", task="train", at_least=0, below=1,
                                  doc="cross-entropy's label smoothing (0.1 is usual)")
+    class_balance: float = key(0.0, resume="applied", task="train", at_least=0, at_most=1,
+                               note=" (0: plain cross-entropy)",
+                               doc="segmenter: each class's pixels weigh (its share of the "
+                                   "batch's labelled pixels)^-this in the loss (0.5: inverse "
+                                   "square root, 1: inverse frequency), so a small class is "
+                                   "not drowned by the background")
     ema_decay: float = key(0.0, resume="applied", task="train", at_least=0, below=1,
                            note=" (0: no EMA; 0.9999 is usual)",
                            doc="> 0: an exponential moving average of the weights (decay warmed up "

@@ -86,6 +86,8 @@ class Family:
             a ConfigError, in one line, for a shape the family cannot give. Unused by a
             family whose outputs read its own predictions (a detector's).
         uint8: it normalizes inside and takes uint8 batches only (``loader.host_dtype``).
+        balances: its loss weighs classes by ``task.class_balance`` (a segmenter's pixels);
+            the others refuse a class balance in one line.
         compiles: None: any ``compile=`` backend may compile it whole; else why not (one
             line), and only a backend that compiles its ``part`` in place applies
             (runner/model/compile.py's ``Backend.parts``: inductor).
@@ -109,6 +111,7 @@ class Family:
     examples: str = ""
     scores: Callable[[Any], torch.Tensor] = main_output
     uint8: bool = False
+    balances: bool = False
     compiles: str | None = None
     part: Callable[[nn.Module], nn.Module] | None = None
     part_name: str = ""
@@ -154,21 +157,40 @@ def class_scores(out: Any) -> torch.Tensor:
     return scores
 
 
+def balance_weights(target: torch.Tensor, classes: int, power: float) -> torch.Tensor:
+    """``task.class_balance``'s per-class weights for one batch of masks: each class's share
+    of the batch's labelled pixels (``IGNORE`` left out) to the power ``-power``, 1 for a
+    class the batch lacks. Taken from the batch alone, so a resumed run weighs its batches
+    as the straight run did (no state to keep). Weighted cross-entropy divides by the
+    weights of the pixels it sums, so only their ratios matter: at 0.5 a class of 1.5% of
+    the pixels weighs 8 times the background's 94% (the foreign digits set, where plain
+    cross-entropy left 57-69% of the digits' pixels to the background)."""
+    labelled = target[target != IGNORE]
+    counts = torch.bincount(labelled.clamp(max=classes - 1), minlength=classes).float()
+    share = counts / counts.sum().clamp(min=1)
+    return torch.where(counts > 0, share.clamp(min=1e-12) ** -power,
+                       torch.ones_like(share))
+
+
 def mask_loss(out: Any, batch: Mapping, task: TaskConfig) -> torch.Tensor:
     """Per-pixel cross-entropy against the batch's ``mask`` (pixels of ``IGNORE`` and the
-    padding rows of a distributed shard left out), plus half the auxiliary head's when
+    padding rows of a distributed shard left out), each class weighted by
+    ``balance_weights`` under ``task.class_balance``, plus half the auxiliary head's when
     the model has one (torchvision's segmentation reference)."""
     target = batch["mask"].long()
     if "valid" in batch.keys():
         target = torch.where(batch["valid"].bool()[:, None, None], target,
                              torch.full_like(target, IGNORE))
+    weight = None
+    if task.class_balance:
+        weight = balance_weights(target, main_output(out).shape[1], task.class_balance)
 
     def ce(logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-2:] != target.shape[-2:]:
             logits = F.interpolate(logits, size=target.shape[-2:], mode="bilinear",
                                    align_corners=False)
         return F.cross_entropy(logits.float(), target, ignore_index=IGNORE,
-                               label_smoothing=task.label_smoothing)
+                               label_smoothing=task.label_smoothing, weight=weight)
 
     loss = ce(main_output(out))
     if isinstance(out, Mapping) and "aux" in out:
@@ -269,6 +291,7 @@ FAMILIES: Registry[Family] = Registry(ModelFamily, "model.family={}", [
            "class scores per pixel (torchvision's segmentation models)",
            build=segmenter_builder, forward=images_forward,
            loss=mask_loss, warm_loss=output_sum, averaged=behind_input, names=is_segmenter,
+           balances=True,
            examples="lraspp_mobilenet_v3_large, deeplabv3_mobilenet_v3_large, fcn_resnet50"),
     Family(ModelFamily.detector, TargetName.boxes,
            "boxes per image (torchvision's detectors, or the user's own following its "

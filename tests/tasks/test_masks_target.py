@@ -89,3 +89,45 @@ def test_a_segmenter_head_smaller_than_the_masks_classes_is_refused(tmp_path: Pa
                        "dataset.image_size=[32,32]", f"dataset.cache_dir={tmp_path}", *SMALL,
                        run_dir=tmp_path / "run")
     assert "\n" not in str(e.value)
+
+
+def test_class_balance_weighs_each_class_by_its_share_of_the_batch():
+    """``task.class_balance=p``: the loss is torch's cross-entropy with each class weighted by
+    its share of the batch's labelled pixels to the power -p (255 and a distributed
+    shard's padding rows left out, a class the batch lacks at 1); 0 is the plain loss."""
+    from runner.config.schema import TaskConfig
+    from runner.model.families import balance_weights, mask_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 8, 8, generator=g)
+    mask = torch.zeros(3, 8, 8, dtype=torch.uint8)
+    mask[:, :2, :3] = 1  # class 1: 6 of 64 pixels an image; class 3 absent
+    mask[:, 5, :] = 2
+    mask[:, 7, 7] = 255
+    batch = {"mask": mask, "valid": torch.tensor([True, True, False])}
+    labelled = mask[:2][mask[:2] != 255].long()
+    share = torch.bincount(labelled, minlength=4).float() / labelled.numel()
+    expected_w = torch.tensor([share[0] ** -0.5, share[1] ** -0.5, share[2] ** -0.5, 1.0])
+    target = mask.long().clone()
+    target[2] = 255
+    assert torch.allclose(balance_weights(target, 4, 0.5), expected_w)
+    want = torch.nn.functional.cross_entropy(logits, target, ignore_index=255,
+                                             weight=expected_w)
+    got = mask_loss(logits, batch, TaskConfig(class_balance=0.5))
+    assert torch.allclose(got, want)
+    plain = torch.nn.functional.cross_entropy(logits, target, ignore_index=255)
+    assert torch.allclose(mask_loss(logits, batch, TaskConfig()), plain)
+    assert not torch.allclose(got, plain)
+
+
+def test_class_balance_is_refused_for_a_model_that_is_not_a_segmenter(tmp_path: Path):
+    from runner.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"task.class_balance=0.5 weighs a segmenter's "
+                                          r"pixels by class, and model.name=resnet18 is a "
+                                          r"classifier") as e:
+        run_in_process("task=train", "model.name=resnet18", "task.class_balance=0.5",
+                       "logger=none", "diagnose=false", "dataset.image_size=[32,32]",
+                       f"dataset.cache_dir={tmp_path}", "dataset.num_images=16",
+                       run_dir=tmp_path / "run")
+    assert "\n" not in str(e.value)

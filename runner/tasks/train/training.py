@@ -291,6 +291,10 @@ def check_target_task(config: Config) -> None:
                           f"the host, and {name} normalizes its own way inside: "
                           "use loader.host_dtype=uint8")
     check_compiles(family, config.compile, model.label)
+    if config.task.class_balance and not family.balances:
+        raise ConfigError(f"task.class_balance={config.task.class_balance} weighs a "
+                          f"segmenter's pixels by class, and {name} is a "
+                          f"{family.name.value}: drop it (task.class_balance=0)")
     key = config.task.best_metric
     if key != DEFAULT_BEST and key.removeprefix("val_").removeprefix("ema_") \
             not in kind.figures:
