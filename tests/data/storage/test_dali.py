@@ -68,7 +68,14 @@ def test_dali_trains_in_the_runners_loop_and_reports_what_it_left_out(tree: Path
     assert m["status"] == "ok" and m["images"] == 21  # 20 JPEGs and the PNG
     assert sorted(Path(f).name for f in m["skipped_files"]) == \
         ["empty.jpg", "notes.jpg", "truncated.jpg"]
-    assert m["bottleneck"]["stage"] in ("dali", "model")  # one opaque stage, or the model
+    verdict = m["bottleneck"]
+    if verdict["stage"] in (None, "unknown"):
+        # the figures of a 21-image run on shared cores too noisy to name a stage (2 runs in
+        # 6 here, quiet, before and after issue 60's changes): the sentence says so
+        assert verdict["sentence"].startswith("no verdict") or \
+            "no stage probe is a credible limit" in verdict["sentence"], verdict["sentence"]
+    else:
+        assert verdict["stage"] in ("dali", "model")  # one opaque stage, or the model
 
 
 def test_dali_batches_are_the_runners_batches(tree: Path, tmp_path: Path):
