@@ -716,8 +716,8 @@ class PackedStorage(FolderStorage):
                                                decoder.shows(window, (ch, cw)), flip, size, hw)
             where = decoder.direct(out[k], (ch, cw), flip)  # straight into its slot
             planar = where is not None
-            dest, *strides = (slot_planes(out[k], *where[:2]) if planar
-                              else (bytearray(ch * cw * 3), ch * cw, cw))
+            dest, *strides = (slot_planes(out[k], *where[:2]) if planar  # its place's
+                              else (bytearray(ch * cw * 3),))  # HWC: no strides
             jobs.append((data, denom, top, left, ch, cw, dest, planar, *strides))
             todo.append((len(items), k, index, valid, seed, flip, where))
             items.append(None)
