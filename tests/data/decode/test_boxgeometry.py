@@ -297,3 +297,27 @@ def test_device_center_crop_of_a_larger_store_equals_torchvision():
     top, left = int(windows.top[0]), int(windows.left[0])
     assert torch.equal(CenterCrop(size, 0.875)(images), images[..., top : top + 224,
                                                                 left : left + 224])
+
+
+def test_one_images_mapping_is_the_batched_mappings_bit_for_bit():
+    """``map_boxes`` (one image, in numpy: the decode threads' path) and ``_map`` (windows
+    broadcast over a batch, in torch: the device's path) are the same float32 arithmetic, so
+    a box lands on the same pixel whichever path crops it: equal bits, kept boxes alike."""
+    from runner.data.decode.boxgeometry import _map
+
+    g = np.random.default_rng(0)
+    for _ in range(2000):
+        n = int(g.integers(0, 7))
+        b = torch.from_numpy(g.uniform(-30, 670, (n, 4)).astype(np.float32))
+        b = torch.cat([torch.minimum(b[:, :2], b[:, 2:]), torch.maximum(b[:, :2], b[:, 2:])], 1)
+        if g.random() < 0.3:
+            b = b.round()
+        window = Window(*g.uniform([-100, -100, 50, 50], [200, 200, 900, 900]).tolist())
+        size = (int(g.choice([96, 128, 480, 640])), int(g.choice([96, 128, 333, 640])))
+        flip = bool(g.random() < 0.5)
+        labels = torch.arange(n)
+        mapped, kept = map_boxes(b, labels, window, size, flip)
+        theirs, keep = _map(b, window.top, window.left, window.height, window.width, size,
+                            torch.tensor(flip) if flip else None, MIN_SIDE)
+        assert mapped.dtype == torch.float32 and torch.equal(mapped, theirs[keep])
+        assert torch.equal(kept, labels[keep])
