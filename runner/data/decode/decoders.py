@@ -737,11 +737,19 @@ class ImageDecoder:
         # the pads alone (the picture's pixels are written once): measured on 480x640
         # letterboxed to 640 on one core, 0.3 ms an image of 1.1 went to the fill, the
         # intermediate and its second copy
-        out[:, :top].fill_(PAD_VALUE)
-        out[:, top + nh :].fill_(PAD_VALUE)
-        picture_rows = out[:, top : top + nh]
-        picture_rows[:, :, :left].fill_(PAD_VALUE)
-        picture_rows[:, :, left + nw :].fill_(PAD_VALUE)
+        # and only the pads there are: a letterbox pads one pair of sides, and a fill of an
+        # empty view still costs its dispatch
+        height, width = out.shape[-2:]
+        if top:
+            out[:, :top].fill_(PAD_VALUE)
+        if top + nh < height:
+            out[:, top + nh :].fill_(PAD_VALUE)
+        if left or left + nw < width:
+            picture_rows = out[:, top : top + nh]
+            if left:
+                picture_rows[:, :, :left].fill_(PAD_VALUE)
+            if left + nw < width:
+                picture_rows[:, :, left + nw :].fill_(PAD_VALUE)
 
     def shows(self, window: tuple[float, float, float, float],
               content_hw: tuple[int, int] | None = None) -> tuple[float, float, float, float]:

@@ -147,6 +147,7 @@ BLOB_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("image_id", "<i8"),
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
                         ("width", "<i4"), ("label", "<i8"), ("crc", "<u4"), ("pad", "<u4")])
 SAMPLE = 32  # images encoded up front to estimate the store's size
+GEOMETRIES = 4096  # crops kept worked out (``PackedStorage._geometry``): one per stored size
 
 
 def default_store_size(dataset: DatasetConfig) -> int:
@@ -516,6 +517,27 @@ def label_record(folder_storage: FolderStorage, partial: Path) -> dict[str, Any]
 
 # --- reading ------------------------------------------------------------------------------
 
+def crop_geometry(decoder: ImageDecoder, hw: tuple[int, int], seed: int | None
+                  ) -> tuple[bool, tuple[int, int, int, int, int], tuple]:
+    """An upright stored image's crop at size ``hw``: whether it is flipped, the window the
+    binding decodes (denominator, top, left, height, width) and the window of the source the
+    output shows."""
+    box, flip = decoder.box_for(*hw, seed)
+    window = region_window(JpegHeader(*hw, 3), box, decoder.needed(box))
+    denom, ch, cw = window[0], window[3], window[4]
+    cut = source_window(box, hw, (-(-hw[0] // denom), -(-hw[1] // denom)))
+    return flip, window, decoder.shows(cut, (ch, cw))
+
+
+@functools.lru_cache(maxsize=GEOMETRIES)
+def fixed_geometry(decoder: ImageDecoder, hw: tuple[int, int]
+                   ) -> tuple[bool, tuple[int, int, int, int, int], tuple]:
+    """``crop_geometry`` without a crop seed (centre, whole, letterbox): it depends on the
+    decoder and the size alone, so it is worked out once per pair (a store at one size is
+    one entry; measured: a quarter of the Python an image costs in ``decode_slice``)."""
+    return crop_geometry(decoder, hw, None)
+
+
 class PackedStorage(FolderStorage):
     """The stored JPEGs of a packed store, decoded per epoch like an image folder (the
     ``Storage`` protocol): item ``i`` is the ``i``-th decodable source file, read as a
@@ -706,14 +728,12 @@ class PackedStorage(FolderStorage):
             except OSError as e:
                 items.append(self.unreadable(index, e))
                 continue
-            header = JpegHeader(self.heights[index], self.widths[index], 3)  # stored upright
-            box, flip = decoder.box_for(header.height, header.width, seed)
-            denom, top, left, ch, cw = region_window(header, box, decoder.needed(box))
+            hw = (self.heights[index], self.widths[index])  # stored upright
+            flip, (denom, top, left, ch, cw), shown = (
+                crop_geometry(decoder, hw, seed) if seed is not None
+                else fixed_geometry(decoder, hw))
             if kind is not None:  # the target through the window decoded at 1/denom
-                hw = (header.height, header.width)
-                window = source_window(box, hw, (-(-hw[0] // denom), -(-hw[1] // denom)))
-                fields[k] = kind.sample_fields(self.targets, index,
-                                               decoder.shows(window, (ch, cw)), flip, size, hw)
+                fields[k] = kind.sample_fields(self.targets, index, shown, flip, size, hw)
             where = decoder.direct(out[k], (ch, cw), flip)  # straight into its slot
             planar = where is not None
             dest, *strides = (slot_planes(out[k], *where[:2]) if planar  # its place's
