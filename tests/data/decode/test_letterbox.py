@@ -196,6 +196,26 @@ def test_the_binding_writes_planes_at_any_strides():
         _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, bytearray(3 * 40 * 56 - 1), True)])
 
 
+@pytest.mark.parametrize("hw", [(37, 56), (9, 12000), (70, 640)])
+def test_planes_are_the_interleaved_decode_at_any_row_batch(hw):
+    """The binding reads scanlines in batches sized to keep its row buffer in cache (16
+    rows of a 640-wide picture, 2 of a 12000-wide one, a short last batch): every row
+    lands in its planes, the last included, as the interleaved decode has it."""
+    from runner.data.decode import decoders
+
+    if not decoders.DECODERS[Decoder.region].available():
+        pytest.skip("loader.decoder=region is not built here")
+    from runner.data.decode import _jpegregion
+
+    h, w = hw
+    data = jpeg(h, w, seed=7)
+    hwc = torch.frombuffer(_jpegregion.decode(data, 1, 0, 0, h, w), dtype=torch.uint8)
+    planes = bytearray(3 * h * w)
+    assert _jpegregion.decode_batch([(data, 1, 0, 0, h, w, planes, True)]) == [None]
+    got = torch.frombuffer(planes, dtype=torch.uint8).view(3, h, w)
+    assert torch.equal(got, hwc.view(h, w, 3).permute(2, 0, 1))
+
+
 def test_shown_window_is_the_decoders():
     decoder = ImageDecoder(Decoder.pil, (96, 128), Crop.letterbox)
     _, window, _, hw = decoder.decode_window(jpeg(300, 170))
@@ -412,3 +432,34 @@ def test_a_packed_store_at_the_letterbox_size_decodes_straight_into_the_batch(tm
         assert torch.equal(a["index"], b["index"]) and torch.equal(a["boxes"], b["boxes"])
         assert torch.equal(a["image"], b["image"])
         assert (a["image"] == PAD_VALUE).any()  # the pads were filled around the pictures
+
+
+def test_a_packed_crop_without_a_seed_is_worked_out_once_per_stored_size(tmp_path):
+    """``fixed_geometry``: the crop of a store's image depends on the decoder and the stored
+    size alone where there is no crop seed, so a second epoch works nothing out again; what
+    it hands out is ``crop_geometry``'s own answer; a random crop is never cached."""
+    from runner.data.storage import build_storage, resolve_dataset
+    from runner.data.storage.packed import crop_geometry, fixed_geometry
+    from runner.job.compose import compose
+
+    coco_set(tmp_path / "coco")
+    config = compose([f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
+                      "loader=packed", "dataset.image_size=[64,64]",
+                      "dataset.store_side=longer", "dataset.store_size=64",
+                      f"dataset.cache_dir={tmp_path / 'cache'}", "loader.decoder=region"])
+    storage = build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
+    if not storage.native_batches:
+        pytest.skip("loader.decoder=region is not built here")
+    out = torch.empty((len(storage), *storage.item_shape), dtype=torch.uint8)
+    fixed_geometry.cache_clear()
+    storage.decode_slice(out, range(len(storage)), list(range(len(storage))))
+    sizes = {(storage.heights[i], storage.widths[i]) for i in range(len(storage))}
+    assert fixed_geometry.cache_info().misses == len(sizes) == 4
+    first = out.clone()
+    storage.decode_slice(out, range(len(storage)), list(range(len(storage))))
+    assert fixed_geometry.cache_info().misses == 4 and torch.equal(out, first)
+    decoder = storage.decoder_for(0)
+    hw = (storage.heights[0], storage.widths[0])
+    assert fixed_geometry(decoder, hw) == crop_geometry(decoder, hw, None)
+    random = ImageDecoder(Decoder.region, (64, 64), Crop.random)
+    assert crop_geometry(random, hw, 1) != crop_geometry(random, hw, 2)  # seeds: not cached
