@@ -144,6 +144,24 @@ def test_a_detector_is_validated_on_whole_images_and_a_classifier_on_centre_crop
     assert whole.dataset.crop is Crop.whole
 
 
+def test_a_segmenter_is_validated_on_whole_images_as_it_trained_and_is_served():
+    """Masks are scored on whole images: letterboxed where the run trained letterboxed (as
+    task=infer serves its checkpoint), stretched where it trained stretched or on crops."""
+    from runner.config.schema import Crop
+    from runner.job.compose import compose
+    from runner.tasks.checkpoint import INPUT_KEYS
+    from runner.tasks.train.validation import validation_config
+
+    def crop(trained: str) -> Crop:
+        return validation_config(compose(["dataset.targets=masks", f"dataset.crop={trained}",
+                                          "model.name=lraspp_mobilenet_v3_large"])).dataset.crop
+
+    assert "dataset.crop" in INPUT_KEYS  # the served crop is the trained one
+    assert crop("letterbox") is Crop.letterbox
+    assert crop("whole") is Crop.whole
+    assert crop("random") is Crop.whole and crop("center") is Crop.whole
+
+
 def test_a_classifier_at_chance_or_on_one_class_is_said_to_have_not_learned():
     from runner.tasks.train.validation import not_learning
 
