@@ -68,8 +68,9 @@ def normalize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dtype: 
         out: a (N, 3, H, W) tensor of ``dtype`` to write into (no temporary batch).
     """
     scale, shift = scale.to(x.device, dtype), shift.to(x.device, dtype)
-    if out is None:
-        return torch.addcmul(shift, x.to(dtype), scale)
+    if out is None:  # contiguous NCHW whatever the batch's layout (a channels-last batch's
+        # images come as models have always had them; the cast does the reordering)
+        return torch.addcmul(shift, x.to(dtype, memory_format=torch.contiguous_format), scale)
     out.copy_(x)
     return out.mul_(scale).add_(shift)
 

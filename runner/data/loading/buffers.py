@@ -33,17 +33,26 @@ class BufferPool:
         capacity: buffers kept; beyond it, batches get fresh, unpooled memory. With a
             prefetch queue, up to five are in flight (seen here): the queue's two, the one
             in use, the previous one until the loop lets go of it, and the one being filled.
+        channels_last: images (``shape`` N x C x H x W) laid out as N x H x W x C in memory
+            and handed out as that memory's N x C x H x W view (torch's channels_last), for
+            a storage that decodes HWC rows straight into its slots
+            (``Storage.channels_last``).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
-                 capacity: int = 8):
+                 capacity: int = 8, channels_last: bool = False):
         self.shape, self.dtype, self.pin, self.capacity = tuple(shape), dtype, pin, capacity
+        self.channels_last = channels_last and len(self.shape) == 4
         self._buffers: list[torch.Tensor] = []
         self._idle_count: list[int] = []
         self.allocated = 0  # buffers made (pooled or not): a test can check reuse with it
 
     def _new(self) -> torch.Tensor:
         self.allocated += 1
+        if self.channels_last:
+            n, c, h, w = self.shape
+            return torch.empty((n, h, w, c), dtype=self.dtype,
+                               pin_memory=self.pin).permute(0, 3, 1, 2)
         return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin)
 
     def _is_idle(self, k: int) -> bool:

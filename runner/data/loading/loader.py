@@ -107,7 +107,8 @@ class ThreadedBatches:
                  ahead: int = 2):
         self.storage, self.order, self.threads, self.ahead = storage, order, threads, ahead
         self.pool = BufferPool((order.largest_batch, *storage.item_shape), torch.uint8,
-                               pin=pin_memory, capacity=ahead + 6)
+                               pin=pin_memory, capacity=ahead + 6,
+                               channels_last=getattr(storage, "channels_last", False))
 
     def __len__(self) -> int:
         return len(self.order)

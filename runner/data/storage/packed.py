@@ -86,6 +86,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from runner.config.schema import (
+    Crop,
     DatasetConfig,
     LoaderConfig,
     StorageName,
@@ -99,7 +100,8 @@ from runner.data.decode.decoders import (
     JpegHeader,
     read_jpeg_header,
     region_window,
-    slot_planes,
+    batch_dest,
+    slot_dest,
     source_window,
     upright_rgb,
 )
@@ -695,6 +697,16 @@ class PackedStorage(FolderStorage):
         return (isinstance(decoder, ImageDecoder) and DECODERS[decoder.decoder].region
                 and DECODERS[decoder.decoder].available())
 
+    @property
+    def channels_last(self) -> bool:
+        """Whether the threaded loader's batches should be channels-last (buffers.py's
+        ``BufferPool``): where the binding decodes each window of the output size straight
+        into its slot (``native_batches``; a letterbox's picture, a centre crop, a whole
+        image at its stored size), it writes HWC rows there with no split into planes
+        (``slot_dest``). Random crops stay CHW: nearly all are enlargements, which the
+        binding's upsampler writes as CHW planes."""
+        return self.native_batches and self.decode.crop is not Crop.random
+
     def decode_slice(self, out: torch.Tensor, positions: range, indices: list
                      ) -> list[Sample | SkippedFile]:
         """Items ``indices[k]`` for ``k`` in ``positions`` decoded into ``out[k]``: with the
@@ -718,6 +730,8 @@ class PackedStorage(FolderStorage):
         jobs, todo = [], []
         fields: dict[int, dict[str, torch.Tensor]] = {}  # each image's target's
         kind = KINDS[self.targets.kind] if self.targets is not None else None
+        places: dict = {}  # (decoder, window size) -> where in a slot (``direct``), per call
+        batch = batch_dest(out)  # the batch's bytes, for every slot's destination
         for k in positions:
             index, seed = indices[k] if isinstance(indices[k], tuple) else (indices[k], None)
             index, valid = unpad(index)
@@ -734,24 +748,31 @@ class PackedStorage(FolderStorage):
                 else fixed_geometry(decoder, hw))
             if kind is not None:  # the target through the window decoded at 1/denom
                 fields[k] = kind.sample_fields(self.targets, index, shown, flip, size, hw)
-            where = decoder.direct(out[k], (ch, cw), flip)  # straight into its slot
-            planar = where is not None
-            dest, *strides = (slot_planes(out[k], *where[:2]) if planar  # its place's
-                              else (bytearray(ch * cw * 3),))  # HWC: no strides
-            jobs.append((data, denom, top, left, ch, cw, dest, planar, *strides))
+            key = (decoder, ch, cw, flip)  # the slots are alike: one answer per window size
+            where = places[key] if key in places else places.setdefault(
+                key, decoder.direct(out[k], (ch, cw), flip))  # straight into its slot
+            if where is None:  # an HWC image of its own
+                tail = (bytearray(ch * cw * 3), False)
+            elif batch is not None:  # its place's, from the batch's bytes
+                view, planar, slot, plane, row, pixel = batch
+                tail = (view[k * slot + (where[0] * row + where[1] * pixel):], planar, plane,
+                        row)
+            else:
+                tail = slot_dest(out[k], *where[:2])
+            jobs.append((data, denom, top, left, ch, cw, *tail))
             todo.append((len(items), k, index, valid, seed, flip, where))
             items.append(None)
         t1 = time.perf_counter()
         errors = _jpegregion.decode_batch(jobs)
         for error, job, (slot, k, index, valid, seed, flip, where) in zip(errors, jobs, todo):
-            data, ch, cw, dest, planar = job[0], job[4], job[5], job[6], job[7]
+            data, ch, cw, dest = job[0], job[4], job[5], job[6]
             if error is not None:  # PIL's fallback, the checksum, or a skip
                 item = self.decode_data(index, data, valid, seed)
                 if isinstance(item, Sample):
                     out[k].copy_(item.image)
                     item = dataclasses.replace(item, image=None)
             else:
-                if not planar:
+                if where is None:
                     img = torch.frombuffer(dest, dtype=torch.uint8).view(ch, cw, 3)
                     self.decoder_for(index).place(out[k], img.permute(2, 0, 1), flip)
                 else:  # a letterbox's pads around its picture

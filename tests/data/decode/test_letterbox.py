@@ -196,6 +196,79 @@ def test_the_binding_writes_planes_at_any_strides():
         _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, bytearray(3 * 40 * 56 - 1), True)])
 
 
+def test_the_binding_writes_hwc_rows_at_any_row_stride():
+    """``decode_batch``'s HWC item with a row stride: the window's rows at their place in a
+    larger HWC image (a channels-last slot), nothing else touched, whole scanlines written
+    straight in or a cropped window copied; too short a stride or buffer refused."""
+    from runner.data.decode import decoders
+
+    if not decoders.DECODERS[Decoder.region].available():
+        pytest.skip("loader.decoder=region is not built here")
+    from runner.data.decode import _jpegregion
+
+    data = jpeg(40, 56, seed=3)
+    for top, left, h, w in [(0, 0, 40, 56), (8, 16, 24, 32)]:  # whole rows; a crop
+        alone = torch.frombuffer(_jpegregion.decode(data, 1, top, left, h, w),
+                                 dtype=torch.uint8).view(h, w, 3)  # the window's own decode
+        big = torch.zeros((64, 80, 3), dtype=torch.uint8)
+        dest = memoryview(big.numpy()).cast("B")[(10 * 80 + 12) * 3 :]
+        item = (data, 1, top, left, h, w, dest, False, 0, 80 * 3)
+        assert _jpegregion.decode_batch([item]) == [None]
+        assert torch.equal(big[10 : 10 + h, 12 : 12 + w], alone)
+        big[10 : 10 + h, 12 : 12 + w] = 0
+        assert (big == 0).all()  # nothing written outside the window
+    with pytest.raises(ValueError, match="overlap"):
+        _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, bytearray(10**5), False, 0, 56 * 3 - 1)])
+    with pytest.raises(ValueError, match="smaller"):
+        _jpegregion.decode_batch([(data, 1, 0, 0, 40, 56, bytearray(39 * 200 + 56 * 3 - 1),
+                                   False, 0, 200)])
+
+
+def test_a_packed_letterbox_fills_channels_last_batches_with_the_same_pixels(tmp_path,
+                                                                             monkeypatch):
+    """Where the binding decodes each picture straight into its slot, packed's batches are
+    channels-last (HWC rows written in place, no split into planes): pixels, pads and boxes
+    equal to the contiguous batches' of the planar decode; random crops stay contiguous."""
+    from runner.data import build_data_path
+    from runner.data.decode import decoders
+    from runner.data.storage.packed import PackedStorage
+    from runner.job.compose import compose
+
+    if not decoders.DECODERS[Decoder.region].available():
+        pytest.skip("loader.decoder=region is not built here")
+    coco_set(tmp_path / "coco")
+    base = [f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco", "loader=packed",
+            "dataset.image_size=[64,64]", f"dataset.cache_dir={tmp_path / 'cache'}",
+            "loader.batch_size=4", "loader.decoder=region", "loader.decode_threads=2"]
+
+    def epoch(*extra: str) -> list[dict]:
+        data = build_data_path(compose([*base, *extra]), torch.device("cpu"), epochs=1,
+                               progress=False, every_image=True)
+        try:
+            return [{k: batch[k].clone(memory_format=torch.preserve_format)
+                     for k in ("image", "boxes", "index")} for batch in data.device_batches()]
+        finally:
+            data.close()
+
+    for store in (["dataset.store_side=longer", "dataset.store_size=64"],  # no resize
+                  ["dataset.store_size=96"]):  # each picture resized into place
+        fast = epoch(*store)
+        assert all(b["image"].permute(0, 2, 3, 1).is_contiguous()
+                   and not b["image"].is_contiguous() for b in fast)
+        monkeypatch.setattr(PackedStorage, "channels_last", property(lambda self: False))
+        planar = epoch(*store)
+        monkeypatch.undo()
+        assert all(b["image"].is_contiguous() for b in planar)
+        for a, b in zip(fast, planar, strict=True):
+            assert torch.equal(a["index"], b["index"]) and torch.equal(a["boxes"], b["boxes"])
+            assert torch.equal(a["image"], b["image"])
+    config = compose([*base, "dataset.crop=random", "dataset.store_size=96"])
+    from runner.data.storage import build_storage, resolve_dataset
+
+    assert not build_storage(config.loader, config.dataset,
+                             resolve_dataset(config.dataset)).channels_last
+
+
 @pytest.mark.parametrize("hw", [(37, 56), (9, 12000), (70, 640)])
 def test_planes_are_the_interleaved_decode_at_any_row_batch(hw):
     """The binding reads scanlines in batches sized to keep its row buffer in cache (16

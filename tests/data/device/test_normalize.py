@@ -75,6 +75,17 @@ def test_normalize_is_the_formula():
     torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=2e-3)
 
 
+def test_a_channels_last_batch_reaches_the_model_as_contiguous_nchw():
+    """A channels-last uint8 batch (a packed letterbox's, decoded as HWC rows) is normalized
+    to the same values as its contiguous copy, laid out as every model has had its input."""
+    x = torch.randint(0, 256, (2, 5, 4, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    assert not x.is_contiguous()
+    scale, shift = affine([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    got = normalize(x, scale, shift, torch.float32)
+    assert got.is_contiguous()
+    assert torch.equal(got, normalize(x.contiguous(), scale, shift, torch.float32))
+
+
 @pytest.mark.slow
 def test_a_compiled_model_is_traced_on_the_batches_it_will_get(cache_dir: Path):
     """torchscript traces the input layer's branch: on float batches, not on uint8 (which

@@ -209,3 +209,17 @@ def test_a_batch_whose_buffers_cannot_fit_in_memory_is_refused_in_one_line(
     with pytest.raises(ConfigError, match=r"loader.batch_size=50 needs .* per batch of 50 "
                                           r"images .* use a smaller loader.batch_size"):
         build_data_path(config, torch.device("cpu"), epochs=1, progress=False)
+
+
+def test_a_channels_last_pool_hands_out_nchw_views_of_nhwc_memory():
+    """``BufferPool(channels_last=True)``: each buffer is N x H x W x C memory seen as
+    N x C x H x W, a slot's pixels side by side; reused like any other once let go."""
+    pool = BufferPool((4, 3, 5, 6), torch.uint8, channels_last=True)
+    a = pool.take(3)
+    assert a.shape == (3, 3, 5, 6) and not a.is_contiguous()
+    assert a.permute(0, 2, 3, 1).is_contiguous() and a.stride() == (90, 1, 18, 3)
+    ptr = a.data_ptr()
+    del a
+    assert pool.take().data_ptr() == ptr and pool.allocated == 1
+    assert BufferPool((4, 3, 5, 6), torch.uint8).take().is_contiguous()
+
