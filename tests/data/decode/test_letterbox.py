@@ -251,7 +251,9 @@ def test_a_packed_letterbox_fills_channels_last_batches_with_the_same_pixels(tmp
             data.close()
 
     for store in (["dataset.store_side=longer", "dataset.store_size=64"],  # no resize
-                  ["dataset.store_size=96"]):  # each picture resized into place
+                  ["dataset.store_size=96"],  # each picture resized into place
+                  ["dataset.store_side=longer", "dataset.store_size=64",
+                   "loader.group_aspect=true"]):  # batches at their bins' shapes
         fast = epoch(*store)
         assert all(b["image"].permute(0, 2, 3, 1).is_contiguous()
                    and not b["image"].is_contiguous() for b in fast)
