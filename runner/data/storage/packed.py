@@ -715,9 +715,11 @@ class PackedStorage(FolderStorage):
         What the per-image path does in Python under the GIL, done once per slice or not
         at all: no header parse (the stored size is in the index; packed images are
         stored upright), the window of each crop at its DCT scale, a window of the output
-        size decoded straight into its slot of the batch as CHW planes (the centre crop of
-        a store at 256 for 224 at crop fraction 0.875; a letterbox's picture stored at its
-        size, inside its pads: no resize, no copy), any other
+        size decoded straight into its slot of the batch (the centre crop of a store at 256
+        for 224 at crop fraction 0.875; a letterbox's picture stored at its size, inside its
+        pads: no resize, no copy), as HWC rows in the channels-last batches the threaded
+        loader gives this storage (``channels_last``), as CHW planes in a contiguous one,
+        the crop's geometry worked out once per stored size (``fixed_geometry``); any other
         window (random crops) into its own buffer, then resized (and flipped) into the
         slot. A stored image the binding cannot decode goes through the per-image path:
         PIL's fallback, the checksum that names damage to the store, the skip."""
