@@ -106,8 +106,8 @@ def count_epochs(batches, epoch_images: int, images_of, boxes_of, shape_of) -> d
     on; the second epoch's images/s from the first epoch's last batch to its own last
     (``steady_images_per_s``); the batches' image shapes."""
     t0 = time.perf_counter()
-    first = boundary = None
-    images = boxes = after_first = 0
+    first = boundary = last = None
+    after_first = 0
     epochs = [[0, 0], [0, 0]]  # (images, boxes) of each epoch
     shapes = set()
     for batch in batches:
@@ -126,8 +126,8 @@ def count_epochs(batches, epoch_images: int, images_of, boxes_of, shape_of) -> d
             if epochs[0][0] != epoch_images:
                 raise RuntimeError(f"an epoch of {epoch_images} images read "
                                    f"{epochs[0][0]}: a batch crossed the epoch's end")
-        images += n
-    end = time.perf_counter()
+        last = now
+    end = last if first is not None else time.perf_counter()  # the last batch's arrival
     (images, boxes), (second, second_boxes) = epochs
     if second != epoch_images or second_boxes != boxes:
         raise RuntimeError(f"the second epoch read {second} images and {second_boxes} boxes, "

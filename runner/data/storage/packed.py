@@ -534,7 +534,7 @@ def crop_geometry(decoder: ImageDecoder, hw: tuple[int, int], seed: int | None
 @functools.lru_cache(maxsize=GEOMETRIES)
 def fixed_geometry(decoder: ImageDecoder, hw: tuple[int, int]
                    ) -> tuple[bool, tuple[int, int, int, int, int], tuple]:
-    """``crop_geometry`` without a crop seed (centre, whole, letterbox): it depends on the
+    """``crop_geometry`` of a crop with no randomness (centre, whole, letterbox): it depends on the
     decoder and the size alone, so it is worked out once per pair (a store at one size is
     one entry; measured: a quarter of the Python an image costs in ``decode_slice``)."""
     return crop_geometry(decoder, hw, None)
@@ -746,8 +746,8 @@ class PackedStorage(FolderStorage):
                 continue
             hw = (self.heights[index], self.widths[index])  # stored upright
             flip, (denom, top, left, ch, cw), shown = (
-                crop_geometry(decoder, hw, seed) if seed is not None
-                else fixed_geometry(decoder, hw))
+                fixed_geometry(decoder, hw) if seed is None and decoder.crop is not Crop.random
+                else crop_geometry(decoder, hw, seed))
             if kind is not None:  # the target through the window decoded at 1/denom
                 fields[k] = kind.sample_fields(self.targets, index, shown, flip, size, hw)
             key = (decoder, ch, cw, flip)  # the slots are alike: one answer per window size
@@ -756,9 +756,9 @@ class PackedStorage(FolderStorage):
             if where is None:  # an HWC image of its own
                 tail = (bytearray(ch * cw * 3), False)
             elif batch is not None:  # its place's, from the batch's bytes
-                view, planar, slot, plane, row, pixel = batch
-                tail = (view[k * slot + (where[0] * row + where[1] * pixel):], planar, plane,
-                        row)
+                view, planar, slot, plane, row, pixel = batch  # slot k's bytes alone
+                tail = (view[k * slot + (where[0] * row + where[1] * pixel) : (k + 1) * slot],
+                        planar, plane, row)
             else:
                 tail = slot_dest(out[k], *where[:2])
             jobs.append((data, denom, top, left, ch, cw, *tail))

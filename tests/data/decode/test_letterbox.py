@@ -518,10 +518,11 @@ def test_a_packed_crop_without_a_seed_is_worked_out_once_per_stored_size(tmp_pat
     from runner.job.compose import compose
 
     coco_set(tmp_path / "coco")
-    config = compose([f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
-                      "loader=packed", "dataset.image_size=[64,64]",
-                      "dataset.store_side=longer", "dataset.store_size=64",
-                      f"dataset.cache_dir={tmp_path / 'cache'}", "loader.decoder=region"])
+    config_args = [f"dataset.path={tmp_path / 'coco'}", "dataset.targets=coco",
+                   "loader=packed", "dataset.image_size=[64,64]",
+                   "dataset.store_side=longer", "dataset.store_size=64",
+                   f"dataset.cache_dir={tmp_path / 'cache'}", "loader.decoder=region"]
+    config = compose(config_args)
     storage = build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
     if not storage.native_batches:
         pytest.skip("loader.decoder=region is not built here")
@@ -538,3 +539,8 @@ def test_a_packed_crop_without_a_seed_is_worked_out_once_per_stored_size(tmp_pat
     assert fixed_geometry(decoder, hw) == crop_geometry(decoder, hw, None)
     random = ImageDecoder(Decoder.region, (64, 64), Crop.random)
     assert crop_geometry(random, hw, 1) != crop_geometry(random, hw, 2)  # seeds: not cached
+    config = compose([*config_args, "dataset.crop=random"])
+    storage = build_storage(config.loader, config.dataset, resolve_dataset(config.dataset))
+    fixed_geometry.cache_clear()  # a random crop with no seed (the decode probe's) is drawn
+    storage.decode_slice(out, range(len(storage)), list(range(len(storage))))  # each time
+    assert fixed_geometry.cache_info().currsize == 0
