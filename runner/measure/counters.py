@@ -4,7 +4,7 @@ iostat's figures, per process), read from /proc at the timed windows' edges.
 A ``Sample`` holds, at one moment, the machine's CPU ticks (/proc/stat: how many went to
 iowait) and, for the run's process and each of its child processes (the DataLoader's
 workers), from /proc/<pid>/{stat,status,io}: CPU seconds, voluntary and involuntary context
-switches, minor and major page faults, bytes read from a block device (``read_bytes``: what
+switches (of every thread: ``context_switches``), minor and major page faults, bytes read from a block device (``read_bytes``: what
 the page cache did not hold), and the peak resident set (``VmHWM``). ``delta`` turns two
 samples into counts over the span between them; ``Counts`` adds spans up and ``figures``
 gives the rates metrics.json declares (runner/measure/metrics.py). A worker that exits
@@ -52,17 +52,44 @@ def process(pid: int | str) -> dict[str, int | float] | None:
         "ctx_voluntary": 0, "ctx_involuntary": 0, "read_bytes": 0, "peak_rss_bytes": 0}
     for line in status.splitlines():
         name, _, value = line.partition(":")
-        if name == "voluntary_ctxt_switches":
-            out["ctx_voluntary"] = int(value)
-        elif name == "nonvoluntary_ctxt_switches":
-            out["ctx_involuntary"] = int(value)
-        elif name == "VmHWM":
+        if name == "VmHWM":
             out["peak_rss_bytes"] = int(value.split()[0]) * 1024
+    out["ctx_voluntary"], out["ctx_involuntary"] = context_switches(pid)
     io = _read(f"/proc/{pid}/io")  # absent without task I/O accounting: read_bytes stays 0
     for line in (io or "").splitlines():
         if line.startswith("read_bytes:"):
             out["read_bytes"] = int(line.split()[1])
     return out
+
+
+def context_switches(pid: int | str) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of every thread of process ``pid``.
+
+    /proc/<pid>/status counts its main thread's alone (stat's faults and CPU time are the
+    whole process's): the run's decode threads, whose hand-offs are most of its switches,
+    were missing (2 threads sleeping 2,000 times each: 7 counted of 4,007). The run's own
+    process is read by getrusage, which keeps the counts of threads that have ended too; a
+    child's threads are summed from /proc/<pid>/task/*/status (one that ended between two
+    samples takes its counts since the first with it, as a worker does)."""
+    if pid == "self":
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_nvcsw, usage.ru_nivcsw
+    voluntary = involuntary = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tasks = []
+    for tid in tasks or [None]:
+        text = _read(f"/proc/{pid}/task/{tid}/status" if tid else f"/proc/{pid}/status")
+        for line in (text or "").splitlines():
+            name, _, value = line.partition(":")
+            if name == "voluntary_ctxt_switches":
+                voluntary += int(value)
+            elif name == "nonvoluntary_ctxt_switches":
+                involuntary += int(value)
+    return voluntary, involuntary
 
 
 # child processes that were there before the run's clock started (``predating``): not its

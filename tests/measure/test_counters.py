@@ -113,6 +113,42 @@ def test_more_workers_than_cores_switch_context_more(tmp_path: Path, cache_dir: 
     assert rates[many] > rates[0], rates
 
 
+def test_context_switches_count_every_thread_of_the_process():
+    """A run's decode threads switch context as much as its loop: their switches count
+    (/proc/self/status alone counts the main thread's), those of threads that have ended
+    included; a child process's threads are summed from its tasks."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    before = counters.process("self")["ctx_voluntary"]
+
+    def sleeper():
+        for _ in range(300):
+            time.sleep(0.0002)
+
+    threads = [threading.Thread(target=sleeper) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # ended: their counts stay in the process's
+    assert counters.process("self")["ctx_voluntary"] - before >= 2 * 300
+    code = ("import threading, time, sys\n"  # two threads that switch, alive till stdin ends
+            "done = threading.Event()\n"
+            "def f():\n    [time.sleep(0.0002) for _ in range(300)]\n    done.wait()\n"
+            "ts = [threading.Thread(target=f) for _ in range(2)]\n"
+            "[t.start() for t in ts]\nsys.stdin.read()\ndone.set()\n[t.join() for t in ts]\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while counters.process(child.pid)["ctx_voluntary"] < 2 * 300:
+            assert time.monotonic() < deadline, counters.process(child.pid)
+            time.sleep(0.05)
+    finally:
+        child.communicate(b"")
+
+
 def test_each_window_the_loop_logs_carries_the_counters():
     """What the loop logs per window (wandb's window/ history) and adds up for metrics.json."""
     import time
