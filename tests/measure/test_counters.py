@@ -113,6 +113,7 @@ def test_more_workers_than_cores_switch_context_more(tmp_path: Path, cache_dir: 
     assert rates[many] > rates[0], rates
 
 
+@pytest.mark.process
 def test_context_switches_count_every_thread_of_the_process():
     """A run's decode threads switch context as much as its loop: their switches count
     (/proc/self/status alone counts the main thread's), those of threads that have ended
