@@ -4,8 +4,9 @@ iostat's figures, per process), read from /proc at the timed windows' edges.
 A ``Sample`` holds, at one moment, the machine's CPU ticks (/proc/stat: how many went to
 iowait) and, for the run's process and each of its child processes (the DataLoader's
 workers), from /proc/<pid>/{stat,status,io}: CPU seconds, voluntary and involuntary context
-switches (of every thread: ``context_switches``), minor and major page faults, bytes read from a block device (``read_bytes``: what
-the page cache did not hold), and the peak resident set (``VmHWM``). ``delta`` turns two
+switches (of every thread: ``context_switches``), minor and major page faults, bytes read
+from a block device (``read_bytes``: what the page cache did not hold), and the peak
+resident set (``VmHWM``). ``delta`` turns two
 samples into counts over the span between them; ``Counts`` adds spans up and ``figures``
 gives the rates metrics.json declares (runner/measure/metrics.py). A worker that exits
 between two samples takes its counts since the first with it (a worker lives the whole

@@ -571,13 +571,6 @@ def region_window(header: JpegHeader, box: Box, size: tuple[int, int]
     return (denom, *stored_window(top, left, h, w, height, width, header.orientation))
 
 
-def slot_planes(out: torch.Tensor, top: int = 0, left: int = 0) -> tuple[memoryview, int, int]:
-    """The binding's planar destination of a window at (``top``, ``left``) of a contiguous
-    CHW uint8 slot ``out``: (its bytes from there on, plane stride, row stride)."""
-    h, w = out.shape[-2:]
-    return memoryview(out.numpy()).cast("B")[top * w + left :], h * w, w
-
-
 def channels_last_slot(out: torch.Tensor) -> bool:
     """Whether ``out`` (3 x H x W uint8) is one image of a channels-last batch: its pixels'
     three bytes side by side, its rows one after another (an HWC image seen as CHW)."""
@@ -586,24 +579,23 @@ def channels_last_slot(out: torch.Tensor) -> bool:
 
 def slot_dest(out: torch.Tensor, top: int = 0, left: int = 0
               ) -> tuple[memoryview, bool, int, int]:
-    """The binding's destination of a window at (``top``, ``left``) of slot ``out``, as the
-    tail of a ``decode_batch`` item: (bytes from there on, planar, plane stride, row
-    stride). A contiguous CHW slot takes planes; a channels-last slot takes HWC rows,
-    which libjpeg writes straight into place: measured on the 2-core box, 480x640 into
-    batches of 640x640 by two threads, 2,370 images/s against 1,770 as planes, whose
-    split of each row into three costs more beside the other thread than alone."""
-    h, w = out.shape[-2:]
-    if channels_last_slot(out) and not out.is_contiguous():
-        rows = memoryview(out.permute(1, 2, 0).numpy()).cast("B")
-        return rows[(top * w + left) * 3 :], False, 0, w * 3
-    return (*slot_planes(out, top, left)[:1], True, h * w, w)
+    """The binding's destination of a window at (``top``, ``left``) of slot ``out`` (a
+    contiguous CHW or a channels-last slot: ``direct`` says), as the tail of a
+    ``decode_batch`` item: (the slot's bytes from there on, planar, plane stride, row
+    stride); ``batch_dest`` of a batch of one."""
+    view, planar, _, plane, row, pixel = batch_dest(out[None])
+    return view[top * row + left * pixel :], planar, plane, row
 
 
 def batch_dest(out: torch.Tensor) -> tuple[memoryview, bool, int, int, int, int] | None:
-    """``slot_dest`` for every slot of a CPU uint8 batch ``out`` (N x 3 x H x W) at once:
-    (its bytes, planar, bytes a slot, plane stride, row stride, bytes a pixel in a row), a
-    window at (top, left) of slot k starting at k * slot + top * row + left * pixel; None
-    for a batch that is neither contiguous nor channels-last (then slot by slot)."""
+    """Where the binding writes into a CPU uint8 batch ``out`` (N x 3 x H x W): (its bytes,
+    planar, bytes a slot, plane stride, row stride, bytes a pixel in a row), a window at
+    (top, left) of slot k starting at k * slot + top * row + left * pixel; None for a batch
+    that is neither contiguous nor channels-last. A contiguous batch takes CHW planes; a
+    channels-last one HWC rows, which libjpeg writes straight into place: measured on the
+    2-core box, 480x640 into batches of 640x640 by two threads, 2,370 images/s against
+    1,770 as planes, whose split of each row into three costs more beside the other thread
+    than alone."""
     if out.dim() != 4 or out.shape[1] != 3 or out.device.type != "cpu" \
             or out.dtype != torch.uint8:
         return None

@@ -123,9 +123,10 @@ static int decode_one(const unsigned char *buf, size_t len, int denom, int top, 
             }
             size_t skip = (size_t)(left - (int)x) * 3, stride = (size_t)w * 3;
             /* whole-width interleaved windows are read straight into dst; the others
-               through a buffer of ROWS rows */
+               through a buffer of up to ROWS rows */
             int direct = (!planar && skip == 0 && w == (JDIMENSION)width);
-            int batch = (int)(ROWS_BYTES / (stride ? stride : 1));
+            /* scanlines a call: ROWS straight into dst, else as many as ROWS_BYTES holds */
+            int batch = direct ? ROWS : (int)(ROWS_BYTES / (stride ? stride : 1));
             batch = batch < 2 ? 2 : (batch > ROWS ? ROWS : batch);
             rows = direct ? NULL : (unsigned char *)malloc(stride * (size_t)batch);
             if (!direct && rows == NULL) {
@@ -137,7 +138,6 @@ static int decode_one(const unsigned char *buf, size_t len, int denom, int top, 
                 int done = 0;
                 while (done < height) {
                     int want = height - done < batch ? height - done : batch;
-                    if (direct) want = height - done < ROWS ? height - done : ROWS;
                     for (int k = 0; k < want; k++)
                         pointers[k] = direct ? dst + (size_t)(done + k) * row_stride
                                              : rows + k * stride;

@@ -149,7 +149,7 @@ BLOB_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("image_id", "<i8"),
 INDEX_DTYPE = np.dtype([("offset", "<i8"), ("size", "<i8"), ("height", "<i4"),
                         ("width", "<i4"), ("label", "<i8"), ("crc", "<u4"), ("pad", "<u4")])
 SAMPLE = 32  # images encoded up front to estimate the store's size
-GEOMETRIES = 4096  # crops kept worked out (``PackedStorage._geometry``): one per stored size
+GEOMETRIES = 4096  # crops kept worked out (``fixed_geometry``): one per stored size
 
 
 def default_store_size(dataset: DatasetConfig) -> int:
@@ -751,8 +751,9 @@ class PackedStorage(FolderStorage):
             if kind is not None:  # the target through the window decoded at 1/denom
                 fields[k] = kind.sample_fields(self.targets, index, shown, flip, size, hw)
             key = (decoder, ch, cw, flip)  # the slots are alike: one answer per window size
-            where = places[key] if key in places else places.setdefault(
-                key, decoder.direct(out[k], (ch, cw), flip))  # straight into its slot
+            if key not in places:
+                places[key] = decoder.direct(out[k], (ch, cw), flip)  # straight into its slot
+            where = places[key]
             if where is None:  # an HWC image of its own
                 tail = (bytearray(ch * cw * 3), False)
             elif batch is not None:  # its place's, from the batch's bytes
