@@ -36,7 +36,6 @@ from runner.model.amp import autocast
 from runner.model.families import family_of
 from runner.tasks.train.scores import scorer_for
 
-
 WHOLE_IMAGE = (Crop.whole, Crop.letterbox)  # crops that keep every pixel of the image
 
 
