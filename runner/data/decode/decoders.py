@@ -577,14 +577,21 @@ def channels_last_slot(out: torch.Tensor) -> bool:
     return out.dim() == 3 and out.shape[0] == 3 and out.permute(1, 2, 0).is_contiguous()
 
 
+def window_dest(dest: tuple[memoryview, bool, int, int, int, int], k: int, top: int,
+                left: int) -> tuple[memoryview, bool, int, int]:
+    """The binding's destination of a window at (``top``, ``left``) of slot ``k`` of the
+    batch whose ``batch_dest`` is ``dest``, as the tail of a ``decode_batch`` item: (slot
+    ``k``'s bytes from there to its end, so the binding's size check bounds the write to
+    the slot; planar; plane stride; row stride)."""
+    view, planar, slot, plane, row, pixel = dest
+    return view[k * slot + top * row + left * pixel : (k + 1) * slot], planar, plane, row
+
+
 def slot_dest(out: torch.Tensor, top: int = 0, left: int = 0
               ) -> tuple[memoryview, bool, int, int]:
-    """The binding's destination of a window at (``top``, ``left``) of slot ``out`` (a
-    contiguous CHW or a channels-last slot: ``direct`` says), as the tail of a
-    ``decode_batch`` item: (the slot's bytes from there on, planar, plane stride, row
-    stride); ``batch_dest`` of a batch of one."""
-    view, planar, _, plane, row, pixel = batch_dest(out[None])
-    return view[top * row + left * pixel :], planar, plane, row
+    """``window_dest`` in slot ``out`` alone (a contiguous CHW or a channels-last slot:
+    ``direct`` says), as a batch of one."""
+    return window_dest(batch_dest(out[None]), 0, top, left)
 
 
 def batch_dest(out: torch.Tensor) -> tuple[memoryview, bool, int, int, int, int] | None:
@@ -747,10 +754,11 @@ class ImageDecoder:
     def direct(self, out: torch.Tensor | None, hw: tuple[int, int], flip: bool
                ) -> tuple[int, int, int, int] | None:
         """Where a decoded window of ``hw`` pixels lands in slot ``out`` unchanged, as
-        ``(top, left, height, width)``, so the binding can decode it there as CHW planes
-        (``slot_dest``: no image of its own, no copy): the whole slot when the window is
-        the output size, or a letterbox's picture when it needs no resize. None where it
-        must be resized or flipped (``place``), or there is no contiguous CPU slot."""
+        ``(top, left, height, width)``, so the binding can decode it there, as CHW planes
+        or as a channels-last slot's HWC rows (``slot_dest``: no image of its own, no
+        copy): the whole slot when the window is the output size, or a letterbox's picture
+        when it needs no resize. None where it must be resized or flipped (``place``), or
+        the slot is on the device or neither contiguous nor channels-last."""
         if out is None or flip or out.device.type != "cpu" or not (
                 out.is_contiguous() or channels_last_slot(out)):
             return None

@@ -104,6 +104,7 @@ from runner.data.decode.decoders import (
     slot_dest,
     source_window,
     upright_rgb,
+    window_dest,
 )
 from runner.data.order import split_padding, unpad
 from runner.data.pool import parallel_imap
@@ -757,9 +758,7 @@ class PackedStorage(FolderStorage):
             if where is None:  # an HWC image of its own
                 tail = (bytearray(ch * cw * 3), False)
             elif batch is not None:  # its place's, from the batch's bytes
-                view, planar, slot, plane, row, pixel = batch  # slot k's bytes alone
-                tail = (view[k * slot + (where[0] * row + where[1] * pixel) : (k + 1) * slot],
-                        planar, plane, row)
+                tail = window_dest(batch, k, *where[:2])
             else:
                 tail = slot_dest(out[k], *where[:2])
             jobs.append((data, denom, top, left, ch, cw, *tail))
