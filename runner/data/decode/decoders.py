@@ -574,7 +574,8 @@ def region_window(header: JpegHeader, box: Box, size: tuple[int, int]
 def channels_last_slot(out: torch.Tensor) -> bool:
     """Whether ``out`` (3 x H x W uint8) is one image of a channels-last batch: its pixels'
     three bytes side by side, its rows one after another (an HWC image seen as CHW)."""
-    return out.dim() == 3 and out.shape[0] == 3 and out.permute(1, 2, 0).is_contiguous()
+    return out.dim() == 3 and out.shape[0] == 3 and out[None].is_contiguous(
+        memory_format=torch.channels_last)
 
 
 def window_dest(dest: tuple[memoryview, bool, int, int, int, int], k: int, top: int,
@@ -609,7 +610,7 @@ def batch_dest(out: torch.Tensor) -> tuple[memoryview, bool, int, int, int, int]
     h, w = out.shape[-2:]
     if out.is_contiguous():
         return memoryview(out.numpy()).cast("B"), True, 3 * h * w, h * w, w, 1
-    if out.permute(0, 2, 3, 1).is_contiguous():
+    if out.is_contiguous(memory_format=torch.channels_last):
         return memoryview(out.permute(0, 2, 3, 1).numpy()).cast("B"), False, 3 * h * w, 0, \
             3 * w, 3
     return None

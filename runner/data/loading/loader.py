@@ -215,7 +215,7 @@ def batch_view(out: torch.Tensor, storage: Storage, index: torch.Tensor) -> torc
         return out
     h, w = shapes[unpad(int(index[0]))[0]].tolist()
     n, c = out.shape[:2]
-    if not out.is_contiguous() and out.permute(0, 2, 3, 1).is_contiguous():  # channels-last
+    if not out.is_contiguous() and out.is_contiguous(memory_format=torch.channels_last):
         rows = out.permute(0, 2, 3, 1).reshape(-1)[: n * h * w * c]
         return rows.view(n, h, w, c).permute(0, 3, 1, 2)
     return out.view(-1)[: n * c * h * w].view(n, c, h, w)
